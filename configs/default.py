@@ -1,0 +1,89 @@
+"""The default job: an MLP on the bundled UCI handwritten digits.
+
+    python -m trainer --strategy=mirrored
+
+Trains 1,500 steps at a global batch of 128 (about 120 epochs of the 1,437
+training images) and reaches 0.97-0.98 eval accuracy on the 360 held-out
+images in well under a minute on 2 CPU cores. Every field below can be
+overridden, e.g. `--config.train.steps=3000`; a mistyped field is an error.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """Returns the default config; other configs start from it."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # seeds model init, data shuffling and dropout
+
+    c.strategy = ml_collections.ConfigDict()
+    c.strategy.name = "mirrored"  # a registered plugin: `python -m trainer --list_strategies`
+    # Each plugin's options live under its own name, so `--strategy` swaps among them.
+    c.strategy.one_device = ml_collections.ConfigDict()
+    c.strategy.one_device.device = ""  # e.g. "/gpu:0"; "" = first GPU, else the CPU
+    c.strategy.mirrored = ml_collections.ConfigDict()
+    c.strategy.mirrored.devices = ""  # comma-separated; "" = all GPUs, else all logical CPUs
+    # How replicas' gradients are combined: auto | nccl | hierarchical_copy | reduce_to_one.
+    c.strategy.mirrored.cross_device_ops = "auto"
+    c.strategy.central_storage = ml_collections.ConfigDict()
+    c.strategy.central_storage.devices = ""  # compute devices, as for mirrored
+    c.strategy.central_storage.parameter_device = ""  # "" = the host CPU
+
+    c.devices = ml_collections.ConfigDict()
+    c.devices.logical_cpus = 2  # split the host CPU into N logical devices (0 = leave as is)
+    c.devices.gpu_memory_growth = True  # allocate GPU memory as needed, not all at start
+    c.devices.gpu_memory_limit_mb = 0  # per-GPU memory cap for this process (0 = none)
+    c.devices.log_placement = False  # log the device of every op (very verbose)
+
+    c.model = ml_collections.ConfigDict()
+    # A built-in builder (mlp | cnn | resnet) or your own as "module.path:function".
+    c.model.name = "mlp"
+    c.model.hidden_units = (256, 256)  # mlp: width of each hidden layer
+    c.model.filters = 32  # cnn / resnet: channels of the first convolution
+    c.model.blocks = 2  # resnet: residual blocks per stage
+    c.model.dropout = 0.1  # dropout rate before the output layer
+    c.model.weight_decay = 0.0  # L2 penalty on kernels, added to the loss
+
+    c.data = ml_collections.ConfigDict()
+    c.data.name = "digits"  # digits | synthetic | tfrecord | csv
+    c.data.shuffle_buffer = 10_000  # examples held for shuffling the training stream
+    c.data.eval_fraction = 0.2  # digits / synthetic: share of examples held out for eval
+    # synthetic: a deterministic, learnable problem of any size.
+    c.data.synthetic = ml_collections.ConfigDict()
+    c.data.synthetic.num_examples = 4096  # total examples (train + eval)
+    c.data.synthetic.input_shape = (32,)  # shape of one example
+    c.data.synthetic.num_classes = 10  # 0 = regression
+    c.data.synthetic.noise = 0.1  # label noise (std of the logits' perturbation)
+    # tfrecord / csv: the user's files.
+    c.data.train_files = ""  # glob of training files
+    c.data.eval_files = ""  # glob of eval files
+    c.data.features = "x:float32:64"  # tfrecord: the input feature "name:dtype:shape", shape as 8x8x1
+    c.data.label = "label"  # tfrecord: label feature name; csv: label column name
+    c.data.label_dtype = "int64"  # int64 for classification, float32 for regression
+    c.data.num_classes = 10  # tfrecord / csv: classes of the label (0 = regression)
+    c.data.input_shape = (64,)  # tfrecord / csv: shape of one example after parsing
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 1500  # total optimizer steps (a rerun continues to this)
+    c.train.epochs = 0  # if > 0, steps = epochs * train examples // global batch
+    c.train.global_batch_size = 128  # examples per step over all replicas
+    c.train.steps_per_loop = 100  # steps inside one tf.function call (one progress line)
+    c.train.checkpoint_every = 500  # steps between checkpoints (and one at the end)
+    c.train.max_checkpoints = 3  # checkpoints kept in model_dir
+    c.train.export = True  # write a SavedModel to model_dir/export at the end
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 500  # steps between evaluations (and one at the end); 0 = end only
+    c.eval.global_batch_size = 256  # examples per eval step over all replicas
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.name = "adam"  # sgd | momentum | adam | adamw
+    c.optimizer.learning_rate = 1e-3  # peak learning rate
+    c.optimizer.momentum = 0.9  # momentum: the momentum coefficient
+    c.optimizer.weight_decay = 1e-4  # adamw: decoupled weight decay
+    c.optimizer.schedule = "cosine"  # constant | cosine | step
+    c.optimizer.warmup_steps = 50  # linear warmup from 0 to the peak rate
+    c.optimizer.decay_steps = (1000,)  # step schedule: steps at which the rate drops
+    c.optimizer.decay_rate = 0.1  # step schedule: factor applied at each drop
+    c.optimizer.clip_global_norm = 0.0  # clip gradients to this global norm (0 = off)
+    return c

@@ -1,0 +1,192 @@
+"""The strategy interface every plugin implements.
+
+Glossary (the classic distributed-TensorFlow terms, as `tf.distribute` uses them):
+
+- *replica* (tower): one copy of the model's computation, on one device.
+- *worker*: a process that runs replicas; one machine may hold several.
+- *chief*: the task that writes checkpoints, summaries and exports.
+- *parameter server* (ps): a task that only holds variables.
+- *replica context* vs *cross-replica context*: code passed to
+  `call_for_each_replica` runs once per replica (replica context); code around
+  it, inside `scope()`, sees all replicas at once (cross-replica context).
+- *sync* vs *async*: synchronous plugins average every replica's gradients
+  into one update per step; the asynchronous `parameter_server` plugin lets
+  each worker apply its own updates as it goes.
+
+A plugin wraps one real `tf.distribute.Strategy` (`tf_strategy`) and adds only
+what differs for it. A short example, the whole contract in use::
+
+    strategy = strategies.get("mirrored")
+    with strategy.scope():
+        model = make_model()
+    dataset = strategy.distribute_dataset(dataset_fn)
+    totals = strategy.run_steps(step_fn, iter(dataset), n=100)
+
+`step_fn(batch)` runs in replica context and returns a dict of scalar sums
+(e.g. `{"loss": ..., "examples": ...}`); `run_steps` adds them over replicas
+and steps and returns floats.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import ml_collections
+import tensorflow as tf
+
+StepFn = Callable[[Any], dict]
+DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+
+_REDUCE_OPS = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
+
+
+class Strategy(abc.ABC):
+    """One way of distributing training, behind the towerflow interface."""
+
+    name: str = "?"  # set by `@register`
+
+    def __init__(self, options: ml_collections.ConfigDict | None = None):
+        self.options = options if options is not None else ml_collections.ConfigDict()
+        self.tf_strategy: tf.distribute.Strategy = self._build()
+        self._compiled: dict[tuple[str, StepFn], Callable] = {}
+
+    @classmethod
+    def description(cls) -> str:
+        """The first line of the plugin's docstring."""
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+    @abc.abstractmethod
+    def _build(self) -> tf.distribute.Strategy:
+        """Creates the wrapped `tf.distribute.Strategy` from `self.options`."""
+
+    @property
+    @abc.abstractmethod
+    def communication(self) -> str:
+        """One line on what crosses devices or processes each step."""
+
+    # --- the interface -------------------------------------------------------
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Variables created inside follow this strategy's placement policy."""
+        return self.tf_strategy.scope()
+
+    def distribute_dataset(self, dataset_fn: DatasetFn):
+        """Builds the input pipeline(s) from `dataset_fn(input_context)`.
+
+        `dataset_fn` batches with `input_context.get_per_replica_batch_size(...)`
+        and shards by `input_context.input_pipeline_id`.
+        """
+        return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
+
+    def call_for_each_replica(self, fn: Callable, args: tuple = (), kwargs: dict | None = None):
+        """Runs `fn(*args, **kwargs)` once per replica; returns per-replica values."""
+        return self.tf_strategy.run(fn, args=args, kwargs=kwargs)
+
+    def reduce(self, op: str | tf.distribute.ReduceOp, value, axis: int | None = None):
+        """Combines per-replica `value`s into one tensor with `op` ("sum" or "mean")."""
+        return self.tf_strategy.reduce(_reduce_op(op), value, axis=axis)
+
+    def local_results(self, value) -> tuple:
+        """The per-replica components of `value` that live in this process."""
+        return self.tf_strategy.experimental_local_results(value)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas average into one update."""
+        return self.tf_strategy.num_replicas_in_sync
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this task writes checkpoints, summaries and exports."""
+        return True
+
+    @property
+    def compute_devices(self) -> list[str]:
+        """The devices that run replicas."""
+        return list(self.tf_strategy.extended.worker_devices)
+
+    def run_steps(self, step_fn: StepFn, iterator, n: int) -> dict[str, float]:
+        """Runs `n` steps of `step_fn` inside one `tf.function`.
+
+        Returns the step outputs summed over replicas and steps, as floats.
+        """
+        loop = self._compile("train", step_fn, self._make_train_loop)
+        return _to_floats(loop(iterator, tf.constant(n, tf.int64)))
+
+    def evaluate(self, step_fn: StepFn, dataset_fn: DatasetFn) -> dict[str, float]:
+        """Runs `step_fn` once over every batch of a finite `dataset_fn`.
+
+        Returns the step outputs summed over replicas and batches, as floats.
+        """
+        step = self._compile("eval", step_fn, self._make_eval_step)
+        totals: dict | None = None
+        for batch in self.distribute_dataset(dataset_fn):
+            out = step(batch)
+            totals = out if totals is None else tf.nest.map_structure(tf.add, totals, out)
+        return _to_floats(totals or {})
+
+    def describe(self, variables: Iterable = ()) -> dict:
+        """Where every variable lives, which devices compute, what communicates."""
+        return {
+            "strategy": self.name,
+            "tf_strategy": type(self.tf_strategy).__name__,
+            "replicas_in_sync": self.num_replicas_in_sync,
+            "compute_devices": self.compute_devices,
+            "communication": self.communication,
+            "variables": {_variable_name(v): variable_devices(v) for v in variables},
+        }
+
+    # --- helpers for plugins -------------------------------------------------
+
+    def _reduced_step(self, step_fn: StepFn, batch) -> dict:
+        outputs = self.call_for_each_replica(step_fn, args=(batch,))
+        return tf.nest.map_structure(lambda v: self.reduce("sum", v), outputs)
+
+    def _make_train_loop(self, step_fn: StepFn) -> Callable:
+        @tf.function
+        def loop(iterator, n):
+            totals = self._reduced_step(step_fn, next(iterator))
+            for _ in tf.range(n - 1):
+                out = self._reduced_step(step_fn, next(iterator))
+                totals = tf.nest.map_structure(tf.add, totals, out)
+            return totals
+
+        return loop
+
+    def _make_eval_step(self, step_fn: StepFn) -> Callable:
+        return tf.function(lambda batch: self._reduced_step(step_fn, batch))
+
+    def _compile(self, kind: str, step_fn: StepFn, make: Callable) -> Callable:
+        key = (kind, step_fn)
+        if key not in self._compiled:
+            self._compiled[key] = make(step_fn)
+        return self._compiled[key]
+
+
+def _reduce_op(op: str | tf.distribute.ReduceOp) -> tf.distribute.ReduceOp:
+    if isinstance(op, tf.distribute.ReduceOp):
+        return op
+    if str(op).lower() not in _REDUCE_OPS:
+        raise ValueError(f"Unknown reduce op {op!r}; use one of: {', '.join(_REDUCE_OPS)}.")
+    return _REDUCE_OPS[str(op).lower()]
+
+
+def _to_floats(values: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in values.items()}
+
+
+def _variable_name(variable) -> str:
+    return getattr(variable, "path", None) or variable.name
+
+
+def variable_devices(variable) -> list[str]:
+    """The device of every copy or shard of `variable` (Keras or TF)."""
+    inner = getattr(variable, "value", variable)  # a Keras variable wraps a TF one
+    if hasattr(inner, "variables") and not hasattr(inner, "values"):  # ShardedVariable
+        return [shard.device for shard in inner.variables]
+    if hasattr(inner, "values"):  # MirroredVariable and other distributed values
+        return [copy.device for copy in inner.values]
+    return [inner.device]

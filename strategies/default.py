@@ -1,0 +1,18 @@
+"""`default`: ordinary TensorFlow behaviour, no distribution."""
+
+import tensorflow as tf
+
+from strategies.base import Strategy
+from strategies.registry import register
+
+
+@register("default")
+class Default(Strategy):
+    """Ordinary single-device TensorFlow: no distribution, TF places every op."""
+
+    def _build(self) -> tf.distribute.Strategy:
+        return tf.distribute.get_strategy()
+
+    @property
+    def communication(self) -> str:
+        return "none: one replica, variables where TensorFlow places them"

@@ -1,0 +1,112 @@
+"""Device setup, done once before TensorFlow starts its runtime.
+
+Splitting the host CPU into logical devices lets `mirrored` and
+`central_storage` run real multi-replica code on a machine without GPUs.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from absl import logging
+
+from strategies.errors import UserError
+
+
+def configure(
+    logical_cpus: int = 0,
+    gpu_memory_growth: bool = True,
+    gpu_memory_limit_mb: int = 0,
+    log_placement: bool = False,
+) -> None:
+    """Sets up devices; call before any TensorFlow op runs.
+
+    Args:
+      logical_cpus: split the first CPU into this many logical devices (0 = leave as is).
+      gpu_memory_growth: allocate GPU memory as needed instead of all at start.
+      gpu_memory_limit_mb: cap each GPU's memory for this process (0 = no cap).
+      log_placement: log the device every op runs on.
+
+    Raises:
+      UserError: a negative count or limit.
+    """
+    if logical_cpus < 0:
+        raise UserError(
+            f"`devices.logical_cpus` ({logical_cpus}) must be >= 0 (0 leaves the CPU as is)."
+        )
+    if gpu_memory_limit_mb < 0:
+        raise UserError(
+            f"`devices.gpu_memory_limit_mb` ({gpu_memory_limit_mb}) must be >= 0 (0 = no cap)."
+        )
+    tf.debugging.set_log_device_placement(log_placement)
+    try:
+        _split_cpu(logical_cpus)
+        _configure_gpus(gpu_memory_growth, gpu_memory_limit_mb)
+    except RuntimeError:
+        # The runtime already started (e.g. a second run in one process): devices are fixed.
+        have = len(tf.config.list_logical_devices("CPU"))
+        if logical_cpus and have != logical_cpus:
+            logging.warning(
+                "TensorFlow already started with %d logical CPUs; `devices.logical_cpus=%d` "
+                "takes effect only in a new process.",
+                have,
+                logical_cpus,
+            )
+
+
+def _split_cpu(n: int) -> None:
+    if n == 0:
+        return
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == n:
+        return
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+
+
+def _configure_gpus(memory_growth: bool, memory_limit_mb: int) -> None:
+    for gpu in tf.config.list_physical_devices("GPU"):
+        if memory_limit_mb:
+            tf.config.set_logical_device_configuration(
+                gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)]
+            )
+        elif memory_growth:
+            tf.config.experimental.set_memory_growth(gpu, True)
+
+
+def gpus() -> list[str]:
+    """Names of the logical GPU devices."""
+    return [d.name for d in tf.config.list_logical_devices("GPU")]
+
+
+def cpus() -> list[str]:
+    """Names of the logical CPU devices."""
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def parse_devices(spec: str, option: str) -> list[str]:
+    """A comma-separated device list from config; "" means the local accelerators.
+
+    With no GPUs, "" means every logical CPU (see `devices.logical_cpus`).
+
+    Raises:
+      UserError: a named device that does not exist here.
+    """
+    known = gpus() + cpus()
+    if not spec:
+        return gpus() or cpus()
+    names = [_canonical(d.strip()) for d in spec.split(",") if d.strip()]
+    for name in names:
+        if name not in known:
+            raise UserError(
+                f"`{option}` names device '{name}', which this machine does not have; "
+                f"known devices: {', '.join(known)}."
+            )
+    return names
+
+
+def _canonical(name: str) -> str:
+    """'/gpu:0' -> '/device:GPU:0', matching `tf.config.list_logical_devices` names."""
+    spec = tf.DeviceSpec.from_string(name)
+    if spec.job or spec.task is not None:
+        return spec.to_string()
+    return f"/device:{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"

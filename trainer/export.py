@@ -1,0 +1,40 @@
+"""SavedModel export with a serving signature that takes a batch of inputs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import keras
+import tensorflow as tf
+
+
+def export(model: keras.Model, path: str, input_shape: tuple[int, ...], num_classes: int) -> str:
+    """Writes `model` as a SavedModel at `path`, replacing an earlier export.
+
+    The `serving_default` signature takes `inputs` (float32, [batch, *input_shape])
+    and returns `logits`, `probabilities` and `classes` for classification, or
+    `predictions` for regression. The export is written beside `path` first and
+    moved into place, so a crash never leaves a half-written export.
+    """
+    module = tf.Module()
+    module.model = model
+
+    @tf.function(input_signature=[tf.TensorSpec((None, *input_shape), tf.float32, name="inputs")])
+    def serve(inputs):
+        outputs = tf.cast(model(inputs, training=False), tf.float32)
+        if num_classes > 0:
+            return {
+                "logits": outputs,
+                "probabilities": tf.nn.softmax(outputs),
+                "classes": tf.argmax(outputs, axis=-1),
+            }
+        return {"predictions": tf.squeeze(outputs, -1)}
+
+    module.serve = serve
+    staging = path + ".tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    tf.saved_model.save(module, staging, signatures={"serving_default": serve})
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(staging, path)
+    return path

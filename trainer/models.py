@@ -1,0 +1,159 @@
+"""Model builders by name, or the user's own as "module.path:function".
+
+A builder is `fn(spec: DataSpec, config: ConfigDict) -> keras.Model`; it gets
+the data's shape and class count and `config.model`. Models output logits
+(classification) or one value per example (regression).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import keras
+import ml_collections
+
+from strategies.errors import UserError
+from trainer.data import DataSpec
+
+Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
+_BUILDERS: dict[str, Builder] = {}
+
+
+def builder(name: str) -> Callable[[Builder], Builder]:
+    """Registers a built-in model builder under `name`."""
+
+    def decorator(fn: Builder) -> Builder:
+        if name in _BUILDERS:
+            raise ValueError(f"Model builder `{name}` is already registered.")
+        _BUILDERS[name] = fn
+        return fn
+
+    return decorator
+
+
+def names() -> list[str]:
+    """The built-in model names."""
+    return sorted(_BUILDERS)
+
+
+def resolve(name: str) -> Builder:
+    """The builder for a built-in `name` or a "module.path:function" reference.
+
+    Raises:
+      UserError: an unknown name, a module that does not import, or a missing function.
+    """
+    if name in _BUILDERS:
+        return _BUILDERS[name]
+    if ":" not in name:
+        raise UserError(
+            f"Unknown model `model.name` '{name}'; built-in models: {', '.join(names())}, "
+            "or give your own builder as 'module.path:function'."
+        )
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(
+            f"`model.name` '{name}': cannot import module '{module_name}' ({e}); "
+            "check the module path and that it is on PYTHONPATH."
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(
+            f"`model.name` '{name}': module '{module_name}' has no function '{attr}'; "
+            "give 'module.path:function' of a function returning a keras.Model."
+        )
+    return fn
+
+
+def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
+    """Builds `config.model.name` for data described by `spec`.
+
+    Raises:
+      UserError: the name does not resolve, or the builder returns no keras.Model.
+    """
+    model = resolve(config.name)(spec, config)
+    if not isinstance(model, keras.Model):
+        raise UserError(
+            f"`model.name` '{config.name}' returned {type(model).__name__}, not a keras.Model."
+        )
+    return model
+
+
+def _outputs(spec: DataSpec) -> int:
+    return spec.num_classes if spec.num_classes > 0 else 1
+
+
+def _regularizer(config: ml_collections.ConfigDict):
+    return keras.regularizers.L2(config.weight_decay) if config.weight_decay else None
+
+
+def _head(x, spec: DataSpec, config: ml_collections.ConfigDict):
+    if config.dropout:
+        x = keras.layers.Dropout(config.dropout)(x)
+    return keras.layers.Dense(_outputs(spec), kernel_regularizer=_regularizer(config))(x)
+
+
+@builder("mlp")
+def mlp(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
+    """Flatten, then `hidden_units` ReLU layers, then the output layer."""
+    inputs = keras.Input(spec.input_shape)
+    x = keras.layers.Flatten()(inputs)
+    for units in config.hidden_units:
+        x = keras.layers.Dense(units, activation="relu", kernel_regularizer=_regularizer(config))(x)
+    return keras.Model(inputs, _head(x, spec, config), name="mlp")
+
+
+def _require_image(spec: DataSpec, name: str) -> None:
+    if len(spec.input_shape) != 3:
+        raise UserError(
+            f"`model.name` '{name}' needs image inputs of shape (height, width, channels); "
+            f"the data has shape {spec.input_shape}. Use `--config.model.name=mlp`."
+        )
+
+
+@builder("cnn")
+def cnn(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
+    """Two conv blocks (conv, conv, pool), global average pooling, the output layer."""
+    _require_image(spec, "cnn")
+    inputs = keras.Input(spec.input_shape)
+    x = inputs
+    for filters in (config.filters, 2 * config.filters):
+        for _ in range(2):
+            x = keras.layers.Conv2D(
+                filters, 3, padding="same", activation="relu", kernel_regularizer=_regularizer(config)
+            )(x)
+        x = keras.layers.MaxPooling2D(padding="same")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, _head(x, spec, config), name="cnn")
+
+
+def _residual_block(x, filters: int, stride: int, config: ml_collections.ConfigDict):
+    shortcut = x
+    y = keras.layers.Conv2D(filters, 3, stride, padding="same", use_bias=False,
+                            kernel_regularizer=_regularizer(config))(x)
+    y = keras.layers.BatchNormalization()(y)
+    y = keras.layers.ReLU()(y)
+    y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False,
+                            kernel_regularizer=_regularizer(config))(y)
+    y = keras.layers.BatchNormalization()(y)
+    if stride != 1 or shortcut.shape[-1] != filters:
+        shortcut = keras.layers.Conv2D(filters, 1, stride, use_bias=False)(shortcut)
+        shortcut = keras.layers.BatchNormalization()(shortcut)
+    return keras.layers.ReLU()(keras.layers.Add()([y, shortcut]))
+
+
+@builder("resnet")
+def resnet(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
+    """A small ResNet: a conv stem, two stages of `blocks` residual blocks, pooling."""
+    _require_image(spec, "resnet")
+    inputs = keras.Input(spec.input_shape)
+    x = keras.layers.Conv2D(config.filters, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+    for stage, filters in enumerate((config.filters, 2 * config.filters)):
+        for block in range(config.blocks):
+            stride = 2 if stage > 0 and block == 0 else 1
+            x = _residual_block(x, filters, stride, config)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, _head(x, spec, config), name="resnet")

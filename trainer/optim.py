@@ -1,0 +1,106 @@
+"""Optimizers and learning-rate schedules by name.
+
+`build(config.optimizer, total_steps)` returns a Keras optimizer whose
+learning rate follows a warmup then a constant, cosine or step schedule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import ml_collections
+import tensorflow as tf
+
+from strategies.errors import UserError
+
+OPTIMIZERS = {
+    "sgd": lambda rate, c: keras.optimizers.SGD(rate),
+    "momentum": lambda rate, c: keras.optimizers.SGD(rate, momentum=c.momentum),
+    "adam": lambda rate, c: keras.optimizers.Adam(rate),
+    "adamw": lambda rate, c: keras.optimizers.AdamW(rate, weight_decay=c.weight_decay),
+}
+SCHEDULES = ("constant", "cosine", "step")
+
+
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup to `peak`, then constant, cosine decay to 0, or step drops."""
+
+    def __init__(
+        self,
+        peak: float,
+        kind: str,
+        total_steps: int,
+        warmup_steps: int = 0,
+        boundaries: tuple[int, ...] = (),
+        decay_rate: float = 0.1,
+    ):
+        self.peak = peak
+        self.kind = kind
+        self.total_steps = total_steps
+        self.warmup_steps = warmup_steps
+        self.boundaries = tuple(boundaries)
+        self.decay_rate = decay_rate
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        if self.kind == "cosine":
+            span = max(self.total_steps - self.warmup_steps, 1)
+            progress = tf.clip_by_value((step - self.warmup_steps) / span, 0.0, 1.0)
+            rate = 0.5 * self.peak * (1.0 + tf.cos(math.pi * progress))
+        elif self.kind == "step":
+            drops = tf.add_n([tf.cast(step >= b, tf.float32) for b in self.boundaries] + [0.0])
+            rate = self.peak * tf.pow(self.decay_rate, drops)
+        else:
+            rate = tf.constant(self.peak, tf.float32)
+        if self.warmup_steps:
+            rate = tf.minimum(rate, self.peak * (step + 1.0) / self.warmup_steps)
+        return rate
+
+    def get_config(self) -> dict:
+        return {
+            "peak": self.peak,
+            "kind": self.kind,
+            "total_steps": self.total_steps,
+            "warmup_steps": self.warmup_steps,
+            "boundaries": self.boundaries,
+            "decay_rate": self.decay_rate,
+        }
+
+
+def schedule(config: ml_collections.ConfigDict, total_steps: int) -> WarmupSchedule:
+    """The learning-rate schedule of `config` (the `optimizer` section)."""
+    if config.schedule not in SCHEDULES:
+        raise UserError(
+            f"Unknown `optimizer.schedule` '{config.schedule}'; known: {', '.join(SCHEDULES)}."
+        )
+    if config.learning_rate <= 0:
+        raise UserError(
+            f"`optimizer.learning_rate` ({config.learning_rate}) must be positive."
+        )
+    if config.warmup_steps < 0:
+        raise UserError(f"`optimizer.warmup_steps` ({config.warmup_steps}) must be >= 0.")
+    return WarmupSchedule(
+        config.learning_rate,
+        config.schedule,
+        total_steps,
+        config.warmup_steps,
+        tuple(config.decay_steps),
+        config.decay_rate,
+    )
+
+
+def build(config: ml_collections.ConfigDict, total_steps: int) -> keras.optimizers.Optimizer:
+    """A Keras optimizer named by `config.name` with its schedule.
+
+    Gradient clipping is not set here: the train step clips the gradient summed
+    over all replicas (Keras would clip each replica's part separately).
+
+    Raises:
+      UserError: an unknown optimizer or schedule name, or a bad rate.
+    """
+    if config.name not in OPTIMIZERS:
+        raise UserError(
+            f"Unknown `optimizer.name` '{config.name}'; known: {', '.join(OPTIMIZERS)}."
+        )
+    return OPTIMIZERS[config.name](schedule(config, total_steps), config)

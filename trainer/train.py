@@ -1,0 +1,246 @@
+"""The outer loop: build under the strategy's scope, train, checkpoint, evaluate, export.
+
+`train_and_evaluate(config, model_dir)` is the whole job; the command line
+(`python -m trainer`) only parses flags and calls it. The loop never asks
+which strategy it runs under: everything that differs lives in the plugin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import keras
+import ml_collections
+
+import strategies
+from strategies import devices
+from strategies.errors import UserError
+from trainer import checks, data, models, optim, steps, tasks
+from trainer.checkpoints import Checkpointer
+from trainer.export import export
+from trainer.summaries import Summaries
+
+MODES = ("train", "eval", "train_and_eval")
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything built for one run, before anything is written to `model_dir`."""
+
+    config: ml_collections.ConfigDict
+    model_dir: str
+    strategy: strategies.Strategy
+    dataset: data.Dataset
+    task: tasks.Classification | tasks.Regression
+    total_steps: int
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, model_dir: str, mode: str = "train_and_eval"
+) -> dict:
+    """Runs the job described by `config` in `model_dir`; returns the results dict.
+
+    Args:
+      config: a config from `configs/` (see `configs/default.py` for every field).
+      model_dir: where checkpoints, TensorBoard events, results and the export go.
+        A rerun with the same `model_dir` resumes from its newest checkpoint.
+      mode: "train", "eval" (the newest checkpoint, once) or "train_and_eval".
+
+    Raises:
+      UserError: a bad config value, name, size or path. Nothing in `model_dir`
+        has been written when it is raised.
+    """
+    if mode not in MODES:
+        raise UserError(f"Unknown `--mode` '{mode}'; known: {', '.join(MODES)}.")
+    job = build(config, model_dir)
+    return run(job, mode)
+
+
+def build(config: ml_collections.ConfigDict, model_dir: str) -> Job:
+    """Checks the config and builds strategy, data, model and optimizer; writes nothing."""
+    checks.check_config(config)
+    devices.configure(
+        config.devices.logical_cpus,
+        config.devices.gpu_memory_growth,
+        config.devices.gpu_memory_limit_mb,
+        config.devices.log_placement,
+    )
+    name = config.strategy.name
+    strategy = strategies.get(name, config.strategy.get(name))
+    checks.check_batch(config, strategy)
+    dataset = data.get(config.data)
+    total_steps = checks.total_steps(config, dataset.spec)
+    checks.check_model_dir(model_dir)
+    data.check(dataset)
+    keras.utils.set_random_seed(config.seed)
+    with strategy.scope():
+        model = models.build(config.model, dataset.spec)
+        optimizer = optim.build(config.optimizer, total_steps)
+        optimizer.build(model.trainable_variables)
+    task = tasks.for_spec(dataset.spec.num_classes)
+    return Job(config, model_dir, strategy, dataset, task, total_steps, model, optimizer)
+
+
+def run(job: Job, mode: str) -> dict:
+    """Trains and/or evaluates a built `job`; the only function that writes `model_dir`."""
+    start = time.time()
+    strategy, config = job.strategy, job.config
+    if strategy.is_chief:
+        os.makedirs(job.model_dir, exist_ok=True)
+    checkpointer = Checkpointer(
+        job.model_dir, strategy.is_chief, config.train.max_checkpoints,
+        model=job.model, optimizer=job.optimizer,
+    )
+    summaries = Summaries(job.model_dir, strategy.is_chief)
+    try:
+        restored = checkpointer.restore()
+        if restored:
+            say(f"restored {restored} at step {_step(job)}")
+        elif mode == "eval":
+            raise UserError(
+                f"`--mode=eval` needs a checkpoint, and `{job.model_dir}` has none; "
+                "train first (`--mode=train_and_eval`)."
+            )
+        placement = strategy.describe(job.model.variables)
+        _log_start(job, placement, summaries)
+        train_metrics = {}
+        if mode != "eval":
+            train_metrics = _train(job, checkpointer, summaries, evaluate=mode != "train")
+        eval_metrics = _evaluate(job, summaries) if mode != "train" else {}
+        results = {
+            "step": _step(job),
+            "train": train_metrics,
+            "eval": eval_metrics,
+            "wall_time_s": round(time.time() - start, 3),
+            "placement": placement,
+        }
+        if strategy.is_chief:
+            if mode != "eval" and config.train.export:
+                path = export(
+                    job.model, os.path.join(job.model_dir, "export"),
+                    job.dataset.spec.input_shape, job.dataset.spec.num_classes,
+                )
+                say(f"exported SavedModel to {path}")
+            _write_json(os.path.join(job.model_dir, "results.json"), results)
+        return results
+    finally:
+        summaries.close()
+        checkpointer.close()
+
+
+def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool) -> dict:
+    """The outer training loop; returns the last loop's train metrics."""
+    config, strategy = job.config, job.strategy
+    step = _step(job)
+    if step >= job.total_steps:
+        say(f"already at step {step} of {job.total_steps}: nothing to train")
+        return {}
+    gb = config.train.global_batch_size
+    train_step = steps.make_train_step(
+        job.model, job.optimizer, job.task, gb, config.optimizer.clip_global_norm
+    )
+    dataset_fn = job.dataset.train_fn(gb, config.seed, start_step=step)
+    iterator = iter(strategy.distribute_dataset(dataset_fn))
+    metrics = {}
+    while step < job.total_steps:
+        n = _steps_until_next_event(step, job.total_steps, config)
+        tic = time.time()
+        sums = strategy.run_steps(train_step, iterator, n)
+        elapsed = time.time() - tic
+        step = _step(job)
+        metrics = job.task.metrics(sums)
+        metrics["learning_rate"] = float(job.optimizer.learning_rate)
+        metrics["steps_per_sec"] = n / elapsed
+        metrics["examples_per_sec"] = n * gb / elapsed
+        summaries.scalars("train", step, metrics)
+        say(progress_line("train", step, metrics, job.total_steps))
+        if _due(step, config.train.checkpoint_every) or step >= job.total_steps:
+            checkpointer.save(step)
+        if evaluate and _due(step, config.eval.every) and step < job.total_steps:
+            _evaluate(job, summaries)
+    return metrics
+
+
+def _evaluate(job: Job, summaries: Summaries) -> dict:
+    """One pass over the eval split; logs and returns its metrics."""
+    eval_step = steps.make_eval_step(job.model, job.task)
+    sums = job.strategy.evaluate(
+        eval_step, job.dataset.eval_fn(job.config.eval.global_batch_size)
+    )
+    metrics = job.task.metrics(sums)
+    metrics["examples"] = sums.get("examples", 0.0)
+    step = _step(job)
+    summaries.scalars("eval", step, metrics)
+    say(progress_line("eval", step, metrics))
+    return metrics
+
+
+def _steps_until_next_event(step: int, total: int, config: ml_collections.ConfigDict) -> int:
+    """Steps to run in the next loop: up to `steps_per_loop`, stopping at checkpoints and evals."""
+    n = min(config.train.steps_per_loop, total - step)
+    for every in (config.train.checkpoint_every, config.eval.every):
+        if every > 0:
+            n = min(n, every - step % every)
+    return n
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def _step(job: Job) -> int:
+    return int(job.optimizer.iterations.numpy())
+
+
+def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
+    strategy = job.strategy
+    say(
+        f"strategy: {strategy.name} | replicas: {strategy.num_replicas_in_sync} | "
+        f"devices: {', '.join(placement['compute_devices'])}"
+    )
+    say(f"communication: {placement['communication']}")
+    for name, where in placement["variables"].items():
+        say(f"  {name}: {', '.join(where)}")
+    say(
+        f"model: {job.config.model.name} ({job.model.count_params():,} parameters) | "
+        f"data: {job.config.data.name} | steps: {job.total_steps} | "
+        f"global batch: {job.config.train.global_batch_size}"
+    )
+    if strategy.is_chief:
+        config_json = job.config.to_json_best_effort(indent=2, sort_keys=True)
+        with open(os.path.join(job.model_dir, "config.json"), "w") as f:
+            f.write(config_json + "\n")
+        summaries.text("config", f"```\n{config_json}\n```")
+
+
+def progress_line(split: str, step: int, metrics: dict, total: int | None = None) -> str:
+    """One fixed-width line: `train | step: 1200/1500 | loss: 0.3100 | ...`."""
+    parts = [f"{split:<5}", f"step: {step}/{total}" if total else f"step: {step}"]
+    for name, value in metrics.items():
+        if name == "learning_rate":
+            parts.append(f"lr: {value:.2e}")
+        elif name.endswith("per_sec"):
+            parts.append(f"{name.replace('_per_sec', 's/s')}: {value:.1f}")
+        elif name == "examples":
+            parts.append(f"examples: {int(value)}")
+        else:
+            parts.append(f"{name}: {value:.4f}")
+    return " | ".join(parts)
+
+
+def say(line: str) -> None:
+    """Progress for the terminal: one line, flushed at once."""
+    print(line, flush=True)
+
+
+def _write_json(path: str, value: dict) -> None:
+    staging = path + ".tmp"
+    with open(staging, "w") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(staging, path)
