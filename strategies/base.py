@@ -34,6 +34,7 @@ import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import keras
 import ml_collections
 import tensorflow as tf
 
@@ -184,7 +185,7 @@ def _variable_name(variable) -> str:
 
 def variable_devices(variable) -> list[str]:
     """The device of every copy or shard of `variable` (Keras or TF)."""
-    inner = getattr(variable, "value", variable)  # a Keras variable wraps a TF one
+    inner = variable.value if isinstance(variable, keras.Variable) else variable
     if hasattr(inner, "variables") and not hasattr(inner, "values"):  # ShardedVariable
         return [shard.device for shard in inner.variables]
     if hasattr(inner, "values"):  # MirroredVariable and other distributed values

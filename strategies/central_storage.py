@@ -21,7 +21,11 @@ class CentralStorage(Strategy):
             if (spec)
             else "/device:CPU:0"
         )
-        return tf.distribute.experimental.CentralStorageStrategy(compute, parameter_device=host)
+        strategy = tf.distribute.experimental.CentralStorageStrategy(compute, parameter_device=host)
+        # Hand a short last batch to some towers (and nothing to the rest) instead of
+        # dropping it, as `mirrored` does, so evaluation counts every example.
+        strategy.extended.experimental_enable_get_next_as_optional = True
+        return strategy
 
     @property
     def communication(self) -> str:

@@ -14,5 +14,9 @@ class Default(Strategy):
         return tf.distribute.get_strategy()
 
     @property
+    def compute_devices(self) -> list[str]:
+        return ["(placed by TensorFlow)"]
+
+    @property
     def communication(self) -> str:
         return "none: one replica, variables where TensorFlow places them"
