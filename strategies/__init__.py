@@ -4,12 +4,20 @@
     strategy = strategies.get("mirrored", config.strategy.mirrored)
 
 `available()` lists the registered plugins; `@register(name)` adds one.
+Importing this package does not import TensorFlow: plugins load on the first
+`get()` or `available()`, so light tools (the cluster launcher, TF_CONFIG
+checks) start at once.
 """
 
-# Built-in plugins register themselves on import.
-from strategies import central_storage, default, mirrored, one_device  # noqa: E402,F401,I001
-from strategies.base import Strategy
 from strategies.errors import UserError
 from strategies.registry import available, get, register
 
 __all__ = ["Strategy", "UserError", "available", "get", "register"]
+
+
+def __getattr__(name: str):
+    if name == "Strategy":
+        from strategies.base import Strategy
+
+        return Strategy
+    raise AttributeError(f"module 'strategies' has no attribute {name!r}")

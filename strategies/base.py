@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -40,6 +41,9 @@ import tensorflow as tf
 
 StepFn = Callable[[Any], dict]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+
+# tf.data warns about reading dataset options while a distributed loop is traced; harmless.
+warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
 
 _REDUCE_OPS = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
 
@@ -120,14 +124,11 @@ class Strategy(abc.ABC):
     def evaluate(self, step_fn: StepFn, dataset_fn: DatasetFn) -> dict[str, float]:
         """Runs `step_fn` once over every batch of a finite `dataset_fn`.
 
-        Returns the step outputs summed over replicas and batches, as floats.
+        The whole pass runs inside one `tf.function`. Returns the step outputs
+        summed over replicas and batches, as floats.
         """
-        step = self._compile("eval", step_fn, self._make_eval_step)
-        totals: dict | None = None
-        for batch in self.distribute_dataset(dataset_fn):
-            out = step(batch)
-            totals = out if totals is None else tf.nest.map_structure(tf.add, totals, out)
-        return _to_floats(totals or {})
+        loop = self._compile("eval", step_fn, self._make_eval_loop)
+        return _to_floats(loop(self.distribute_dataset(dataset_fn)))
 
     def describe(self, variables: Iterable = ()) -> dict:
         """Where every variable lives, which devices compute, what communicates."""
@@ -157,8 +158,16 @@ class Strategy(abc.ABC):
 
         return loop
 
-    def _make_eval_step(self, step_fn: StepFn) -> Callable:
-        return tf.function(lambda batch: self._reduced_step(step_fn, batch))
+    def _make_eval_loop(self, step_fn: StepFn) -> Callable:
+        @tf.function
+        def loop(dataset):
+            iterator = iter(dataset)
+            totals = self._reduced_step(step_fn, next(iterator))
+            for batch in iterator:
+                totals = tf.nest.map_structure(tf.add, totals, self._reduced_step(step_fn, batch))
+            return totals
+
+        return loop
 
     def _compile(self, kind: str, step_fn: StepFn, make: Callable) -> Callable:
         key = (kind, step_fn)

@@ -73,6 +73,11 @@ def _configure_gpus(memory_growth: bool, memory_limit_mb: int) -> None:
             tf.config.experimental.set_memory_growth(gpu, True)
 
 
+def physical() -> list[str]:
+    """Names of the physical devices (probes them without starting the runtime)."""
+    return [d.name for d in tf.config.list_physical_devices()]
+
+
 def gpus() -> list[str]:
     """Names of the logical GPU devices."""
     return [d.name for d in tf.config.list_logical_devices("GPU")]

@@ -1,6 +1,6 @@
 """Strategy plugins by name: `@register`, `get`, `available`.
 
-Built-in plugins register when `strategies` is imported. Third-party plugins
+Built-in plugins register when the registry is first read. Third-party plugins
 are found through the `towerflow.strategies` entry-point group of installed
 packages: each entry point names a `Strategy` subclass, registered under the
 entry point's name the first time the registry is read.
@@ -8,6 +8,7 @@ entry point's name the first time the registry is read.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 from collections.abc import Callable
 
@@ -16,6 +17,12 @@ import ml_collections
 from strategies.errors import UserError
 
 ENTRY_POINT_GROUP = "towerflow.strategies"
+BUILTIN_MODULES = (
+    "strategies.default",
+    "strategies.one_device",
+    "strategies.mirrored",
+    "strategies.central_storage",
+)
 
 _REGISTRY: dict[str, type] = {}
 _entry_points_loaded = False
@@ -44,11 +51,14 @@ def register(name: str) -> Callable[[type], type]:
     return decorator
 
 
-def _load_entry_points() -> None:
+def _load_plugins() -> None:
+    """Imports the built-in plugins, then those of installed packages, once."""
     global _entry_points_loaded
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
     for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if entry_point.name in _REGISTRY:
             continue
@@ -59,7 +69,7 @@ def _load_entry_points() -> None:
 
 def available() -> dict[str, str]:
     """Every registered strategy name with its one-line description, sorted by name."""
-    _load_entry_points()
+    _load_plugins()
     return {name: _REGISTRY[name].description() for name in sorted(_REGISTRY)}
 
 
@@ -73,7 +83,7 @@ def get(name: str, options: ml_collections.ConfigDict | None = None):
     Raises:
       UserError: `name` is not registered; the message lists the known names.
     """
-    _load_entry_points()
+    _load_plugins()
     if name not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY))
         raise UserError(

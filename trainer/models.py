@@ -71,9 +71,16 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
     """Builds `config.model.name` for data described by `spec`.
 
     Raises:
-      UserError: the name does not resolve, or the builder returns no keras.Model.
+      UserError: the name does not resolve, the builder rejects the config, or it
+        returns no keras.Model.
     """
-    model = resolve(config.name)(spec, config)
+    try:
+        model = resolve(config.name)(spec, config)
+    except (ValueError, TypeError) as e:
+        raise UserError(
+            f"`model.name` '{config.name}' could not be built from the `model` config: "
+            f"{str(e).strip().splitlines()[0]}"
+        ) from None
     if not isinstance(model, keras.Model):
         raise UserError(
             f"`model.name` '{config.name}' returned {type(model).__name__}, not a keras.Model."
@@ -122,7 +129,11 @@ def cnn(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     for filters in (config.filters, 2 * config.filters):
         for _ in range(2):
             x = keras.layers.Conv2D(
-                filters, 3, padding="same", activation="relu", kernel_regularizer=_regularizer(config)
+                filters,
+                3,
+                padding="same",
+                activation="relu",
+                kernel_regularizer=_regularizer(config),
             )(x)
         x = keras.layers.MaxPooling2D(padding="same")(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
@@ -131,12 +142,14 @@ def cnn(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
 
 def _residual_block(x, filters: int, stride: int, config: ml_collections.ConfigDict):
     shortcut = x
-    y = keras.layers.Conv2D(filters, 3, stride, padding="same", use_bias=False,
-                            kernel_regularizer=_regularizer(config))(x)
+    y = keras.layers.Conv2D(
+        filters, 3, stride, padding="same", use_bias=False, kernel_regularizer=_regularizer(config)
+    )(x)
     y = keras.layers.BatchNormalization()(y)
     y = keras.layers.ReLU()(y)
-    y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False,
-                            kernel_regularizer=_regularizer(config))(y)
+    y = keras.layers.Conv2D(
+        filters, 3, padding="same", use_bias=False, kernel_regularizer=_regularizer(config)
+    )(y)
     y = keras.layers.BatchNormalization()(y)
     if stride != 1 or shortcut.shape[-1] != filters:
         shortcut = keras.layers.Conv2D(filters, 1, stride, use_bias=False)(shortcut)

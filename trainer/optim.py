@@ -75,9 +75,7 @@ def schedule(config: ml_collections.ConfigDict, total_steps: int) -> WarmupSched
             f"Unknown `optimizer.schedule` '{config.schedule}'; known: {', '.join(SCHEDULES)}."
         )
     if config.learning_rate <= 0:
-        raise UserError(
-            f"`optimizer.learning_rate` ({config.learning_rate}) must be positive."
-        )
+        raise UserError(f"`optimizer.learning_rate` ({config.learning_rate}) must be positive.")
     if config.warmup_steps < 0:
         raise UserError(f"`optimizer.warmup_steps` ({config.warmup_steps}) must be >= 0.")
     return WarmupSchedule(

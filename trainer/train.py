@@ -90,11 +90,18 @@ def run(job: Job, mode: str) -> dict:
     """Trains and/or evaluates a built `job`; the only function that writes `model_dir`."""
     start = time.time()
     strategy, config = job.strategy, job.config
+    say(f"model_dir: {job.model_dir}")
     if strategy.is_chief:
         os.makedirs(job.model_dir, exist_ok=True)
     checkpointer = Checkpointer(
-        job.model_dir, strategy.is_chief, config.train.max_checkpoints,
-        model=job.model, optimizer=job.optimizer,
+        job.model_dir,
+        strategy.is_chief,
+        config.train.max_checkpoints,
+        model=job.model,
+        optimizer=job.optimizer,
+        # Listed explicitly: a Keras model does not expose every variable to a TF
+        # checkpoint (e.g. dropout's seed state), and exact resume needs them all.
+        model_variables=list(job.model.variables),
     )
     summaries = Summaries(job.model_dir, strategy.is_chief)
     try:
@@ -122,8 +129,10 @@ def run(job: Job, mode: str) -> dict:
         if strategy.is_chief:
             if mode != "eval" and config.train.export:
                 path = export(
-                    job.model, os.path.join(job.model_dir, "export"),
-                    job.dataset.spec.input_shape, job.dataset.spec.num_classes,
+                    job.model,
+                    os.path.join(job.model_dir, "export"),
+                    job.dataset.spec.input_shape,
+                    job.dataset.spec.num_classes,
                 )
                 say(f"exported SavedModel to {path}")
             _write_json(os.path.join(job.model_dir, "results.json"), results)
@@ -169,9 +178,7 @@ def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate:
 def _evaluate(job: Job, summaries: Summaries) -> dict:
     """One pass over the eval split; logs and returns its metrics."""
     eval_step = steps.make_eval_step(job.model, job.task)
-    sums = job.strategy.evaluate(
-        eval_step, job.dataset.eval_fn(job.config.eval.global_batch_size)
-    )
+    sums = job.strategy.evaluate(eval_step, job.dataset.eval_fn(job.config.eval.global_batch_size))
     metrics = job.task.metrics(sums)
     metrics["examples"] = sums.get("examples", 0.0)
     step = _step(job)
@@ -224,8 +231,8 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
     for name, value in metrics.items():
         if name == "learning_rate":
             parts.append(f"lr: {value:.2e}")
-        elif name.endswith("per_sec"):
-            parts.append(f"{name.replace('_per_sec', 's/s')}: {value:.1f}")
+        elif name.endswith("_per_sec"):
+            parts.append(f"{name.removesuffix('_per_sec')}/s: {value:.1f}")
         elif name == "examples":
             parts.append(f"examples: {int(value)}")
         else:

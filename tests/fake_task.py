@@ -1,0 +1,61 @@
+"""A stand-in for `python -m trainer` in the launcher's tests: a task that does as it is told.
+
+    python -m tests.fake_task --pid_dir=DIR --sleep=60 --exit=worker:1=3@0.5 --grandchild
+
+It prints its task (from `TF_CONFIG`) and its arguments, one line to stderr,
+records its pid (and its child's, with `--grandchild`) as `DIR/<pid>.pid`,
+then sleeps and exits. `--exit=NAME=CODE@SECONDS` makes task NAME ("chief:0",
+"worker:1", "ps:0", "evaluator:0") exit with CODE after SECONDS; a negative
+CODE kills it with that signal. Other tasks exit 0 after `--sleep` seconds.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+
+def _record(pid_dir: str | None, pid: int, text: str) -> None:
+    if pid_dir:
+        path = pathlib.Path(pid_dir, f"{pid}.pid")
+        path.with_suffix(".tmp").write_text(text)
+        path.with_suffix(".tmp").replace(path)  # whole files only, for tests that poll
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pid_dir")
+    parser.add_argument("--sleep", type=float, default=60.0)
+    parser.add_argument("--exit", action="append", default=[], help="NAME=CODE@SECONDS")
+    parser.add_argument("--grandchild", action="store_true", help="start a child that sleeps")
+    parser.add_argument("--ignore_term", action="store_true", help="ignore SIGTERM")
+    args, _ = parser.parse_known_args()
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    name = f"{task['type']}:{task['index']}"
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the grandchild too
+    print(f"task {name} args {sys.argv[1:]}")
+    print(f"stderr of {name}", file=sys.stderr)
+    if args.grandchild:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        _record(args.pid_dir, child.pid, f"{name} grandchild")
+    _record(args.pid_dir, os.getpid(), name)
+
+    code, seconds = 0, args.sleep
+    for spec in args.exit:
+        who, _, what = spec.partition("=")
+        if who == name:
+            code, seconds = int(what.split("@")[0]), float(what.split("@")[1])
+    time.sleep(seconds)
+    if code < 0:
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""`python -m trainer` end to end, in subprocesses, as a user runs it."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import run_cli, tiny_config
+from trainer import data
+
+FAST = [
+    "--config.train.steps=300",
+    "--config.eval.every=150",
+    "--config.train.checkpoint_every=150",
+]
+
+
+def _snapshot(path) -> dict[str, str]:
+    """Every file under `path` with a hash of its bytes."""
+    files = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                files[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return files
+
+
+@pytest.fixture(scope="module")
+def mirrored_run(tmp_path_factory):
+    """One real run of the default config under `mirrored`, from a foreign directory."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    result = run_cli("--strategy=mirrored", "--model_dir=run", *FAST, cwd=str(cwd))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cwd / "run", result
+
+
+def test_default_job_writes_everything(mirrored_run):
+    model_dir, result = mirrored_run
+    assert "model_dir: run" in result.stdout
+    assert "train | step: 300/300" in result.stdout
+    results = json.loads((model_dir / "results.json").read_text())
+    assert results["step"] == 300
+    assert results["eval"]["accuracy"] >= 0.9
+    assert results["eval"]["examples"] == 360
+    assert results["placement"]["strategy"] == "mirrored"
+    assert results["placement"]["replicas_in_sync"] == 2
+    kernel = next(v for k, v in results["placement"]["variables"].items() if "kernel" in k)
+    assert len(kernel) == 2  # a mirrored copy on each of the 2 logical CPUs
+    assert json.loads((model_dir / "config.json").read_text())["strategy"]["name"] == "mirrored"
+    assert tf.train.latest_checkpoint(str(model_dir / "checkpoints")).endswith("ckpt-300")
+
+
+def test_tensorboard_events_hold_the_metrics(mirrored_run):
+    model_dir, _ = mirrored_run
+    from tensorboard.backend.event_processing import event_accumulator
+
+    def tags(split):
+        acc = event_accumulator.EventAccumulator(
+            str(model_dir / split), size_guidance={event_accumulator.TENSORS: 0}
+        )
+        acc.Reload()
+        return set(acc.Tags()["tensors"])
+
+    assert {
+        "loss",
+        "accuracy",
+        "learning_rate",
+        "steps_per_sec",
+        "examples_per_sec",
+        "config",
+    } <= tags("train")
+    assert {"loss", "accuracy"} <= tags("eval")
+
+
+def test_export_serves_predictions(mirrored_run):
+    model_dir, _ = mirrored_run
+    serve = tf.saved_model.load(str(model_dir / "export")).signatures["serving_default"]
+    dataset = data.get(tiny_config().data)
+    x, y = next(iter(dataset.eval_fn(64)(tf.distribute.InputContext())))
+    out = serve(inputs=x)
+    assert out["probabilities"].shape == (64, 10)
+    assert np.mean(out["classes"].numpy() == y.numpy()) >= 0.85
+
+
+def test_rerun_with_more_steps_resumes(mirrored_run, tmp_path):
+    model_dir, _ = mirrored_run
+    result = run_cli(
+        "--strategy=mirrored",
+        f"--model_dir={model_dir}",
+        *FAST[1:],
+        "--config.train.steps=350",
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "restored" in result.stdout and "at step 300" in result.stdout
+    assert "train | step: 350/350" in result.stdout
+    assert "step: 100/" not in result.stdout
+
+
+def test_resume_matches_a_straight_run(tmp_path):
+    # A constant schedule: a cosine one depends on `train.steps`, which the rerun changes.
+    common = [
+        "--config.optimizer.schedule=constant",
+        "--strategy=one_device",
+        "--config.train.steps_per_loop=10",
+        "--config.train.checkpoint_every=10",
+        "--config.eval.every=0",
+        "--config.train.export=False",
+    ]
+    straight = run_cli(
+        *common, "--model_dir=straight", "--config.train.steps=40", cwd=str(tmp_path)
+    )
+    first = run_cli(*common, "--model_dir=resumed", "--config.train.steps=20", cwd=str(tmp_path))
+    second = run_cli(*common, "--model_dir=resumed", "--config.train.steps=40", cwd=str(tmp_path))
+    for r in (straight, first, second):
+        assert r.returncode == 0, r.stderr[-3000:]
+    a = tf.train.load_checkpoint(str(tmp_path / "straight" / "checkpoints"))
+    b = tf.train.load_checkpoint(str(tmp_path / "resumed" / "checkpoints"))
+    names = [n for n in a.get_variable_to_shape_map() if "VARIABLE_VALUE" in n]
+    assert len(names) > 10  # model weights, optimizer slots and step
+    for name in names:
+        np.testing.assert_allclose(a.get_tensor(name), b.get_tensor(name), rtol=1e-6, atol=1e-7)
+
+
+def test_list_strategies(tmp_path):
+    result = run_cli("--list_strategies", cwd=str(tmp_path))
+    assert result.returncode == 0
+    names = [line.split()[0] for line in result.stdout.splitlines()]
+    assert {"default", "one_device", "mirrored", "central_storage"} <= set(names)
+
+
+BAD_INPUTS = [
+    (["--strategy=mirorred"], "Unknown strategy `mirorred`; known strategies: central_storage"),
+    (["--config.model.name=transformer"], "Unknown model `model.name` 'transformer'"),
+    (["--config.data.name=imagenet"], "imagenet"),
+    (["--config.train.global_batch_size=129"], "must be divisible by the 2 replicas"),
+    (["--config.train.steps=0"], "`train.steps` (0) must be a positive integer"),
+    (["--config.train.global_batch_size=-4"], "`train.global_batch_size` (-4) must be >= 1"),
+    (
+        ["--config.data.name=csv", "--config.data.train_files=/nonexistent/*.csv"],
+        "/nonexistent/*.csv",
+    ),
+    (["--config.train.stepz=5"], "stepz"),
+    (["--config=configs/nope.py"], "nope.py"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[a[0] for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_leaves_model_dir_alone(args, message, mirrored_run, tmp_path):
+    model_dir, _ = mirrored_run
+    before = _snapshot(model_dir)
+    result = run_cli(f"--model_dir={model_dir}", *args, cwd=str(tmp_path))
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert _snapshot(model_dir) == before
+
+
+@pytest.mark.parametrize("make", ["file", "under_file"])
+def test_unusable_model_dir(make, tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    model_dir = blocker if make == "file" else blocker / "run"
+    result = run_cli(f"--model_dir={model_dir}", cwd=str(tmp_path))
+    assert result.returncode == 2
+    assert "`--model_dir`" in result.stderr and "Traceback" not in result.stderr
+    assert blocker.read_text() == "not a directory"

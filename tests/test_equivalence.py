@@ -1,0 +1,34 @@
+"""The same model, data, seed and global batch give the same weights under every sync plugin."""
+
+import numpy as np
+import pytest
+
+from tests.helpers import tiny_config
+from trainer import train
+
+
+def _weights_after_20_steps(strategy: str, tmp_path) -> list[np.ndarray]:
+    config = tiny_config(**{"strategy.name": strategy, "train.global_batch_size": 32})
+    job = train.build(config, str(tmp_path / strategy))
+    train.run(job, "train")
+    assert train._step(job) == 20
+    return [w.numpy() for w in job.model.weights]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _weights_after_20_steps("one_device", tmp_path_factory.mktemp("ref"))
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage", "default"])
+def test_same_weights_as_one_device(strategy, reference, tmp_path):
+    weights = _weights_after_20_steps(strategy, tmp_path)
+    assert len(weights) == len(reference)
+    for got, want in zip(weights, reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_training_moves_the_weights(reference, tmp_path):
+    job = train.build(tiny_config(**{"strategy.name": "one_device"}), str(tmp_path))
+    initial = [w.numpy() for w in job.model.weights]
+    assert max(np.abs(a - b).max() for a, b in zip(initial, reference)) > 1e-3

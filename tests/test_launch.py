@@ -1,0 +1,302 @@
+"""The local cluster launcher, with real processes on 127.0.0.1 (tasks are `tests.fake_task`)."""
+
+import io
+import json
+import os
+import pathlib
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from strategies import cluster
+from strategies.errors import UserError
+from trainer import launch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+FAKE = [sys.executable, "-m", "tests.fake_task"]
+TIMEOUT_S = 60
+
+
+@pytest.fixture(autouse=True)
+def _repo_on_path(monkeypatch):
+    """Lets every task import `tests.fake_task`, whatever the working directory."""
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{path}" if path else str(REPO))
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (dead, not yet reaped by init) counts as dead."""
+    if os.path.exists("/proc/self/stat"):
+        try:
+            return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _pids(pid_dir: pathlib.Path) -> dict[int, str]:
+    """The pids the fake tasks recorded: pid -> "worker:1" or "worker:1 grandchild"."""
+    return {int(p.stem): p.read_text() for p in pid_dir.glob("*.pid")}
+
+
+def _assert_all_dead(pids, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if _alive(pid)], "processes left behind"
+
+
+def _run(tasks, *args, grace_s=10.0, kill_after_s=2.0):
+    out = io.StringIO()
+    start = time.monotonic()
+    code = launch.Cluster(tasks, [*FAKE, *args], launch.Console(out), grace_s, kill_after_s).run()
+    assert time.monotonic() - start < TIMEOUT_S
+    return code, out.getvalue()
+
+
+# Plans.
+
+
+def _parsed(tasks):
+    return {task.name: cluster.parse(task.tf_config) for task in tasks}
+
+
+def test_plan_multi_worker():
+    tasks = launch.plan_cluster(workers=3)
+    specs = _parsed(tasks)
+    assert list(specs) == ["worker:0", "worker:1", "worker:2"]
+    addresses = [task.address for task in tasks]
+    assert len(set(addresses)) == 3
+    assert all(re.fullmatch(r"127\.0\.0\.1:\d+", address) for address in addresses)
+    for task, spec in zip(tasks, specs.values(), strict=True):
+        assert spec.as_dict() == {"worker": addresses}
+        assert (spec.task_type, spec.task_index, spec.address) == (
+            task.type,
+            task.index,
+            task.address,
+        )
+    assert [task.is_chief for task in tasks] == [True, False, False]
+
+
+def test_plan_parameter_server_with_evaluator():
+    tasks = launch.plan_cluster(workers=2, ps=2, evaluator=True)
+    specs = _parsed(tasks)
+    assert list(specs) == ["chief", "worker:0", "worker:1", "ps:0", "ps:1", "evaluator"]
+    jobs = specs["chief"].as_dict()
+    assert [len(jobs[job]) for job in ("chief", "worker", "ps")] == [1, 2, 2]
+    servers = [address for addresses in jobs.values() for address in addresses]
+    assert len(set(servers)) == 5 and all(a.startswith("127.0.0.1:") for a in servers)
+    assert all(spec.as_dict() == jobs for spec in specs.values())
+    assert [name for name, spec in specs.items() if spec.is_chief] == ["chief"]
+    evaluator = specs["evaluator"]
+    assert evaluator.task_type == "evaluator" and evaluator.address is None
+    assert "evaluator" not in json.loads(tasks[-1].tf_config)["cluster"], "outside training"
+
+
+def test_plan_chief_without_ps():
+    specs = _parsed(launch.plan_cluster(workers=1, chief=True))
+    assert list(specs) == ["chief", "worker:0"]
+    assert specs["chief"].is_chief and not specs["worker:0"].is_chief
+
+
+def test_plan_with_port_base_uses_consecutive_ports():
+    for base in random.sample(range(20000, 30000, 10), 5):  # below Linux's ephemeral ports
+        try:
+            tasks = launch.plan_cluster(workers=2, ps=1, port_base=base)
+        except UserError:  # taken by something else on this machine: try another
+            continue
+        assert [task.address for task in tasks] == [f"127.0.0.1:{base + i}" for i in range(4)]
+        return
+    pytest.fail("no 4 consecutive free ports found")
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        (dict(workers=0), "`--workers` (0) must be at least 1"),
+        (dict(workers=1, ps=-1), "`--ps` (-1) must be 0 or more"),
+        (dict(workers=2, port_base=65535), "`--port_base` (65535) must leave room for 2 ports"),
+    ],
+)
+def test_plan_refuses_bad_values(kwargs, expected):
+    with pytest.raises(UserError, match=re.escape(expected)):
+        launch.plan_cluster(**kwargs)
+
+
+def test_port_in_use_is_a_user_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError) as info:
+            launch.plan_cluster(workers=2, port_base=port)
+    assert str(info.value).startswith(f"port {port} on 127.0.0.1 is already in use; ")
+    assert "`--port_base`" in str(info.value)
+
+
+def test_free_ports_differ():
+    ports = launch.pick_ports(20)
+    assert len(set(ports)) == 20 and all(0 < p < 65536 for p in ports)
+
+
+# Running clusters.
+
+
+def test_output_is_prefixed_and_the_exit_code_is_the_chiefs(tmp_path):
+    tasks = launch.plan_cluster(workers=2)
+    code, out = _run(tasks, f"--pid_dir={tmp_path}", "--exit=worker:0=7@1", "a b")
+    assert code == 7
+    assert f"[worker:0] task worker:0 args ['--pid_dir={tmp_path}'" in out
+    assert "[worker:1] task worker:1 args" in out and "'a b']" in out
+    assert "[worker:1] stderr of worker:1" in out
+    assert "[launch] worker:0 (the chief) exited with code 7" in out
+    _assert_all_dead(_pids(tmp_path))
+
+
+def test_a_failing_task_stops_the_whole_cluster(tmp_path):
+    tasks = launch.plan_cluster(workers=2, ps=1, evaluator=True)
+    code, out = _run(tasks, f"--pid_dir={tmp_path}", "--grandchild", "--exit=worker:1=3@2")
+    assert code == 3
+    assert "[launch] worker:1 exited with code 3; stopping the cluster" in out
+    assert "[launch] stopping chief, worker:0, ps:0, evaluator" in out
+    pids = _pids(tmp_path)
+    assert sorted(pids.values()).count("chief:0 grandchild") == 1
+    assert len(pids) == 2 * len(tasks), "every task and its child recorded its pid"
+    _assert_all_dead(pids)
+
+
+def test_a_task_killed_by_a_signal_fails_the_cluster(tmp_path):
+    code, out = _run(launch.plan_cluster(workers=2), "--exit=worker:1=-9@0.5")
+    assert code == 128 + 9
+    assert "[launch] worker:1 was killed by SIGKILL; stopping the cluster" in out
+
+
+def test_after_the_chief_the_rest_get_a_grace_period_then_sigkill(tmp_path):
+    tasks = launch.plan_cluster(workers=1, ps=1)
+    args = [f"--pid_dir={tmp_path}", "--grandchild", "--ignore_term", "--exit=chief:0=0@1"]
+    code, out = _run(tasks, *args, grace_s=0.5, kill_after_s=0.5)
+    assert code == 0
+    assert "[launch] chief exited with code 0" in out
+    assert "[launch] waiting up to 0.5 s for the other tasks to end" in out
+    assert "[launch] stopping worker:0, ps:0" in out
+    pids = _pids(tmp_path)
+    assert len(pids) == 6
+    _assert_all_dead(pids)
+
+
+def test_tasks_that_end_with_the_chief_are_not_stopped():
+    start = time.monotonic()
+    code, out = _run(launch.plan_cluster(workers=2), "--sleep=1", "--exit=worker:0=0@0.5")
+    assert code == 0 and "stopping" not in out
+    assert time.monotonic() - start < 8, "no wait for the whole grace period"
+
+
+@pytest.mark.parametrize("evaluator_code, expected", [(0, 0), (4, 4)])
+def test_an_evaluator_that_ends_early_fails_the_cluster_only_when_non_zero(
+    evaluator_code, expected
+):
+    tasks = launch.plan_cluster(workers=1, evaluator=True)
+    code, out = _run(tasks, f"--exit=evaluator:0={evaluator_code}@0.2", "--exit=worker:0=0@2")
+    assert code == expected
+    assert ("evaluator exited with code 4; stopping" in out) == (evaluator_code == 4)
+
+
+def _launch(tmp_path, *args, restarts):
+    out = io.StringIO()
+    command = [*FAKE, f"--pid_dir={tmp_path}", *args]
+    code = launch.launch(command, workers=2, restarts=restarts, console=launch.Console(out))
+    chiefs = sorted(name for name in _pids(tmp_path).values() if name == "worker:0")
+    return code, out.getvalue(), len(chiefs)
+
+
+def test_restarts_start_a_failed_cluster_again(tmp_path):
+    code, out, starts = _launch(tmp_path, "--exit=worker:1=3@0.5", restarts=2)
+    assert (code, starts) == (3, 3)
+    assert "[launch] restarting cluster (attempt 2 of 3)" in out
+    assert "[launch] restarting cluster (attempt 3 of 3)" in out
+    _assert_all_dead(_pids(tmp_path))
+
+
+@pytest.mark.parametrize("chief_code", [0, 2])
+def test_success_and_user_errors_are_not_restarted(tmp_path, chief_code):
+    exit_flag = f"--exit=worker:0={chief_code}@0.2"
+    code, out, starts = _launch(tmp_path, "--sleep=0.5", exit_flag, restarts=2)
+    assert (code, starts) == (chief_code, 1)
+    assert "restarting" not in out
+
+
+def test_negative_restarts_are_refused():
+    with pytest.raises(UserError, match=re.escape("`--restarts` (-1) must be 0 or more")):
+        launch.launch(FAKE, workers=1, restarts=-1)
+
+
+# The command line.
+
+
+def _launcher(*args, **kwargs):
+    command = [sys.executable, "-m", "trainer.launch", "--module=tests.fake_task", *args]
+    return subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    )
+
+
+def test_command_line_passes_the_trainer_flags_through(tmp_path):
+    proc = _launcher("--workers=2", "--grace_s=5", "--", "--sleep=1", "--exit=worker:0=0@0.5", "x")
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "[worker:0] task worker:0 args ['--sleep=1', '--exit=worker:0=0@0.5', 'x']" in out
+    assert "[worker:1] task worker:1 args" in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_launcher_stops_every_task(tmp_path, sig):
+    proc = _launcher("--workers=2", "--ps=1", "--", f"--pid_dir={tmp_path}", "--grandchild")
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(_pids(tmp_path)) < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_pids(tmp_path)) == 8, "4 tasks and their children started"
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig
+    assert f"[launch] got {sig.name}" in out and "[launch] stopping chief" in out
+    _assert_all_dead(_pids(tmp_path))
+
+
+def _own_lines(stderr: str) -> list[str]:
+    """stderr without the C++ log lines TensorFlow prints when imported (no flag stops them)."""
+    tf_log = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} )")
+    return [line for line in stderr.splitlines() if not tf_log.match(line)]
+
+
+@pytest.mark.parametrize(
+    "flag, expected",
+    [
+        ("--workers=0", "error: `--workers` (0) must be at least 1"),
+        ("--strategy=mirrored", "error: Unknown command line flag 'strategy'; put the trainer's"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(flag, expected):
+    proc = _launcher(flag)
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2
+    lines = _own_lines(err)
+    assert len(lines) == 1 and lines[0].startswith(expected), err

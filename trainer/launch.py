@@ -1,0 +1,423 @@
+"""`python -m trainer.launch`: a whole cluster of local processes, for development and tests.
+
+    python -m trainer.launch --workers=2 -- --strategy=multi_worker
+    python -m trainer.launch --workers=2 --ps=1 --evaluator -- \\
+        --strategy=parameter_server --config=configs/ctr.py
+    python -m trainer.launch --workers=2 --restarts=3 -- --strategy=multi_worker \\
+        --model_dir=runs/mw
+
+Every task runs `python -m trainer <the flags after -->` with its own
+`TF_CONFIG`, on free ports of 127.0.0.1 only. Topologies:
+
+* `--ps=0` (collective all-reduce): worker:0 .. worker:N-1; worker 0 is the chief
+  unless `--chief` adds a `chief` task.
+* `--ps=M` (parameter servers): a `chief` (the coordinator), N workers and M ps.
+* `--evaluator` adds an evaluator, which runs outside the training cluster.
+
+Each output line is prefixed with its task (`[worker:1] ...`); the launcher's own
+lines with `[launch]`. When the chief ends, the others get `--grace_s` seconds to
+end too and are then stopped; when any task fails first, every task is stopped
+and the launcher exits with that task's code. `--restarts` starts a failed
+cluster again; the trainer resumes from the checkpoint in its `model_dir`.
+Beyond one machine, run `python -m trainer` on every host with the `TF_CONFIG`
+that the scheduler gives each task.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import IO
+
+from absl import app, flags
+
+from strategies import cluster
+from strategies.errors import UserError
+from trainer import cli
+
+LOOPBACK = "127.0.0.1"
+GRACE_S = 15.0  # how long the other tasks may run on after the chief is done
+KILL_AFTER_S = 5.0  # how long a task may take to exit after SIGTERM before SIGKILL
+_POLL_S = 0.1
+
+_WORKERS = flags.DEFINE_integer("workers", 1, "Number of worker tasks (at least 1).")
+_PS = flags.DEFINE_integer(
+    "ps", 0, "Number of parameter servers; more than 0 also adds a `chief` (the coordinator)."
+)
+_CHIEF = flags.DEFINE_bool("chief", False, "Add a `chief` task (always there when --ps > 0).")
+_EVALUATOR = flags.DEFINE_bool("evaluator", False, "Add an `evaluator` task.")
+_RESTARTS = flags.DEFINE_integer(
+    "restarts", 0, "Start the whole cluster again this many times after it fails."
+)
+_PORT_BASE = flags.DEFINE_integer(
+    "port_base", 0, "First of consecutive ports on 127.0.0.1; 0 picks free ports."
+)
+_GRACE_S = flags.DEFINE_float(
+    "grace_s", GRACE_S, "Seconds the other tasks may run after the chief ends, before SIGTERM."
+)
+_MODULE = flags.DEFINE_string(
+    "module", "trainer", "Module each task runs with `python -m` (for testing and advanced use)."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One process of a local cluster.
+
+    Attributes:
+      type: "chief", "worker", "ps" or "evaluator".
+      index: the task's index within its type.
+      address: "127.0.0.1:port" of its server; None for the evaluator, which runs none.
+      tf_config: the `TF_CONFIG` it runs with.
+    """
+
+    type: str
+    index: int
+    address: str | None
+    tf_config: str
+
+    @property
+    def name(self) -> str:
+        """How its output lines are prefixed: "chief", "worker:1", "ps:0", "evaluator"."""
+        return self.type if self.type in ("chief", "evaluator") else f"{self.type}:{self.index}"
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether the cluster ends with this task."""
+        return cluster.parse(self.tf_config).is_chief
+
+
+def plan_cluster(
+    workers: int, ps: int = 0, chief: bool = False, evaluator: bool = False, port_base: int = 0
+) -> list[Task]:
+    """The tasks of a local cluster, each with its address and `TF_CONFIG`.
+
+    Args:
+      workers: number of `worker` tasks (at least 1).
+      ps: number of parameter servers; more than 0 also adds a `chief` (the coordinator).
+      chief: add a `chief` task even without parameter servers.
+      evaluator: add an `evaluator`; it is left out of the training cluster, as TF expects.
+      port_base: 0 picks free ports on 127.0.0.1; otherwise the first of consecutive ports.
+
+    Raises:
+      UserError: a count is out of range, or a port given by `port_base` is in use.
+    """
+    if workers < 1:
+        raise UserError(f"`--workers` ({workers}) must be at least 1; pass e.g. `--workers=2`.")
+    if ps < 0:
+        raise UserError(f"`--ps` ({ps}) must be 0 or more; pass 0 for no parameter servers.")
+    servers = [("chief", 0)] if chief or ps else []
+    servers += [("worker", i) for i in range(workers)] + [("ps", i) for i in range(ps)]
+    addresses = [f"{LOOPBACK}:{port}" for port in pick_ports(len(servers), port_base)]
+    jobs: dict[str, list[str]] = {}
+    for (task_type, _), address in zip(servers, addresses, strict=True):
+        jobs.setdefault(task_type, []).append(address)
+    tasks = [
+        Task(task_type, index, address, cluster.make_tf_config(jobs, task_type, index))
+        for (task_type, index), address in zip(servers, addresses, strict=True)
+    ]
+    if evaluator:
+        tasks.append(Task("evaluator", 0, None, cluster.make_tf_config(jobs, "evaluator", 0)))
+    return tasks
+
+
+def pick_ports(count: int, base: int = 0) -> list[int]:
+    """`count` ports on 127.0.0.1 that are free now.
+
+    Args:
+      count: how many ports.
+      base: 0 lets the OS pick free ones; otherwise `base`, `base + 1`, ..., each checked.
+
+    Raises:
+      UserError: a port from `base` on is out of range or in use.
+    """
+    if not base:
+        with contextlib.ExitStack() as stack:  # held open together, so no port repeats
+            sockets = [stack.enter_context(_bind(0)) for _ in range(count)]
+            return [s.getsockname()[1] for s in sockets]
+    if not 1 <= base <= 65536 - count:
+        raise UserError(
+            f"`--port_base` ({base}) must leave room for {count} ports from 1 to 65535; "
+            "pass a smaller one, or 0 to pick free ports."
+        )
+    for port in range(base, base + count):
+        try:
+            _bind(port).close()
+        except OSError as e:
+            problem = (
+                "is already in use"
+                if e.errno == errno.EADDRINUSE
+                else f"cannot be used ({e.strerror})"
+            )
+            raise UserError(
+                f"port {port} on {LOOPBACK} {problem}; pass another `--port_base`, "
+                "or 0 to pick free ports."
+            ) from None
+    return list(range(base, base + count))
+
+
+def _bind(port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are free
+        s.bind((LOOPBACK, port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+class Console:
+    """Writes whole lines to one stream from many threads, each prefixed with its source."""
+
+    def __init__(self, stream: IO[str] | None = None):
+        self._stream = stream
+        self._lock = threading.RLock()  # re-entrant: the signal handler logs too
+
+    def write(self, source: str, line: str) -> None:
+        """Writes `[source] line`."""
+        stream = self._stream or sys.stdout
+        with self._lock:
+            stream.write(f"[{source}] {line}\n")
+            stream.flush()
+
+    def log(self, message: str) -> None:
+        """A line from the launcher itself."""
+        self.write("launch", message)
+
+
+class Cluster:
+    """Runs one set of tasks as local processes until the chief ends or a task fails.
+
+    Each task runs in its own process group, so stopping it stops its children too.
+    """
+
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        command: Sequence[str],
+        console: Console | None = None,
+        grace_s: float = GRACE_S,
+        kill_after_s: float = KILL_AFTER_S,
+    ):
+        """Creates the cluster; nothing starts before `run`.
+
+        Args:
+          tasks: from `plan_cluster`.
+          command: what every task runs, e.g. `[sys.executable, "-m", "trainer", ...]`.
+          console: where the tasks' prefixed output goes (default: stdout).
+          grace_s: how long the other tasks may run on after the chief ends.
+          kill_after_s: how long a task may take to exit after SIGTERM before SIGKILL.
+        """
+        self.tasks = list(tasks)
+        self.command = list(command)
+        self.console = console or Console()
+        self.grace_s = grace_s
+        self.kill_after_s = kill_after_s
+        self._procs: dict[Task, subprocess.Popen] = {}
+        self._pumps: list[threading.Thread] = []
+
+    def run(self) -> int:
+        """Starts every task and waits; returns the chief's exit status, or the failed task's.
+
+        Every process is stopped on the way out, whatever happens.
+        """
+        atexit.register(self.stop)
+        try:
+            for task in self.tasks:
+                self._start(task)
+            return self._wait()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stops every task and its children: SIGTERM, then SIGKILL after `kill_after_s`.
+
+        If a signal cuts this short, the `atexit` hook, still registered, runs it again.
+        """
+        running = [task.name for task, proc in self._procs.items() if proc.poll() is None]
+        if running:
+            self.console.log(f"stopping {', '.join(running)}")
+        procs = list(self._procs.values())
+        for proc in procs:  # a task that ended may have left children behind: signal them all
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.kill_after_s
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        for pump in self._pumps:
+            pump.join(timeout=1.0)  # its pipe closed with the last process of the group
+        self._procs.clear()
+        self._pumps.clear()
+        atexit.unregister(self.stop)
+
+    def _start(self, task: Task) -> None:
+        env = {**os.environ, "TF_CONFIG": task.tf_config, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            self.command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, which `stop` signals as a whole
+        )
+        self._procs[task] = proc
+        pump = threading.Thread(target=self._pump, args=(task, proc.stdout), daemon=True)
+        pump.start()
+        self._pumps.append(pump)
+
+    def _pump(self, task: Task, stream: IO[bytes]) -> None:
+        with stream:
+            for raw in iter(stream.readline, b""):
+                self.console.write(task.name, raw.decode(errors="replace").rstrip("\r\n"))
+
+    def _wait(self) -> int:
+        chief = next(task for task in self.tasks if task.is_chief)
+        others = {task: proc for task, proc in self._procs.items() if task != chief}
+        while (code := self._procs[chief].poll()) is None:
+            for task, proc in others.items():
+                if proc.poll():  # non-zero: a failure before the chief is done
+                    self.console.log(f"{task.name} {_ended(proc.returncode)}; stopping the cluster")
+                    return _exit_status(proc.returncode)
+            time.sleep(_POLL_S)
+        label = chief.name if chief.type == "chief" else f"{chief.name} (the chief)"
+        self.console.log(f"{label} {_ended(code)}")
+        if code == 0 and any(proc.poll() is None for proc in others.values()):
+            self.console.log(f"waiting up to {self.grace_s:g} s for the other tasks to end")
+            deadline = time.monotonic() + self.grace_s
+            while time.monotonic() < deadline and any(p.poll() is None for p in others.values()):
+                time.sleep(_POLL_S)
+        return _exit_status(code)
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
+        os.killpg(proc.pid, sig)
+
+
+def _ended(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _exit_status(code: int) -> int:
+    """A child's return code as a shell reports it: 128 + N for death by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def launch(
+    command: Sequence[str],
+    workers: int,
+    ps: int = 0,
+    chief: bool = False,
+    evaluator: bool = False,
+    restarts: int = 0,
+    port_base: int = 0,
+    grace_s: float = GRACE_S,
+    console: Console | None = None,
+) -> int:
+    """Runs a local cluster, starting it again after a failure up to `restarts` times.
+
+    Args:
+      command: what every task runs, e.g. `[sys.executable, "-m", "trainer", ...]`.
+      workers, ps, chief, evaluator, port_base: the topology, as in `plan_cluster`.
+      restarts: how many times to start a failed cluster again, on fresh ports. A
+        user error (exit status 2) is not retried: it would fail the same way.
+      grace_s: how long the other tasks may run on after the chief ends.
+      console: where the prefixed output goes (default: stdout).
+
+    Returns:
+      The exit status of the last attempt: the chief's, or that of the task that failed.
+
+    Raises:
+      UserError: a flag is out of range or a port is in use.
+    """
+    if restarts < 0:
+        raise UserError(f"`--restarts` ({restarts}) must be 0 or more; pass 0 for no restarts.")
+    if grace_s < 0:
+        raise UserError(f"`--grace_s` ({grace_s}) must be 0 or more seconds; pass e.g. 15.")
+    console = console or Console()
+    attempts = restarts + 1
+    for attempt in range(1, attempts + 1):
+        if attempt > 1:
+            console.log(f"restarting cluster (attempt {attempt} of {attempts})")
+        tasks = plan_cluster(workers, ps, chief, evaluator, port_base)
+        code = Cluster(tasks, command, console, grace_s).run()
+        if code in (0, cli.EXIT_USER_ERROR):
+            break
+    return code
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the launcher; `code` is 128 + the signal number."""
+
+    def __init__(self, sig: int):
+        super().__init__(signal.Signals(sig).name)
+        self.code = 128 + sig
+
+
+@contextlib.contextmanager
+def signals_interrupt(console: Console) -> Iterator[None]:
+    """Turns SIGINT and SIGTERM into `Interrupted`, so `finally` blocks stop the cluster."""
+
+    def handler(sig: int, frame: object) -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        console.log(f"got {signal.Signals(sig).name}")
+        raise Interrupted(sig)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def main(argv: list[str]) -> None:
+    console = Console()
+    try:
+        with signals_interrupt(console):
+            code = launch(
+                [sys.executable, "-m", _MODULE.value, *argv[1:]],
+                workers=_WORKERS.value,
+                ps=_PS.value,
+                chief=_CHIEF.value,
+                evaluator=_EVALUATOR.value,
+                restarts=_RESTARTS.value,
+                port_base=_PORT_BASE.value,
+                grace_s=_GRACE_S.value,
+                console=console,
+            )
+    except Interrupted as e:
+        code = e.code
+    except UserError as e:
+        cli.fail(cli.one_line(e))
+    sys.exit(code)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.UnrecognizedFlagError as e:
+        cli.fail(f"{cli.one_line(e)}; put the trainer's flags after `--`.")
+    except flags.Error as e:
+        cli.fail(cli.one_line(e))
+
+
+if __name__ == "__main__":
+    app.run(main, argv=sys.argv, flags_parser=_parse_flags)
