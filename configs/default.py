@@ -28,6 +28,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategy.central_storage = ml_collections.ConfigDict()
     c.strategy.central_storage.devices = ""  # compute devices, as for mirrored
     c.strategy.central_storage.parameter_device = ""  # "" = the host CPU
+    c.strategy.multi_worker = ml_collections.ConfigDict()
+    c.strategy.multi_worker.implementation = "auto"  # collectives: auto | ring | nccl
+    c.strategy.multi_worker.bytes_per_pack = 0  # pack gradients into chunks of this size (0 = off)
+    c.strategy.multi_worker.timeout_seconds = 300.0  # a collective waiting longer is an error
 
     c.devices = ml_collections.ConfigDict()
     c.devices.logical_cpus = 2  # split the host CPU into N logical devices (0 = leave as is)
@@ -77,6 +81,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 500  # steps between evaluations (and one at the end); 0 = end only
     c.eval.global_batch_size = 256  # examples per eval step over all replicas
+    c.eval.sidecar_timeout = 600.0  # evaluator task: seconds to wait for a new checkpoint
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "adam"  # sgd | momentum | adam | adamw

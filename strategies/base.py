@@ -109,6 +109,25 @@ class Strategy(abc.ABC):
         return True
 
     @property
+    def role(self) -> str:
+        """What this task does: "train", "serve" (a server for others) or "evaluate".
+
+        Every task of a cluster runs the same program; the role says which part.
+        A "serve" task calls `serve()`, an "evaluate" task evaluates checkpoints
+        as they appear (sidecar evaluation), and "train" tasks run the loop.
+        """
+        return "train"
+
+    @property
+    def evaluates_inline(self) -> bool:
+        """Whether the training tasks evaluate (False when a sidecar evaluator does)."""
+        return True
+
+    def serve(self) -> None:
+        """Runs this task's server until the job is over (for role "serve")."""
+        raise NotImplementedError(f"`{self.name}` tasks have no server to run.")
+
+    @property
     def compute_devices(self) -> list[str]:
         """The devices that run replicas."""
         return list(self.tf_strategy.extended.worker_devices)
@@ -184,8 +203,9 @@ def _reduce_op(op: str | tf.distribute.ReduceOp) -> tf.distribute.ReduceOp:
     return _REDUCE_OPS[str(op).lower()]
 
 
-def _to_floats(values: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in values.items()}
+def _to_floats(values: dict) -> dict:
+    """Scalars become floats; vectors (e.g. histograms) become numpy arrays."""
+    return {k: float(v) if v.shape.rank == 0 else v.numpy() for k, v in values.items()}
 
 
 def _variable_name(variable) -> str:

@@ -22,6 +22,7 @@ BUILTIN_MODULES = (
     "strategies.one_device",
     "strategies.mirrored",
     "strategies.central_storage",
+    "strategies.multi_worker",
 )
 
 _REGISTRY: dict[str, type] = {}

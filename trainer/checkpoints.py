@@ -31,13 +31,13 @@ class Checkpointer:
         """The newest checkpoint in `model_dir`, or None."""
         return tf.train.latest_checkpoint(self.directory)
 
-    def restore(self) -> str | None:
-        """Restores the newest checkpoint, if any; returns its path.
+    def restore(self, path: str | None = None) -> str | None:
+        """Restores checkpoint `path` (default: the newest, if any); returns its path.
 
         Raises:
           UserError: the checkpoint belongs to a different model or optimizer.
         """
-        path = self.latest
+        path = path or self.latest
         if path is None:
             return None
         try:

@@ -11,14 +11,20 @@ class Summaries:
     """Scalar and text summaries; writes nothing unless `enabled` (the chief)."""
 
     def __init__(self, model_dir: str, enabled: bool):
+        self._model_dir = model_dir
+        self._enabled = enabled
         self._writers = {}
-        if enabled:
-            for split in ("train", "eval"):
-                self._writers[split] = tf.summary.create_file_writer(os.path.join(model_dir, split))
+
+    def _writer(self, split: str):
+        """The split's writer, made on first use (a sidecar evaluator writes only eval)."""
+        if self._enabled and split not in self._writers:
+            path = os.path.join(self._model_dir, split)
+            self._writers[split] = tf.summary.create_file_writer(path)
+        return self._writers.get(split)
 
     def scalars(self, split: str, step: int, values: dict[str, float]) -> None:
         """Writes each of `values` as a scalar at `step` under `split`."""
-        writer = self._writers.get(split)
+        writer = self._writer(split)
         if writer is None:
             return
         with writer.as_default(step=step):
@@ -28,7 +34,7 @@ class Summaries:
 
     def text(self, name: str, text: str, step: int = 0) -> None:
         """Writes `text` (markdown) under the train split."""
-        writer = self._writers.get("train")
+        writer = self._writer("train")
         if writer is None:
             return
         with writer.as_default(step=step):

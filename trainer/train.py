@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import time
 
 import keras
 import ml_collections
+import tensorflow as tf
 
 import strategies
 from strategies import devices
@@ -57,12 +59,19 @@ def train_and_evaluate(
     """
     if mode not in MODES:
         raise UserError(f"Unknown `--mode` '{mode}'; known: {', '.join(MODES)}.")
-    job = build(config, model_dir)
+    strategy = make_strategy(config)
+    if strategy.role == "serve":  # a ps or worker task of a parameter-server cluster
+        say(f"serving as a {strategy.name} task until the chief ends the job")
+        strategy.serve()
+        return {}
+    job = build(config, model_dir, strategy)
+    if strategy.role == "evaluate":
+        return sidecar_evaluate(job)
     return run(job, mode)
 
 
-def build(config: ml_collections.ConfigDict, model_dir: str) -> Job:
-    """Checks the config and builds strategy, data, model and optimizer; writes nothing."""
+def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
+    """Checks the config, sets up devices and builds the strategy plugin."""
     checks.check_config(config)
     devices.configure(
         config.devices.logical_cpus,
@@ -71,11 +80,19 @@ def build(config: ml_collections.ConfigDict, model_dir: str) -> Job:
         config.devices.log_placement,
     )
     name = config.strategy.name
-    strategy = strategies.get(name, config.strategy.get(name))
+    return strategies.get(name, config.strategy.get(name))
+
+
+def build(
+    config: ml_collections.ConfigDict, model_dir: str, strategy: strategies.Strategy | None = None
+) -> Job:
+    """Builds strategy, data, model and optimizer and checks them; writes nothing."""
+    strategy = strategy or make_strategy(config)
     checks.check_batch(config, strategy)
     dataset = data.get(config.data)
     total_steps = checks.total_steps(config, dataset.spec)
-    checks.check_model_dir(model_dir)
+    if strategy.is_chief:
+        checks.check_model_dir(model_dir)
     data.check(dataset)
     keras.utils.set_random_seed(config.seed)
     with strategy.scope():
@@ -94,14 +111,7 @@ def run(job: Job, mode: str) -> dict:
     if strategy.is_chief:
         os.makedirs(job.model_dir, exist_ok=True)
     checkpointer = Checkpointer(
-        job.model_dir,
-        strategy.is_chief,
-        config.train.max_checkpoints,
-        model=job.model,
-        optimizer=job.optimizer,
-        # Listed explicitly: a Keras model does not expose every variable to a TF
-        # checkpoint (e.g. dropout's seed state), and exact resume needs them all.
-        model_variables=list(job.model.variables),
+        job.model_dir, strategy.is_chief, config.train.max_checkpoints, **_checkpointed(job)
     )
     summaries = Summaries(job.model_dir, strategy.is_chief)
     try:
@@ -117,8 +127,11 @@ def run(job: Job, mode: str) -> dict:
         _log_start(job, placement, summaries)
         train_metrics = {}
         if mode != "eval":
-            train_metrics = _train(job, checkpointer, summaries, evaluate=mode != "train")
-        eval_metrics = _evaluate(job, summaries) if mode != "train" else {}
+            train_metrics = _train(
+                job, checkpointer, summaries, evaluate=mode != "train" and strategy.evaluates_inline
+            )
+        evaluate = mode != "train" and strategy.evaluates_inline
+        eval_metrics = _evaluate(job, summaries) if evaluate else {}
         results = {
             "step": _step(job),
             "train": train_metrics,
@@ -126,20 +139,61 @@ def run(job: Job, mode: str) -> dict:
             "wall_time_s": round(time.time() - start, 3),
             "placement": placement,
         }
+        if mode != "eval" and config.train.export:
+            _export(job)
         if strategy.is_chief:
-            if mode != "eval" and config.train.export:
-                path = export(
-                    job.model,
-                    os.path.join(job.model_dir, "export"),
-                    job.dataset.spec.input_shape,
-                    job.dataset.spec.num_classes,
-                )
-                say(f"exported SavedModel to {path}")
             _write_json(os.path.join(job.model_dir, "results.json"), results)
         return results
     finally:
         summaries.close()
         checkpointer.close()
+
+
+def _export(job: Job) -> None:
+    """Every task exports (some strategies save collectively); only the chief's is kept."""
+    spec = job.dataset.spec
+    if job.strategy.is_chief:
+        path = export(
+            job.model, os.path.join(job.model_dir, "export"), spec.input_shape, spec.num_classes
+        )
+        say(f"exported SavedModel to {path}")
+        return
+    with tempfile.TemporaryDirectory(prefix="towerflow-export-") as scratch:
+        export(job.model, os.path.join(scratch, "export"), spec.input_shape, spec.num_classes)
+
+
+def sidecar_evaluate(job: Job) -> dict:
+    """Evaluates each new checkpoint in `model_dir` until the last step's (the evaluator task)."""
+    config = job.config
+    checkpointer = Checkpointer(job.model_dir, False, 1, **_checkpointed(job))
+    summaries = Summaries(job.model_dir, enabled=True)
+    metrics: dict = {}
+    try:
+        say(f"evaluating checkpoints in {checkpointer.directory} as they appear")
+        for path in tf.train.checkpoints_iterator(
+            checkpointer.directory, min_interval_secs=1, timeout=config.eval.sidecar_timeout
+        ):
+            checkpointer.restore(path)
+            metrics = _evaluate(job, summaries)
+            if _step(job) >= job.total_steps:
+                break
+        else:
+            say(f"no new checkpoint for {config.eval.sidecar_timeout:g} s: stopping")
+    finally:
+        summaries.close()
+        checkpointer.close()
+    return {"step": _step(job), "eval": metrics}
+
+
+def _checkpointed(job: Job) -> dict:
+    """What a checkpoint holds."""
+    return {
+        "model": job.model,
+        "optimizer": job.optimizer,
+        # Listed explicitly: a Keras model does not expose every variable to a TF
+        # checkpoint (e.g. dropout's seed state), and exact resume needs them all.
+        "model_variables": list(job.model.variables),
+    }
 
 
 def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool) -> dict:
@@ -167,7 +221,7 @@ def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate:
         metrics["steps_per_sec"] = n / elapsed
         metrics["examples_per_sec"] = n * gb / elapsed
         summaries.scalars("train", step, metrics)
-        say(progress_line("train", step, metrics, job.total_steps))
+        _tell(job, progress_line("train", step, metrics, job.total_steps))
         if _due(step, config.train.checkpoint_every) or step >= job.total_steps:
             checkpointer.save(step)
         if evaluate and _due(step, config.eval.every) and step < job.total_steps:
@@ -183,7 +237,7 @@ def _evaluate(job: Job, summaries: Summaries) -> dict:
     metrics["examples"] = sums.get("examples", 0.0)
     step = _step(job)
     summaries.scalars("eval", step, metrics)
-    say(progress_line("eval", step, metrics))
+    _tell(job, progress_line("eval", step, metrics))
     return metrics
 
 
@@ -206,17 +260,19 @@ def _step(job: Job) -> int:
 
 def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     strategy = job.strategy
-    say(
+    _tell(
+        job,
         f"strategy: {strategy.name} | replicas: {strategy.num_replicas_in_sync} | "
-        f"devices: {', '.join(placement['compute_devices'])}"
+        f"devices: {', '.join(placement['compute_devices'])}",
     )
-    say(f"communication: {placement['communication']}")
+    _tell(job, f"communication: {placement['communication']}")
     for name, where in placement["variables"].items():
-        say(f"  {name}: {', '.join(where)}")
-    say(
+        _tell(job, f"  {name}: {', '.join(where)}")
+    _tell(
+        job,
         f"model: {job.config.model.name} ({job.model.count_params():,} parameters) | "
         f"data: {job.config.data.name} | steps: {job.total_steps} | "
-        f"global batch: {job.config.train.global_batch_size}"
+        f"global batch: {job.config.train.global_batch_size}",
     )
     if strategy.is_chief:
         config_json = job.config.to_json_best_effort(indent=2, sort_keys=True)
@@ -238,6 +294,12 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
         else:
             parts.append(f"{name}: {value:.4f}")
     return " | ".join(parts)
+
+
+def _tell(job: Job, line: str) -> None:
+    """Progress from the chief (and a sidecar evaluator); other workers stay quiet."""
+    if job.strategy.is_chief or job.strategy.role != "train":
+        say(line)
 
 
 def say(line: str) -> None:

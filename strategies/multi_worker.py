@@ -1,0 +1,80 @@
+"""`multi_worker`: synchronous all-reduce across worker processes (between-graph replication)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from strategies import cluster as cluster_lib
+from strategies.base import Strategy
+from strategies.errors import UserError
+from strategies.registry import register
+
+IMPLEMENTATIONS = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+
+
+@register("multi_worker")
+class MultiWorker(Strategy):
+    """Synchronous replicas in every worker of a `TF_CONFIG` cluster, gradients all-reduced."""
+
+    def _build(self) -> tf.distribute.Strategy:
+        self.cluster = cluster_lib.from_env()
+        if self.role == "evaluate":  # the sidecar evaluator is not part of the collective
+            return tf.distribute.get_strategy()
+        if self.cluster and self.cluster.num_ps:
+            raise UserError(
+                f"`TF_CONFIG` lists {self.cluster.num_ps} ps tasks, which `multi_worker` does "
+                "not use; use `--strategy=parameter_server`, or drop the ps job."
+            )
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver()
+            if self.cluster
+            else None,
+            communication_options=self._communication_options(),
+        )
+
+    def _communication_options(self) -> tf.distribute.experimental.CommunicationOptions:
+        name = self.options.get("implementation", "auto")
+        if name not in IMPLEMENTATIONS:
+            raise UserError(
+                f"Unknown `strategy.multi_worker.implementation` '{name}'; "
+                f"known: {', '.join(IMPLEMENTATIONS)}."
+            )
+        timeout = self.options.get("timeout_seconds", 300.0)
+        if not timeout or timeout <= 0:
+            raise UserError(
+                f"`strategy.multi_worker.timeout_seconds` ({timeout}) must be positive: "
+                "a dead peer must become an error, not a hang."
+            )
+        return tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=self.options.get("bytes_per_pack", 0),
+            timeout_seconds=float(timeout),
+            implementation=IMPLEMENTATIONS[name],
+        )
+
+    @property
+    def role(self) -> str:
+        cluster = getattr(self, "cluster", None)
+        return "evaluate" if cluster and cluster.task_type == "evaluator" else "train"
+
+    @property
+    def evaluates_inline(self) -> bool:
+        return not (self.cluster and self.cluster.has_evaluator)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.cluster.is_chief if self.cluster else True
+
+    @property
+    def communication(self) -> str:
+        if self.role == "evaluate":
+            return "none: a sidecar evaluator reads checkpoints from model_dir"
+        workers = self.tf_strategy.extended._num_workers  # what TF_CONFIG resolved to
+        return (
+            f"gradients all-reduced across {self.num_replicas_in_sync} replicas in "
+            f"{workers} worker process(es) each step ({self.options.get('implementation', 'auto')}"
+            f" collectives, timeout {self.options.get('timeout_seconds', 300.0):g} s)"
+        )
