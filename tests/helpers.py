@@ -31,15 +31,33 @@ def tiny_config(**overrides):
     return config
 
 
-def run_cli(*args: str, cwd: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs `python -m trainer ARGS` in `cwd`, as a user would."""
+def run_cli(
+    *args: str, cwd: str, timeout: float = 300, module: str = "trainer", keep_tf_config=False
+) -> subprocess.CompletedProcess:
+    """Runs `python -m MODULE ARGS` in `cwd` (default the trainer), as a user would."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    if not keep_tf_config:
+        env.pop("TF_CONFIG", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "trainer", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def launch(*args: str, cwd: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs `python -m trainer.launch ARGS`: a local cluster on 127.0.0.1."""
+    return run_cli(*args, cwd=cwd, timeout=timeout, module="trainer.launch")
+
+
+def checkpoint_values(model_dir) -> dict:
+    """Every variable in the newest checkpoint of `model_dir`, by checkpoint key."""
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(os.path.join(str(model_dir), "checkpoints"))
+    names = [n for n in reader.get_variable_to_shape_map() if "VARIABLE_VALUE" in n]
+    return {n: reader.get_tensor(n) for n in names}

@@ -90,30 +90,29 @@ class _IndexedSplit:
     def shuffled_batches(
         self, context: tf.distribute.InputContext, seed: int, batch: int, first: int
     ) -> tf.data.Dataset:
-        """This pipeline's indices in batches, endlessly, a new permutation each epoch.
+        """This pipeline's batches of indices, endlessly, a new permutation each epoch.
 
-        Batch `first` of the stream comes first; finding it costs nothing.
+        There is one stream of batches for the whole split, whatever the number of
+        pipelines: pipeline `p` of `P` takes its batches `p, p + P, p + 2P, ...`.
+        So a step sees the same examples with one pipeline feeding every replica
+        (`mirrored`) as with one pipeline per worker (`multi_worker`), and the two
+        train to the same weights. Batch `first` of this pipeline comes first;
+        finding it costs nothing.
         """
         pipelines, pipeline = context.num_input_pipelines, context.input_pipeline_id
-        share = len(range(pipeline, self.size, pipelines))
-        if share == 0:
-            raise UserError(
-                f"{self.origin} has {self.size} examples, fewer than the {pipelines} input "
-                "pipelines; use more examples."
-            )
-
-        last = tf.constant(share - 1, tf.int64)
+        last = tf.constant(self.size - 1, tf.int64)
 
         def indices(number: tf.Tensor) -> tf.Tensor:
-            positions = number * batch + tf.range(batch, dtype=tf.int64)
-            epochs, zeros = positions // share, tf.zeros([batch], tf.int64)
-            # A new permutation of this pipeline's share for each (seed, epoch, pipeline).
+            stream_batch = number * pipelines + pipeline
+            positions = stream_batch * batch + tf.range(batch, dtype=tf.int64)
+            epochs, zeros = positions // self.size, tf.zeros([batch], tf.int64)
+            # A new permutation of the split for each (seed, epoch).
             # The raw op, because `index_shuffle` pads per-example seeds wrongly in TF 2.21.
-            seeds = tf.stack([zeros + seed, epochs, zeros + pipeline], axis=1)
+            seeds = tf.stack([zeros + seed, epochs, zeros], axis=1)
             offsets = tf.raw_ops.RandomIndexShuffle(
-                index=positions % share, seed=seeds, max_index=last, rounds=4
+                index=positions % self.size, seed=seeds, max_index=last, rounds=4
             )
-            return self.begin + pipeline + offsets * pipelines
+            return self.begin + offsets
 
         return tf.data.Dataset.counter(first).map(indices)
 

@@ -1,0 +1,98 @@
+"""`multi_worker`: real worker processes on 127.0.0.1, through the launcher."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.helpers import checkpoint_values, launch, run_cli
+
+EQUIVALENCE = [
+    "--config.train.steps=20",
+    "--config.train.steps_per_loop=5",
+    "--config.train.checkpoint_every=10",
+    "--config.train.global_batch_size=32",
+    "--config.eval.every=0",
+    "--config.model.dropout=0",
+    "--config.train.export=False",
+]
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("mw")
+    result = launch(
+        "--workers=2",
+        "--",
+        "--strategy=multi_worker",
+        "--model_dir=run",
+        "--config.train.steps=300",
+        "--config.eval.every=0",
+        cwd=str(cwd),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return cwd, result
+
+
+def test_two_workers_train_the_default_job(two_workers):
+    cwd, result = two_workers
+    results = json.loads((cwd / "run" / "results.json").read_text())
+    assert results["step"] == 300
+    assert results["eval"]["accuracy"] >= 0.9
+    assert results["eval"]["examples"] == 360
+    assert results["placement"]["strategy"] == "multi_worker"
+    assert results["placement"]["replicas_in_sync"] == 2
+    assert "2 worker process(es)" in results["placement"]["communication"]
+    # Only the chief reports and writes; the other worker's files went to a temporary place.
+    assert "[worker:0] train | step: 300/300" in result.stdout
+    assert "[worker:1] train |" not in result.stdout
+    assert sorted(os.listdir(cwd / "run")) == [
+        "checkpoints",
+        "config.json",
+        "eval",
+        "export",
+        "results.json",
+        "train",
+    ]
+    assert sorted(os.listdir(cwd)) == ["run"]
+
+
+def test_two_workers_match_mirrored_over_two_cpus(tmp_path):
+    mw = launch(
+        "--workers=2",
+        "--",
+        "--strategy=multi_worker",
+        "--model_dir=mw",
+        *EQUIVALENCE,
+        cwd=str(tmp_path),
+    )
+    assert mw.returncode == 0, mw.stdout[-3000:]
+    mirrored = run_cli(
+        "--strategy=mirrored",
+        "--config.devices.logical_cpus=2",
+        "--model_dir=mirrored",
+        *EQUIVALENCE,
+        cwd=str(tmp_path),
+    )
+    assert mirrored.returncode == 0, mirrored.stderr[-3000:]
+    a, b = checkpoint_values(tmp_path / "mw"), checkpoint_values(tmp_path / "mirrored")
+    assert a.keys() == b.keys() and len(a) > 10
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_malformed_tf_config_is_one_line(tmp_path):
+    env_before = os.environ.get("TF_CONFIG")
+    os.environ["TF_CONFIG"] = '{"cluster": {"worker": ["127.0.0.1:99999"]}, "task": {}}'
+    try:
+        result = run_cli("--strategy=multi_worker", cwd=str(tmp_path), keep_tf_config=True)
+    finally:
+        if env_before is None:
+            del os.environ["TF_CONFIG"]
+        else:
+            os.environ["TF_CONFIG"] = env_before
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2
+    assert len(lines) == 1 and "`TF_CONFIG`" in lines[0] and "99999" in lines[0], result.stderr
+    assert not (tmp_path / "runs").exists()
