@@ -32,6 +32,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategy.multi_worker.implementation = "auto"  # collectives: auto | ring | nccl
     c.strategy.multi_worker.bytes_per_pack = 0  # pack gradients into chunks of this size (0 = off)
     c.strategy.multi_worker.timeout_seconds = 300.0  # a collective waiting longer is an error
+    c.strategy.parameter_server = ml_collections.ConfigDict()
+    # How big variables of `trainer.layers` are split over the ps tasks:
+    # none (whole variables, round-robin) | fixed | min_size | max_size.
+    c.strategy.parameter_server.partitioner = "none"
+    c.strategy.parameter_server.num_shards = 2  # fixed: shards per big variable
+    c.strategy.parameter_server.min_shard_bytes = 256 << 10  # min_size: bytes (<= 1 shard per ps)
+    c.strategy.parameter_server.max_shard_bytes = 64 << 20  # max_size: largest shard in bytes
 
     c.devices = ml_collections.ConfigDict()
     c.devices.logical_cpus = 2  # split the host CPU into N logical devices (0 = leave as is)
@@ -49,15 +56,23 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.weight_decay = 0.0  # L2 penalty on kernels, added to the loss
 
     c.data = ml_collections.ConfigDict()
-    c.data.name = "digits"  # digits | synthetic | tfrecord | csv
+    c.data.name = "digits"  # digits | synthetic | ctr | tfrecord | csv
     c.data.shuffle_buffer = 10_000  # examples held for shuffling the training stream
-    c.data.eval_fraction = 0.2  # digits / synthetic: share of examples held out for eval
+    c.data.eval_fraction = 0.2  # digits / synthetic / ctr: share of examples held out for eval
     # synthetic: a deterministic, learnable problem of any size.
     c.data.synthetic = ml_collections.ConfigDict()
     c.data.synthetic.num_examples = 4096  # total examples (train + eval)
     c.data.synthetic.input_shape = (32,)  # shape of one example
     c.data.synthetic.num_classes = 10  # 0 = regression
     c.data.synthetic.noise = 0.1  # label noise (std of the logits' perturbation)
+    # ctr: synthetic click-through logs, categorical ids in, click (1) or not (0) out.
+    c.data.ctr = ml_collections.ConfigDict()
+    c.data.ctr.num_examples = 1_000_000  # total examples (train + eval)
+    c.data.ctr.num_fields = 8  # categorical fields per example
+    c.data.ctr.ids_per_field = 3_000  # values a field takes; frequency falls as 1/rank
+    c.data.ctr.vocab_size = 200_000  # ids of the one hashed vocabulary all fields share
+    c.data.ctr.weight_scale = 0.7  # std of the hidden click model's per-id weights (logits)
+    c.data.ctr.bias = -1.0  # the hidden click model's bias (logits): sets the click rate
     # tfrecord / csv: the user's files.
     c.data.train_files = ""  # glob of training files
     c.data.eval_files = ""  # glob of eval files
@@ -77,6 +92,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 500  # steps between checkpoints (and one at the end)
     c.train.max_checkpoints = 3  # checkpoints kept in model_dir
     c.train.export = True  # write a SavedModel to model_dir/export at the end
+    c.train.loss_upper_bound = 0.0  # a loop loss above this counts as a blow-up (0 = none)
+    c.train.max_recoveries = 3  # blow-ups recovered from the last good checkpoint, then stop
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 500  # steps between evaluations (and one at the end); 0 = end only

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
 import tensorflow as tf
@@ -32,23 +33,41 @@ class Checkpointer:
         return tf.train.latest_checkpoint(self.directory)
 
     def restore(self, path: str | None = None) -> str | None:
-        """Restores checkpoint `path` (default: the newest, if any); returns its path.
+        """Restores checkpoint `path`, or else the newest readable one; returns its path.
+
+        A truncated or corrupt newest checkpoint is skipped with a warning that
+        names it, and the one before is used.
 
         Raises:
           UserError: the checkpoint belongs to a different model or optimizer.
         """
-        path = path or self.latest
-        if path is None:
-            return None
-        try:
-            self.checkpoint.restore(path).assert_existing_objects_matched()
-        except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as e:
-            reason = str(e).strip().splitlines()[0][:200]
-            raise UserError(
-                f"`model_dir` holds checkpoint '{path}' of a different model or optimizer "
-                f"({reason}); use a new `--model_dir`, or the config that wrote it."
-            ) from None
-        return path
+        for candidate in [path] if path else self._newest_first():
+            try:
+                self.checkpoint.restore(candidate).assert_existing_objects_matched()
+                return candidate
+            except (
+                tf.errors.OpError,  # data loss, missing or unreadable shards
+                IndexError,  # a truncated file: "Read less bytes than requested"
+            ) as e:
+                if path:
+                    raise
+                print(
+                    f"warning: checkpoint {candidate} is unreadable ({_first_line(e)}); "
+                    "trying the one before",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            except (AssertionError, ValueError) as e:
+                raise UserError(
+                    f"`model_dir` holds checkpoint '{candidate}' of a different model or "
+                    f"optimizer ({_first_line(e)[:200]}); use a new `--model_dir`, or the "
+                    "config that wrote it."
+                ) from None
+        return None
+
+    def _newest_first(self) -> list[str]:
+        state = tf.train.get_checkpoint_state(self.directory)
+        return list(reversed(state.all_model_checkpoint_paths)) if state else []
 
     def save(self, step: int) -> str:
         """Writes a checkpoint for `step`; returns its path."""
@@ -58,3 +77,7 @@ class Checkpointer:
         """Removes a non-chief task's temporary checkpoint directory."""
         if self._temp_dir:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip() or type(error).__name__).splitlines()[0]

@@ -101,10 +101,17 @@ def guarded(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
             from strategies.errors import UserError
 
             devices.physical()
+        from trainer import faults
+
         try:
             main(argv)
         except UserError as e:
             fail(one_line(e))
+        except faults.Preempted:
+            sys.exit(faults.PREEMPTED_EXIT_CODE)
+        except faults.Diverged as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(faults.DIVERGED_EXIT_CODE)
 
     return wrapper
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 import strategies
 from strategies import devices
 from strategies.errors import UserError
-from trainer import checks, data, models, optim, steps, tasks
+from trainer import checks, data, faults, models, optim, steps, tasks
 from trainer.checkpoints import Checkpointer
 from trainer.export import export
 from trainer.summaries import Summaries
@@ -126,11 +126,9 @@ def run(job: Job, mode: str) -> dict:
         placement = strategy.describe(job.model.variables)
         _log_start(job, placement, summaries)
         train_metrics = {}
-        if mode != "eval":
-            train_metrics = _train(
-                job, checkpointer, summaries, evaluate=mode != "train" and strategy.evaluates_inline
-            )
         evaluate = mode != "train" and strategy.evaluates_inline
+        if mode != "eval":
+            train_metrics = _train(job, checkpointer, summaries, evaluate)
         eval_metrics = _evaluate(job, summaries) if evaluate else {}
         results = {
             "step": _step(job),
@@ -197,36 +195,73 @@ def _checkpointed(job: Job) -> dict:
 
 
 def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool) -> dict:
-    """The outer training loop; returns the last loop's train metrics."""
+    """The outer training loop; returns the last loop's train metrics.
+
+    Raises:
+      faults.Preempted: SIGTERM arrived; a checkpoint holds the step reached.
+      faults.Diverged: the loss blew up more than `train.max_recoveries` times.
+    """
     config, strategy = job.config, job.strategy
     step = _step(job)
     if step >= job.total_steps:
         say(f"already at step {step} of {job.total_steps}: nothing to train")
         return {}
+    if checkpointer.latest is None:
+        checkpointer.save(step)  # a good state to fall back to if the loss blows up
     gb = config.train.global_batch_size
     train_step = steps.make_train_step(
         job.model, job.optimizer, job.task, gb, config.optimizer.clip_global_norm
     )
     dataset_fn = job.dataset.train_fn(gb, config.seed, start_step=step)
     iterator = iter(strategy.distribute_dataset(dataset_fn))
-    metrics = {}
-    while step < job.total_steps:
-        n = _steps_until_next_event(step, job.total_steps, config)
-        tic = time.time()
-        sums = strategy.run_steps(train_step, iterator, n)
-        elapsed = time.time() - tic
-        step = _step(job)
-        metrics = job.task.metrics(sums)
-        metrics["learning_rate"] = float(job.optimizer.learning_rate)
-        metrics["steps_per_sec"] = n / elapsed
-        metrics["examples_per_sec"] = n * gb / elapsed
-        summaries.scalars("train", step, metrics)
-        _tell(job, progress_line("train", step, metrics, job.total_steps))
-        if _due(step, config.train.checkpoint_every) or step >= job.total_steps:
-            checkpointer.save(step)
-        if evaluate and _due(step, config.eval.every) and step < job.total_steps:
-            _evaluate(job, summaries)
+    metrics, recoveries = {}, 0
+    with faults.watch_sigterm() as sigterm:
+        while step < job.total_steps:
+            n = _steps_until_next_event(step, job.total_steps, config)
+            tic = time.time()
+            sums = strategy.run_steps(train_step, iterator, n)
+            elapsed = time.time() - tic
+            step = _step(job)
+            metrics = job.task.metrics(sums)
+            if faults.loss_blew_up(metrics["loss"], config.train.loss_upper_bound):
+                recoveries += 1
+                step = _recover(job, checkpointer, step, metrics["loss"], recoveries)
+                continue
+            metrics["learning_rate"] = float(job.optimizer.learning_rate)
+            metrics["steps_per_sec"] = n / elapsed
+            metrics["examples_per_sec"] = n * gb / elapsed
+            summaries.scalars("train", step, metrics)
+            _tell(job, progress_line("train", step, metrics, job.total_steps))
+            if sigterm.requested:
+                checkpointer.save(step)
+                say(
+                    f"preempted (SIGTERM) at step {step}: checkpoint saved; exiting with "
+                    f"{faults.PREEMPTED_EXIT_CODE} so the scheduler restarts the job"
+                )
+                raise faults.Preempted()
+            if _due(step, config.train.checkpoint_every) or step >= job.total_steps:
+                checkpointer.save(step)
+            if evaluate and _due(step, config.eval.every) and step < job.total_steps:
+                _evaluate(job, summaries)
     return metrics
+
+
+def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attempt: int) -> int:
+    """Restores the last good checkpoint after a loss blow-up; returns its step."""
+    limit = job.config.train.max_recoveries
+    good = checkpointer.latest
+    if attempt > limit:
+        raise faults.Diverged(
+            f"loss {loss:.4g} at step {step} is non-finite or above `train.loss_upper_bound` "
+            f"after {limit} recoveries; the last good checkpoint is {good}. Lower "
+            "`optimizer.learning_rate` or set `optimizer.clip_global_norm`, then rerun."
+        )
+    checkpointer.restore(good)
+    say(
+        f"loss {loss:.4g} blew up by step {step}: restored {good} (step {_step(job)}), "
+        f"recovery {attempt} of {limit}; going on with fresh data"
+    )
+    return _step(job)
 
 
 def _evaluate(job: Job, summaries: Summaries) -> dict:

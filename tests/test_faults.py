@@ -1,0 +1,122 @@
+"""Preemption, loss blow-ups and corrupt checkpoints: no work or data lost."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import REPO, run_cli, tiny_config
+from trainer import faults, train
+
+
+def _all_checkpoints_finite(model_dir) -> bool:
+    state = tf.train.get_checkpoint_state(os.path.join(str(model_dir), "checkpoints"))
+    for path in state.all_model_checkpoint_paths:
+        reader = tf.train.load_checkpoint(path)
+        for name in reader.get_variable_to_shape_map():
+            value = reader.get_tensor(name)
+            if np.issubdtype(np.asarray(value).dtype, np.floating) and not np.all(
+                np.isfinite(value)
+            ):
+                return False
+    return True
+
+
+def test_a_blown_up_loss_recovers_then_stops_cleanly(tmp_path, capsys):
+    config = tiny_config(
+        **{
+            "strategy.name": "one_device",
+            "optimizer.name": "sgd",
+            "optimizer.learning_rate": 1e9,
+            "optimizer.warmup_steps": 0,
+            "train.loss_upper_bound": 1e3,
+            "train.max_recoveries": 2,
+        }
+    )
+    job = train.build(config, str(tmp_path))
+    with pytest.raises(faults.Diverged) as e:
+        train.run(job, "train")
+    out = capsys.readouterr().out
+    assert "loss nan blew up" in out  # non-finite first, then above the bound
+    assert "recovery 1 of 2" in out and "recovery 2 of 2" in out
+    assert "after 2 recoveries" in str(e.value) and "ckpt-0" in str(e.value)
+    assert _all_checkpoints_finite(tmp_path)
+
+
+def test_divergence_is_one_line_and_exit_code_3(tmp_path):
+    result = run_cli(
+        "--config.optimizer.learning_rate=1e9",
+        "--config.train.loss_upper_bound=1000",
+        "--config.optimizer.name=sgd",
+        "--config.train.max_recoveries=1",
+        "--config.train.steps_per_loop=10",
+        "--model_dir=run",
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == faults.DIVERGED_EXIT_CODE
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "last good checkpoint" in lines[0], result.stderr
+    assert _all_checkpoints_finite(tmp_path / "run")
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
+    config = tiny_config(**{"strategy.name": "one_device"})
+    train.run(train.build(config, str(tmp_path)), "train")
+    directory = tmp_path / "checkpoints"
+    data = next(directory.glob("ckpt-20.data-*"))
+    data.write_bytes(data.read_bytes()[:10])  # truncated, as by a crash mid-write
+    capsys.readouterr()
+    job = train.build(config, str(tmp_path))
+    train.run(job, "train")
+    captured = capsys.readouterr()
+    assert "ckpt-20 is unreadable" in captured.err
+    assert "at step 10" in captured.out
+    assert train._step(job) == 20
+
+
+def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
+    args = [
+        "--strategy=one_device",
+        "--model_dir=run",
+        "--config.train.steps=100000",
+        "--config.train.steps_per_loop=20",
+        "--config.eval.every=0",
+    ]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("train | step: 40/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = proc.stdout.read()
+        assert proc.wait(timeout=120) == faults.PREEMPTED_EXIT_CODE
+    finally:
+        proc.kill()
+        proc.wait()
+    step = int(re.search(r"preempted \(SIGTERM\) at step (\d+)", out).group(1))
+    assert step >= 40
+    latest = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
+    assert latest.endswith(f"ckpt-{step}")
+    resumed = run_cli(
+        *args[:2],
+        f"--config.train.steps={step + 20}",
+        "--config.train.steps_per_loop=20",
+        "--config.eval.every=0",
+        cwd=str(tmp_path),
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"at step {step}" in resumed.stdout
+    assert f"train | step: {step + 20}/{step + 20}" in resumed.stdout
