@@ -94,6 +94,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.export = True  # write a SavedModel to model_dir/export at the end
     c.train.loss_upper_bound = 0.0  # a loop loss above this counts as a blow-up (0 = none)
     c.train.max_recoveries = 3  # blow-ups recovered from the last good checkpoint, then stop
+    c.train.deterministic = False  # deterministic ops: a restarted run ends bit-identical
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 500  # steps between evaluations (and one at the end); 0 = end only

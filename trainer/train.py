@@ -73,6 +73,8 @@ def train_and_evaluate(
 def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
     """Checks the config, sets up devices and builds the strategy plugin."""
     checks.check_config(config)
+    if config.train.deterministic:
+        tf.config.experimental.enable_op_determinism()  # same inputs, same bits, every run
     devices.configure(
         config.devices.logical_cpus,
         config.devices.gpu_memory_growth,

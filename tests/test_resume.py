@@ -1,0 +1,64 @@
+"""SIGKILL at random points, restart with the same command: the same final weights."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import REPO, checkpoint_values, run_cli
+
+ARGS = [
+    "--config.train.steps=60",
+    "--config.train.steps_per_loop=5",
+    "--config.train.checkpoint_every=5",
+    "--config.eval.every=0",
+    "--config.train.export=False",
+    "--config.train.deterministic=True",
+]
+
+
+def _kill_after(progress_lines: int, delay_s: float, args: list[str], cwd) -> None:
+    """Starts the trainer and SIGKILLs it `delay_s` after its n-th progress line."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        seen = 0
+        for line in proc.stdout:
+            seen += line.startswith("train |")
+            if seen == progress_lines:
+                break
+        time.sleep(delay_s)  # let it run into the next loop, or a save
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+def test_sigkill_anywhere_then_restart_ends_with_the_same_weights(strategy, tmp_path):
+    args = [f"--strategy={strategy}", *ARGS]
+    straight = run_cli(*args, "--model_dir=straight", cwd=str(tmp_path))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    rng = random.Random(strategy)
+    for progress_lines in (1, 4, 8):  # three different points of the run
+        _kill_after(progress_lines, rng.uniform(0.0, 0.3), [*args, "--model_dir=killed"], tmp_path)
+    finished = run_cli(*args, "--model_dir=killed", cwd=str(tmp_path))
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert "restored" in finished.stdout
+    a, b = checkpoint_values(tmp_path / "straight"), checkpoint_values(tmp_path / "killed")
+    assert a.keys() == b.keys() and len(a) > 10
+    for name in a:
+        if "save_counter" not in name:  # how many saves it took differs, nothing else
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
