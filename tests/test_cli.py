@@ -144,15 +144,60 @@ BAD_INPUTS = [
         ["--config.data.name=csv", "--config.data.train_files=/nonexistent/*.csv"],
         "/nonexistent/*.csv",
     ),
-    (["--config.train.stepz=5"], "stepz"),
+    (["--config.train.stepz=5"], "Unknown config field `train.stepz`"),
+    (["--config.train.steps=abc"], "`--config.train.steps` got 'abc'"),
     (["--config=configs/nope.py"], "nope.py"),
+    (["--config={files}/broken.py"], "did not load"),
+    (["--config.optimizer.name=adagrad"], "Unknown `optimizer.name` 'adagrad'"),
+    (["--config.optimizer.schedule=linear"], "Unknown `optimizer.schedule` 'linear'"),
+    (["--config.optimizer.learning_rate=-1.0"], "`optimizer.learning_rate` (-1.0) must be"),
+    (["--config.devices.logical_cpus=-2"], "`devices.logical_cpus` (-2)"),
+    (["--config.model.hidden_units=(16,)"], "holds checkpoint"),  # another model's checkpoint
+    (
+        [
+            "--config.data.name=tfrecord",
+            "--config.data.train_files={files}/x.tfrecord",
+            "--config.data.eval_files={files}/x.tfrecord",
+            "--config.data.features=x:float32:32",
+            "--config.data.input_shape=(32,)",
+        ],
+        "make the spec match the files",
+    ),
+    (
+        [
+            "--config.data.name=tfrecord",
+            "--config.data.train_files={files}/garbage.tfrecord",
+            "--config.data.eval_files={files}/garbage.tfrecord",
+        ],
+        "garbage.tfrecord",
+    ),
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[a[0] for a, _ in BAD_INPUTS])
-def test_bad_input_is_one_line_and_leaves_model_dir_alone(args, message, mirrored_run, tmp_path):
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    """A config file with a syntax error, a TFRecord of 64 floats per example, and garbage."""
+    files = tmp_path_factory.mktemp("files")
+    (files / "broken.py").write_text("def get_config(:\n")
+    with tf.io.TFRecordWriter(str(files / "x.tfrecord")) as writer:
+        for i in range(4):
+            features = {
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=[0.5] * 64)),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[i % 10])),
+            }
+            example = tf.train.Example(features=tf.train.Features(feature=features))
+            writer.write(example.SerializeToString())
+    (files / "garbage.tfrecord").write_bytes(b"this is not a TFRecord file at all" * 10)
+    return files
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_leaves_model_dir_alone(
+    args, message, mirrored_run, bad_files, tmp_path
+):
     model_dir, _ = mirrored_run
     before = _snapshot(model_dir)
+    args = [a.format(files=bad_files) for a in args]
     result = run_cli(f"--model_dir={model_dir}", *args, cwd=str(tmp_path))
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -63,7 +63,7 @@ def flag_error(error: BaseException, argv: list[str]) -> str:
             f"`--config` file '{config.partition(':')[0]}' does not exist; give a path to a "
             f"config file, or a built-in one: {', '.join(builtin_configs())}."
         )
-    if "Failed loading config file" in text or "SyntaxError" in text:
+    if isinstance(error, SyntaxError) or "Failed loading config file" in text:
         return f"`--config` file '{config}' did not load: {text[-300:]}"
     bad_type = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text)
     if bad_type:
