@@ -177,13 +177,17 @@ class Strategy(abc.ABC):
 
         return loop
 
+    def _eval_batch(self, step_fn: StepFn, batch) -> dict:
+        """One eval batch's sums; a plugin that evaluates outside its replicas overrides it."""
+        return self._reduced_step(step_fn, batch)
+
     def _make_eval_loop(self, step_fn: StepFn) -> Callable:
         @tf.function
         def loop(dataset):
             iterator = iter(dataset)
-            totals = self._reduced_step(step_fn, next(iterator))
+            totals = self._eval_batch(step_fn, next(iterator))
             for batch in iterator:
-                totals = tf.nest.map_structure(tf.add, totals, self._reduced_step(step_fn, batch))
+                totals = tf.nest.map_structure(tf.add, totals, self._eval_batch(step_fn, batch))
             return totals
 
         return loop

@@ -9,7 +9,8 @@ JSON object that lists the whole cluster and names the task itself:
 
 Kubernetes TFJob sets it, `python -m trainer.launch` writes it for local
 clusters, and `parse` turns it into a `ClusterSpec` or a one-line `UserError`
-that says what is wrong and how to fix it.
+that says what is wrong and how to fix it. `wait_until_gone` lets a server
+task (a ps, or a worker of a parameter-server cluster) see the chief end.
 
 Glossary (TensorFlow's):
 
@@ -30,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -151,6 +154,38 @@ def make_tf_config(jobs: Mapping[str, list[str]], task_type: str, task_index: in
     )
     parse(text)
     return text
+
+
+def wait_until_gone(
+    address: str, startup_s: float = 600.0, interval_s: float = 1.0, misses: int = 3
+) -> bool:
+    """Blocks while the task at `address` ("host:port") runs; how a server learns the job ended.
+
+    Tries a TCP connection every `interval_s` seconds: first until the task
+    answers (for at most `startup_s`), then until `misses` tries in a row fail.
+
+    Returns:
+      True when the task came up and is gone; False when it never came up.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + startup_s
+    while not _answers(host, int(port), interval_s):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    failed = 0
+    while failed < misses:
+        time.sleep(interval_s)
+        failed = 0 if _answers(host, int(port), interval_s) else failed + 1
+    return True
+
+
+def _answers(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _load(text: str) -> dict[str, Any]:

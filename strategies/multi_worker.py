@@ -30,10 +30,18 @@ class MultiWorker(Strategy):
                 "not use; use `--strategy=parameter_server`, or drop the ps job."
             )
         return tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver()
-            if self.cluster
-            else None,
-            communication_options=self._communication_options(),
+            cluster_resolver=self._resolver(), communication_options=self._communication_options()
+        )
+
+    def _resolver(self):
+        """The training cluster without the evaluator, which is not part of the collective."""
+        if not self.cluster:
+            return None
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(self.cluster.as_dict()),
+            task_type=self.cluster.task_type,
+            task_id=self.cluster.task_index,
+            rpc_layer=self.cluster.rpc_layer,
         )
 
     def _communication_options(self) -> tf.distribute.experimental.CommunicationOptions:

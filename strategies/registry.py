@@ -23,6 +23,7 @@ BUILTIN_MODULES = (
     "strategies.mirrored",
     "strategies.central_storage",
     "strategies.multi_worker",
+    "strategies.parameter_server",
 )
 
 _REGISTRY: dict[str, type] = {}

@@ -68,7 +68,7 @@ def _eval_arrays(dataset: data.Dataset) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_names():
-    assert data.names() == ["csv", "digits", "synthetic", "tfrecord"]
+    assert data.names() == ["csv", "ctr", "digits", "synthetic", "tfrecord"]
 
 
 def test_digits_spec_and_values():
@@ -360,7 +360,7 @@ def _raises(match: str, fn, *args) -> str:
 
 def test_unknown_name():
     message = _raises("Unknown dataset `data.name` 'digts'", data.get, _config("digts"))
-    assert message.endswith("known: csv, digits, synthetic, tfrecord.")
+    assert message.endswith("known: csv, ctr, digits, synthetic, tfrecord.")
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0, 1.5])

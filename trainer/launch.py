@@ -106,7 +106,8 @@ def plan_cluster(
       workers: number of `worker` tasks (at least 1).
       ps: number of parameter servers; more than 0 also adds a `chief` (the coordinator).
       chief: add a `chief` task even without parameter servers.
-      evaluator: add an `evaluator`; it is left out of the training cluster, as TF expects.
+      evaluator: add an `evaluator`. It runs no server, but it is listed in every
+        task's `TF_CONFIG` so that the trainers know a sidecar evaluates for them.
       port_base: 0 picks free ports on 127.0.0.1; otherwise the first of consecutive ports.
 
     Raises:
@@ -118,13 +119,16 @@ def plan_cluster(
         raise UserError(f"`--ps` ({ps}) must be 0 or more; pass 0 for no parameter servers.")
     servers = [("chief", 0)] if chief or ps else []
     servers += [("worker", i) for i in range(workers)] + [("ps", i) for i in range(ps)]
-    addresses = [f"{LOOPBACK}:{port}" for port in pick_ports(len(servers), port_base)]
+    ports = pick_ports(len(servers) + evaluator, port_base)
+    addresses = [f"{LOOPBACK}:{port}" for port in ports]
     jobs: dict[str, list[str]] = {}
-    for (task_type, _), address in zip(servers, addresses, strict=True):
+    for (task_type, _), address in zip(servers, addresses, strict=False):
         jobs.setdefault(task_type, []).append(address)
+    if evaluator:
+        jobs["evaluator"] = [addresses[-1]]
     tasks = [
         Task(task_type, index, address, cluster.make_tf_config(jobs, task_type, index))
-        for (task_type, index), address in zip(servers, addresses, strict=True)
+        for (task_type, index), address in zip(servers, addresses, strict=False)
     ]
     if evaluator:
         tasks.append(Task("evaluator", 0, None, cluster.make_tf_config(jobs, "evaluator", 0)))

@@ -15,6 +15,7 @@ import ml_collections
 
 from strategies.errors import UserError
 from trainer.data import DataSpec
+from trainer.layers import ShardedEmbedding
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
 _BUILDERS: dict[str, Builder] = {}
@@ -170,3 +171,23 @@ def resnet(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
             x = _residual_block(x, filters, stride, config)
     x = keras.layers.GlobalAveragePooling2D()(x)
     return keras.Model(inputs, _head(x, spec, config), name="resnet")
+
+
+@builder("ctr")
+def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
+    """Click-through model: ids -> one `ShardedEmbedding` table -> `hidden_units` ReLU -> logits.
+
+    The table has `model.vocab_size` rows of `model.embedding_dim` (configs/ctr.py
+    sets both); under `parameter_server` with a partitioner it is split over the ps tasks.
+    """
+    vocab, width = config.get("vocab_size"), config.get("embedding_dim")
+    if not vocab or not width:
+        raise ValueError(
+            "it needs `model.vocab_size` and `model.embedding_dim`; use `--config=configs/ctr.py`"
+        )
+    inputs = keras.Input(spec.input_shape)
+    x = ShardedEmbedding(vocab, width, name="embedding")(inputs)
+    x = keras.layers.Flatten()(x)
+    for units in config.hidden_units:
+        x = keras.layers.Dense(units, activation="relu", kernel_regularizer=_regularizer(config))(x)
+    return keras.Model(inputs, _head(x, spec, config), name="ctr")

@@ -41,8 +41,13 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.warmup_steps = warmup_steps
         self.boundaries = tuple(boundaries)
         self.decay_rate = decay_rate
+        # One function call, not a dozen eager ops, when the loop reads the rate each loop.
+        self._rate = tf.function(self._rate_at)
 
     def __call__(self, step):
+        return self._rate(tf.convert_to_tensor(step))
+
+    def _rate_at(self, step):
         step = tf.cast(step, tf.float32)
         if self.kind == "cosine":
             span = max(self.total_steps - self.warmup_steps, 1)
@@ -101,4 +106,18 @@ def build(config: ml_collections.ConfigDict, total_steps: int) -> keras.optimize
         raise UserError(
             f"Unknown `optimizer.name` '{config.name}'; known: {', '.join(OPTIMIZERS)}."
         )
-    return OPTIMIZERS[config.name](schedule(config, total_steps), config)
+    optimizer = OPTIMIZERS[config.name](schedule(config, total_steps), config)
+    _count_steps_atomically(optimizer)
+    return optimizer
+
+
+def _count_steps_atomically(optimizer: keras.optimizers.Optimizer) -> None:
+    """Makes `optimizer.iterations` count every step when workers step at once.
+
+    Keras adds to its step counter by reading the value and assigning the sum;
+    asynchronous parameter-server workers then lose counts, so the job runs
+    past `train.steps` and its schedule lags. The TF variable's own
+    `assign_add` is atomic.
+    """
+    counter = optimizer.iterations
+    counter.assign_add = lambda value: counter.value.assign_add(tf.cast(value, counter.dtype))

@@ -1,0 +1,45 @@
+"""Click-through prediction with a sharded embedding table, on parameter servers.
+
+    python -m trainer.launch --workers=2 --ps=2 -- --strategy=parameter_server \\
+        --config=configs/ctr.py
+
+Synthetic click logs (`data.ctr`: 8 categorical fields hashed into one
+vocabulary of 200,000 ids, clicks drawn from a hidden logistic model, 35%
+clicks) train a 200,000 x 32 embedding table (25.6 MB) split into 2 shards,
+one on each ps task, under a small MLP; 2 workers step asynchronously. 600
+steps of 256 take about 75 s on 2 CPU cores, start-up included, and reach
+eval AUC 0.82 and accuracy 0.77 on 20,000 held-out examples (always "no
+click" scores 0.65; the hidden model itself about 0.86 AUC). The same config
+runs under other strategies (`--strategy=mirrored`: one unsharded table,
+about 2.5 minutes, as every step updates the whole table on every replica).
+"""
+
+import ml_collections
+
+from configs import default
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """The default config with the ctr data, model and sharding."""
+    c = default.get_config()
+    c.strategy.name = "parameter_server"
+    c.strategy.parameter_server.partitioner = "fixed"  # split the table ...
+    c.strategy.parameter_server.num_shards = 2  # ... in two, one shard per ps task
+
+    c.data.name = "ctr"
+    c.data.eval_fraction = 0.02  # 20,000 held-out examples
+
+    c.model.name = "ctr"
+    # Rows of the table: follows `data.ctr.vocab_size` unless overridden.
+    c.model.vocab_size = c.data.ctr.get_ref("vocab_size")
+    c.model.embedding_dim = 32  # width of each id's embedding
+    c.model.hidden_units = (64, 32)
+    c.model.dropout = 0.0
+
+    c.train.steps = 600
+    c.train.global_batch_size = 256
+    c.train.checkpoint_every = 300
+    c.eval.every = 0
+    c.eval.global_batch_size = 1024
+    c.optimizer.learning_rate = 3e-3
+    return c

@@ -1,0 +1,220 @@
+"""`parameter_server`: real clusters of processes on 127.0.0.1, and the pieces they rest on."""
+
+import json
+import pathlib
+import re
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import configs.ctr
+import configs.default
+import strategies
+from strategies import cluster
+from strategies.errors import UserError
+from tests.helpers import launch, run_cli
+from trainer import data
+from trainer.layers import ShardedEmbedding
+
+CLUSTER_TIMEOUT_S = 300
+PS_CLUSTER = {
+    "chief": ["127.0.0.1:1"],
+    "worker": ["127.0.0.1:2", "127.0.0.1:3"],
+    "ps": ["127.0.0.1:4", "127.0.0.1:5"],
+}
+
+
+def _left_over(marker: str) -> list[str]:
+    """Command lines of live processes that mention `marker` (a test's own directory)."""
+    found = []
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
+            continue
+        if marker in command and state != "Z":
+            found.append(command)
+    return found
+
+
+def _run_cluster(tmp_path, *trainer_flags: str) -> tuple[dict, str]:
+    """Trains on 2 workers + 2 ps; returns results.json and the launcher's output."""
+    model_dir = tmp_path / "run"
+    result = launch(
+        "--workers=2",
+        "--ps=2",
+        "--",
+        "--strategy=parameter_server",
+        f"--model_dir={model_dir}",
+        *trainer_flags,
+        cwd=str(tmp_path),
+        timeout=CLUSTER_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    deadline = time.monotonic() + 10
+    while _left_over(str(model_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _left_over(str(model_dir)), "processes left behind"
+    return json.loads((model_dir / "results.json").read_text()), result.stdout
+
+
+def _tasks(devices: list[str]) -> set[str]:
+    return {re.sub(r"/device:.*", "", d) for d in devices}
+
+
+# Real clusters.
+
+
+def test_digits_on_two_workers_and_two_ps(tmp_path):
+    results, out = _run_cluster(
+        tmp_path, "--config.train.steps=150", "--config.train.steps_per_loop=50"
+    )
+    assert results["eval"]["accuracy"] >= 0.9
+    placement = results["placement"]
+    assert placement["tf_strategy"] == "ParameterServerStrategyV2"
+    assert placement["replicas_in_sync"] == 1
+    assert _tasks(placement["compute_devices"]) == {
+        "/job:worker/replica:0/task:0",
+        "/job:worker/replica:0/task:1",
+    }
+    where = [d for devices in placement["variables"].values() for d in devices]
+    assert _tasks(where) == {"/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
+    assert "[ps:1] serving as a parameter_server task" in out
+    assert "stopping" not in out, "ps and worker tasks end by themselves after the chief"
+
+    # The SavedModel the chief exported from the ps variables serves on its own.
+    serve = tf.saved_model.load(str(tmp_path / "run" / "export")).signatures["serving_default"]
+    digits = data.get(configs.default.get_config().data)
+    x, y = next(iter(digits.eval_fn(1000)(tf.distribute.InputContext())))
+    accuracy = np.mean(serve(inputs=x)["classes"].numpy() == y.numpy())
+    assert accuracy == pytest.approx(results["eval"]["accuracy"], abs=1e-6)
+
+
+def test_ctr_shards_the_table_over_both_ps_and_learns(tmp_path):
+    results, _ = _run_cluster(
+        tmp_path,
+        "--config=configs/ctr.py",
+        "--config.train.steps=150",
+        "--config.train.steps_per_loop=75",
+        "--config.train.checkpoint_every=0",
+        "--config.train.export=False",
+    )
+    variables = results["placement"]["variables"]
+    shards = {name: devices for name, devices in variables.items() if "embeddings_" in name}
+    assert len(shards) == 2
+    assert _tasks([d for devices in shards.values() for d in devices]) == {
+        "/job:ps/replica:0/task:0",
+        "/job:ps/replica:0/task:1",
+    }
+    assert "fixed partitioner" in results["placement"]["communication"]
+    metrics = results["eval"]
+    if "auc" in metrics:
+        assert metrics["auc"] >= 0.65
+    else:  # clicks are about a third of the examples
+        assert metrics["accuracy"] >= 0.7
+
+
+def test_without_tf_config_it_is_one_line_and_exit_2(tmp_path):
+    result = run_cli("--strategy=parameter_server", "--model_dir=run", cwd=str(tmp_path))
+    assert result.returncode == 2
+    tf_log = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} )")
+    lines = [line for line in result.stderr.splitlines() if not tf_log.match(line)]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: A `parameter_server` run needs a `TF_CONFIG` cluster")
+    assert "python -m trainer.launch --workers=2 --ps=2 -- --strategy=parameter_server" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+# Roles, options and pieces, in this process.
+
+
+def _plugin(monkeypatch, task_type: str, index: int = 0):
+    monkeypatch.setenv("TF_CONFIG", cluster.make_tf_config(PS_CLUSTER, task_type, index))
+    return strategies.get("parameter_server", configs.ctr.get_config().strategy.parameter_server)
+
+
+@pytest.mark.parametrize(
+    "task_type, role, is_chief",
+    [("ps", "serve", False), ("worker", "serve", False), ("evaluator", "evaluate", False)],
+)
+def test_roles_follow_the_task_type(monkeypatch, task_type, role, is_chief):
+    strategy = _plugin(monkeypatch, task_type)
+    assert (strategy.role, strategy.is_chief) == (role, is_chief)
+    assert strategy.evaluates_inline == (task_type != "evaluator")
+    # Every task builds the model the same way, so checkpoints match across tasks.
+    with strategy.scope():
+        layer = ShardedEmbedding(100, 4)
+        layer.build()
+    assert len(layer.weights) == 2
+
+
+def test_a_cluster_without_ps_is_refused(monkeypatch):
+    monkeypatch.setenv(
+        "TF_CONFIG", cluster.make_tf_config({"worker": ["127.0.0.1:2"]}, "worker", 0)
+    )
+    with pytest.raises(UserError, match=r"needs a `TF_CONFIG` cluster with a chief, workers"):
+        strategies.get("parameter_server")
+
+
+def test_an_unknown_partitioner_lists_the_known_ones(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", cluster.make_tf_config(PS_CLUSTER, "ps", 0))
+    options = configs.ctr.get_config().strategy.parameter_server
+    options.partitioner = "variable"
+    with pytest.raises(UserError, match="known: none, fixed, min_size, max_size"):
+        strategies.get("parameter_server", options)
+
+
+def test_wait_until_gone_sees_a_task_come_and_go():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    threading.Timer(0.5, server.close).start()
+    start = time.monotonic()
+    assert cluster.wait_until_gone(address, startup_s=5, interval_s=0.1, misses=3)
+    assert 0.5 <= time.monotonic() - start < 3
+    assert not cluster.wait_until_gone(address, startup_s=0.3, interval_s=0.1), "never came up"
+
+
+def test_ctr_data_is_deterministic_learnable_and_in_range():
+    config = configs.ctr.get_config().data
+    dataset = data.get(config)
+    spec = dataset.spec
+    assert (spec.input_shape, spec.num_classes) == ((8,), 2)
+    assert spec.train_size + spec.eval_size == config.ctr.num_examples
+    eval_fn = dataset.eval_fn(4096)
+    x, y = next(iter(eval_fn(tf.distribute.InputContext())))
+    again, _ = next(iter(eval_fn(tf.distribute.InputContext())))
+    np.testing.assert_array_equal(x.numpy(), again.numpy())
+    ids = x.numpy()
+    assert x.dtype == tf.float32 and np.all(ids == np.round(ids))
+    assert 0 <= ids.min() and ids.max() < config.ctr.vocab_size
+    assert 0.2 < y.numpy().mean() < 0.5, "clicks are a minority, not a rarity"
+    values, counts = np.unique(ids, return_counts=True)
+    assert counts.max() > 50 * np.median(counts), "a few ids are common, most are rare"
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("vocab_size", 1000, "`data.ctr.vocab_size` (1000) must hold"),
+        ("num_fields", 0, "`data.ctr.num_fields` (0) must be >= 1"),
+    ],
+)
+def test_bad_ctr_options_are_user_errors(field, value, expected):
+    config = configs.ctr.get_config().data
+    config.ctr[field] = value
+    with pytest.raises(UserError) as info:
+        data.get(config)
+    assert str(info.value).startswith(expected)
+
+
+def test_the_ctr_table_follows_the_vocabulary():
+    config = configs.ctr.get_config()
+    config.data.ctr.vocab_size = 5000
+    assert config.model.vocab_size == 5000, "the table follows the vocabulary"
