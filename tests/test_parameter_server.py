@@ -1,9 +1,13 @@
 """`parameter_server`: real clusters of processes on 127.0.0.1, and the pieces they rest on."""
 
 import json
+import os
 import pathlib
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,7 +20,7 @@ import configs.default
 import strategies
 from strategies import cluster
 from strategies.errors import UserError
-from tests.helpers import launch, run_cli
+from tests.helpers import REPO, launch, run_cli
 from trainer import data
 from trainer.layers import ShardedEmbedding
 
@@ -218,3 +222,67 @@ def test_the_ctr_table_follows_the_vocabulary():
     config = configs.ctr.get_config()
     config.data.ctr.vocab_size = 5000
     assert config.model.vocab_size == 5000, "the table follows the vocabulary"
+
+
+def _pid_of(task_type: str, index: int, marker: str) -> int | None:
+    """The live trainer process whose `TF_CONFIG` names this task, in the test's cluster."""
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            command = (proc / "cmdline").read_bytes().decode(errors="replace")
+            environ = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if marker not in command:
+            continue
+        for entry in environ:
+            if entry.startswith("TF_CONFIG="):
+                task = json.loads(entry.removeprefix("TF_CONFIG="))["task"]
+                if task == {"type": task_type, "index": index}:
+                    return int(proc.name)
+    return None
+
+
+def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path):
+    """SIGKILL one worker mid-run: the launcher starts it again and every step is done."""
+    model_dir = tmp_path / "run"
+    args = [
+        "--workers=2",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        f"--model_dir={model_dir}",
+        "--config.train.steps=400",
+        "--config.train.steps_per_loop=20",
+        "--config.eval.every=0",
+        "--config.train.checkpoint_every=0",
+    ]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "[chief] train | step:" in line:
+                pid = _pid_of("worker", 1, str(model_dir))
+                assert pid, "worker:1 not found"
+                os.kill(pid, signal.SIGKILL)
+                break
+        lines += proc.stdout.readlines()
+        assert proc.wait(timeout=CLUSTER_TIMEOUT_S) == 0, "".join(lines)[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
+    output = "".join(lines)
+    assert "worker:1 was killed by SIGKILL; restarting it" in output
+    results = json.loads((model_dir / "results.json").read_text())
+    assert results["step"] >= 400
+    assert "[chief] train | step: " in output and "/400" in output
+    assert not _left_over(str(model_dir))

@@ -17,7 +17,9 @@ Every task runs `python -m trainer <the flags after -->` with its own
 Each output line is prefixed with its task (`[worker:1] ...`); the launcher's own
 lines with `[launch]`. When the chief ends, the others get `--grace_s` seconds to
 end too and are then stopped; when any task fails first, every task is stopped
-and the launcher exits with that task's code. `--restarts` starts a failed
+and the launcher exits with that task's code. The exception is a worker of a
+parameter-server cluster: it is started again (up to 3 times) and rejoins,
+while the coordinator re-schedules the work it lost. `--restarts` starts a failed
 cluster again; the trainer resumes from the checkpoint in its `model_dir`.
 Beyond one machine, run `python -m trainer` on every host with the `TF_CONFIG`
 that the scheduler gives each task.
@@ -49,6 +51,7 @@ LOOPBACK = "127.0.0.1"
 GRACE_S = 15.0  # how long the other tasks may run on after the chief is done
 KILL_AFTER_S = 5.0  # how long a task may take to exit after SIGTERM before SIGKILL
 _POLL_S = 0.1
+MAX_TASK_RESTARTS = 3  # a parameter-server worker that fails is started again this often
 
 _WORKERS = flags.DEFINE_integer("workers", 1, "Number of worker tasks (at least 1).")
 _PS = flags.DEFINE_integer(
@@ -228,8 +231,10 @@ class Cluster:
         self.console = console or Console()
         self.grace_s = grace_s
         self.kill_after_s = kill_after_s
+        self.max_task_restarts = MAX_TASK_RESTARTS
         self._procs: dict[Task, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
+        self._task_restarts: dict[Task, int] = {}
 
     def run(self) -> int:
         """Starts every task and waits; returns the chief's exit status, or the failed task's.
@@ -283,6 +288,14 @@ class Cluster:
         pump.start()
         self._pumps.append(pump)
 
+    def _restartable(self, task: Task) -> bool:
+        """A parameter-server cluster tolerates a lost worker: start it again, a few times."""
+        has_ps = any(t.type == "ps" for t in self.tasks)
+        if task.type != "worker" or not has_ps:
+            return False
+        self._task_restarts[task] = self._task_restarts.get(task, 0) + 1
+        return self._task_restarts[task] <= self.max_task_restarts
+
     def _pump(self, task: Task, stream: IO[bytes]) -> None:
         with stream:
             for raw in iter(stream.readline, b""):
@@ -292,10 +305,20 @@ class Cluster:
         chief = next(task for task in self.tasks if task.is_chief)
         others = {task: proc for task, proc in self._procs.items() if task != chief}
         while (code := self._procs[chief].poll()) is None:
-            for task, proc in others.items():
-                if proc.poll():  # non-zero: a failure before the chief is done
-                    self.console.log(f"{task.name} {_ended(proc.returncode)}; stopping the cluster")
-                    return _exit_status(proc.returncode)
+            for task, proc in list(others.items()):
+                if not proc.poll():  # running, or ended well
+                    continue
+                if self._restartable(task):
+                    self.console.log(
+                        f"{task.name} {_ended(proc.returncode)}; restarting it (attempt "
+                        f"{self._task_restarts[task]} of {self.max_task_restarts}); the "
+                        "coordinator re-schedules its work"
+                    )
+                    self._start(task)
+                    others[task] = self._procs[task]
+                    continue
+                self.console.log(f"{task.name} {_ended(proc.returncode)}; stopping the cluster")
+                return _exit_status(proc.returncode)
             time.sleep(_POLL_S)
         label = chief.name if chief.type == "chief" else f"{chief.name} (the chief)"
         self.console.log(f"{label} {_ended(code)}")
