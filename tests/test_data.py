@@ -423,3 +423,14 @@ def test_empty_files_are_caught_by_check(tmp_path):
         pass
     config.eval_files = str(tmp_path / "empty.tfrecord")
     _raises("`data.eval_files` .* holds no examples", data.check, data.get(config))
+
+
+def test_autotune_ram_budget_reaches_both_pipelines():
+    config = _synthetic()
+    config.autotune_ram_budget_mb = 64
+    dataset = data.get(config)
+    for pipeline in (dataset.train_fn(8, seed=0), dataset.eval_fn(8)):
+        options = pipeline(_context()).options()
+        assert options.autotune.enabled and options.autotune.ram_budget == 64 << 20
+    config.autotune_ram_budget_mb = -1
+    _raises(r"`data.autotune_ram_budget_mb` \(-1\) must be >= 0", data.get, config)

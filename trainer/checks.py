@@ -15,7 +15,7 @@ from strategies.errors import UserError
 # (field, smallest allowed value, what it means)
 _MINIMUMS = (
     ("train.global_batch_size", 1, "examples per step over all replicas"),
-    ("train.steps_per_loop", 1, "steps per tf.function call"),
+    ("train.steps_per_loop", 0, "steps per tf.function call; 0 = auto"),
     ("train.checkpoint_every", 0, "steps between checkpoints (0 = end only)"),
     ("train.max_checkpoints", 1, "checkpoints kept"),
     ("train.epochs", 0, "passes over the training data (0 = use train.steps)"),

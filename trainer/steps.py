@@ -19,11 +19,17 @@ def make_train_step(
     task,
     global_batch_size: int,
     clip_global_norm: float = 0.0,
+    jit_compile: bool = False,
 ) -> Callable:
-    """One optimizer step on one replica's batch `(x, y)`; returns the task's sums."""
+    """One optimizer step on one replica's batch `(x, y)`; returns the task's sums.
 
-    def step(batch) -> dict:
-        x, y = batch
+    With `jit_compile`, XLA compiles the forward and backward pass; the update
+    stays outside, where the strategy aggregates gradients across replicas
+    (which one XLA computation on one device cannot do). XLA also needs the
+    variables on the device that computes, which rules out `central_storage`.
+    """
+
+    def gradients(x, y) -> tuple:
         replica = tf.distribute.get_replica_context()
         with tf.GradientTape() as tape:
             outputs = model(x, training=True)
@@ -31,11 +37,20 @@ def make_train_step(
             loss = tf.reduce_sum(per_example) / global_batch_size
             if model.losses:  # regularisers: the same on every replica, so split evenly
                 loss += tf.add_n(model.losses) / replica.num_replicas_in_sync
-        variables = model.trainable_variables
-        grads = tape.gradient(loss, variables)
+            scaled = optimizer.scale_loss(loss)  # the loss itself, unless float16 loss scaling
+        return tape.gradient(scaled, model.trainable_variables), outputs, per_example
+
+    if jit_compile:
+        gradients = tf.function(gradients, jit_compile=True)
+
+    def step(batch) -> dict:
+        x, y = batch
+        grads, outputs, per_example = gradients(x, y)
         if clip_global_norm:
-            grads = _clip_summed(grads, clip_global_norm, replica)
-        optimizer.apply_gradients(zip(grads, variables))
+            # Loss-scaled gradients are clipped at the scaled norm.
+            norm = clip_global_norm * optimizer.scale_loss(tf.constant(1.0))
+            grads = _clip_summed(grads, norm, tf.distribute.get_replica_context())
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return task.sums(y, outputs, per_example)
 
     return step

@@ -14,6 +14,8 @@ class Summaries:
         self._model_dir = model_dir
         self._enabled = enabled
         self._writers = {}
+        # One function call per loop, not one eager op per scalar: it is on every loop's path.
+        self._write_scalars = tf.function(_write_scalars)
 
     def _writer(self, split: str):
         """The split's writer, made on first use (a sidecar evaluator writes only eval)."""
@@ -27,9 +29,8 @@ class Summaries:
         writer = self._writer(split)
         if writer is None:
             return
-        with writer.as_default(step=step):
-            for name, value in values.items():
-                tf.summary.scalar(name, value)
+        tensors = {name: tf.constant(value, tf.float32) for name, value in values.items()}
+        self._write_scalars(writer, tf.constant(step, tf.int64), tensors)
         writer.flush()
 
     def text(self, name: str, text: str, step: int = 0) -> None:
@@ -44,3 +45,9 @@ class Summaries:
     def close(self) -> None:
         for writer in self._writers.values():
             writer.close()
+
+
+def _write_scalars(writer, step: tf.Tensor, values: dict[str, tf.Tensor]) -> None:
+    with writer.as_default(step=step):
+        for name, value in values.items():
+            tf.summary.scalar(name, value)

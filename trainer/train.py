@@ -20,7 +20,7 @@ import tensorflow as tf
 import strategies
 from strategies import devices
 from strategies.errors import UserError
-from trainer import checks, data, faults, models, optim, steps, tasks
+from trainer import checks, data, faults, loop_length, models, optim, precision, steps, tasks
 from trainer.checkpoints import Checkpointer
 from trainer.export import export
 from trainer.summaries import Summaries
@@ -97,9 +97,10 @@ def build(
         checks.check_model_dir(model_dir)
     data.check(dataset)
     keras.utils.set_random_seed(config.seed)
-    with strategy.scope():
+    with strategy.scope(), precision.policy(config.train.precision):
         model = models.build(config.model, dataset.spec)
         optimizer = optim.build(config.optimizer, total_steps)
+        optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
         optimizer.build(model.trainable_variables)
     task = tasks.for_spec(dataset.spec.num_classes)
     return Job(config, model_dir, strategy, dataset, task, total_steps, model, optimizer)
@@ -113,7 +114,11 @@ def run(job: Job, mode: str) -> dict:
     if strategy.is_chief:
         os.makedirs(job.model_dir, exist_ok=True)
     checkpointer = Checkpointer(
-        job.model_dir, strategy.is_chief, config.train.max_checkpoints, **_checkpointed(job)
+        job.model_dir,
+        strategy.is_chief,
+        config.train.max_checkpoints,
+        async_save=config.train.async_checkpoint,
+        **_checkpointed(job),
     )
     summaries = Summaries(job.model_dir, strategy.is_chief)
     try:
@@ -191,8 +196,9 @@ def _checkpointed(job: Job) -> dict:
         "model": job.model,
         "optimizer": job.optimizer,
         # Listed explicitly: a Keras model does not expose every variable to a TF
-        # checkpoint (e.g. dropout's seed state), and exact resume needs them all.
-        "model_variables": list(job.model.variables),
+        # checkpoint (e.g. dropout's seed state), and exact resume needs them all;
+        # their shapes also tell a checkpoint of another model apart.
+        "variables": list(job.model.variables),
     }
 
 
@@ -212,17 +218,24 @@ def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate:
         checkpointer.save(step)  # a good state to fall back to if the loss blows up
     gb = config.train.global_batch_size
     train_step = steps.make_train_step(
-        job.model, job.optimizer, job.task, gb, config.optimizer.clip_global_norm
+        job.model,
+        job.optimizer,
+        job.task,
+        gb,
+        config.optimizer.clip_global_norm,
+        config.train.jit_compile,
     )
+    loops = loop_length.LoopLength(config.train.steps_per_loop)
     dataset_fn = job.dataset.train_fn(gb, config.seed, start_step=step)
     iterator = iter(strategy.distribute_dataset(dataset_fn))
     metrics, recoveries = {}, 0
     with faults.watch_sigterm() as sigterm:
         while step < job.total_steps:
-            n = _steps_until_next_event(step, job.total_steps, config)
+            n = _steps_until_next_event(step, job.total_steps, config, loops.next())
             tic = time.time()
             sums = strategy.run_steps(train_step, iterator, n)
             elapsed = time.time() - tic
+            loops.observe(n, elapsed)
             step = _step(job)
             metrics = job.task.metrics(sums)
             if faults.loss_blew_up(metrics["loss"], config.train.loss_upper_bound):
@@ -278,9 +291,11 @@ def _evaluate(job: Job, summaries: Summaries) -> dict:
     return metrics
 
 
-def _steps_until_next_event(step: int, total: int, config: ml_collections.ConfigDict) -> int:
+def _steps_until_next_event(
+    step: int, total: int, config: ml_collections.ConfigDict, steps_per_loop: int
+) -> int:
     """Steps to run in the next loop: up to `steps_per_loop`, stopping at checkpoints and evals."""
-    n = min(config.train.steps_per_loop, total - step)
+    n = min(steps_per_loop, total - step)
     for every in (config.train.checkpoint_every, config.eval.every):
         if every > 0:
             n = min(n, every - step % every)
