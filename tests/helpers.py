@@ -31,21 +31,38 @@ def tiny_config(**overrides):
     return config
 
 
-def run_cli(
-    *args: str, cwd: str, timeout: float = 300, module: str = "trainer", keep_tf_config=False
-) -> subprocess.CompletedProcess:
-    """Runs `python -m MODULE ARGS` in `cwd` (default the trainer), as a user would."""
+def _env(keep_tf_config: bool = False) -> dict[str, str]:
+    """The environment a test's trainer runs in: quiet TF, this repo importable."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     if not keep_tf_config:
         env.pop("TF_CONFIG", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    return env
+
+
+def run_cli(
+    *args: str, cwd: str, timeout: float = 300, module: str = "trainer", keep_tf_config=False
+) -> subprocess.CompletedProcess:
+    """Runs `python -m MODULE ARGS` in `cwd` (default the trainer), as a user would."""
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
-        env=env,
+        env=_env(keep_tf_config),
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+
+
+def start_cli(*args: str, cwd, module: str = "trainer") -> subprocess.Popen:
+    """Starts `python -m MODULE ARGS` and returns it running; stdout (and stderr) piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 

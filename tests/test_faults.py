@@ -3,14 +3,12 @@
 import os
 import re
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import REPO, run_cli, tiny_config
+from tests.helpers import run_cli, start_cli, tiny_config
 from trainer import faults, train
 
 
@@ -87,15 +85,7 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
         "--config.train.steps_per_loop=20",
         "--config.eval.every=0",
     ]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer", *args],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_cli(*args, cwd=tmp_path)
     try:
         for line in proc.stdout:
             if line.startswith("train | step: 40/"):

@@ -6,8 +6,6 @@ import pathlib
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +18,7 @@ import configs.default
 import strategies
 from strategies import cluster
 from strategies.errors import UserError
-from tests.helpers import REPO, launch, run_cli
+from tests.helpers import launch, run_cli, start_cli
 from trainer import data
 from trainer.layers import ShardedEmbedding
 
@@ -256,16 +254,7 @@ def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path):
         "--config.eval.every=0",
         "--config.train.checkpoint_every=0",
     ]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", *args],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_cli(*args, cwd=tmp_path, module="trainer.launch")
     lines = []
     try:
         for line in proc.stdout:

@@ -1,16 +1,13 @@
 """SIGKILL at random points, restart with the same command: the same final weights."""
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, checkpoint_values, run_cli
+from tests.helpers import checkpoint_values, run_cli, start_cli
 
 ARGS = [
     "--config.train.steps=60",
@@ -24,15 +21,7 @@ ARGS = [
 
 def _kill_after(progress_lines: int, delay_s: float, args: list[str], cwd) -> None:
     """Starts the trainer and SIGKILLs it `delay_s` after its n-th progress line."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    proc = start_cli(*args, cwd=cwd)
     try:
         seen = 0
         for line in proc.stdout:

@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from strategies.errors import UserError
+from trainer import named
 
 _DIGITS_SPLIT_SEED = 0  # fixes the digits train/eval split, whatever `config.seed` is
 _SYNTHETIC_SEED = 1234  # fixes the synthetic examples and their teacher
@@ -277,23 +278,13 @@ def _gist(error: tf.errors.OpError) -> str:
 
 # --- the registry -------------------------------------------------------------
 
-Builder = Callable[[ml_collections.ConfigDict], Dataset]
-_BUILDERS: dict[str, Builder] = {}
-
-
-def _register(name: str) -> Callable[[Builder], Builder]:
-    def decorator(build: Builder) -> Builder:
-        if name in _BUILDERS:
-            raise ValueError(f"Dataset `{name}` is already registered; pick another name.")
-        _BUILDERS[name] = build
-        return build
-
-    return decorator
+_BUILDERS = named.Registry("Dataset")  # name -> fn(config.data) -> Dataset
+_register = _BUILDERS.register
 
 
 def names() -> list[str]:
     """The known `data.name` values."""
-    return sorted(_BUILDERS)
+    return _BUILDERS.names()
 
 
 def get(config: ml_collections.ConfigDict) -> Dataset:

@@ -14,28 +14,18 @@ import keras
 import ml_collections
 
 from strategies.errors import UserError
+from trainer import named
 from trainer.data import DataSpec
 from trainer.layers import ShardedEmbedding
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
-_BUILDERS: dict[str, Builder] = {}
-
-
-def builder(name: str) -> Callable[[Builder], Builder]:
-    """Registers a built-in model builder under `name`."""
-
-    def decorator(fn: Builder) -> Builder:
-        if name in _BUILDERS:
-            raise ValueError(f"Model builder `{name}` is already registered.")
-        _BUILDERS[name] = fn
-        return fn
-
-    return decorator
+_BUILDERS = named.Registry("Model builder")
+builder = _BUILDERS.register  # `@builder("name")` registers a built-in model builder
 
 
 def names() -> list[str]:
     """The built-in model names."""
-    return sorted(_BUILDERS)
+    return _BUILDERS.names()
 
 
 def resolve(name: str) -> Builder:
