@@ -58,6 +58,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict()
     c.data.name = "digits"  # digits | synthetic | ctr | tfrecord | csv
     c.data.shuffle_buffer = 10_000  # examples held for shuffling the training stream
+    # How workers' input pipelines split the data: auto | file | data | off
+    # (digits / synthetic / ctr are split by example under auto, file and data).
+    c.data.sharding = "auto"
     c.data.autotune_ram_budget_mb = 0  # tf.data autotuning memory budget, MiB (0 = half the RAM)
     c.data.eval_fraction = 0.2  # digits / synthetic / ctr: share of examples held out for eval
     # synthetic: a deterministic, learnable problem of any size.

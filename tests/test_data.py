@@ -314,6 +314,40 @@ def test_tfrecord_shards_are_disjoint(tmp_path, eval_files):
     assert shards[0] + shards[1] == _examples(_as_batches(eval_x, eval_y, (8, 8, 1)))
 
 
+@pytest.mark.parametrize("sharding", ["file", "data"])
+def test_sharding_policies_split_files_or_records(tmp_path, sharding):
+    config, _, (eval_x, eval_y) = _tfrecord_config(tmp_path, eval_files=2, sharding=sharding)
+    dataset = data.get(config)
+    shards = [
+        _examples(_take(dataset.eval_fn(4)(_context(2, pipeline, replicas=2))))
+        for pipeline in (0, 1)
+    ]
+    assert shards[0] and shards[1] and not shards[0] & shards[1]
+    assert shards[0] + shards[1] == _examples(_as_batches(eval_x, eval_y, (8, 8, 1)))
+
+
+def test_sharding_off_gives_every_pipeline_all_the_data(tmp_path):
+    config, _, (eval_x, eval_y) = _tfrecord_config(tmp_path, eval_files=2, sharding="off")
+    dataset = data.get(config)
+    everything = _examples(_as_batches(eval_x, eval_y, (8, 8, 1)))
+    for pipeline in (0, 1):
+        assert _examples(_take(dataset.eval_fn(4)(_context(2, pipeline, replicas=2)))) == (
+            everything
+        )
+    digits = data.get(_config(sharding="off"))
+    first = [_take(digits.train_fn(8, seed=0)(_context(2, p, replicas=2)), 2) for p in (0, 1)]
+    _assert_same_batches(*first)
+
+
+def test_sharding_file_needs_a_file_per_pipeline(tmp_path):
+    config, _, _ = _tfrecord_config(tmp_path, eval_files=1, sharding="file")
+    dataset = data.get(config)
+    with pytest.raises(UserError, match="one file per input pipeline"):
+        dataset.eval_fn(4)(_context(2, 0, replicas=2))
+    with pytest.raises(UserError, match="Unknown `data.sharding` 'rows'"):
+        data.get(_config(sharding="rows"))
+
+
 def test_tfrecord_stream_is_deterministic_and_resumes(tmp_path):
     config, _, _ = _tfrecord_config(tmp_path, shuffle_buffer=16)
     dataset = data.get(config)

@@ -49,6 +49,14 @@ _DTYPES = {"float32": tf.float32, "int64": tf.int64}
 
 Decode = Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
 
+# How input pipelines (one per worker) split the data, `data.sharding`:
+SHARDING = {
+    "auto": "files when there are enough of them for every pipeline, else records",
+    "file": "each pipeline reads its own files",
+    "data": "each pipeline reads every file and keeps its share of the examples",
+    "off": "every pipeline reads all the data",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
@@ -129,6 +137,7 @@ class _FileSplit:
     decode: Decode  # a batch of records -> (x, y)
     origin: str
     shuffle_buffer: int
+    sharding: str = "auto"  # see SHARDING
 
     def records(
         self, context: tf.distribute.InputContext, seed: int | None = None
@@ -137,7 +146,15 @@ class _FileSplit:
         files = tf.data.Dataset.from_tensor_slices(list(self.files))
         if seed is not None:
             files = files.shuffle(len(self.files), seed=seed, reshuffle_each_iteration=True)
-        by_file = len(self.files) >= context.num_input_pipelines
+        pipelines = context.num_input_pipelines
+        if self.sharding == "file" and len(self.files) < pipelines:
+            raise UserError(
+                f"`data.sharding` 'file' needs at least one file per input pipeline, and "
+                f"{self.origin} has {len(self.files)} for {pipelines}; use 'auto' or 'data'."
+            )
+        by_file = self.sharding == "file" or (
+            self.sharding == "auto" and len(self.files) >= pipelines
+        )
         if by_file:
             files = _shard(files, context)
         records = files.interleave(
@@ -174,6 +191,7 @@ class Dataset:
       eval_split: where eval examples come from.
       layout: how records are read, for error messages.
       ram_budget_mb: tf.data autotuning's memory budget in MiB (0 = TF's default).
+      sharding: how pipelines split the data (see `SHARDING`).
     """
 
     spec: DataSpec
@@ -181,6 +199,7 @@ class Dataset:
     eval_split: _Split
     layout: str
     ram_budget_mb: int = 0
+    sharding: str = "auto"
 
     def train_fn(
         self, global_batch_size: int, seed: int, start_step: int = 0
@@ -201,6 +220,7 @@ class Dataset:
             batch = context.get_per_replica_batch_size(global_batch_size)
             replicas_fed = max(1, context.num_replicas_in_sync // context.num_input_pipelines)
             split = self.train_split
+            context = self._shared(context)
             batches = split.shuffled_batches(context, seed, batch, start_step * replicas_fed)
             return _decoded(batches, split.decode).with_options(self._options())
 
@@ -221,10 +241,16 @@ class Dataset:
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
             batch = context.get_per_replica_batch_size(global_batch_size)
-            records = self.eval_split.records(context).batch(batch)
+            records = self.eval_split.records(self._shared(context)).batch(batch)
             return _decoded(records, self.eval_split.decode).with_options(self._options())
 
         return dataset_fn
+
+    def _shared(self, context: tf.distribute.InputContext) -> tf.distribute.InputContext:
+        """With `data.sharding=off` every pipeline reads all the data, as if it were alone."""
+        if self.sharding != "off":
+            return context
+        return tf.distribute.InputContext(1, 0, context.num_replicas_in_sync)
 
     def _options(self) -> tf.data.Options:
         """tf.data autotunes parallelism and prefetch depths within the memory budget."""
@@ -303,7 +329,16 @@ def get(config: ml_collections.ConfigDict) -> Dataset:
             f"`data.autotune_ram_budget_mb` ({budget}) must be >= 0 (0 = TF's default, "
             "half the RAM); set e.g. `--config.data.autotune_ram_budget_mb=2048`."
         )
-    return dataclasses.replace(_BUILDERS[config.name](config), ram_budget_mb=budget)
+    sharding = config.get("sharding", "auto")
+    if sharding not in SHARDING:
+        raise UserError(f"Unknown `data.sharding` '{sharding}'; known: {', '.join(SHARDING)}.")
+    dataset = _BUILDERS[config.name](config)
+    splits = {
+        name: dataclasses.replace(getattr(dataset, name), sharding=sharding)
+        for name in ("train_split", "eval_split")
+        if isinstance(getattr(dataset, name), _FileSplit)
+    }
+    return dataclasses.replace(dataset, ram_budget_mb=budget, sharding=sharding, **splits)
 
 
 # --- indexed sources ------------------------------------------------------------
