@@ -47,4 +47,9 @@ def _cross_device_ops(name: str, names: list[str]):
             "use 'auto' or 'reduce_to_one'."
         )
     cls = CROSS_DEVICE_OPS[name]
+    if cls is None and not any("GPU" in d for d in names):
+        # On CPUs, TF's pick is collective all-reduce, whose instance keys start afresh in
+        # every MirroredStrategy: two strategies in one process (tests, notebooks) clash.
+        # Reducing to one device is exact and as fast for CPU replicas.
+        cls = tf.distribute.ReductionToOneDevice
     return cls() if cls else None

@@ -167,14 +167,24 @@ def test_output_is_prefixed_and_the_exit_code_is_the_chiefs(tmp_path):
 
 def test_a_failing_task_stops_the_whole_cluster(tmp_path):
     tasks = launch.plan_cluster(workers=2, ps=1, evaluator=True)
-    code, out = _run(tasks, f"--pid_dir={tmp_path}", "--grandchild", "--exit=worker:1=3@2")
+    code, out = _run(tasks, f"--pid_dir={tmp_path}", "--grandchild", "--exit=ps:0=3@2")
     assert code == 3
-    assert "[launch] worker:1 exited with code 3; stopping the cluster" in out
-    assert "[launch] stopping chief, worker:0, ps:0, evaluator" in out
+    assert "[launch] ps:0 exited with code 3; stopping the cluster" in out
+    assert "[launch] stopping chief, worker:0, worker:1, evaluator" in out
     pids = _pids(tmp_path)
     assert sorted(pids.values()).count("chief:0 grandchild") == 1
     assert len(pids) == 2 * len(tasks), "every task and its child recorded its pid"
     _assert_all_dead(pids)
+
+
+def test_a_failing_parameter_server_worker_is_restarted_a_few_times(tmp_path):
+    tasks = launch.plan_cluster(workers=2, ps=1)
+    code, out = _run(tasks, f"--pid_dir={tmp_path}", "--exit=worker:1=3@1")
+    for attempt in (1, 2, 3):
+        assert f"worker:1 exited with code 3; restarting it (attempt {attempt} of 3)" in out
+    assert "[launch] worker:1 exited with code 3; stopping the cluster" in out
+    assert code == 3
+    _assert_all_dead(_pids(tmp_path))
 
 
 def test_a_task_killed_by_a_signal_fails_the_cluster(tmp_path):
