@@ -10,7 +10,7 @@ from trainer import tasks
 def test_auc_matches_the_pairwise_definition():
     rng = np.random.RandomState(0)
     labels = rng.randint(0, 2, 2000)
-    scores = np.clip(0.5 + 0.2 * (labels - 0.5) + 0.2 * rng.randn(2000), 0, 0.999)
+    scores = np.clip(0.5 + 0.2 * (labels - 0.5) + 0.2 * rng.randn(2000), 0.001, 0.999)
     logits = np.log(np.stack([1 - scores, scores], 1))
     task = tasks.Classification(2)
     out = tf.constant(logits, tf.float32)
