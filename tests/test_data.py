@@ -302,21 +302,15 @@ def test_tfrecord_regression_labels(tmp_path):
     np.testing.assert_array_equal(got_x, x)
 
 
-@pytest.mark.parametrize("eval_files", [3, 1], ids=["by_file", "by_record"])
-def test_tfrecord_shards_are_disjoint(tmp_path, eval_files):
-    config, _, (eval_x, eval_y) = _tfrecord_config(tmp_path, eval_files=eval_files)
-    dataset = data.get(config)
-    shards = [
-        _examples(_take(dataset.eval_fn(4)(_context(2, pipeline, replicas=2))))
-        for pipeline in (0, 1)
-    ]
-    assert shards[0] and shards[1] and not shards[0] & shards[1]
-    assert shards[0] + shards[1] == _examples(_as_batches(eval_x, eval_y, (8, 8, 1)))
-
-
-@pytest.mark.parametrize("sharding", ["file", "data"])
-def test_sharding_policies_split_files_or_records(tmp_path, sharding):
-    config, _, (eval_x, eval_y) = _tfrecord_config(tmp_path, eval_files=2, sharding=sharding)
+@pytest.mark.parametrize(
+    "eval_files,sharding",
+    [(3, "auto"), (1, "auto"), (2, "file"), (2, "data")],
+    ids=["by_file", "by_record", "file", "data"],
+)
+def test_tfrecord_shards_are_disjoint(tmp_path, eval_files, sharding):
+    config, _, (eval_x, eval_y) = _tfrecord_config(
+        tmp_path, eval_files=eval_files, sharding=sharding
+    )
     dataset = data.get(config)
     shards = [
         _examples(_take(dataset.eval_fn(4)(_context(2, pipeline, replicas=2))))
