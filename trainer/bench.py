@@ -16,9 +16,11 @@ Contenders train the same model on the same data, global batch and strategy:
 - `bare_loop`: the floor: `strategy.run` of a minimal step in a `tf.range`
   loop inside one `tf.function`; nothing else.
 
-Every contender runs once to warm up (tracing, pipeline start), then all run
-in turn (A B C A B C ...) `--reps` times, so load from other processes hits
-them alike; the table shows medians. Cases:
+Every contender warms up once (tracing, pipeline start; towerflow and Keras
+instead leave their first loop out of every timing), then all run in turn
+(A B C A B C ...) `--reps` times, so load from other processes hits them
+alike. Figures are medians; ratios are medians of the ratios within each
+round (paired), which load that comes and goes disturbs less. Cases:
 
 1. `small_mlp`: an overhead-bound MLP (~300k parameters), examples/s.
 2. `dense_large`: a compute-bound MLP (~15M parameters, batch 512) under
@@ -67,7 +69,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny sizes and one repetition: a smoke test.")
 _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
 _CASES = flags.DEFINE_list("cases", list(CASES), f"Cases to run, of: {', '.join(CASES)}.")
-_REPS = flags.DEFINE_integer("reps", None, "Timed repetitions per contender (default 3, quick 1).")
+_REPS = flags.DEFINE_integer("reps", None, "Timed repetitions per contender (default 5, quick 1).")
 
 Run = Callable[[], float]  # one timed repetition -> a rate (examples/s, or FLOP/s)
 
@@ -79,16 +81,16 @@ class Sizes:
     small_input: int = 64  # small_mlp: input features
     small_hidden: tuple[int, ...] = (512, 512)  # ~300k parameters
     small_batch: int = 128
-    small_loops: int = 3  # timed towerflow loops per repetition
+    small_loops: int = 2  # timed towerflow loops per repetition
     large_input: int = 1024
     large_hidden: tuple[int, ...] = (2048, 2048, 2048, 2048)  # ~15M parameters
     large_batch: int = 512
-    large_steps: int = 6  # timed steps per repetition
+    large_steps: int = 4  # timed steps per repetition
     peak_n: int = 2048  # side of the square matmuls of the float32 peak
     examples: int = 100_000  # synthetic examples
     steps_per_loop: int = 0  # 0: the config's default
     ckpt_hidden: tuple[int, ...] = (2048, 2048, 2048)  # ~8.5M parameters: ~100 MB with Adam
-    cluster_steps: int = 400  # steps of each local-cluster run
+    cluster_steps: int = 300  # steps of each local-cluster run
     loop1_steps: int = 41  # small_mlp with one step per loop: steps per repetition
     startup_reps: int = 3
 
@@ -154,6 +156,16 @@ def alternate(
 
 def medians(samples: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def paired(samples: dict[str, list[float]], fn: Callable[[dict[str, float]], float]) -> float:
+    """The median over rounds of `fn(that round's figures)`.
+
+    Contenders of one round ran back to back, so a ratio within a round is
+    less disturbed by load that comes and goes than a ratio of medians.
+    """
+    rounds = len(next(iter(samples.values())))
+    return statistics.median(fn({k: v[i] for k, v in samples.items()}) for i in range(rounds))
 
 
 _PROGRESS = re.compile(r"(?:\[\S+\] )?train \| step: (\d+)")
@@ -445,15 +457,15 @@ def _training_contenders(config, strategy, workdir: str, loops: int, prefix: str
     }
 
 
-def _training_ratios(figures: dict[str, float], prefix: str = "") -> dict[str, float]:
-    ours = figures[f"{prefix}towerflow"]
-    keras = {k: v for k, v in figures.items() if k.startswith(f"{prefix}keras_fit_spe")}
-    ratios = {f"{prefix}towerflow/bare_loop": ours / figures[f"{prefix}bare_loop"]}
+def _training_ratios(samples: dict[str, list[float]], prefix: str = "") -> dict[str, float]:
+    ours = f"{prefix}towerflow"
+    keras = [k for k in samples if k.startswith(f"{prefix}keras_fit_spe")]
+    ratios = {f"{ours}/bare_loop": paired(samples, lambda r: r[ours] / r[f"{prefix}bare_loop"])}
     if keras:  # Keras may have failed to run at all (see `failed`)
-        ratios[f"{prefix}towerflow/keras_fit_best"] = ours / max(keras.values())
-    ratios.update(
-        {f"{prefix}towerflow/{k.removeprefix(prefix)}": ours / v for k, v in keras.items()}
-    )
+        best = paired(samples, lambda r: r[ours] / max(r[k] for k in keras))
+        ratios[f"{ours}/keras_fit_best"] = best
+    for k in keras:
+        ratios[f"{ours}/{k.removeprefix(prefix)}"] = paired(samples, lambda r, k=k: r[ours] / r[k])
     return ratios
 
 
@@ -475,10 +487,12 @@ def small_mlp(sizes: Sizes, reps: int, workdir: str) -> dict:
     failed: dict[str, str] = {}
     samples = alternate(contenders, reps, failed)
     figures = medians(samples)
-    ratios = _training_ratios(figures)
+    ratios = _training_ratios(samples)
     loop = config.train.steps_per_loop
     step_s = sizes.small_batch / figures["bare_loop"]
-    overhead_s = sizes.small_batch / figures["towerflow_loop1"] - step_s
+    overhead_s = paired(
+        samples, lambda r: sizes.small_batch * (1 / r["towerflow_loop1"] - 1 / r["bare_loop"])
+    )
     return _result(
         "examples/s",
         figures,
@@ -530,14 +544,17 @@ def dense_large(sizes: Sizes, reps: int, workdir: str) -> dict:
     }
     failed: dict[str, str] = {}
     samples = alternate(contenders, reps, failed)
+    # The matmuls of a step alone, at the model's shapes: the most any loop could reach.
+    samples["model_matmuls_only"] = samples.pop("model_matmuls")
     rates = medians(samples)
     peak = rates.pop("matmul_peak")
-    # The matmuls of a step alone, at the model's shapes: the most any loop could reach.
-    rates["model_matmuls_only"] = rates.pop("model_matmuls")
-    figures = {name: rate * flops_per_example / peak for name, rate in rates.items()}
-    ratios = _training_ratios(rates)
-    ratios["towerflow_mixed_bfloat16/bare_loop_mixed_bfloat16"] = (
-        rates["towerflow_mixed_bfloat16"] / rates["bare_loop_mixed_bfloat16"]
+    figures = {
+        name: paired(samples, lambda r, name=name: r[name] * flops_per_example / r["matmul_peak"])
+        for name in rates
+    }
+    ratios = _training_ratios(samples)
+    ratios["towerflow_mixed_bfloat16/bare_loop_mixed_bfloat16"] = paired(
+        samples, lambda r: r["towerflow_mixed_bfloat16"] / r["bare_loop_mixed_bfloat16"]
     )
     return _result(
         "utilisation of the float32 matmul peak",
@@ -588,14 +605,18 @@ def input_case(sizes: Sizes, reps: int, workdir: str) -> dict:
     figures = {k: v for k, v in values.items() if not k.startswith("wait_us")}
     ratios, waits = {}, {"in_memory": values["wait_us_in_memory"]}
     for name in ("synthetic", "tfrecord"):
-        ratios[f"pipeline/consumed_{name}"] = (
-            values[f"pipeline_{name}"] / values[f"towerflow_{name}"]
+        ratios[f"pipeline/consumed_{name}"] = paired(
+            samples, lambda r, n=name: r[f"pipeline_{n}"] / r[f"towerflow_{n}"]
         )
         waits[name] = values[f"wait_us_{name}"]
-        waits[f"{name}_minus_in_memory"] = waits[name] - waits["in_memory"]
-        step_us = batch / values[f"bare_loop_{name}"] * 1e6
-        waits[f"{name}_step_minus_in_memory_step"] = (
-            step_us - batch / values["bare_loop_in_memory"] * 1e6
+        waits[f"{name}_minus_in_memory"] = paired(
+            samples, lambda r, n=name: r[f"wait_us_{n}"] - r["wait_us_in_memory"]
+        )
+        waits[f"{name}_step_minus_in_memory_step"] = paired(
+            samples,
+            lambda r, n=name: (
+                batch * 1e6 * (1 / r[f"bare_loop_{n}"] - 1 / r["bare_loop_in_memory"])
+            ),
         )
     return _result(
         "examples/s",
@@ -674,7 +695,7 @@ def strategies_case(sizes: Sizes, reps: int, workdir: str) -> dict:
     figures = medians(samples)
     ratios = {}
     for name in SINGLE_PROCESS:
-        ratios.update(_training_ratios(figures, prefix=f"{name}/"))
+        ratios.update(_training_ratios(samples, prefix=f"{name}/"))
     notes = []
     known = strategies.available()
     for name, topology in (("multi_worker", ["--workers=2"]), ("parameter_server", PS_TOPOLOGY)):
@@ -685,10 +706,14 @@ def strategies_case(sizes: Sizes, reps: int, workdir: str) -> dict:
         runs = [_cluster_rate(sizes, name, topology, workdir) for _ in range(max(1, reps // 3))]
         samples[f"{name}/towerflow"] = runs
         figures[f"{name}/towerflow"] = statistics.median(runs)
-    base = figures["one_device/towerflow"]
-    for name in (*SINGLE_PROCESS, "multi_worker", "parameter_server"):
+    base = "one_device/towerflow"
+    for name in SINGLE_PROCESS:
+        ratios[f"{name}/one_device"] = paired(
+            samples, lambda r, n=name: r[f"{n}/towerflow"] / r[base]
+        )
+    for name in ("multi_worker", "parameter_server"):  # one run each: against the median
         if f"{name}/towerflow" in figures:
-            ratios[f"{name}/one_device"] = figures[f"{name}/towerflow"] / base
+            ratios[f"{name}/one_device"] = figures[f"{name}/towerflow"] / figures[base]
     return _result("examples/s", figures, ratios, samples, failed=failed, notes=notes)
 
 
@@ -758,10 +783,12 @@ def startup(sizes: Sizes, reps: int, workdir: str) -> dict:
             samples[name].append(run())
             _note(f"  {name}: {samples[name][-1]:.2f}")
     figures = medians(samples)
+    first = "towerflow_first_step_s"
     ratios = {
-        "towerflow_first_step/floor": figures["towerflow_first_step_s"] / figures["floor_s"],
-        "towerflow_first_step/import_tensorflow": figures["towerflow_first_step_s"]
-        / figures["import_tensorflow_s"],
+        "towerflow_first_step/floor": paired(samples, lambda r: r[first] / r["floor_s"]),
+        "towerflow_first_step/import_tensorflow": paired(
+            samples, lambda r: r[first] / r["import_tensorflow_s"]
+        ),
     }
     return _result("seconds", figures, ratios, samples)
 
@@ -860,7 +887,9 @@ def checkpoint_case(sizes: Sizes, reps: int, workdir: str) -> dict:
     for saver in savers.values():
         saver.close()
     ratios = {
-        "async_blocks/sync_blocks": figures["async_save_blocks_s"] / figures["sync_save_blocks_s"]
+        "async_blocks/sync_blocks": paired(
+            samples, lambda r: r["async_save_blocks_s"] / r["sync_save_blocks_s"]
+        )
     }
     return _result(
         "seconds", figures, ratios, samples, checkpoint_mb=size, parameters=_parameters(config)
@@ -925,12 +954,19 @@ def machine() -> dict:
 
 
 def table(results: dict) -> str:
-    """The figures and ratios of every case, as Markdown tables."""
+    """The figures and ratios of every case, as Markdown tables.
+
+    `spread` is (max - min) / median of a figure's repetitions.
+    """
     lines = []
     for case, result in results["cases"].items():
-        lines += ["", f"### {case} ({result['unit']})", "", "| figure | median |", "| --- | --- |"]
-        lines += [f"| {k} | {_fmt(v)} |" for k, v in result["figures"].items()]
-        lines += [f"| **{k}** | **{_fmt(v)}** |" for k, v in result["ratios"].items()]
+        lines += ["", f"### {case} ({result['unit']})", ""]
+        lines += ["| figure | median | spread |", "| --- | --- | --- |"]
+        for name, value in result["figures"].items():
+            runs = result["samples"].get(name, [])
+            spread = f"{(max(runs) - min(runs)) / statistics.median(runs):.0%}" if runs else "-"
+            lines.append(f"| {name} | {_fmt(value)} | {spread} |")
+        lines += [f"| **{k}** | **{_fmt(v)}** | |" for k, v in result["ratios"].items()]
         for key, value in result.items():
             if key not in ("unit", "figures", "ratios", "samples"):
                 lines.append(f"\n{key}: {_fmt(value)}")
@@ -984,7 +1020,7 @@ def main(argv: list[str]) -> None:
     unknown = [c for c in _CASES.value if c not in CASES]
     if unknown or not _CASES.value:
         cli.fail(f"Unknown `--cases` {', '.join(unknown) or '(none)'}; known: {', '.join(CASES)}.")
-    reps = _REPS.value if _REPS.value is not None else (1 if _QUICK.value else 3)
+    reps = _REPS.value if _REPS.value is not None else (1 if _QUICK.value else 5)
     if reps < 1:
         cli.fail(f"`--reps` ({reps}) must be at least 1; e.g. `--reps=3`.")
     import absl.logging
