@@ -39,6 +39,8 @@ import keras
 import ml_collections
 import tensorflow as tf
 
+from strategies import preemption
+
 StepFn = Callable[[Any], dict]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 
@@ -52,6 +54,7 @@ class Strategy(abc.ABC):
     """One way of distributing training, behind the towerflow interface."""
 
     name: str = "?"  # set by `@register`
+    cluster = None  # the parsed `TF_CONFIG` (`cluster.ClusterSpec`) of a multi-process plugin
 
     def __init__(self, options: ml_collections.ConfigDict | None = None):
         self.options = options if options is not None else ml_collections.ConfigDict()
@@ -131,6 +134,31 @@ class Strategy(abc.ABC):
     def compute_devices(self) -> list[str]:
         """The devices that run replicas."""
         return list(self.tf_strategy.extended.worker_devices)
+
+    def watch_preemption(self) -> contextlib.AbstractContextManager:
+        """A watch for SIGTERM, as a context manager around the training loop.
+
+        The loop calls its `check(save)` after every loop (on every task); it
+        saves and raises `preemption.Preempted` once the job is to stop. One
+        process watches its own signal; a plugin whose tasks must agree on the
+        step overrides this.
+        """
+        return preemption.SignalWatch()
+
+    def lost_tasks(self) -> list[str]:
+        """The other tasks of this job's cluster that no longer answer, e.g. "ps:0 (host:port)".
+
+        Empty for a single process. Asked after a step fails, to say which
+        task to blame, and by the loop's watchdog while a step takes long.
+        """
+        return self.cluster.unreachable() if self.cluster else []
+
+    def agree(self, value: int) -> int:
+        """The chief's `value` on every task: for choices (loop lengths) that must not differ.
+
+        A plugin whose workers run collectives in step overrides this.
+        """
+        return value
 
     def run_steps(self, step_fn: StepFn, iterator, n: int) -> dict[str, float]:
         """Runs `n` steps of `step_fn` inside one `tf.function`.

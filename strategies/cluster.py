@@ -103,6 +103,23 @@ class ClusterSpec:
         """
         return {job: list(addresses) for job, addresses in self.jobs.items() if job != "evaluator"}
 
+    def unreachable(self, timeout_s: float = 1.0) -> list[str]:
+        """The other tasks of the training cluster that accept no connection now.
+
+        Each as "worker:1 (host:port)". A task whose process is gone refuses at
+        once; one on a lost host takes `timeout_s` to give up on.
+        """
+        lost = []
+        for job, addresses in self.as_dict().items():
+            for index, address in enumerate(addresses):
+                if (job, index) == (self.task_type, self.task_index):
+                    continue
+                host, _, port = address.rpartition(":")
+                if not _answers(host, int(port), timeout_s):
+                    name = job if job == "chief" else f"{job}:{index}"
+                    lost.append(f"{name} ({address})")
+        return lost
+
 
 def parse(text: str | None) -> ClusterSpec | None:
     """Parses and validates a `TF_CONFIG` value.

@@ -1,4 +1,4 @@
-"""The one exception type for user mistakes.
+"""The exception types a user sees as one line: user mistakes and lost tasks.
 
 A `UserError` is a bad value the user can fix (a name, a size, a path, a
 cluster description). Its message is one line that names the bad value, the
@@ -10,3 +10,7 @@ that raises it; `trainer/` re-exports it.
 
 class UserError(ValueError):
     """A mistake in the user's input, explained in one line."""
+
+
+class TaskLost(Exception):
+    """Another task of the cluster stopped answering (or never came up); restart the cluster."""

@@ -1,10 +1,19 @@
-"""`multi_worker`: synchronous all-reduce across worker processes (between-graph replication)."""
+"""`multi_worker`: synchronous all-reduce across worker processes (between-graph replication).
+
+Workers step together, so they also stop together: SIGTERM to any of them
+makes all save at one agreed step (`preemption.CoordinatedWatch`), and a
+worker that dies fails its peers' next collective within
+`timeout_seconds` (TensorFlow's coordination service usually notices sooner).
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
+from strategies import preemption
 from strategies.base import Strategy
 from strategies.errors import UserError
 from strategies.registry import register
@@ -62,6 +71,22 @@ class MultiWorker(Strategy):
             timeout_seconds=float(timeout),
             implementation=IMPLEMENTATIONS[name],
         )
+
+    def watch_preemption(self) -> contextlib.AbstractContextManager:
+        """Every worker saves at the same step when any of them gets SIGTERM."""
+        if not self.cluster or self.role != "train":
+            return super().watch_preemption()
+        return preemption.CoordinatedWatch(self.tf_strategy.cluster_resolver)
+
+    def agree(self, value: int) -> int:
+        """Replica 0's `value` on every worker (one small all-reduce)."""
+
+        def first_replicas(v):
+            first = tf.distribute.get_replica_context().replica_id_in_sync_group == 0
+            return tf.where(first, v, tf.zeros_like(v))
+
+        values = self.tf_strategy.run(first_replicas, args=(tf.constant(value, tf.int64),))
+        return int(self.reduce("sum", values))
 
     @property
     def role(self) -> str:

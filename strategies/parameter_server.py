@@ -34,7 +34,7 @@ import tensorflow as tf
 from strategies import cluster as cluster_lib
 from strategies import sharding
 from strategies.base import DatasetFn, StepFn, Strategy, _to_floats
-from strategies.errors import UserError
+from strategies.errors import TaskLost, UserError
 from strategies.registry import register
 
 STARTUP_S = 600.0  # how long ps and worker servers wait for the chief to come up
@@ -126,8 +126,8 @@ class ParameterServer(Strategy):
         )
         chief = self.cluster.jobs["chief"][0]
         if not cluster_lib.wait_until_gone(chief, startup_s=STARTUP_S):
-            raise TimeoutError(
-                f"The chief at {chief} did not come up within {STARTUP_S:g} s; start it with "
+            raise TaskLost(
+                f"the chief at {chief} did not come up within {STARTUP_S:g} s; start it with "
                 "the same `TF_CONFIG` cluster."
             )
         del server  # the process ends, and the server with it

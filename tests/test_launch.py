@@ -56,10 +56,11 @@ def _assert_all_dead(pids, timeout_s: float = 10.0) -> None:
     assert not [pid for pid in pids if _alive(pid)], "processes left behind"
 
 
-def _run(tasks, *args, grace_s=10.0, kill_after_s=2.0):
+def _run(tasks, *args, grace_s=10.0, kill_after_s=2.0, report_s=0.5):
     out = io.StringIO()
     start = time.monotonic()
-    code = launch.Cluster(tasks, [*FAKE, *args], launch.Console(out), grace_s, kill_after_s).run()
+    console = launch.Console(out)
+    code = launch.Cluster(tasks, [*FAKE, *args], console, grace_s, kill_after_s, report_s).run()
     assert time.monotonic() - start < TIMEOUT_S
     return code, out.getvalue()
 
@@ -169,7 +170,7 @@ def test_a_failing_task_stops_the_whole_cluster(tmp_path):
     tasks = launch.plan_cluster(workers=2, ps=1, evaluator=True)
     code, out = _run(tasks, f"--pid_dir={tmp_path}", "--grandchild", "--exit=ps:0=3@2")
     assert code == 3
-    assert "[launch] ps:0 exited with code 3; stopping the cluster" in out
+    assert "[launch] ps:0 exited with code 3; letting the chief report (up to 0.5 s)" in out
     assert "[launch] stopping chief, worker:0, worker:1, evaluator" in out
     pids = _pids(tmp_path)
     assert sorted(pids.values()).count("chief:0 grandchild") == 1
@@ -182,7 +183,7 @@ def test_a_failing_parameter_server_worker_is_restarted_a_few_times(tmp_path):
     code, out = _run(tasks, f"--pid_dir={tmp_path}", "--exit=worker:1=3@1")
     for attempt in (1, 2, 3):
         assert f"worker:1 exited with code 3; restarting it (attempt {attempt} of 3)" in out
-    assert "[launch] worker:1 exited with code 3; stopping the cluster" in out
+    assert "[launch] worker:1 exited with code 3; letting the chief report" in out
     assert code == 3
     _assert_all_dead(_pids(tmp_path))
 
@@ -190,7 +191,23 @@ def test_a_failing_parameter_server_worker_is_restarted_a_few_times(tmp_path):
 def test_a_task_killed_by_a_signal_fails_the_cluster(tmp_path):
     code, out = _run(launch.plan_cluster(workers=2), "--exit=worker:1=-9@0.5")
     assert code == 128 + 9
-    assert "[launch] worker:1 was killed by SIGKILL; stopping the cluster" in out
+    assert "[launch] worker:1 was killed by SIGKILL; letting the chief report" in out
+
+
+def test_the_chief_may_end_on_its_own_after_a_task_fails(tmp_path):
+    code, out = _run(
+        launch.plan_cluster(workers=2), "--exit=worker:1=5@0.2", "--exit=worker:0=144@0.4"
+    )
+    assert code == 5, "the task that failed first sets the exit status"
+    assert "[launch] worker:0 exited with code 144" in out and "stopping" not in out
+
+
+def test_a_preempted_task_lets_the_others_save_at_the_same_step(tmp_path):
+    args = ["--exit=worker:1=143@0.2", "--exit=worker:0=143@1.5"]
+    code, out = _run(launch.plan_cluster(workers=2), *args, report_s=0.1)
+    assert code == 143
+    assert "[launch] worker:1 exited with code 143; letting the others save (up to 10 s)" in out
+    assert "[launch] worker:0 exited with code 143" in out and "stopping" not in out
 
 
 def test_after_the_chief_the_rest_get_a_grace_period_then_sigkill(tmp_path):
@@ -220,13 +237,14 @@ def test_an_evaluator_that_ends_early_fails_the_cluster_only_when_non_zero(
     tasks = launch.plan_cluster(workers=1, evaluator=True)
     code, out = _run(tasks, f"--exit=evaluator:0={evaluator_code}@0.2", "--exit=worker:0=0@2")
     assert code == expected
-    assert ("evaluator exited with code 4; stopping" in out) == (evaluator_code == 4)
+    assert ("evaluator exited with code 4; letting the chief" in out) == (evaluator_code == 4)
 
 
 def _launch(tmp_path, *args, restarts):
     out = io.StringIO()
     command = [*FAKE, f"--pid_dir={tmp_path}", *args]
-    code = launch.launch(command, workers=2, restarts=restarts, console=launch.Console(out))
+    console = launch.Console(out)
+    code = launch.launch(command, workers=2, restarts=restarts, console=console, report_s=0.2)
     chiefs = sorted(name for name in _pids(tmp_path).values() if name == "worker:0")
     return code, out.getvalue(), len(chiefs)
 

@@ -57,6 +57,7 @@ class Checkpointer:
         if async_save:
             _let_keras_variables_save_asynchronously()
         self._temp_dir = None if is_chief else tempfile.mkdtemp(prefix="towerflow-ckpt-")
+        self._saved: tuple[int | None, str] = (None, "")  # (step, path) of the last save
         self.checkpoint = tf.train.Checkpoint(**objects)
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, self._temp_dir or self.directory, max_to_keep=max_to_keep
@@ -123,8 +124,14 @@ class Checkpointer:
         return list(reversed(state.all_model_checkpoint_paths)) if state else []
 
     def save(self, step: int) -> str:
-        """Writes a checkpoint for `step` (in the background if `async_save`); returns its path."""
-        return self.manager.save(checkpoint_number=step, options=self._options)
+        """Writes a checkpoint for `step` (in the background if `async_save`); returns its path.
+
+        A second save at the same step (a preemption right at a periodic save)
+        returns the first one's path.
+        """
+        if self._saved[0] != step:
+            self._saved = (step, self.manager.save(checkpoint_number=step, options=self._options))
+        return self._saved[1]
 
     def sync(self) -> None:
         """Waits until a checkpoint being written in the background is complete."""

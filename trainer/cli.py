@@ -112,6 +112,9 @@ def guarded(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
         except faults.Diverged as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(faults.DIVERGED_EXIT_CODE)
+        except faults.TaskLost as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(faults.TASK_LOST_EXIT_CODE)
 
     return wrapper
 

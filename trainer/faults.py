@@ -1,11 +1,15 @@
-"""What the loop does when a job is preempted or its loss blows up.
+"""What the loop does when a job is preempted, a task is lost or its loss blows up.
 
-- Preemption: SIGTERM (what Kubernetes and Slurm send before they stop a
-  task) sets a flag; the loop saves a checkpoint at the step it has reached
-  and the process exits with `PREEMPTED_EXIT_CODE` (143 = 128 + SIGTERM), a
-  code schedulers treat as "restart me" (e.g. a TFJob's `ExitCode` restart
-  policy retries 128-255). The restarted job resumes from that checkpoint and
-  loses no steps.
+- Preemption: the strategy's watch (`strategies.preemption`) saves a checkpoint
+  at the step reached, on every task at the same step, and raises
+  `Preempted`; the process exits with `PREEMPTED_EXIT_CODE` (143 = 128 +
+  SIGTERM), a code schedulers treat as "restart me". The restarted job
+  resumes from that checkpoint and loses no steps.
+- A lost task: a step that fails because another task of the cluster stopped
+  answering becomes `TaskLost`, one line naming that task, and exit status
+  `TASK_LOST_EXIT_CODE` (144, also in the 128-255 range schedulers retry).
+  While a loop runs long, a `Watchdog` says which tasks do not answer, so a
+  hang is never silent.
 - Loss blow-ups: a non-finite loss, or one above `train.loss_upper_bound`,
   makes the loop restore the last good checkpoint and go on with fresh data,
   up to `train.max_recoveries` times; then it stops with `Diverged`.
@@ -13,48 +17,105 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import signal
+import re
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-PREEMPTED_EXIT_CODE = 143
+import tensorflow as tf
+
+from strategies.errors import TaskLost
+from strategies.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "TaskLost"]
+
 DIVERGED_EXIT_CODE = 3
-
-
-class Preempted(Exception):
-    """SIGTERM arrived; a checkpoint holds the step reached. Exit with 143."""
+TASK_LOST_EXIT_CODE = 144
+WATCHDOG_AFTER_S = 10.0  # a loop running this long makes the watchdog look at the other tasks
+_TF_TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 
 
 class Diverged(Exception):
     """The loss stayed non-finite or too large after every allowed recovery."""
 
 
-class SigtermWatch:
-    """A flag that SIGTERM sets; the loop reads it between loops."""
-
-    def __init__(self):
-        self.requested = False
-
-    def _handler(self, signum, frame) -> None:
-        self.requested = True
-
-
-@contextlib.contextmanager
-def watch_sigterm() -> Iterator[SigtermWatch]:
-    """Catches SIGTERM for the duration (main thread only; elsewhere a no-op flag)."""
-    watch = SigtermWatch()
-    if threading.current_thread() is not threading.main_thread():
-        yield watch
-        return
-    previous = signal.signal(signal.SIGTERM, watch._handler)
-    try:
-        yield watch
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def loss_blew_up(loss: float, upper_bound: float) -> bool:
     """Whether `loss` is non-finite or above `upper_bound` (0 = no bound)."""
     return not math.isfinite(loss) or (upper_bound > 0 and loss > upper_bound)
+
+
+def lost_task_error(
+    error: tf.errors.OpError, lost: list[str], checkpoint_dir: str
+) -> TaskLost | None:
+    """A `TaskLost` for a step that failed as other tasks stopped answering; else None.
+
+    Args:
+      error: what the failed step raised.
+      lost: the tasks that do not answer now (`Strategy.lost_tasks()`).
+      checkpoint_dir: where the restarted job will resume from.
+    """
+    if not lost:  # none refuses a connection: fall back to the tasks TensorFlow names
+        if not isinstance(error, tf.errors.UnavailableError | tf.errors.DeadlineExceededError):
+            return None
+        lost = sorted({f"{job}:{index}" for job, index in _TF_TASK.findall(error.message)})
+        lost = lost or ["a task of the cluster"]
+    resume = tf.train.latest_checkpoint(checkpoint_dir) or "the start (no checkpoint yet)"
+    return TaskLost(
+        f"{', '.join(lost)} stopped answering ({type(error).__name__}); restart the "
+        f"whole cluster (the scheduler's restart policy, or `python -m trainer.launch "
+        f"--restarts=N`) and it resumes from {resume}."
+    )
+
+
+class Watchdog:
+    """Says which tasks do not answer while a loop runs longer than `after_s`.
+
+    A context manager around training; `loop(step)` marks each loop. One
+    thread probes the cluster (`probe()`, e.g. `Strategy.lost_tasks`) every
+    `after_s` seconds while a loop is overdue, and reports what it finds.
+    """
+
+    def __init__(
+        self,
+        probe: Callable[[], list[str]],
+        report: Callable[[str], None],
+        after_s: float = WATCHDOG_AFTER_S,
+    ):
+        self._probe = probe
+        self._report = report
+        self._after_s = after_s
+        self._loop: tuple[int, float] | None = None  # (first step, start time) of the running loop
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="towerflow-watchdog", daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+    @contextmanager
+    def loop(self, step: int) -> Iterator[None]:
+        """Marks one loop, which starts at `step`."""
+        self._loop = (step, time.monotonic())
+        try:
+            yield
+        finally:
+            self._loop = None
+
+    def _watch(self) -> None:
+        while not self._done.wait(self._after_s):
+            running = self._loop
+            if running is None or time.monotonic() - running[1] < self._after_s:
+                continue
+            lost = self._probe()
+            if lost:
+                waited = time.monotonic() - running[1]
+                self._report(
+                    f"watchdog: the loop from step {running[0]} has run {waited:.0f} s; "
+                    f"not answering: {', '.join(lost)}"
+                )

@@ -16,8 +16,10 @@ Every task runs `python -m trainer <the flags after -->` with its own
 
 Each output line is prefixed with its task (`[worker:1] ...`); the launcher's own
 lines with `[launch]`. When the chief ends, the others get `--grace_s` seconds to
-end too and are then stopped; when any task fails first, every task is stopped
-and the launcher exits with that task's code. The exception is a worker of a
+end too and are then stopped; when any task fails first, the chief gets a few
+seconds to report it, then every task is stopped and the launcher exits with
+that task's code. A task preempted by SIGTERM (exit 143) makes the others save
+at the same step: they get `--grace_s` to finish. The exception is a worker of a
 parameter-server cluster: it is started again (up to 3 times) and rejoins,
 while the coordinator re-schedules the work it lost. `--restarts` starts a failed
 cluster again; the trainer resumes from the checkpoint in its `model_dir`.
@@ -45,11 +47,13 @@ from absl import app, flags
 
 from strategies import cluster
 from strategies.errors import UserError
+from strategies.preemption import PREEMPTED_EXIT_CODE
 from trainer import cli
 
 LOOPBACK = "127.0.0.1"
 GRACE_S = 15.0  # how long the other tasks may run on after the chief is done
 KILL_AFTER_S = 5.0  # how long a task may take to exit after SIGTERM before SIGKILL
+REPORT_S = 10.0  # how long the chief may take to report a failed task before the cluster stops
 _POLL_S = 0.1
 MAX_TASK_RESTARTS = 3  # a parameter-server worker that fails is started again this often
 
@@ -216,6 +220,7 @@ class Cluster:
         console: Console | None = None,
         grace_s: float = GRACE_S,
         kill_after_s: float = KILL_AFTER_S,
+        report_s: float = REPORT_S,
     ):
         """Creates the cluster; nothing starts before `run`.
 
@@ -225,12 +230,14 @@ class Cluster:
           console: where the tasks' prefixed output goes (default: stdout).
           grace_s: how long the other tasks may run on after the chief ends.
           kill_after_s: how long a task may take to exit after SIGTERM before SIGKILL.
+          report_s: how long the chief may take to report a failed task before the stop.
         """
         self.tasks = list(tasks)
         self.command = list(command)
         self.console = console or Console()
         self.grace_s = grace_s
         self.kill_after_s = kill_after_s
+        self.report_s = report_s
         self.max_task_restarts = MAX_TASK_RESTARTS
         self._procs: dict[Task, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
@@ -317,8 +324,7 @@ class Cluster:
                     self._start(task)
                     others[task] = self._procs[task]
                     continue
-                self.console.log(f"{task.name} {_ended(proc.returncode)}; stopping the cluster")
-                return _exit_status(proc.returncode)
+                return self._after_failure(task, proc.returncode, chief)
             time.sleep(_POLL_S)
         label = chief.name if chief.type == "chief" else f"{chief.name} (the chief)"
         self.console.log(f"{label} {_ended(code)}")
@@ -327,6 +333,27 @@ class Cluster:
             deadline = time.monotonic() + self.grace_s
             while time.monotonic() < deadline and any(p.poll() is None for p in others.values()):
                 time.sleep(_POLL_S)
+        return _exit_status(code)
+
+    def _after_failure(self, task: Task, code: int, chief: Task) -> int:
+        """A task other than the chief failed: let the chief end on its own first, briefly.
+
+        A preempted task (exit 143) is saving with the others at one agreed step:
+        they get `grace_s` to finish. Otherwise the chief gets `report_s` to
+        notice the loss and say which task it lost, before the cluster is stopped.
+        """
+        preempted = code == PREEMPTED_EXIT_CODE
+        wait_s = self.grace_s if preempted else self.report_s
+        action = "letting the others save" if preempted else "letting the chief report"
+        self.console.log(f"{task.name} {_ended(code)}; {action} (up to {wait_s:g} s)")
+        deadline = time.monotonic() + wait_s
+        while self._procs[chief].poll() is None and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        chief_code = self._procs[chief].poll()
+        if chief_code is not None:
+            self.console.log(f"{chief.name} {_ended(chief_code)}")
+            if preempted:
+                return _exit_status(chief_code)
         return _exit_status(code)
 
 
@@ -356,6 +383,7 @@ def launch(
     port_base: int = 0,
     grace_s: float = GRACE_S,
     console: Console | None = None,
+    report_s: float = REPORT_S,
 ) -> int:
     """Runs a local cluster, starting it again after a failure up to `restarts` times.
 
@@ -366,6 +394,7 @@ def launch(
         user error (exit status 2) is not retried: it would fail the same way.
       grace_s: how long the other tasks may run on after the chief ends.
       console: where the prefixed output goes (default: stdout).
+      report_s: how long the chief may take to report a failed task before the stop.
 
     Returns:
       The exit status of the last attempt: the chief's, or that of the task that failed.
@@ -383,7 +412,7 @@ def launch(
         if attempt > 1:
             console.log(f"restarting cluster (attempt {attempt} of {attempts})")
         tasks = plan_cluster(workers, ps, chief, evaluator, port_base)
-        code = Cluster(tasks, command, console, grace_s).run()
+        code = Cluster(tasks, command, console, grace_s, report_s=report_s).run()
         if code in (0, cli.EXIT_USER_ERROR):
             break
     return code

@@ -7,6 +7,7 @@ which strategy it runs under: everything that differs lives in the plugin.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -149,6 +150,11 @@ def run(job: Job, mode: str) -> dict:
         if strategy.is_chief:
             _write_json(os.path.join(job.model_dir, "results.json"), results)
         return results
+    except tf.errors.OpError as e:
+        lost = faults.lost_task_error(e, strategy.lost_tasks(), checkpointer.directory)
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         summaries.close()
         checkpointer.close()
@@ -229,11 +235,13 @@ def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate:
     dataset_fn = job.dataset.train_fn(gb, config.seed, start_step=step)
     iterator = iter(strategy.distribute_dataset(dataset_fn))
     metrics, recoveries = {}, 0
-    with faults.watch_sigterm() as sigterm:
+    watchdog = faults.Watchdog(strategy.lost_tasks, say) if strategy.cluster else None
+    with strategy.watch_preemption() as preemption, watchdog or contextlib.nullcontext():
         while step < job.total_steps:
-            n = _steps_until_next_event(step, job.total_steps, config, loops.next())
+            n = _steps_until_next_event(step, job.total_steps, config, _loop_length(job, loops))
             tic = time.time()
-            sums = strategy.run_steps(train_step, iterator, n)
+            with watchdog.loop(step) if watchdog else contextlib.nullcontext():
+                sums = strategy.run_steps(train_step, iterator, n)
             elapsed = time.time() - tic
             loops.observe(n, elapsed)
             step = _step(job)
@@ -247,18 +255,24 @@ def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate:
             metrics["examples_per_sec"] = n * gb / elapsed
             summaries.scalars("train", step, metrics)
             _tell(job, progress_line("train", step, metrics, job.total_steps))
-            if sigterm.requested:
-                checkpointer.save(step)
-                say(
-                    f"preempted (SIGTERM) at step {step}: checkpoint saved; exiting with "
-                    f"{faults.PREEMPTED_EXIT_CODE} so the scheduler restarts the job"
-                )
-                raise faults.Preempted()
             if _due(step, config.train.checkpoint_every) or step >= job.total_steps:
                 checkpointer.save(step)
+            try:
+                preemption.check(lambda step=step: checkpointer.save(step))
+            except faults.Preempted as e:
+                say(
+                    f"preempted ({e}) at step {step}: checkpoint saved; exiting with "
+                    f"{faults.PREEMPTED_EXIT_CODE} so the scheduler restarts the job"
+                )
+                raise
             if evaluate and _due(step, config.eval.every) and step < job.total_steps:
                 _evaluate(job, summaries)
     return metrics
+
+
+def _loop_length(job: Job, loops: loop_length.LoopLength) -> int:
+    """The next loop's length; a measured one is agreed on, as workers' clocks differ."""
+    return job.strategy.agree(loops.next()) if loops.auto else loops.next()
 
 
 def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attempt: int) -> int:
