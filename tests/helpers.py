@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import subprocess
 import sys
+import time
 
 import configs.default
 
@@ -78,3 +81,52 @@ def checkpoint_values(model_dir) -> dict:
     reader = tf.train.load_checkpoint(os.path.join(str(model_dir), "checkpoints"))
     names = [n for n in reader.get_variable_to_shape_map() if "VARIABLE_VALUE" in n]
     return {n: reader.get_tensor(n) for n in names}
+
+
+def pid_of(task_type: str, index: int, marker: str) -> int | None:
+    """The live trainer process whose `TF_CONFIG` names this task, in the test's cluster."""
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            command = (proc / "cmdline").read_bytes().decode(errors="replace")
+            environ = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if marker not in command:
+            continue
+        for entry in environ:
+            if entry.startswith("TF_CONFIG="):
+                task = json.loads(entry.removeprefix("TF_CONFIG="))["task"]
+                if task == {"type": task_type, "index": index}:
+                    return int(proc.name)
+    return None
+
+
+def launch_and_signal(
+    *args: str, cwd, trigger: str, task: tuple[str, int], sig: int, timeout: float = 300
+) -> tuple[int, list[tuple[float, str]], float]:
+    """Runs `python -m trainer.launch ARGS`; at the first line holding `trigger`, signals `task`.
+
+    The task is found by its `TF_CONFIG` among processes whose command line
+    holds `cwd`, so pass `--model_dir` under `cwd`.
+
+    Returns:
+      The launcher's exit code, its output as (seconds since start, line), and
+      the second the signal was sent.
+    """
+    proc = start_cli(*args, cwd=cwd, module="trainer.launch")
+    start, sent, lines = time.monotonic(), None, []
+    try:
+        for line in proc.stdout:
+            lines.append((time.monotonic() - start, line.rstrip("\n")))
+            if sent is None and trigger in line:
+                pid = pid_of(*task, str(cwd))
+                assert pid, f"{task} not found"
+                os.kill(pid, sig)
+                sent = time.monotonic() - start
+            assert time.monotonic() - start < timeout, "the cluster ran too long"
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sent is not None, "\n".join(line for _, line in lines)[-3000:]
+    return code, lines, sent

@@ -2,11 +2,13 @@
 
 import json
 import os
+import re
+import signal
 
 import numpy as np
 import pytest
 
-from tests.helpers import checkpoint_values, launch, run_cli
+from tests.helpers import checkpoint_values, launch, launch_and_signal, run_cli
 
 EQUIVALENCE = [
     "--config.train.steps=20",
@@ -96,3 +98,64 @@ def test_malformed_tf_config_is_one_line(tmp_path):
     assert result.returncode == 2
     assert len(lines) == 1 and "`TF_CONFIG`" in lines[0] and "99999" in lines[0], result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+FAULT_RUN = [
+    "--config.train.steps=200",
+    "--config.train.steps_per_loop=20",
+    "--config.train.checkpoint_every=40",
+    "--config.eval.every=0",
+    "--config.train.export=False",
+    "--config.strategy.multi_worker.timeout_seconds=30",
+]
+
+
+def _fault_run(tmp_path, sig):
+    """Two workers with `--restarts=1`; `sig` goes to worker:1 once step 60 is reported."""
+    code, lines, sent = launch_and_signal(
+        "--workers=2",
+        "--restarts=1",
+        "--",
+        "--strategy=multi_worker",
+        f"--model_dir={tmp_path / 'run'}",
+        *FAULT_RUN,
+        cwd=tmp_path,
+        trigger="[worker:0] train | step: 60/",
+        task=("worker", 1),
+        sig=sig,
+    )
+    output = "\n".join(line for _, line in lines)
+    assert code == 0, output[-3000:]
+    assert "[launch] restarting cluster (attempt 2 of 2)" in output
+    assert "[worker:0] train | step: 200/200" in output
+    return lines, sent, output
+
+
+def test_sigterm_to_one_worker_saves_all_at_one_step_and_the_restart_loses_none(tmp_path):
+    _, _, output = _fault_run(tmp_path, signal.SIGTERM)
+    steps = {
+        worker: int(step)
+        for worker, step in re.findall(
+            r"\[(worker:\d)\] preempted \(SIGTERM.*?at step (\d+)", output
+        )
+    }
+    assert set(steps) == {"worker:0", "worker:1"}, output[-3000:]
+    assert steps["worker:0"] == steps["worker:1"] >= 60
+    step = steps["worker:0"]
+    assert (
+        f"[worker:0] restored {tmp_path / 'run' / 'checkpoints' / f'ckpt-{step}'} at step {step}"
+        in output
+    )
+
+
+def test_a_killed_peer_is_named_within_the_timeout_and_the_cluster_resumes(tmp_path):
+    lines, sent, output = _fault_run(tmp_path, signal.SIGKILL)
+    named = [
+        (t, line)
+        for t, line in lines
+        if re.match(r"\[worker:0\] error: worker:1 \(127\.0\.0\.1:\d+\) stopped answering", line)
+    ]
+    assert named, output[-3000:]
+    assert named[0][0] - sent < 30, "named within the collective timeout"
+    step = int(re.search(r"resumes from \S*ckpt-(\d+)", named[0][1]).group(1))
+    assert step >= 40 and f"ckpt-{step} at step {step}" in output

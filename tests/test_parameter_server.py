@@ -1,7 +1,6 @@
 """`parameter_server`: real clusters of processes on 127.0.0.1, and the pieces they rest on."""
 
 import json
-import os
 import pathlib
 import re
 import signal
@@ -18,7 +17,7 @@ import configs.default
 import strategies
 from strategies import cluster
 from strategies.errors import UserError
-from tests.helpers import launch, run_cli, start_cli
+from tests.helpers import launch, launch_and_signal, run_cli
 from trainer import data
 from trainer.layers import ShardedEmbedding
 
@@ -222,28 +221,10 @@ def test_the_ctr_table_follows_the_vocabulary():
     assert config.model.vocab_size == 5000, "the table follows the vocabulary"
 
 
-def _pid_of(task_type: str, index: int, marker: str) -> int | None:
-    """The live trainer process whose `TF_CONFIG` names this task, in the test's cluster."""
-    for proc in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-            command = (proc / "cmdline").read_bytes().decode(errors="replace")
-            environ = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if marker not in command:
-            continue
-        for entry in environ:
-            if entry.startswith("TF_CONFIG="):
-                task = json.loads(entry.removeprefix("TF_CONFIG="))["task"]
-                if task == {"type": task_type, "index": index}:
-                    return int(proc.name)
-    return None
-
-
 def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path):
     """SIGKILL one worker mid-run: the launcher starts it again and every step is done."""
     model_dir = tmp_path / "run"
-    args = [
+    code, lines, _ = launch_and_signal(
         "--workers=2",
         "--ps=1",
         "--",
@@ -253,25 +234,52 @@ def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path):
         "--config.train.steps_per_loop=20",
         "--config.eval.every=0",
         "--config.train.checkpoint_every=0",
-    ]
-    proc = start_cli(*args, cwd=tmp_path, module="trainer.launch")
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "[chief] train | step:" in line:
-                pid = _pid_of("worker", 1, str(model_dir))
-                assert pid, "worker:1 not found"
-                os.kill(pid, signal.SIGKILL)
-                break
-        lines += proc.stdout.readlines()
-        assert proc.wait(timeout=CLUSTER_TIMEOUT_S) == 0, "".join(lines)[-3000:]
-    finally:
-        proc.kill()
-        proc.wait()
-    output = "".join(lines)
+        cwd=tmp_path,
+        trigger="[chief] train | step:",
+        task=("worker", 1),
+        sig=signal.SIGKILL,
+        timeout=CLUSTER_TIMEOUT_S,
+    )
+    output = "\n".join(line for _, line in lines)
+    assert code == 0, output[-3000:]
     assert "worker:1 was killed by SIGKILL; restarting it" in output
     results = json.loads((model_dir / "results.json").read_text())
     assert results["step"] >= 400
     assert "[chief] train | step: " in output and "/400" in output
+    assert not _left_over(str(model_dir))
+
+
+def test_a_lost_ps_is_named_by_the_chief_and_the_cluster_restarts_from_its_checkpoint(tmp_path):
+    """SIGKILL a ps mid-run: the chief says which, and `--restarts` resumes the whole job."""
+    model_dir = tmp_path / "run"
+    code, lines, _ = launch_and_signal(
+        "--workers=1",
+        "--ps=2",
+        "--restarts=1",
+        "--",
+        "--strategy=parameter_server",
+        f"--model_dir={model_dir}",
+        "--config.train.steps=200",
+        "--config.train.steps_per_loop=20",
+        "--config.train.checkpoint_every=40",
+        "--config.eval.every=0",
+        "--config.train.export=False",
+        cwd=tmp_path,
+        trigger="[chief] train | step: 60/",
+        task=("ps", 1),
+        sig=signal.SIGKILL,
+        timeout=CLUSTER_TIMEOUT_S,
+    )
+    output = "\n".join(line for _, line in lines)
+    assert code == 0, output[-3000:]
+    lost = re.search(
+        r"\[chief\] error: ps:1 \(127\.0\.0\.1:\d+\) stopped answering.*"
+        r"resumes from \S*ckpt-(\d+)",
+        output,
+    )
+    assert lost, output[-3000:]
+    assert "[launch] restarting cluster (attempt 2 of 2)" in output
+    step = int(lost.group(1))
+    assert step >= 40 and f"ckpt-{step} at step {step}" in output
+    assert json.loads((model_dir / "results.json").read_text())["step"] == 200
     assert not _left_over(str(model_dir))

@@ -114,7 +114,10 @@ def guarded(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
             sys.exit(faults.DIVERGED_EXIT_CODE)
         except faults.TaskLost as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(faults.TASK_LOST_EXIT_CODE)
+            sys.stdout.flush()
+            # No interpreter teardown: TensorFlow's would log connection errors to the
+            # lost task for a while, or wait on it.
+            os._exit(faults.TASK_LOST_EXIT_CODE)
 
     return wrapper
 

@@ -151,6 +151,8 @@ def run(job: Job, mode: str) -> dict:
             _write_json(os.path.join(job.model_dir, "results.json"), results)
         return results
     except tf.errors.OpError as e:
+        with contextlib.suppress(Exception):  # a save under way may need the lost task
+            checkpointer.sync()
         lost = faults.lost_task_error(e, strategy.lost_tasks(), checkpointer.directory)
         if lost is None:
             raise
