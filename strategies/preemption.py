@@ -20,12 +20,13 @@ when a `CoordinatedWatch` starts, so the launcher can read the exit code.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -116,13 +117,27 @@ class CoordinatedWatch:
     def check(self, save: Save) -> None:
         """After a loop, on every worker: saves and raises `Preempted` at the agreed step."""
         self._save = save
-        self._handler.save_checkpoint_if_preempted()
+        with _tf_warnings_hidden():  # a deprecation notice and "switching to a sync save"
+            self._handler.save_checkpoint_if_preempted()
 
     def _saved(self) -> None:
         self._save()
 
     def _exit(self) -> None:
         raise Preempted("SIGTERM to a worker of the cluster")
+
+
+@contextlib.contextmanager
+def _tf_warnings_hidden() -> Iterator[None]:
+    import tensorflow as tf
+
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _no_cloud_metadata_probe() -> None:

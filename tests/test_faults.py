@@ -3,11 +3,14 @@
 import os
 import re
 import signal
+import socket
+import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from strategies import cluster
 from tests.helpers import run_cli, start_cli, tiny_config
 from trainer import faults, train
 
@@ -110,3 +113,45 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"at step {step}" in resumed.stdout
     assert f"train | step: {step + 20}/{step + 20}" in resumed.stdout
+
+
+def test_the_watchdog_names_tasks_that_do_not_answer_while_a_loop_is_overdue():
+    reports = []
+    probe = lambda: ["worker:1 (127.0.0.1:9)"]  # noqa: E731
+    with faults.Watchdog(probe, reports.append, after_s=0.05) as watchdog:
+        with watchdog.loop(40):
+            time.sleep(0.02)  # a quick loop: nothing to say
+        assert reports == []
+        with watchdog.loop(60):
+            time.sleep(0.3)
+    assert reports and "loop from step 60" in reports[0]
+    assert "not answering: worker:1 (127.0.0.1:9)" in reports[0]
+
+
+def test_a_failed_step_names_the_lost_task_and_the_checkpoint_to_resume_from(tmp_path):
+    error = tf.errors.UnavailableError(None, None, "Socket closed")
+    lost = faults.lost_task_error(error, ["ps:1 (127.0.0.1:5)"], str(tmp_path))
+    assert isinstance(lost, faults.TaskLost)
+    assert str(lost).startswith("ps:1 (127.0.0.1:5) stopped answering (UnavailableError)")
+    assert "resumes from the start" in str(lost) and "--restarts=N" in str(lost)
+
+
+def test_a_hung_peer_is_named_from_the_error_and_other_errors_pass_through(tmp_path):
+    hung = tf.errors.UnavailableError(
+        None,
+        None,
+        "tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1",
+    )
+    assert str(faults.lost_task_error(hung, [], str(tmp_path))).startswith("worker:1 stopped")
+    bad = tf.errors.InvalidArgumentError(None, None, "shapes differ")
+    assert faults.lost_task_error(bad, [], str(tmp_path)) is None
+
+
+def test_unreachable_lists_the_other_tasks_that_refuse_connections():
+    with socket.socket() as alive, socket.socket() as gone:
+        alive.bind(("127.0.0.1", 0))
+        alive.listen()
+        gone.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in (gone, alive, gone)]
+        spec = cluster.ClusterSpec({"worker": tuple(addresses)}, "worker", 0)
+        assert spec.unreachable() == [f"worker:2 ({addresses[2]})"]
