@@ -30,6 +30,7 @@ def two_workers(tmp_path_factory):
         "--strategy=multi_worker",
         "--model_dir=run",
         "--config.train.steps=300",
+        "--config.train.steps_per_loop=0",  # auto: measured per worker, then agreed on
         "--config.eval.every=0",
         cwd=str(cwd),
     )
@@ -111,7 +112,7 @@ FAULT_RUN = [
 
 
 def _fault_run(tmp_path, sig):
-    """Two workers with `--restarts=1`; `sig` goes to worker:1 once step 60 is reported."""
+    """Two workers with `--restarts=1`; `sig` goes to worker:1 once step 120 is reported."""
     code, lines, sent = launch_and_signal(
         "--workers=2",
         "--restarts=1",
@@ -120,7 +121,7 @@ def _fault_run(tmp_path, sig):
         f"--model_dir={tmp_path / 'run'}",
         *FAULT_RUN,
         cwd=tmp_path,
-        trigger="[worker:0] train | step: 60/",
+        trigger="[worker:0] train | step: 120/",
         task=("worker", 1),
         sig=sig,
     )
@@ -140,7 +141,7 @@ def test_sigterm_to_one_worker_saves_all_at_one_step_and_the_restart_loses_none(
         )
     }
     assert set(steps) == {"worker:0", "worker:1"}, output[-3000:]
-    assert steps["worker:0"] == steps["worker:1"] >= 60
+    assert steps["worker:0"] == steps["worker:1"] >= 120
     step = steps["worker:0"]
     assert (
         f"[worker:0] restored {tmp_path / 'run' / 'checkpoints' / f'ckpt-{step}'} at step {step}"

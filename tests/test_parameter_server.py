@@ -221,57 +221,56 @@ def test_the_ctr_table_follows_the_vocabulary():
     assert config.model.vocab_size == 5000, "the table follows the vocabulary"
 
 
-def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path):
-    """SIGKILL one worker mid-run: the launcher starts it again and every step is done."""
+def _signalled_cluster(tmp_path, topology, task, trigger, *trainer_flags) -> str:
+    """Runs a parameter-server job, SIGKILLs `task` at `trigger`; checks it completes."""
     model_dir = tmp_path / "run"
     code, lines, _ = launch_and_signal(
-        "--workers=2",
-        "--ps=1",
+        *topology,
         "--",
         "--strategy=parameter_server",
         f"--model_dir={model_dir}",
-        "--config.train.steps=400",
         "--config.train.steps_per_loop=20",
         "--config.eval.every=0",
-        "--config.train.checkpoint_every=0",
+        *trainer_flags,
         cwd=tmp_path,
-        trigger="[chief] train | step:",
-        task=("worker", 1),
+        trigger=trigger,
+        task=task,
         sig=signal.SIGKILL,
         timeout=CLUSTER_TIMEOUT_S,
     )
     output = "\n".join(line for _, line in lines)
     assert code == 0, output[-3000:]
+    assert not _left_over(str(model_dir))
+    return output
+
+
+def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path):
+    """SIGKILL one worker mid-run: the launcher starts it again and every step is done."""
+    output = _signalled_cluster(
+        tmp_path,
+        ["--workers=2", "--ps=1"],
+        ("worker", 1),
+        "[chief] train | step:",
+        "--config.train.steps=400",
+        "--config.train.checkpoint_every=0",
+    )
     assert "worker:1 was killed by SIGKILL; restarting it" in output
-    results = json.loads((model_dir / "results.json").read_text())
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["step"] >= 400
     assert "[chief] train | step: " in output and "/400" in output
-    assert not _left_over(str(model_dir))
 
 
 def test_a_lost_ps_is_named_by_the_chief_and_the_cluster_restarts_from_its_checkpoint(tmp_path):
     """SIGKILL a ps mid-run: the chief says which, and `--restarts` resumes the whole job."""
-    model_dir = tmp_path / "run"
-    code, lines, _ = launch_and_signal(
-        "--workers=1",
-        "--ps=2",
-        "--restarts=1",
-        "--",
-        "--strategy=parameter_server",
-        f"--model_dir={model_dir}",
+    output = _signalled_cluster(
+        tmp_path,
+        ["--workers=1", "--ps=2", "--restarts=1"],
+        ("ps", 1),
+        "[chief] train | step: 120/",
         "--config.train.steps=200",
-        "--config.train.steps_per_loop=20",
         "--config.train.checkpoint_every=40",
-        "--config.eval.every=0",
         "--config.train.export=False",
-        cwd=tmp_path,
-        trigger="[chief] train | step: 60/",
-        task=("ps", 1),
-        sig=signal.SIGKILL,
-        timeout=CLUSTER_TIMEOUT_S,
     )
-    output = "\n".join(line for _, line in lines)
-    assert code == 0, output[-3000:]
     lost = re.search(
         r"\[chief\] error: ps:1 \(127\.0\.0\.1:\d+\) stopped answering.*"
         r"resumes from \S*ckpt-(\d+)",
@@ -281,5 +280,4 @@ def test_a_lost_ps_is_named_by_the_chief_and_the_cluster_restarts_from_its_check
     assert "[launch] restarting cluster (attempt 2 of 2)" in output
     step = int(lost.group(1))
     assert step >= 40 and f"ckpt-{step} at step {step}" in output
-    assert json.loads((model_dir / "results.json").read_text())["step"] == 200
-    assert not _left_over(str(model_dir))
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["step"] == 200
