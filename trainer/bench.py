@@ -164,8 +164,10 @@ def paired(samples: dict[str, list[float]], fn: Callable[[dict[str, float]], flo
     Contenders of one round ran back to back, so a ratio within a round is
     less disturbed by load that comes and goes than a ratio of medians.
     """
-    rounds = len(next(iter(samples.values())))
-    return statistics.median(fn({k: v[i] for k, v in samples.items()}) for i in range(rounds))
+    rounds = max(len(v) for v in samples.values())  # some figures run fewer rounds (clusters)
+    return statistics.median(
+        fn({k: v[i] for k, v in samples.items() if i < len(v)}) for i in range(rounds)
+    )
 
 
 _PROGRESS = re.compile(r"(?:\[\S+\] )?train \| step: (\d+)")
