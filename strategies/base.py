@@ -154,7 +154,7 @@ class Strategy(abc.ABC):
         return self.cluster.unreachable() if self.cluster else []
 
     def agree(self, value: int) -> int:
-        """The chief's `value` on every task: for choices (loop lengths) that must not differ.
+        """One task's `value` on every task: for choices (loop lengths) that must not differ.
 
         A plugin whose workers run collectives in step overrides this.
         """

@@ -74,7 +74,7 @@ class MultiWorker(Strategy):
 
     def watch_preemption(self) -> contextlib.AbstractContextManager:
         """Every worker saves at the same step when any of them gets SIGTERM."""
-        if not self.cluster or self.role != "train":
+        if not self.cluster:
             return super().watch_preemption()
         return preemption.CoordinatedWatch(self.tf_strategy.cluster_resolver)
 
@@ -90,8 +90,7 @@ class MultiWorker(Strategy):
 
     @property
     def role(self) -> str:
-        cluster = getattr(self, "cluster", None)
-        return "evaluate" if cluster and cluster.task_type == "evaluator" else "train"
+        return "evaluate" if self.cluster and self.cluster.task_type == "evaluator" else "train"
 
     @property
     def evaluates_inline(self) -> bool:

@@ -237,12 +237,12 @@ def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate:
     dataset_fn = job.dataset.train_fn(gb, config.seed, start_step=step)
     iterator = iter(strategy.distribute_dataset(dataset_fn))
     metrics, recoveries = {}, 0
-    watchdog = faults.Watchdog(strategy.lost_tasks, say) if strategy.cluster else None
-    with strategy.watch_preemption() as preemption, watchdog or contextlib.nullcontext():
+    watchdog = faults.Watchdog(strategy.lost_tasks, say)  # a single process has none to lose
+    with strategy.watch_preemption() as preemption, watchdog:
         while step < job.total_steps:
             n = _steps_until_next_event(step, job.total_steps, config, _loop_length(job, loops))
             tic = time.time()
-            with watchdog.loop(step) if watchdog else contextlib.nullcontext():
+            with watchdog.loop(step):
                 sums = strategy.run_steps(train_step, iterator, n)
             elapsed = time.time() - tic
             loops.observe(n, elapsed)
