@@ -300,6 +300,8 @@ def test_a_signal_to_the_launcher_stops_every_task(tmp_path, sig):
             time.sleep(0.1)
         assert len(_pids(tmp_path)) == 8, "4 tasks and their children started"
         proc.send_signal(sig)
+        time.sleep(0.05)
+        proc.send_signal(sig)  # pressed twice: the cleanup still runs to the end
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     finally:
         proc.kill()

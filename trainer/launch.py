@@ -221,6 +221,7 @@ class Cluster:
         grace_s: float = GRACE_S,
         kill_after_s: float = KILL_AFTER_S,
         report_s: float = REPORT_S,
+        interrupt: Interrupt | None = None,
     ):
         """Creates the cluster; nothing starts before `run`.
 
@@ -231,6 +232,7 @@ class Cluster:
           grace_s: how long the other tasks may run on after the chief ends.
           kill_after_s: how long a task may take to exit after SIGTERM before SIGKILL.
           report_s: how long the chief may take to report a failed task before the stop.
+          interrupt: a signal recorded here stops the cluster; `run` then returns its code.
         """
         self.tasks = list(tasks)
         self.command = list(command)
@@ -238,6 +240,7 @@ class Cluster:
         self.grace_s = grace_s
         self.kill_after_s = kill_after_s
         self.report_s = report_s
+        self.interrupt = interrupt or Interrupt()
         self.max_task_restarts = MAX_TASK_RESTARTS
         self._procs: dict[Task, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
@@ -259,7 +262,7 @@ class Cluster:
     def stop(self) -> None:
         """Stops every task and its children: SIGTERM, then SIGKILL after `kill_after_s`.
 
-        If a signal cuts this short, the `atexit` hook, still registered, runs it again.
+        If an exception cuts this short, the `atexit` hook, still registered, runs it again.
         """
         running = [task.name for task, proc in self._procs.items() if proc.poll() is None]
         if running:
@@ -312,6 +315,8 @@ class Cluster:
         chief = next(task for task in self.tasks if task.is_chief)
         others = {task: proc for task, proc in self._procs.items() if task != chief}
         while (code := self._procs[chief].poll()) is None:
+            if self._interrupted():
+                return self.interrupt.code
             for task, proc in list(others.items()):
                 if not proc.poll():  # running, or ended well
                     continue
@@ -332,8 +337,16 @@ class Cluster:
             self.console.log(f"waiting up to {self.grace_s:g} s for the other tasks to end")
             deadline = time.monotonic() + self.grace_s
             while time.monotonic() < deadline and any(p.poll() is None for p in others.values()):
+                if self._interrupted():
+                    return self.interrupt.code
                 time.sleep(_POLL_S)
         return _exit_status(code)
+
+    def _interrupted(self) -> bool:
+        if self.interrupt.signal is None:
+            return False
+        self.console.log(f"got {signal.Signals(self.interrupt.signal).name}")
+        return True
 
     def _after_failure(self, task: Task, code: int, chief: Task) -> int:
         """A task other than the chief failed: let the chief end on its own first, briefly.
@@ -348,6 +361,8 @@ class Cluster:
         self.console.log(f"{task.name} {_ended(code)}; {action} (up to {wait_s:g} s)")
         deadline = time.monotonic() + wait_s
         while self._procs[chief].poll() is None and time.monotonic() < deadline:
+            if self._interrupted():
+                return self.interrupt.code
             time.sleep(_POLL_S)
         chief_code = self._procs[chief].poll()
         if chief_code is not None:
@@ -384,6 +399,7 @@ def launch(
     grace_s: float = GRACE_S,
     console: Console | None = None,
     report_s: float = REPORT_S,
+    interrupt: Interrupt | None = None,
 ) -> int:
     """Runs a local cluster, starting it again after a failure up to `restarts` times.
 
@@ -395,9 +411,11 @@ def launch(
       grace_s: how long the other tasks may run on after the chief ends.
       console: where the prefixed output goes (default: stdout).
       report_s: how long the chief may take to report a failed task before the stop.
+      interrupt: a signal recorded here stops the cluster, with no restart.
 
     Returns:
-      The exit status of the last attempt: the chief's, or that of the task that failed.
+      The exit status of the last attempt: the chief's, that of the task that failed,
+      or 128 + the signal number after an interrupt.
 
     Raises:
       UserError: a flag is out of range or a port is in use.
@@ -407,47 +425,57 @@ def launch(
     if grace_s < 0:
         raise UserError(f"`--grace_s` ({grace_s}) must be 0 or more seconds; pass e.g. 15.")
     console = console or Console()
+    interrupt = interrupt or Interrupt()
     attempts = restarts + 1
     for attempt in range(1, attempts + 1):
         if attempt > 1:
             console.log(f"restarting cluster (attempt {attempt} of {attempts})")
         tasks = plan_cluster(workers, ps, chief, evaluator, port_base)
-        code = Cluster(tasks, command, console, grace_s, report_s=report_s).run()
-        if code in (0, cli.EXIT_USER_ERROR):
+        attempt_cluster = Cluster(
+            tasks, command, console, grace_s, report_s=report_s, interrupt=interrupt
+        )
+        code = attempt_cluster.run()
+        if code in (0, cli.EXIT_USER_ERROR) or interrupt.signal is not None:
             break
     return code
 
 
-class Interrupted(Exception):
-    """SIGINT or SIGTERM reached the launcher; `code` is 128 + the signal number."""
+class Interrupt:
+    """SIGINT or SIGTERM reaching the launcher; its wait loops check `signal` between polls.
 
-    def __init__(self, sig: int):
-        super().__init__(signal.Signals(sig).name)
-        self.code = 128 + sig
+    The handler only records the signal. Raising from it could land inside
+    `subprocess` bookkeeping (between taking and releasing a process's wait lock),
+    and the cleanup's `wait()` would then block for ever.
+    """
 
+    def __init__(self) -> None:
+        self.signal: int | None = None
 
-@contextlib.contextmanager
-def signals_interrupt(console: Console) -> Iterator[None]:
-    """Turns SIGINT and SIGTERM into `Interrupted`, so `finally` blocks stop the cluster."""
+    @property
+    def code(self) -> int:
+        """The launcher's exit status: 128 + the signal number."""
+        return 128 + (self.signal or 0)
 
-    def handler(sig: int, frame: object) -> None:
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-        console.log(f"got {signal.Signals(sig).name}")
-        raise Interrupted(sig)
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[Interrupt]:
+        """Records SIGINT and SIGTERM while the block runs, instead of dying of them."""
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        def handler(sig: int, frame: object) -> None:
+            if self.signal is None:  # a second Ctrl-C must not change what is reported
+                self.signal = sig
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
 
 
 def main(argv: list[str]) -> None:
     console = Console()
     try:
-        with signals_interrupt(console):
+        with Interrupt().catching() as interrupt:
             code = launch(
                 [sys.executable, "-m", _MODULE.value, *argv[1:]],
                 workers=_WORKERS.value,
@@ -458,9 +486,8 @@ def main(argv: list[str]) -> None:
                 port_base=_PORT_BASE.value,
                 grace_s=_GRACE_S.value,
                 console=console,
+                interrupt=interrupt,
             )
-    except Interrupted as e:
-        code = e.code
     except UserError as e:
         cli.fail(cli.one_line(e))
     sys.exit(code)
