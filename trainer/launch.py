@@ -468,8 +468,8 @@ class Interrupt:
         try:
             yield self
         finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+            for s, h in previous.items():  # after a signal, more (a second Ctrl-C) are ignored
+                signal.signal(s, h if self.signal is None else signal.SIG_IGN)
 
 
 def main(argv: list[str]) -> None:
