@@ -10,9 +10,9 @@ checks) start at once.
 """
 
 from strategies.errors import UserError
-from strategies.registry import available, get, register
+from strategies.registry import available, get, plugin, register
 
-__all__ = ["Strategy", "UserError", "available", "get", "register"]
+__all__ = ["Strategy", "UserError", "available", "get", "plugin", "register"]
 
 
 def __getattr__(name: str):

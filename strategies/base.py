@@ -62,6 +62,15 @@ class Strategy(abc.ABC):
         self._compiled: dict[tuple[str, StepFn], Callable] = {}
 
     @classmethod
+    def local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
+        """How many replicas this plugin will run in this process, told before TF starts.
+
+        It sets how many threads each op gets (`devices.intra_op_threads`).
+        `logical_cpus` is `devices.logical_cpus`.
+        """
+        return 1
+
+    @classmethod
     def description(cls) -> str:
         """The first line of the plugin's docstring."""
         return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""

@@ -11,6 +11,10 @@ from strategies.registry import register
 class CentralStorage(Strategy):
     """Variables on the host, one replica (tower) per device, gradients reduced on the host."""
 
+    @classmethod
+    def local_replicas(cls, options, logical_cpus: int) -> int:
+        return devices.one_per_device((options or {}).get("devices", ""), logical_cpus)
+
     def _build(self) -> tf.distribute.Strategy:
         compute = devices.parse_devices(
             self.options.get("devices", ""), "strategy.central_storage.devices"

@@ -6,6 +6,8 @@ Splitting the host CPU into logical devices lets `mirrored` and
 
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 from absl import logging
 
@@ -17,6 +19,8 @@ def configure(
     gpu_memory_growth: bool = True,
     gpu_memory_limit_mb: int = 0,
     log_placement: bool = False,
+    intra_op_threads: int = 0,
+    replicas: int = 1,
 ) -> None:
     """Sets up devices; call before any TensorFlow op runs.
 
@@ -25,6 +29,8 @@ def configure(
       gpu_memory_growth: allocate GPU memory as needed instead of all at start.
       gpu_memory_limit_mb: cap each GPU's memory for this process (0 = no cap).
       log_placement: log the device every op runs on.
+      intra_op_threads: threads one op may use; 0 = auto (see `op_threads`).
+      replicas: how many replicas this process will run, for the auto thread count.
 
     Raises:
       UserError: a negative count or limit.
@@ -33,6 +39,8 @@ def configure(
         raise UserError(
             f"`devices.logical_cpus` ({logical_cpus}) must be >= 0 (0 leaves the CPU as is)."
         )
+    if intra_op_threads < 0:
+        raise UserError(f"`devices.intra_op_threads` ({intra_op_threads}) must be >= 0 (0 = auto).")
     if gpu_memory_limit_mb < 0:
         raise UserError(
             f"`devices.gpu_memory_limit_mb` ({gpu_memory_limit_mb}) must be >= 0 (0 = no cap)."
@@ -41,8 +49,10 @@ def configure(
     try:
         _split_cpu(logical_cpus)
         _configure_gpus(gpu_memory_growth, gpu_memory_limit_mb)
+        tf.config.threading.set_intra_op_parallelism_threads(op_threads(intra_op_threads, replicas))
     except RuntimeError:
-        # The runtime already started (e.g. a second run in one process): devices are fixed.
+        # The runtime already started (e.g. a second run in one process): devices and
+        # threads are fixed.
         have = len(tf.config.list_logical_devices("CPU"))
         if logical_cpus and have != logical_cpus:
             logging.warning(
@@ -51,6 +61,38 @@ def configure(
                 have,
                 logical_cpus,
             )
+
+
+def op_threads(intra_op_threads: int, replicas: int) -> int:
+    """The intra-op thread count to set: `intra_op_threads`, or with 0 an automatic one.
+
+    Replicas on logical CPUs share one host's cores. With every core open to each
+    op, the towers' ops contend for all of them; giving each replica its share of
+    the cores lets them run side by side. With a GPU, or one replica, 0 keeps
+    TensorFlow's default (every core).
+    """
+    if intra_op_threads or replicas <= 1 or tf.config.list_physical_devices("GPU"):
+        return intra_op_threads
+    return max(1, host_cores() // replicas)
+
+
+def threads_per_op() -> int:
+    """How many threads one op may use in this process."""
+    return tf.config.threading.get_intra_op_parallelism_threads() or host_cores()
+
+
+def host_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def one_per_device(spec: str, logical_cpus: int) -> int:
+    """Replicas of a plugin that runs one on each device of `spec` ("" = each local one).
+
+    Known before the runtime starts: "" counts `logical_cpus` (GPUs, if any, make
+    the count moot for thread sharing).
+    """
+    return len([d for d in spec.split(",") if d.strip()]) or max(1, logical_cpus)
 
 
 def _split_cpu(n: int) -> None:

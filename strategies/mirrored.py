@@ -19,6 +19,10 @@ CROSS_DEVICE_OPS = {
 class Mirrored(Strategy):
     """Synchronous replicas on all local GPUs (else logical CPUs), a copy of every variable each."""
 
+    @classmethod
+    def local_replicas(cls, options, logical_cpus: int) -> int:
+        return devices.one_per_device((options or {}).get("devices", ""), logical_cpus)
+
     def _build(self) -> tf.distribute.Strategy:
         names = devices.parse_devices(self.options.get("devices", ""), "strategy.mirrored.devices")
         self._reduction = self.options.get("cross_device_ops", "auto")

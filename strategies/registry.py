@@ -85,6 +85,15 @@ def get(name: str, options: ml_collections.ConfigDict | None = None):
     Raises:
       UserError: `name` is not registered; the message lists the known names.
     """
+    return plugin(name)(options)
+
+
+def plugin(name: str) -> type:
+    """The `Strategy` subclass registered as `name`, not yet built.
+
+    Raises:
+      UserError: `name` is not registered; the message lists the known names.
+    """
     _load_plugins()
     if name not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY))
@@ -92,4 +101,4 @@ def get(name: str, options: ml_collections.ConfigDict | None = None):
             f"Unknown strategy `{name}`; known strategies: {known}. "
             "Pass one of them with `--strategy`."
         )
-    return _REGISTRY[name](options)
+    return _REGISTRY[name]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from strategies import devices
 from tests.helpers import run_cli, tiny_config
 from trainer import data
 
@@ -41,6 +42,8 @@ def mirrored_run(tmp_path_factory):
 def test_default_job_writes_everything(mirrored_run):
     model_dir, result = mirrored_run
     assert "model_dir: run" in result.stdout
+    cores = devices.host_cores()
+    assert f"threads per op: {max(1, cores // 2)}" in result.stdout  # the cores shared by 2 towers
     assert "train | step: 300/300" in result.stdout
     results = json.loads((model_dir / "results.json").read_text())
     assert results["step"] == 300

@@ -76,14 +76,17 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
     checks.check_config(config)
     if config.train.deterministic:
         tf.config.experimental.enable_op_determinism()  # same inputs, same bits, every run
+    name = config.strategy.name
+    plugin, options = strategies.plugin(name), config.strategy.get(name)
     devices.configure(
         config.devices.logical_cpus,
         config.devices.gpu_memory_growth,
         config.devices.gpu_memory_limit_mb,
         config.devices.log_placement,
+        config.devices.intra_op_threads,
+        replicas=plugin.local_replicas(options, config.devices.logical_cpus),
     )
-    name = config.strategy.name
-    return strategies.get(name, config.strategy.get(name))
+    return plugin(options)
 
 
 def build(
@@ -331,7 +334,8 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     _tell(
         job,
         f"strategy: {strategy.name} | replicas: {strategy.num_replicas_in_sync} | "
-        f"devices: {', '.join(placement['compute_devices'])}",
+        f"devices: {', '.join(placement['compute_devices'])} | "
+        f"threads per op: {devices.threads_per_op()}",
     )
     _tell(job, f"communication: {placement['communication']}")
     for name, where in placement["variables"].items():
