@@ -12,9 +12,15 @@ Contenders train the same model on the same data, global batch and strategy:
   line count. Checkpoints and evals are off here (the `checkpoint` case
   measures saves).
 - `keras_fit_spe<k>`: Keras `model.fit` under the same `tf.distribute` strategy,
-  with `steps_per_execution` 1 and the `steps_per_loop` towerflow uses.
+  with `steps_per_execution` 1 and the `steps_per_loop` towerflow uses, and
+  Keras's own optimizer class (same kind, schedule and results; towerflow's
+  runs each variable's update as one fused kernel).
 - `bare_loop`: the floor: `strategy.run` of a minimal step in a `tf.range`
-  loop inside one `tf.function`; nothing else.
+  loop inside one `tf.function`, with towerflow's optimizer; nothing else.
+
+Each case runs in its own process, set up as the trainer sets up the case's
+strategy (threads per op: see `devices.intra_op_threads`); every contender
+of the case runs with that setup.
 
 Every contender warms up once (tracing, pipeline start; towerflow and Keras
 instead leave their first loop out of every timing), then all run in turn
@@ -70,6 +76,11 @@ _QUICK = flags.DEFINE_bool("quick", False, "Tiny sizes and one repetition: a smo
 _JSON = flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
 _CASES = flags.DEFINE_list("cases", list(CASES), f"Cases to run, of: {', '.join(CASES)}.")
 _REPS = flags.DEFINE_integer("reps", None, "Timed repetitions per contender (default 5, quick 1).")
+_IN_PROCESS = flags.DEFINE_bool(
+    "in_process",
+    False,
+    "Run the cases in this process, not each in its own (set up for the first).",
+)
 
 Run = Callable[[], float]  # one timed repetition -> a rate (examples/s, or FLOP/s)
 
@@ -252,12 +263,13 @@ def towerflow(config, strategy, model_dir: str, steps: int) -> Run:
     return run
 
 
-def _model_and_optimizer(config, spec, strategy):
+def _model_and_optimizer(config, spec, strategy, fused: bool = True):
+    """The model and optimizer towerflow builds; `fused=False` gives Keras's own optimizer."""
     from trainer import models, optim, precision
 
     with strategy.scope(), precision.policy(config.train.precision):
         model = models.build(config.model, spec)
-        optimizer = optim.build(config.optimizer, config.train.steps)
+        optimizer = optim.build(config.optimizer, config.train.steps, fused)
     return model, optimizer
 
 
@@ -290,11 +302,15 @@ def bare_loop(config, strategy, dataset, steps: int) -> Run:
 
 
 def keras_fit(config, strategy, dataset, steps: int, steps_per_execution: int) -> Run:
-    """Keras `model.fit` under the same strategy; examples/s between executions after the first."""
+    """Keras `model.fit` under the same strategy; examples/s between executions after the first.
+
+    With Keras's own optimizer class (same kind, schedule and results), as a
+    `fit` user has it.
+    """
     import keras
     import tensorflow as tf
 
-    model, optimizer = _model_and_optimizer(config, dataset.spec, strategy)
+    model, optimizer = _model_and_optimizer(config, dataset.spec, strategy, fused=False)
     with strategy.scope():
         model.compile(
             optimizer=optimizer,
@@ -998,11 +1014,22 @@ _RUNNERS = {
 }
 
 
-def benchmark(cases: list[str], quick: bool, reps: int) -> dict:
-    """Runs `cases`; returns the machine, the sizes and every case's figures."""
+def benchmark(cases: list[str], quick: bool, reps: int, in_process: bool = False) -> dict:
+    """Runs `cases`; returns the machine, the sizes and every case's figures.
+
+    Each case runs in a process of its own, set up (logical CPUs, threads per
+    op) as the trainer sets up that case's strategy: `dense_large` as
+    `one_device`, the others as the default strategy, whose towers share the
+    cores. The setup holds for the whole process, so every contender of a case
+    runs with it. `in_process` runs `cases` here instead, set up for the first.
+    """
+    if not in_process:
+        return _in_children(cases, quick, reps)
+    import strategies
     from strategies import devices
 
-    devices.configure(LOGICAL_CPUS)
+    replicas = strategies.plugin(_case_strategy(cases[0])).local_replicas(None, LOGICAL_CPUS)
+    devices.configure(LOGICAL_CPUS, replicas=replicas)
     sizes = QUICK if quick else FULL
     results = {"machine": machine(), "quick": quick, "reps": reps, "cases": {}}
     results["sizes"] = dataclasses.asdict(sizes)
@@ -1015,6 +1042,28 @@ def benchmark(cases: list[str], quick: bool, reps: int) -> dict:
             results["cases"][case]["case_wall_s"] = time.perf_counter() - tic
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+def _case_strategy(case: str) -> str:
+    return "one_device" if case == "dense_large" else _default_strategy()
+
+
+def _in_children(cases: list[str], quick: bool, reps: int) -> dict:
+    """`benchmark` of each case in a child process; their notes stream to stderr."""
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="towerflow-bench-") as scratch:
+        for case in cases:
+            path = os.path.join(scratch, f"{case}.json")
+            command = [sys.executable, "-m", "trainer.bench", "--in_process", f"--cases={case}"]
+            command += [f"--reps={reps}", f"--json={path}", *(["--quick"] if quick else [])]
+            code = subprocess.run(command, stdout=subprocess.DEVNULL).returncode
+            if code:  # its own error is on stderr already
+                sys.exit(f"error: the {case} case exited with {code}: {' '.join(command)}")
+            with open(path) as f:
+                part = json.load(f)
+            results.setdefault("cases", {}).update(part.pop("cases"))
+            results = {**part, **results}  # the first case's machine and sizes
     return results
 
 
@@ -1031,7 +1080,7 @@ def main(argv: list[str]) -> None:
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.WARNING)
-    results = benchmark(list(_CASES.value), _QUICK.value, reps)
+    results = benchmark(list(_CASES.value), _QUICK.value, reps, _IN_PROCESS.value)
     print(table(results), flush=True)
     if _JSON.value:
         with open(_JSON.value, "w") as f:

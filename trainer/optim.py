@@ -86,12 +86,18 @@ class SGD(keras.optimizers.SGD):
         )
 
 
-OPTIMIZERS = {
-    "sgd": lambda rate, c: SGD(rate),
-    "momentum": lambda rate, c: SGD(rate, momentum=c.momentum),
-    "adam": lambda rate, c: Adam(rate),
-    "adamw": lambda rate, c: AdamW(rate, weight_decay=c.weight_decay),
-}
+def _by_name(sgd: type, adam: type, adamw: type) -> dict:
+    return {
+        "sgd": lambda rate, c: sgd(rate),
+        "momentum": lambda rate, c: sgd(rate, momentum=c.momentum),
+        "adam": lambda rate, c: adam(rate),
+        "adamw": lambda rate, c: adamw(rate, weight_decay=c.weight_decay),
+    }
+
+
+OPTIMIZERS = _by_name(SGD, Adam, AdamW)
+# Keras's own classes, for comparisons (`python -m trainer.bench`).
+KERAS_OPTIMIZERS = _by_name(keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW)
 SCHEDULES = ("constant", "cosine", "step")
 
 
@@ -165,8 +171,12 @@ def schedule(config: ml_collections.ConfigDict, total_steps: int) -> WarmupSched
     )
 
 
-def build(config: ml_collections.ConfigDict, total_steps: int) -> keras.optimizers.Optimizer:
+def build(
+    config: ml_collections.ConfigDict, total_steps: int, fused: bool = True
+) -> keras.optimizers.Optimizer:
     """A Keras optimizer named by `config.name` with its schedule.
+
+    With `fused=False`, Keras's own class (one op per elementwise step of the update).
 
     Gradient clipping is not set here: the train step clips the gradient summed
     over all replicas (Keras would clip each replica's part separately).
@@ -178,7 +188,8 @@ def build(config: ml_collections.ConfigDict, total_steps: int) -> keras.optimize
         raise UserError(
             f"Unknown `optimizer.name` '{config.name}'; known: {', '.join(OPTIMIZERS)}."
         )
-    optimizer = OPTIMIZERS[config.name](schedule(config, total_steps), config)
+    kinds = OPTIMIZERS if fused else KERAS_OPTIMIZERS
+    optimizer = kinds[config.name](schedule(config, total_steps), config)
     _count_steps_atomically(optimizer)
     return optimizer
 
