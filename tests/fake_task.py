@@ -33,12 +33,21 @@ def main() -> None:
     parser.add_argument("--exit", action="append", default=[], help="NAME=CODE@SECONDS")
     parser.add_argument("--grandchild", action="store_true", help="start a child that sleeps")
     parser.add_argument("--ignore_term", action="store_true", help="ignore SIGTERM")
+    parser.add_argument("--save_s", type=float, help="on SIGTERM: 'save' this long, exit 143")
     args, _ = parser.parse_known_args()
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     name = f"{task['type']}:{task['index']}"
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the grandchild too
+    if args.save_s is not None:
+
+        def save_and_exit(sig, frame):
+            time.sleep(args.save_s)
+            pathlib.Path(args.pid_dir, f"{name}.saved").write_text("saved")
+            sys.exit(143)
+
+        signal.signal(signal.SIGTERM, save_and_exit)
     print(f"task {name} args {sys.argv[1:]}")
     print(f"stderr of {name}", file=sys.stderr)
     if args.grandchild:

@@ -310,6 +310,35 @@ def test_a_signal_to_the_launcher_stops_every_task(tmp_path, sig):
     _assert_all_dead(_pids(tmp_path))
 
 
+@pytest.mark.parametrize("times", [1, 2])
+def test_an_interrupted_cluster_may_save_once_and_is_killed_on_the_second(tmp_path, times):
+    save_s = launch.KILL_AFTER_S + 1  # longer than a stop without a signal waits
+    proc = _launcher(
+        "--workers=2", "--grace_s=30", "--", f"--pid_dir={tmp_path}", f"--save_s={save_s}"
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        start = time.monotonic()
+        for _ in range(times):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+        took = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "up to 30 s to save and exit" in out
+    saved = sorted(p.name for p in tmp_path.glob("*.saved"))
+    if times == 1:
+        assert saved == ["worker:0.saved", "worker:1.saved"] and took >= save_s
+    else:
+        assert "[launch] killing them now" in out
+        assert saved == [] and took < save_s
+    _assert_all_dead(_pids(tmp_path))
+
+
 def _own_lines(stderr: str) -> list[str]:
     """stderr without the C++ log lines TensorFlow prints when imported (no flag stops them)."""
     tf_log = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} )")

@@ -23,6 +23,9 @@ at the same step: they get `--grace_s` to finish. The exception is a worker of a
 parameter-server cluster: it is started again (up to 3 times) and rejoins,
 while the coordinator re-schedules the work it lost. `--restarts` starts a failed
 cluster again; the trainer resumes from the checkpoint in its `model_dir`.
+SIGINT (Ctrl-C) or SIGTERM to the launcher sends SIGTERM to every task, which
+saves a checkpoint at the step reached and exits, within `--grace_s`; a
+second one kills them at once.
 Beyond one machine, run `python -m trainer` on every host with the `TF_CONFIG`
 that the scheduler gives each task.
 """
@@ -70,7 +73,10 @@ _PORT_BASE = flags.DEFINE_integer(
     "port_base", 0, "First of consecutive ports on 127.0.0.1; 0 picks free ports."
 )
 _GRACE_S = flags.DEFINE_float(
-    "grace_s", GRACE_S, "Seconds the other tasks may run after the chief ends, before SIGTERM."
+    "grace_s",
+    GRACE_S,
+    "Seconds the other tasks may run after the chief ends, before SIGTERM; also how long "
+    "tasks may take to save and exit when the launcher is interrupted.",
 )
 _MODULE = flags.DEFINE_string(
     "module", "trainer", "Module each task runs with `python -m` (for testing and advanced use)."
@@ -262,18 +268,29 @@ class Cluster:
     def stop(self) -> None:
         """Stops every task and its children: SIGTERM, then SIGKILL after `kill_after_s`.
 
-        If an exception cuts this short, the `atexit` hook, still registered, runs it again.
+        Stopped by a signal, the tasks get `grace_s` instead (if longer): a trainer
+        saves a checkpoint on SIGTERM. A second signal kills them at once. If an
+        exception cuts this short, the `atexit` hook, still registered, runs it again.
         """
+        wait_s = self.kill_after_s
         running = [task.name for task, proc in self._procs.items() if proc.poll() is None]
-        if running:
+        if running and self.interrupt.signal is not None:
+            wait_s = max(wait_s, self.grace_s)
+            self.console.log(
+                f"stopping {', '.join(running)}: up to {wait_s:g} s to save and exit "
+                "(signal again to kill them now)"
+            )
+        elif running:
             self.console.log(f"stopping {', '.join(running)}")
         procs = list(self._procs.values())
         for proc in procs:  # a task that ended may have left children behind: signal them all
             _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.kill_after_s
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        deadline = time.monotonic() + wait_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if self.interrupt.count > 1:
+                self.console.log("killing them now")
+                break
+            time.sleep(_POLL_S)
         for proc in procs:
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
@@ -449,7 +466,8 @@ class Interrupt:
     """
 
     def __init__(self) -> None:
-        self.signal: int | None = None
+        self.signal: int | None = None  # the first one: what the exit status reports
+        self.count = 0  # how many arrived: a second one cuts the tasks' grace short
 
     @property
     def code(self) -> int:
@@ -461,6 +479,7 @@ class Interrupt:
         """Records SIGINT and SIGTERM while the block runs, instead of dying of them."""
 
         def handler(sig: int, frame: object) -> None:
+            self.count += 1
             if self.signal is None:  # a second Ctrl-C must not change what is reported
                 self.signal = sig
 
