@@ -13,7 +13,7 @@ class CentralStorage(Strategy):
 
     @classmethod
     def local_replicas(cls, options, logical_cpus: int) -> int:
-        return devices.one_per_device((options or {}).get("devices", ""), logical_cpus)
+        return devices.one_per_device(options, logical_cpus)
 
     def _build(self) -> tf.distribute.Strategy:
         compute = devices.parse_devices(

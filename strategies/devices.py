@@ -86,12 +86,13 @@ def host_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-def one_per_device(spec: str, logical_cpus: int) -> int:
-    """Replicas of a plugin that runs one on each device of `spec` ("" = each local one).
+def one_per_device(options, logical_cpus: int) -> int:
+    """Replicas of a plugin that runs one on each device of its `devices` option.
 
-    Known before the runtime starts: "" counts `logical_cpus` (GPUs, if any, make
-    the count moot for thread sharing).
+    Known before the runtime starts: no option ("" = every local device) counts
+    `logical_cpus` (GPUs, if any, make the count moot for thread sharing).
     """
+    spec = (options or {}).get("devices", "")
     return len([d for d in spec.split(",") if d.strip()]) or max(1, logical_cpus)
 
 

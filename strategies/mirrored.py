@@ -21,7 +21,7 @@ class Mirrored(Strategy):
 
     @classmethod
     def local_replicas(cls, options, logical_cpus: int) -> int:
-        return devices.one_per_device((options or {}).get("devices", ""), logical_cpus)
+        return devices.one_per_device(options, logical_cpus)
 
     def _build(self) -> tf.distribute.Strategy:
         names = devices.parse_devices(self.options.get("devices", ""), "strategy.mirrored.devices")

@@ -1062,8 +1062,10 @@ def _in_children(cases: list[str], quick: bool, reps: int) -> dict:
                 sys.exit(f"error: the {case} case exited with {code}: {' '.join(command)}")
             with open(path) as f:
                 part = json.load(f)
-            results.setdefault("cases", {}).update(part.pop("cases"))
-            results = {**part, **results}  # the first case's machine and sizes
+            if results:  # the first case's machine and sizes stand for all
+                results["cases"].update(part["cases"])
+            else:
+                results = part
     return results
 
 

@@ -32,42 +32,40 @@ def _dense(gradient) -> bool:
     return not isinstance(gradient, tf.IndexedSlices)
 
 
-def _fused_adam_update(optimizer, gradient, variable, learning_rate) -> None:
-    """Keras's Adam update of one variable, as one `ResourceApplyAdam` kernel."""
-    dtype = variable.dtype
-    step = tf.cast(optimizer.iterations + 1, dtype)
-    beta_1, beta_2 = tf.cast(optimizer.beta_1, dtype), tf.cast(optimizer.beta_2, dtype)
-    index = optimizer._get_variable_index(variable)
-    tf.raw_ops.ResourceApplyAdam(
-        var=_handle(variable),
-        m=_handle(optimizer._momentums[index]),
-        v=_handle(optimizer._velocities[index]),
-        beta1_power=tf.pow(beta_1, step),
-        beta2_power=tf.pow(beta_2, step),
-        lr=tf.cast(learning_rate, dtype),
-        beta1=beta_1,
-        beta2=beta_2,
-        epsilon=tf.cast(optimizer.epsilon, dtype),
-        grad=tf.cast(gradient, dtype),
-    )
+class _FusedAdamUpdate:
+    """Keras's Adam update of one variable, as one `ResourceApplyAdam` kernel.
+
+    Mixed into Keras's Adam and AdamW (whose decoupled weight decay Keras applies
+    before this update).
+    """
+
+    def update_step(self, gradient, variable, learning_rate):
+        if self.amsgrad or not _dense(gradient):
+            return super().update_step(gradient, variable, learning_rate)
+        dtype = variable.dtype
+        step = tf.cast(self.iterations + 1, dtype)
+        beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
+        index = self._get_variable_index(variable)
+        tf.raw_ops.ResourceApplyAdam(
+            var=_handle(variable),
+            m=_handle(self._momentums[index]),
+            v=_handle(self._velocities[index]),
+            beta1_power=tf.pow(beta_1, step),
+            beta2_power=tf.pow(beta_2, step),
+            lr=tf.cast(learning_rate, dtype),
+            beta1=beta_1,
+            beta2=beta_2,
+            epsilon=tf.cast(self.epsilon, dtype),
+            grad=tf.cast(gradient, dtype),
+        )
 
 
-class Adam(keras.optimizers.Adam):
+class Adam(_FusedAdamUpdate, keras.optimizers.Adam):
     """Keras's Adam; each dense update is one fused kernel."""
 
-    def update_step(self, gradient, variable, learning_rate):
-        if self.amsgrad or not _dense(gradient):
-            return super().update_step(gradient, variable, learning_rate)
-        _fused_adam_update(self, gradient, variable, learning_rate)
 
-
-class AdamW(keras.optimizers.AdamW):
-    """Keras's AdamW (decoupled weight decay, applied by Keras); each dense update is fused."""
-
-    def update_step(self, gradient, variable, learning_rate):
-        if self.amsgrad or not _dense(gradient):
-            return super().update_step(gradient, variable, learning_rate)
-        _fused_adam_update(self, gradient, variable, learning_rate)
+class AdamW(_FusedAdamUpdate, keras.optimizers.AdamW):
+    """Keras's AdamW; each dense update is one fused kernel."""
 
 
 class SGD(keras.optimizers.SGD):
