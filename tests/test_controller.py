@@ -1,0 +1,116 @@
+"""The controller: block lengths from the actions' schedules, action order, stop and skip."""
+
+from trainer import controller
+from trainer.controller import Action, Controller, Output
+from trainer.loop_length import LoopLength
+
+
+class Counter:
+    """A stand-in for a model's step counter: `run_block(n)` advances it by n."""
+
+    def __init__(self, step: int = 0):
+        self.step = step
+        self.blocks: list[int] = []
+
+    def run_block(self, n: int) -> dict:
+        self.blocks.append(n)
+        self.step += n
+        return {"loss": 1.0 / self.step}
+
+
+def make(counter: Counter, total: int, actions, steps_per_loop: int = 100) -> Controller:
+    return Controller(
+        counter.run_block, lambda: counter.step, total, actions, LoopLength(steps_per_loop)
+    )
+
+
+def test_blocks_end_where_a_scheduled_action_is_due():
+    counter, seen = Counter(), []
+    actions = [
+        Action(lambda o: seen.append(("ckpt", o.step)), every=30, at_end=True),
+        Action(lambda o: seen.append(("eval", o.step)), every=50),
+    ]
+    make(counter, 120, actions).train()
+    assert counter.blocks == [30, 20, 10, 30, 10, 20]
+    assert seen == [
+        ("ckpt", 30),
+        ("eval", 50),
+        ("ckpt", 60),
+        ("ckpt", 90),
+        ("eval", 100),
+        ("ckpt", 120),
+    ]
+
+
+def test_resumes_from_the_current_step():
+    counter, steps = Counter(step=70), []
+    make(counter, 100, [Action(lambda o: steps.append(o.step))], steps_per_loop=20).train()
+    assert steps == [90, 100]
+
+
+def test_stop_training_runs_the_end_actions_once():
+    counter, saved, after = Counter(), [], []
+
+    def stop(output: Output) -> None:
+        if output.step >= 20:
+            raise controller.StopTraining("loss is low enough")
+
+    actions = [
+        Action(lambda o: saved.append(o.step), every=1000, at_end=True),
+        Action(stop),
+        Action(lambda o: after.append(o.stopped)),
+    ]
+    last = make(counter, 1000, actions, steps_per_loop=10).train()
+    assert last.step == 20 and last.stopped == "loss is low enough"
+    assert saved == [20]  # not due by schedule; once, at the stop
+    assert after == ["", "loss is low enough"]
+
+
+def test_skip_block_drops_the_rest_of_its_actions():
+    counter, seen, rolled_back = Counter(), [], []
+
+    def rollback(output: Output) -> None:
+        if output.step == 20 and not rolled_back:
+            rolled_back.append(True)
+            counter.step = 10  # restored an earlier checkpoint
+            raise controller.SkipBlock
+
+    actions = [Action(rollback), Action(lambda o: seen.append(o.step))]
+    make(counter, 30, actions, steps_per_loop=10).train()
+    assert counter.blocks == [10, 10, 10, 10]
+    assert seen == [10, 20, 30]
+
+
+def test_actions_as_context_managers_wrap_the_loop_and_each_block():
+    counter, events = Counter(), []
+
+    class Watch:
+        def __enter__(self):
+            events.append("enter")
+
+        def __exit__(self, *exc):
+            events.append("exit")
+
+        def block(self, step):
+            events.append(f"block {step}")
+            return Watch.Nothing()
+
+        def __call__(self, output):
+            events.append(f"after {output.step}")
+
+        class Nothing:
+            def __enter__(self):
+                pass
+
+            def __exit__(self, *exc):
+                pass
+
+    make(counter, 20, [Action(Watch())], steps_per_loop=10).train()
+    assert events == ["enter", "block 0", "after 10", "block 10", "after 20", "exit"]
+
+
+def test_steps_until_next_event_never_passes_the_end():
+    actions = [Action(print, every=7), Action(print, every=0)]
+    assert controller.steps_until_next_event(5, 6, actions, 100) == 1
+    assert controller.steps_until_next_event(0, 100, actions, 100) == 7
+    assert controller.steps_until_next_event(7, 100, actions, 3) == 3
