@@ -2,8 +2,10 @@
 
 Built-in plugins register when the registry is first read. Third-party plugins
 are found through the `towerflow.strategies` entry-point group of installed
-packages: each entry point names a `Strategy` subclass, registered under the
-entry point's name the first time the registry is read.
+packages: each entry point names a `Strategy` subclass. Their names are read
+at once (a name taken twice is an error naming both packages), their modules
+only when that plugin is used: a plugin whose module fails to import breaks
+only the commands that use it, and `available()` shows it as broken.
 """
 
 from __future__ import annotations
@@ -26,8 +28,19 @@ BUILTIN_MODULES = (
     "strategies.parameter_server",
 )
 
-_REGISTRY: dict[str, type] = {}
+# name -> the registered class, or the entry point of a plugin not yet imported.
+_REGISTRY: dict[str, type | importlib.metadata.EntryPoint] = {}
 _entry_points_loaded = False
+_from_packages: set[str] = set()  # names that came from entry points
+_loading: dict[str, importlib.metadata.EntryPoint] = {}  # entry points being imported
+
+
+class PluginBroken(UserError):
+    """An installed package's plugin failed to import; `error` says how, in one line."""
+
+    def __init__(self, message: str, error: str):
+        super().__init__(message)
+        self.error = error
 
 
 def register(name: str) -> Callable[[type], type]:
@@ -41,9 +54,11 @@ def register(name: str) -> Callable[[type], type]:
     """
 
     def decorator(cls: type) -> type:
-        if name in _REGISTRY:
+        # A third-party module may register itself under its own entry point's name
+        # while that entry point loads it.
+        if name in _REGISTRY and _REGISTRY[name] is not _loading.get(name):
             raise ValueError(
-                f"Strategy `{name}` is already registered by {_REGISTRY[name].__module__}; "
+                f"Strategy `{name}` is already registered by {_origin(_REGISTRY[name])}; "
                 "pick another name."
             )
         cls.name = name
@@ -54,25 +69,58 @@ def register(name: str) -> Callable[[type], type]:
 
 
 def _load_plugins() -> None:
-    """Imports the built-in plugins, then those of installed packages, once."""
+    """Imports the built-in plugins and reads the names of installed packages' plugins, once.
+
+    Raises:
+      UserError: two packages (or a package and towerflow) claim one name.
+    """
     global _entry_points_loaded
     if _entry_points_loaded:
         return
-    _entry_points_loaded = True
     for module in BUILTIN_MODULES:
         importlib.import_module(module)
+    found = {}
     for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if entry_point.name in _REGISTRY:
-            continue
-        cls = entry_point.load()
-        if entry_point.name not in _REGISTRY:
-            register(entry_point.name)(cls)
+        if entry_point.name in _REGISTRY or entry_point.name in found:
+            other = _REGISTRY.get(entry_point.name) or found[entry_point.name]
+            raise UserError(
+                f"Strategy `{entry_point.name}` is claimed twice: by {_origin(entry_point)} "
+                f"and by {_origin(other)}; uninstall one of the two packages."
+            )
+        found[entry_point.name] = entry_point
+    _REGISTRY.update(found)
+    _from_packages.update(found)
+    _entry_points_loaded = True
+
+
+def rescan() -> None:
+    """Forgets installed packages' plugins and reads their entry points again.
+
+    For a process that installed or removed a plugin package after it first read
+    the registry; built-in plugins stay.
+    """
+    global _entry_points_loaded
+    for name in _from_packages:
+        _REGISTRY.pop(name, None)
+    _from_packages.clear()
+    importlib.invalidate_caches()
+    _entry_points_loaded = False
+    _load_plugins()
 
 
 def available() -> dict[str, str]:
-    """Every registered strategy name with its one-line description, sorted by name."""
+    """Every registered strategy name with its one-line description, sorted by name.
+
+    A plugin whose package fails to load is listed as `(broken: <its error>)`.
+    """
     _load_plugins()
-    return {name: _REGISTRY[name].description() for name in sorted(_REGISTRY)}
+    described = {}
+    for name in sorted(_REGISTRY):
+        try:
+            described[name] = plugin(name).description()
+        except PluginBroken as e:
+            described[name] = f"(broken: {e.error})"
+    return described
 
 
 def get(name: str, options: ml_collections.ConfigDict | None = None):
@@ -83,7 +131,8 @@ def get(name: str, options: ml_collections.ConfigDict | None = None):
       options: the plugin's options, usually `config.strategy.<name>`.
 
     Raises:
-      UserError: `name` is not registered; the message lists the known names.
+      UserError: `name` is not registered (the message lists the known names), or
+        its package fails to load.
     """
     return plugin(name)(options)
 
@@ -92,7 +141,8 @@ def plugin(name: str) -> type:
     """The `Strategy` subclass registered as `name`, not yet built.
 
     Raises:
-      UserError: `name` is not registered; the message lists the known names.
+      UserError: `name` is not registered (the message lists the known names), or
+        its package fails to load.
     """
     _load_plugins()
     if name not in _REGISTRY:
@@ -101,4 +151,39 @@ def plugin(name: str) -> type:
             f"Unknown strategy `{name}`; known strategies: {known}. "
             "Pass one of them with `--strategy`."
         )
+    entry = _REGISTRY[name]
+    if isinstance(entry, importlib.metadata.EntryPoint):
+        _import(name, entry)
     return _REGISTRY[name]
+
+
+def _import(name: str, entry_point: importlib.metadata.EntryPoint) -> None:
+    """Imports a package's plugin and registers its class in place of its entry point."""
+    _loading[name] = entry_point
+    try:
+        cls = entry_point.load()
+    except Exception as e:  # any error of a third-party module: that plugin is broken
+        error = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        raise PluginBroken(
+            f"Strategy `{name}` from {_origin(entry_point)} failed to load ({error}); "
+            "fix or uninstall that package, or pick another `--strategy`.",
+            error,
+        ) from e
+    finally:
+        del _loading[name]
+    if _REGISTRY[name] is entry_point:  # the module did not register the class itself
+        cls.name = name
+        _REGISTRY[name] = cls
+
+
+def _origin(entry: type | importlib.metadata.EntryPoint) -> str:
+    """Which package a registered class or an entry point comes from, for messages."""
+    if isinstance(entry, importlib.metadata.EntryPoint):
+        dist = getattr(entry, "dist", None)
+        package = dist.name if dist is not None and dist.name else entry.module.split(".")[0]
+        return f"package `{package}` (entry point `{entry.name} = {entry.value}`)"
+    if entry.__module__ in BUILTIN_MODULES:
+        return "package `towerflow`"
+    top = entry.__module__.split(".")[0]
+    packages = importlib.metadata.packages_distributions().get(top) or [top]
+    return f"package `{packages[0]}` (module `{entry.__module__}`)"

@@ -1,0 +1,105 @@
+"""Third-party strategy plugins found through real entry points of installed packages.
+
+Each test installs small packages the way pip lays them out (a module and a
+`*.dist-info` directory with `METADATA` and `entry_points.txt`) into a
+directory on `sys.path`, where `importlib.metadata` finds them.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+import strategies
+from strategies import registry
+from tests.helpers import run_cli
+
+
+def _install(site: pathlib.Path, package: str, entry_points: dict[str, str], module: str = ""):
+    """Lays out `package` (distribution name) in `site`: its entry points and a module."""
+    dist_info = site / f"{package.replace('-', '_')}-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n")
+    lines = [f"{name} = {value}" for name, value in entry_points.items()]
+    (dist_info / "entry_points.txt").write_text(
+        f"[{registry.ENTRY_POINT_GROUP}]\n" + "\n".join(lines) + "\n"
+    )
+    if module:
+        (site / f"{package.replace('-', '_')}.py").write_text(module)
+
+
+@pytest.fixture
+def site(tmp_path):
+    """A directory on `sys.path` to install packages into; the registry forgets them after."""
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield tmp_path
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [m for m in sys.modules if m.endswith("_plugin") and m != "tests.toy_plugin"]:
+            del sys.modules[name]
+        registry.rescan()
+
+
+BROKEN = "import towerflow_test_no_such_module\n"
+WORKING = "from tests.toy_plugin import Toy as Plugin\n"
+
+
+def test_a_name_claimed_by_a_package_and_towerflow_names_both(site):
+    _install(site, "rival-plugin", {"mirrored": "rival_plugin:Plugin"}, WORKING)
+    with pytest.raises(strategies.UserError) as error:
+        registry.rescan()
+    message = str(error.value)
+    assert "Strategy `mirrored` is claimed twice" in message
+    assert "package `rival-plugin` (entry point `mirrored = rival_plugin:Plugin`)" in message
+    assert "package `towerflow`" in message
+
+
+def test_a_name_claimed_by_two_packages_names_both(site):
+    _install(site, "first-plugin", {"toy": "first_plugin:Plugin"}, WORKING)
+    _install(site, "second-plugin", {"toy": "second_plugin:Plugin"}, WORKING)
+    with pytest.raises(strategies.UserError, match="`toy` is claimed twice") as error:
+        registry.rescan()
+    assert "`first-plugin`" in str(error.value) and "`second-plugin`" in str(error.value)
+
+
+def test_plugins_load_when_used(site):
+    _install(site, "lazy-plugin", {"lazy": "lazy_plugin:Plugin"}, WORKING)
+    registry.rescan()
+    assert strategies.get("one_device").num_replicas_in_sync == 1
+    assert "lazy_plugin" not in sys.modules  # using another strategy does not import it
+    lazy = strategies.get("lazy")
+    assert lazy.name == "lazy" and lazy.num_replicas_in_sync == 1
+    assert strategies.available()["lazy"] == "A third-party plugin, for the registry test."
+
+
+def test_a_broken_plugin_breaks_only_its_own_commands(site):
+    _install(site, "broken-plugin", {"broken": "broken_plugin:Plugin"}, BROKEN)
+    registry.rescan()
+    assert strategies.get("one_device").num_replicas_in_sync == 1
+    listed = strategies.available()
+    assert listed["broken"] == (
+        "(broken: ModuleNotFoundError: No module named 'towerflow_test_no_such_module')"
+    )
+    assert listed["one_device"] and listed["mirrored"]
+    with pytest.raises(strategies.UserError) as error:
+        strategies.get("broken")
+    message = str(error.value)
+    assert "package `broken-plugin`" in message and "towerflow_test_no_such_module" in message
+    assert "\n" not in message
+
+
+def test_a_broken_plugin_on_the_command_line(site, tmp_path, monkeypatch):
+    _install(site, "broken-plugin", {"broken": "broken_plugin:Plugin"}, BROKEN)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    listed = run_cli("--list_strategies", cwd=str(tmp_path))
+    assert listed.returncode == 0, listed.stderr
+    assert "broken           (broken: ModuleNotFoundError" in listed.stdout
+    assert "one_device" in listed.stdout
+    used = run_cli("--strategy=broken", f"--model_dir={tmp_path / 'run'}", cwd=str(tmp_path))
+    assert used.returncode == 2
+    lines = [line for line in used.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "package `broken-plugin`" in lines[0], used.stderr
+    assert not (tmp_path / "run").exists()
