@@ -24,10 +24,11 @@ import contextlib
 import os
 import shutil
 import signal
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
+
+from strategies import scratch
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -95,7 +96,7 @@ class CoordinatedWatch:
         # The handler restores "the latest checkpoint" of what it is given when it
         # starts; the loop restores (with its own checks) before this, so give it
         # an empty directory and let `save_fn` write the real checkpoint.
-        self._scratch = tempfile.mkdtemp(prefix="towerflow-preemption-")
+        self._scratch = scratch.make("preemption")  # named by pid: orphans are removed
         self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
             self._resolver,
             tf.train.Checkpoint(),

@@ -1,26 +1,46 @@
 """Checkpoints under `model_dir/checkpoints`, written by the chief.
 
 Every task calls `save` (some strategies save collectively); tasks other
-than the chief write to a private temporary directory that `close` removes.
+than the chief write to a private scratch directory that `close` removes
+(`strategies.scratch`, which also removes those of tasks killed earlier).
 
 With `async_save`, `save` returns once the values are copied to host memory
 and a background thread writes the files, so training goes on meanwhile.
-Everything that reads checkpoints (`latest`, `restore`) and `close` first
-waits for a pending write, so a checkpoint is never read half-written and
-the last one is complete before the process exits.
+
+A checkpoint is *committed*, named in the `checkpoint` state file that
+`latest`, `restore` and a restarted job read, only once its files are
+complete: a synchronous save commits at once, an asynchronous one when the
+next save starts (which first waits for it), or at `sync`, `latest`,
+`restore` and `close`. Old checkpoints are deleted only after a newer one is
+committed. So a write that fails, because the disk is full or because a task
+holding the variables was lost mid-write, costs at most that one checkpoint:
+the state file still names the one before. A full disk stops training with
+`NoSpace`, one line naming `model_dir` and the space a checkpoint needs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import math
 import os
 import shutil
 import sys
-import tempfile
 
 import keras
 import tensorflow as tf
 
+from strategies import scratch
 from strategies.errors import UserError
+
+NO_SPACE_EXIT_CODE = 4  # `python -m trainer`'s exit status when a checkpoint does not fit
+_STATE_FILE = "checkpoint"  # the name TensorFlow's `latest_checkpoint` reads
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
+
+
+class NoSpace(Exception):
+    """A checkpoint did not fit in `model_dir`; the last committed one is kept."""
 
 
 class Checkpointer:
@@ -38,12 +58,13 @@ class Checkpointer:
     ):
         """Args:
         model_dir: the checkpoints go to `model_dir/checkpoints`.
-        is_chief: whether this task writes there (others write to a temporary directory).
+        is_chief: whether this task writes there (others write to a scratch directory).
         max_to_keep: how many checkpoints to keep.
         variables: every model variable; saved as a list and checked by shape on restore.
         async_save: write checkpoint files in the background.
         **objects: other trackables to save (model, optimizer, ...).
         """
+        self.model_dir = model_dir
         self.directory = os.path.join(model_dir, "checkpoints")
         self._shapes = {  # checkpoint key -> (variable name, shape)
             f"variables/{i}/.ATTRIBUTES/VARIABLE_VALUE": (
@@ -52,16 +73,17 @@ class Checkpointer:
             )
             for i, v in enumerate(variables)
         }
+        self._bytes = _total_bytes([*variables, *objects.values()])
         objects["variables"] = list(variables)
         self._options = tf.train.CheckpointOptions(enable_async=async_save)
         if async_save:
             _let_keras_variables_save_asynchronously()
-        self._temp_dir = None if is_chief else tempfile.mkdtemp(prefix="towerflow-ckpt-")
+        self._max_to_keep = max_to_keep
+        self._temp_dir = None if is_chief else scratch.make("ckpt")
+        self._write_dir = self._temp_dir or self.directory
         self._saved: tuple[int | None, str] = (None, "")  # (step, path) of the last save
+        self._pending: tuple[int, str] | None = None  # an asynchronous write not yet committed
         self.checkpoint = tf.train.Checkpoint(**objects)
-        self.manager = tf.train.CheckpointManager(
-            self.checkpoint, self._temp_dir or self.directory, max_to_keep=max_to_keep
-        )
 
     @property
     def latest(self) -> str | None:
@@ -119,30 +141,139 @@ class Checkpointer:
         if len(saved) > len(self._shapes):
             raise ValueError(f"it has {len(saved)} model variables, this model {len(self._shapes)}")
 
-    def _newest_first(self) -> list[str]:
-        state = tf.train.get_checkpoint_state(self.directory)
+    def _newest_first(self, directory: str | None = None) -> list[str]:
+        """Committed checkpoints in `directory` (default `model_dir`'s), newest first."""
+        state = tf.train.get_checkpoint_state(directory or self.directory)
         return list(reversed(state.all_model_checkpoint_paths)) if state else []
 
     def save(self, step: int) -> str:
         """Writes a checkpoint for `step` (in the background if `async_save`); returns its path.
 
-        A second save at the same step (a preemption right at a periodic save)
-        returns the first one's path.
+        The previous checkpoint is committed first, so at most one write is
+        ever in flight. A second save at the same step (a preemption right at
+        a periodic save) returns the first one's path.
+
+        Raises:
+          NoSpace: this checkpoint, or the one before, did not fit on the disk.
         """
-        if self._saved[0] != step:
-            self._saved = (step, self.manager.save(checkpoint_number=step, options=self._options))
-        return self._saved[1]
+        if self._saved[0] == step:
+            return self._saved[1]
+        self.sync()
+        prefix = os.path.join(self._write_dir, f"ckpt-{step}")
+        try:
+            path = self.checkpoint.write(prefix, options=self._options)
+        except Exception as e:
+            raise self._failed(step, prefix, e) from None
+        self._saved = (step, path)
+        if self._options.enable_async:
+            self._pending = (step, path)
+        else:
+            self._commit(step, path)
+        return path
 
     def sync(self) -> None:
-        """Waits until a checkpoint being written in the background is complete."""
-        if self._options.enable_async:
-            self.checkpoint.sync()
+        """Waits for a checkpoint being written in the background and commits it.
+
+        Raises:
+          NoSpace: it did not fit on the disk (it is not committed).
+        """
+        if self._pending is None:
+            return
+        (step, path), self._pending = self._pending, None
+        self.checkpoint.sync()
+        error = _take_async_error(self.checkpoint)
+        if error is None and not tf.io.gfile.exists(path + ".index"):
+            error = tf.errors.DataLossError(None, None, f"{path}.index was not written")
+        if error is not None:
+            raise self._failed(step, path, error) from None
+        self._commit(step, path)
 
     def close(self) -> None:
-        """Finishes a pending write; removes a non-chief task's temporary checkpoint directory."""
-        self.sync()
-        if self._temp_dir:
-            shutil.rmtree(self._temp_dir, ignore_errors=True)
+        """Commits a pending write; removes a non-chief task's scratch directory."""
+        try:
+            self.sync()
+        finally:
+            if self._temp_dir:
+                shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+    def _commit(self, step: int, path: str) -> None:
+        """Names `path` in the state file, then deletes checkpoints beyond `max_to_keep`."""
+        kept = [p for p in self._newest_first(self._write_dir)[::-1] if p != path] + [path]
+        dropped, kept = kept[: -self._max_to_keep], kept[-self._max_to_keep :]
+        lines = [f'model_checkpoint_path: "{os.path.basename(path)}"']
+        lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in kept]
+        state = os.path.join(self._write_dir, _STATE_FILE)
+        try:
+            with tf.io.gfile.GFile(state + ".tmp", "w") as f:
+                f.write("\n".join(lines) + "\n")
+            tf.io.gfile.rename(state + ".tmp", state, overwrite=True)
+        except Exception as e:
+            raise self._failed(step, path, e) from None
+        for old in dropped:
+            _remove(old)
+
+    def _failed(self, step: int, path: str, error: Exception) -> Exception:
+        """`NoSpace` for a write that did not fit (its partial files removed); else `error`."""
+        if not _is_no_space(error):
+            return error
+        _remove(path)
+        free = ""
+        with contextlib.suppress(OSError):  # not a local file system
+            free = f", {shutil.disk_usage(self._write_dir).free / 2**20:.1f} MiB free"
+        latest = self._newest_first(self._write_dir)
+        kept = f"the last good checkpoint {latest[0]} is kept" if latest else "none was saved"
+        return NoSpace(
+            f"no space left in `model_dir` {self.model_dir} for checkpoint ckpt-{step}: it "
+            f"needs about {self._bytes / 2**20:.1f} MiB{free}; {kept}. Free some space (or "
+            "pass another `--model_dir`) and run again to resume."
+        )
+
+
+def _is_no_space(error: BaseException) -> bool:
+    """Whether a write failed for lack of space (as `OSError` or TensorFlow's error)."""
+    if isinstance(error, OSError) and error.errno in _NO_SPACE:
+        return True
+    text = str(error)
+    return isinstance(error, tf.errors.ResourceExhaustedError) or any(
+        t in text for t in _NO_SPACE_TEXT
+    )
+
+
+def _remove(path: str) -> None:
+    """Deletes checkpoint `path`: its files and the staging directory of a partial write."""
+    for name in tf.io.gfile.glob(path + ".*") + tf.io.gfile.glob(path + "_temp*"):
+        with contextlib.suppress(tf.errors.OpError):
+            if tf.io.gfile.isdir(name):
+                tf.io.gfile.rmtree(name)
+            else:
+                tf.io.gfile.remove(name)
+
+
+def _total_bytes(trackables: list) -> int:
+    """Bytes of every variable of `trackables` (variables, models, optimizers), each once."""
+    seen, total = set(), 0
+    for trackable in trackables:
+        for variable in getattr(trackable, "variables", None) or [trackable]:
+            if id(variable) in seen or not hasattr(variable, "shape"):
+                continue
+            seen.add(id(variable))
+            total += math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
+    return total
+
+
+def _take_async_error(checkpoint: tf.train.Checkpoint) -> Exception | None:
+    """The error of the last failed background write, cleared so TF does not raise it again.
+
+    TensorFlow (2.20, 2.21) keeps it in a private field and raises it only from
+    an `atexit` hook, as a traceback after the process has reported; no public
+    API returns it. Without that field (another version), None: the missing
+    index file then tells a failed write apart.
+    """
+    helper = getattr(checkpoint, "_async_checkpointer_impl", None)
+    error = getattr(helper, "_async_error", None)
+    if error is not None:
+        helper._async_error = None
+    return error
 
 
 def _let_keras_variables_save_asynchronously() -> None:

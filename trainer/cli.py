@@ -102,6 +102,7 @@ def guarded(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
 
             devices.physical()
         from trainer import faults
+        from trainer.checkpoints import NO_SPACE_EXIT_CODE, NoSpace
 
         try:
             main(argv)
@@ -112,6 +113,9 @@ def guarded(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
         except faults.Diverged as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(faults.DIVERGED_EXIT_CODE)
+        except NoSpace as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(NO_SPACE_EXIT_CODE)
         except faults.TaskLost as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
