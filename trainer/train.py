@@ -22,6 +22,7 @@ import strategies
 from strategies import devices
 from strategies.errors import UserError
 from trainer import checks, data, faults, loop_length, models, optim, precision, steps, tasks
+from trainer import lock as model_dir_lock
 from trainer.checkpoints import Checkpointer
 from trainer.export import export
 from trainer.summaries import Summaries
@@ -115,6 +116,8 @@ def run(job: Job, mode: str) -> dict:
     start = time.time()
     strategy, config = job.strategy, job.config
     say(f"model_dir: {job.model_dir}")
+    # One trainer at a time writes model_dir (the chief); `--mode=eval` only reads it.
+    lock = model_dir_lock.take(job.model_dir) if strategy.is_chief and mode != "eval" else None
     if strategy.is_chief:
         os.makedirs(job.model_dir, exist_ok=True)
     checkpointer = Checkpointer(
@@ -163,6 +166,8 @@ def run(job: Job, mode: str) -> dict:
     finally:
         summaries.close()
         checkpointer.close()
+        if lock:
+            lock.release()
 
 
 def _export(job: Job) -> None:

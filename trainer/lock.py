@@ -1,0 +1,115 @@
+"""One trainer per `model_dir`: a lock file naming the host and pid that hold it.
+
+The chief takes the lock before it writes anything in `model_dir` and
+releases it on every way out (normal end, an exception, SIGTERM's exit 143;
+an `atexit` hook backs up the loop's own release). A second trainer started
+on the same `model_dir` is refused with one line. Workers of one cluster
+share `model_dir` and take no lock; neither do `--mode=eval` and a sidecar
+evaluator, which only read it.
+
+The lock is `model_dir/towerflow.lock`, held with `flock` while its holder
+runs, and holding "host pid". A process killed with SIGKILL leaves the file
+behind, but the kernel drops its `flock`: the next trainer on the same host
+finds the file unlocked, and takes it over with a warning. A lock file from
+another host cannot be checked from here (its `flock` may not reach this
+host), so it is refused with the path to delete once that trainer is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import os
+import socket
+import sys
+
+from strategies.errors import UserError
+
+LOCK_FILE = "towerflow.lock"
+
+
+class ModelDirLock:
+    """The held lock of one `model_dir`; `release` (or process exit) gives it up."""
+
+    def __init__(self, path: str, fd: int):
+        self.path = path
+        self._fd: int | None = fd
+        atexit.register(self.release)
+
+    def release(self) -> None:
+        """Removes the lock file and drops the lock; does nothing the second time."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if _same_file(self._fd, self.path):
+                os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None
+        atexit.unregister(self.release)
+
+
+def take(model_dir: str) -> ModelDirLock:
+    """Creates `model_dir` if needed and takes its lock.
+
+    Raises:
+      UserError: another trainer holds it; nothing in `model_dir` is changed.
+    """
+    path = os.path.join(model_dir, LOCK_FILE)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR)  # an existing lock file is left as it is while checked
+        except FileNotFoundError:
+            os.makedirs(model_dir, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read(fd)
+            os.close(fd)
+            raise UserError(_in_use(model_dir, holder, path)) from None
+        if _same_file(fd, path):  # not a file its last holder removed meanwhile
+            break
+        os.close(fd)
+    holder = _read(fd)
+    if holder and holder.split()[0] != _host():
+        os.close(fd)
+        raise UserError(_in_use(model_dir, holder, path, other_host=True))
+    if holder:
+        print(
+            f"warning: taking over the lock of `model_dir` {model_dir} from a trainer "
+            f"that is gone ({holder}); it was stopped without releasing it",
+            file=sys.stderr,
+            flush=True,
+        )
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{_host()} {os.getpid()}\n".encode(), 0)
+    return ModelDirLock(path, fd)
+
+
+def _in_use(model_dir: str, holder: str, path: str, other_host: bool = False) -> str:
+    host, _, pid = holder.partition(" ")
+    who = f"pid {pid} on host {host}" if holder else "another trainer"
+    fix = (
+        f"if that trainer is gone, delete `{path}`" if other_host else "wait for it to end, stop it"
+    )
+    return (
+        f"`model_dir` {model_dir} is in use by {who} (lock `{path}`); two trainers must "
+        f"not write one `model_dir`: {fix}, or pass another `--model_dir`."
+    )
+
+
+def _read(fd: int) -> str:
+    return os.pread(fd, 1024, 0).decode(errors="replace").strip()
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _host() -> str:
+    return socket.gethostname() or "localhost"
