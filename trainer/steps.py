@@ -1,7 +1,8 @@
 """Per-replica train and eval steps.
 
-Each step runs in replica context on one replica's share of the global batch
-and returns sums (see `trainer.tasks`). The loss is scaled by the global batch
+Each step runs in replica context on one replica's share of the global batch,
+`(features, labels)` or `(features, labels, sample_weights)`, and returns
+weighted sums (see `trainer.tasks`). The loss is scaled by the global batch
 size, so summing gradients over replicas gives the global-batch mean.
 """
 
@@ -29,12 +30,12 @@ def make_train_step(
     variables on the device that computes, which rules out `central_storage`.
     """
 
-    def gradients(x, y) -> tuple:
+    def gradients(x, y, weights) -> tuple:
         replica = tf.distribute.get_replica_context()
         with tf.GradientTape() as tape:
             outputs = model(x, training=True)
             per_example = task.per_example_loss(y, outputs)
-            loss = tf.reduce_sum(per_example) / global_batch_size
+            loss = tf.reduce_sum(weights * per_example) / global_batch_size
             if model.losses:  # regularisers: the same on every replica, so split evenly
                 loss += tf.add_n(model.losses) / replica.num_replicas_in_sync
             scaled = optimizer.scale_loss(loss)  # the loss itself, unless float16 loss scaling
@@ -44,14 +45,18 @@ def make_train_step(
         gradients = tf.function(gradients, jit_compile=True)
 
     def step(batch) -> dict:
-        x, y = batch
-        grads, outputs, per_example = gradients(x, y)
+        # Train batches are always full (endless streams, remainders dropped), so
+        # unlike eval there is no empty batch to pad, and padding would skew the
+        # batch statistics of layers such as BatchNormalization.
+        x, y, weights = _unpack(batch)
+        weights = _weights(weights, y)
+        grads, outputs, per_example = gradients(x, y, weights)
         if clip_global_norm:
             # Loss-scaled gradients are clipped at the scaled norm.
             norm = clip_global_norm * optimizer.scale_loss(tf.constant(1.0))
             grads = _clip_summed(grads, norm, tf.distribute.get_replica_context())
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return task.sums(y, outputs, per_example)
+        return task.sums(y, outputs, per_example, weights)
 
     return step
 
@@ -68,11 +73,53 @@ def _clip_summed(grads: list, clip_norm: float, replica) -> list:
 
 
 def make_eval_step(model: keras.Model, task) -> Callable:
-    """Forward pass on one replica's batch `(x, y)`; returns the task's sums."""
+    """Forward pass on one replica's batch; returns the task's sums.
+
+    The last batch of an eval pass is short, and a replica may get no examples
+    at all. Some kernels return wrong shapes for an empty batch (TF's oneDNN
+    `Conv2D` on CPU), so an empty batch gets one padding row of weight 0: the
+    model always sees at least one example, and the sums count only real ones.
+    """
 
     def step(batch) -> dict:
-        x, y = batch
+        x, y, weights = _unpack(batch)
+        examples = _rows(y)
+        real = tf.maximum(examples, 1)
+        x, y, weights = tf.nest.map_structure(
+            lambda t: _pad_to(t, real), (x, y, _weights(weights, y))
+        )
+        weights *= tf.cast(tf.range(real) < examples, weights.dtype)  # the padding weighs 0
         outputs = model(x, training=False)
-        return task.sums(y, outputs, task.per_example_loss(y, outputs))
+        return task.sums(y, outputs, task.per_example_loss(y, outputs), weights, examples)
 
     return step
+
+
+def _unpack(batch) -> tuple:
+    """`(features, labels, weights)` from a 2- or 3-tuple; weights None if absent."""
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        raise ValueError(
+            "A dataset must yield `(features, labels)` or `(features, labels, sample_weights)`; "
+            f"got {type(batch).__name__} of {len(tf.nest.flatten(batch))} tensors."
+        )
+    return (*batch, None) if len(batch) == 2 else tuple(batch)
+
+
+def _rows(labels) -> tf.Tensor:
+    """The number of examples in a batch (rows of its first label tensor)."""
+    return tf.shape(tf.nest.flatten(labels)[0], out_type=tf.int32)[0]
+
+
+def _weights(weights, labels) -> tf.Tensor:
+    """Per-example weights as float32: the dataset's, or 1 for every example."""
+    if weights is None:
+        return tf.ones([_rows(labels)], tf.float32)
+    return tf.reshape(tf.cast(weights, tf.float32), [-1])
+
+
+def _pad_to(tensor, rows: tf.Tensor) -> tf.Tensor:
+    """`tensor` with zero rows appended up to `rows` (its static inner shape kept)."""
+    tensor = tf.convert_to_tensor(tensor)
+    missing = tf.maximum(rows - tf.shape(tensor, out_type=tf.int32)[0], 0)
+    paddings = [[0, missing]] + [[0, 0]] * (tensor.shape.rank - 1)
+    return tf.pad(tensor, paddings, constant_values=tf.zeros([], tensor.dtype))

@@ -2,7 +2,16 @@
 
 Steps return sums (loss, correct predictions, example counts) so that any
 number of replicas, steps and partial batches add up exactly; `metrics`
-turns the sums into means.
+turns the sums into means. Every sum is weighted per example: by the
+dataset's sample weights where it yields `(features, labels, weights)`, and
+with weight 0 for the padding row a step adds to an empty batch, so padding
+counts for nothing. `examples` counts the real examples, `weight` their
+total weight; the means divide by `weight`.
+
+A classification model outputs logits, or probabilities when its last layer
+ends in softmax (or in a sigmoid over one unit, for two classes), as Keras
+Applications models do; `models.output_kind` tells which, and the task takes
+the cross-entropy of what it gets.
 """
 
 from __future__ import annotations
@@ -11,36 +20,67 @@ import numpy as np
 import tensorflow as tf
 
 AUC_BUCKETS = 200  # resolution of the binary AUC's score histogram
+OUTPUT_KINDS = ("logits", "probabilities", "sigmoid")  # see `models.output_kind`
+_EPSILON = 1e-7  # probabilities are clipped to [eps, 1] before the log, as Keras does
 
 
 class Classification:
-    """Softmax cross-entropy on logits; accuracy, and AUC for two classes."""
+    """Cross-entropy on logits or probabilities; accuracy, and AUC for two classes.
+
+    Args:
+      num_classes: classes of the label.
+      outputs: "logits", "probabilities" (a softmax over the classes) or
+        "sigmoid" (one probability of class 1, for two classes).
+    """
 
     name = "classification"
 
-    def __init__(self, num_classes: int):
+    def __init__(self, num_classes: int, outputs: str = "logits"):
+        if outputs not in OUTPUT_KINDS:
+            raise ValueError(f"`outputs` {outputs!r} must be one of {', '.join(OUTPUT_KINDS)}.")
         self.num_classes = num_classes
+        self.outputs = outputs
+
+    def probabilities(self, outputs: tf.Tensor) -> tf.Tensor:
+        """The model's outputs as class probabilities, [batch, num_classes]."""
+        outputs = tf.cast(outputs, tf.float32)
+        if self.outputs == "logits":
+            return tf.nn.softmax(outputs)
+        if self.outputs == "sigmoid":
+            return tf.concat([1.0 - outputs, outputs], axis=-1)
+        return outputs
 
     def per_example_loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
-        return tf.nn.sparse_softmax_cross_entropy_with_logits(
-            tf.cast(labels, tf.int32), tf.cast(outputs, tf.float32)
-        )
-
-    def sums(self, labels: tf.Tensor, outputs: tf.Tensor, per_example_loss: tf.Tensor) -> dict:
+        """Cross-entropy of each example, unweighted."""
         labels = tf.cast(labels, tf.int32)
-        predicted = tf.argmax(outputs, axis=-1, output_type=tf.int32)
-        correct = tf.cast(tf.equal(predicted, labels), tf.float32)
-        sums = {
-            "loss": tf.reduce_sum(per_example_loss),
-            "correct": tf.reduce_sum(correct),
-            "examples": tf.cast(tf.size(labels), tf.float32),
-        }
+        if self.outputs == "logits":
+            return tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels, tf.cast(outputs, tf.float32)
+            )
+        chosen = tf.gather(self.probabilities(outputs), labels, axis=-1, batch_dims=1)
+        return -tf.math.log(tf.clip_by_value(chosen, _EPSILON, 1.0))
+
+    def sums(
+        self,
+        labels: tf.Tensor,
+        outputs: tf.Tensor,
+        per_example_loss: tf.Tensor,
+        weights: tf.Tensor | None = None,
+        examples: tf.Tensor | None = None,
+    ) -> dict:
+        """Weighted sums of one batch; `weights` default to 1, `examples` to the batch size."""
+        labels = tf.cast(labels, tf.int32)
+        weights, sums = _weighted(per_example_loss, weights, examples)
+        probabilities = self.probabilities(outputs)
+        predicted = tf.argmax(probabilities, axis=-1, output_type=tf.int32)
+        sums["correct"] = tf.reduce_sum(weights * tf.cast(tf.equal(predicted, labels), tf.float32))
         if self.num_classes == 2:
-            sums.update(_score_histograms(labels, tf.nn.softmax(tf.cast(outputs, tf.float32))))
+            sums.update(_score_histograms(labels, probabilities, weights))
         return sums
 
     def metrics(self, sums: dict) -> dict[str, float]:
-        n = max(sums.get("examples", 0.0), 1.0)
+        """Means over the weighted examples (and AUC from the score histograms)."""
+        n = _total_weight(sums)
         metrics = {"loss": sums["loss"] / n, "accuracy": sums["correct"] / n}
         if "positives" in sums:
             metrics["auc"] = auc(sums["positives"], sums["negatives"])
@@ -51,40 +91,74 @@ class Regression:
     """Mean squared error; mean absolute error."""
 
     name = "regression"
+    outputs = "values"
 
     def per_example_loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+        """Squared error of each example, unweighted."""
         error = tf.squeeze(tf.cast(outputs, tf.float32), -1) - tf.cast(labels, tf.float32)
         return tf.square(error)
 
-    def sums(self, labels: tf.Tensor, outputs: tf.Tensor, per_example_loss: tf.Tensor) -> dict:
-        return {
-            "loss": tf.reduce_sum(per_example_loss),
-            "abs_error": tf.reduce_sum(tf.sqrt(per_example_loss)),
-            "examples": tf.cast(tf.size(labels), tf.float32),
-        }
+    def sums(
+        self,
+        labels: tf.Tensor,
+        outputs: tf.Tensor,
+        per_example_loss: tf.Tensor,
+        weights: tf.Tensor | None = None,
+        examples: tf.Tensor | None = None,
+    ) -> dict:
+        """Weighted sums of one batch; `weights` default to 1, `examples` to the batch size."""
+        weights, sums = _weighted(per_example_loss, weights, examples)
+        sums["abs_error"] = tf.reduce_sum(weights * tf.sqrt(per_example_loss))
+        return sums
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        n = max(sums.get("examples", 0.0), 1.0)
+        """Means over the weighted examples."""
+        n = _total_weight(sums)
         return {"loss": sums["loss"] / n, "mae": sums["abs_error"] / n}
 
 
-def for_spec(num_classes: int) -> Classification | Regression:
-    """The task for data with `num_classes` classes (0 = regression)."""
-    return Classification(num_classes) if num_classes > 0 else Regression()
+def for_spec(num_classes: int, outputs: str = "logits") -> Classification | Regression:
+    """The task for data with `num_classes` classes (0 = regression).
+
+    `outputs` is what a classification model outputs (see `OUTPUT_KINDS`).
+    """
+    return Classification(num_classes, outputs) if num_classes > 0 else Regression()
 
 
-def _score_histograms(labels: tf.Tensor, probabilities: tf.Tensor) -> dict:
-    """Counts of positives and negatives per bucket of the positive-class score.
+def _weighted(per_example_loss: tf.Tensor, weights, examples) -> tuple[tf.Tensor, dict]:
+    """The weights (1 where none are given) and the sums every task has."""
+    per_example_loss = tf.cast(per_example_loss, tf.float32)
+    if weights is None:
+        weights = tf.ones_like(per_example_loss)
+    weights = tf.cast(weights, tf.float32)
+    if examples is None:
+        examples = tf.size(per_example_loss)
+    return weights, {
+        "loss": tf.reduce_sum(weights * per_example_loss),
+        "weight": tf.reduce_sum(weights),
+        "examples": tf.cast(examples, tf.float32),
+    }
+
+
+def _total_weight(sums: dict) -> float:
+    """What means divide by: the total weight (sums from before weights: the examples)."""
+    total = sums.get("weight", sums.get("examples", 0.0))
+    return total if total > 0 else 1.0
+
+
+def _score_histograms(labels: tf.Tensor, probabilities: tf.Tensor, weights: tf.Tensor) -> dict:
+    """Weighted counts of positives and negatives per bucket of the positive-class score.
 
     Histograms add up over replicas and batches, so the AUC of a whole eval
     pass is exact up to the bucket width.
     """
     buckets = tf.cast(probabilities[:, 1] * AUC_BUCKETS, tf.int32)
     buckets = tf.clip_by_value(buckets, 0, AUC_BUCKETS - 1)
-    positive = tf.cast(tf.equal(labels, 1), tf.float32)
+    positive = weights * tf.cast(tf.equal(labels, 1), tf.float32)
+    negative = weights - positive
     return {
         "positives": tf.math.unsorted_segment_sum(positive, buckets, AUC_BUCKETS),
-        "negatives": tf.math.unsorted_segment_sum(1.0 - positive, buckets, AUC_BUCKETS),
+        "negatives": tf.math.unsorted_segment_sum(negative, buckets, AUC_BUCKETS),
     }
 
 

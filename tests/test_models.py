@@ -1,0 +1,143 @@
+"""Every built-in model trains and evaluates; partial eval batches count exactly; probabilities."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import configs.ctr
+from tests.helpers import tiny_config
+from trainer import models, steps, train
+
+
+def _image_config(**overrides):
+    """The digits (8x8x1 images, 360 held out), small convolutional models."""
+    return tiny_config(
+        **{
+            "model.filters": 4,
+            "model.blocks": 1,
+            "model.dropout": 0.1,
+            **overrides,
+        }
+    )
+
+
+def _ctr_config(**overrides):
+    config = tiny_config(**overrides)
+    ctr = configs.ctr.get_config()
+    config.data, config.model = ctr.data, ctr.model
+    config.data.ctr.num_examples = 2000
+    config.data.ctr.ids_per_field = 100
+    config.data.ctr.vocab_size = 1000  # the model's table follows it
+    config.model.hidden_units = (16,)
+    config.model.dropout = 0.1
+    return config
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "resnet", "ctr"])
+def test_every_builtin_model_trains_and_evaluates(name, tmp_path):
+    overrides = {"strategy.name": "default", "train.steps": 10, "model.name": name}
+    config = _ctr_config(**overrides) if name == "ctr" else _image_config(**overrides)
+    results = train.train_and_evaluate(config, str(tmp_path))
+    assert results["step"] == 10
+    assert np.isfinite(results["train"]["loss"]) and np.isfinite(results["eval"]["loss"])
+    eval_size = train.build(config, str(tmp_path / "again")).dataset.spec.eval_size
+    assert results["eval"]["examples"] == eval_size
+
+
+def _eval(job) -> dict:
+    """One eval pass of `job`'s model at a global batch of 256 (the last one partial)."""
+    sums = job.strategy.evaluate(
+        steps.make_eval_step(job.model, job.task), job.dataset.eval_fn(256)
+    )
+    return {**job.task.metrics(sums), "examples": sums["examples"]}
+
+
+@pytest.fixture(scope="module", params=["cnn", "resnet"])
+def trained(request, tmp_path_factory):
+    """A model trained a few steps under one_device, and its eval there."""
+    config = _image_config(**{"strategy.name": "one_device", "model.name": request.param})
+    job = train.build(config, str(tmp_path_factory.mktemp(request.param)))
+    train.run(job, "train")
+    return request.param, [w.numpy() for w in job.model.weights], _eval(job)
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
+def test_partial_last_eval_batch_counts_exactly(trained, strategy, tmp_path):
+    """360 examples at 256 over 4 replicas: the last step gives two replicas nothing."""
+    name, weights, reference = trained
+    config = _image_config(**{"strategy.name": strategy, "model.name": name})
+    job = train.build(config, str(tmp_path))
+    assert job.strategy.num_replicas_in_sync == 4
+    job.model.set_weights(weights)
+    got = _eval(job)
+    assert got["examples"] == job.dataset.spec.eval_size == 360
+    assert got == pytest.approx(reference, rel=1e-5, abs=1e-6)
+
+
+def test_sample_weights_weigh_the_sums(tmp_path):
+    """A dataset may yield `(features, labels, weights)`: weight 0 is no example's loss."""
+    job = train.build(_image_config(**{"strategy.name": "mirrored"}), str(tmp_path))
+    eval_step = steps.make_eval_step(job.model, job.task)
+
+    def dataset_fn(weights):
+        def fn(context):
+            dataset = job.dataset.eval_fn(256)(context)
+            return dataset.map(lambda x, y: (x, y, weights(y)))
+
+        return fn
+
+    whole = job.strategy.evaluate(eval_step, dataset_fn(lambda y: tf.ones_like(y, tf.float32)))
+    evens = job.strategy.evaluate(
+        eval_step, dataset_fn(lambda y: tf.cast(y % 2 == 0, tf.float32))
+    )
+    assert whole["examples"] == evens["examples"] == 360
+    assert 0 < evens["weight"] < whole["weight"] == 360
+    assert evens["loss"] < whole["loss"]
+
+
+def softmax_mlp(spec, config) -> keras.Model:
+    """A user's builder whose model outputs probabilities, as Keras Applications do."""
+    inputs = keras.Input(spec.input_shape)
+    x = keras.layers.Flatten()(inputs)
+    x = keras.layers.Dense(64, activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes, activation="softmax")(x))
+
+
+def test_a_model_that_outputs_probabilities_learns_and_exports_them(tmp_path):
+    config = tiny_config(
+        **{
+            "strategy.name": "mirrored",
+            "model.name": "tests.test_models:softmax_mlp",
+            "train.steps": 200,
+            "train.steps_per_loop": 100,
+            "train.export": True,
+            "optimizer.learning_rate": 3e-3,
+        }
+    )
+    job = train.build(config, str(tmp_path))
+    assert models.output_kind(job.model) == "probabilities"
+    results = train.run(job, "train_and_eval")
+    # Treated as logits, probabilities cannot take the loss below log(9 + e) - 1 = 1.46.
+    assert results["eval"]["loss"] < 0.5 and results["eval"]["accuracy"] > 0.85
+    serve = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+    x = np.random.RandomState(0).uniform(0, 1, (5, 8, 8, 1)).astype(np.float32)
+    probabilities = serve(inputs=tf.constant(x))["probabilities"].numpy()
+    np.testing.assert_allclose(probabilities.sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(probabilities, job.model(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_keras_dropout_in_a_users_model_trains_under_central_storage(tmp_path):
+    config = tiny_config(
+        **{"strategy.name": "central_storage", "model.name": "tests.test_models:keras_dropout"}
+    )
+    results = train.train_and_evaluate(config, str(tmp_path))
+    assert results["step"] == config.train.steps and np.isfinite(results["train"]["loss"])
+
+
+def keras_dropout(spec, config) -> keras.Model:
+    """A user's builder with Keras's own `Dropout` (a seed-generator variable)."""
+    inputs = keras.Input(spec.input_shape)
+    x = keras.layers.Dense(32, activation="relu")(keras.layers.Flatten()(inputs))
+    x = keras.layers.Dropout(0.2)(x)
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
