@@ -14,9 +14,18 @@ runs under other strategies (`--strategy=mirrored`: one unsharded table,
 about 2.5 minutes, as every step updates the whole table on every replica).
 """
 
+import importlib.util
+import pathlib
+
 import ml_collections
 
-from configs import default
+# The default loaded from the file beside this one, not by `import configs`: a user's
+# own `configs` package may come first on `sys.path`.
+_spec = importlib.util.spec_from_file_location(
+    "towerflow_configs_default", pathlib.Path(__file__).with_name("default.py")
+)
+default = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(default)
 
 
 def get_config() -> ml_collections.ConfigDict:

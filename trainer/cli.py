@@ -1,35 +1,164 @@
-"""Command-line plumbing for `python -m trainer`: config paths, defaults, errors.
+"""Command-line plumbing for `towerflow` and `python -m trainer`: flags, config paths, errors.
 
-Kept apart from `__main__.py` so that it can be imported and tested. It does
+Kept apart from `__main__.py` so that it can be imported and tested: the flags
+can be defined on a fresh `flags.FlagValues` and parsed in-process. It does
 not import TensorFlow at module level, so flag errors come back at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import pathlib
 import re
 import sys
 from collections.abc import Callable, Iterator
 
-import configs
+from absl import flags, logging
+from ml_collections import config_flags
 
 EXIT_USER_ERROR = 2
+# towerflow's own configs, found from this file, never by `import configs`: a user's
+# project often has a `configs` package of its own.
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def own_packages_first() -> None:
+    """Imports towerflow's own `strategies` ahead of the working directory's; then puts it first.
+
+    `python -m trainer` puts the working directory first on `sys.path`, and a
+    user's project may hold packages named like ours (`strategies`, `configs`).
+    Our `strategies` is imported with the working directory left out, so
+    `sys.modules` holds ours (as it holds `trainer`); towerflow never imports
+    `configs` by name. The directory then goes first on `sys.path`, as
+    `python -m` has it, also for the `towerflow` command: the user's modules
+    (`my_pkg.models:build`, their own `configs`) import from there.
+    """
+    cwd = os.path.realpath(os.getcwd())
+    if cwd == os.path.realpath(CONFIG_DIR.parent):
+        return  # towerflow's own checkout: its packages are the working directory's
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != cwd]
+    import strategies  # noqa: F401 (cached in `sys.modules`: later imports get it)
+
+    sys.path.insert(0, cwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """The command's flags, defined by `define_flags` on `values`."""
+
+    values: flags.FlagValues
+    config: flags.FlagHolder
+    strategy: flags.FlagHolder
+    model_dir: flags.FlagHolder
+    mode: flags.FlagHolder
+    list_strategies: flags.FlagHolder
+
+
+def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -> Flags:
+    """Defines the command's flags on `flag_values`.
+
+    Args:
+      flag_values: `flags.FLAGS` for the command, a fresh `flags.FlagValues` in a test.
+      argv: the arguments that will be parsed (ml_collections finds the
+        `--config.a.b` overrides there); None reads `sys.argv` when parsing.
+    """
+    return Flags(
+        values=flag_values,
+        # No default: `resolve_config_arg` supplies configs/default.py, found from any
+        # directory.
+        config=config_flags.DEFINE_config_file(
+            "config",
+            None,
+            "Config file with `get_config()` (default: configs/default.py); fields "
+            "override as --config.train.steps=500.",
+            flag_values=flag_values,
+            lock_config=True,
+            sys_argv=argv,
+        ),
+        strategy=flags.DEFINE_string(
+            "strategy", None, "Shorthand for --config.strategy.name.", flag_values=flag_values
+        ),
+        model_dir=flags.DEFINE_string(
+            "model_dir",
+            None,
+            "Checkpoints, TensorBoard events, results and export. "
+            "Default: runs/<config>-<strategy>.",
+            flag_values=flag_values,
+        ),
+        mode=flags.DEFINE_enum(
+            "mode",
+            "train_and_eval",
+            ["train", "eval", "train_and_eval"],
+            "What to run.",
+            flag_values=flag_values,
+        ),
+        list_strategies=flags.DEFINE_bool(
+            "list_strategies", False, "List the strategies and exit.", flag_values=flag_values
+        ),
+    )
+
+
+def parse_flags(defined: Flags, argv: list[str]) -> list[str]:
+    """Parses `argv` into `defined`; a mistake is one line and exit status 2.
+
+    Returns:
+      `argv[:1]`: the command takes no positional arguments.
+    """
+    argv = resolve_config_arg(argv)
+    try:
+        rest = defined.values(argv)
+        defined.config.value.get("seed")  # a config file that failed to load raises here
+    except Exception as e:  # config files and overrides raise plain errors, not flags.Error
+        fail(flag_error(e, argv))
+    if len(rest) > 1:
+        fail(
+            f"Unexpected argument '{rest[1]}': the command takes only flags; "
+            "give values as `--name=value` (e.g. `--strategy=mirrored`)."
+        )
+    return rest
+
+
+def main(defined: Flags, argv: list[str]) -> None:
+    """Lists the strategies, or trains and evaluates the parsed config.
+
+    Raises:
+      UserError: a bad flag or config value; nothing in `model_dir` is written.
+    """
+    del argv  # `parse_flags` refused positional arguments
+    import strategies  # loaded (quietly) by `guarded`
+
+    logging.set_verbosity(logging.WARNING)  # progress lines, not TensorFlow's INFO chatter
+    if defined.list_strategies.value:
+        for name, description in strategies.available().items():
+            print(f"{name:<16} {description}")
+        return
+    from trainer.train import train_and_evaluate
+
+    config = defined.config.value
+    if defined.strategy.value:
+        config.strategy.name = defined.strategy.value
+    model_dir = defined.model_dir.value
+    if model_dir is None:  # given but empty, `check_model_dir` refuses it
+        config_path = config_flags.get_config_filename(defined.values["config"])
+        model_dir = default_model_dir(config_path, config.strategy.name)
+    train_and_evaluate(config, model_dir, defined.mode.value)
 
 
 def resolve_config_arg(argv: list[str]) -> list[str]:
     """Supplies `--config=configs/default.py` and finds built-in configs from any directory.
 
     A path that does not exist relative to the working directory but names a
-    file in the installed `configs` package is rewritten to that file.
+    file of towerflow's own configs is rewritten to that file.
     """
     if not any(arg.startswith("--config=") for arg in argv):
-        argv = [argv[0], f"--config={configs.path('default')}", *argv[1:]]
+        argv = [argv[0], f"--config={CONFIG_DIR / 'default.py'}", *argv[1:]]
     resolved = []
     for arg in argv:
         if arg.startswith("--config="):
             path, colon, rest = arg[len("--config=") :].partition(":")
-            builtin = os.path.join(configs.CONFIG_DIR, os.path.basename(path))
+            builtin = os.path.join(CONFIG_DIR, os.path.basename(path))
             if not os.path.exists(path) and os.path.exists(builtin):
                 arg = f"--config={builtin}{colon}{rest}"
         resolved.append(arg)
@@ -86,7 +215,7 @@ def flag_error(error: BaseException, argv: list[str]) -> str:
 def builtin_configs() -> list[str]:
     """Paths of the configs shipped in the package, as the user would type them."""
     return sorted(
-        f"configs/{p.name}" for p in configs.CONFIG_DIR.glob("*.py") if not p.name.startswith("_")
+        f"configs/{p.name}" for p in CONFIG_DIR.glob("*.py") if not p.name.startswith("_")
     )
 
 
