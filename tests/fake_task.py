@@ -33,7 +33,11 @@ def main() -> None:
     parser.add_argument("--exit", action="append", default=[], help="NAME=CODE@SECONDS")
     parser.add_argument("--grandchild", action="store_true", help="start a child that sleeps")
     parser.add_argument("--ignore_term", action="store_true", help="ignore SIGTERM")
-    parser.add_argument("--save_s", type=float, help="on SIGTERM: 'save' this long, exit 143")
+    parser.add_argument(
+        "--save_s",
+        type=float,
+        help="on SIGTERM: 'save' this long, exit 143; NAME.term and NAME.saved hold the times",
+    )
     args, _ = parser.parse_known_args()
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]
@@ -43,8 +47,9 @@ def main() -> None:
     if args.save_s is not None:
 
         def save_and_exit(sig, frame):
+            pathlib.Path(args.pid_dir, f"{name}.term").write_text(repr(time.time()))
             time.sleep(args.save_s)
-            pathlib.Path(args.pid_dir, f"{name}.saved").write_text("saved")
+            pathlib.Path(args.pid_dir, f"{name}.saved").write_text(repr(time.time()))
             sys.exit(143)
 
         signal.signal(signal.SIGTERM, save_and_exit)

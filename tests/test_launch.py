@@ -339,6 +339,29 @@ def test_an_interrupted_cluster_may_save_once_and_is_killed_on_the_second(tmp_pa
     _assert_all_dead(_pids(tmp_path))
 
 
+def test_an_interrupted_parameter_server_cluster_stops_its_servers_after_the_chief_saved(
+    tmp_path,
+):
+    """The chief's last save needs the ps (variables) and workers: they are stopped after it."""
+    proc = _launcher(
+        "--workers=2", "--ps=1", "--grace_s=30", "--", f"--pid_dir={tmp_path}", "--save_s=1"
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(_pids(tmp_path)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    saved = float((tmp_path / "chief:0.saved").read_text())
+    stopped = {p.stem: float(p.read_text()) for p in tmp_path.glob("*.term")}
+    assert set(stopped) == {"chief:0", "worker:0", "worker:1", "ps:0"}, out
+    assert all(stopped[name] >= saved for name in ("worker:0", "worker:1", "ps:0")), out
+    _assert_all_dead(_pids(tmp_path))
+
+
 def _own_lines(stderr: str) -> list[str]:
     """stderr without the C++ log lines TensorFlow prints when imported (no flag stops them)."""
     tf_log = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} )")

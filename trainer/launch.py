@@ -23,9 +23,11 @@ at the same step: they get `--grace_s` to finish. The exception is a worker of a
 parameter-server cluster: it is started again (up to 3 times) and rejoins,
 while the coordinator re-schedules the work it lost. `--restarts` starts a failed
 cluster again; the trainer resumes from the checkpoint in its `model_dir`.
-SIGINT (Ctrl-C) or SIGTERM to the launcher sends SIGTERM to every task, which
-saves a checkpoint at the step reached and exits, within `--grace_s`; a
-second one kills them at once.
+SIGINT (Ctrl-C) or SIGTERM to the launcher sends SIGTERM to the trainers (the
+chief; under `multi_worker` every worker), which save a checkpoint at the step
+reached and exit, within `--grace_s`; the ps and worker servers of a
+parameter-server cluster are stopped only after that, as the chief's save
+needs them. A second signal kills them all at once.
 Beyond one machine, run `python -m trainer` on every host with the `TF_CONFIG`
 that the scheduler gives each task.
 """
@@ -268,9 +270,14 @@ class Cluster:
     def stop(self) -> None:
         """Stops every task and its children: SIGTERM, then SIGKILL after `kill_after_s`.
 
-        Stopped by a signal, the tasks get `grace_s` instead (if longer): a trainer
-        saves a checkpoint on SIGTERM. A second signal kills them at once. If an
-        exception cuts this short, the `atexit` hook, still registered, runs it again.
+        The trainers go first (the chief; under `multi_worker` every worker, as
+        they save at one agreed step), then the servers of a parameter-server
+        cluster (its ps and worker tasks), once the trainers have exited or
+        their time is up: the chief's final save reads the variables from the
+        ps tasks and may still run steps on the workers. Stopped by a signal,
+        the trainers get `grace_s` instead (if longer) to save. A second signal
+        kills them all at once. If an exception cuts this short, the `atexit`
+        hook, still registered, runs it again.
         """
         wait_s = self.kill_after_s
         running = [task.name for task, proc in self._procs.items() if proc.poll() is None]
@@ -282,16 +289,13 @@ class Cluster:
             )
         elif running:
             self.console.log(f"stopping {', '.join(running)}")
-        procs = list(self._procs.values())
-        for proc in procs:  # a task that ended may have left children behind: signal them all
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + wait_s
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if self.interrupt.count > 1:
-                self.console.log("killing them now")
-                break
-            time.sleep(_POLL_S)
-        for proc in procs:
+        servers = self._servers()
+        trainers = [proc for task, proc in self._procs.items() if task not in servers]
+        rest = [proc for task, proc in self._procs.items() if task in servers]
+        killed = not self._terminate(trainers, wait_s)
+        if not killed and rest:
+            self._terminate(rest, self.kill_after_s)
+        for proc in self._procs.values():
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
         for pump in self._pumps:
@@ -299,6 +303,27 @@ class Cluster:
         self._procs.clear()
         self._pumps.clear()
         atexit.unregister(self.stop)
+
+    def _servers(self) -> set[Task]:
+        """The tasks that only serve the chief: the ps and workers of a parameter-server cluster."""
+        if not any(task.type == "ps" for task in self.tasks):
+            return set()
+        return {task for task in self.tasks if task.type in ("ps", "worker")}
+
+    def _terminate(self, procs: list[subprocess.Popen], wait_s: float) -> bool:
+        """SIGTERMs `procs` (their groups) and waits up to `wait_s` for them to exit.
+
+        Returns False when a second signal to the launcher asked to kill them at once.
+        """
+        for proc in procs:  # a task that ended may have left children behind: signal them all
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + wait_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if self.interrupt.count > 1:
+                self.console.log("killing them now")
+                return False
+            time.sleep(_POLL_S)
+        return True
 
     def _start(self, task: Task) -> None:
         env = {**os.environ, "TF_CONFIG": task.tf_config, "PYTHONUNBUFFERED": "1"}
