@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from strategies import cluster
 from tests.helpers import run_cli, start_cli, tiny_config
-from trainer import faults, train
+from trainer import faults, lock, train
 
 
 def _all_checkpoints_finite(model_dir) -> bool:
@@ -103,6 +103,7 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
     assert step >= 40
     latest = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
     assert latest.endswith(f"ckpt-{step}")
+    assert not (tmp_path / "run" / lock.LOCK_FILE).exists(), "the lock goes with exit 143"
     resumed = run_cli(
         *args[:2],
         f"--config.train.steps={step + 20}",

@@ -1,0 +1,93 @@
+"""One trainer per `model_dir`: a second is refused, a dead one's lock is taken over."""
+
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from strategies.errors import UserError
+from tests.helpers import REPO, tiny_config
+from trainer import lock, train
+
+HOLD = "import sys; from trainer import lock; lock.take(sys.argv[1]); print('held', flush=True); "
+
+
+def _holder(model_dir, then: str = "sys.stdin.read()") -> subprocess.Popen:
+    """Another process that takes the lock of `model_dir` and holds it until its stdin closes."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD + then, str(model_dir)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def _snapshot(directory: pathlib.Path) -> dict:
+    """Every file under `directory` with its contents and modification time."""
+    return {
+        str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_second_trainer_on_a_model_dir_in_use_is_refused_and_changes_nothing(tmp_path):
+    config = tiny_config(**{"train.steps": 10})
+    train.train_and_evaluate(config, str(tmp_path))  # a checkpoint to evaluate later
+    config.train.steps = 20
+    proc = _holder(tmp_path)
+    try:
+        before = _snapshot(tmp_path)
+        with pytest.raises(UserError) as refused:
+            train.train_and_evaluate(config, str(tmp_path))
+        assert _snapshot(tmp_path) == before
+        message = str(refused.value)
+        assert f"is in use by pid {proc.pid} on host {socket.gethostname()}" in message
+        assert "\n" not in message and "`--model_dir`" in message
+        # Evaluating only reads model_dir: it needs no lock.
+        assert train.train_and_evaluate(config, str(tmp_path), mode="eval")["step"] == 10
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_lock_is_released_when_the_run_ends_or_fails(tmp_path):
+    train.train_and_evaluate(tiny_config(), str(tmp_path / "ends"))
+    assert not (tmp_path / "ends" / lock.LOCK_FILE).exists()
+    diverges = tiny_config(
+        **{
+            "optimizer.name": "sgd",
+            "optimizer.learning_rate": 1e9,
+            "train.loss_upper_bound": 1e3,
+            "train.max_recoveries": 0,
+        }
+    )
+    with pytest.raises(train.faults.Diverged):
+        train.train_and_evaluate(diverges, str(tmp_path / "fails"))
+    assert not (tmp_path / "fails" / lock.LOCK_FILE).exists()
+    lock.take(str(tmp_path / "fails")).release()  # and it can be taken again
+
+
+def test_the_lock_of_a_killed_trainer_is_taken_over_with_a_warning(tmp_path, capsys):
+    proc = _holder(tmp_path)
+    proc.send_signal(signal.SIGKILL)  # no chance to release it
+    proc.wait()
+    assert (tmp_path / lock.LOCK_FILE).read_text().split() == [socket.gethostname(), str(proc.pid)]
+    train.train_and_evaluate(tiny_config(), str(tmp_path))
+    err = capsys.readouterr().err
+    assert f"taking over the lock of `model_dir` {tmp_path}" in err
+    assert f"{socket.gethostname()} {proc.pid}" in err
+    assert not (tmp_path / lock.LOCK_FILE).exists()
+
+
+def test_a_lock_from_another_host_is_refused_with_the_file_to_delete(tmp_path):
+    (tmp_path / lock.LOCK_FILE).write_text("other-host 4242\n")
+    with pytest.raises(UserError, match=r"in use by pid 4242 on host other-host .* delete `"):
+        lock.take(str(tmp_path))
+    assert (tmp_path / lock.LOCK_FILE).read_text() == "other-host 4242\n"
