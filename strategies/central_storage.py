@@ -1,5 +1,8 @@
 """`central_storage`: variables on the host, one tower per device."""
 
+import contextlib
+from collections.abc import Iterator
+
 import tensorflow as tf
 
 from strategies import devices
@@ -31,6 +34,12 @@ class CentralStorage(Strategy):
         strategy.extended.experimental_enable_get_next_as_optional = True
         return strategy
 
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """The strategy's scope, where state variables can be updated from a tower."""
+        with self.tf_strategy.scope(), tf.variable_creator_scope(_state_updatable_by_towers):
+            yield
+
     @property
     def communication(self) -> str:
         host = self.tf_strategy.extended.parameter_devices[0]
@@ -38,3 +47,27 @@ class CentralStorage(Strategy):
             f"each of {self.num_replicas_in_sync} towers reads the variables from {host} "
             "and sends its gradients there, where they are summed and applied once"
         )
+
+
+def _state_updatable_by_towers(next_creator, **kwargs):
+    """Creates a variable; non-trainable state without an aggregation gets one.
+
+    Keras creates its non-trainable state (a `Dropout`'s seed-generator state,
+    `BatchNormalization`'s moving statistics) with aggregation "none", which to
+    `tf.distribute` means: each replica updates its own copy. Under
+    `mirrored` every replica has one; here the towers share the one copy on
+    the host, and TF refuses a tower's update of it ("You must specify an
+    aggregation method to update a AggregatingVariable in Replica Context").
+    The towers' new values are averaged into the copy (floats: moving
+    statistics become those of the whole global batch), or the first tower's
+    is kept (integers, e.g. seed states, which every tower advances alike).
+    """
+    aggregation = kwargs.get("aggregation") or tf.VariableAggregation.NONE
+    if kwargs.get("trainable") is False and aggregation == tf.VariableAggregation.NONE:
+        dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
+        kwargs["aggregation"] = (
+            tf.VariableAggregation.MEAN
+            if dtype.is_floating
+            else tf.VariableAggregation.ONLY_FIRST_REPLICA
+        )
+    return next_creator(**kwargs)

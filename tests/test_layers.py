@@ -12,7 +12,7 @@ from strategies.errors import UserError
 from tests.helpers import tiny_config
 from trainer import train
 from trainer.export import export
-from trainer.layers import ShardedDense, ShardedEmbedding
+from trainer.layers import Dropout, ShardedDense, ShardedEmbedding
 
 VOCAB, WIDTH = 10, 4
 IDS = tf.constant([[0.0, 3.0, 9.0], [4.0, 4.0, 7.0]])  # float ids, as the data pipeline gives them
@@ -181,3 +181,44 @@ def test_ctr_model_trains_under_mirrored_as_one_table(tmp_path):
         len(placement["embedding/embeddings_0"]) == strategies.get("mirrored").num_replicas_in_sync
     )
     assert results["step"] == config.train.steps and np.isfinite(results["train"]["loss"])
+
+
+def _dropout_outputs(name: str, calls: int = 2) -> tuple[list[np.ndarray], int]:
+    """`Dropout(0.5)` on a global batch of ones under strategy `name`, `calls` times.
+
+    Returns the global batch's outputs of each call (replicas' rows in order)
+    and how many replicas computed them.
+    """
+    strategy = strategies.get(name)
+    with strategy.scope():
+        layer = Dropout(0.5, seed=7)
+        layer.build()
+    replicas = strategy.num_replicas_in_sync
+    ones = strategy.tf_strategy.experimental_distribute_values_from_function(
+        lambda context: tf.ones([16 // replicas, 6])
+    )
+
+    @tf.function
+    def forward(inputs):
+        return strategy.call_for_each_replica(lambda x: layer(x, training=True), (inputs,))
+
+    outputs = []
+    for _ in range(calls):
+        per_replica = strategy.local_results(forward(ones))
+        outputs.append(np.concatenate([t.numpy() for t in per_replica]))
+    assert int(layer.step.numpy()) == calls, "one count per step, whatever the replicas"
+    return outputs, replicas
+
+
+@pytest.mark.parametrize("name", ["mirrored", "central_storage"])
+def test_dropout_masks_do_not_depend_on_how_the_batch_is_split(name):
+    reference, _ = _dropout_outputs("one_device")
+    outputs, replicas = _dropout_outputs(name)
+    assert replicas == 4
+    for got, want in zip(outputs, reference):
+        np.testing.assert_array_equal(got, want)
+    first, second = outputs
+    assert set(np.unique(first)) == {0.0, 2.0} and 0.3 < np.mean(first == 0) < 0.7
+    assert not np.array_equal(first, second), "a new mask each step"
+    rows = len(first) // replicas
+    assert not np.array_equal(first[:rows], first[rows : 2 * rows]), "replicas differ"

@@ -88,9 +88,7 @@ def test_sample_weights_weigh_the_sums(tmp_path):
         return fn
 
     whole = job.strategy.evaluate(eval_step, dataset_fn(lambda y: tf.ones_like(y, tf.float32)))
-    evens = job.strategy.evaluate(
-        eval_step, dataset_fn(lambda y: tf.cast(y % 2 == 0, tf.float32))
-    )
+    evens = job.strategy.evaluate(eval_step, dataset_fn(lambda y: tf.cast(y % 2 == 0, tf.float32)))
     assert whole["examples"] == evens["examples"] == 360
     assert 0 < evens["weight"] < whole["weight"] == 360
     assert evens["loss"] < whole["loss"]

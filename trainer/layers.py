@@ -1,4 +1,9 @@
-"""Keras 3 layers that split their big variable into shards along axis 0.
+"""Keras 3 layers for distributed training: sharded variables, and dropout by example.
+
+`Dropout` draws its masks by step and by each example's position in the
+global batch, so they do not depend on how the batch is split over replicas
+(see its docstring). The other layers split their big variable into shards
+along axis 0.
 
 Under `parameter_server` with a partitioner (see `strategies.sharding`), a big
 embedding table or kernel should not sit whole on one ps task. TF can shard a
@@ -19,6 +24,8 @@ needs the same number of shards: pass `num_shards` to pin it.
 """
 
 from __future__ import annotations
+
+import random
 
 import keras
 import tensorflow as tf
@@ -217,3 +224,67 @@ class ShardedDense(keras.layers.Layer):
             "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
             "num_shards": self.num_shards,
         }
+
+
+@keras.saving.register_keras_serializable(package="towerflow")
+class Dropout(keras.layers.Layer):
+    """`keras.layers.Dropout` whose mask does not depend on how the global batch is split.
+
+    Keras's `Dropout` keeps its random state in a variable that every replica
+    advances alike, so under `mirrored` all replicas draw the same mask (and
+    under `central_storage` the variable cannot be updated from a replica at
+    all). Here each training call draws the mask of the whole global batch
+    from a stateless RNG keyed by `(seed, step)`, and a replica keeps the rows
+    at its offset in the global batch (`replica_id * per_replica_batch`), so
+    example `i` of step `s` gets the same mask under one device or any number
+    of replicas. `step` counts this layer's training calls in a variable
+    (updated once per step, from the first replica) that checkpoints with the
+    model, so a resumed run goes on with the masks it would have drawn.
+
+    Drawing the global batch's mask costs each replica the random numbers of
+    the whole batch; dropout sits on small activations here, where that is cheap.
+
+    Args:
+      rate: the fraction of inputs set to 0, in [0, 1).
+      seed: keys the masks; None draws one from Python's `random` (which
+        `keras.utils.set_random_seed` seeds).
+    """
+
+    def __init__(self, rate: float, seed: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        if not 0 <= rate < 1:
+            raise ValueError(f"`Dropout` `rate` ({rate}) must be in [0, 1).")
+        self.rate = float(rate)
+        self.seed = random.randrange(2**31) if seed is None else int(seed)
+        self.supports_masking = True
+
+    def build(self, input_shape=None):
+        self.step = self.add_weight(
+            (),
+            "zeros",
+            dtype="int64",
+            trainable=False,
+            aggregation="only_first_replica",  # every replica counts alike: one update
+            name="step",
+        )
+
+    def call(self, inputs, training=False):
+        if not training or self.rate == 0:
+            return inputs
+        replica = tf.distribute.get_replica_context()
+        replicas = replica.num_replicas_in_sync if replica else 1
+        replica_id = replica.replica_id_in_sync_group if replica else 0
+        rows = tf.shape(inputs)[0]
+        first = tf.cast(replica_id, tf.int32) * rows
+        seed = tf.stack([tf.constant(self.seed, tf.int64), self.step.value])
+        shape = tf.concat([[rows * replicas], tf.shape(inputs)[1:]], axis=0)
+        keep = tf.random.stateless_uniform(shape, seed)[first : first + rows] >= self.rate
+        self.step.assign_add(1)
+        scale = tf.cast(1.0 / (1.0 - self.rate), inputs.dtype)
+        return tf.where(keep, inputs * scale, tf.zeros_like(inputs))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "rate": self.rate, "seed": self.seed}

@@ -1,8 +1,12 @@
 """Model builders by name, or the user's own as "module.path:function".
 
 A builder is `fn(spec: DataSpec, config: ConfigDict) -> keras.Model`; it gets
-the data's shape and class count and `config.model`. Models output logits
-(classification) or one value per example (regression).
+the data's shape and class count and `config.model`. A classifier outputs
+`num_classes` logits, or probabilities when its output layer ends in a softmax
+(or, for two classes, one sigmoid unit), as Keras Applications models do:
+`output_kind` tells which, and the loss and the export follow. A regression
+model outputs one value per example. The built-in models output logits and
+use `trainer.layers.Dropout`, whose masks do not depend on the replicas.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import ml_collections
 from strategies.errors import UserError
 from trainer import named
 from trainer.data import DataSpec
-from trainer.layers import ShardedEmbedding
+from trainer.layers import Dropout, ShardedEmbedding
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
 _BUILDERS = named.Registry("Model builder")
@@ -76,7 +80,32 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
         raise UserError(
             f"`model.name` '{config.name}' returned {type(model).__name__}, not a keras.Model."
         )
+    if spec.num_classes > 0 and output_kind(model) == "sigmoid":
+        units = model.outputs[0].shape[-1]
+        if spec.num_classes != 2 or units != 1:
+            raise UserError(
+                f"`model.name` '{config.name}' ends in a sigmoid over {units} outputs, and the "
+                f"data has {spec.num_classes} classes; end it in `num_classes` logits or a "
+                "softmax (a sigmoid only as one unit for two classes)."
+            )
     return model
+
+
+def output_kind(model: keras.Model) -> str:
+    """What a classifier outputs: "logits", "probabilities" (softmax) or "sigmoid".
+
+    Read from the activation of the layer that makes the model's output (a
+    `Dense(..., activation="softmax")`, a `Softmax` or an `Activation` layer);
+    a model whose output layer cannot be seen (a subclassed model) outputs logits.
+    """
+    # A functional or Sequential model lists its layers in order, the output's last.
+    if len(getattr(model, "outputs", None) or []) != 1 or not model.layers:
+        return "logits"
+    layer = model.layers[-1]
+    if isinstance(layer, keras.layers.Softmax):
+        return "probabilities"
+    activation = getattr(getattr(layer, "activation", None), "__name__", "")
+    return {"softmax": "probabilities", "sigmoid": "sigmoid"}.get(activation, "logits")
 
 
 def _outputs(spec: DataSpec) -> int:
@@ -89,7 +118,7 @@ def _regularizer(config: ml_collections.ConfigDict):
 
 def _head(x, spec: DataSpec, config: ml_collections.ConfigDict):
     if config.dropout:
-        x = keras.layers.Dropout(config.dropout)(x)
+        x = Dropout(config.dropout)(x)
     return keras.layers.Dense(_outputs(spec), kernel_regularizer=_regularizer(config))(x)
 
 

@@ -107,7 +107,7 @@ def build(
         optimizer = optim.build(config.optimizer, total_steps)
         optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
         optimizer.build(model.trainable_variables)
-    task = tasks.for_spec(dataset.spec.num_classes)
+    task = tasks.for_spec(dataset.spec.num_classes, models.output_kind(model))
     return Job(config, model_dir, strategy, dataset, task, total_steps, model, optimizer)
 
 
