@@ -368,6 +368,7 @@ def test_csv_round_trip(tmp_path):
     )
     dataset = data.get(config)
     data.check(dataset)
+    assert (dataset.spec.train_size, dataset.spec.eval_size) == (30, 9)
     got_x, got_y = _eval_arrays(dataset)
     np.testing.assert_allclose(got_x, eval_x.reshape(-1, 8, 8), rtol=1e-6)
     np.testing.assert_array_equal(got_y, eval_y)
@@ -417,6 +418,38 @@ def test_csv_wrong_column_count(tmp_path):
     config = _config("csv", train_files=str(tmp_path / "a.csv"), eval_files=str(tmp_path / "a.csv"))
     message = _raises("has 63 feature columns", data.get, config)
     assert "`data.input_shape` (64,) needs 64" in message
+
+
+def _csv_with_a_bad_line(tmp_path, monkeypatch, row: int, text: str) -> ml_collections.ConfigDict:
+    """Two train files of 150 rows; row `row` of the second (0-based) replaced by `text`."""
+    monkeypatch.setattr(data, "_CSV_LINES_AT_ONCE", 64)  # the bad line is in a later chunk
+    x, y = _arrays(300, seed=0)
+    _write_csv(str(tmp_path / "train-0.csv"), x[:150], y[:150])
+    path = tmp_path / "train-1.csv"
+    _write_csv(str(path), x[150:], y[150:])
+    lines = path.read_text().splitlines()
+    lines[row + 1] = text
+    path.write_text("\n".join(lines) + "\n")
+    return _config("csv", train_files=str(tmp_path / "train-*.csv"), eval_files=str(path))
+
+
+def test_csv_bad_value_names_file_line_column_and_value(tmp_path, monkeypatch):
+    line = "3," + ",".join(["0.5"] * 6) + ",abc" + ",0.25" * 57
+    config = _csv_with_a_bad_line(tmp_path, monkeypatch, 130, line)
+    message = _raises("line 132", data.get, config)
+    assert message == (
+        f"CSV file '{tmp_path / 'train-1.csv'}' line 132, column `f6` (column 8): "
+        "'abc' is not a number; fix or remove that line."
+    )
+
+
+def test_csv_short_line_names_file_and_line(tmp_path, monkeypatch):
+    config = _csv_with_a_bad_line(tmp_path, monkeypatch, 99, "1,2,3")
+    message = _raises("line 101 has 3 values", data.get, config)
+    assert message == (
+        f"CSV file '{tmp_path / 'train-1.csv'}' line 101 has 3 values, and the header "
+        "65 columns; fix or remove that line."
+    )
 
 
 def test_csv_missing_label_column(tmp_path):

@@ -22,7 +22,8 @@ Sources come in two kinds that share the batching and sharding code:
   and resuming jumps straight to its position;
 - files (`tfrecord`, `csv`): records are read in order and shuffled with a
   `data.shuffle_buffer`-sized buffer; resuming skips records before they are
-  parsed.
+  parsed. CSV files are parsed once at start-up, which finds a bad value's
+  line and gives the split sizes.
 """
 
 from __future__ import annotations
@@ -588,16 +589,79 @@ def _csv(config: ml_collections.ConfigDict) -> Dataset:
             "make them agree."
         )
 
+    defaults = [[0.0]] * len(columns)
+
     def decode(lines: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        values = tf.io.decode_csv(lines, record_defaults=[[0.0]] * len(columns))
+        values = tf.io.decode_csv(lines, record_defaults=defaults)
         x = tf.reshape(tf.stack([values[i] for i in inputs], axis=1), [-1, *shape])
         return x, _labels(values[label], classes)
 
     def read(path: tf.Tensor) -> tf.data.Dataset:
         return tf.data.TextLineDataset(path).skip(1)  # the header
 
+    # Every value is checked here, with the op training parses with, so a bad one
+    # is named by its file and line instead of failing a shuffled batch mid-run.
+    sizes = [sum(_csv_rows(p, columns) for p in files[f]) for f in ("train_files", "eval_files")]
     layout = f"numeric CSV with `data.label` column '{config.label}'"
-    return _files(config, files, read, decode, shape, classes, layout)
+    return _files(config, files, read, decode, shape, classes, layout, sizes)
+
+
+_CSV_LINES_AT_ONCE = 1 << 16  # lines parsed in one op while checking a CSV file
+
+
+def _csv_rows(path: str, columns: list[str]) -> int:
+    """Parses every line of a CSV file as training will; returns how many rows it has.
+
+    Raises:
+      UserError: a line that does not parse; names the file, line, column and value.
+    """
+    defaults, rows = [[0.0]] * len(columns), 0
+    for lines in tf.data.TextLineDataset(path).skip(1).batch(_CSV_LINES_AT_ONCE):
+        try:
+            tf.io.decode_csv(lines, record_defaults=defaults)
+        except tf.errors.InvalidArgumentError:
+            bad = _first_unparsed(lines, defaults)
+            line = rows + bad + 2  # 1-based, after the header
+            raise UserError(_csv_line_error(path, line, lines[bad : bad + 1], columns)) from None
+        rows += int(lines.shape[0])
+    return rows
+
+
+def _first_unparsed(lines: tf.Tensor, defaults: list) -> int:
+    """The index of the first line that fails to parse on its own (a bisection)."""
+    begin, end = 0, int(lines.shape[0])  # the first bad line is in [begin, end)
+    while end - begin > 1:
+        middle = (begin + end) // 2
+        try:
+            tf.io.decode_csv(lines[begin:middle], record_defaults=defaults)
+            begin = middle
+        except tf.errors.InvalidArgumentError:
+            end = middle
+    return begin
+
+
+def _csv_line_error(path: str, line: int, text: tf.Tensor, columns: list[str]) -> str:
+    """One line naming what is wrong with line `line` of a CSV file."""
+    try:
+        tf.io.decode_csv(text, record_defaults=[[0.0]] * len(columns))
+        reason = "does not parse"
+    except tf.errors.InvalidArgumentError as error:
+        reason = _gist(error)
+    field = re.match(r"Field (\d+) in record \d+ is not a valid float: (.*?)(?: \[Op:\w+\])?$", reason)
+    if field:
+        index, value = int(field.group(1)), field.group(2)
+        return (
+            f"CSV file '{path}' line {line}, column `{columns[index]}` (column {index + 1}): "
+            f"'{value}' is not a number; fix or remove that line."
+        )
+    fields = re.match(r"Expect (\d+) fields but have (\d+)", reason)
+    if fields:
+        return (
+            f"CSV file '{path}' line {line} has {fields.group(2)} values, and the header "
+            f"{fields.group(1)} columns; fix or remove that line."
+        )
+    reason = re.sub(r" in record \d+| \[Op:\w+\]$", "", reason)
+    return f"CSV file '{path}' line {line} does not parse ({reason}); fix or remove that line."
 
 
 def _files(
@@ -608,14 +672,15 @@ def _files(
     shape: tuple[int, ...],
     classes: int,
     layout: str,
+    sizes: Sequence[int | None] = (None, None),
 ) -> Dataset:
-    """A dataset read from the `files` of each split; its sizes are unknown."""
+    """A dataset read from the `files` of each split, of the `sizes` (train, eval) if known."""
     buffer = _positive("data.shuffle_buffer", config.shuffle_buffer)
     train, evaluation = (
         _FileSplit(tuple(files[field]), read, decode, f"`data.{field}` '{config[field]}'", buffer)
         for field in ("train_files", "eval_files")
     )
-    return Dataset(DataSpec(shape, classes, None, None), train, evaluation, layout)
+    return Dataset(DataSpec(shape, classes, *sizes), train, evaluation, layout)
 
 
 def _globs(config: ml_collections.ConfigDict, kind: str) -> dict[str, list[str]]:
