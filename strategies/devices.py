@@ -142,7 +142,7 @@ def parse_devices(spec: str, option: str) -> list[str]:
     known = gpus() + cpus()
     if not spec:
         return gpus() or cpus()
-    names = [_canonical(d.strip()) for d in spec.split(",") if d.strip()]
+    names = [_canonical(d.strip(), option) for d in spec.split(",") if d.strip()]
     for name in names:
         if name not in known:
             raise UserError(
@@ -152,9 +152,19 @@ def parse_devices(spec: str, option: str) -> list[str]:
     return names
 
 
-def _canonical(name: str) -> str:
-    """'/gpu:0' -> '/device:GPU:0', matching `tf.config.list_logical_devices` names."""
-    spec = tf.DeviceSpec.from_string(name)
+def _canonical(name: str, option: str) -> str:
+    """'/gpu:0' -> '/device:GPU:0', matching `tf.config.list_logical_devices` names.
+
+    Raises:
+      UserError: `name` is not a device name.
+    """
+    try:
+        spec = tf.DeviceSpec.from_string(name)
+    except ValueError:
+        known = ", ".join(gpus() + cpus())
+        raise UserError(
+            f"`{option}` holds '{name}', which is not a device name; set it to one of: {known}."
+        ) from None
     if spec.job or spec.task is not None:
         return spec.to_string()
     return f"/device:{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"

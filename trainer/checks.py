@@ -6,6 +6,7 @@ the fix, so a mistake never reaches TensorFlow or `model_dir`.
 
 from __future__ import annotations
 
+import math
 import os
 
 import ml_collections
@@ -32,11 +33,12 @@ def _get(config: ml_collections.ConfigDict, dotted: str):
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
-    """Checks sizes and counts in `config`.
+    """Checks numbers, sizes and counts in `config`.
 
     Raises:
-      UserError: a value below its minimum.
+      UserError: a float that is not finite, or a value below its minimum.
     """
+    _check_finite(config)
     for field, minimum, meaning in _MINIMUMS:
         value = _get(config, field)
         if value < minimum:
@@ -49,6 +51,25 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             f"`train.steps` ({config.train.steps}) must be a positive integer; "
             "set e.g. `--config.train.steps=1000`, or `train.epochs`."
         )
+
+
+def _check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
+    """Every float of the config (in sections, tuples and lists too) must be finite.
+
+    A NaN or infinite rate, norm or timeout is always a typo (`1e400` parses as
+    inf) and would only show as a diverged run.
+    """
+    for key, value in config.items():
+        field = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            _check_finite(value, f"{field}.")
+            continue
+        items = value if isinstance(value, (tuple, list)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            raise UserError(
+                f"`{field}` ({value}) must be a finite number (a value beyond about 1.8e308 "
+                f"reads as inf); give e.g. the value in configs/default.py with `--config.{field}`."
+            )
 
 
 def check_batch(config: ml_collections.ConfigDict, strategy) -> None:
@@ -65,7 +86,15 @@ def check_batch(config: ml_collections.ConfigDict, strategy) -> None:
 
 
 def total_steps(config: ml_collections.ConfigDict, spec) -> int:
-    """`train.steps`, or `train.epochs` passes over the training data when set."""
+    """`train.steps`, or `train.epochs` passes over the training data when set.
+
+    Also checks that the global batches fit the data (see `check_batch_fits`), as
+    this is where the data's spec is first known.
+
+    Raises:
+      UserError: a batch that does not fit, or `train.epochs` for data of unknown size.
+    """
+    check_batch_fits(config, spec)
     if config.train.epochs == 0:
         return config.train.steps
     if not spec.train_size:
@@ -74,6 +103,41 @@ def total_steps(config: ml_collections.ConfigDict, spec) -> int:
             f"`{config.data.name}` has none; set `train.steps` and `train.epochs=0`."
         )
     return max(1, config.train.epochs * spec.train_size // config.train.global_batch_size)
+
+
+def check_batch_fits(config: ml_collections.ConfigDict, spec) -> None:
+    """A global batch must fit in the training split (when its size is known) and in memory.
+
+    Raises:
+      UserError: `train.global_batch_size` exceeds the training split, or a global
+        batch's inputs alone would take over a quarter of this machine's memory.
+    """
+    batch = config.train.global_batch_size
+    if spec.train_size and batch > spec.train_size:
+        raise UserError(
+            f"`train.global_batch_size` ({batch}) is larger than the training split of "
+            f"`{config.data.name}` ({spec.train_size} examples); use at most {spec.train_size}, "
+            f"e.g. `--config.train.global_batch_size={min(128, spec.train_size)}`."
+        )
+    memory = _memory_bytes()
+    for field in ("train.global_batch_size", "eval.global_batch_size"):
+        size = _get(config, field)
+        batch_bytes = size * math.prod(spec.input_shape) * 4  # float32 inputs
+        if memory and batch_bytes > memory // 4:
+            fits = max(1, memory // 4 // (math.prod(spec.input_shape) * 4))
+            raise UserError(
+                f"`{field}` ({size}) needs {batch_bytes / 2**30:.1f} GiB for one batch's "
+                f"inputs alone, over a quarter of this machine's {memory / 2**30:.1f} GiB; "
+                f"use a batch well under {fits}."
+            )
+
+
+def _memory_bytes() -> int:
+    """This machine's physical memory in bytes, or 0 where it is not known."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def check_model_dir(model_dir: str) -> None:
