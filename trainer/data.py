@@ -646,8 +646,8 @@ def _csv_line_error(path: str, line: int, text: tf.Tensor, columns: list[str]) -
         tf.io.decode_csv(text, record_defaults=[[0.0]] * len(columns))
         reason = "does not parse"
     except tf.errors.InvalidArgumentError as error:
-        reason = _gist(error)
-    field = re.match(r"Field (\d+) in record \d+ is not a valid float: (.*?)(?: \[Op:\w+\])?$", reason)
+        reason = re.sub(r" \[Op:\w+\]$", "", _gist(error))
+    field = re.match(r"Field (\d+) in record \d+ is not a valid float: (.*)$", reason)
     if field:
         index, value = int(field.group(1)), field.group(2)
         return (
@@ -660,7 +660,7 @@ def _csv_line_error(path: str, line: int, text: tf.Tensor, columns: list[str]) -
             f"CSV file '{path}' line {line} has {fields.group(2)} values, and the header "
             f"{fields.group(1)} columns; fix or remove that line."
         )
-    reason = re.sub(r" in record \d+| \[Op:\w+\]$", "", reason)
+    reason = re.sub(r" in record \d+", "", reason)
     return f"CSV file '{path}' line {line} does not parse ({reason}); fix or remove that line."
 
 
