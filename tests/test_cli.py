@@ -1,5 +1,6 @@
-"""`python -m trainer` end to end, in subprocesses, as a user runs it."""
+"""The command end to end: real runs in subprocesses, as a user runs it; bad input in-process."""
 
+import functools
 import hashlib
 import json
 import os
@@ -7,10 +8,11 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
+from absl import flags
 
 from strategies import devices
 from tests.helpers import run_cli, tiny_config
-from trainer import data
+from trainer import cli, data
 
 FAST = [
     "--config.train.steps=300",
@@ -136,11 +138,14 @@ def test_list_strategies(tmp_path):
     assert {"default", "one_device", "mirrored", "central_storage"} <= set(names)
 
 
+# Bad input, one case each: (arguments, what the one line on stderr says). They run
+# in-process (`_in_process`), through the same flag parsing and error handling as the
+# command; `WIRING` runs a few as real subprocesses to prove the command's own exits.
 BAD_INPUTS = [
     (["--strategy=mirorred"], "Unknown strategy `mirorred`; known strategies: central_storage"),
     (["--config.model.name=transformer"], "Unknown model `model.name` 'transformer'"),
     (["--config.data.name=imagenet"], "imagenet"),
-    (["--config.train.global_batch_size=129"], "must be divisible by the 2 replicas"),
+    (["--config.train.global_batch_size=129"], "must be divisible by the 4 replicas"),
     (["--config.train.steps=0"], "`train.steps` (0) must be a positive integer"),
     (["--config.train.global_batch_size=-4"], "`train.global_batch_size` (-4) must be >= 1"),
     (
@@ -154,6 +159,29 @@ BAD_INPUTS = [
     (["--config.optimizer.name=adagrad"], "Unknown `optimizer.name` 'adagrad'"),
     (["--config.optimizer.schedule=linear"], "Unknown `optimizer.schedule` 'linear'"),
     (["--config.optimizer.learning_rate=-1.0"], "`optimizer.learning_rate` (-1.0) must be"),
+    (["--config.optimizer.learning_rate=nan"], "`optimizer.learning_rate` (nan) must be finite"),
+    (["--config.optimizer.learning_rate=inf"], "`optimizer.learning_rate` (inf) must be finite"),
+    (["--config.optimizer.clip_global_norm=1e400"], "`optimizer.clip_global_norm` (inf) must"),
+    (
+        ["--config.train.global_batch_size=1000000000"],
+        "`train.global_batch_size` (1000000000) is larger than the training split of `digits` "
+        "(1437 examples)",
+    ),
+    (
+        [
+            "--config.data.name=synthetic",
+            "--config.data.synthetic.input_shape=(100000000,)",
+            "--config.train.global_batch_size=128",
+        ],
+        "`train.global_batch_size` (128) needs 47.7 GiB for one batch's inputs alone",
+    ),
+    (
+        ["--strategy=one_device", "--config.strategy.one_device.device=garbage!!"],
+        "`strategy.one_device.device` holds 'garbage!!', which is not a device name; set it to "
+        "one of: /device:CPU:0, /device:CPU:1",
+    ),
+    (["--model_dir="], "`--model_dir` is empty"),
+    (["stray"], "Unexpected argument 'stray'"),
     (["--config.devices.logical_cpus=-2"], "`devices.logical_cpus` (-2)"),
     (["--config.model.hidden_units=(16,)"], "holds checkpoint"),  # another model's checkpoint
     (
@@ -175,6 +203,14 @@ BAD_INPUTS = [
         "garbage.tfrecord",
     ),
 ]
+# One of each way the command ends in error: a flag that does not parse, a config
+# value refused before TensorFlow starts, a name refused after, a stray argument.
+WIRING = [
+    (["--config.train.steps=abc"], "`--config.train.steps` got 'abc'"),
+    (["--config.optimizer.learning_rate=nan"], "must be finite"),
+    (["--strategy=mirorred"], "Unknown strategy `mirorred`"),
+    (["stray"], "Unexpected argument 'stray'"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -194,28 +230,57 @@ def bad_files(tmp_path_factory):
     return files
 
 
+def _in_process(args: list[str], capsys) -> tuple[int, str, str]:
+    """Runs the command's flag parsing and main in this process, as `towerflow ARGS` would.
+
+    The test process has 4 logical CPUs (tests/conftest.py), so the config says so
+    (after `--config`, and unless the case sets the field).
+
+    Returns:
+      The exit code, stdout and stderr.
+    """
+    cpus = [] if any("logical_cpus" in a for a in args) else ["--config.devices.logical_cpus=4"]
+    argv = ["towerflow", *args, *cpus]
+    defined = cli.define_flags(flags.FlagValues(), argv)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        cli.guarded(functools.partial(cli.main, defined))(cli.parse_flags(defined, argv))
+    out, err = capsys.readouterr()
+    return exit.value.code, out, err
+
+
+def _assert_one_line(code: int, out: str, err: str, message: str) -> None:
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in err + out
+
+
 @pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
 def test_bad_input_is_one_line_and_leaves_model_dir_alone(
-    args, message, mirrored_run, bad_files, tmp_path
+    args, message, mirrored_run, bad_files, capsys
 ):
     model_dir, _ = mirrored_run
     before = _snapshot(model_dir)
     args = [a.format(files=bad_files) for a in args]
+    _assert_one_line(*_in_process([f"--model_dir={model_dir}", *args], capsys), message)
+    assert _snapshot(model_dir) == before
+
+
+@pytest.mark.parametrize("args,message", WIRING, ids=[" ".join(a) for a, _ in WIRING])
+def test_the_command_exits_2_with_one_line(args, message, mirrored_run, tmp_path):
+    model_dir, _ = mirrored_run
+    before = _snapshot(model_dir)
     result = run_cli(f"--model_dir={model_dir}", *args, cwd=str(tmp_path))
-    assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert message in lines[0]
-    assert "Traceback" not in result.stderr + result.stdout
+    _assert_one_line(result.returncode, result.stdout, result.stderr, message)
     assert _snapshot(model_dir) == before
 
 
 @pytest.mark.parametrize("make", ["file", "under_file"])
-def test_unusable_model_dir(make, tmp_path):
+def test_unusable_model_dir(make, tmp_path, capsys):
     blocker = tmp_path / "blocker"
     blocker.write_text("not a directory")
     model_dir = blocker if make == "file" else blocker / "run"
-    result = run_cli(f"--model_dir={model_dir}", cwd=str(tmp_path))
-    assert result.returncode == 2
-    assert "`--model_dir`" in result.stderr and "Traceback" not in result.stderr
+    _assert_one_line(*_in_process([f"--model_dir={model_dir}"], capsys), "`--model_dir`")
     assert blocker.read_text() == "not a directory"

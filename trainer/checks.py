@@ -67,7 +67,7 @@ def _check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
         items = value if isinstance(value, (tuple, list)) else [value]
         if any(isinstance(v, float) and not math.isfinite(v) for v in items):
             raise UserError(
-                f"`{field}` ({value}) must be a finite number (a value beyond about 1.8e308 "
+                f"`{field}` ({value}) must be finite (a value beyond about 1.8e308 "
                 f"reads as inf); give e.g. the value in configs/default.py with `--config.{field}`."
             )
 
