@@ -1,10 +1,16 @@
-"""Asynchronous checkpoints: written in the background, restored to the same values."""
+"""Checkpoints: written in the background, restored to the same values; a full disk."""
+
+import pathlib
+import re
+import subprocess
 
 import numpy as np
+import pytest
+import tensorflow as tf
 
-from tests.helpers import tiny_config
+from tests.helpers import run_cli, tiny_config
 from trainer import train
-from trainer.checkpoints import Checkpointer
+from trainer.checkpoints import NO_SPACE_EXIT_CODE, Checkpointer, NoSpace
 
 
 def _values(job) -> list[np.ndarray]:
@@ -34,3 +40,85 @@ def test_repeated_async_saves_each_hold_their_values(tmp_path):
     checkpointer.restore(saved[2])
     np.testing.assert_array_equal(kernel.numpy(), np.full(kernel.shape, 2.0, np.float32))
     checkpointer.close()
+
+
+# A full disk: one line, the last good checkpoint kept.
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB file system (tmpfs) to train into: a disk that fills up. Needs root, as CI has."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {mounted.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+DATA = "data-00000-of-00001"
+# About 1 MiB a checkpoint (model and Adam's slots): two or three fit in 3 MiB, not four.
+FILLS_UP = {"model.hidden_units": (256, 256), "train.steps": 40, "train.checkpoint_every": 10}
+
+
+def _committed_checkpoints_are_whole(directory: pathlib.Path) -> str:
+    """Checks the state file names only whole checkpoints and nothing else is left; the newest."""
+    state = tf.train.get_checkpoint_state(str(directory))
+    kept = [pathlib.Path(p).name for p in state.all_model_checkpoint_paths]
+    files = {p.name for p in directory.iterdir()}
+    whole = (
+        {"checkpoint"} | {f"{k}.index" for k in kept} | {f"{k}.data-00000-of-00001" for k in kept}
+    )
+    assert files == whole, "partial files of the failed write are removed"
+    return state.model_checkpoint_path
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_stops_with_one_line_and_keeps_the_last_good_checkpoint(small_disk, async_save):
+    model_dir = small_disk / "run"
+    config = tiny_config(**FILLS_UP, **{"train.async_checkpoint": async_save})
+    with pytest.raises(NoSpace) as full:
+        train.train_and_evaluate(config, str(model_dir))
+    message = str(full.value)
+    said = re.match(
+        rf"no space left in `model_dir` {model_dir} for checkpoint ckpt-(\d+): it needs about "
+        r"1\.\d MiB, \d+\.\d MiB free; the last good checkpoint (\S+ckpt-(\d+)) is kept\. ",
+        message,
+    )
+    assert said and "\n" not in message, message
+    failed, kept, kept_step = int(said[1]), said[2], int(said[3])
+    assert failed == kept_step + 10 and kept_step >= 10
+    assert _committed_checkpoints_are_whole(model_dir / "checkpoints") == kept
+    job = train.build(config, str(model_dir))
+    assert Checkpointer(str(model_dir), True, 3, **train._checkpointed(job)).restore() == kept
+    assert train._step(job) == kept_step
+
+
+def test_a_full_disk_under_the_command_line_is_one_line_and_exit_4(small_disk):
+    """Asynchronous saves (the default): the failure is the same line, no thread's traceback."""
+    result = run_cli(
+        "--strategy=one_device",
+        "--model_dir=run",
+        "--config.train.steps=40",
+        "--config.train.checkpoint_every=10",
+        "--config.train.steps_per_loop=5",
+        "--config.eval.every=0",
+        "--config.train.export=False",
+        cwd=str(small_disk),
+    )
+    assert result.returncode == NO_SPACE_EXIT_CODE, result.stderr[-3000:]
+    tf_log = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} )")
+    lines = [line for line in result.stderr.splitlines() if not tf_log.match(line)]
+    assert len(lines) == 1 and lines[0].startswith("error: no space left in `model_dir` run"), (
+        result.stderr[-3000:]
+    )
+    kept = re.search(r"the last good checkpoint (\S+) is kept", lines[0])[1]
+    newest = _committed_checkpoints_are_whole(small_disk / "run" / "checkpoints")
+    assert newest == str(small_disk / kept)

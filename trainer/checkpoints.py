@@ -84,6 +84,7 @@ class Checkpointer:
         self._saved: tuple[int | None, str] = (None, "")  # (step, path) of the last save
         self._pending: tuple[int, str] | None = None  # an asynchronous write not yet committed
         self.checkpoint = tf.train.Checkpoint(**objects)
+        self._save_counter = self.checkpoint.save_counter  # created now, so every write holds it
 
     @property
     def latest(self) -> str | None:
@@ -160,6 +161,7 @@ class Checkpointer:
             return self._saved[1]
         self.sync()
         prefix = os.path.join(self._write_dir, f"ckpt-{step}")
+        self._save_counter.assign_add(1)  # `write` does not count saves itself
         try:
             path = self.checkpoint.write(prefix, options=self._options)
         except Exception as e:
