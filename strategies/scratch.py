@@ -51,7 +51,7 @@ def remove_orphans(directory: str | None = None) -> list[str]:
 
 def _host() -> str:
     """This host's name, kept to characters that are safe in a file name."""
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
 
 
 def _alive(pid: int) -> bool:
