@@ -85,7 +85,7 @@ def _load_plugins() -> None:
             other = _REGISTRY.get(entry_point.name) or found[entry_point.name]
             raise UserError(
                 f"Strategy `{entry_point.name}` is claimed twice: by {_origin(entry_point)} "
-                f"and by {_origin(other)}; uninstall one of the two packages."
+                f"and by {_origin(other)}; uninstall one of them, or rename the entry point."
             )
         found[entry_point.name] = entry_point
     _REGISTRY.update(found)
