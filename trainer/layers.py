@@ -237,9 +237,9 @@ class Dropout(keras.layers.Layer):
     from a stateless RNG keyed by `(seed, step)`, and a replica keeps the rows
     at its offset in the global batch (`replica_id * per_replica_batch`), so
     example `i` of step `s` gets the same mask under one device or any number
-    of replicas. `step` counts this layer's training calls in a variable
-    (updated once per step, from the first replica) that checkpoints with the
-    model, so a resumed run goes on with the masks it would have drawn.
+    of replicas. `step` counts this layer's training calls in a variable that
+    checkpoints with the model, so a resumed run goes on with the masks it
+    would have drawn.
 
     Drawing the global batch's mask costs each replica the random numbers of
     the whole batch; dropout sits on small activations here, where that is cheap.
@@ -264,7 +264,11 @@ class Dropout(keras.layers.Layer):
             "zeros",
             dtype="int64",
             trainable=False,
-            aggregation="only_first_replica",  # every replica counts alike: one update
+            # Each replica advances its own copy by one a step, so the copies stay
+            # equal with no cross-replica exchange inside the step (which an
+            # XLA-compiled forward pass could not hold). Where the replicas share
+            # one copy (`central_storage`), the plugin keeps the first one's update.
+            aggregation="none",
             name="step",
         )
 
@@ -278,7 +282,11 @@ class Dropout(keras.layers.Layer):
         first = tf.cast(replica_id, tf.int32) * rows
         seed = tf.stack([tf.constant(self.seed, tf.int64), self.step.value])
         shape = tf.concat([[rows * replicas], tf.shape(inputs)[1:]], axis=0)
-        keep = tf.random.stateless_uniform(shape, seed)[first : first + rows] >= self.rate
+        # A fixed algorithm, as "auto_select" may pick another on another device.
+        # XLA (`train.jit_compile`) draws other numbers than TF's own kernel does,
+        # though as independent of the replicas.
+        uniform = tf.random.stateless_uniform(shape, seed, alg="philox")
+        keep = uniform[first : first + rows] >= self.rate
         self.step.assign_add(1)
         scale = tf.cast(1.0 / (1.0 - self.rate), inputs.dtype)
         return tf.where(keep, inputs * scale, tf.zeros_like(inputs))
