@@ -284,3 +284,11 @@ def test_unusable_model_dir(make, tmp_path, capsys):
     model_dir = blocker if make == "file" else blocker / "run"
     _assert_one_line(*_in_process([f"--model_dir={model_dir}"], capsys), "`--model_dir`")
     assert blocker.read_text() == "not a directory"
+
+
+def test_help_lists_the_commands_flags():
+    flag_values = flags.FlagValues()
+    cli.define_flags(flag_values)
+    text = flag_values.main_module_help()  # what `--help` prints for the program's own file
+    for name in ("--config", "--strategy", "--model_dir", "--mode", "--[no]list_strategies"):
+        assert name in text

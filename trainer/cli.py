@@ -64,7 +64,7 @@ def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -
       argv: the arguments that will be parsed (ml_collections finds the
         `--config.a.b` overrides there); None reads `sys.argv` when parsing.
     """
-    return Flags(
+    defined = Flags(
         values=flag_values,
         # No default: `resolve_config_arg` supplies configs/default.py, found from any
         # directory.
@@ -98,6 +98,11 @@ def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -
             "list_strategies", False, "List the strategies and exit.", flag_values=flag_values
         ),
     )
+    for field in dataclasses.fields(Flags)[1:]:
+        # `--help` lists the flags of the program's own file (`sys.argv[0]`: the
+        # `towerflow` script, or trainer/__main__.py), not those of this module.
+        flag_values.register_key_flag_for_module(sys.argv[0], flag_values[field.name])
+    return defined
 
 
 def parse_flags(defined: Flags, argv: list[str]) -> list[str]:
