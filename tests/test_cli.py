@@ -170,10 +170,10 @@ BAD_INPUTS = [
     (
         [
             "--config.data.name=synthetic",
-            "--config.data.synthetic.input_shape=(100000000,)",
+            "--config.data.synthetic.input_shape=(10000000000,)",
             "--config.train.global_batch_size=128",
         ],
-        "`train.global_batch_size` (128) needs 47.7 GiB for one batch's inputs alone",
+        "`train.global_batch_size` (128) needs 4768.4 GiB for one batch's inputs alone",
     ),
     (
         ["--strategy=one_device", "--config.strategy.one_device.device=garbage!!"],
