@@ -11,11 +11,20 @@ from tests.helpers import tiny_config
 from trainer import train
 
 
-def _weights_after_20_steps(strategy: str, tmp_path) -> list[np.ndarray]:
-    config = tiny_config(
-        **{"strategy.name": strategy, "train.global_batch_size": 32, "model.dropout": 0.1}
+def _config(strategy: str):
+    """The default model as shipped (two layers of 256, dropout 0.1), 20 steps."""
+    return tiny_config(
+        **{
+            "strategy.name": strategy,
+            "train.global_batch_size": 32,
+            "model.dropout": 0.1,
+            "model.hidden_units": (256, 256),
+        }
     )
-    job = train.build(config, str(tmp_path / strategy))
+
+
+def _weights_after_20_steps(strategy: str, tmp_path) -> list[np.ndarray]:
+    job = train.build(_config(strategy), str(tmp_path / strategy))
     train.run(job, "train")
     assert train._step(job) == 20
     return [w.numpy() for w in job.model.weights]
@@ -36,6 +45,6 @@ def test_same_weights_as_one_device(strategy, reference, tmp_path):
 
 
 def test_training_moves_the_weights(reference, tmp_path):
-    job = train.build(tiny_config(**{"strategy.name": "one_device"}), str(tmp_path))
+    job = train.build(_config("one_device"), str(tmp_path))
     initial = [w.numpy() for w in job.model.weights]
     assert max(np.abs(a - b).max() for a, b in zip(initial, reference)) > 1e-3
