@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import configs.ctr
+from strategies.errors import UserError
 from tests.helpers import tiny_config
 from trainer import models, steps, train
 
@@ -139,3 +140,19 @@ def keras_dropout(spec, config) -> keras.Model:
     x = keras.layers.Dense(32, activation="relu")(keras.layers.Flatten()(inputs))
     x = keras.layers.Dropout(0.2)(x)
     return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
+
+
+def sigmoid_mlp(spec, config) -> keras.Model:
+    """A user's builder ending in a sigmoid over every class: not a classifier's output."""
+    inputs = keras.Input(spec.input_shape)
+    x = keras.layers.Flatten()(inputs)
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes, activation="sigmoid")(x))
+
+
+def test_a_sigmoid_over_many_classes_is_refused_in_one_line(tmp_path):
+    config = tiny_config(**{"model.name": "tests.test_models:sigmoid_mlp"})
+    with pytest.raises(UserError) as info:
+        train.build(config, str(tmp_path / "run"))
+    message = str(info.value)
+    assert "sigmoid over 10 outputs" in message and "10 classes" in message
+    assert "\n" not in message and not (tmp_path / "run").exists()

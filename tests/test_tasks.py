@@ -53,3 +53,40 @@ def test_regression_metrics():
     out = tf.constant([[1.0], [3.0], [2.0]])
     sums = {k: float(v) for k, v in task.sums(y, out, task.per_example_loss(y, out)).items()}
     assert task.metrics(sums) == pytest.approx({"loss": 5 / 3, "mae": 1.0})
+
+
+def test_logits_softmax_and_sigmoid_outputs_give_the_same_sums():
+    """Two classes as logits [0, z], as their softmax, and as one sigmoid(z) unit."""
+    rng = np.random.RandomState(2)
+    labels = rng.randint(0, 2, 256)
+    z = rng.randn(256, 1).astype(np.float32) * 3
+    logits = tf.constant(np.concatenate([np.zeros_like(z), z], axis=1))
+    outputs = {
+        "logits": logits,
+        "probabilities": tf.nn.softmax(logits),
+        "sigmoid": tf.sigmoid(tf.constant(z)),
+    }
+    sums = {}
+    for kind, out in outputs.items():
+        task = tasks.for_spec(2, kind)
+        sums[kind] = {
+            k: v.numpy()
+            for k, v in task.sums(labels, out, task.per_example_loss(labels, out)).items()
+        }
+    for kind in ("probabilities", "sigmoid"):
+        for key, value in sums["logits"].items():
+            np.testing.assert_allclose(sums[kind][key], value, rtol=1e-4, atol=1e-3, err_msg=key)
+    assert sums["logits"]["loss"] > 10  # not a trivial comparison
+
+
+def test_weights_weigh_every_sum():
+    task = tasks.for_spec(3)
+    labels = tf.constant([0, 1, 2, 2])
+    outputs = tf.constant([[5.0, 0, 0], [5.0, 0, 0], [0, 0, 5.0], [0, 5.0, 0]])
+    per_example = task.per_example_loss(labels, outputs)
+    weights = tf.constant([2.0, 0.0, 1.0, 0.0])
+    sums = {k: float(v) for k, v in task.sums(labels, outputs, per_example, weights, 4).items()}
+    assert sums["examples"] == 4 and sums["weight"] == 3
+    assert sums["correct"] == 3  # the two wrong predictions weigh 0
+    assert task.metrics(sums)["accuracy"] == 1.0
+    assert sums["loss"] == pytest.approx(2 * float(per_example[0]) + float(per_example[2]))
