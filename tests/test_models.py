@@ -156,3 +156,32 @@ def test_a_sigmoid_over_many_classes_is_refused_in_one_line(tmp_path):
     message = str(info.value)
     assert "sigmoid over 10 outputs" in message and "10 classes" in message
     assert "\n" not in message and not (tmp_path / "run").exists()
+
+
+def mobilenet(spec, config) -> keras.Model:
+    """A Keras Applications model as a user's builder: ends in softmax, Rescaling inside."""
+    return keras.applications.MobileNetV3Small(
+        input_shape=spec.input_shape, weights=None, classes=spec.num_classes, minimalistic=True
+    )
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
+def test_a_keras_applications_model_evaluates_a_partial_last_batch(strategy, tmp_path):
+    def job(name: str):
+        config = tiny_config(
+            **{
+                "strategy.name": name,
+                "model.name": "tests.test_models:mobilenet",
+                "data.name": "synthetic",
+                "data.synthetic.num_examples": 1800,  # 360 held out: 256 + 104
+                "data.synthetic.input_shape": (32, 32, 3),
+            }
+        )
+        return train.build(config, str(tmp_path / name))
+
+    reference, distributed = job("one_device"), job(strategy)
+    assert models.output_kind(distributed.model) == "probabilities"
+    distributed.model.set_weights(reference.model.get_weights())
+    got, want = _eval(distributed), _eval(reference)
+    assert got["examples"] == want["examples"] == 360
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
