@@ -1,0 +1,106 @@
+"""The losses and metrics of a model the user `compile()`d, as towerflow computes them.
+
+A model builder may return a model already compiled with `loss=`,
+`loss_weights=` and `metrics=` (multi-output models and dict outputs
+included); towerflow then trains with those, as `model.fit` would, under any
+strategy. Two things differ from `fit`, both so that any number of replicas,
+workers and partial batches add up exactly:
+
+- The loss is Keras's own (`model.compute_loss`, with `model.losses`), scaled
+  from the replica's batch to the global batch, so summing the replicas'
+  gradients gives the gradient of the global batch's loss.
+- Metrics are kept as sums: each step computes how much it would add to each
+  metric's state (Keras's stateless metric API), the strategy sums those
+  additions over replicas and steps, and the result is read once per loop.
+  This is exact for every metric whose state is a sum (Keras's means, counts,
+  accuracies, AUC and the confusion-matrix metrics; not e.g. a running max).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+_STATE = "metric_state/"  # sums keys of the metrics' state additions
+
+
+def is_compiled(model: keras.Model) -> bool:
+    """Whether the user compiled `model` with a loss."""
+    return bool(getattr(model, "compiled", False)) and getattr(model, "loss", None) is not None
+
+
+class CompiledTask:
+    """The loss and metrics of `model.compile(...)`.
+
+    Args:
+      model: the compiled model, built (its variables exist).
+      features, labels: one small batch of real data; it builds the metrics'
+        state (their variables are only a template: nothing is ever assigned).
+    """
+
+    name = "compiled"
+
+    def __init__(self, model: keras.Model, features, labels):
+        self.model = model
+        outputs = model(features, training=False)
+        with _scope(model, []):  # creates the metrics' variables, assigns nothing
+            model.compute_loss(features, labels, outputs, training=False)
+            model.compute_metrics(features, labels, outputs)
+        self._state = list(model.metrics_variables)
+        self._zeros = [np.zeros(v.shape, v.dtype) for v in self._state]
+
+    def replica_loss(self, features, labels, outputs, weights):
+        """This replica's share of the global batch's loss, and the step's sums.
+
+        Keras's own share, as `fit` uses it: the mean over the replica's batch
+        (regularisers included) divided by the replicas in sync, so the
+        replicas' equal batches add up to the global batch's mean.
+        """
+        return self._stateless(features, labels, outputs, weights, training=True)
+
+    def sums(self, features, labels, outputs, weights, examples=None) -> dict:
+        """The eval step's sums (loss and metric state additions)."""
+        return self._stateless(features, labels, outputs, weights, examples, training=False)[1]
+
+    def _stateless(self, features, labels, outputs, weights, examples=None, training=True):
+        zeros = [tf.zeros(v.shape, v.dtype) for v in self._state]
+        with _scope(self.model, list(zip(self._state, zeros))) as scope:
+            mean = self.model.compute_loss(
+                features, labels, outputs, sample_weight=weights, training=training
+            )
+            self.model.compute_metrics(features, labels, outputs, sample_weight=weights)
+        # Keras divides the weighted sum by the rows (padding too) and by the replicas.
+        rows = tf.cast(tf.size(weights), tf.float32)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        sums = {
+            "loss": tf.cast(mean, tf.float32) * rows * replicas,
+            "examples": tf.cast(rows if examples is None else examples, tf.float32),
+        }
+        for i, (variable, zero) in enumerate(zip(self._state, zeros)):
+            value = scope.get_current_value(variable)
+            sums[f"{_STATE}{i}"] = zero if value is None else value
+        return mean, sums
+
+    def metrics(self, sums: dict) -> dict[str, float]:
+        """Keras's metric results from the summed state; `loss` per example."""
+        state = [
+            tf.constant(np.asarray(sums[f"{_STATE}{i}"]), v.dtype)
+            for i, v in enumerate(self._state)
+        ]
+        with keras.StatelessScope(state_mapping=list(zip(self._state, state))):
+            results = self.model.get_metrics_result()
+        metrics = {name: float(value) for name, value in results.items() if np.ndim(value) == 0}
+        metrics["loss"] = float(sums["loss"]) / max(float(sums.get("examples", 0.0)), 1.0)
+        return metrics
+
+
+def _scope(model: keras.Model, mapping: list) -> keras.StatelessScope:
+    """A stateless scope in which the model's variables read as they are.
+
+    Keras reads a variable that a stateless scope does not map as missing
+    (regularisers fail), so every model variable maps to its current value;
+    read inside a gradient tape, that value is still differentiable.
+    """
+    own = [(v, tf.convert_to_tensor(v.value)) for v in model.variables]
+    return keras.StatelessScope(state_mapping=own + mapping)
