@@ -31,6 +31,7 @@ def test_async_training_checkpoint_restores_the_same_values(tmp_path):
 def test_repeated_async_saves_each_hold_their_values(tmp_path):
     job = train.build(tiny_config(), str(tmp_path))
     checkpointer = Checkpointer(str(tmp_path), True, 5, async_save=True, **train._checkpointed(job))
+    assert checkpointer.asynchronous, "this process holds every variable"
     kernel = job.model.trainable_variables[0]
     saved = {}
     for step in (1, 2, 3):

@@ -1,6 +1,8 @@
 """`parameter_server`: real clusters of processes on 127.0.0.1, and the pieces they rest on."""
 
+import contextlib
 import json
+import os
 import pathlib
 import re
 import signal
@@ -17,7 +19,7 @@ import configs.default
 import strategies
 from strategies import cluster
 from strategies.errors import UserError
-from tests.helpers import launch, launch_and_signal, run_cli
+from tests.helpers import launch, launch_and_signal, run_cli, start_cli
 from trainer import data
 from trainer.layers import ShardedEmbedding
 
@@ -114,10 +116,8 @@ def test_ctr_shards_the_table_over_both_ps_and_learns(tmp_path):
     }
     assert "fixed partitioner" in results["placement"]["communication"]
     metrics = results["eval"]
-    if "auc" in metrics:
-        assert metrics["auc"] >= 0.65
-    else:  # clicks are about a third of the examples
-        assert metrics["accuracy"] >= 0.7
+    assert metrics["auc"] >= 0.7, metrics  # a 2-class task reports AUC
+    assert metrics["accuracy"] >= 0.69, metrics  # above the ~0.67 of always "no click"
 
 
 def test_without_tf_config_it_is_one_line_and_exit_2(tmp_path):
@@ -261,14 +261,19 @@ def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path):
 
 
 def test_a_lost_ps_is_named_by_the_chief_and_the_cluster_restarts_from_its_checkpoint(tmp_path):
-    """SIGKILL a ps mid-run: the chief says which, and `--restarts` resumes the whole job."""
+    """SIGKILL a ps 20 steps after an asynchronous checkpoint started: it is not lost.
+
+    The chief says which task it lost, and `--restarts` resumes the whole job
+    from a checkpoint at most `checkpoint_every` steps back.
+    """
     output = _signalled_cluster(
         tmp_path,
         ["--workers=1", "--ps=2", "--restarts=1"],
         ("ps", 1),
-        "[chief] train | step: 120/",
+        "[chief] train | step: 140/",
         "--config.train.steps=200",
         "--config.train.checkpoint_every=40",
+        "--config.train.async_checkpoint=True",
         "--config.train.export=False",
     )
     lost = re.search(
@@ -279,5 +284,71 @@ def test_a_lost_ps_is_named_by_the_chief_and_the_cluster_restarts_from_its_check
     assert lost, output[-3000:]
     assert "[launch] restarting cluster (attempt 2 of 2)" in output
     step = int(lost.group(1))
-    assert step >= 40 and f"ckpt-{step} at step {step}" in output
+    assert step >= 140 - 40 and f"ckpt-{step} at step {step}" in output, output[-3000:]
     assert json.loads((tmp_path / "run" / "results.json").read_text())["step"] == 200
+
+
+def _kill_left_over(marker: str) -> None:
+    """SIGKILLs live processes whose command line mentions `marker` (a test's own directory)."""
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            command = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if marker in command:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(proc.name), signal.SIGKILL)
+
+
+def test_sigterm_to_the_launcher_saves_the_step_reached_and_a_rerun_resumes_there(tmp_path):
+    """The chief's final save needs the ps and workers: the launcher stops them after it."""
+    model_dir = tmp_path / "run"
+    trainer_flags = [
+        "--strategy=parameter_server",
+        f"--model_dir={model_dir}",
+        "--config.train.steps_per_loop=20",
+        "--config.train.checkpoint_every=0",  # the save on SIGTERM is the only one after step 0
+        "--config.eval.every=0",
+        "--config.train.export=False",
+    ]
+    proc = start_cli(
+        "--workers=2",
+        "--ps=1",
+        "--",
+        *trainer_flags,
+        "--config.train.steps=100000",
+        cwd=tmp_path,
+        module="trainer.launch",
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[chief] train | step: 100/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines += proc.stdout.readlines()
+        code = proc.wait(timeout=CLUSTER_TIMEOUT_S)
+    finally:
+        proc.kill()
+        proc.wait()
+        _kill_left_over(str(model_dir))
+    output = "".join(lines)
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    saved = re.search(r"\[chief\] preempted \(SIGTERM\) at step (\d+)", output)
+    assert saved, output[-3000:]
+    step = int(saved.group(1))
+    assert step >= 100
+    assert tf.train.latest_checkpoint(str(model_dir / "checkpoints")).endswith(f"ckpt-{step}")
+    resumed = launch(
+        "--workers=2",
+        "--ps=1",
+        "--",
+        *trainer_flags,
+        f"--config.train.steps={step + 20}",
+        cwd=str(tmp_path),
+        timeout=CLUSTER_TIMEOUT_S,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"ckpt-{step} at step {step}" in resumed.stdout, "no step lost"
+    assert json.loads((model_dir / "results.json").read_text())["step"] == step + 20

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import math
 import os
+import re
 import shutil
 import sys
 
@@ -37,6 +38,7 @@ NO_SPACE_EXIT_CODE = 4  # `python -m trainer`'s exit status when a checkpoint do
 _STATE_FILE = "checkpoint"  # the name TensorFlow's `latest_checkpoint` reads
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
+_TASK = re.compile(r"/job:[^/]+/replica:\d+/task:\d+")
 
 
 class NoSpace(Exception):
@@ -75,6 +77,12 @@ class Checkpointer:
         }
         self._bytes = _total_bytes([*variables, *objects.values()])
         objects["variables"] = list(variables)
+        self.checkpoint = tf.train.Checkpoint(**objects)
+        self._save_counter = self.checkpoint.save_counter  # created now, so every write holds it
+        # TF's background write reads a copy made on each variable's own task: with
+        # variables on other tasks (parameter servers), a checkpoint in flight would
+        # die with them, so it is written before `save` returns.
+        async_save = async_save and _all_on_task(variables, self._save_counter.device)
         self._options = tf.train.CheckpointOptions(enable_async=async_save)
         if async_save:
             _let_keras_variables_save_asynchronously()
@@ -83,8 +91,11 @@ class Checkpointer:
         self._write_dir = self._temp_dir or self.directory
         self._saved: tuple[int | None, str] = (None, "")  # (step, path) of the last save
         self._pending: tuple[int, str] | None = None  # an asynchronous write not yet committed
-        self.checkpoint = tf.train.Checkpoint(**objects)
-        self._save_counter = self.checkpoint.save_counter  # created now, so every write holds it
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether saves are written in the background (asked for, and every variable is local)."""
+        return self._options.enable_async
 
     @property
     def latest(self) -> str | None:
@@ -229,6 +240,17 @@ class Checkpointer:
             f"needs about {self._bytes / 2**20:.1f} MiB{free}; {kept}. Free some space (or "
             "pass another `--model_dir`) and run again to resume."
         )
+
+
+def _all_on_task(variables: list, local_device: str) -> bool:
+    """Whether every variable lives on the task of `local_device` (or names no task)."""
+    here = _TASK.match(local_device)
+    for variable in variables:
+        device = getattr(getattr(variable, "value", variable), "device", "") or ""
+        there = _TASK.match(device)
+        if there and (not here or there[0] != here[0]):
+            return False
+    return True
 
 
 def _is_no_space(error: BaseException) -> bool:
