@@ -5,11 +5,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import configs.ctr
 import strategies
 from strategies import sharding
 from strategies.errors import UserError
-from tests.helpers import tiny_config
+from tests.test_models import tiny_ctr_config
 from trainer import train
 from trainer.export import export
 from trainer.layers import Dropout, ShardedDense, ShardedEmbedding
@@ -167,13 +166,7 @@ def test_bad_policies_are_user_errors(options, expected):
 
 
 def test_ctr_model_trains_under_mirrored_as_one_table(tmp_path):
-    config = tiny_config(**{"strategy.name": "mirrored", "train.global_batch_size": 32})
-    ctr = configs.ctr.get_config()
-    config.data, config.model = ctr.data, ctr.model
-    config.data.ctr.num_examples = 2000
-    config.data.ctr.ids_per_field = 100
-    config.data.ctr.vocab_size = 1000  # the model's table follows it
-    config.model.hidden_units = (16,)
+    config = tiny_ctr_config(**{"strategy.name": "mirrored", "train.global_batch_size": 32})
     results = train.train_and_evaluate(config, str(tmp_path))
     placement = results["placement"]["variables"]
     assert [name for name in placement if "embeddings" in name] == ["embedding/embeddings_0"]

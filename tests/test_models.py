@@ -23,7 +23,8 @@ def _image_config(**overrides):
     )
 
 
-def _ctr_config(**overrides):
+def tiny_ctr_config(**overrides):
+    """configs/ctr.py's data and model, made small; `overrides` as for `tiny_config`."""
     config = tiny_config(**overrides)
     ctr = configs.ctr.get_config()
     config.data, config.model = ctr.data, ctr.model
@@ -31,14 +32,16 @@ def _ctr_config(**overrides):
     config.data.ctr.ids_per_field = 100
     config.data.ctr.vocab_size = 1000  # the model's table follows it
     config.model.hidden_units = (16,)
-    config.model.dropout = 0.1
     return config
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "resnet", "ctr"])
 def test_every_builtin_model_trains_and_evaluates(name, tmp_path):
     overrides = {"strategy.name": "default", "train.steps": 10, "model.name": name}
-    config = _ctr_config(**overrides) if name == "ctr" else _image_config(**overrides)
+    if name == "ctr":
+        config = tiny_ctr_config(**overrides, **{"model.dropout": 0.1})
+    else:
+        config = _image_config(**overrides)
     results = train.train_and_evaluate(config, str(tmp_path))
     assert results["step"] == 10
     assert np.isfinite(results["train"]["loss"]) and np.isfinite(results["eval"]["loss"])

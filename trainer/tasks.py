@@ -24,7 +24,37 @@ OUTPUT_KINDS = ("logits", "probabilities", "sigmoid")  # see `models.output_kind
 _EPSILON = 1e-7  # probabilities are clipped to [eps, 1] before the log, as Keras does
 
 
-class Classification:
+class _Task:
+    """What every task shares: weighted sums of the loss, the weight and the examples."""
+
+    def sums(
+        self,
+        labels: tf.Tensor,
+        outputs: tf.Tensor,
+        per_example_loss: tf.Tensor,
+        weights: tf.Tensor | None = None,
+        examples: tf.Tensor | None = None,
+    ) -> dict:
+        """Weighted sums of one batch; `weights` default to 1, `examples` to the batch size."""
+        per_example_loss = tf.cast(per_example_loss, tf.float32)
+        if weights is None:
+            weights = tf.ones_like(per_example_loss)
+        weights = tf.cast(weights, tf.float32)
+        if examples is None:
+            examples = tf.size(per_example_loss)
+        return {
+            "loss": tf.reduce_sum(weights * per_example_loss),
+            "weight": tf.reduce_sum(weights),
+            "examples": tf.cast(examples, tf.float32),
+            **self._metric_sums(labels, outputs, per_example_loss, weights),
+        }
+
+    def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
+        """The task's own weighted sums, besides loss, weight and examples."""
+        raise NotImplementedError
+
+
+class Classification(_Task):
     """Cross-entropy on logits or probabilities; accuracy, and AUC for two classes.
 
     Args:
@@ -60,20 +90,12 @@ class Classification:
         chosen = tf.gather(self.probabilities(outputs), labels, axis=-1, batch_dims=1)
         return -tf.math.log(tf.clip_by_value(chosen, _EPSILON, 1.0))
 
-    def sums(
-        self,
-        labels: tf.Tensor,
-        outputs: tf.Tensor,
-        per_example_loss: tf.Tensor,
-        weights: tf.Tensor | None = None,
-        examples: tf.Tensor | None = None,
-    ) -> dict:
-        """Weighted sums of one batch; `weights` default to 1, `examples` to the batch size."""
+    def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
         labels = tf.cast(labels, tf.int32)
-        weights, sums = _weighted(per_example_loss, weights, examples)
         probabilities = self.probabilities(outputs)
         predicted = tf.argmax(probabilities, axis=-1, output_type=tf.int32)
-        sums["correct"] = tf.reduce_sum(weights * tf.cast(tf.equal(predicted, labels), tf.float32))
+        correct = tf.cast(tf.equal(predicted, labels), tf.float32)
+        sums = {"correct": tf.reduce_sum(weights * correct)}
         if self.num_classes == 2:
             sums.update(_score_histograms(labels, probabilities, weights))
         return sums
@@ -87,7 +109,7 @@ class Classification:
         return metrics
 
 
-class Regression:
+class Regression(_Task):
     """Mean squared error; mean absolute error."""
 
     name = "regression"
@@ -98,18 +120,8 @@ class Regression:
         error = tf.squeeze(tf.cast(outputs, tf.float32), -1) - tf.cast(labels, tf.float32)
         return tf.square(error)
 
-    def sums(
-        self,
-        labels: tf.Tensor,
-        outputs: tf.Tensor,
-        per_example_loss: tf.Tensor,
-        weights: tf.Tensor | None = None,
-        examples: tf.Tensor | None = None,
-    ) -> dict:
-        """Weighted sums of one batch; `weights` default to 1, `examples` to the batch size."""
-        weights, sums = _weighted(per_example_loss, weights, examples)
-        sums["abs_error"] = tf.reduce_sum(weights * tf.sqrt(per_example_loss))
-        return sums
+    def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
+        return {"abs_error": tf.reduce_sum(weights * tf.sqrt(per_example_loss))}
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """Means over the weighted examples."""
@@ -123,21 +135,6 @@ def for_spec(num_classes: int, outputs: str = "logits") -> Classification | Regr
     `outputs` is what a classification model outputs (see `OUTPUT_KINDS`).
     """
     return Classification(num_classes, outputs) if num_classes > 0 else Regression()
-
-
-def _weighted(per_example_loss: tf.Tensor, weights, examples) -> tuple[tf.Tensor, dict]:
-    """The weights (1 where none are given) and the sums every task has."""
-    per_example_loss = tf.cast(per_example_loss, tf.float32)
-    if weights is None:
-        weights = tf.ones_like(per_example_loss)
-    weights = tf.cast(weights, tf.float32)
-    if examples is None:
-        examples = tf.size(per_example_loss)
-    return weights, {
-        "loss": tf.reduce_sum(weights * per_example_loss),
-        "weight": tf.reduce_sum(weights),
-        "examples": tf.cast(examples, tf.float32),
-    }
 
 
 def _total_weight(sums: dict) -> float:
