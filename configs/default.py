@@ -31,7 +31,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategy.multi_worker = ml_collections.ConfigDict()
     c.strategy.multi_worker.implementation = "auto"  # collectives: auto | ring | nccl
     c.strategy.multi_worker.bytes_per_pack = 0  # pack gradients into chunks of this size (0 = off)
-    c.strategy.multi_worker.timeout_seconds = 300.0  # a collective waiting longer is an error
+    # A collective waiting longer is an error; 0 = none (a dead or hung peer is still named
+    # within about 15-40 s by heartbeats and the watchdog). Any timeout costs one sleeping
+    # thread per collective op for its whole length: keep it 0 unless you need one.
+    c.strategy.multi_worker.timeout_seconds = 0.0
+    # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
+    c.strategy.multi_worker.startup_timeout_seconds = 120.0
     c.strategy.parameter_server = ml_collections.ConfigDict()
     # How big variables of `trainer.layers` are split over the ps tasks:
     # none (whole variables, round-robin) | fixed | min_size | max_size.
@@ -39,6 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategy.parameter_server.num_shards = 2  # fixed: shards per big variable
     c.strategy.parameter_server.min_shard_bytes = 256 << 10  # min_size: bytes (<= 1 shard per ps)
     c.strategy.parameter_server.max_shard_bytes = 64 << 20  # max_size: largest shard in bytes
+    # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
+    c.strategy.parameter_server.startup_timeout_seconds = 120.0
 
     c.devices = ml_collections.ConfigDict()
     c.devices.logical_cpus = 2  # split the host CPU into N logical devices (0 = leave as is)
@@ -108,6 +115,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.loss_upper_bound = 0.0  # a loop loss above this counts as a blow-up (0 = none)
     c.train.max_recoveries = 3  # blow-ups recovered from the last good checkpoint, then stop
     c.train.deterministic = False  # deterministic ops: a restarted run ends bit-identical
+    # Your own loop actions, "module.path:function" (comma-separated): each function takes
+    # the config and returns a callable on each block's output (see trainer/controller.py).
+    c.train.actions = ""
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 500  # steps between evaluations (and one at the end); 0 = end only

@@ -9,8 +9,10 @@ JSON object that lists the whole cluster and names the task itself:
 
 Kubernetes TFJob sets it, `python -m trainer.launch` writes it for local
 clusters, and `parse` turns it into a `ClusterSpec` or a one-line `UserError`
-that says what is wrong and how to fix it. `wait_until_gone` lets a server
-task (a ps, or a worker of a parameter-server cluster) see the chief end.
+that says what is wrong and how to fix it. `start_up` waits, boundedly and
+saying for whom, until the other tasks answer; `ClusterSpec.unreachable`
+names the tasks whose server no longer replies; `wait_until_gone` lets a
+server task (a ps, or a worker of a parameter-server cluster) see the chief end.
 
 Glossary (TensorFlow's):
 
@@ -28,21 +30,38 @@ This module does not import TensorFlow.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
+import signal
 import socket
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
-from strategies.errors import UserError
+from strategies.errors import TaskLost, UserError
+from strategies.preemption import Preempted
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 DEFAULT_RPC_LAYER = "grpc"
 _EXAMPLE = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
 _EXAMPLE_TASK = '"task": {"type": "worker", "index": 0}'
 _MISSING = object()
+STARTUP_TIMEOUT_S = 120.0  # default wait for the other tasks of a cluster to come up
+PROBE_S = 3.0  # how long a live task's server may take to reply to a probe
+PROXY_VARIABLES = (
+    "grpc_proxy",
+    "https_proxy",
+    "http_proxy",
+    "GRPC_PROXY",
+    "HTTPS_PROXY",
+    "HTTP_PROXY",
+)
+# The client's opening of an HTTP/2 connection: the preface and an empty SETTINGS frame.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,22 +122,28 @@ class ClusterSpec:
         """
         return {job: list(addresses) for job, addresses in self.jobs.items() if job != "evaluator"}
 
-    def unreachable(self, timeout_s: float = 1.0) -> list[str]:
-        """The other tasks of the training cluster that accept no connection now.
+    def peers(self) -> list[tuple[str, str]]:
+        """The other tasks of the training cluster, as ("worker:1", "host:port") pairs."""
+        return [
+            (job if job == "chief" else f"{job}:{index}", address)
+            for job, addresses in self.as_dict().items()
+            for index, address in enumerate(addresses)
+            if (job, index) != (self.task_type, self.task_index)
+        ]
 
-        Each as "worker:1 (host:port)". A task whose process is gone refuses at
-        once; one on a lost host takes `timeout_s` to give up on.
+    def unreachable(self, timeout_s: float = PROBE_S) -> list[str]:
+        """The other tasks of the training cluster whose server does not answer now.
+
+        Each as "worker:1 (host:port)". A task answers when its gRPC server
+        replies to the opening of an HTTP/2 connection within `timeout_s`: a
+        process that is gone refuses at once, and one that is hung (stopped,
+        or its host lost) accepts the connection but never replies.
         """
-        lost = []
-        for job, addresses in self.as_dict().items():
-            for index, address in enumerate(addresses):
-                if (job, index) == (self.task_type, self.task_index):
-                    continue
-                host, _, port = address.rpartition(":")
-                if not _answers(host, int(port), timeout_s):
-                    name = job if job == "chief" else f"{job}:{index}"
-                    lost.append(f"{name} ({address})")
-        return lost
+        return [
+            f"{name} ({address})"
+            for name, address in self.peers()
+            if not _serves(address, timeout_s)
+        ]
 
 
 def parse(text: str | None) -> ClusterSpec | None:
@@ -195,6 +220,180 @@ def wait_until_gone(
         time.sleep(interval_s)
         failed = 0 if _answers(host, int(port), interval_s) else failed + 1
     return True
+
+
+def start_up(
+    spec: ClusterSpec,
+    timeout_s: float,
+    setting: str,
+    report: Callable[[str], None] = print,
+    interval_s: float = 1.0,
+) -> None:
+    """Prepares this task to join `spec` and waits until the other tasks answer.
+
+    Call it before TensorFlow starts its server: TensorFlow's own wait for
+    the cluster lasts an hour, prints nothing and cannot be interrupted.
+    Here, cluster traffic is kept off proxies (`keep_off_proxies`), each task
+    missing is named once ("waiting for worker:1 at host1:2222"), SIGTERM
+    stops the wait at once (exit 143), and after `timeout_s` seconds the
+    first task still missing is named in a `TaskLost` with what to check.
+    Meanwhile this task's own port is held open, so that its peers, waiting
+    the same way, see it before its server starts.
+
+    Args:
+      spec: the cluster, naming this task.
+      timeout_s: how long to wait for the others, in seconds (> 0).
+      setting: the config field that sets `timeout_s`, named in the error.
+      report: prints one line for the user.
+      interval_s: seconds between tries.
+
+    Raises:
+      UserError: `timeout_s` is not a positive number, or this task's port is taken.
+      TaskLost: a task did not answer within `timeout_s`.
+      Preempted: SIGTERM arrived while waiting.
+    """
+    if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise UserError(
+            f"`{setting}` ({timeout_s}) must be a positive number of seconds; e.g. 120."
+        )
+    warning = keep_off_proxies(spec)
+    if warning:
+        report(warning)
+    deadline = time.monotonic() + timeout_s
+    with _own_port_held(spec), _sigterm_stops_start_up(report):
+        missing = dict(spec.peers())
+        said: set[str] = set()
+        while missing:
+            for name, address in list(missing.items()):
+                problem = _connect_problem(address, interval_s)
+                if problem is None:
+                    del missing[name]
+                elif name not in said:
+                    said.add(name)
+                    report(f"waiting for {name} at {address}{problem}")
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                name, address = next(iter(missing.items()))
+                host = address.rpartition(":")[0]
+                raise TaskLost(
+                    f"{name} at {address} did not answer within {timeout_s:g} s; check that it "
+                    f"runs with the same `TF_CONFIG` cluster, that `{host}` resolves here (DNS) "
+                    f"to its machine, that its port is open to this host, and that no "
+                    f"`http_proxy`/`grpc_proxy` applies; `{setting}` sets this wait."
+                )
+            time.sleep(interval_s)
+
+
+def keep_off_proxies(
+    spec: ClusterSpec, environ: MutableMapping[str, str] = os.environ
+) -> str | None:
+    """Keeps the cluster's traffic off any proxy the environment names; a warning if there is one.
+
+    gRPC sends connections through `grpc_proxy`, `https_proxy` or `http_proxy`
+    when one is set, and a proxy seldom reaches the cluster's ports. The
+    cluster's hosts are added to `no_grpc_proxy` and `no_proxy` (in
+    `environ`, before gRPC starts), which gRPC honours.
+
+    Returns:
+      One line naming the proxy variables set, or None when none is.
+    """
+    proxies = [name for name in PROXY_VARIABLES if environ.get(name)]
+    if not proxies:
+        return None
+    hosts = sorted(
+        {
+            address.rpartition(":")[0]
+            for addresses in spec.as_dict().values()
+            for address in addresses
+        }
+    )
+    for name in ("no_grpc_proxy", "no_proxy"):
+        present = [h for h in environ.get(name, "").split(",") if h.strip()]
+        environ[name] = ",".join(present + [h for h in hosts if h not in present])
+    return (
+        f"warning: {', '.join(f'`{name}`' for name in proxies)} set; the cluster's hosts "
+        f"({', '.join(hosts)}) were added to `no_proxy` and `no_grpc_proxy`, so its traffic "
+        "goes direct."
+    )
+
+
+@contextlib.contextmanager
+def _own_port_held(spec: ClusterSpec) -> Iterator[None]:
+    """Listens on this task's port while it waits, so waiting peers see it.
+
+    Connections are never accepted: closing the socket resets them, leaving
+    nothing behind that would stop TensorFlow's server binding the port next.
+    """
+    if spec.address is None:  # an evaluator outside `cluster` has no port
+        yield
+        return
+    port = int(spec.address.rpartition(":")[2])
+    dualstack = socket.has_dualstack_ipv6()  # TensorFlow's server listens on every address too
+    try:
+        listener = socket.create_server(
+            ("", port),
+            family=socket.AF_INET6 if dualstack else socket.AF_INET,
+            backlog=64,
+            dualstack_ipv6=dualstack,
+        )
+    except OSError as e:
+        name = (
+            spec.task_type if spec.task_type == "chief" else f"{spec.task_type}:{spec.task_index}"
+        )
+        raise UserError(
+            f"`TF_CONFIG` gives this task ({name}) the address {spec.address}, but port {port} "
+            f"cannot be used here ({e.strerror}); stop what holds it, or give the task a free port."
+        ) from None
+    try:
+        yield
+    finally:
+        listener.close()
+
+
+@contextlib.contextmanager
+def _sigterm_stops_start_up(report: Callable[[str], None]) -> Iterator[None]:
+    """SIGTERM while waiting: one line, then `Preempted` (exit 143); there is nothing to save."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        report("SIGTERM while waiting for the cluster to start: stopping (nothing to save yet)")
+        raise Preempted("SIGTERM during start-up")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _connect_problem(address: str, timeout_s: float) -> str | None:
+    """None when `address` accepts a TCP connection; else what the user is told while waiting."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return f" (`{host}` does not resolve here: check its name and DNS)"
+    return None if _answers(host, int(port), timeout_s) else ""
+
+
+def _serves(address: str, timeout_s: float) -> bool:
+    """Whether a gRPC (HTTP/2) server at `address` replies within `timeout_s`.
+
+    An HTTP/2 server sends its SETTINGS frame as soon as a client opens the
+    connection; the kernel alone, accepting for a stopped process, sends nothing.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as connection:
+            connection.sendall(_HTTP2_PREFACE)
+            connection.settimeout(max(0.01, deadline - time.monotonic()))
+            return bool(connection.recv(9))
+    except OSError:
+        return False
 
 
 def _answers(host: str, port: int, timeout_s: float) -> bool:

@@ -1,14 +1,20 @@
 """`multi_worker`: synchronous all-reduce across worker processes (between-graph replication).
 
 Workers step together, so they also stop together: SIGTERM to any of them
-makes all save at one agreed step (`preemption.CoordinatedWatch`), and a
-worker that dies fails its peers' next collective within
-`timeout_seconds` (TensorFlow's coordination service usually notices sooner).
+makes all save at one agreed step (`preemption.CoordinatedWatch`). A worker
+that dies or hangs is found by TensorFlow's coordination service (its
+heartbeats name a dead peer in about 11 s) and by the loop's watchdog, and
+its peers stop naming it. A collective has no timeout of its own by default
+(`timeout_seconds = 0`): TensorFlow keeps one sleeping thread per collective
+op for the whole timeout, which grows the thread count with the step rate.
+Before the TensorFlow strategy starts, every task waits (boundedly, saying
+for whom) until the other tasks of `TF_CONFIG` answer (`cluster.start_up`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import tensorflow as tf
 
@@ -38,14 +44,21 @@ class MultiWorker(Strategy):
                 f"`TF_CONFIG` lists {self.cluster.num_ps} ps tasks, which `multi_worker` does "
                 "not use; use `--strategy=parameter_server`, or drop the ps job."
             )
+        options = self._communication_options()  # checked first: a bad option fails at once
+        if self.cluster:
+            cluster_lib.start_up(
+                self.cluster,
+                self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S),
+                "strategy.multi_worker.startup_timeout_seconds",
+            )
         return tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=self._resolver(), communication_options=self._communication_options()
+            cluster_resolver=self._resolver(), communication_options=options
         )
 
     def _resolver(self):
         """The training cluster without the evaluator, which is not part of the collective."""
-        if not self.cluster:
-            return None
+        if not self.cluster:  # one local worker; TensorFlow's own reading would fail on a blank one
+            return tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(self.cluster.as_dict()),
             task_type=self.cluster.task_type,
@@ -60,15 +73,19 @@ class MultiWorker(Strategy):
                 f"Unknown `strategy.multi_worker.implementation` '{name}'; "
                 f"known: {', '.join(IMPLEMENTATIONS)}."
             )
-        timeout = self.options.get("timeout_seconds", 300.0)
-        if not timeout or timeout <= 0:
+        timeout = self.options.get("timeout_seconds", 0.0)
+        if not math.isfinite(timeout) or timeout < 0:
             raise UserError(
-                f"`strategy.multi_worker.timeout_seconds` ({timeout}) must be positive: "
-                "a dead peer must become an error, not a hang."
+                f"`strategy.multi_worker.timeout_seconds` ({timeout}) must be a finite number "
+                "of seconds >= 0; use 0 (no per-collective timeout, the default) or e.g. 600."
             )
+        # TensorFlow starts one detached thread per collective op that sleeps for
+        # the whole timeout: any timeout makes the thread count grow with the step
+        # rate. Without one, a dead or hung peer is still found by the coordination
+        # service's heartbeats and the loop's watchdog.
         return tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=self.options.get("bytes_per_pack", 0),
-            timeout_seconds=float(timeout),
+            timeout_seconds=float(timeout) or None,
             implementation=IMPLEMENTATIONS[name],
         )
 
@@ -108,5 +125,9 @@ class MultiWorker(Strategy):
         return (
             f"gradients all-reduced across {self.num_replicas_in_sync} replicas in "
             f"{workers} worker process(es) each step ({self.options.get('implementation', 'auto')}"
-            f" collectives, timeout {self.options.get('timeout_seconds', 300.0):g} s)"
+            f" collectives, {self._timeout_text()})"
         )
+
+    def _timeout_text(self) -> str:
+        timeout = self.options.get("timeout_seconds", 0.0)
+        return f"timeout {timeout:g} s" if timeout else "no per-collective timeout"

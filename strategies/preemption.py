@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 PREEMPTED_EXIT_CODE = 143
+TEARDOWN_S = 10.0  # the longest a healthy cluster takes to stop the handler's watchers
 Save = Callable[[], object]
 
 
@@ -107,9 +108,9 @@ class CoordinatedWatch:
         )
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
         if self._handler is not None:
-            self._handler.__del__()  # stops its watcher threads (it has no public close)
+            _close_within(self._handler, TEARDOWN_S, lost=exc_type not in (None, Preempted))
             self._handler = None
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
@@ -126,6 +127,33 @@ class CoordinatedWatch:
 
     def _exit(self) -> None:
         raise Preempted("SIGTERM to a worker of the cluster")
+
+
+def _close_within(
+    handler: tf.distribute.experimental.PreemptionCheckpointHandler, timeout_s: float, lost: bool
+) -> None:
+    """Stops a `PreemptionCheckpointHandler`'s watcher threads, in `timeout_s` at most.
+
+    The handler has no public close: its `__del__` tells the coordination
+    service's leader to stop watching (an RPC with no deadline) and joins a
+    thread that waits on the leader. When a step failed (`lost`), the leader
+    may be the task that stopped answering, and that RPC would never return;
+    otherwise it runs in a daemon thread given `timeout_s`. Either way the
+    handler is disarmed, so its `__del__` (when collected, or at interpreter
+    exit) has nothing left to wait for; its threads are daemons and end with
+    the process.
+    """
+    if not lost:
+        closer = threading.Thread(
+            target=handler.__del__, name="towerflow-preemption-close", daemon=True
+        )
+        closer.start()
+        closer.join(timeout_s)
+    stop = getattr(handler, "_poll_termination_signal_thread_should_stop", None)
+    if stop is not None:
+        stop.set()  # the local signal poller ends on its own; no peer is involved
+    handler._cluster_wise_termination_watcher_thread = None
+    handler._poll_termination_signal_thread = None
 
 
 @contextlib.contextmanager

@@ -4,11 +4,13 @@ import json
 import os
 import re
 import signal
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from tests.helpers import checkpoint_values, launch, launch_and_signal, run_cli
+from tests.helpers import checkpoint_values, launch, launch_and_signal, pid_of, run_cli, start_cli
 
 EQUIVALENCE = [
     "--config.train.steps=20",
@@ -160,3 +162,56 @@ def test_a_killed_peer_is_named_within_the_timeout_and_the_cluster_resumes(tmp_p
     assert named[0][0] - sent < 30, "named within the collective timeout"
     step = int(re.search(r"resumes from \S*ckpt-(\d+)", named[0][1]).group(1))
     assert step >= 40 and f"ckpt-{step} at step {step}" in output
+
+
+def _threads(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def test_each_workers_thread_count_stays_flat_over_many_steps(tmp_path):
+    # Any per-collective timeout made TensorFlow keep one sleeping thread per
+    # collective op: about 8 more threads per step, until the process aborted.
+    proc = start_cli(
+        "--workers=2",
+        "--",
+        "--strategy=multi_worker",
+        f"--model_dir={tmp_path / 'run'}",
+        "--config.train.steps=1000",
+        "--config.train.steps_per_loop=10",
+        "--config.train.checkpoint_every=500",
+        "--config.eval.every=0",
+        "--config.train.export=False",
+        "--config.model.hidden_units=(16,)",
+        cwd=tmp_path,
+        module="trainer.launch",
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    samples: dict[int, list[tuple[int, int]]] = {0: [], 1: []}  # worker -> (step, threads)
+    pids: dict[int, int] = {}
+    try:
+        while proc.poll() is None:
+            steps = [int(m) for m in re.findall(r"step: (\d+)/1000", "".join(lines[-5:]))]
+            if steps and steps[-1] >= 100:
+                for worker in (0, 1):
+                    pids[worker] = pids.get(worker) or pid_of("worker", worker, str(tmp_path))
+                    count = pids[worker] and _threads(pids[worker])
+                    if count:
+                        samples[worker].append((steps[-1], count))
+            time.sleep(0.2)
+        reader.join(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-3000:]
+    assert "step: 1000/1000" in output
+    for worker, seen in samples.items():
+        assert seen and seen[-1][0] - seen[0][0] >= 500, (worker, seen, output[-2000:])
+        first, most = seen[0][1], max(count for _, count in seen)
+        assert most - first <= 16, f"worker:{worker} threads grew from {first} to {most}: {seen}"
