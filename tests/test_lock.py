@@ -24,8 +24,10 @@ def _holder(model_dir, then: str = "sys.stdin.read()") -> subprocess.Popen:
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout.readline() == "held\n"
-    return proc
+    if proc.stdout.readline() != "held\n":
+        proc.kill()
+        raise AssertionError(f"the lock of {model_dir} was not taken")
+    return proc  # it ends when its stdin closes, with this process at the latest
 
 
 def _snapshot(directory: pathlib.Path) -> dict:

@@ -1,8 +1,6 @@
 """`parameter_server`: real clusters of processes on 127.0.0.1, and the pieces they rest on."""
 
-import contextlib
 import json
-import os
 import pathlib
 import re
 import signal
@@ -288,18 +286,6 @@ def test_a_lost_ps_is_named_by_the_chief_and_the_cluster_restarts_from_its_check
     assert json.loads((tmp_path / "run" / "results.json").read_text())["step"] == 200
 
 
-def _kill_left_over(marker: str) -> None:
-    """SIGKILLs live processes whose command line mentions `marker` (a test's own directory)."""
-    for proc in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-            command = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if marker in command:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(proc.name), signal.SIGKILL)
-
-
 def test_sigterm_to_the_launcher_saves_the_step_reached_and_a_rerun_resumes_there(tmp_path):
     """The chief's final save needs the ps and workers: the launcher stops them after it."""
     model_dir = tmp_path / "run"
@@ -330,9 +316,8 @@ def test_sigterm_to_the_launcher_saves_the_step_reached_and_a_rerun_resumes_ther
         lines += proc.stdout.readlines()
         code = proc.wait(timeout=CLUSTER_TIMEOUT_S)
     finally:
-        proc.kill()
+        proc.kill()  # and its tasks, in sessions of their own, with it (`start_cli`)
         proc.wait()
-        _kill_left_over(str(model_dir))
     output = "".join(lines)
     assert code == 128 + signal.SIGTERM, output[-3000:]
     saved = re.search(r"\[chief\] preempted \(SIGTERM\) at step (\d+)", output)
