@@ -169,6 +169,14 @@ class Strategy(abc.ABC):
         """
         return value
 
+    def check_restored(self, step: int, model_dir: str) -> None:
+        """Checks that every task restored the same `step` from `model_dir`; after a restore.
+
+        A no-op for one process. A plugin whose workers each restore the
+        model compares their steps and raises `UserError` when they differ.
+        """
+        del step, model_dir  # one process restored what it restored
+
     def run_steps(self, step_fn: StepFn, iterator, n: int) -> dict[str, float]:
         """Runs `n` steps of `step_fn` inside one `tf.function`.
 

@@ -108,6 +108,11 @@ class ClusterSpec:
         return not self.has_chief and self.task_type == "worker" and self.task_index == 0
 
     @property
+    def task_name(self) -> str:
+        """This task as errors name it: "chief", "worker:1", "ps:0"."""
+        return _task_name(self.task_type or "", self.task_index or 0)
+
+    @property
     def address(self) -> str | None:
         """This task's "host:port"; None for an evaluator absent from `cluster`."""
         addresses = self.jobs.get(self.task_type or "", ())
@@ -125,7 +130,7 @@ class ClusterSpec:
     def peers(self) -> list[tuple[str, str]]:
         """The other tasks of the training cluster, as ("worker:1", "host:port") pairs."""
         return [
-            (job if job == "chief" else f"{job}:{index}", address)
+            (_task_name(job, index), address)
             for job, addresses in self.as_dict().items()
             for index, address in enumerate(addresses)
             if (job, index) != (self.task_type, self.task_index)
@@ -338,12 +343,10 @@ def _own_port_held(spec: ClusterSpec) -> Iterator[None]:
             dualstack_ipv6=dualstack,
         )
     except OSError as e:
-        name = (
-            spec.task_type if spec.task_type == "chief" else f"{spec.task_type}:{spec.task_index}"
-        )
         raise UserError(
-            f"`TF_CONFIG` gives this task ({name}) the address {spec.address}, but port {port} "
-            f"cannot be used here ({e.strerror}); stop what holds it, or give the task a free port."
+            f"`TF_CONFIG` gives this task ({spec.task_name}) the address {spec.address}, but "
+            f"port {port} cannot be used here ({e.strerror}); stop what holds it, or give the "
+            "task a free port."
         ) from None
     try:
         yield
@@ -516,6 +519,10 @@ def _parse_task(task: Any, present: bool, jobs: dict[str, tuple[str, ...]]) -> t
             f"task{'s' if count > 1 else ''}; use an integer from 0 to {count - 1}."
         )
     return task_type, index
+
+
+def _task_name(job: str, index: int) -> str:
+    return job if job == "chief" else f"{job}:{index}"
 
 
 def _names(names: Iterable[str]) -> str:

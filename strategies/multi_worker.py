@@ -105,6 +105,35 @@ class MultiWorker(Strategy):
         values = self.tf_strategy.run(first_replicas, args=(tf.constant(value, tf.int64),))
         return int(self.reduce("sum", values))
 
+    def check_restored(self, step: int, model_dir: str) -> None:
+        """Every worker restored the same step, or a `UserError` says `model_dir` is not shared.
+
+        Each worker puts its step at its own place in a vector that one
+        all-reduce sums, so every worker sees every worker's step.
+        """
+        if not self.cluster or self.role != "train":
+            return
+        jobs = self.cluster.as_dict()  # TensorFlow's order of the workers: the chief first
+        names = ["chief"] * len(jobs.get("chief", ())) + [
+            f"worker:{index}" for index in range(len(jobs.get("worker", ())))
+        ]
+        me = names.index(self.cluster.task_name)
+
+        def place(v):
+            first = tf.distribute.get_replica_context().replica_id_in_sync_group == 0
+            mine = tf.one_hot(me, len(names), dtype=tf.int64) * v
+            return tf.where(first, mine, tf.zeros_like(mine))
+
+        values = self.tf_strategy.run(place, args=(tf.constant(step, tf.int64),))
+        steps = [int(s) for s in self.reduce("sum", values, axis=None)]
+        if len(set(steps)) > 1:
+            found = ", ".join(f"{name} step {s}" for name, s in zip(names, steps, strict=True))
+            raise UserError(
+                f"the workers restored different steps from `model_dir` {model_dir} ({found}): "
+                "it is not shared between them; give every worker the same `--model_dir` on a "
+                "file system they all see (NFS, GCS), or start from an empty one."
+            )
+
     @property
     def role(self) -> str:
         return "evaluate" if self.cluster and self.cluster.task_type == "evaluator" else "train"

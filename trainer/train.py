@@ -130,6 +130,7 @@ def run(job: Job, mode: str) -> dict:
     summaries = Summaries(job.model_dir, strategy.is_chief)
     try:
         restored = checkpointer.restore()
+        strategy.check_restored(_step(job), job.model_dir)  # every worker, the same step
         if restored:
             say(f"restored {restored} at step {_step(job)}")
         elif mode == "eval":
