@@ -56,6 +56,12 @@ class ParameterServer(Strategy):
         )
         self.cluster = _parameter_server_cluster(cluster)
         self.coordinator = None
+        if self.role != "evaluate":  # the evaluator is not part of the training cluster
+            cluster_lib.start_up(
+                self.cluster,
+                self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S),
+                "strategy.parameter_server.startup_timeout_seconds",
+            )
         if self.role != "train":  # servers and the evaluator hold no cluster-wide strategy
             return tf.distribute.get_strategy()
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
