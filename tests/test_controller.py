@@ -114,3 +114,49 @@ def test_steps_until_next_event_never_passes_the_end():
     assert controller.steps_until_next_event(5, 6, actions, 100) == 1
     assert controller.steps_until_next_event(0, 100, actions, 100) == 7
     assert controller.steps_until_next_event(7, 100, actions, 3) == 3
+
+
+def test_a_users_action_stops_training_and_the_end_actions_still_run(tmp_path):
+    from tests import helpers, user_actions
+    from trainer import train
+
+    user_actions.SEEN.clear()
+    config = helpers.tiny_config(
+        **{"train.actions": "tests.user_actions:stop_at_10", "strategy.name": "one_device"}
+    )
+    results = train.train_and_evaluate(config, str(tmp_path))
+    assert results["step"] == 10
+    assert [step for step, _ in user_actions.SEEN] == [5, 10]
+    assert {"loss", "learning_rate", "examples_per_sec"} <= set(user_actions.SEEN[-1][1])
+    assert helpers.checkpoint_values(tmp_path)  # the end-of-run checkpoint, at step 10
+    assert results["eval"]["examples"] == 360
+
+
+def test_a_users_action_keeps_its_schedule(tmp_path):
+    from tests import helpers, user_actions
+    from trainer import train
+
+    user_actions.SEEN.clear()
+    config = helpers.tiny_config(
+        **{"train.actions": "tests.user_actions:every_4_steps", "strategy.name": "one_device"}
+    )
+    train.train_and_evaluate(config, str(tmp_path))
+    assert [step for step, _ in user_actions.SEEN] == [4, 8, 12, 16, 20]
+
+
+def test_a_bad_action_name_is_one_line(tmp_path):
+    import pytest
+
+    from strategies.errors import UserError
+    from tests import helpers
+    from trainer import train
+
+    for name, message in [
+        ("no_colon", "is not 'module.path:function'"),
+        ("tests.nowhere:fn", "no module 'tests.nowhere'"),
+        ("tests.user_actions:missing", "has no function 'missing'"),
+    ]:
+        config = helpers.tiny_config(**{"train.actions": name, "strategy.name": "one_device"})
+        with pytest.raises(UserError, match=message):
+            train.train_and_evaluate(config, str(tmp_path / "run"))
+        assert not (tmp_path / "run").exists()

@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 
 import keras
 import ml_collections
@@ -21,7 +22,19 @@ import tensorflow as tf
 import strategies
 from strategies import devices
 from strategies.errors import UserError
-from trainer import checks, data, faults, loop_length, models, optim, precision, steps, tasks
+from trainer import (
+    actions,
+    checks,
+    controller,
+    data,
+    faults,
+    loop_length,
+    models,
+    optim,
+    precision,
+    steps,
+    tasks,
+)
 from trainer import lock as model_dir_lock
 from trainer.checkpoints import Checkpointer
 from trainer.export import export
@@ -42,10 +55,14 @@ class Job:
     total_steps: int
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
+    user_actions: list[actions.Action] = dataclasses.field(default_factory=list)
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, model_dir: str, mode: str = "train_and_eval"
+    config: ml_collections.ConfigDict,
+    model_dir: str,
+    mode: str = "train_and_eval",
+    extra_actions: Sequence[actions.Action] = (),
 ) -> dict:
     """Runs the job described by `config` in `model_dir`; returns the results dict.
 
@@ -54,6 +71,8 @@ def train_and_evaluate(
       model_dir: where checkpoints, TensorBoard events, results and the export go.
         A rerun with the same `model_dir` resumes from its newest checkpoint.
       mode: "train", "eval" (the newest checkpoint, once) or "train_and_eval".
+      extra_actions: more actions for the training loop, after the built-in
+        ones and `train.actions` (e.g. the benchmark's clock).
 
     Raises:
       UserError: a bad config value, name, size or path. Nothing in `model_dir`
@@ -69,7 +88,7 @@ def train_and_evaluate(
     job = build(config, model_dir, strategy)
     if strategy.role == "evaluate":
         return sidecar_evaluate(job)
-    return run(job, mode)
+    return run(job, mode, extra_actions)
 
 
 def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
@@ -108,10 +127,13 @@ def build(
         optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
         optimizer.build(model.trainable_variables)
     task = tasks.for_spec(dataset.spec.num_classes, models.output_kind(model))
-    return Job(config, model_dir, strategy, dataset, task, total_steps, model, optimizer)
+    user_actions = actions.user_actions(config.train.get("actions", ""), config)
+    return Job(
+        config, model_dir, strategy, dataset, task, total_steps, model, optimizer, user_actions
+    )
 
 
-def run(job: Job, mode: str) -> dict:
+def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
     """Trains and/or evaluates a built `job`; the only function that writes `model_dir`."""
     start = time.time()
     strategy, config = job.strategy, job.config
@@ -143,7 +165,7 @@ def run(job: Job, mode: str) -> dict:
         train_metrics = {}
         evaluate = mode != "train" and strategy.evaluates_inline
         if mode != "eval":
-            train_metrics = _train(job, checkpointer, summaries, evaluate)
+            train_metrics = _train(job, checkpointer, summaries, evaluate, extra_actions)
         eval_metrics = _evaluate(job, summaries) if evaluate else {}
         results = {
             "step": _step(job),
@@ -219,8 +241,14 @@ def _checkpointed(job: Job) -> dict:
     }
 
 
-def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool) -> dict:
-    """The outer training loop; returns the last loop's train metrics.
+def _train(
+    job: Job,
+    checkpointer: Checkpointer,
+    summaries: Summaries,
+    evaluate: bool,
+    extra_actions: Sequence[actions.Action] = (),
+) -> dict:
+    """The outer training loop: a controller with actions; returns the last block's metrics.
 
     Raises:
       faults.Preempted: SIGTERM arrived; a checkpoint holds the step reached.
@@ -242,48 +270,54 @@ def _train(job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate:
         config.optimizer.clip_global_norm,
         config.train.jit_compile,
     )
-    loops = loop_length.LoopLength(config.train.steps_per_loop)
-    dataset_fn = job.dataset.train_fn(gb, config.seed, start_step=step)
-    iterator = iter(strategy.distribute_dataset(dataset_fn))
-    metrics, recoveries = {}, 0
-    watchdog = faults.Watchdog(strategy.lost_tasks, say)  # a single process has none to lose
-    with strategy.watch_preemption() as preemption, watchdog:
-        while step < job.total_steps:
-            n = _steps_until_next_event(step, job.total_steps, config, _loop_length(job, loops))
-            tic = time.time()
-            with watchdog.loop(step):
-                sums = strategy.run_steps(train_step, iterator, n)
-            elapsed = time.time() - tic
-            loops.observe(n, elapsed)
-            step = _step(job)
-            metrics = job.task.metrics(sums)
-            if faults.loss_blew_up(metrics["loss"], config.train.loss_upper_bound):
-                recoveries += 1
-                step = _recover(job, checkpointer, step, metrics["loss"], recoveries)
-                continue
-            metrics["learning_rate"] = float(job.optimizer.learning_rate)
-            metrics["steps_per_sec"] = n / elapsed
-            metrics["examples_per_sec"] = n * gb / elapsed
-            summaries.scalars("train", step, metrics)
-            _tell(job, progress_line("train", step, metrics, job.total_steps))
-            if _due(step, config.train.checkpoint_every) or step >= job.total_steps:
-                checkpointer.save(step)
-            try:
-                preemption.check(lambda step=step: checkpointer.save(step))
-            except faults.Preempted as e:
-                say(
-                    f"preempted ({e}) at step {step}: checkpoint saved; exiting with "
-                    f"{faults.PREEMPTED_EXIT_CODE} so the scheduler restarts the job"
-                )
-                raise
-            if evaluate and _due(step, config.eval.every) and step < job.total_steps:
-                _evaluate(job, summaries)
-    return metrics
+    iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
+
+    def run_block(n: int) -> dict:
+        return job.task.metrics(strategy.run_steps(train_step, iterator, n))
+
+    loop = controller.Controller(
+        run_block,
+        lambda: _step(job),
+        job.total_steps,
+        [*_actions(job, checkpointer, summaries, evaluate), *extra_actions],
+        loop_length.LoopLength(config.train.steps_per_loop),
+        agree=strategy.agree,
+    )
+    last = loop.train()
+    if last and last.stopped:
+        say(f"stopped at step {last.step}: {last.stopped}")
+    return last.metrics if last else {}
 
 
-def _loop_length(job: Job, loops: loop_length.LoopLength) -> int:
-    """The next loop's length; a measured one is agreed on, as workers' clocks differ."""
-    return job.strategy.agree(loops.next()) if loops.auto else loops.next()
+def _actions(
+    job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool
+) -> list[actions.Action]:
+    """The loop's actions, in the order they run after a block."""
+    config, strategy = job.config, job.strategy
+    recoveries = []
+
+    def recover(step: int, loss: float) -> None:
+        recoveries.append(step)
+        _recover(job, checkpointer, step, loss, len(recoveries))
+
+    def log(output: controller.Output) -> None:
+        summaries.scalars("train", output.step, output.metrics)
+        _tell(job, progress_line("train", output.step, output.metrics, output.total_steps))
+
+    built_in = [
+        actions.recovery(
+            lambda loss: faults.loss_blew_up(loss, config.train.loss_upper_bound), recover
+        ),
+        actions.rates(config.train.global_batch_size, lambda: float(job.optimizer.learning_rate)),
+        actions.every_block(log, "progress"),
+        actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
+        actions.Action(actions.Preemption(strategy.watch_preemption(), checkpointer.save, say)),
+        # A single process has no other task to lose; the watchdog then never reports.
+        actions.Action(actions.Watchdog(faults.Watchdog(strategy.lost_tasks, say))),
+    ]
+    if evaluate:
+        built_in.append(actions.evaluation(lambda: _evaluate(job, summaries), config.eval.every))
+    return built_in + job.user_actions
 
 
 def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attempt: int) -> int:
@@ -314,21 +348,6 @@ def _evaluate(job: Job, summaries: Summaries) -> dict:
     summaries.scalars("eval", step, metrics)
     _tell(job, progress_line("eval", step, metrics))
     return metrics
-
-
-def _steps_until_next_event(
-    step: int, total: int, config: ml_collections.ConfigDict, steps_per_loop: int
-) -> int:
-    """Steps to run in the next loop: up to `steps_per_loop`, stopping at checkpoints and evals."""
-    n = min(steps_per_loop, total - step)
-    for every in (config.train.checkpoint_every, config.eval.every):
-        if every > 0:
-            n = min(n, every - step % every)
-    return n
-
-
-def _due(step: int, every: int) -> bool:
-    return every > 0 and step % every == 0
 
 
 def _step(job: Job) -> int:

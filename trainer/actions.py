@@ -1,0 +1,170 @@
+"""The loop's built-in actions, and the user's own from `train.actions`.
+
+Each function here returns a `controller.Action`: a plain callable on a
+block's `Output` with its schedule. `Preemption` and `Watchdog` are callables
+that are also context managers around the whole loop. `trainer.train` puts them in order:
+blow-up recovery first (it may roll the step back and skip the rest), then
+rates, summaries, the progress line, checkpoints, preemption, evaluation,
+and the user's actions last, so they see the eval metrics of their block.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import ml_collections
+
+from strategies.errors import UserError
+from strategies.preemption import PREEMPTED_EXIT_CODE, Preempted
+from trainer.controller import Action, Output, SkipBlock, StopTraining
+
+__all__ = ["Action", "Output", "SkipBlock", "StopTraining"]
+
+
+def recovery(blew_up: Callable[[float], bool], recover: Callable[[int, float], None]) -> Action:
+    """After a block whose loss blew up: `recover(step, loss)` restores, the block is dropped."""
+
+    def act(output: Output) -> None:
+        loss = output.metrics.get("loss", 0.0)
+        if blew_up(loss):
+            recover(output.step, loss)
+            raise SkipBlock
+
+    return Action(act, name="recovery")
+
+
+def rates(examples_per_step: int, learning_rate: Callable[[], float]) -> Action:
+    """Adds `learning_rate`, `steps_per_sec` and `examples_per_sec` to the block's metrics."""
+
+    def act(output: Output) -> None:
+        output.metrics["learning_rate"] = learning_rate()
+        output.metrics["steps_per_sec"] = output.steps / output.seconds
+        output.metrics["examples_per_sec"] = output.steps * examples_per_step / output.seconds
+
+    return Action(act, name="rates")
+
+
+def every_block(fn: Callable[[Output], object], name: str) -> Action:
+    """`fn` after every block (summaries, the progress line)."""
+    return Action(fn, name=name)
+
+
+def checkpoint(save: Callable[[int], None], every: int) -> Action:
+    """`save(step)` every `every` steps and at the end."""
+    return Action(lambda output: save(output.step), every=every, at_end=True, name="checkpoint")
+
+
+def evaluation(evaluate: Callable[[], dict], every: int) -> Action:
+    """Evaluates every `every` steps before the end (the run evaluates once more at the end)."""
+
+    def act(output: Output) -> None:
+        if not output.is_last:
+            output.eval_metrics = evaluate()
+
+    return Action(act, every=every, name="evaluation")
+
+
+def user_actions(names: tuple[str, ...] | str, config: ml_collections.ConfigDict) -> list[Action]:
+    """The actions named in `train.actions`: "module.path:function" each.
+
+    The function is called with the config and returns the action: a callable
+    on `Output` (run after every block) or an `Action` with its own schedule.
+
+    Raises:
+      UserError: a name that does not import or is not a function.
+    """
+    if isinstance(names, str):
+        names = tuple(n for n in names.split(",") if n.strip())
+    return [_as_action(resolve(name.strip())(config), name.strip()) for name in names]
+
+
+def _as_action(made: object, name: str) -> Action:
+    if isinstance(made, Action):
+        return made
+    if not callable(made):
+        raise UserError(
+            f"`train.actions` '{name}' returned {type(made).__name__}; it must return a "
+            "callable on the loop's output, or a `trainer.actions.Action`."
+        )
+    return Action(made, name=name)
+
+
+def resolve(name: str) -> Callable:
+    """The function `module.path:function` names.
+
+    Raises:
+      UserError: not of that form, a module that does not import, or no such function.
+    """
+    module_name, colon, attr = name.partition(":")
+    if not colon or not module_name or not attr:
+        raise UserError(
+            f"`train.actions` entry '{name}' is not 'module.path:function'; "
+            "e.g. `--config.train.actions=my_pkg.hooks:early_stop`."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise UserError(
+                f"`train.actions` '{name}': no module '{e.name}'; check the module path "
+                "and that it is importable from the working directory or PYTHONPATH."
+            ) from None
+        raise  # the user's module imports something missing: their traceback
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(
+            f"`train.actions` '{name}': module '{module_name}' has no function '{attr}'."
+        )
+    return fn
+
+
+class Preemption:
+    """Watches for SIGTERM around the loop; after each block, saves and stops if it came.
+
+    `watch` is the strategy's (`Strategy.watch_preemption()`): on one process
+    the signal itself, on a `multi_worker` cluster one step agreed by all.
+    """
+
+    def __init__(self, watch, save: Callable[[int], None], say: Callable[[str], None]):
+        self._watch = watch
+        self._save = save
+        self._say = say
+
+    def __enter__(self) -> Preemption:
+        self._watch.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._watch.__exit__(*exc)
+
+    def __call__(self, output: Output) -> None:
+        try:
+            self._watch.check(lambda: self._save(output.step))
+        except Preempted as e:
+            self._say(
+                f"preempted ({e}) at step {output.step}: checkpoint saved; exiting with "
+                f"{PREEMPTED_EXIT_CODE} so the scheduler restarts the job"
+            )
+            raise
+
+
+class Watchdog:
+    """Says which tasks of the cluster do not answer while a block runs long."""
+
+    def __init__(self, watchdog):
+        self._watchdog = watchdog
+
+    def __enter__(self) -> Watchdog:
+        self._watchdog.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._watchdog.__exit__(*exc)
+
+    def block(self, step: int):
+        """Marks the block that starts at `step`."""
+        return self._watchdog.loop(step)
+
+    def __call__(self, output: Output) -> None:
+        """Nothing to do between blocks."""
