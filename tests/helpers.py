@@ -1,17 +1,39 @@
-"""Small shared pieces for the tests: a tiny config and the CLI in a subprocess."""
+"""Small shared pieces for the tests: a tiny config and the CLI in a subprocess.
+
+Every process a test starts through these helpers runs in a session (process
+group) of its own and carries a tag in its environment, which its descendants
+inherit: a local cluster's tasks, which the launcher starts in sessions of
+their own and which outlive a killed launcher, are found by it too. `kill`
+ends a process with all its descendants; `killed_when_done` (an autouse
+fixture in `conftest.py`) ends whatever a test started, however it ended.
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import itertools
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 import configs.default
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Generous: a loaded machine is 2-3x slower, and a test's bound must not be what fails there.
+TIMEOUT_S = 600
+
+# The environment variable holding the tags of a process's test-started ancestors
+# (space-separated, so a test that runs pytest in a child keeps both tags).
+TAG_VARIABLE = "TOWERFLOW_TEST_TAGS"
+_started: list[tuple[str, subprocess.Popen]] = []  # (tag, process), in start order
+_serial = itertools.count()
 
 
 def tiny_config(**overrides):
@@ -44,34 +66,130 @@ def _env(keep_tf_config: bool = False) -> dict[str, str]:
 
 
 def run_cli(
-    *args: str, cwd: str, timeout: float = 300, module: str = "trainer", keep_tf_config=False
+    *args: str,
+    cwd: str,
+    timeout: float = TIMEOUT_S,
+    module: str = "trainer",
+    keep_tf_config=False,
 ) -> subprocess.CompletedProcess:
-    """Runs `python -m MODULE ARGS` in `cwd` (default the trainer), as a user would."""
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=_env(keep_tf_config),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    """Runs `python -m MODULE ARGS` in `cwd` (default the trainer), as a user would.
+
+    Whatever happens (it ends, it times out, the test is interrupted), nothing
+    it started is left running.
+
+    Raises:
+      subprocess.TimeoutExpired: it ran over `timeout` seconds; its output so
+        far is printed to stderr (pytest shows it with the failure).
+    """
+    command = [sys.executable, "-m", module, *args]
+    proc = spawn(
+        command, cwd=cwd, env=_env(keep_tf_config), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
+    # Once it ends, what it left behind goes too: such a process may hold its pipes
+    # open, and `communicate` waits for the pipes to close.
+    threading.Thread(target=_kill_when_it_ends, args=(proc,), daemon=True).start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        out, err = proc.communicate()
+        print(
+            f"{' '.join(command)} ran over {timeout} s:\n{out[-3000:]}\n{err[-3000:]}",
+            file=sys.stderr,
+        )
+        raise
+    finally:
+        kill(proc)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def start_cli(*args: str, cwd, module: str = "trainer") -> subprocess.Popen:
-    """Starts `python -m MODULE ARGS` and returns it running; stdout (and stderr) piped."""
-    return subprocess.Popen(
+    """Starts `python -m MODULE ARGS` and returns it running; stdout (and stderr) piped.
+
+    The test's end kills it (and what it started) if it still runs.
+    """
+    return spawn(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
     )
 
 
-def launch(*args: str, cwd: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def launch(*args: str, cwd: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     """Runs `python -m trainer.launch ARGS`: a local cluster on 127.0.0.1."""
     return run_cli(*args, cwd=cwd, timeout=timeout, module="trainer.launch")
+
+
+def spawn(command: list[str], *, env: dict[str, str], **popen_args) -> subprocess.Popen:
+    """`subprocess.Popen(command)` (text mode) in a session of its own, tagged for `kill`."""
+    tag = f"{os.getpid()}.{next(_serial)}"
+    env = {**env, TAG_VARIABLE: " ".join(filter(None, [env.get(TAG_VARIABLE), tag]))}
+    proc = subprocess.Popen(command, env=env, text=True, start_new_session=True, **popen_args)
+    _started.append((tag, proc))
+    return proc
+
+
+def kill(*procs: subprocess.Popen) -> None:
+    """SIGKILLs each process of `procs` with its group and every process it started; reaps them."""
+    tags = {tag for tag, proc in _started if proc in procs}
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
+            os.killpg(proc.pid, signal.SIGKILL)
+    # Descendants in sessions of their own (a launcher's tasks) are found by their tag;
+    # again until none is left, as one may have started another meanwhile (bounded: a
+    # process stuck in the kernel dies only when its I/O ends).
+    deadline = time.monotonic() + 60
+    while (pids := tagged(tags)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    for proc in procs:
+        proc.wait()
+
+
+def _kill_when_it_ends(proc: subprocess.Popen) -> None:
+    proc.wait()
+    kill(proc)
+
+
+def tagged(tags: set[str]) -> list[int]:
+    """The live processes whose environment carries one of `tags` (zombies have none)."""
+    pids = []
+    prefix = f"{TAG_VARIABLE}=".encode()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = pathlib.Path(entry.path, "environ").read_bytes()
+        except OSError:  # gone, a zombie, or another user's
+            continue
+        for variable in environ.split(b"\0"):
+            if variable.startswith(prefix) and tags & set(variable[len(prefix) :].decode().split()):
+                pids.append(int(entry.name))
+    return pids
+
+
+@contextlib.contextmanager
+def killed_when_done() -> Iterator[None]:
+    """Kills, on the way out, every process started here meanwhile and still running."""
+    first = len(_started)
+    try:
+        yield
+    finally:
+        procs = [proc for _, proc in _started[first:]]
+        kill(*procs)
+        for proc in procs:  # the pipes a test left open
+            for stream in (proc.stdout, proc.stderr):
+                if stream:
+                    stream.close()
+        del _started[first:]
+
+
+# Whatever ends the session (Ctrl-C included), nothing it started outlives it.
+atexit.register(lambda: kill(*(proc for _, proc in _started)))
 
 
 def checkpoint_values(model_dir) -> dict:
@@ -102,7 +220,7 @@ def pid_of(task_type: str, index: int, marker: str) -> int | None:
 
 
 def launch_and_signal(
-    *args: str, cwd, trigger: str, task: tuple[str, int], sig: int, timeout: float = 300
+    *args: str, cwd, trigger: str, task: tuple[str, int], sig: int, timeout: float = TIMEOUT_S
 ) -> tuple[int, list[tuple[float, str]], float]:
     """Runs `python -m trainer.launch ARGS`; at the first line holding `trigger`, signals `task`.
 
@@ -114,6 +232,14 @@ def launch_and_signal(
       the second the signal was sent.
     """
     proc = start_cli(*args, cwd=cwd, module="trainer.launch")
+    expired = threading.Event()
+
+    def expire() -> None:  # the bound holds even while the cluster prints nothing
+        expired.set()
+        kill(proc)
+
+    timer = threading.Timer(timeout, expire)
+    timer.start()
     start, sent, lines = time.monotonic(), None, []
     try:
         for line in proc.stdout:
@@ -123,10 +249,11 @@ def launch_and_signal(
                 assert pid, f"{task} not found"
                 os.kill(pid, sig)
                 sent = time.monotonic() - start
-            assert time.monotonic() - start < timeout, "the cluster ran too long"
-        code = proc.wait(timeout=30)
+        code = proc.wait()
     finally:
-        proc.kill()
-        proc.wait()
-    assert sent is not None, "\n".join(line for _, line in lines)[-3000:]
+        timer.cancel()
+        kill(proc)
+    output = "\n".join(line for _, line in lines)[-3000:]
+    assert not expired.is_set(), f"the cluster ran over {timeout} s:\n{output}"
+    assert sent is not None, output
     return code, lines, sent

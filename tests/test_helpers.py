@@ -1,0 +1,97 @@
+"""The test helpers leave no process behind: a child's children die with it, however it ends."""
+
+import json
+import pathlib
+import subprocess
+import time
+
+import pytest
+
+from tests import helpers
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as dead."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _recorded(pid_dir: pathlib.Path) -> dict[int, str]:
+    """The pids `tests.fake_task` recorded: pid -> "worker:0" or "worker:0 grandchild"."""
+    return {int(p.stem): p.read_text() for p in pid_dir.glob("*.pid")}
+
+
+def _wait_for_records(pid_dir: pathlib.Path, count: int, proc: subprocess.Popen) -> dict:
+    """The pids recorded once there are `count`, or once `proc` ended (or after a long while)."""
+    deadline = time.monotonic() + helpers.TIMEOUT_S
+    while len(_recorded(pid_dir)) < count and proc.poll() is None:
+        assert time.monotonic() < deadline, f"only {_recorded(pid_dir)} after {helpers.TIMEOUT_S} s"
+        time.sleep(0.05)
+    return _recorded(pid_dir)
+
+
+@pytest.fixture
+def one_task(monkeypatch):
+    """`tests.fake_task` run on its own, as worker 0."""
+    task = {"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(task))
+
+
+def test_a_finished_child_leaves_no_grandchild(one_task, tmp_path):
+    # The task starts a child that sleeps for 120 s, and exits at once.
+    done = helpers.run_cli(
+        f"--pid_dir={tmp_path}",
+        "--grandchild",
+        "--sleep=0",
+        cwd=str(tmp_path),
+        module="tests.fake_task",
+        keep_tf_config=True,
+        timeout=60,  # its grandchild sleeps 120 s: no waiting for it
+    )
+    assert done.returncode == 0, done.stderr
+    pids = _recorded(tmp_path)
+    assert sorted(pids.values()) == ["worker:0", "worker:0 grandchild"]
+    assert not [pid for pid in pids if _alive(pid)], "the grandchild outlived run_cli"
+
+
+def test_a_timed_out_child_leaves_nothing(one_task, tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        helpers.run_cli(
+            f"--pid_dir={tmp_path}",
+            "--grandchild",
+            "--sleep=600",
+            cwd=str(tmp_path),
+            module="tests.fake_task",
+            keep_tf_config=True,
+            timeout=5,  # the fake task records its pids within a second even under load
+        )
+    pids = _recorded(tmp_path)
+    assert "worker:0 grandchild" in pids.values()
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+def test_a_failed_test_leaves_no_cluster_behind(tmp_path):
+    """The autouse fixture's cleanup, on an assertion: the launcher and its tasks' children.
+
+    The launcher starts each task in a session of its own, so killing the
+    launcher's process group alone would miss them.
+    """
+    with pytest.raises(AssertionError), helpers.killed_when_done():
+        launcher = helpers.start_cli(
+            "--workers=2",
+            "--module=tests.fake_task",
+            "--",
+            f"--pid_dir={tmp_path}",
+            "--grandchild",
+            "--sleep=600",
+            cwd=str(tmp_path),
+            module="trainer.launch",
+        )
+        pids = _wait_for_records(tmp_path, 4, launcher)  # 2 tasks, each with a grandchild
+        raise AssertionError("a failing test")
+    assert len(pids) == 4, pids
+    assert launcher.returncode is not None
+    assert not [pid for pid in [launcher.pid, *pids] if _alive(pid)], "processes left behind"
