@@ -4,7 +4,7 @@ A `UserError` is a bad value the user can fix (a name, a size, a path, a
 cluster description). Its message is one line that names the bad value, the
 rule and the fix. The command line prints it without a traceback and exits
 with status 2. It lives in `strategies/` because that is the lowest layer
-that raises it; `trainer/` re-exports it.
+that raises it; `trainer/` raises the same class.
 """
 
 

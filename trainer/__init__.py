@@ -1,5 +1,41 @@
-"""towerflow's trainer: the loop, data, models and the `python -m trainer` command.
+"""towerflow's trainer: the loop, data, models and the `towerflow` / `python -m trainer` command.
 
-from trainer import train_and_evaluate
-results = train_and_evaluate(configs.default.get_config(), "runs/x")
+From Python, the same job the command runs::
+
+    import trainer
+
+    config = trainer.default_config()
+    config.train.steps = 50
+    results = trainer.train_and_evaluate(config, "runs/x")
+
+A user's own config file starts from the default the same way (see
+`examples/`). Importing this package does not import TensorFlow; the
+names below load what they need on first use.
 """
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+__all__ = ["default_config", "train_and_evaluate"]
+
+
+def default_config():
+    """towerflow's default config (`configs/default.py`), loaded from towerflow's own files.
+
+    Loaded by path, so a user's own `configs` package does not stand in for it.
+    """
+    path = pathlib.Path(__file__).resolve().parent.parent / "configs" / "default.py"
+    spec = importlib.util.spec_from_file_location("towerflow_default_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def __getattr__(name: str):
+    if name == "train_and_evaluate":
+        from trainer.train import train_and_evaluate
+
+        return train_and_evaluate
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")
