@@ -152,9 +152,9 @@ def test_a_bad_action_name_is_one_line(tmp_path):
     from trainer import train
 
     for name, message in [
-        ("no_colon", "is not 'module.path:function'"),
+        ("no_colon", "is not 'module.path:name'"),
         ("tests.nowhere:fn", "no module 'tests.nowhere'"),
-        ("tests.user_actions:missing", "has no function 'missing'"),
+        ("tests.user_actions:missing", "has no 'missing'"),
     ]:
         config = helpers.tiny_config(**{"train.actions": name, "strategy.name": "one_device"})
         with pytest.raises(UserError, match=message):

@@ -10,13 +10,13 @@ and the user's actions last, so they see the eval metrics of their block.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import ml_collections
 
 from strategies.errors import UserError
 from strategies.preemption import PREEMPTED_EXIT_CODE, Preempted
+from trainer import named
 from trainer.controller import Action, Output, SkipBlock, StopTraining
 
 __all__ = ["Action", "Output", "SkipBlock", "StopTraining"]
@@ -76,7 +76,13 @@ def user_actions(names: tuple[str, ...] | str, config: ml_collections.ConfigDict
     """
     if isinstance(names, str):
         names = tuple(n for n in names.split(",") if n.strip())
-    return [_as_action(resolve(name.strip())(config), name.strip()) for name in names]
+    return [
+        _as_action(
+            named.resolve("train.actions", name.strip(), "a function of the config")(config),
+            name.strip(),
+        )
+        for name in names
+    ]
 
 
 def _as_action(made: object, name: str) -> Action:
@@ -88,35 +94,6 @@ def _as_action(made: object, name: str) -> Action:
             "callable on the loop's output, or a `trainer.actions.Action`."
         )
     return Action(made, name=name)
-
-
-def resolve(name: str) -> Callable:
-    """The function `module.path:function` names.
-
-    Raises:
-      UserError: not of that form, a module that does not import, or no such function.
-    """
-    module_name, colon, attr = name.partition(":")
-    if not colon or not module_name or not attr:
-        raise UserError(
-            f"`train.actions` entry '{name}' is not 'module.path:function'; "
-            "e.g. `--config.train.actions=my_pkg.hooks:early_stop`."
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):
-            raise UserError(
-                f"`train.actions` '{name}': no module '{e.name}'; check the module path "
-                "and that it is importable from the working directory or PYTHONPATH."
-            ) from None
-        raise  # the user's module imports something missing: their traceback
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(
-            f"`train.actions` '{name}': module '{module_name}' has no function '{attr}'."
-        )
-    return fn
 
 
 class Preemption:

@@ -1,7 +1,8 @@
-"""A table of functions by name that refuses a duplicate name (built-in models, datasets)."""
+"""Built-in functions by name (no duplicates), and the user's by "module.path:name"."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -29,3 +30,41 @@ class Registry(dict):
     def names(self) -> list[str]:
         """The registered names, sorted."""
         return sorted(self)
+
+
+def resolve(field: str, reference: str, expect: str) -> Callable:
+    """The callable that "module.path:name" names, for a config field such as `model.name`.
+
+    Args:
+      field: the config field, for messages (e.g. "task.name").
+      reference: "module.path:name".
+      expect: what the callable must be, for messages (e.g. "a function returning a Task").
+
+    Raises:
+      UserError: not of that form, no such module, or no such callable in it. A
+        module that exists but fails while importing raises its own error: the
+        bug is in the user's code, and its traceback says where.
+    """
+    from strategies.errors import UserError
+
+    module_name, colon, attr = reference.partition(":")
+    if not colon or not module_name or not attr:
+        raise UserError(
+            f"`{field}` '{reference}' is not 'module.path:name'; give {expect}, "
+            f"e.g. `--config.{field}=my_package.module:name`."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if not e.name or not module_name.startswith(e.name):
+            raise  # the user's module imports something missing: their traceback
+        raise UserError(
+            f"`{field}` '{reference}': no module '{e.name}'; check the module path and that "
+            "it is importable from the working directory or PYTHONPATH."
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(
+            f"`{field}` '{reference}': module '{module_name}' has no '{attr}'; give {expect}."
+        )
+    return fn
