@@ -1,0 +1,212 @@
+"""Start-up of a cluster task: a bounded wait that names who is missing, proxies, SIGTERM."""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from strategies import cluster
+from strategies.errors import TaskLost, UserError
+from tests.helpers import REPO, launch, tiny_config
+from trainer import train
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+    try:
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _spec(addresses: list[str], index: int) -> cluster.ClusterSpec:
+    return cluster.parse(cluster.make_tf_config({"worker": addresses}, "worker", index))
+
+
+def test_a_peer_that_never_answers_is_named_then_given_up_on_after_the_bound():
+    mine, missing = _free_ports(2)
+    spec = _spec([f"127.0.0.1:{mine}", f"127.0.0.1:{missing}"], 0)
+    said: list[str] = []
+    start = time.monotonic()
+    with pytest.raises(TaskLost) as error:
+        cluster.start_up(spec, 2.0, "some.setting", report=said.append, interval_s=0.2)
+    waited = time.monotonic() - start
+    assert said == [f"waiting for worker:1 at 127.0.0.1:{missing}"]
+    message = str(error.value)
+    assert f"worker:1 at 127.0.0.1:{missing} did not answer within 2 s" in message
+    assert (
+        "DNS" in message and "`http_proxy`/`grpc_proxy`" in message and "`some.setting`" in message
+    )
+    assert 2.0 <= waited < 60
+
+
+def test_a_host_that_does_not_resolve_is_named_at_once():
+    (mine,) = _free_ports(1)
+    spec = _spec([f"127.0.0.1:{mine}", "no-such-host.invalid:2222"], 0)
+    said: list[tuple[float, str]] = []
+    start = time.monotonic()
+    with pytest.raises(TaskLost, match="no-such-host.invalid:2222 did not answer within 1 s"):
+        cluster.start_up(
+            spec, 1.0, "s", report=lambda line: said.append((time.monotonic() - start, line))
+        )
+    assert len(said) == 1, said
+    seconds, line = said[0]
+    assert line.startswith("waiting for worker:1 at no-such-host.invalid:2222 (`no-such-host")
+    assert "does not resolve" in line
+    assert seconds < 1.0  # named before the wait is over, not only at its end
+
+
+def test_tasks_waiting_for_each_other_all_start():
+    # Each holds its own port while it waits, so none waits for a server that
+    # only starts once its own wait is over.
+    ports = _free_ports(3)
+    addresses = [f"127.0.0.1:{port}" for port in ports]
+    done: list[int] = []
+    servers: list[socket.socket] = []  # what TensorFlow's server is once a task has started
+
+    def start(index):
+        time.sleep(index * 0.5)  # tasks come up at different times
+        cluster.start_up(_spec(addresses, index), 60.0, "s", report=lambda _: None, interval_s=0.1)
+        servers.append(socket.create_server(("127.0.0.1", ports[index])))
+        done.append(index)
+
+    threads = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for server in servers:
+        server.close()
+    assert sorted(done) == [0, 1, 2]
+
+
+def test_a_taken_port_is_one_line():
+    with socket.create_server(("", 0)) as taken:
+        port = taken.getsockname()[1]
+        spec = _spec([f"127.0.0.1:{port}", "127.0.0.1:1"], 0)
+        with pytest.raises(UserError, match=f"worker:0.*port {port} cannot be used here"):
+            cluster.start_up(spec, 5.0, "s", report=lambda _: None)
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, math.nan, math.inf])
+def test_the_start_up_timeout_must_be_a_positive_finite_number(timeout):
+    spec = _spec(["127.0.0.1:1", "127.0.0.1:2"], 0)
+    with pytest.raises(UserError, match="`strategy.multi_worker.startup_timeout_seconds`"):
+        cluster.start_up(spec, timeout, "strategy.multi_worker.startup_timeout_seconds")
+
+
+def test_proxy_variables_are_named_and_the_clusters_hosts_bypass_them():
+    spec = cluster.parse(
+        cluster.make_tf_config({"worker": ["10.0.0.1:2222", "host-b:2222"]}, "worker", 0)
+    )
+    environ = {"http_proxy": "http://proxy:3128", "no_proxy": "localhost"}
+    warning = cluster.keep_off_proxies(spec, environ)
+    assert warning.startswith("warning: `http_proxy` set;")
+    assert environ["no_proxy"] == "localhost,10.0.0.1,host-b"
+    assert environ["no_grpc_proxy"] == "10.0.0.1,host-b"
+    assert cluster.keep_off_proxies(spec, {}) is None
+
+
+def test_a_non_finite_collective_timeout_is_a_user_error(tmp_path):
+    config = tiny_config(**{"strategy.name": "multi_worker"})
+    config.strategy.multi_worker.timeout_seconds = math.nan
+    with pytest.raises(UserError, match=r"`strategy.multi_worker.timeout_seconds` \(nan\)"):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_blank_tf_config_means_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", " ")
+    config = tiny_config(**{"strategy.name": "multi_worker", "train.steps": 10})
+    results = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert results["step"] == 10
+    assert "1 worker process(es)" in results["placement"]["communication"]
+
+
+def _start_worker_0(tmp_path, missing_port: int, *flags: str) -> subprocess.Popen:
+    """Worker 0 of a two-worker `TF_CONFIG` whose worker 1 never starts."""
+    (mine,) = _free_ports(1)
+    tf_config = cluster.make_tf_config(
+        {"worker": [f"127.0.0.1:{mine}", f"127.0.0.1:{missing_port}"]}, "worker", 0
+    )
+    env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer", "--strategy=multi_worker", "--model_dir=run", *flags],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _ended(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_the_cli_gives_up_on_a_missing_peer_with_one_line(tmp_path):
+    (missing,) = _free_ports(1)
+    proc = _start_worker_0(
+        tmp_path, missing, "--config.strategy.multi_worker.startup_timeout_seconds=3"
+    )
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        _ended(proc)
+    assert proc.returncode == 144, out + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"error: worker:1 at 127.0.0.1:{missing} did not answer within 3 s")
+    assert f"waiting for worker:1 at 127.0.0.1:{missing}" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path):
+    (missing,) = _free_ports(1)
+    proc = _start_worker_0(tmp_path, missing)  # the default wait: 120 s
+    try:
+        for line in proc.stdout:
+            if line.startswith("waiting for worker:1"):
+                break
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=600)
+        took = time.monotonic() - sent
+    finally:
+        _ended(proc)
+    assert proc.returncode == 143
+    assert took < 30, "stops at the signal, not at the end of the wait"
+
+
+def test_a_cluster_trains_with_proxy_variables_set(tmp_path, monkeypatch):
+    # Port 9 of the loopback address (discard) is closed: traffic sent through
+    # this "proxy" would fail, so training proves it goes direct.
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.setenv("grpc_proxy", "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("no_grpc_proxy", raising=False)
+    result = launch(
+        "--workers=2",
+        "--",
+        "--strategy=multi_worker",
+        "--model_dir=run",
+        "--config.train.steps=20",
+        "--config.train.steps_per_loop=10",
+        "--config.eval.every=0",
+        "--config.train.export=False",
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[worker:0] warning: `grpc_proxy`, `http_proxy` set;" in result.stdout
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["step"] == 20
