@@ -221,6 +221,8 @@ class Checkpointer:
                 f.write("\n".join(lines) + "\n")
             tf.io.gfile.rename(state + ".tmp", state, overwrite=True)
         except Exception as e:
+            with contextlib.suppress(tf.errors.OpError):
+                tf.io.gfile.remove(state + ".tmp")
             raise self._failed(step, path, e) from None
         for old in dropped:
             _remove(old)
