@@ -6,6 +6,9 @@ than the chief write to a private scratch directory that `close` removes
 
 With `async_save`, `save` returns once the values are copied to host memory
 and a background thread writes the files, so training goes on meanwhile.
+TensorFlow makes each copy on its variable's own task, so where variables
+live on other tasks (parameter servers) saves stay synchronous: a lost ps
+cannot take a checkpoint in flight with it.
 
 A checkpoint is *committed*, named in the `checkpoint` state file that
 `latest`, `restore` and a restarted job read, only once its files are
