@@ -41,7 +41,7 @@ def remove_orphans(directory: str | None = None) -> list[str]:
     removed = []
     for name in names:
         match = _NAME.match(name)
-        if not match or match["host"] != _host() or _alive(int(match["pid"])):
+        if not match or match["host"] != _host() or alive(int(match["pid"])):
             continue
         path = os.path.join(directory, name)
         shutil.rmtree(path, ignore_errors=True)
@@ -54,7 +54,8 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a zombie counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

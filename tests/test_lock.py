@@ -1,5 +1,6 @@
 """One trainer per `model_dir`: a second is refused, a dead one's lock is taken over."""
 
+import errno
 import pathlib
 import signal
 import socket
@@ -93,3 +94,26 @@ def test_a_lock_from_another_host_is_refused_with_the_file_to_delete(tmp_path):
     with pytest.raises(UserError, match=r"in use by pid 4242 on host other-host .* delete `"):
         lock.take(str(tmp_path))
     assert (tmp_path / lock.LOCK_FILE).read_text() == "other-host 4242\n"
+
+
+def test_without_flock_a_live_pid_holds_the_lock_and_a_dead_one_does_not(
+    tmp_path, monkeypatch, capsys
+):
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")  # as on some network file systems
+
+    monkeypatch.setattr(lock.fcntl, "flock", no_flock)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / lock.LOCK_FILE).write_text(f"{socket.gethostname()} {sleeper.pid}\n")
+        with pytest.raises(UserError, match=f"in use by pid {sleeper.pid} on host"):
+            lock.take(str(tmp_path))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    held = lock.take(str(tmp_path))  # its pid is gone now
+    assert f"from a trainer that is gone ({socket.gethostname()} {sleeper.pid})" in (
+        capsys.readouterr().err
+    )
+    held.release()
+    assert not (tmp_path / lock.LOCK_FILE).exists()

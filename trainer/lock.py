@@ -8,7 +8,8 @@ share `model_dir` and take no lock; neither do `--mode=eval` and a sidecar
 evaluator, which only read it.
 
 The lock is `model_dir/towerflow.lock`, held with `flock` while its holder
-runs, and holding "host pid". A process killed with SIGKILL leaves the file
+runs, and holding "host pid" (on a file system without `flock`, a live pid
+of this host is what holds it). A process killed with SIGKILL leaves the file
 behind, but the kernel drops its `flock`: the next trainer on the same host
 finds the file unlocked, and takes it over with a warning. A lock file from
 another host cannot be checked from here (its `flock` may not reach this
@@ -25,6 +26,7 @@ import socket
 import sys
 
 from strategies.errors import UserError
+from strategies.scratch import alive
 
 LOCK_FILE = "towerflow.lock"
 
@@ -56,6 +58,7 @@ def take(model_dir: str) -> ModelDirLock:
       UserError: another trainer holds it; nothing in `model_dir` is changed.
     """
     path = os.path.join(model_dir, LOCK_FILE)
+    flocked = True
     while True:
         try:
             fd = os.open(path, os.O_RDWR)  # an existing lock file is left as it is while checked
@@ -64,17 +67,21 @@ def take(model_dir: str) -> ModelDirLock:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             holder = _read(fd)
             os.close(fd)
             raise UserError(_in_use(model_dir, holder, path)) from None
+        except OSError:  # a file system without `flock`: the recorded pid decides alone
+            flocked = False
         if _same_file(fd, path):  # not a file its last holder removed meanwhile
             break
         os.close(fd)
     holder = _read(fd)
-    if holder and holder.split()[0] != _host():
+    host, _, pid = holder.partition(" ")
+    running = not flocked and pid.isdigit() and int(pid) != os.getpid() and alive(int(pid))
+    if holder and (host != _host() or running):
         os.close(fd)
-        raise UserError(_in_use(model_dir, holder, path, other_host=True))
+        raise UserError(_in_use(model_dir, holder, path, other_host=host != _host()))
     if holder:
         print(
             f"warning: taking over the lock of `model_dir` {model_dir} from a trainer "
