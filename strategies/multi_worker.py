@@ -124,8 +124,11 @@ class MultiWorker(Strategy):
             mine = tf.one_hot(me, len(names), dtype=tf.int64) * v
             return tf.where(first, mine, tf.zeros_like(mine))
 
-        values = self.tf_strategy.run(place, args=(tf.constant(step, tf.int64),))
-        steps = [int(s) for s in self.reduce("sum", values, axis=None)]
+        @tf.function  # one collective; run eagerly, TensorFlow warns of its overhead
+        def gather(value):
+            return self.reduce("sum", self.tf_strategy.run(place, args=(value,)), axis=None)
+
+        steps = [int(s) for s in gather(tf.constant(step, tf.int64))]
         if len(set(steps)) > 1:
             found = ", ".join(f"{name} step {s}" for name, s in zip(names, steps, strict=True))
             raise UserError(

@@ -4,13 +4,25 @@ import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from tests.helpers import checkpoint_values, launch, launch_and_signal, pid_of, run_cli, start_cli
+from strategies import cluster
+from tests.helpers import (
+    REPO,
+    checkpoint_values,
+    launch,
+    launch_and_signal,
+    pid_of,
+    run_cli,
+    start_cli,
+)
 
 EQUIVALENCE = [
     "--config.train.steps=20",
@@ -109,7 +121,6 @@ FAULT_RUN = [
     "--config.train.checkpoint_every=40",
     "--config.eval.every=0",
     "--config.train.export=False",
-    "--config.strategy.multi_worker.timeout_seconds=30",
 ]
 
 
@@ -215,3 +226,92 @@ def test_each_workers_thread_count_stays_flat_over_many_steps(tmp_path):
         assert seen and seen[-1][0] - seen[0][0] >= 500, (worker, seen, output[-2000:])
         first, most = seen[0][1], max(count for _, count in seen)
         assert most - first <= 16, f"worker:{worker} threads grew from {first} to {most}: {seen}"
+
+
+def test_a_hung_chief_is_named_and_its_peer_exits(tmp_path):
+    # A stopped process still accepts TCP connections (the kernel does), but its
+    # server replies to nothing; the coordination service's leader is the chief.
+    code, lines, sent = launch_and_signal(
+        "--workers=2",
+        "--",
+        "--strategy=multi_worker",
+        f"--model_dir={tmp_path / 'run'}",
+        "--config.train.steps=100000",
+        "--config.train.steps_per_loop=20",
+        "--config.eval.every=0",
+        "--config.train.export=False",
+        cwd=tmp_path,
+        trigger="[worker:0] train | step: 100/",
+        task=("worker", 0),
+        sig=signal.SIGSTOP,
+    )
+    output = "\n".join(line for _, line in lines)
+    named = [
+        (t, line)
+        for t, line in lines
+        if re.match(r"\[worker:1\] error: worker:0 \(127\.0\.0\.1:\d+\) stopped answering", line)
+    ]
+    assert named, output[-3000:]
+    assert named[0][0] - sent < 120, "named within a bound, not after TensorFlow's hour"
+    assert "[launch] worker:1 exited with code 144" in output
+    assert code != 0
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_workers_that_restored_different_steps_stop_with_one_line(tmp_path):
+    first = launch(
+        "--workers=2",
+        "--",
+        "--strategy=multi_worker",
+        "--model_dir=run",
+        *EQUIVALENCE,
+        cwd=str(tmp_path),
+    )
+    assert first.returncode == 0, first.stdout[-3000:]
+    # A rerun where worker 1 sees another `model_dir`, as when it is not shared.
+    addresses = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    procs = []
+    try:
+        for index, model_dir in enumerate(["run", "elsewhere"]):
+            env = dict(
+                os.environ,
+                TF_CONFIG=cluster.make_tf_config({"worker": addresses}, "worker", index),
+                TF_CPP_MIN_LOG_LEVEL="2",
+                PYTHONPATH=REPO,
+            )
+            command = [sys.executable, "-m", "trainer", "--strategy=multi_worker"]
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *command,
+                        f"--model_dir={model_dir}",
+                        *EQUIVALENCE[1:],
+                        "--config.train.steps=40",
+                    ],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        results = [proc.communicate(timeout=600) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for proc, (out, err) in zip(procs, results, strict=True):
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert proc.returncode == 2, out[-2000:] + err[-3000:]
+        assert len(lines) == 1, err
+        assert "the workers restored different steps" in lines[0]
+        assert "worker:0 step 20, worker:1 step 0" in lines[0] and "not shared" in lines[0]
