@@ -4,6 +4,7 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
 
 import numpy as np
@@ -148,11 +149,31 @@ def test_a_hung_peer_is_named_from_the_error_and_other_errors_pass_through(tmp_p
     assert faults.lost_task_error(bad, [], str(tmp_path)) is None
 
 
-def test_unreachable_lists_the_other_tasks_that_refuse_connections():
-    with socket.socket() as alive, socket.socket() as gone:
-        alive.bind(("127.0.0.1", 0))
+def _reply_to_every_connection(server: socket.socket) -> None:
+    """Plays a serving task: answers each connection as a gRPC server opens HTTP/2."""
+    while True:
+        try:
+            connection, _ = server.accept()
+        except OSError:  # closed: the test is over
+            return
+        with connection:
+            connection.sendall(bytes(9))  # the size of the SETTINGS frame a server sends first
+
+
+def test_unreachable_lists_the_other_tasks_that_are_gone_or_hung():
+    with socket.socket() as alive, socket.socket() as gone, socket.socket() as hung:
+        for s in (alive, gone, hung):
+            s.bind(("127.0.0.1", 0))
         alive.listen()
-        gone.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
-        addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in (gone, alive, gone)]
+        hung.listen()  # the kernel accepts for it, and nothing ever replies: a stopped process
+        threading.Thread(target=_reply_to_every_connection, args=(alive,), daemon=True).start()
+        # gone: bound, never listening, so connections are refused
+        addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in (gone, alive, gone, hung)]
         spec = cluster.ClusterSpec({"worker": tuple(addresses)}, "worker", 0)
-        assert spec.unreachable() == [f"worker:2 ({addresses[2]})"]
+        try:
+            assert spec.unreachable(timeout_s=1.0) == [
+                f"worker:2 ({addresses[2]})",
+                f"worker:3 ({addresses[3]})",
+            ]
+        finally:
+            alive.shutdown(socket.SHUT_RDWR)  # wakes its thread's `accept`, which then ends
