@@ -108,21 +108,16 @@ class MultiWorker(Strategy):
     def check_restored(self, step: int, model_dir: str) -> None:
         """Every worker restored the same step, or a `UserError` says `model_dir` is not shared.
 
-        Each worker puts its step at its own place in a vector that one
-        all-reduce sums, so every worker sees every worker's step.
+        Each replica puts its worker's step at its own place in a vector that
+        one all-reduce sums, so every worker sees every worker's step.
         """
         if not self.cluster or self.role != "train":
             return
-        jobs = self.cluster.as_dict()  # TensorFlow's order of the workers: the chief first
-        names = ["chief"] * len(jobs.get("chief", ())) + [
-            f"worker:{index}" for index in range(len(jobs.get("worker", ())))
-        ]
-        me = names.index(self.cluster.task_name)
+        replicas = self.num_replicas_in_sync
 
-        def place(v):
-            first = tf.distribute.get_replica_context().replica_id_in_sync_group == 0
-            mine = tf.one_hot(me, len(names), dtype=tf.int64) * v
-            return tf.where(first, mine, tf.zeros_like(mine))
+        def place(value):
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            return tf.one_hot(replica, replicas, dtype=tf.int64) * value
 
         @tf.function  # one collective; run eagerly, TensorFlow warns of its overhead
         def gather(value):
@@ -130,7 +125,15 @@ class MultiWorker(Strategy):
 
         steps = [int(s) for s in gather(tf.constant(step, tf.int64))]
         if len(set(steps)) > 1:
-            found = ", ".join(f"{name} step {s}" for name, s in zip(names, steps, strict=True))
+            # Replicas are numbered worker by worker, in TensorFlow's order: the chief first.
+            jobs = self.cluster.as_dict()
+            names = ["chief"] * len(jobs.get("chief", ())) + [
+                f"worker:{index}" for index in range(len(jobs.get("worker", ())))
+            ]
+            per_worker = replicas // len(names)
+            found = ", ".join(
+                f"{name} step {steps[i * per_worker]}" for i, name in enumerate(names)
+            )
             raise UserError(
                 f"the workers restored different steps from `model_dir` {model_dir} ({found}): "
                 "it is not shared between them; give every worker the same `--model_dir` on a "
