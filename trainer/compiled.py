@@ -14,6 +14,9 @@ workers and partial batches add up exactly:
   additions over replicas and steps, and the result is read once per loop.
   This is exact for every metric whose state is a sum (Keras's means, counts,
   accuracies, AUC and the confusion-matrix metrics; not e.g. a running max).
+  `loss` is exact too; Keras's per-output loss trackers of a multi-output
+  model (`<output>_loss`) count each replica's batch once, so they are exact
+  when the batches are equal (training) and close on a short last eval batch.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class CompiledTask:
         self._state = list(model.metrics_variables)
         self._zeros = [np.zeros(v.shape, v.dtype) for v in self._state]
 
-    def replica_loss(self, features, labels, outputs, weights):
+    def train_sums(self, model, features, labels, outputs, weights, global_batch_size: int):
         """This replica's share of the global batch's loss, and the step's sums.
 
         Keras's own share, as `fit` uses it: the mean over the replica's batch
@@ -59,7 +62,7 @@ class CompiledTask:
         """
         return self._stateless(features, labels, outputs, weights, training=True)
 
-    def sums(self, features, labels, outputs, weights, examples=None) -> dict:
+    def eval_sums(self, features, labels, outputs, weights, examples) -> dict:
         """The eval step's sums (loss and metric state additions)."""
         return self._stateless(features, labels, outputs, weights, examples, training=False)[1]
 
@@ -70,16 +73,22 @@ class CompiledTask:
                 features, labels, outputs, sample_weight=weights, training=training
             )
             self.model.compute_metrics(features, labels, outputs, sample_weight=weights)
-        # Keras divides the weighted sum by the rows (padding too) and by the replicas.
+        # Keras's mean divides the weighted sum by the rows (padding rows too) and by the
+        # replicas, and adds the regularisers; they count once per real example here.
         rows = tf.cast(tf.size(weights), tf.float32)
+        examples = rows if examples is None else tf.cast(examples, tf.float32)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        penalty = tf.add_n([tf.cast(x, tf.float32) for x in self.model.losses] or [0.0])
         sums = {
-            "loss": tf.cast(mean, tf.float32) * rows * replicas,
-            "examples": tf.cast(rows if examples is None else examples, tf.float32),
+            "loss": (tf.cast(mean, tf.float32) * replicas - penalty) * rows + penalty * examples,
+            "examples": examples,
         }
+        # Keras's `metrics=` ignore sample weights, so the padding row of an empty
+        # batch (see `steps.make_eval_step`) would count: such a batch adds nothing.
+        real = examples > 0
         for i, (variable, zero) in enumerate(zip(self._state, zeros)):
             value = scope.get_current_value(variable)
-            sums[f"{_STATE}{i}"] = zero if value is None else value
+            sums[f"{_STATE}{i}"] = zero if value is None else tf.where(real, value, zero)
         return mean, sums
 
     def metrics(self, sums: dict) -> dict[str, float]:

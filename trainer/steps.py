@@ -21,8 +21,15 @@ def make_train_step(
     global_batch_size: int,
     clip_global_norm: float = 0.0,
     jit_compile: bool = False,
+    custom_step: Callable | None = None,
 ) -> Callable:
     """One optimizer step on one replica's batch `(x, y)`; returns the task's sums.
+
+    `task` gives this replica's share of the loss and the step's sums
+    (`train_sums`). A user's task may bring its own step instead,
+    `custom_step(model, optimizer, features, labels, weights, replica_loss)`,
+    where `replica_loss(outputs)` is the task's `(loss share, sums)`; it applies
+    its own gradients and returns the sums.
 
     With `jit_compile`, XLA compiles the forward and backward pass; the update
     stays outside, where the strategy aggregates gradients across replicas
@@ -31,15 +38,11 @@ def make_train_step(
     """
 
     def gradients(x, y, weights) -> tuple:
-        replica = tf.distribute.get_replica_context()
         with tf.GradientTape() as tape:
             outputs = model(x, training=True)
-            per_example = task.per_example_loss(y, outputs)
-            loss = tf.reduce_sum(weights * per_example) / global_batch_size
-            if model.losses:  # regularisers: the same on every replica, so split evenly
-                loss += tf.add_n(model.losses) / replica.num_replicas_in_sync
+            loss, sums = task.train_sums(model, x, y, outputs, weights, global_batch_size)
             scaled = optimizer.scale_loss(loss)  # the loss itself, unless float16 loss scaling
-        return tape.gradient(scaled, model.trainable_variables), outputs, per_example
+        return tape.gradient(scaled, model.trainable_variables), sums
 
     if jit_compile:
         gradients = tf.function(gradients, jit_compile=True)
@@ -48,15 +51,20 @@ def make_train_step(
         # Train batches are always full (endless streams, remainders dropped), so
         # unlike eval there is no empty batch to pad, and padding would skew the
         # batch statistics of layers such as BatchNormalization.
-        x, y, weights = _unpack(batch)
+        x, y, weights = unpack(batch)
         weights = _weights(weights, y)
-        grads, outputs, per_example = gradients(x, y, weights)
+        if custom_step is not None:
+            return custom_step(model, optimizer, x, y, weights, replica_loss(x, y, weights))
+        grads, sums = gradients(x, y, weights)
         if clip_global_norm:
             # Loss-scaled gradients are clipped at the scaled norm.
             norm = clip_global_norm * optimizer.scale_loss(tf.constant(1.0))
             grads = _clip_summed(grads, norm, tf.distribute.get_replica_context())
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return task.sums(y, outputs, per_example, weights)
+        return sums
+
+    def replica_loss(x, y, weights) -> Callable:
+        return lambda outputs: task.train_sums(model, x, y, outputs, weights, global_batch_size)
 
     return step
 
@@ -82,7 +90,7 @@ def make_eval_step(model: keras.Model, task) -> Callable:
     """
 
     def step(batch) -> dict:
-        x, y, weights = _unpack(batch)
+        x, y, weights = unpack(batch)
         examples = _rows(y)
         real = tf.maximum(examples, 1)
         x, y, weights = tf.nest.map_structure(
@@ -90,12 +98,12 @@ def make_eval_step(model: keras.Model, task) -> Callable:
         )
         weights *= tf.cast(tf.range(real) < examples, weights.dtype)  # the padding weighs 0
         outputs = model(x, training=False)
-        return task.sums(y, outputs, task.per_example_loss(y, outputs), weights, examples)
+        return task.eval_sums(x, y, outputs, weights, examples)
 
     return step
 
 
-def _unpack(batch) -> tuple:
+def unpack(batch) -> tuple:
     """`(features, labels, weights)` from a 2- or 3-tuple; weights None if absent."""
     if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
         raise ValueError(

@@ -27,6 +27,24 @@ _EPSILON = 1e-7  # probabilities are clipped to [eps, 1] before the log, as Kera
 class _Task:
     """What every task shares: weighted sums of the loss, the weight and the examples."""
 
+    def train_sums(self, model, features, labels, outputs, weights, global_batch_size: int):
+        """This replica's share of the global batch's loss, and the step's sums.
+
+        The weighted loss is divided by the global batch size, so the replicas'
+        shares add up to the global batch's mean; regularisers (`model.losses`)
+        are the same on every replica, so each adds its equal part.
+        """
+        per_example = self.per_example_loss(labels, outputs)
+        loss = tf.reduce_sum(weights * tf.cast(per_example, tf.float32)) / global_batch_size
+        if model.losses:
+            replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+            loss += tf.cast(tf.add_n(model.losses), tf.float32) / replicas
+        return loss, self.sums(labels, outputs, per_example, weights)
+
+    def eval_sums(self, features, labels, outputs, weights, examples) -> dict:
+        """One eval batch's sums; padding rows have weight 0, `examples` counts the real ones."""
+        return self.sums(labels, outputs, self.per_example_loss(labels, outputs), weights, examples)
+
     def sums(
         self,
         labels: tf.Tensor,

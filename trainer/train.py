@@ -25,6 +25,7 @@ from strategies.errors import UserError
 from trainer import (
     actions,
     checks,
+    compiled,
     controller,
     data,
     faults,
@@ -41,6 +42,7 @@ from trainer.export import export
 from trainer.summaries import Summaries
 
 MODES = ("train", "eval", "train_and_eval")
+_ONE_PIPELINE = tf.distribute.InputContext()  # one pipeline feeding one replica
 
 
 @dataclasses.dataclass
@@ -51,7 +53,7 @@ class Job:
     model_dir: str
     strategy: strategies.Strategy
     dataset: data.Dataset
-    task: tasks.Classification | tasks.Regression
+    task: tasks.Classification | tasks.Regression | compiled.CompiledTask
     total_steps: int
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
@@ -126,11 +128,19 @@ def build(
         optimizer = optim.build(config.optimizer, total_steps)
         optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
         optimizer.build(model.trainable_variables)
-    task = tasks.for_spec(dataset.spec.num_classes, models.output_kind(model))
+        task = _objective(model, dataset)
     user_actions = actions.user_actions(config.train.get("actions", ""), config)
     return Job(
         config, model_dir, strategy, dataset, task, total_steps, model, optimizer, user_actions
     )
+
+
+def _objective(model: keras.Model, dataset: data.Dataset):
+    """The loss and metrics: those the user `compile()`d the model with, or the data's task."""
+    if compiled.is_compiled(model):
+        features, labels, _ = steps.unpack(next(iter(dataset.eval_fn(2)(_ONE_PIPELINE))))
+        return compiled.CompiledTask(model, features, labels)
+    return tasks.for_spec(dataset.spec.num_classes, models.output_kind(model))
 
 
 def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
