@@ -1,5 +1,7 @@
 """A model the user compiled: Keras's own loss and metrics, exact under every strategy."""
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -143,3 +145,24 @@ def test_multi_output_sums_over_replicas_equal_keras_evaluate():
         if name.endswith("_loss"):
             continue
         assert ours[name] == pytest.approx(value, rel=1e-5), name
+
+
+def test_the_compiled_example_on_a_parameter_server_cluster(tmp_path):
+    """The README's example model under `parameter_server`: 2 workers and 1 ps, as processes."""
+    run = helpers.launch(
+        "--workers=2",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        "--config.model.name=examples.compiled_model:build",
+        "--config.train.steps=200",
+        f"--model_dir={tmp_path / 'run'}",
+        cwd=helpers.REPO,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["step"] >= 200
+    assert results["eval"]["examples"] == 360
+    assert (
+        results["eval"]["accuracy"] > 0.9 and results["eval"]["top3"] > results["eval"]["accuracy"]
+    )
