@@ -66,16 +66,15 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
     """Builds `config.model.name` for data described by `spec`.
 
     Raises:
-      UserError: the name does not resolve, the builder rejects the config, or it
-        returns no keras.Model.
+      UserError: the name does not resolve, a built-in builder rejects the config,
+        or the builder returns no keras.Model. An exception from the user's own
+        builder is theirs: it keeps its traceback.
     """
-    try:
-        model = resolve(config.name)(spec, config)
-    except (ValueError, TypeError) as e:
-        raise UserError(
-            f"`model.name` '{config.name}' could not be built from the `model` config: "
-            f"{str(e).strip().splitlines()[0]}"
-        ) from None
+    builder = resolve(config.name)
+    if config.name not in _BUILDERS:
+        model = builder(spec, config)
+    else:
+        model = _built_in(builder, spec, config)
     if not isinstance(model, keras.Model):
         raise UserError(
             f"`model.name` '{config.name}' returned {type(model).__name__}, not a keras.Model."
@@ -89,6 +88,17 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
                 "softmax (a sigmoid only as one unit for two classes)."
             )
     return model
+
+
+def _built_in(builder: Builder, spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
+    """A built-in model; Keras rejecting a value of our `model` config is a config mistake."""
+    try:
+        return builder(spec, config)
+    except (ValueError, TypeError) as e:
+        raise UserError(
+            f"`model.name` '{config.name}' could not be built from the `model` config: "
+            f"{str(e).strip().splitlines()[0]}"
+        ) from None
 
 
 def output_kind(model: keras.Model) -> str:
