@@ -16,7 +16,7 @@ from configs import default
 from strategies.errors import UserError
 from trainer import data
 
-DIGITS = os.path.join(os.path.dirname(data.__file__), "assets", "digits.npz")
+DIGITS = os.path.join(os.path.dirname(os.path.dirname(data.__file__)), "assets", "digits.npz")
 
 
 def _config(name: str = "digits", **fields) -> ml_collections.ConfigDict:
@@ -422,7 +422,7 @@ def test_csv_wrong_column_count(tmp_path):
 
 def _csv_with_a_bad_line(tmp_path, monkeypatch, row: int, text: str) -> ml_collections.ConfigDict:
     """Two train files of 150 rows; row `row` of the second (0-based) replaced by `text`."""
-    monkeypatch.setattr(data, "_CSV_LINES_AT_ONCE", 64)  # the bad line is in a later chunk
+    monkeypatch.setattr(data.csv, "_CSV_LINES_AT_ONCE", 64)  # the bad line is in a later chunk
     x, y = _arrays(300, seed=0)
     _write_csv(str(tmp_path / "train-0.csv"), x[:150], y[:150])
     path = tmp_path / "train-1.csv"

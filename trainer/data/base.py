@@ -1,0 +1,432 @@
+"""What every data source shares: spec, the two kinds of split, batching, sharding, registry.
+
+A source module registers a builder `fn(config.data) -> Dataset` with
+`@register("name")`; it describes its splits (`indexed_dataset` for examples
+made from their index, `file_dataset` for records read from files) and the
+`Dataset` here turns them into per-replica batches for `tf.distribute`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+
+import ml_collections
+import tensorflow as tf
+
+from strategies.errors import UserError
+from trainer import named
+
+_FILES_READ_AT_ONCE = 8  # a fixed interleave width keeps record order machine-independent
+
+Decode = Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
+
+# How input pipelines (one per worker) split the data, `data.sharding`:
+SHARDING = {
+    "auto": "files when there are enough of them for every pipeline, else records",
+    "file": "each pipeline reads its own files",
+    "data": "each pipeline reads every file and keeps its share of the examples",
+    "off": "every pipeline reads all the data",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """What a model needs to know about the data.
+
+    Attributes:
+      input_shape: the shape of one example, e.g. (8, 8, 1).
+      num_classes: classes of the label; 0 means regression.
+      train_size: examples in the train split, or None if unknown (files).
+      eval_size: examples in the eval split, or None if unknown (files).
+    """
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    train_size: int | None
+    eval_size: int | None
+
+    @property
+    def task(self) -> str:
+        """Either "classification" or "regression"."""
+        return "classification" if self.num_classes > 0 else "regression"
+
+
+@dataclasses.dataclass(frozen=True)
+class _IndexedSplit:
+    """Examples `begin, ..., begin + size - 1` of a source that can make any example.
+
+    In the eval pass pipeline `p` of `P` owns the examples at offsets `p, p + P,
+    p + 2P, ...` (what `Dataset.shard(P, p)` keeps); in training it takes every
+    `P`-th batch of one shared stream (see `shuffled_batches`).
+    """
+
+    begin: int
+    size: int
+    decode: Decode  # a batch of indices -> (x, y)
+    origin: str  # names the split in errors
+
+    def records(self, context: tf.distribute.InputContext) -> tf.data.Dataset:
+        """This pipeline's indices, in order, once."""
+        return _shard(tf.data.Dataset.range(self.begin, self.begin + self.size), context)
+
+    def shuffled_batches(
+        self, context: tf.distribute.InputContext, seed: int, batch: int, first: int
+    ) -> tf.data.Dataset:
+        """This pipeline's batches of indices, endlessly, a new permutation each epoch.
+
+        There is one stream of batches for the whole split, whatever the number of
+        pipelines: pipeline `p` of `P` takes its batches `p, p + P, p + 2P, ...`.
+        So a step sees the same examples with one pipeline feeding every replica
+        (`mirrored`) as with one pipeline per worker (`multi_worker`), and the two
+        train to the same weights. Batch `first` of this pipeline comes first;
+        finding it costs nothing.
+        """
+        pipelines, pipeline = context.num_input_pipelines, context.input_pipeline_id
+        last = tf.constant(self.size - 1, tf.int64)
+
+        def indices(number: tf.Tensor) -> tf.Tensor:
+            stream_batch = number * pipelines + pipeline
+            positions = stream_batch * batch + tf.range(batch, dtype=tf.int64)
+            epochs, zeros = positions // self.size, tf.zeros([batch], tf.int64)
+            # A new permutation of the split for each (seed, epoch).
+            # The raw op, because `index_shuffle` pads per-example seeds wrongly in TF 2.21.
+            seeds = tf.stack([zeros + seed, epochs, zeros], axis=1)
+            offsets = tf.raw_ops.RandomIndexShuffle(
+                index=positions % self.size, seed=seeds, max_index=last, rounds=4
+            )
+            return self.begin + offsets
+
+        return tf.data.Dataset.counter(first).map(indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FileSplit:
+    """The records of some files; pipelines share files, or records if files are too few."""
+
+    files: tuple[str, ...]
+    read: Callable[[tf.Tensor], tf.data.Dataset]  # one file name -> its records
+    decode: Decode  # a batch of records -> (x, y)
+    origin: str
+    shuffle_buffer: int
+    sharding: str = "auto"  # see SHARDING
+
+    def records(
+        self, context: tf.distribute.InputContext, seed: int | None = None
+    ) -> tf.data.Dataset:
+        """This pipeline's records, once; in file order, or file order shuffled by `seed`."""
+        files = tf.data.Dataset.from_tensor_slices(list(self.files))
+        if seed is not None:
+            files = files.shuffle(len(self.files), seed=seed, reshuffle_each_iteration=True)
+        pipelines = context.num_input_pipelines
+        if self.sharding == "file" and len(self.files) < pipelines:
+            raise UserError(
+                f"`data.sharding` 'file' needs at least one file per input pipeline, and "
+                f"{self.origin} has {len(self.files)} for {pipelines}; use 'auto' or 'data'."
+            )
+        by_file = self.sharding == "file" or (
+            self.sharding == "auto" and len(self.files) >= pipelines
+        )
+        if by_file:
+            files = _shard(files, context)
+        records = files.interleave(
+            self.read,
+            cycle_length=min(len(self.files), _FILES_READ_AT_ONCE),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,
+        )
+        return records if by_file else _shard(records, context)
+
+    def shuffled_batches(
+        self, context: tf.distribute.InputContext, seed: int, batch: int, first: int
+    ) -> tf.data.Dataset:
+        """This pipeline's records in batches, endlessly, reshuffled each epoch.
+
+        Batch `first` of the stream comes first; finding it reads (not parses) the
+        records before it.
+        """
+        records = self.records(context, seed)
+        records = records.shuffle(self.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+        return records.repeat().skip(first * batch).batch(batch, drop_remainder=True)
+
+
+_Split = _IndexedSplit | _FileSplit
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A dataset's spec and the input pipelines of its two splits.
+
+    Attributes:
+      spec: shapes, classes and sizes, for building the model.
+      train_split: where training examples come from.
+      eval_split: where eval examples come from.
+      layout: how records are read, for error messages.
+      ram_budget_mb: tf.data autotuning's memory budget in MiB (0 = TF's default).
+      sharding: how pipelines split the data (see `SHARDING`).
+    """
+
+    spec: DataSpec
+    train_split: _Split
+    eval_split: _Split
+    layout: str
+    ram_budget_mb: int = 0
+    sharding: str = "auto"
+
+    def train_fn(
+        self, global_batch_size: int, seed: int, start_step: int = 0
+    ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+        """The endless, shuffled training stream, as a `dataset_fn` for `tf.distribute`.
+
+        Args:
+          global_batch_size: examples per step over all replicas.
+          seed: fixes the shuffling; the same seed gives the same batches.
+          start_step: begin with the batches of this step of a run from step 0.
+            Each step takes one batch for each replica a pipeline feeds.
+
+        Returns:
+          `dataset_fn(input_context)`: full per-replica batches of this pipeline's shard.
+        """
+
+        def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+            batch = context.get_per_replica_batch_size(global_batch_size)
+            replicas_fed = max(1, context.num_replicas_in_sync // context.num_input_pipelines)
+            split = self.train_split
+            context = self._shared(context)
+            batches = split.shuffled_batches(context, seed, batch, start_step * replicas_fed)
+            return _decoded(batches, split.decode).with_options(self._options())
+
+        return dataset_fn
+
+    def eval_fn(
+        self, global_batch_size: int
+    ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+        """One ordered pass over the eval split, as a `dataset_fn` for `tf.distribute`.
+
+        Args:
+          global_batch_size: examples per step over all replicas.
+
+        Returns:
+          `dataset_fn(input_context)`: per-replica batches of this pipeline's shard,
+          the last one short, so that every eval example counts exactly once.
+        """
+
+        def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+            batch = context.get_per_replica_batch_size(global_batch_size)
+            records = self.eval_split.records(self._shared(context)).batch(batch)
+            return _decoded(records, self.eval_split.decode).with_options(self._options())
+
+        return dataset_fn
+
+    def _shared(self, context: tf.distribute.InputContext) -> tf.distribute.InputContext:
+        """With `data.sharding=off` every pipeline reads all the data, as if it were alone."""
+        if self.sharding != "off":
+            return context
+        return tf.distribute.InputContext(1, 0, context.num_replicas_in_sync)
+
+    def _options(self) -> tf.data.Options:
+        """tf.data autotunes parallelism and prefetch depths within the memory budget."""
+        options = tf.data.Options()
+        options.autotune.enabled = True
+        if self.ram_budget_mb:
+            options.autotune.ram_budget = self.ram_budget_mb << 20
+        return options
+
+
+def _shard(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:
+    if context.num_input_pipelines == 1:
+        return dataset
+    return dataset.shard(context.num_input_pipelines, context.input_pipeline_id)
+
+
+def _decoded(batches: tf.data.Dataset, decode: Decode) -> tf.data.Dataset:
+    """`(x, y)` from batches of records; decoding whole batches is the fast way."""
+    batches = batches.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return batches.prefetch(tf.data.AUTOTUNE)
+
+
+def check(dataset: Dataset) -> None:
+    """Reads the first example of each split, so bad files fail before training starts.
+
+    Raises:
+      UserError: a split has no examples, or its first records do not match the spec.
+    """
+    context = tf.distribute.InputContext()
+    for split in (dataset.train_split, dataset.eval_split):
+        batches = _decoded(split.records(context).batch(1), split.decode)
+        try:
+            next(iter(batches))
+        except StopIteration:
+            raise UserError(
+                f"{split.origin} holds no examples; give files with at least one record."
+            ) from None
+        except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
+            raise UserError(
+                f"Cannot read {split.origin} as {dataset.layout}: {gist(error)}; "
+                "make the spec match the files."
+            ) from None
+
+
+def gist(error: tf.errors.OpError) -> str:
+    """The first line of a TF error, without the names of the ops and iterators it went through."""
+    line = error.message.strip().splitlines()[0]
+    line = re.sub(r"^.*Iterator::\S+: |\{\{.*?\}\}", "", line)
+    return " ".join(line.split()).rstrip(" .")
+
+
+# --- the registry -------------------------------------------------------------
+
+_BUILDERS = named.Registry("Dataset")  # name -> fn(config.data) -> Dataset
+register = _BUILDERS.register
+
+
+def names() -> list[str]:
+    """The known `data.name` values."""
+    return _BUILDERS.names()
+
+
+def get(config: ml_collections.ConfigDict) -> Dataset:
+    """Builds the dataset that `config` (the `data` part of a config) describes.
+
+    Raises:
+      UserError: an unknown name or a bad value; the message names the field.
+    """
+    if config.name not in _BUILDERS:
+        raise UserError(
+            f"Unknown dataset `data.name` '{config.name}'; known: {', '.join(names())}."
+        )
+    budget = config.get("autotune_ram_budget_mb", 0)
+    if budget < 0:
+        raise UserError(
+            f"`data.autotune_ram_budget_mb` ({budget}) must be >= 0 (0 = TF's default, "
+            "half the RAM); set e.g. `--config.data.autotune_ram_budget_mb=2048`."
+        )
+    sharding = config.get("sharding", "auto")
+    if sharding not in SHARDING:
+        raise UserError(f"Unknown `data.sharding` '{sharding}'; known: {', '.join(SHARDING)}.")
+    dataset = _BUILDERS[config.name](config)
+    splits = {
+        name: dataclasses.replace(getattr(dataset, name), sharding=sharding)
+        for name in ("train_split", "eval_split")
+        if isinstance(getattr(dataset, name), _FileSplit)
+    }
+    return dataclasses.replace(dataset, ram_budget_mb=budget, sharding=sharding, **splits)
+
+
+def indexed_dataset(
+    config: ml_collections.ConfigDict,
+    size: int,
+    shape: tuple[int, ...],
+    classes: int,
+    decode: Decode,
+    origin: str,
+) -> Dataset:
+    """A dataset whose last `data.eval_fraction` of the indices is the eval split."""
+    fraction = config.eval_fraction
+    if not 0 < fraction < 1:
+        raise UserError(
+            f"`data.eval_fraction` ({fraction}) must be between 0 and 1 (exclusive); "
+            "set e.g. `--config.data.eval_fraction=0.2`."
+        )
+    # Round up, so 0.2 of 1,797 holds out 360; `round` first absorbs float error.
+    eval_size = math.ceil(round(fraction * size, 9))
+    train_size = size - eval_size
+    if train_size < 1:
+        raise UserError(
+            f"{origin} has {size} examples, so `data.eval_fraction` ({fraction}) leaves none "
+            "for training; use more examples or a smaller fraction."
+        )
+    spec = DataSpec(shape, classes, train_size, eval_size)
+    train = _IndexedSplit(0, train_size, decode, f"the train split of {origin}")
+    evaluation = _IndexedSplit(train_size, eval_size, decode, f"the eval split of {origin}")
+    return Dataset(spec, train, evaluation, layout=f"{shape} inputs")
+
+
+def file_dataset(
+    config: ml_collections.ConfigDict,
+    files: dict[str, list[str]],
+    read: Callable[[tf.Tensor], tf.data.Dataset],
+    decode: Decode,
+    shape: tuple[int, ...],
+    classes: int,
+    layout: str,
+    sizes: Sequence[int | None] = (None, None),
+) -> Dataset:
+    """A dataset read from the `files` of each split, of the `sizes` (train, eval) if known."""
+    buffer = check_positive("data.shuffle_buffer", config.shuffle_buffer)
+    train, evaluation = (
+        _FileSplit(tuple(files[field]), read, decode, f"`data.{field}` '{config[field]}'", buffer)
+        for field in ("train_files", "eval_files")
+    )
+    return Dataset(DataSpec(shape, classes, *sizes), train, evaluation, layout)
+
+
+def glob_files(config: ml_collections.ConfigDict, kind: str) -> dict[str, list[str]]:
+    """The sorted files of `data.train_files` and `data.eval_files`."""
+    files = {}
+    for field in ("train_files", "eval_files"):
+        pattern = config[field]
+        if not pattern:
+            raise UserError(
+                f"`data.{field}` is empty; give a glob of your {kind} files, "
+                f"e.g. `--config.data.{field}='/data/{field[:-6]}-*'`."
+            )
+        files[field] = sorted(tf.io.gfile.glob(pattern))
+        if not files[field]:
+            raise UserError(
+                f"No files match `data.{field}` '{pattern}'; give a glob that matches your "
+                f"{kind} files."
+            )
+    return files
+
+
+def listed(names: list[str], most: int = 12) -> str:
+    """`names` for a one-line message: the first `most`, then how many in all."""
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown}, ... ({len(names)} in all)"
+
+
+def file_spec(config: ml_collections.ConfigDict) -> tuple[tuple[int, ...], int]:
+    """`data.input_shape` and `data.num_classes`, checked."""
+    return (
+        check_shape("data.input_shape", config.input_shape),
+        check_classes("data.num_classes", config.num_classes),
+    )
+
+
+# --- shared checks and conversions -------------------------------------------------
+
+
+def as_labels(labels: tf.Tensor, classes: int) -> tf.Tensor:
+    """Labels as the tasks take them: int32 classes, or float32 for regression."""
+    return tf.cast(labels, tf.int32 if classes else tf.float32)
+
+
+def check_shape(field: str, value: Sequence[int]) -> tuple[int, ...]:
+    """`value` as the shape of one example; raises UserError naming `field` if it is none."""
+    shape = tuple(value) if isinstance(value, (tuple, list)) else ()
+    if not shape or not all(isinstance(d, int) and d > 0 for d in shape):
+        raise UserError(
+            f"`{field}` ({value!r}) must be a tuple of positive ints, the shape of one "
+            f"example; set e.g. `--config.{field}='(8, 8, 1)'`."
+        )
+    return shape
+
+
+def check_classes(field: str, value: int) -> int:
+    """`value` as a class count: 0 (regression) or at least 2; else UserError naming `field`."""
+    if value < 0 or value == 1:
+        raise UserError(
+            f"`{field}` ({value}) must be 0 (regression) or at least 2 classes; "
+            f"set e.g. `--config.{field}=10`."
+        )
+    return value
+
+
+def check_positive(field: str, value: int) -> int:
+    """`value` if it is at least 1; else UserError naming `field`."""
+    if value < 1:
+        raise UserError(f"`{field}` ({value}) must be >= 1; set e.g. `--config.{field}=1000`.")
+    return value
