@@ -240,10 +240,13 @@ class Checkpointer:
             free = f", {shutil.disk_usage(self._write_dir).free / 2**20:.1f} MiB free"
         latest = self._newest_first(self._write_dir)
         kept = f"the last good checkpoint {latest[0]} is kept" if latest else "none was saved"
+        where, elsewhere = f"`model_dir` {self.model_dir}", "another `--model_dir`"
+        if self._temp_dir:  # a task that is not the chief writes to the temp dir
+            where, elsewhere = f"this task's scratch directory {self._temp_dir}", "`TMPDIR`"
         return NoSpace(
-            f"no space left in `model_dir` {self.model_dir} for checkpoint ckpt-{step}: it "
-            f"needs about {self._bytes / 2**20:.1f} MiB{free}; {kept}. Free some space (or "
-            "pass another `--model_dir`) and run again to resume."
+            f"no space left in {where} for checkpoint ckpt-{step}: it needs about "
+            f"{self._bytes / 2**20:.1f} MiB{free}; {kept}. Free some space (or pass "
+            f"{elsewhere} on a larger disk) and run again to resume."
         )
 
 
