@@ -206,14 +206,14 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
 def _export(job: Job) -> None:
     """Every task exports (some strategies save collectively); only the chief's is kept."""
     spec = job.dataset.spec
+    raw = isinstance(job.task, compiled.CompiledTask)  # the user's outputs, as compiled
     if job.strategy.is_chief:
-        path = export(
-            job.model, os.path.join(job.model_dir, "export"), spec.input_shape, spec.num_classes
-        )
+        path = os.path.join(job.model_dir, "export")
+        export(job.model, path, spec.input_shape, spec.num_classes, raw)
         say(f"exported SavedModel to {path}")
         return
     with tempfile.TemporaryDirectory(prefix="towerflow-export-") as scratch:
-        export(job.model, os.path.join(scratch, "export"), spec.input_shape, spec.num_classes)
+        export(job.model, os.path.join(scratch, "export"), spec.input_shape, spec.num_classes, raw)
 
 
 def sidecar_evaluate(job: Job) -> dict:
