@@ -389,7 +389,9 @@ def _raises(match: str, fn, *args) -> str:
 
 def test_unknown_name():
     message = _raises("Unknown dataset `data.name` 'digts'", data.get, _config("digts"))
-    assert message.endswith("known: csv, ctr, digits, synthetic, tfrecord.")
+    assert "known: csv, ctr, digits, synthetic, tfrecord, or your own as 'module.path:name'" in (
+        message
+    )
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0, 1.5])

@@ -119,6 +119,8 @@ def check_batch_fits(config: ml_collections.ConfigDict, spec) -> None:
             f"`{config.data.name}` ({spec.train_size} examples); use at most {spec.train_size}, "
             f"e.g. `--config.train.global_batch_size={min(128, spec.train_size)}`."
         )
+    if spec.input_shape is None:
+        return  # named features or a user's pipeline: no one shape to size a batch by
     memory = _memory_bytes()
     for field in ("train.global_batch_size", "eval.global_batch_size"):
         size = _get(config, field)

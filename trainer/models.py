@@ -11,7 +11,6 @@ use `trainer.layers.Dropout`, whose masks do not depend on the replicas.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import keras
@@ -23,7 +22,7 @@ from trainer.data import DataSpec
 from trainer.layers import Dropout, ShardedEmbedding
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
-_BUILDERS = named.Registry("Model builder")
+_BUILDERS = named.Registry("Model")
 builder = _BUILDERS.register  # `@builder("name")` registers a built-in model builder
 
 
@@ -38,28 +37,7 @@ def resolve(name: str) -> Builder:
     Raises:
       UserError: an unknown name, a module that does not import, or a missing function.
     """
-    if name in _BUILDERS:
-        return _BUILDERS[name]
-    if ":" not in name:
-        raise UserError(
-            f"Unknown model `model.name` '{name}'; built-in models: {', '.join(names())}, "
-            "or give your own builder as 'module.path:function'."
-        )
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(
-            f"`model.name` '{name}': cannot import module '{module_name}' ({e}); "
-            "check the module path and that it is on PYTHONPATH."
-        ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(
-            f"`model.name` '{name}': module '{module_name}' has no function '{attr}'; "
-            "give 'module.path:function' of a function returning a keras.Model."
-        )
-    return fn
+    return _BUILDERS.lookup("model.name", name, "a function returning a keras.Model")
 
 
 def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:

@@ -6,6 +6,8 @@ import importlib
 from collections.abc import Callable
 from typing import TypeVar
 
+from strategies.errors import UserError
+
 F = TypeVar("F", bound=Callable)
 
 
@@ -31,6 +33,27 @@ class Registry(dict):
         """The registered names, sorted."""
         return sorted(self)
 
+    def lookup(self, field: str, name: str, expect: str) -> Callable:
+        """The function registered as `name`, or the user's own "module.path:name".
+
+        Args:
+          field: the config field that holds `name`, for messages (e.g. "model.name").
+          name: a registered name, or "module.path:name".
+          expect: what the user's callable must be, for messages.
+
+        Raises:
+          UserError: an unknown name (the message lists the known ones), or a
+            reference that does not resolve (see `resolve`).
+        """
+        if name in self:
+            return self[name]
+        if ":" not in name:
+            raise UserError(
+                f"Unknown {self.kind.lower()} `{field}` '{name}'; known: "
+                f"{', '.join(self.names())}, or your own as 'module.path:name' ({expect})."
+            )
+        return resolve(field, name, expect)
+
 
 def resolve(field: str, reference: str, expect: str) -> Callable:
     """The callable that "module.path:name" names, for a config field such as `model.name`.
@@ -45,8 +68,6 @@ def resolve(field: str, reference: str, expect: str) -> Callable:
         module that exists but fails while importing raises its own error: the
         bug is in the user's code, and its traceback says where.
     """
-    from strategies.errors import UserError
-
     module_name, colon, attr = reference.partition(":")
     if not colon or not module_name or not attr:
         raise UserError(

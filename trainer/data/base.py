@@ -12,6 +12,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import ml_collections
 import tensorflow as tf
@@ -37,13 +38,14 @@ class DataSpec:
     """What a model needs to know about the data.
 
     Attributes:
-      input_shape: the shape of one example, e.g. (8, 8, 1).
+      input_shape: the shape of one example, e.g. (8, 8, 1); None when the
+        features are several named tensors (a dict) or of no fixed shape.
       num_classes: classes of the label; 0 means regression.
       train_size: examples in the train split, or None if unknown (files).
       eval_size: examples in the eval split, or None if unknown (files).
     """
 
-    input_shape: tuple[int, ...]
+    input_shape: tuple[int, ...] | None
     num_classes: int
     train_size: int | None
     eval_size: int | None
@@ -52,6 +54,33 @@ class DataSpec:
     def task(self) -> str:
         """Either "classification" or "regression"."""
         return "classification" if self.num_classes > 0 else "regression"
+
+
+DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+
+
+class Dataset(Protocol):
+    """What every source gives the loop: the data's spec and its two input pipelines.
+
+    `train_fn` and `eval_fn` return the `dataset_fn(input_context)` that
+    `Strategy.distribute_dataset` calls once per input pipeline; each yields
+    per-replica batches of `(features, labels)` or `(features, labels,
+    sample_weights)` from that pipeline's shard only.
+    """
+
+    spec: DataSpec
+
+    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
+        """The endless training stream; `start_step=k` begins with the batches of step `k`."""
+        ...
+
+    def eval_fn(self, global_batch_size: int) -> DatasetFn:
+        """One pass over the eval split, in which every example counts once."""
+        ...
+
+    def check(self) -> None:
+        """Reads the first batch of each split; raises UserError if it is not what it must be."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +185,8 @@ _Split = _IndexedSplit | _FileSplit
 
 
 @dataclasses.dataclass(frozen=True)
-class Dataset:
-    """A dataset's spec and the input pipelines of its two splits.
+class SplitDataset:
+    """A built-in source's `Dataset`: the spec and the records of its two splits.
 
     Attributes:
       spec: shapes, classes and sizes, for building the model.
@@ -175,9 +204,7 @@ class Dataset:
     ram_budget_mb: int = 0
     sharding: str = "auto"
 
-    def train_fn(
-        self, global_batch_size: int, seed: int, start_step: int = 0
-    ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The endless, shuffled training stream, as a `dataset_fn` for `tf.distribute`.
 
         Args:
@@ -192,17 +219,17 @@ class Dataset:
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
             batch = context.get_per_replica_batch_size(global_batch_size)
-            replicas_fed = max(1, context.num_replicas_in_sync // context.num_input_pipelines)
+            first = batches_before(start_step, context)
             split = self.train_split
-            context = self._shared(context)
-            batches = split.shuffled_batches(context, seed, batch, start_step * replicas_fed)
-            return _decoded(batches, split.decode).with_options(self._options())
+            context = shared_context(context, self.sharding)
+            batches = split.shuffled_batches(context, seed, batch, first)
+            return _decoded(batches, split.decode).with_options(
+                pipeline_options(self.ram_budget_mb)
+            )
 
         return dataset_fn
 
-    def eval_fn(
-        self, global_batch_size: int
-    ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
+    def eval_fn(self, global_batch_size: int) -> DatasetFn:
         """One ordered pass over the eval split, as a `dataset_fn` for `tf.distribute`.
 
         Args:
@@ -215,24 +242,55 @@ class Dataset:
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
             batch = context.get_per_replica_batch_size(global_batch_size)
-            records = self.eval_split.records(self._shared(context)).batch(batch)
-            return _decoded(records, self.eval_split.decode).with_options(self._options())
+            records = self.eval_split.records(shared_context(context, self.sharding))
+            batches = _decoded(records.batch(batch), self.eval_split.decode)
+            return batches.with_options(pipeline_options(self.ram_budget_mb))
 
         return dataset_fn
 
-    def _shared(self, context: tf.distribute.InputContext) -> tf.distribute.InputContext:
-        """With `data.sharding=off` every pipeline reads all the data, as if it were alone."""
-        if self.sharding != "off":
-            return context
-        return tf.distribute.InputContext(1, 0, context.num_replicas_in_sync)
+    def check(self) -> None:
+        """Reads the first example of each split, so bad files fail before training starts.
 
-    def _options(self) -> tf.data.Options:
-        """tf.data autotunes parallelism and prefetch depths within the memory budget."""
-        options = tf.data.Options()
-        options.autotune.enabled = True
-        if self.ram_budget_mb:
-            options.autotune.ram_budget = self.ram_budget_mb << 20
-        return options
+        Raises:
+          UserError: a split has no examples, or its first records do not match the spec.
+        """
+        context = tf.distribute.InputContext()
+        for split in (self.train_split, self.eval_split):
+            batches = _decoded(split.records(context).batch(1), split.decode)
+            try:
+                next(iter(batches))
+            except StopIteration:
+                raise UserError(
+                    f"{split.origin} holds no examples; give files with at least one record."
+                ) from None
+            except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
+                raise UserError(
+                    f"Cannot read {split.origin} as {self.layout}: {gist(error)}; "
+                    "make the spec match the files."
+                ) from None
+
+
+def batches_before(step: int, context: tf.distribute.InputContext) -> int:
+    """How many batches this pipeline gave steps 0, ..., `step` - 1: one per replica it feeds."""
+    return step * max(1, context.num_replicas_in_sync // context.num_input_pipelines)
+
+
+def shared_context(
+    context: tf.distribute.InputContext, sharding: str
+) -> tf.distribute.InputContext:
+    """With `data.sharding=off` every pipeline reads all the data, as if it were alone."""
+    if sharding != "off":
+        return context
+    return tf.distribute.InputContext(1, 0, context.num_replicas_in_sync)
+
+
+def pipeline_options(ram_budget_mb: int) -> tf.data.Options:
+    """tf.data autotunes parallelism and prefetch depths within the memory budget (0 = TF's)."""
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    if ram_budget_mb:
+        options.autotune.ram_budget = ram_budget_mb << 20
+    return options
 
 
 def _shard(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -248,25 +306,12 @@ def _decoded(batches: tf.data.Dataset, decode: Decode) -> tf.data.Dataset:
 
 
 def check(dataset: Dataset) -> None:
-    """Reads the first example of each split, so bad files fail before training starts.
+    """Reads the first batch of each split of `dataset`, so bad data fails before training.
 
     Raises:
-      UserError: a split has no examples, or its first records do not match the spec.
+      UserError: a split has no examples, or what it yields is not what the spec says.
     """
-    context = tf.distribute.InputContext()
-    for split in (dataset.train_split, dataset.eval_split):
-        batches = _decoded(split.records(context).batch(1), split.decode)
-        try:
-            next(iter(batches))
-        except StopIteration:
-            raise UserError(
-                f"{split.origin} holds no examples; give files with at least one record."
-            ) from None
-        except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
-            raise UserError(
-                f"Cannot read {split.origin} as {dataset.layout}: {gist(error)}; "
-                "make the spec match the files."
-            ) from None
+    dataset.check()
 
 
 def gist(error: tf.errors.OpError) -> str:
@@ -278,25 +323,21 @@ def gist(error: tf.errors.OpError) -> str:
 
 # --- the registry -------------------------------------------------------------
 
-_BUILDERS = named.Registry("Dataset")  # name -> fn(config.data) -> Dataset
-register = _BUILDERS.register
+BUILDERS = named.Registry("Dataset")  # name -> fn(config.data) -> Dataset
+register = BUILDERS.register
 
 
 def names() -> list[str]:
-    """The known `data.name` values."""
-    return _BUILDERS.names()
+    """The built-in `data.name` values."""
+    return BUILDERS.names()
 
 
-def get(config: ml_collections.ConfigDict) -> Dataset:
-    """Builds the dataset that `config` (the `data` part of a config) describes.
+def settings(config: ml_collections.ConfigDict) -> tuple[int, str]:
+    """`data.autotune_ram_budget_mb` and `data.sharding`, checked.
 
     Raises:
-      UserError: an unknown name or a bad value; the message names the field.
+      UserError: a negative budget or an unknown sharding.
     """
-    if config.name not in _BUILDERS:
-        raise UserError(
-            f"Unknown dataset `data.name` '{config.name}'; known: {', '.join(names())}."
-        )
     budget = config.get("autotune_ram_budget_mb", 0)
     if budget < 0:
         raise UserError(
@@ -306,13 +347,20 @@ def get(config: ml_collections.ConfigDict) -> Dataset:
     sharding = config.get("sharding", "auto")
     if sharding not in SHARDING:
         raise UserError(f"Unknown `data.sharding` '{sharding}'; known: {', '.join(SHARDING)}.")
-    dataset = _BUILDERS[config.name](config)
+    return budget, sharding
+
+
+def with_settings(dataset: Dataset, ram_budget_mb: int, sharding: str) -> Dataset:
+    """`dataset` (a dataclass with these two fields) with its memory budget and sharding set."""
     splits = {
         name: dataclasses.replace(getattr(dataset, name), sharding=sharding)
         for name in ("train_split", "eval_split")
-        if isinstance(getattr(dataset, name), _FileSplit)
+        if isinstance(getattr(dataset, name, None), _FileSplit)
     }
-    return dataclasses.replace(dataset, ram_budget_mb=budget, sharding=sharding, **splits)
+    return dataclasses.replace(dataset, ram_budget_mb=ram_budget_mb, sharding=sharding, **splits)
+
+
+# --- built-in sources: indexed or files -----------------------------------------------
 
 
 def indexed_dataset(
@@ -341,7 +389,7 @@ def indexed_dataset(
     spec = DataSpec(shape, classes, train_size, eval_size)
     train = _IndexedSplit(0, train_size, decode, f"the train split of {origin}")
     evaluation = _IndexedSplit(train_size, eval_size, decode, f"the eval split of {origin}")
-    return Dataset(spec, train, evaluation, layout=f"{shape} inputs")
+    return SplitDataset(spec, train, evaluation, layout=f"{shape} inputs")
 
 
 def file_dataset(
@@ -360,7 +408,7 @@ def file_dataset(
         _FileSplit(tuple(files[field]), read, decode, f"`data.{field}` '{config[field]}'", buffer)
         for field in ("train_files", "eval_files")
     )
-    return Dataset(DataSpec(shape, classes, *sizes), train, evaluation, layout)
+    return SplitDataset(DataSpec(shape, classes, *sizes), train, evaluation, layout)
 
 
 def glob_files(config: ml_collections.ConfigDict, kind: str) -> dict[str, list[str]]:
