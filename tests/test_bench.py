@@ -78,7 +78,8 @@ def test_case_details(results):
     assert _positive(cases["checkpoint"]["checkpoint_mb"])
     assert results["machine"]["cpu_cores"] >= 1
     clusters = cases["strategies"]["figures"]
-    for name in ("multi_worker", "parameter_server"):
+    assert bench.QUICK.clusters, "--quick times at least one local cluster"
+    for name in bench.QUICK.clusters:
         if name in strategies.available():
             assert _positive(clusters[f"{name}/towerflow"])
             assert _positive(cases["strategies"]["ratios"][f"{name}/one_device"])

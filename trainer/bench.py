@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
@@ -104,6 +105,7 @@ class Sizes:
     cluster_steps: int = 300  # steps of each local-cluster run
     loop1_steps: int = 41  # small_mlp with one step per loop: steps per repetition
     startup_reps: int = 3
+    clusters: tuple[str, ...] = ("multi_worker", "parameter_server")  # local clusters timed
 
 
 FULL = Sizes()
@@ -123,6 +125,9 @@ QUICK = Sizes(
     cluster_steps=20,
     loop1_steps=6,
     startup_reps=1,
+    # One cluster runs `_cluster_rate`'s path; a parameter-server cluster's three
+    # processes would add ~10 s to start and stop (its trainer has tests of its own).
+    clusters=("multi_worker",),
 )
 
 
@@ -720,6 +725,9 @@ def strategies_case(sizes: Sizes, reps: int, workdir: str) -> dict:
     notes = []
     known = strategies.available()
     for name, topology in (("multi_worker", ["--workers=2"]), ("parameter_server", PS_TOPOLOGY)):
+        if name not in sizes.clusters:
+            notes.append(f"{name}: not run at these sizes (`Sizes.clusters`)")
+            continue
         if name not in known:
             notes.append(f"{name}: not registered here (strategies.available()); skipped")
             _note(notes[-1])
@@ -1050,16 +1058,24 @@ def _case_strategy(case: str) -> str:
 
 
 def _in_children(cases: list[str], quick: bool, reps: int) -> dict:
-    """`benchmark` of each case in a child process; their notes stream to stderr."""
+    """`benchmark` of each case in a child process; their notes stream to stderr.
+
+    With `quick` (a smoke test), neighbouring cases set up alike share a child,
+    so that it spends its time in the cases rather than in starting TensorFlow.
+    """
+    if quick:
+        groups = [",".join(group) for _, group in itertools.groupby(cases, _case_strategy)]
+    else:
+        groups = list(cases)
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="towerflow-bench-") as scratch:
-        for case in cases:
-            path = os.path.join(scratch, f"{case}.json")
-            command = [sys.executable, "-m", "trainer.bench", "--in_process", f"--cases={case}"]
+        for i, group in enumerate(groups):
+            path = os.path.join(scratch, f"{i}.json")
+            command = [sys.executable, "-m", "trainer.bench", "--in_process", f"--cases={group}"]
             command += [f"--reps={reps}", f"--json={path}", *(["--quick"] if quick else [])]
             code = subprocess.run(command, stdout=subprocess.DEVNULL).returncode
             if code:  # its own error is on stderr already
-                sys.exit(f"error: the {case} case exited with {code}: {' '.join(command)}")
+                sys.exit(f"error: the {group} case exited with {code}: {' '.join(command)}")
             with open(path) as f:
                 part = json.load(f)
             if results:  # the first case's machine and sizes stand for all
