@@ -67,7 +67,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.weight_decay = 0.0  # L2 penalty on kernels, added to the loss
 
     c.data = ml_collections.ConfigDict()
-    c.data.name = "digits"  # digits | synthetic | ctr | tfrecord | csv
+    # A built-in source (digits | synthetic | ctr | tfrecord | csv), or your own input
+    # pipeline as "module.path:function": fn(input_context, split, global_batch_size)
+    # -> tf.data.Dataset of (features, labels[, sample_weights]) batches, split "train" or
+    # "eval"; resumed by skipping the batches already trained on (see trainer/data/user.py).
+    c.data.name = "digits"
     c.data.shuffle_buffer = 10_000  # examples held for shuffling the training stream
     # How workers' input pipelines split the data: auto | file | data | off
     # (digits / synthetic / ctr are split by example under auto, file and data).
@@ -91,13 +95,18 @@ def get_config() -> ml_collections.ConfigDict:
     # tfrecord / csv: the user's files.
     c.data.train_files = ""  # glob of training files
     c.data.eval_files = ""  # glob of eval files
-    c.data.features = (
-        "x:float32:64"  # tfrecord: the input feature "name:dtype:shape", shape as 8x8x1
-    )
+    # tfrecord / csv: the features to read, "name:dtype[:shape|:var],..." with dtype float32 |
+    # int64 | string, a shape like 64 or 8x8x1 (none: one value), var: any length (tfrecord,
+    # a ragged tensor); e.g. "age:float32,country:string,ids:int64:var,img:float32:8x8x1".
+    # The model gets a dict of them by name, or one tensor of `input_shape` for "" (tfrecord:
+    # the float feature `x`; csv: every column but the label) or one float32 feature with a
+    # shape. csv reads only the columns named (each one value) and ignores the others.
+    c.data.features = ""
     c.data.label = "label"  # tfrecord: label feature name; csv: label column name
-    c.data.label_dtype = "int64"  # int64 for classification, float32 for regression
-    c.data.num_classes = 10  # tfrecord / csv: classes of the label (0 = regression)
-    c.data.input_shape = (64,)  # tfrecord / csv: shape of one example after parsing
+    c.data.label_dtype = "int64"  # tfrecord: int64 for classification, float32 for regression
+    # tfrecord / csv / your own pipeline: classes of the label (0 = regression).
+    c.data.num_classes = 10
+    c.data.input_shape = (64,)  # tfrecord / csv: shape of one example, when one tensor
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000  # total optimizer steps (a rerun continues to this)

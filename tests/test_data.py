@@ -475,7 +475,7 @@ def test_tfrecord_feature_mismatch_is_caught_by_check(tmp_path):
 def test_tfrecord_spec_errors(tmp_path):
     config, _, _ = _tfrecord_config(tmp_path)
     config.features = "x:float:64"
-    _raises("`data.features` 'x:float:64' is not 'name:dtype:shape'", data.get, config)
+    _raises("`data.features` item 'x:float:64' is not 'name:dtype", data.get, config)
     config.features, config.input_shape = "x:float32:8x8", (8, 9)
     _raises("holds 64 values but `data.input_shape` .8, 9. needs 72", data.get, config)
 

@@ -436,14 +436,6 @@ def listed(names: list[str], most: int = 12) -> str:
     return shown if len(names) <= most else f"{shown}, ... ({len(names)} in all)"
 
 
-def file_spec(config: ml_collections.ConfigDict) -> tuple[tuple[int, ...], int]:
-    """`data.input_shape` and `data.num_classes`, checked."""
-    return (
-        check_shape("data.input_shape", config.input_shape),
-        check_classes("data.num_classes", config.num_classes),
-    )
-
-
 # --- shared checks and conversions -------------------------------------------------
 
 
