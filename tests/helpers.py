@@ -56,6 +56,19 @@ def tiny_config(**overrides):
     return config
 
 
+def one_line_error(match: str, fn, *args) -> str:
+    """The message of the UserError `fn(*args)` raises; it must match `match` and be one line."""
+    import pytest
+
+    from strategies.errors import UserError
+
+    with pytest.raises(UserError, match=match) as caught:
+        fn(*args)
+    message = str(caught.value)
+    assert "\n" not in message, "user errors are one line"
+    return message
+
+
 def _env(keep_tf_config: bool = False) -> dict[str, str]:
     """The environment a test's trainer runs in: quiet TF, this repo importable."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

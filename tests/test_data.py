@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from configs import default
 from strategies.errors import UserError
+from tests.helpers import one_line_error
 from trainer import data
 
 DIGITS = os.path.join(os.path.dirname(os.path.dirname(data.__file__)), "assets", "digits.npz")
@@ -379,16 +380,8 @@ def test_csv_round_trip(tmp_path):
 # --- errors ------------------------------------------------------------------------
 
 
-def _raises(match: str, fn, *args) -> str:
-    with pytest.raises(UserError, match=match) as caught:
-        fn(*args)
-    message = str(caught.value)
-    assert "\n" not in message, "user errors are one line"
-    return message
-
-
 def test_unknown_name():
-    message = _raises("Unknown dataset `data.name` 'digts'", data.get, _config("digts"))
+    message = one_line_error("Unknown dataset `data.name` 'digts'", data.get, _config("digts"))
     assert "known: csv, ctr, digits, synthetic, tfrecord, or your own as 'module.path:name'" in (
         message
     )
@@ -396,29 +389,33 @@ def test_unknown_name():
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0, 1.5])
 def test_eval_fraction_must_be_a_fraction(fraction):
-    message = _raises(r"`data.eval_fraction` \(", data.get, _config(eval_fraction=fraction))
+    message = one_line_error(r"`data.eval_fraction` \(", data.get, _config(eval_fraction=fraction))
     assert f"({fraction})" in message and "between 0 and 1" in message
 
 
 def test_synthetic_errors():
-    _raises("leaves none for training", data.get, _synthetic(num_examples=1))
-    _raises(r"`data.synthetic.num_classes` \(1\) must be 0", data.get, _synthetic(num_classes=1))
-    _raises(r"`data.synthetic.input_shape` \(\(4, 0\)\)", data.get, _synthetic(input_shape=(4, 0)))
-    _raises(r"`data.synthetic.noise` \(-1", data.get, _synthetic(noise=-1.0))
+    one_line_error("leaves none for training", data.get, _synthetic(num_examples=1))
+    one_line_error(
+        r"`data.synthetic.num_classes` \(1\) must be 0", data.get, _synthetic(num_classes=1)
+    )
+    one_line_error(
+        r"`data.synthetic.input_shape` \(\(4, 0\)\)", data.get, _synthetic(input_shape=(4, 0))
+    )
+    one_line_error(r"`data.synthetic.noise` \(-1", data.get, _synthetic(noise=-1.0))
 
 
 def test_empty_glob(tmp_path):
     config = _config("tfrecord", train_files=str(tmp_path / "nothing-*.tfrecord"), eval_files="x")
-    message = _raises("No files match `data.train_files`", data.get, config)
+    message = one_line_error("No files match `data.train_files`", data.get, config)
     assert str(tmp_path / "nothing-*.tfrecord") in message and "TFRecord" in message
-    _raises("`data.train_files` is empty", data.get, _config("csv"))
+    one_line_error("`data.train_files` is empty", data.get, _config("csv"))
 
 
 def test_csv_wrong_column_count(tmp_path):
     x, y = _arrays(5, seed=0)
     _write_csv(str(tmp_path / "a.csv"), x[:, :63], y)
     config = _config("csv", train_files=str(tmp_path / "a.csv"), eval_files=str(tmp_path / "a.csv"))
-    message = _raises("has 63 feature columns", data.get, config)
+    message = one_line_error("has 63 feature columns", data.get, config)
     assert "`data.input_shape` (64,) needs 64" in message
 
 
@@ -438,7 +435,7 @@ def _csv_with_a_bad_line(tmp_path, monkeypatch, row: int, text: str) -> ml_colle
 def test_csv_bad_value_names_file_line_column_and_value(tmp_path, monkeypatch):
     line = "3," + ",".join(["0.5"] * 6) + ",abc" + ",0.25" * 57
     config = _csv_with_a_bad_line(tmp_path, monkeypatch, 130, line)
-    message = _raises("line 132", data.get, config)
+    message = one_line_error("line 132", data.get, config)
     assert message == (
         f"CSV file '{tmp_path / 'train-1.csv'}' line 132, column `f6` (column 8): "
         "'abc' is not a number; fix or remove that line."
@@ -447,7 +444,7 @@ def test_csv_bad_value_names_file_line_column_and_value(tmp_path, monkeypatch):
 
 def test_csv_short_line_names_file_and_line(tmp_path, monkeypatch):
     config = _csv_with_a_bad_line(tmp_path, monkeypatch, 99, "1,2,3")
-    message = _raises("line 101 has 3 values", data.get, config)
+    message = one_line_error("line 101 has 3 values", data.get, config)
     assert message == (
         f"CSV file '{tmp_path / 'train-1.csv'}' line 101 has 3 values, and the header "
         "65 columns; fix or remove that line."
@@ -459,7 +456,7 @@ def test_csv_missing_label_column(tmp_path):
     _write_csv(str(tmp_path / "a.csv"), x, y)
     path = str(tmp_path / "a.csv")
     config = _config("csv", train_files=path, eval_files=path, label="digit")
-    message = _raises("`data.label` 'digit' is not a column", data.get, config)
+    message = one_line_error("`data.label` 'digit' is not a column", data.get, config)
     assert "its columns: label, f0, f1, f2" in message and "(65 in all)" in message
 
 
@@ -467,7 +464,7 @@ def test_tfrecord_feature_mismatch_is_caught_by_check(tmp_path):
     config, _, _ = _tfrecord_config(tmp_path)
     config.features, config.input_shape = "x:float32:32", (32,)  # the files hold 64 floats
     dataset = data.get(config)
-    message = _raises("Cannot read `data.train_files`", data.check, dataset)
+    message = one_line_error("Cannot read `data.train_files`", data.check, dataset)
     assert str(tmp_path / "train-*.tfrecord") in message
     assert "'x:float32:32'" in message
 
@@ -475,9 +472,9 @@ def test_tfrecord_feature_mismatch_is_caught_by_check(tmp_path):
 def test_tfrecord_spec_errors(tmp_path):
     config, _, _ = _tfrecord_config(tmp_path)
     config.features = "x:float:64"
-    _raises("`data.features` item 'x:float:64' is not 'name:dtype", data.get, config)
+    one_line_error("`data.features` item 'x:float:64' is not 'name:dtype", data.get, config)
     config.features, config.input_shape = "x:float32:8x8", (8, 9)
-    _raises("holds 64 values but `data.input_shape` .8, 9. needs 72", data.get, config)
+    one_line_error("holds 64 values but `data.input_shape` .8, 9. needs 72", data.get, config)
 
 
 def test_empty_files_are_caught_by_check(tmp_path):
@@ -485,7 +482,7 @@ def test_empty_files_are_caught_by_check(tmp_path):
     with tf.io.TFRecordWriter(str(tmp_path / "empty.tfrecord")):
         pass
     config.eval_files = str(tmp_path / "empty.tfrecord")
-    _raises("`data.eval_files` .* holds no examples", data.check, data.get(config))
+    one_line_error("`data.eval_files` .* holds no examples", data.check, data.get(config))
 
 
 def test_autotune_ram_budget_reaches_both_pipelines():
@@ -496,4 +493,4 @@ def test_autotune_ram_budget_reaches_both_pipelines():
         options = pipeline(_context()).options()
         assert options.autotune.enabled and options.autotune.ram_budget == 64 << 20
     config.autotune_ram_budget_mb = -1
-    _raises(r"`data.autotune_ram_budget_mb` \(-1\) must be >= 0", data.get, config)
+    one_line_error(r"`data.autotune_ram_budget_mb` \(-1\) must be >= 0", data.get, config)

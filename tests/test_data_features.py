@@ -12,8 +12,7 @@ import pytest
 import tensorflow as tf
 
 from configs import default
-from strategies.errors import UserError
-from tests.helpers import tiny_config
+from tests.helpers import one_line_error, tiny_config
 from trainer import data, train
 from trainer.data.features import Feature, parse_features
 
@@ -43,14 +42,6 @@ def _eval_batches(dataset, batch: int = 4):
     return list(dataset.eval_fn(batch)(_context()))
 
 
-def _one_line(match: str, fn, *args) -> str:
-    with pytest.raises(UserError, match=match) as caught:
-        fn(*args)
-    message = str(caught.value)
-    assert "\n" not in message, "user errors are one line"
-    return message
-
-
 # --- the spec ----------------------------------------------------------------------
 
 
@@ -74,8 +65,8 @@ def test_parse_features():
         ("a:int64, a:float32", "names `a` twice"),
     ],
 )
-def test_bad_specs_are_one_line(text, match):
-    _one_line(match, parse_features, text)
+def test_bad_specs_areone_line_error(text, match):
+    one_line_error(match, parse_features, text)
 
 
 # --- TFRecord ------------------------------------------------------------------------
@@ -162,15 +153,15 @@ def test_tfrecord_missing_feature_is_named_at_start_up(tmp_path):
     for split in ("train", "eval"):
         _write_tfrecord(tmp_path / f"{split}.tfrecord", _records(4, seed=0))
     config = _config("tfrecord", tmp_path, features="age:float32,height:float32")
-    message = _one_line("`data.features` names `height`", data.get, config)
+    message = one_line_error("`data.features` names `height`", data.get, config)
     assert f"TFRecord file '{tmp_path / 'train.tfrecord'}' does not have" in message
     assert "its features: age, country, ids, img, label" in message
     config.features = "age:float32,ids:float32:var"
-    _one_line("reads `ids` as float32, and .* holds it as int64", data.get, config)
+    one_line_error("reads `ids` as float32, and .* holds it as int64", data.get, config)
     config.features, config.label_dtype = "age:float32", "float32"
-    _one_line("`data.label_dtype` is float32, and .* as int64", data.get, config)
+    one_line_error("`data.label_dtype` is float32, and .* as int64", data.get, config)
     config.features, config.label_dtype = "age:float32,label:int64", "int64"
-    _one_line("`data.features` includes `label`, the label", data.get, config)
+    one_line_error("`data.features` includes `label`, the label", data.get, config)
 
 
 # --- CSV -----------------------------------------------------------------------------
@@ -222,26 +213,26 @@ def _bad_line(tmp_path, row: int, text: str):
     return _config("csv", tmp_path, features=CSV_SPEC, label="income")
 
 
-def test_csv_bad_values_in_numeric_columns_are_one_line(tmp_path):
+def test_csv_bad_values_in_numeric_columns_areone_line_error(tmp_path):
     path = tmp_path / "train.csv"
-    message = _one_line("line 6", data.get, _bad_line(tmp_path, 4, "24,x,Masters,75k,0"))
+    message = one_line_error("line 6", data.get, _bad_line(tmp_path, 4, "24,x,Masters,75k,0"))
     assert message == (
         f"CSV file '{path}' line 6, column `zip` (column 4): '75k' is not an integer; "
         "fix or remove that line."
     )
-    message = _one_line("line 3", data.get, _bad_line(tmp_path, 1, "old,x,Masters,1,0"))
+    message = one_line_error("line 3", data.get, _bad_line(tmp_path, 1, "old,x,Masters,1,0"))
     assert "column `age` (column 1): 'old' is not a number" in message
-    message = _one_line("line 4", data.get, _bad_line(tmp_path, 2, "22,x,Masters"))
+    message = one_line_error("line 4", data.get, _bad_line(tmp_path, 2, "22,x,Masters"))
     assert "line 4 has 3 values, and the header 5 columns" in message
 
 
-def test_csv_missing_column_or_a_shape_is_one_line(tmp_path):
+def test_csv_missing_column_or_a_shape_isone_line_error(tmp_path):
     _csv_files(tmp_path)
     config = _config("csv", tmp_path, features="age:float32,height:float32", label="income")
-    message = _one_line("`data.features` names `height`", data.get, config)
+    message = one_line_error("`data.features` names `height`", data.get, config)
     assert "its columns: age, education, income, notes, zip" in message
     config.features = "age:float32:2"
-    _one_line("gives CSV column `age` a shape", data.get, config)
+    one_line_error("gives CSV column `age` a shape", data.get, config)
 
 
 # --- reaching the model --------------------------------------------------------------

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from strategies.errors import UserError
-from tests.helpers import tiny_config
+from tests.helpers import one_line_error, tiny_config
 from trainer import data, train
 
 MODULE = "towerflow_user_pipeline"  # unique: the user's module, written by `user_module`
@@ -179,11 +178,8 @@ def test_resume_skips_to_the_batches_of_an_uninterrupted_stream(pipelines, repli
 
 
 def _one_line(match: str, config) -> str:
-    with pytest.raises(UserError, match=match) as caught:
-        data.check(data.get(config.data))
-    message = str(caught.value)
-    assert "\n" not in message, "user errors are one line"
-    return message
+    """The one-line error the start-up (`get`, then `check`) gives for `config`."""
+    return one_line_error(match, lambda: data.check(data.get(config.data)))
 
 
 def test_a_path_that_does_not_import_is_one_line():

@@ -54,9 +54,9 @@ def get(config: ml_collections.ConfigDict) -> Dataset:
         value; the message names the field. An exception raised by the user's
         own code keeps its traceback.
     """
-    budget, sharding = settings(config)  # checked before any file is read
+    checked = settings(config)  # before any file is read
     if config.name in BUILDERS:
         dataset = BUILDERS[config.name](config)
     else:
         dataset = user.dataset(config, BUILDERS.lookup("data.name", config.name, user.EXPECTED))
-    return _with_settings(dataset, budget, sharding)
+    return _with_settings(dataset, checked)

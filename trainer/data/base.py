@@ -84,6 +84,33 @@ class Dataset(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class Settings:
+    """How any source's pipelines run: `data.autotune_ram_budget_mb` and `data.sharding`.
+
+    Attributes:
+      ram_budget_mb: tf.data autotuning's memory budget in MiB (0 = TF's default).
+      sharding: how pipelines split the data (see `SHARDING`).
+    """
+
+    ram_budget_mb: int = 0
+    sharding: str = "auto"
+
+    def context(self, context: tf.distribute.InputContext) -> tf.distribute.InputContext:
+        """With `data.sharding=off` every pipeline reads all the data, as if it were alone."""
+        if self.sharding != "off":
+            return context
+        return tf.distribute.InputContext(1, 0, context.num_replicas_in_sync)
+
+    def options(self) -> tf.data.Options:
+        """tf.data autotunes parallelism and prefetch depths within the memory budget."""
+        options = tf.data.Options()
+        options.autotune.enabled = True
+        if self.ram_budget_mb:
+            options.autotune.ram_budget = self.ram_budget_mb << 20
+        return options
+
+
+@dataclasses.dataclass(frozen=True)
 class _IndexedSplit:
     """Examples `begin, ..., begin + size - 1` of a source that can make any example.
 
@@ -193,16 +220,14 @@ class SplitDataset:
       train_split: where training examples come from.
       eval_split: where eval examples come from.
       layout: how records are read, for error messages.
-      ram_budget_mb: tf.data autotuning's memory budget in MiB (0 = TF's default).
-      sharding: how pipelines split the data (see `SHARDING`).
+      settings: the memory budget and the sharding.
     """
 
     spec: DataSpec
     train_split: _Split
     eval_split: _Split
     layout: str
-    ram_budget_mb: int = 0
-    sharding: str = "auto"
+    settings: Settings = Settings()
 
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The endless, shuffled training stream, as a `dataset_fn` for `tf.distribute`.
@@ -221,11 +246,8 @@ class SplitDataset:
             batch = context.get_per_replica_batch_size(global_batch_size)
             first = batches_before(start_step, context)
             split = self.train_split
-            context = shared_context(context, self.sharding)
-            batches = split.shuffled_batches(context, seed, batch, first)
-            return _decoded(batches, split.decode).with_options(
-                pipeline_options(self.ram_budget_mb)
-            )
+            batches = split.shuffled_batches(self.settings.context(context), seed, batch, first)
+            return _decoded(batches, split.decode).with_options(self.settings.options())
 
         return dataset_fn
 
@@ -242,9 +264,9 @@ class SplitDataset:
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
             batch = context.get_per_replica_batch_size(global_batch_size)
-            records = self.eval_split.records(shared_context(context, self.sharding))
+            records = self.eval_split.records(self.settings.context(context))
             batches = _decoded(records.batch(batch), self.eval_split.decode)
-            return batches.with_options(pipeline_options(self.ram_budget_mb))
+            return batches.with_options(self.settings.options())
 
         return dataset_fn
 
@@ -273,24 +295,6 @@ class SplitDataset:
 def batches_before(step: int, context: tf.distribute.InputContext) -> int:
     """How many batches this pipeline gave steps 0, ..., `step` - 1: one per replica it feeds."""
     return step * max(1, context.num_replicas_in_sync // context.num_input_pipelines)
-
-
-def shared_context(
-    context: tf.distribute.InputContext, sharding: str
-) -> tf.distribute.InputContext:
-    """With `data.sharding=off` every pipeline reads all the data, as if it were alone."""
-    if sharding != "off":
-        return context
-    return tf.distribute.InputContext(1, 0, context.num_replicas_in_sync)
-
-
-def pipeline_options(ram_budget_mb: int) -> tf.data.Options:
-    """tf.data autotunes parallelism and prefetch depths within the memory budget (0 = TF's)."""
-    options = tf.data.Options()
-    options.autotune.enabled = True
-    if ram_budget_mb:
-        options.autotune.ram_budget = ram_budget_mb << 20
-    return options
 
 
 def _shard(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -332,7 +336,7 @@ def names() -> list[str]:
     return BUILDERS.names()
 
 
-def settings(config: ml_collections.ConfigDict) -> tuple[int, str]:
+def settings(config: ml_collections.ConfigDict) -> Settings:
     """`data.autotune_ram_budget_mb` and `data.sharding`, checked.
 
     Raises:
@@ -347,17 +351,17 @@ def settings(config: ml_collections.ConfigDict) -> tuple[int, str]:
     sharding = config.get("sharding", "auto")
     if sharding not in SHARDING:
         raise UserError(f"Unknown `data.sharding` '{sharding}'; known: {', '.join(SHARDING)}.")
-    return budget, sharding
+    return Settings(budget, sharding)
 
 
-def with_settings(dataset: Dataset, ram_budget_mb: int, sharding: str) -> Dataset:
-    """`dataset` (a dataclass with these two fields) with its memory budget and sharding set."""
+def with_settings(dataset: Dataset, settings: Settings) -> Dataset:
+    """`dataset` (a dataclass with a `settings` field) run with `settings`."""
     splits = {
-        name: dataclasses.replace(getattr(dataset, name), sharding=sharding)
+        name: dataclasses.replace(getattr(dataset, name), sharding=settings.sharding)
         for name in ("train_split", "eval_split")
         if isinstance(getattr(dataset, name, None), _FileSplit)
     }
-    return dataclasses.replace(dataset, ram_budget_mb=ram_budget_mb, sharding=sharding, **splits)
+    return dataclasses.replace(dataset, settings=settings, **splits)
 
 
 # --- built-in sources: indexed or files -----------------------------------------------

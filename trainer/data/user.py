@@ -49,11 +49,10 @@ from strategies.errors import UserError
 from trainer.data.base import (
     DatasetFn,
     DataSpec,
+    Settings,
     batches_before,
     check_classes,
     listed,
-    pipeline_options,
-    shared_context,
 )
 
 EXPECTED = "a function (input_context, split, global_batch_size) -> tf.data.Dataset"
@@ -75,15 +74,14 @@ class PipelineDataset:
       spec: shapes and classes, for building the model; sizes unknown.
       fn: the user's function.
       name: its `data.name`, for messages.
-      ram_budget_mb: tf.data autotuning's memory budget in MiB (0 = TF's default).
-      sharding: "off" gives the function a context of one pipeline; else as it is.
+      settings: the memory budget; `data.sharding=off` gives the function a
+        context of one pipeline (other values: the context as it is).
     """
 
     spec: DataSpec
     fn: PipelineFn
     name: str
-    ram_budget_mb: int = 0
-    sharding: str = "auto"
+    settings: Settings = Settings()
 
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The function's train stream, endless, from the batches of step `start_step`.
@@ -97,8 +95,8 @@ class PipelineDataset:
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
             first = batches_before(start_step, context)
-            batches = self._call(shared_context(context, self.sharding), "train", global_batch_size)
-            return batches.repeat().skip(first).with_options(pipeline_options(self.ram_budget_mb))
+            batches = self._call(self.settings.context(context), "train", global_batch_size)
+            return batches.repeat().skip(first).with_options(self.settings.options())
 
         return dataset_fn
 
@@ -106,8 +104,8 @@ class PipelineDataset:
         """One pass of the function's eval stream."""
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-            batches = self._call(shared_context(context, self.sharding), "eval", global_batch_size)
-            return batches.with_options(pipeline_options(self.ram_budget_mb))
+            batches = self._call(self.settings.context(context), "eval", global_batch_size)
+            return batches.with_options(self.settings.options())
 
         return dataset_fn
 
