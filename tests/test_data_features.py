@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from configs import default
 from tests.helpers import one_line_error, tiny_config
-from trainer import data, train
+from trainer import data, models, train
 from trainer.data.features import Feature, parse_features
 
 COUNTRIES = ["fr", "de", "jp"]
@@ -236,6 +236,13 @@ def test_csv_missing_column_or_a_shape_isone_line_error(tmp_path):
 
 
 # --- reaching the model --------------------------------------------------------------
+
+
+def test_a_built_in_model_of_named_features_is_one_line(tmp_path):
+    _csv_files(tmp_path)
+    config = tiny_config()
+    spec = data.get(_config("csv", tmp_path, features=CSV_SPEC, label="income")).spec
+    one_line_error("`model.name` 'mlp' takes one input tensor", models.build, config.model, spec)
 
 
 def wide_model(spec, config) -> keras.Model:

@@ -51,6 +51,12 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
     builder = resolve(config.name)
     if config.name not in _BUILDERS:
         model = builder(spec, config)
+    elif spec.input_shape is None:
+        raise UserError(
+            f"`model.name` '{config.name}' takes one input tensor, and the data's features "
+            "are named (a dict) or of no fixed shape; give a builder of your own whose model "
+            "takes them, `--config.model.name=my_pkg.models:build`."
+        )
     else:
         model = _built_in(builder, spec, config)
     if not isinstance(model, keras.Model):
