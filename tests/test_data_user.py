@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import one_line_error, tiny_config
+from tests.helpers import checkpoint_values, one_line_error, tiny_config
 from trainer import data, train
 
 MODULE = "towerflow_user_pipeline"  # unique: the user's module, written by `user_module`
@@ -172,6 +172,26 @@ def test_resume_skips_to_the_batches_of_an_uninterrupted_stream(pipelines, repli
         _assert_same(_numpy(resumed), _numpy(fresh[step * fed :]))
         first = [_numpy(batches[0])[0]["numbers"] for batches in (fresh, resumed)]
         assert not np.array_equal(*first)  # it did skip: examples differ (unique numbers)
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
+    def run(model_dir, steps: int) -> None:
+        config = _config(**{"strategy.name": "one_device", "train.global_batch_size": 8})
+        config.train.steps = steps
+        train.train_and_evaluate(config, str(tmp_path / model_dir), mode="train")
+
+    run("straight", 20)
+    run("resumed", 10)
+    run("resumed", 20)  # restores step 10 and skips the 10 batches it took
+    straight, resumed = (
+        checkpoint_values(tmp_path / "straight"),
+        checkpoint_values(tmp_path / "resumed"),
+    )
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        np.testing.assert_allclose(
+            resumed[name], straight[name], rtol=1e-6, atol=1e-7, err_msg=name
+        )
 
 
 # --- errors ---------------------------------------------------------------------------
