@@ -25,7 +25,7 @@ the same `Dataset` the built-in sources give:
 Resume: a run restarted at step `k` skips the batches steps 0, ..., k-1 took
 from each pipeline (k times the replicas it feeds), reading them without
 training on them. The restarted run sees exactly the batches the
-uninterrupted one would have seen if, and only if, the pipeline is
+uninterrupted one would have seen when the pipeline is
 deterministic: shuffles seeded (`shuffle(..., seed=...)`), no
 `deterministic=False` maps, and files listed in a fixed order. The skipped
 batches are read again, so resuming costs the time it takes to read them.
@@ -33,7 +33,7 @@ batches are read again, so resuming costs the time it takes to read them.
 The spec: `input_shape` is one example's shape when the features are one
 tensor of known shape (else None: the model builder reads its inputs from the
 data), `num_classes` is `data.num_classes`, and the split sizes are unknown.
-`data.seed` does not reach the function: its shuffles are seeded by the user.
+The config's `seed` does not reach the function: it seeds its own shuffles.
 `data.sharding=off` hands it a context of one pipeline, so it reads everything.
 """
 
