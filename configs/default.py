@@ -57,6 +57,12 @@ def get_config() -> ml_collections.ConfigDict:
     # contending for every core (1.4x on small models here); else TensorFlow's default.
     c.devices.intra_op_threads = 0
 
+    c.task = ml_collections.ConfigDict()
+    # What is trained: auto (classification or regression, from the data's `num_classes`),
+    # classification, regression, or your own task as "module.path:TaskClass" (see
+    # trainer/tasks.py `Task`), whose options your config file adds under `task`.
+    c.task.name = "auto"
+
     c.model = ml_collections.ConfigDict()
     # A built-in builder (mlp | cnn | resnet) or your own as "module.path:function".
     c.model.name = "mlp"

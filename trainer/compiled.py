@@ -92,7 +92,7 @@ class CompiledTask:
         return mean, sums
 
     def metrics(self, sums: dict) -> dict[str, float]:
-        """Keras's metric results from the summed state; `loss` per example."""
+        """Keras's metric results from the summed state; `loss` and other sums per example."""
         state = [
             tf.constant(np.asarray(sums[f"{_STATE}{i}"]), v.dtype)
             for i, v in enumerate(self._state)
@@ -100,7 +100,11 @@ class CompiledTask:
         with keras.StatelessScope(state_mapping=list(zip(self._state, state))):
             results = self.model.get_metrics_result()
         metrics = {name: float(value) for name, value in results.items() if np.ndim(value) == 0}
-        metrics["loss"] = float(sums["loss"]) / max(float(sums.get("examples", 0.0)), 1.0)
+        examples = max(float(sums.get("examples", 0.0)), 1.0)
+        metrics["loss"] = float(sums["loss"]) / examples
+        for name, value in sums.items():  # a custom step's own sums: per-example means
+            if name not in ("loss", "examples") and not name.startswith(_STATE):
+                metrics[name] = float(value) / examples
         return metrics
 
 

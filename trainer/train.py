@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import keras
 import ml_collections
@@ -58,6 +58,7 @@ class Job:
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
     user_actions: list[actions.Action] = dataclasses.field(default_factory=list)
+    custom_step: Callable | None = None  # a user task's own `train_step`
 
 
 def train_and_evaluate(
@@ -117,30 +118,77 @@ def build(
     """Builds strategy, data, model and optimizer and checks them; writes nothing."""
     strategy = strategy or make_strategy(config)
     checks.check_batch(config, strategy)
-    dataset = data.get(config.data)
+    user_task = tasks.user_task(config)
+    if user_task is None:
+        dataset = data.get(config.data)
+    else:
+        dataset = data.from_function(config.data, user_task.dataset_fn, config.task.name)
     total_steps = checks.total_steps(config, dataset.spec)
     if strategy.is_chief:
         checks.check_model_dir(model_dir)
     data.check(dataset)
     keras.utils.set_random_seed(config.seed)
     with strategy.scope(), precision.policy(config.train.precision):
-        model = models.build(config.model, dataset.spec)
+        if user_task is None:
+            model = models.build(config.model, dataset.spec)
+        else:
+            model = _task_model(user_task, config.task.name)
         optimizer = optim.build(config.optimizer, total_steps)
         optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
         optimizer.build(model.trainable_variables)
-        task = _objective(model, dataset)
+        task = _objective(model, dataset, config.task.name)
     user_actions = actions.user_actions(config.train.get("actions", ""), config)
+    custom_step = getattr(user_task, "train_step", None)
     return Job(
-        config, model_dir, strategy, dataset, task, total_steps, model, optimizer, user_actions
+        config,
+        model_dir,
+        strategy,
+        dataset,
+        task,
+        total_steps,
+        model,
+        optimizer,
+        user_actions,
+        custom_step,
     )
 
 
-def _objective(model: keras.Model, dataset: data.Dataset):
+def _task_model(task: tasks.Task, name: str) -> keras.Model:
+    """The user task's model, compiled with the task's `loss` if it came uncompiled."""
+    model = task.build_model()
+    if not isinstance(model, keras.Model):
+        raise UserError(
+            f"`task.name` '{name}': `build_model()` returned {type(model).__name__}, "
+            "not a keras.Model."
+        )
+    if compiled.is_compiled(model):
+        return model
+    if getattr(task, "loss", None) is None:
+        raise UserError(
+            f"`task.name` '{name}': `build_model()` returned a model that is not compiled, "
+            "and the task has no `loss`; compile the model, or give the task a `loss`."
+        )
+    model.compile(
+        loss=task.loss,
+        loss_weights=getattr(task, "loss_weights", None),
+        metrics=getattr(task, "metrics", None),
+    )
+    return model
+
+
+def _objective(model: keras.Model, dataset: data.Dataset, task_name: str):
     """The loss and metrics: those the user `compile()`d the model with, or the data's task."""
     if compiled.is_compiled(model):
         features, labels, _ = steps.unpack(next(iter(dataset.eval_fn(2)(_ONE_PIPELINE))))
         return compiled.CompiledTask(model, features, labels)
-    return tasks.for_spec(dataset.spec.num_classes, models.output_kind(model))
+    classes = dataset.spec.num_classes
+    wanted = {"classification": classes > 0, "regression": classes == 0}.get(task_name, True)
+    if not wanted:
+        raise UserError(
+            f"`task.name` '{task_name}' does not fit the data's `num_classes` ({classes}); "
+            "use `task.name=auto`, or set the data's class count."
+        )
+    return tasks.for_spec(classes, models.output_kind(model))
 
 
 def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
@@ -279,6 +327,7 @@ def _train(
         gb,
         config.optimizer.clip_global_norm,
         config.train.jit_compile,
+        job.custom_step,
     )
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
 

@@ -40,7 +40,7 @@ from trainer.data import csv, ctr, digits, synthetic, tfrecord, user  # noqa: F4
 from trainer.data.base import BUILDERS, SHARDING, Dataset, DataSpec, check, names, settings
 from trainer.data.base import with_settings as _with_settings
 
-__all__ = ["SHARDING", "DataSpec", "Dataset", "check", "get", "names"]
+__all__ = ["SHARDING", "DataSpec", "Dataset", "check", "from_function", "get", "names"]
 
 
 def get(config: ml_collections.ConfigDict) -> Dataset:
@@ -60,3 +60,17 @@ def get(config: ml_collections.ConfigDict) -> Dataset:
     else:
         dataset = user.dataset(config, BUILDERS.lookup("data.name", config.name, user.EXPECTED))
     return _with_settings(dataset, checked)
+
+
+def from_function(config: ml_collections.ConfigDict, fn: user.PipelineFn, name: str) -> Dataset:
+    """The `Dataset` of a task's own `dataset_fn`, with the `data` config's settings.
+
+    Args:
+      config: the `data` part of a config (its memory budget, sharding and class count).
+      fn: `fn(input_context, split, global_batch_size) -> tf.data.Dataset`.
+      name: how messages name it (e.g. the task's `task.name`).
+    """
+    checked = settings(config)
+    named = config.copy_and_resolve_references()
+    named.name = name
+    return _with_settings(user.dataset(named, fn), checked)

@@ -1,0 +1,102 @@
+"""The examples in `examples/`, each end to end through the command line, as the README runs them.
+
+Under `one_device` with the example's own settings (so what the README says
+it reaches is checked), under `mirrored` over 2 logical CPUs, and on a local
+parameter-server cluster (2 workers, 1 ps) with fewer steps.
+"""
+
+import json
+
+import pytest
+
+from tests import helpers
+
+# example: (metrics the run must report, {metric: lowest value} after the full run)
+EXAMPLES = {
+    "census": (("auc", "accuracy"), {"auc": 0.77}),
+    "multi_output": (
+        ("digit_accuracy", "ink_mae", "digit_loss", "ink_loss"),
+        {"digit_accuracy": 0.93},
+    ),
+    "images": (("accuracy",), {}),
+    "custom_step": (("accuracy",), {"accuracy": 0.95}),
+}
+SHORT = ["--config.train.steps=40", "--config.eval.every=0", "--config.train.checkpoint_every=20"]
+TINY = ["--config.train.steps=10", "--config.eval.every=0"]  # the image model is slow on a CPU
+
+
+def _short(example: str) -> list[str]:
+    return TINY if example == "images" else SHORT
+
+
+def _results(model_dir) -> dict:
+    return json.loads((model_dir / "results.json").read_text())
+
+
+def _check(run, model_dir, example: str) -> dict:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = _results(model_dir)
+    reported, _ = EXAMPLES[example]
+    assert set(reported) <= set(results["eval"]), results["eval"]
+    assert (model_dir / "export" / "saved_model.pb").exists()
+    return results
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_each_example_as_the_readme_runs_it(example, tmp_path):
+    extra = TINY if example == "images" else []
+    model_dir = tmp_path / "run"
+    run = helpers.run_cli(
+        f"--config=examples/{example}.py",
+        "--strategy=one_device",
+        f"--model_dir={model_dir}",
+        *extra,
+        cwd=helpers.REPO,
+    )
+    results = _check(run, model_dir, example)
+    for metric, lowest in EXAMPLES[example][1].items():
+        assert results["eval"][metric] >= lowest, results["eval"]
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_each_example_under_mirrored(example, tmp_path):
+    model_dir = tmp_path / "run"
+    run = helpers.run_cli(
+        f"--config=examples/{example}.py",
+        "--strategy=mirrored",
+        f"--model_dir={model_dir}",
+        *_short(example),
+        cwd=helpers.REPO,
+    )
+    results = _check(run, model_dir, example)
+    assert results["placement"]["replicas_in_sync"] == 2
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_each_example_on_a_parameter_server_cluster(example, tmp_path):
+    model_dir = tmp_path / "run"
+    run = helpers.launch(
+        "--workers=2",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        f"--config=examples/{example}.py",
+        f"--model_dir={model_dir}",
+        *_short(example),
+        cwd=helpers.REPO,
+    )
+    results = _check(run, model_dir, example)
+    assert results["step"] >= 10
+
+
+def test_the_compiled_model_example_needs_no_task_code(tmp_path):
+    model_dir = tmp_path / "run"
+    run = helpers.run_cli(
+        "--config.model.name=examples.compiled_model:build",
+        "--strategy=one_device",
+        f"--model_dir={model_dir}",
+        cwd=helpers.REPO,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = _results(model_dir)
+    assert results["eval"]["accuracy"] > 0.95 and results["eval"]["top3"] > 0.98
