@@ -85,7 +85,14 @@ def run_cli(
     module: str = "trainer",
     keep_tf_config=False,
 ) -> subprocess.CompletedProcess:
-    """Runs `python -m MODULE ARGS` in `cwd` (default the trainer), as a user would.
+    """Runs `python -m MODULE ARGS` in `cwd` (default the trainer), as a user would."""
+    return run_command([sys.executable, "-m", module, *args], cwd, timeout, keep_tf_config)
+
+
+def run_command(
+    command: list[str], cwd: str, timeout: float = TIMEOUT_S, keep_tf_config=False
+) -> subprocess.CompletedProcess:
+    """Runs `command` in `cwd`, this repository importable, stdout and stderr captured.
 
     Whatever happens (it ends, it times out, the test is interrupted), nothing
     it started is left running.
@@ -94,7 +101,6 @@ def run_cli(
       subprocess.TimeoutExpired: it ran over `timeout` seconds; its output so
         far is printed to stderr (pytest shows it with the failure).
     """
-    command = [sys.executable, "-m", module, *args]
     proc = spawn(
         command, cwd=cwd, env=_env(keep_tf_config), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
