@@ -16,7 +16,7 @@ import ml_collections
 
 from strategies.errors import UserError
 from strategies.preemption import PREEMPTED_EXIT_CODE, Preempted
-from trainer import named
+from strategies.registry import resolve
 from trainer.controller import Action, Output, SkipBlock, StopTraining
 
 __all__ = ["Action", "Output", "SkipBlock", "StopTraining"]
@@ -78,7 +78,7 @@ def user_actions(names: tuple[str, ...] | str, config: ml_collections.ConfigDict
         names = tuple(n for n in names.split(",") if n.strip())
     return [
         _as_action(
-            named.resolve("train.actions", name.strip(), "a function of the config")(config),
+            resolve("train.actions", name.strip(), "a function of the config")(config),
             name.strip(),
         )
         for name in names

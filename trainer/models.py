@@ -17,12 +17,12 @@ import keras
 import ml_collections
 
 from strategies.errors import UserError
-from trainer import named
+from strategies.registry import Registry
 from trainer.data import DataSpec
 from trainer.layers import Dropout, ShardedEmbedding
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
-_BUILDERS = named.Registry("Model")
+_BUILDERS = Registry("Model")
 builder = _BUILDERS.register  # `@builder("name")` registers a built-in model builder
 
 

@@ -242,7 +242,7 @@ def user_task(config) -> Task | None:
         or `dataset_fn`. An exception the user's own code raises is theirs.
     """
     from strategies.errors import UserError
-    from trainer import named
+    from strategies.registry import resolve
 
     name = config.task.name
     if name in BUILT_IN:
@@ -252,7 +252,7 @@ def user_task(config) -> Task | None:
             f"Unknown `task.name` '{name}'; built-in tasks: {', '.join(BUILT_IN)}, or give "
             "your own as 'module.path:TaskClass'."
         )
-    made = named.resolve("task.name", name, "a Task class, or a function of the config")(config)
+    made = resolve("task.name", name, "a Task class, or a function of the config")(config)
     missing = [m for m in ("build_model", "dataset_fn") if not callable(getattr(made, m, None))]
     if missing:
         raise UserError(

@@ -18,7 +18,7 @@ import ml_collections
 import tensorflow as tf
 
 from strategies.errors import UserError
-from trainer import named
+from strategies.registry import Registry
 
 _FILES_READ_AT_ONCE = 8  # a fixed interleave width keeps record order machine-independent
 
@@ -327,7 +327,7 @@ def gist(error: tf.errors.OpError) -> str:
 
 # --- the registry -------------------------------------------------------------
 
-BUILDERS = named.Registry("Dataset")  # name -> fn(config.data) -> Dataset
+BUILDERS = Registry("Dataset")  # name -> fn(config.data) -> Dataset
 register = BUILDERS.register
 
 
