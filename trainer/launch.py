@@ -38,6 +38,7 @@ import atexit
 import contextlib
 import dataclasses
 import errno
+import functools
 import os
 import signal
 import socket
@@ -45,7 +46,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
 from absl import app, flags
@@ -292,11 +293,11 @@ class Cluster:
         servers = self._servers()
         trainers = [proc for task, proc in self._procs.items() if task not in servers]
         rest = [proc for task, proc in self._procs.items() if task in servers]
-        killed = not self._terminate(trainers, wait_s)
+        killed = not terminate(trainers, wait_s, self.interrupt, self.console)
         if not killed and rest:
-            self._terminate(rest, self.kill_after_s)
+            terminate(rest, self.kill_after_s, self.interrupt, self.console)
         for proc in self._procs.values():
-            _signal_group(proc, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
             proc.wait()
         for pump in self._pumps:
             pump.join(timeout=1.0)  # its pipe closed with the last process of the group
@@ -310,34 +311,12 @@ class Cluster:
             return set()
         return {task for task in self.tasks if task.type in ("ps", "worker")}
 
-    def _terminate(self, procs: list[subprocess.Popen], wait_s: float) -> bool:
-        """SIGTERMs `procs` (their groups) and waits up to `wait_s` for them to exit.
-
-        Returns False when a second signal to the launcher asked to kill them at once.
-        """
-        for proc in procs:  # a task that ended may have left children behind: signal them all
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + wait_s
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if self.interrupt.count > 1:
-                self.console.log("killing them now")
-                return False
-            time.sleep(_POLL_S)
-        return True
-
     def _start(self, task: Task) -> None:
-        env = {**os.environ, "TF_CONFIG": task.tf_config, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
-            self.command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, which `stop` signals as a whole
+        env = {**os.environ, "TF_CONFIG": task.tf_config}
+        proc, pump = start_process(
+            self.command, env, functools.partial(self.console.write, task.name)
         )
         self._procs[task] = proc
-        pump = threading.Thread(target=self._pump, args=(task, proc.stdout), daemon=True)
-        pump.start()
         self._pumps.append(pump)
 
     def _restartable(self, task: Task) -> bool:
@@ -347,11 +326,6 @@ class Cluster:
             return False
         self._task_restarts[task] = self._task_restarts.get(task, 0) + 1
         return self._task_restarts[task] <= self.max_task_restarts
-
-    def _pump(self, task: Task, stream: IO[bytes]) -> None:
-        with stream:
-            for raw in iter(stream.readline, b""):
-                self.console.write(task.name, raw.decode(errors="replace").rstrip("\r\n"))
 
     def _wait(self) -> int:
         chief = next(task for task in self.tasks if task.is_chief)
@@ -414,7 +388,54 @@ class Cluster:
         return _exit_status(code)
 
 
-def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+def start_process(
+    command: Sequence[str], env: dict[str, str], on_line: Callable[[str], None]
+) -> tuple[subprocess.Popen, threading.Thread]:
+    """Starts `command` in a process group of its own; each output line goes to `on_line`.
+
+    Stdout and stderr are merged and read by a daemon thread (returned, to be
+    joined once the process is gone). Stop it with `terminate`, then `signal_group`
+    with SIGKILL: signalling the group stops its children too.
+    """
+    proc = subprocess.Popen(
+        list(command),
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, which `terminate` signals as a whole
+    )
+
+    def pump() -> None:
+        with proc.stdout:
+            for raw in iter(proc.stdout.readline, b""):
+                on_line(raw.decode(errors="replace").rstrip("\r\n"))
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return proc, thread
+
+
+def terminate(
+    procs: Sequence[subprocess.Popen], wait_s: float, interrupt: Interrupt, console: Console
+) -> bool:
+    """SIGTERMs `procs` (their groups) and waits up to `wait_s` for them to exit.
+
+    Returns False when a second signal (`interrupt.count > 1`) asked to kill them at once.
+    """
+    for proc in procs:  # a process that ended may have left children behind: signal them all
+        signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if interrupt.count > 1:
+            console.log("killing them now")
+            return False
+        time.sleep(_POLL_S)
+    return True
+
+
+def signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    """Sends `sig` to the process group `proc` leads (see `start_process`)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
         os.killpg(proc.pid, sig)
 
