@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import checkpoint_values, run_cli, start_cli
+from tests.helpers import REPO, checkpoint_values, run_cli, start_cli
 
 ARGS = [
     "--config.train.steps=60",
@@ -50,4 +50,21 @@ def test_sigkill_anywhere_then_restart_ends_with_the_same_weights(strategy, tmp_
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
         if "save_counter" not in name:  # how many saves it took differs, nothing else
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_a_user_task_killed_and_restarted_ends_as_the_uninterrupted_run(tmp_path):
+    """A task's own pipeline, model (Keras Dropout) and train step: resumed by skipping batches."""
+    args = [f"--config={REPO}/examples/custom_step.py", "--strategy=one_device", *ARGS]
+    straight = run_cli(*args, "--model_dir=straight", cwd=str(tmp_path))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    for progress_lines in (2, 7):
+        _kill_after(progress_lines, 0.1, [*args, "--model_dir=killed"], tmp_path)
+    finished = run_cli(*args, "--model_dir=killed", cwd=str(tmp_path))
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert "restored" in finished.stdout
+    a, b = checkpoint_values(tmp_path / "straight"), checkpoint_values(tmp_path / "killed")
+    assert a.keys() == b.keys() and len(a) > 4
+    for name in a:
+        if "save_counter" not in name:
             np.testing.assert_array_equal(a[name], b[name], err_msg=name)

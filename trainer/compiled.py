@@ -40,13 +40,20 @@ class CompiledTask:
       model: the compiled model, built (its variables exist).
       features, labels: one small batch of real data; it builds the metrics'
         state (their variables are only a template: nothing is ever assigned).
+      origin: names the model in messages, e.g. "`task.name` 'my.tasks:Task'".
+
+    Raises:
+      UserError: the model's named inputs are not the data's features, or a loss
+        function returns one value for the whole batch instead of one per example.
     """
 
     name = "compiled"
 
-    def __init__(self, model: keras.Model, features, labels):
+    def __init__(self, model: keras.Model, features, labels, origin: str = "the model"):
         self.model = model
+        _check_inputs(model, features, origin)
         outputs = model(features, training=False)
+        _check_losses(model, labels, outputs, origin)
         with _scope(model, []):  # creates the metrics' variables, assigns nothing
             model.compute_loss(features, labels, outputs, training=False)
             model.compute_metrics(features, labels, outputs)
@@ -117,3 +124,52 @@ def _scope(model: keras.Model, mapping: list) -> keras.StatelessScope:
     """
     own = [(v, tf.convert_to_tensor(v.value)) for v in model.variables]
     return keras.StatelessScope(state_mapping=own + mapping)
+
+
+def _check_inputs(model: keras.Model, features, origin: str) -> None:
+    """A model with named inputs must find each of them among the data's features."""
+    from strategies.errors import UserError
+
+    inputs = getattr(model, "inputs", None)
+    if not inputs or not isinstance(model.input, dict):
+        return
+    wanted = sorted(model.input)
+    if not isinstance(features, dict):
+        raise UserError(
+            f"{origin}: the model takes named inputs ({_names(wanted)}), and the data yields "
+            f"one {type(features).__name__}; yield the features as a dict by those names."
+        )
+    missing = [name for name in wanted if name not in features]
+    if missing:
+        raise UserError(
+            f"{origin}: the model's inputs {_names(missing)} are not among the data's features "
+            f"({_names(sorted(features))}); make the names agree."
+        )
+
+
+def _check_losses(model: keras.Model, labels, outputs, origin: str) -> None:
+    """Each plain loss function must give one value per example, as Keras's losses do."""
+    from strategies.errors import UserError
+
+    losses = model.loss if isinstance(model.loss, dict | list | tuple) else [model.loss]
+    if isinstance(losses, dict):
+        pairs = [(fn, labels[k], outputs[k]) for k, fn in losses.items() if k in outputs]
+    elif len(losses) == 1:
+        pairs = [(losses[0], labels, outputs)]
+    else:
+        pairs = list(zip(losses, tf.nest.flatten(labels), tf.nest.flatten(outputs)))
+    for fn, y, out in pairs:
+        if not callable(fn) or isinstance(fn, keras.losses.Loss):
+            continue  # a Keras loss (or its name) gives one value per example
+        value = tf.convert_to_tensor(fn(y, out))
+        rows = tf.nest.flatten(y)[0].shape[0]
+        if value.shape.rank == 0 or value.shape[0] != rows:
+            raise UserError(
+                f"{origin}: the loss `{getattr(fn, '__name__', fn)}` returned shape "
+                f"{tuple(value.shape)} for a batch of {rows}; it must return one loss per "
+                f"example (shape ({rows},)): leave the mean over the batch to towerflow."
+            )
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(f"`{name}`" for name in names)

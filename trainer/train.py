@@ -136,7 +136,7 @@ def build(
         optimizer = optim.build(config.optimizer, total_steps)
         optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
         optimizer.build(model.trainable_variables)
-        task = _objective(model, dataset, config.task.name)
+        task = _objective(model, dataset, config)
     user_actions = actions.user_actions(config.train.get("actions", ""), config)
     custom_step = getattr(user_task, "train_step", None)
     return Job(
@@ -176,11 +176,16 @@ def _task_model(task: tasks.Task, name: str) -> keras.Model:
     return model
 
 
-def _objective(model: keras.Model, dataset: data.Dataset, task_name: str):
+def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections.ConfigDict):
     """The loss and metrics: those the user `compile()`d the model with, or the data's task."""
+    task_name = config.task.name
     if compiled.is_compiled(model):
         features, labels, _ = steps.unpack(next(iter(dataset.eval_fn(2)(_ONE_PIPELINE))))
-        return compiled.CompiledTask(model, features, labels)
+        if task_name in tasks.BUILT_IN:
+            origin = f"`model.name` '{config.model.name}'"
+        else:
+            origin = f"`task.name` '{task_name}'"
+        return compiled.CompiledTask(model, features, labels, origin)
     classes = dataset.spec.num_classes
     wanted = {"classification": classes > 0, "regression": classes == 0}.get(task_name, True)
     if not wanted:
@@ -435,6 +440,7 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
         with open(os.path.join(job.model_dir, "config.json"), "w") as f:
             f.write(config_json + "\n")
         summaries.text("config", f"```\n{config_json}\n```")
+        summaries.hparams(job.config, os.path.basename(os.path.abspath(job.model_dir)))
 
 
 def progress_line(split: str, step: int, metrics: dict, total: int | None = None) -> str:
