@@ -8,7 +8,7 @@ how much ink it has (regression, the image's mean intensity). The loss is
 `task.digit_weight` x cross-entropy + `task.ink_weight` x squared error;
 TensorBoard shows both heads' metrics (`digit_accuracy`, `ink_mae`) and
 losses. 800 steps take about 10 s on 2 CPU cores: digit accuracy about
-0.97, ink error about 0.01.
+0.98, ink error (mean absolute) about 0.02.
 """
 
 import importlib.resources
