@@ -1,10 +1,21 @@
-"""TensorBoard event files: `model_dir/train` and `model_dir/eval`, chief only."""
+"""TensorBoard event files: `model_dir/train` and `model_dir/eval`, chief only.
+
+`model_dir` itself holds the run's hyper-parameters for the HParams dashboard:
+`model_dir` is one session, and the scalars of its `train` and `eval` runs are
+the session's metrics (`loss` in group `train`, `accuracy` in group `eval`, ...),
+so `tensorboard --logdir <sweep dir>` compares the trials of a sweep.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
+import ml_collections
 import tensorflow as tf
+from tensorboard.plugins.hparams import api as hp
+
+HPARAMS_SPLIT = ""  # the session's own run: `model_dir`, the parent of `train` and `eval`
 
 
 class Summaries:
@@ -33,6 +44,23 @@ class Summaries:
         self._write_scalars(writer, tf.constant(step, tf.int64), tensors)
         writer.flush()
 
+    def hparams(self, config: ml_collections.ConfigDict, trial_id: str) -> None:
+        """Writes the whole resolved `config`, flattened, as the run's hyper-parameters.
+
+        Call once, at the start of a run: each start of a run writes them again,
+        and TensorBoard shows the first.
+
+        Args:
+          config: the run's config; see `flat_hparams`.
+          trial_id: the session's name in the dashboard (e.g. the trial's directory name).
+        """
+        writer = self._writer(HPARAMS_SPLIT)
+        if writer is None:
+            return
+        with writer.as_default():
+            hp.hparams(flat_hparams(config), trial_id=trial_id)
+        writer.flush()
+
     def text(self, name: str, text: str, step: int = 0) -> None:
         """Writes `text` (markdown) under the train split."""
         writer = self._writer("train")
@@ -43,8 +71,30 @@ class Summaries:
         writer.flush()
 
     def close(self) -> None:
+        """Flushes and closes every writer."""
         for writer in self._writers.values():
             writer.close()
+
+
+def flat_hparams(
+    config: ml_collections.ConfigDict | Mapping, prefix: str = ""
+) -> dict[str, bool | int | float | str]:
+    """`config` as `{"optimizer.learning_rate": 0.001, ...}`: HParams take only scalars.
+
+    Numbers, strings and booleans stay as they are; anything else (tuples such
+    as `model.hidden_units`, None) becomes its `repr`, as it would be typed in
+    a `--config.a.b=` override.
+    """
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict | Mapping):
+            flat.update(flat_hparams(value, f"{name}."))
+        elif isinstance(value, bool | int | float | str):
+            flat[name] = value
+        else:
+            flat[name] = repr(value)
+    return flat
 
 
 def _write_scalars(writer, step: tf.Tensor, values: dict[str, tf.Tensor]) -> None:
