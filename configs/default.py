@@ -37,6 +37,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategy.multi_worker.timeout_seconds = 0.0
     # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
     c.strategy.multi_worker.startup_timeout_seconds = 120.0
+    # pipeline: model parallelism, the model's layers in consecutive stages, one per device.
+    c.strategy.pipeline = ml_collections.ConfigDict()
+    c.strategy.pipeline.stages = 2  # stages, balanced by parameter count (one device each)
+    # Or the layers that start stages 1, 2, ... by name, e.g. "dense_1,dense_2" (then 3 stages).
+    c.strategy.pipeline.boundaries = ""
+    c.strategy.pipeline.micro_batches = 4  # GPipe: parts of each train batch, so stages overlap
+    c.strategy.pipeline.devices = ""  # one per stage; "" = the GPUs, else the logical CPUs
     c.strategy.parameter_server = ml_collections.ConfigDict()
     # How big variables of `trainer.layers` are split over the ps tasks:
     # none (whole variables, round-robin) | fixed | min_size | max_size.

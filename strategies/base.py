@@ -169,6 +169,18 @@ class Strategy(abc.ABC):
         """
         return value
 
+    def place_model(self, model: keras.Model) -> None:
+        """Lays out `model`, just built inside `scope()`, before its optimizer is built.
+
+        A plugin that places a model's layers itself (model parallelism, e.g.
+        `pipeline`) moves their variables here and sets how the model runs; the
+        default keeps the placement `scope()` gave.
+
+        Raises:
+          UserError: a model this plugin cannot lay out, in one line.
+        """
+        del model  # `scope()` placed every variable
+
     def check_restored(self, step: int, model_dir: str) -> None:
         """Checks that every task restored the same `step` from `model_dir`; after a restore.
 

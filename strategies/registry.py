@@ -31,6 +31,7 @@ BUILTIN_MODULES = (
     "strategies.central_storage",
     "strategies.multi_worker",
     "strategies.parameter_server",
+    "strategies.pipeline",
 )
 
 # name -> the registered class, or the entry point of a plugin not yet imported.

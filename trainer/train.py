@@ -133,6 +133,7 @@ def build(
             model = models.build(config.model, dataset.spec)
         else:
             model = _task_model(user_task, config.task.name)
+        strategy.place_model(model)  # a model-parallel plugin moves layers to their devices
         optimizer = optim.build(config.optimizer, total_steps)
         optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
         optimizer.build(model.trainable_variables)
