@@ -46,8 +46,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import IO
+from collections.abc import Sequence
 
 from absl import app, flags
 
@@ -55,6 +54,7 @@ from strategies import cluster
 from strategies.errors import UserError
 from strategies.preemption import PREEMPTED_EXIT_CODE
 from trainer import cli
+from trainer.processes import Console, Interrupt, signal_group, start_process, terminate
 
 LOOPBACK = "127.0.0.1"
 GRACE_S = 15.0  # how long the other tasks may run on after the chief is done
@@ -195,25 +195,6 @@ def _bind(port: int) -> socket.socket:
         s.close()
         raise
     return s
-
-
-class Console:
-    """Writes whole lines to one stream from many threads, each prefixed with its source."""
-
-    def __init__(self, stream: IO[str] | None = None):
-        self._stream = stream
-        self._lock = threading.RLock()  # re-entrant: the signal handler logs too
-
-    def write(self, source: str, line: str) -> None:
-        """Writes `[source] line`."""
-        stream = self._stream or sys.stdout
-        with self._lock:
-            stream.write(f"[{source}] {line}\n")
-            stream.flush()
-
-    def log(self, message: str) -> None:
-        """A line from the launcher itself."""
-        self.write("launch", message)
 
 
 class Cluster:
@@ -388,58 +369,6 @@ class Cluster:
         return _exit_status(code)
 
 
-def start_process(
-    command: Sequence[str], env: dict[str, str], on_line: Callable[[str], None]
-) -> tuple[subprocess.Popen, threading.Thread]:
-    """Starts `command` in a process group of its own; each output line goes to `on_line`.
-
-    Stdout and stderr are merged and read by a daemon thread (returned, to be
-    joined once the process is gone). Stop it with `terminate`, then `signal_group`
-    with SIGKILL: signalling the group stops its children too.
-    """
-    proc = subprocess.Popen(
-        list(command),
-        env={**env, "PYTHONUNBUFFERED": "1"},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group, which `terminate` signals as a whole
-    )
-
-    def pump() -> None:
-        with proc.stdout:
-            for raw in iter(proc.stdout.readline, b""):
-                on_line(raw.decode(errors="replace").rstrip("\r\n"))
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    return proc, thread
-
-
-def terminate(
-    procs: Sequence[subprocess.Popen], wait_s: float, interrupt: Interrupt, console: Console
-) -> bool:
-    """SIGTERMs `procs` (their groups) and waits up to `wait_s` for them to exit.
-
-    Returns False when a second signal (`interrupt.count > 1`) asked to kill them at once.
-    """
-    for proc in procs:  # a process that ended may have left children behind: signal them all
-        signal_group(proc, signal.SIGTERM)
-    deadline = time.monotonic() + wait_s
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if interrupt.count > 1:
-            console.log("killing them now")
-            return False
-        time.sleep(_POLL_S)
-    return True
-
-
-def signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
-    """Sends `sig` to the process group `proc` leads (see `start_process`)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
-        os.killpg(proc.pid, sig)
-
-
 def _ended(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
@@ -501,40 +430,6 @@ def launch(
         if code in (0, cli.EXIT_USER_ERROR) or interrupt.signal is not None:
             break
     return code
-
-
-class Interrupt:
-    """SIGINT or SIGTERM reaching the launcher; its wait loops check `signal` between polls.
-
-    The handler only records the signal. Raising from it could land inside
-    `subprocess` bookkeeping (between taking and releasing a process's wait lock),
-    and the cleanup's `wait()` would then block for ever.
-    """
-
-    def __init__(self) -> None:
-        self.signal: int | None = None  # the first one: what the exit status reports
-        self.count = 0  # how many arrived: a second one cuts the tasks' grace short
-
-    @property
-    def code(self) -> int:
-        """The launcher's exit status: 128 + the signal number."""
-        return 128 + (self.signal or 0)
-
-    @contextlib.contextmanager
-    def catching(self) -> Iterator[Interrupt]:
-        """Records SIGINT and SIGTERM while the block runs, instead of dying of them."""
-
-        def handler(sig: int, frame: object) -> None:
-            self.count += 1
-            if self.signal is None:  # a second Ctrl-C must not change what is reported
-                self.signal = sig
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for s, h in previous.items():  # after a signal, more (a second Ctrl-C) are ignored
-                signal.signal(s, h if self.signal is None else signal.SIG_IGN)
 
 
 def main(argv: list[str]) -> None:

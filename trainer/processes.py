@@ -1,0 +1,129 @@
+"""Child processes in groups of their own, with their output prefixed and Ctrl-C handled.
+
+Shared by `python -m trainer.launch` (a local cluster's tasks) and
+`python -m trainer.sweep` (a sweep's trials): each process runs in its own
+process group, so stopping it stops its children too; it is stopped with
+SIGTERM, given a grace period to save, then killed; a signal to the parent is
+recorded (`Interrupt`) and acted on by the parent's wait loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO
+
+POLL_S = 0.1
+
+
+class Console:
+    """Writes whole lines to one stream from many threads, each prefixed with its source."""
+
+    def __init__(self, stream: IO[str] | None = None, own: str = "launch"):
+        """Args: stream: where lines go (default stdout); own: the prefix of `log` lines."""
+        self._stream = stream
+        self._own = own
+        self._lock = threading.RLock()  # re-entrant: the signal handler logs too
+
+    def write(self, source: str, line: str) -> None:
+        """Writes `[source] line`."""
+        stream = self._stream or sys.stdout
+        with self._lock:
+            stream.write(f"[{source}] {line}\n")
+            stream.flush()
+
+    def log(self, message: str) -> None:
+        """A line from the parent itself (the launcher, the sweep)."""
+        self.write(self._own, message)
+
+
+def start_process(
+    command: Sequence[str], env: dict[str, str], on_line: Callable[[str], None]
+) -> tuple[subprocess.Popen, threading.Thread]:
+    """Starts `command` in a process group of its own; each output line goes to `on_line`.
+
+    Stdout and stderr are merged and read by a daemon thread (returned, to be
+    joined once the process is gone). Stop it with `terminate`, then `signal_group`
+    with SIGKILL: signalling the group stops its children too.
+    """
+    proc = subprocess.Popen(
+        list(command),
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, which `terminate` signals as a whole
+    )
+
+    def pump() -> None:
+        with proc.stdout:
+            for raw in iter(proc.stdout.readline, b""):
+                on_line(raw.decode(errors="replace").rstrip("\r\n"))
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return proc, thread
+
+
+def terminate(
+    procs: Sequence[subprocess.Popen], wait_s: float, interrupt: Interrupt, console: Console
+) -> bool:
+    """SIGTERMs `procs` (their groups) and waits up to `wait_s` for them to exit.
+
+    Returns False when a second signal (`interrupt.count > 1`) asked to kill them at once.
+    """
+    for proc in procs:  # a process that ended may have left children behind: signal them all
+        signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if interrupt.count > 1:
+            console.log("killing them now")
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    """Sends `sig` to the process group `proc` leads (see `start_process`)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
+        os.killpg(proc.pid, sig)
+
+
+class Interrupt:
+    """SIGINT or SIGTERM reaching the launcher; its wait loops check `signal` between polls.
+
+    The handler only records the signal. Raising from it could land inside
+    `subprocess` bookkeeping (between taking and releasing a process's wait lock),
+    and the cleanup's `wait()` would then block for ever.
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None  # the first one: what the exit status reports
+        self.count = 0  # how many arrived: a second one cuts the tasks' grace short
+
+    @property
+    def code(self) -> int:
+        """The launcher's exit status: 128 + the signal number."""
+        return 128 + (self.signal or 0)
+
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[Interrupt]:
+        """Records SIGINT and SIGTERM while the block runs, instead of dying of them."""
+
+        def handler(sig: int, frame: object) -> None:
+            self.count += 1
+            if self.signal is None:  # a second Ctrl-C must not change what is reported
+                self.signal = sig
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():  # after a signal, more (a second Ctrl-C) are ignored
+                signal.signal(s, h if self.signal is None else signal.SIG_IGN)
