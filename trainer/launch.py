@@ -54,7 +54,14 @@ from strategies import cluster
 from strategies.errors import UserError
 from strategies.preemption import PREEMPTED_EXIT_CODE
 from trainer import cli
-from trainer.processes import Console, Interrupt, signal_group, start_process, terminate
+from trainer.processes import (
+    Console,
+    Interrupt,
+    parse_own_flags,
+    signal_group,
+    start_process,
+    terminate,
+)
 
 LOOPBACK = "127.0.0.1"
 GRACE_S = 15.0  # how long the other tasks may run on after the chief is done
@@ -453,14 +460,5 @@ def main(argv: list[str]) -> None:
     sys.exit(code)
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    try:
-        return flags.FLAGS(argv)
-    except flags.UnrecognizedFlagError as e:
-        cli.fail(f"{cli.one_line(e)}; put the trainer's flags after `--`.")
-    except flags.Error as e:
-        cli.fail(cli.one_line(e))
-
-
 if __name__ == "__main__":
-    app.run(main, argv=sys.argv, flags_parser=_parse_flags)
+    app.run(main, argv=sys.argv, flags_parser=parse_own_flags)

@@ -19,7 +19,25 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
+from absl import flags
+
+from trainer import cli
+
 POLL_S = 0.1
+
+
+def parse_own_flags(argv: list[str]) -> list[str]:
+    """absl parsing of a command that passes the flags after `--` to its children.
+
+    A mistake is one line and exit status 2; an unknown flag is most likely a
+    trainer flag put before the `--`.
+    """
+    try:
+        return flags.FLAGS(argv)
+    except flags.UnrecognizedFlagError as e:
+        cli.fail(f"{cli.one_line(e)}; put the trainer's flags after `--`.")
+    except flags.Error as e:
+        cli.fail(cli.one_line(e))
 
 
 class Console:

@@ -311,14 +311,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
     """absl parsing of the sweep's own flags, after taking out `--sweep.<field>=` ones."""
     try:
         rest, sweeps = sweep_plan.split_sweep_args(argv)
-        _SWEEP_VALUES.update(sweeps)
-        return flags.FLAGS(rest)
     except UserError as e:
         cli.fail(cli.one_line(e))
-    except flags.UnrecognizedFlagError as e:
-        cli.fail(f"{cli.one_line(e)}; put the trainer's flags after `--`.")
-    except flags.Error as e:
-        cli.fail(cli.one_line(e))
+    _SWEEP_VALUES.update(sweeps)
+    return processes.parse_own_flags(rest)
 
 
 if __name__ == "__main__":
