@@ -47,12 +47,7 @@ def tiny_config(**overrides):
     config.eval.every = 0
     config.model.hidden_units = (32,)
     config.model.dropout = 0.0
-    for dotted, value in overrides.items():
-        *path, leaf = dotted.split(".")
-        section = config
-        for key in path:
-            section = section[key]
-        section[leaf] = value
+    config.update_from_flattened_dict(overrides)
     return config
 
 

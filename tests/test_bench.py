@@ -1,13 +1,18 @@
-"""`python -m trainer.bench --quick` runs every case and reports every figure; no speed asserted."""
+"""`python -m trainer.bench --quick` runs every case and reports every figure; no speed asserted.
+
+The clock action the benchmark times the loop with is tested in-process.
+"""
 
 import json
 import math
+import time
 
 import pytest
 
 import strategies
-from tests.helpers import run_cli
-from trainer import bench
+from tests.helpers import run_cli, tiny_config
+from trainer import bench, controller, train
+from trainer.bench import clock
 
 # Keras 3 `fit` with `steps_per_execution` > 1 fails under MirroredStrategy
 # (keras-team/keras#19246): the benchmark reports it in `failed` instead.
@@ -98,3 +103,51 @@ def test_bad_flags_are_one_line(flag, message, tmp_path):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_the_clock_marks_each_block_when_its_steps_finished(tmp_path, monkeypatch):
+    """In-process and through `train.actions` (as a cluster's chief has it): one mark per block."""
+    marks_file = tmp_path / "clock.txt"
+    monkeypatch.setenv(clock.FILE_VARIABLE, str(marks_file))
+    config = tiny_config(
+        **{"strategy.name": "one_device", "train.actions": "trainer.bench.clock:to_file"}
+    )
+    in_process = clock.Clock()
+    called = []  # when the actions after each block ran: after the clock's mark
+    after = controller.Action(lambda output: called.append(time.perf_counter()))
+    started = time.time()
+    train.train_and_evaluate(config, str(tmp_path / "run"), "train", [in_process.action(), after])
+    ended = time.time()
+
+    assert [step for step, _ in in_process.marks] == [5, 10, 15, 20]
+    times = [t for _, t in in_process.marks]
+    # Each mark falls after the previous block's actions and before this block's: per block.
+    for i, mark in enumerate(times):
+        assert (called[i - 1] if i else 0) < mark < called[i]
+    assert in_process.rate(per_step=32) > 0
+    from_file = clock.read(str(marks_file))
+    assert [step for step, _ in from_file] == [5, 10, 15, 20]
+    wall = [t for _, t in from_file]
+    assert started < wall[0] and wall == sorted(set(wall)) and wall[-1] < ended
+
+
+def test_only_the_chief_of_a_cluster_writes_marks(tmp_path, monkeypatch):
+    marks_file = str(tmp_path / "clock.txt")
+    monkeypatch.setenv(clock.FILE_VARIABLE, marks_file)
+    output = controller.Output(step=5, total_steps=10, steps=5, seconds=1.0, metrics={})
+
+    def worker(index: int) -> str:  # worker 0 is the chief of a cluster without a `chief`
+        cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+        return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+
+    monkeypatch.setenv("TF_CONFIG", worker(1))
+    clock.to_file(tiny_config()).fn(output)
+    assert clock.read(marks_file) == []
+    monkeypatch.setenv("TF_CONFIG", worker(0))
+    chief = clock.to_file(tiny_config()).fn
+    with chief.block(step=0):
+        pass
+    chief(output)
+    assert [step for step, _ in clock.read(marks_file)] == [5]
+    with pytest.raises(RuntimeError, match="need two blocks"):
+        clock.rate(clock.read(marks_file), per_step=1)

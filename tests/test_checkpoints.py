@@ -22,7 +22,7 @@ def test_async_training_checkpoint_restores_the_same_values(tmp_path):
     job = train.build(config, str(tmp_path))
     train.run(job, "train")  # saves at steps 0, 10 and 20 in the background
     fresh = train.build(config, str(tmp_path))
-    checkpointer = Checkpointer(str(tmp_path), True, 3, **train._checkpointed(fresh))
+    checkpointer = Checkpointer(str(tmp_path), True, 3, **train.checkpointed(fresh))
     assert checkpointer.restore().endswith("ckpt-20")
     for got, want in zip(_values(fresh), _values(job), strict=True):
         np.testing.assert_array_equal(got, want)
@@ -30,7 +30,7 @@ def test_async_training_checkpoint_restores_the_same_values(tmp_path):
 
 def test_repeated_async_saves_each_hold_their_values(tmp_path):
     job = train.build(tiny_config(), str(tmp_path))
-    checkpointer = Checkpointer(str(tmp_path), True, 5, async_save=True, **train._checkpointed(job))
+    checkpointer = Checkpointer(str(tmp_path), True, 5, async_save=True, **train.checkpointed(job))
     assert checkpointer.asynchronous, "this process holds every variable"
     kernel = job.model.trainable_variables[0]
     saved = {}
@@ -98,7 +98,7 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_good_checkpoint(smal
     assert failed == kept_step + 10 and kept_step >= 10
     assert _committed_checkpoints_are_whole(model_dir / "checkpoints") == kept
     job = train.build(config, str(model_dir))
-    assert Checkpointer(str(model_dir), True, 3, **train._checkpointed(job)).restore() == kept
+    assert Checkpointer(str(model_dir), True, 3, **train.checkpointed(job)).restore() == kept
     assert train._step(job) == kept_step
 
 

@@ -211,7 +211,7 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         strategy.is_chief,
         config.train.max_checkpoints,
         async_save=config.train.async_checkpoint,
-        **_checkpointed(job),
+        **checkpointed(job),
     )
     summaries = Summaries(job.model_dir, strategy.is_chief)
     try:
@@ -273,7 +273,7 @@ def _export(job: Job) -> None:
 def sidecar_evaluate(job: Job) -> dict:
     """Evaluates each new checkpoint in `model_dir` until the last step's (the evaluator task)."""
     config = job.config
-    checkpointer = Checkpointer(job.model_dir, False, 1, **_checkpointed(job))
+    checkpointer = Checkpointer(job.model_dir, False, 1, **checkpointed(job))
     summaries = Summaries(job.model_dir, enabled=True)
     metrics: dict = {}
     try:
@@ -293,8 +293,8 @@ def sidecar_evaluate(job: Job) -> dict:
     return {"step": _step(job), "eval": metrics}
 
 
-def _checkpointed(job: Job) -> dict:
-    """What a checkpoint holds."""
+def checkpointed(job: Job) -> dict:
+    """What a checkpoint of `job` holds: the `Checkpointer`'s objects (also the benchmark's)."""
     return {
         "model": job.model,
         "optimizer": job.optimizer,

@@ -1,0 +1,51 @@
+"""`python -m trainer.bench`: how fast towerflow trains, next to Keras `fit` and a bare loop.
+
+    python -m trainer.bench                        # every case at full size (~20-30 min, 2 cores)
+    python -m trainer.bench --quick                # every case, tiny sizes: a smoke test
+    python -m trainer.bench --cases=small_mlp,input --json=bench.json
+
+Contenders (`contenders.py`) train the same model on the same data, global
+batch and strategy:
+
+- `towerflow`: `trainer.train.run` as a user runs it (default config values,
+  including `train.steps_per_loop`), timed over whole loops by a clock action
+  (`clock.py`) that notes when each block's steps have finished, so each
+  loop's summaries, metrics and progress line count. Checkpoints and evals are
+  off here (the `checkpoint` case measures saves).
+- `keras_fit_spe<k>`: Keras `model.fit` under the same `tf.distribute` strategy,
+  with `steps_per_execution` 1 and the `steps_per_loop` towerflow uses, and
+  Keras's own optimizer class (same kind, schedule and results; towerflow's
+  runs each variable's update as one fused kernel).
+- `bare_loop`: the floor: `strategy.run` of a minimal step in a `tf.range`
+  loop inside one `tf.function`, with towerflow's optimizer; nothing else.
+
+Each case runs in its own process, set up as the trainer sets up the case's
+strategy (threads per op: see `devices.intra_op_threads`); every contender
+of the case runs with that setup (`harness.py`).
+
+Every contender warms up once (tracing, pipeline start; towerflow and Keras
+instead leave their first loop out of every timing), then all run in turn
+(A B C A B C ...) `--reps` times, so load from other processes hits them
+alike. Figures are medians; ratios are medians of the ratios within each
+round (paired), which load that comes and goes disturbs less. Cases, one
+module each, named after the case:
+
+1. `small_mlp`: an overhead-bound MLP (~300k parameters), examples/s.
+2. `dense_large`: a compute-bound MLP (~15M parameters, batch 512) under
+   `one_device`: model FLOP/s (6 x parameters x examples/s) over the float32
+   matmul peak measured alongside (utilisation); also under `mixed_bfloat16`.
+3. `input`: the synthetic and TFRecord pipelines alone (examples/s) against
+   what training on them consumes, and the time a step waits for its batch.
+4. `strategies`: `small_mlp` under one_device, mirrored and central_storage (2
+   logical CPUs), and as local clusters (`trainer.launch`) under multi_worker
+   and parameter_server, relative to one_device.
+5. `startup`: seconds from process start to the first finished step of
+   `python -m trainer`, next to `import tensorflow` alone and to the floor
+   (import, build a model, compile and run one step).
+6. `checkpoint`: how long a save of a ~100 MB checkpoint blocks training,
+   synchronous against asynchronous, and how long a restore takes.
+"""
+
+from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes
+
+__all__ = ["CASES", "FULL", "QUICK", "SINGLE_PROCESS", "Sizes"]

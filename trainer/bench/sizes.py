@@ -1,0 +1,117 @@
+"""The benchmark's sizes (full and `--quick`) and the configs its cases train."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+CASES = ("small_mlp", "dense_large", "input", "strategies", "startup", "checkpoint")
+SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
+LOGICAL_CPUS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Model, data and run lengths of one benchmark size."""
+
+    small_input: int = 64  # small_mlp: input features
+    small_hidden: tuple[int, ...] = (512, 512)  # ~300k parameters
+    small_batch: int = 128
+    small_loops: int = 2  # timed towerflow loops per repetition
+    large_input: int = 1024
+    large_hidden: tuple[int, ...] = (2048, 2048, 2048, 2048)  # ~15M parameters
+    large_batch: int = 512
+    large_steps: int = 4  # timed steps per repetition
+    peak_n: int = 2048  # side of the square matmuls of the float32 peak
+    examples: int = 100_000  # synthetic examples
+    steps_per_loop: int = 0  # 0: the config's default
+    ckpt_hidden: tuple[int, ...] = (2048, 2048, 2048)  # ~8.5M parameters: ~100 MB with Adam
+    cluster_steps: int = 300  # steps of each local-cluster run
+    loop1_steps: int = 41  # small_mlp with one step per loop: steps per repetition
+    startup_reps: int = 3
+    clusters: tuple[str, ...] = ("multi_worker", "parameter_server")  # local clusters timed
+
+
+FULL = Sizes()
+QUICK = Sizes(
+    small_input=16,
+    small_hidden=(32,),
+    small_batch=32,
+    small_loops=2,
+    large_input=64,
+    large_hidden=(128, 128),
+    large_batch=64,
+    large_steps=4,
+    peak_n=256,
+    examples=2_000,
+    steps_per_loop=10,
+    ckpt_hidden=(64,),
+    cluster_steps=20,
+    loop1_steps=6,
+    startup_reps=1,
+    # One cluster runs the `strategies` case's cluster path; a parameter-server cluster's
+    # three processes would add ~10 s to start and stop (its trainer has tests of its own).
+    clusters=("multi_worker",),
+)
+
+
+def make_config(
+    sizes: Sizes, strategy: str, hidden, input_size: int, batch: int, **fields
+) -> ml_collections.ConfigDict:
+    """The default config on synthetic data, with a model and batch, and no checkpoints or evals.
+
+    Args:
+      sizes: the benchmark's sizes (examples, loop length).
+      strategy: the strategy's name.
+      hidden: the MLP's hidden units.
+      input_size: features per example.
+      batch: the global batch size.
+      **fields: more "a.b.c": value overrides.
+    """
+    import configs.default
+
+    config = configs.default.get_config()
+    config.strategy.name = strategy
+    config.devices.logical_cpus = LOGICAL_CPUS
+    config.data.name = "synthetic"
+    config.data.synthetic.input_shape = (input_size,)
+    config.data.synthetic.num_examples = sizes.examples
+    config.model.hidden_units = tuple(hidden)
+    # Dropout's seed state cannot be updated in a replica under central_storage (TF's
+    # AggregatingVariable refuses it), so no contender uses dropout.
+    config.model.dropout = 0.0
+    config.train.global_batch_size = batch
+    config.train.checkpoint_every = 0  # the `checkpoint` case measures saves
+    config.train.export = False
+    config.eval.every = 0
+    if sizes.steps_per_loop:
+        config.train.steps_per_loop = sizes.steps_per_loop
+    config.update_from_flattened_dict(fields)
+    return config
+
+
+def small_config(sizes: Sizes, strategy: str, **fields) -> ml_collections.ConfigDict:
+    """`make_config` of the small MLP (`small_mlp`, `input`, `strategies`)."""
+    return make_config(
+        sizes, strategy, sizes.small_hidden, sizes.small_input, sizes.small_batch, **fields
+    )
+
+
+def default_strategy() -> str:
+    """The strategy the default config names."""
+    import configs.default
+
+    return configs.default.get_config().strategy.name
+
+
+def case_strategy(case: str) -> str:
+    """The strategy a case's process is set up for (logical CPUs, threads per op)."""
+    return "one_device" if case == "dense_large" else default_strategy()
+
+
+def parameters(config: ml_collections.ConfigDict) -> int:
+    """The parameter count of the model `config` builds."""
+    from trainer import data, models
+
+    return models.build(config.model, data.get(config.data).spec).count_params()
