@@ -107,8 +107,8 @@ class Pipeline(Strategy):
             Stage(
                 device,
                 layers[a:b],
-                cuts[a] if a else model.input,
-                cuts[b] if b < len(layers) else model.output,
+                cuts[a] if a else _symbolic(model, "input"),
+                cuts[b] if b < len(layers) else _symbolic(model, "output"),
             )
             for device, a, b in zip(self.devices, starts, starts[1:], strict=False)
         ]
@@ -335,7 +335,7 @@ def _layers_and_cuts(model: keras.Model) -> tuple[list, list]:
     cuts: list = []
     for j in range(len(layers)):
         later = {t for taken in consumed[j:] for t in taken} | set(final)
-        crossing = sorted(t for t in later if producer.get(t, len(layers)) < j)
+        crossing = sorted((t for t in later if producer.get(t, len(layers)) < j), key=producer.get)
         if len(crossing) == 1:
             cuts.append(tensors[crossing[0]])
         else:
@@ -404,6 +404,15 @@ def _balanced_cuts(stages: int, layers: list, cuts: list) -> list[int]:
         room = room[: len(room) - (stages - 1 - i)]
         starts.append(min(room, key=lambda j: abs(before[j] - total * i / stages)))
     return starts
+
+
+def _symbolic(model: keras.Model, end: str) -> Any:
+    """The model's symbolic inputs or outputs (`end`), in the structure it was built with."""
+    try:
+        return getattr(model, end)  # a functional model's dict, list or tensor
+    except AttributeError:  # a Sequential model has them as a list only
+        flat = getattr(model, end + "s")
+        return flat[0] if len(flat) == 1 else flat
 
 
 def _names(spec: str) -> list[str]:
