@@ -22,8 +22,9 @@ time on a machine without GPUs (trials side by side only split its cores).
 At the end, a table (one row per trial, ranked by `--metric`, the best one
 named), `sweep.json` and `sweep.csv` in the sweep directory. A failed trial is
 reported in its row with its one-line error and the others go on (the exit
-status is then 1). Ctrl-C sends SIGTERM to the running trials, which save a
-checkpoint and exit within `--grace_s` (a second Ctrl-C kills them at once).
+status is 1 when a trial did not finish). Ctrl-C sends SIGTERM to the running
+trials, which save a checkpoint and exit within `--grace_s` (a second Ctrl-C
+kills them at once).
 Running the same command again resumes: finished trials are not run again,
 interrupted ones resume from their checkpoints.
 """
@@ -182,8 +183,9 @@ def _start(
     def on_line(line: str) -> None:
         if line.startswith("error: "):
             last_error[:] = [line.removeprefix("error: ")]
-        log.write(line + "\n")
-        log.flush()
+        if not log.closed:
+            log.write(line + "\n")
+            log.flush()
         console.write(prefix, line)
 
     console.log(f"{prefix}: starting {trial.name} on {slot.describe()}")
@@ -212,7 +214,8 @@ def _pinned(cores: Sequence[int]) -> Iterator[None]:
 
 def _finish(run: _Running, row: Row, console: processes.Console) -> None:
     """Fills the trial's row from its exit status and `results.json`."""
-    run.pump.join(timeout=5.0)
+    processes.signal_group(run.proc, signal.SIGKILL)  # anything the trial left behind
+    run.pump.join(timeout=5.0)  # its pipe closed with the last process of the group
     run.log.close()
     code = run.proc.returncode
     row.wall_time_s = round(time.monotonic() - run.started, 2)
@@ -257,7 +260,7 @@ def _stop(
 
 
 def main(argv: list[str]) -> None:
-    """Plans the sweep, runs it, writes and prints the results; exits 1 if a trial failed."""
+    """Plans the sweep, runs it, writes and prints the results; exits 1 unless all finished."""
     console = processes.Console(own="sweep")
     try:
         with processes.Interrupt().catching() as interrupt:
@@ -304,7 +307,7 @@ def sweep(
     )
     if interrupt.signal is not None:
         return interrupt.code
-    return 1 if any(r.status == FAILED for r in rows) else 0
+    return 0 if all(r.status == FINISHED for r in rows) else 1
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
