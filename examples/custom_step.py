@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 
 import trainer
-from examples.multi_output import _digits
+from examples import digits
 from trainer.tasks import Task
 
 
@@ -44,15 +44,7 @@ class ConsistencyTask(Task):
         return keras.Model(image, keras.layers.Dense(10)(x), name="mlp")
 
     def dataset_fn(self, input_context, split: str, global_batch_size: int) -> tf.data.Dataset:
-        images, labels = _digits(split)
-        examples = tf.data.Dataset.from_tensor_slices((images, labels))
-        examples = examples.shard(
-            input_context.num_input_pipelines, input_context.input_pipeline_id
-        )
-        batch = input_context.get_per_replica_batch_size(global_batch_size)
-        if split == "train":
-            examples = examples.shuffle(len(labels), seed=self.config.seed)
-        return examples.batch(batch, drop_remainder=split == "train")
+        return digits.dataset(input_context, split, global_batch_size, self.config.seed)
 
     def train_step(self, model, optimizer, features, labels, weights, replica_loss) -> dict:
         """One step on one replica's batch; returns the sums the loop reports."""

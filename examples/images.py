@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 import trainer
-from examples.multi_output import _digits
+from examples import digits
 from trainer.tasks import Task
 
 SIZE = 32  # MobileNetV2's smallest input
@@ -84,7 +84,7 @@ def write_tfrecords(directory: str) -> str:
         return directory
     staging = tempfile.mkdtemp(prefix="staging-", dir=os.path.dirname(directory) or ".")
     for split in ("train", "eval"):
-        images, labels = _digits(split)
+        images, labels = digits.load(split)
         big = tf.image.resize(images, (SIZE, SIZE), method="nearest").numpy()
         rgb = (np.repeat(big, 3, axis=-1) * 255).astype("uint8")
         for shard in range(SHARDS):

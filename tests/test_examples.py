@@ -58,35 +58,19 @@ def test_each_example_as_the_readme_runs_it(example, tmp_path):
         assert results["eval"][metric] >= lowest, results["eval"]
 
 
+@pytest.mark.parametrize("where", ["mirrored", "parameter_server"])
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
-def test_each_example_under_mirrored(example, tmp_path):
+def test_each_example_under_mirrored_and_on_a_parameter_server_cluster(example, where, tmp_path):
     model_dir = tmp_path / "run"
-    run = helpers.run_cli(
-        f"--config=examples/{example}.py",
-        "--strategy=mirrored",
-        f"--model_dir={model_dir}",
-        *_short(example),
-        cwd=helpers.REPO,
-    )
-    results = _check(run, model_dir, example)
-    assert results["placement"]["replicas_in_sync"] == 2
-
-
-@pytest.mark.parametrize("example", sorted(EXAMPLES))
-def test_each_example_on_a_parameter_server_cluster(example, tmp_path):
-    model_dir = tmp_path / "run"
-    run = helpers.launch(
-        "--workers=2",
-        "--ps=1",
-        "--",
-        "--strategy=parameter_server",
-        f"--config=examples/{example}.py",
-        f"--model_dir={model_dir}",
-        *_short(example),
-        cwd=helpers.REPO,
-    )
+    args = [f"--config=examples/{example}.py", f"--model_dir={model_dir}", *_short(example)]
+    if where == "mirrored":  # over the default 2 logical CPUs
+        run = helpers.run_cli("--strategy=mirrored", *args, cwd=helpers.REPO)
+    else:  # 2 workers and 1 ps, local processes
+        launcher = ["--workers=2", "--ps=1", "--", "--strategy=parameter_server"]
+        run = helpers.launch(*launcher, *args, cwd=helpers.REPO)
     results = _check(run, model_dir, example)
     assert results["step"] >= 10
+    assert results["placement"]["replicas_in_sync"] == (2 if where == "mirrored" else 1)
 
 
 def test_the_compiled_model_example_needs_no_task_code(tmp_path):

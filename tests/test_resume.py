@@ -46,11 +46,7 @@ def test_sigkill_anywhere_then_restart_ends_with_the_same_weights(strategy, tmp_
     finished = run_cli(*args, "--model_dir=killed", cwd=str(tmp_path))
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert "restored" in finished.stdout
-    a, b = checkpoint_values(tmp_path / "straight"), checkpoint_values(tmp_path / "killed")
-    assert a.keys() == b.keys() and len(a) > 10
-    for name in a:
-        if "save_counter" not in name:  # how many saves it took differs, nothing else
-            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    _assert_same_checkpoints(tmp_path / "straight", tmp_path / "killed", at_least=10)
 
 
 def test_a_user_task_killed_and_restarted_ends_as_the_uninterrupted_run(tmp_path):
@@ -63,8 +59,12 @@ def test_a_user_task_killed_and_restarted_ends_as_the_uninterrupted_run(tmp_path
     finished = run_cli(*args, "--model_dir=killed", cwd=str(tmp_path))
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert "restored" in finished.stdout
-    a, b = checkpoint_values(tmp_path / "straight"), checkpoint_values(tmp_path / "killed")
-    assert a.keys() == b.keys() and len(a) > 4
+    _assert_same_checkpoints(tmp_path / "straight", tmp_path / "killed", at_least=4)
+
+
+def _assert_same_checkpoints(straight, killed, at_least: int) -> None:
+    a, b = checkpoint_values(straight), checkpoint_values(killed)
+    assert a.keys() == b.keys() and len(a) > at_least
     for name in a:
-        if "save_counter" not in name:
+        if "save_counter" not in name:  # how many saves it took differs, nothing else
             np.testing.assert_array_equal(a[name], b[name], err_msg=name)
