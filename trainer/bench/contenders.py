@@ -11,7 +11,7 @@ import time
 
 import ml_collections
 
-from trainer.bench.clock import Clock
+from trainer.bench import clock
 from trainer.bench.harness import Run, paired, timed
 
 
@@ -28,10 +28,10 @@ def towerflow(config: ml_collections.ConfigDict, strategy, model_dir: str, steps
 
     def run() -> float:
         job.total_steps = int(job.optimizer.iterations.numpy()) + steps
-        clock = Clock()
+        blocks = clock.Clock()
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            train.run(job, "train", extra_actions=[clock.action()])
-        return clock.rate(batch)
+            train.run(job, "train", extra_actions=[blocks.action()])
+        return blocks.rate(batch)
 
     run.self_warming = True
     return run
@@ -98,19 +98,19 @@ def keras_fit(
     steps += steps_per_execution  # the first execution is not timed
 
     class Executions(keras.callbacks.Callback):
-        """Notes when each execution of `fit` ends, in a `Clock`'s marks."""
+        """Notes when each execution of `fit` ends: `(batch index, time)` marks, as `Clock`'s."""
 
         def __init__(self):
             super().__init__()
-            self.clock = Clock()
+            self.marks: list[clock.Mark] = []
 
         def on_train_batch_end(self, batch, logs=None):
-            self.clock.marks.append((batch, time.perf_counter()))
+            self.marks.append((batch, time.perf_counter()))
 
     def run() -> float:
         executions = Executions()
         model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[executions])
-        return executions.clock.rate(batch)
+        return clock.rate(executions.marks, batch)
 
     run.self_warming = True
     return run
