@@ -111,6 +111,8 @@ def test_slots_share_out_gpus_and_cores():
     assert [s.cores for s in cpu] == [(0,), (1,)] and all(not s.gpus for s in cpu)
     assert cpu[0].env() == {"TF_NUM_INTEROP_THREADS": "1"}
     assert [s.cores for s in sweep_plan.plan_slots("auto", 1, [], [0, 1])] == [(0, 1)]
+    three = sweep_plan.plan_slots("3", 1, [], [0, 1])  # more trials than cores: shared
+    assert [s.cores for s in three] == [(0,), (1,), (0,)]
     gpu = sweep_plan.plan_slots("auto", 2, ["0", "1", "2", "3"], list(range(16)))
     assert [s.gpus for s in gpu] == [("0", "1"), ("2", "3")]
     assert gpu[1].cores == tuple(range(8, 16))

@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import IO
 
 from absl import app, flags
 
@@ -83,7 +84,7 @@ class _Running:
     slot: Slot
     proc: subprocess.Popen
     pump: threading.Thread
-    log: object
+    log: IO[str]
     started: float
     last_error: list[str]
 
@@ -122,18 +123,18 @@ def run_sweep(
         else:
             pending.append(trial)
     os.makedirs(os.path.join(sweep_dir, "logs"), exist_ok=True)
-    running: dict[Slot, _Running] = {}
+    running: dict[int, _Running] = {}  # by slot index: slots may share cores, so look alike
     try:
         while pending or running:
             if interrupt.signal is not None:
                 console.log(f"got {signal.Signals(interrupt.signal).name}")
                 break
-            for slot in [s for s in slots if s not in running][: len(pending)]:
+            for i in [i for i in range(len(slots)) if i not in running][: len(pending)]:
                 trial = pending.pop(0)
-                running[slot] = _start(trial, slot, trainer_args, config_path, sweep_dir, console)
-            for slot, run in list(running.items()):
+                running[i] = _start(trial, slots[i], trainer_args, config_path, sweep_dir, console)
+            for i, run in list(running.items()):
                 if run.proc.poll() is not None:
-                    del running[slot]
+                    del running[i]
                     _finish(run, rows[run.trial.name], console)
             time.sleep(processes.POLL_S)
     finally:
