@@ -103,6 +103,11 @@ class Pipeline(Strategy):
             else _balanced_cuts(len(self.devices), layers, cuts)
         )
         starts = [0, *starts, len(layers)]
+        spans = list(zip(self.devices, starts, starts[1:], strict=False))
+        for device, a, b in spans:
+            for layer in layers[a:b]:
+                for variable in layer.variables:
+                    _move(variable, device)
         self.stages = [
             Stage(
                 device,
@@ -110,12 +115,8 @@ class Pipeline(Strategy):
                 cuts[a] if a else _symbolic(model, "input"),
                 cuts[b] if b < len(layers) else _symbolic(model, "output"),
             )
-            for device, a, b in zip(self.devices, starts, starts[1:], strict=False)
+            for device, a, b in spans
         ]
-        for stage in self.stages:
-            for layer in stage.layers:
-                for variable in layer.variables:
-                    _move(variable, stage.device)
         plain_call = model.call
 
         def call(inputs, training=None, mask=None, **kwargs):
@@ -190,6 +191,10 @@ class Stage:
         self.layers = layers
         # A functional model over the same layers (it shares their variables).
         self.model = keras.Model(inputs, outputs, name=f"stage_{layers[0].name}")
+        # The TF variables behind them, in the model's order (read as they are, where
+        # Keras would cast them to a mixed-precision compute dtype).
+        self.trainable = [v.value for v in self.model.trainable_variables]
+        self.non_trainable = [v.value for v in self.model.non_trainable_variables]
 
 
 def run_by_stages(stages: list[Stage], inputs: Any, micro_batches: int, training) -> Any:
@@ -197,53 +202,109 @@ def run_by_stages(stages: list[Stage], inputs: Any, micro_batches: int, training
 
     Every (micro-batch, stage) pair is one block on the stage's device, its
     backward pass too; the blocks are independent except where one feeds the
-    next, so the stages overlap in the step's dataflow graph.
+    next, so the stages overlap in the step's dataflow graph. A stage reads
+    its variables once a step and hands each micro-batch its own copy, so the
+    micro-batches' weight gradients are summed on the stage's device (see
+    `_copies`). Its state (e.g. moving statistics, RNG counters) starts every
+    micro-batch from the step's value and is written once (see `_keep_state`).
     """
     with tf.device(stages[0].device):
         parts = _split(inputs, micro_batches)
-    outputs = []
-    for part in parts:
-        for stage in stages:
-            part = _on_device(stage, part, training)
+    weights, states = [], []
+    for stage in stages:
+        with tf.device(stage.device):
+            weights.append(_copies([v.read_value() for v in stage.trainable], len(parts)))
+            states.append([v.read_value() for v in stage.non_trainable])
+    outputs, new_states = [], [[] for _ in stages]
+    for m, part in enumerate(parts):
+        for s, stage in enumerate(stages):
+            part, state = _on_device(stage, part, weights[s][m], states[s], training)
+            new_states[s].append(state)
         outputs.append(part)
+    for stage, updates in zip(stages, new_states, strict=True):
+        _keep_state(stage, updates)
     with tf.device(stages[-1].device):
         return tf.nest.map_structure(lambda *o: tf.concat(o, axis=0), *outputs)
 
 
-def _on_device(stage: Stage, inputs: Any, training) -> Any:
-    """`stage.model(inputs)` with its forward and backward passes on `stage.device`.
+def _copies(values: list[tf.Tensor], count: int) -> list[list[tf.Tensor]]:
+    """`count` copies of `values`, whose gradients are summed where `values` are.
 
-    Gradient ops would otherwise be placed by TensorFlow, which puts ops with no
-    device on the first one: the whole backward pass would run there. The
-    custom gradient recomputes nothing: it replays the block's own tape.
+    Were every micro-batch to read the same tensors, TensorFlow's tape would add
+    their gradients in an op with no device, which lands on the first device:
+    every stage's gradients would travel there and back each step.
     """
-    flat = tf.nest.flatten(inputs)
+    if count == 1 or not values:
+        return [values] * count
 
     @tf.custom_gradient
-    def block(*flat_inputs):
-        watched = [i for i, t in enumerate(flat_inputs) if t.dtype.is_floating]
+    def copy(*tensors):
+        def backward(*grads):
+            per_value = [grads[i :: len(tensors)] for i in range(len(tensors))]
+            with tf.device(tensors[0].device):
+                return [tf.add_n([g for g in parts if g is not None]) for parts in per_value]
+
+        return [tf.identity(t) for _ in range(count) for t in tensors], backward
+
+    flat = copy(*values)
+    return [flat[m * len(values) : (m + 1) * len(values)] for m in range(count)]
+
+
+def _on_device(stage: Stage, inputs: Any, weights: list, state: list, training) -> tuple:
+    """`stage.model(inputs)` with `weights` and `state`, forward and backward on `stage.device`.
+
+    Returns the stage's outputs and its new state. Gradient ops would otherwise
+    be placed by TensorFlow, which puts ops with no device on the first one:
+    the whole backward pass would run there. The custom gradient recomputes
+    nothing: it replays the block's own tape.
+    """
+    flat, count = tf.nest.flatten(inputs), len(weights)
+
+    @tf.custom_gradient
+    def block(*tensors):
+        watched = [i for i, t in enumerate(tensors) if t.dtype.is_floating]
         with tf.device(stage.device), tf.GradientTape() as tape:
-            tape.watch([flat_inputs[i] for i in watched])
-            packed = tf.nest.pack_sequence_as(inputs, list(flat_inputs))
-            outputs = tf.nest.flatten(stage.model(packed, training=training))
+            tape.watch([tensors[i] for i in watched])
+            packed = tf.nest.pack_sequence_as(inputs, list(tensors[count:]))
+            outputs, new_state = stage.model.stateless_call(
+                list(tensors[:count]), state, packed, training=training
+            )
+            outputs = tf.nest.flatten(outputs)
 
-        def backward(*output_grads, variables=()):
-            grads = [
-                tf.zeros_like(o) if g is None else g
-                for o, g in zip(outputs, output_grads, strict=True)
-            ]
-            sources = [flat_inputs[i] for i in watched] + list(variables)
+        def backward(*output_grads):
+            grads = [tf.zeros_like(o) if g is None else g for o, g in zip(outputs, output_grads)]
             with tf.device(stage.device):
-                found = tape.gradient(outputs, sources, output_gradients=grads)
-            input_grads: list = [None] * len(flat_inputs)
-            for i, g in zip(watched, found, strict=False):
+                found = tape.gradient(
+                    outputs, [tensors[i] for i in watched], output_gradients=grads
+                )
+            input_grads: list = [None] * len(tensors)
+            for i, g in zip(watched, found, strict=True):
                 input_grads[i] = g
-            return input_grads, found[len(watched) :]
+            return input_grads
 
-        return outputs, backward
+        # The new state goes out too (its gradient is never asked for).
+        return outputs + list(new_state), backward
 
-    structure = stage.model.output
-    return tf.nest.pack_sequence_as(structure, tf.nest.flatten(block(*flat)))
+    results = block(*weights, *flat)
+    outputs = tf.nest.pack_sequence_as(stage.model.output, results[: len(results) - len(state)])
+    return outputs, results[len(results) - len(state) :]
+
+
+def _keep_state(stage: Stage, updates: list[list]) -> None:
+    """Writes a stage's state after its micro-batches: floats averaged, others the last's.
+
+    Averaging is exact for a moving mean (the update is linear in the batch
+    mean); counters and RNG states advance once a step, as on one device.
+    """
+    if not stage.non_trainable:
+        return
+    with tf.device(stage.device):
+        for k, variable in enumerate(stage.non_trainable):
+            values = [state[k] for state in updates]
+            if variable.dtype.is_floating and len(values) > 1:
+                variable.assign(tf.add_n(values) / len(values))
+            else:
+                variable.assign(values[-1])
 
 
 def _split(inputs: Any, parts: int) -> list:
