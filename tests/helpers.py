@@ -131,6 +131,20 @@ def start_cli(*args: str, cwd, module: str = "trainer") -> subprocess.Popen:
     )
 
 
+def start_task(tf_config: str, *args: str, cwd) -> subprocess.Popen:
+    """Starts `python -m trainer ARGS` as one task of a cluster; stdout and stderr piped apart.
+
+    The test's end kills it (and what it started) if it still runs.
+    """
+    return spawn(
+        [sys.executable, "-m", "trainer", *args],
+        cwd=cwd,
+        env={**_env(), "TF_CONFIG": tf_config},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
 def launch(*args: str, cwd: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     """Runs `python -m trainer.launch ARGS`: a local cluster on 127.0.0.1."""
     return run_cli(*args, cwd=cwd, timeout=timeout, module="trainer.launch")

@@ -3,10 +3,8 @@
 import json
 import os
 import re
+import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,14 +13,17 @@ import pytest
 
 from strategies import cluster
 from tests.helpers import (
-    REPO,
+    TIMEOUT_S,
     checkpoint_values,
+    kill,
     launch,
     launch_and_signal,
     pid_of,
     run_cli,
     start_cli,
+    start_task,
 )
+from trainer.launch import pick_ports
 
 EQUIVALENCE = [
     "--config.train.steps=20",
@@ -64,7 +65,10 @@ def test_two_workers_train_the_default_job(two_workers):
     # Only the chief reports and writes; the other worker's files went to a temporary place.
     assert "[worker:0] train | step: 300/300" in result.stdout
     assert "[worker:1] train |" not in result.stdout
-    assert sorted(os.listdir(cwd / "run")) == [
+    names = sorted(os.listdir(cwd / "run"))
+    events = [n for n in names if n.startswith("events.out.tfevents.")]
+    assert len(events) == 1  # the run's hyper-parameters, for TensorBoard's HParams dashboard
+    assert [n for n in names if n not in events] == [
         "checkpoints",
         "config.json",
         "eval",
@@ -257,61 +261,29 @@ def test_a_hung_chief_is_named_and_its_peer_exits(tmp_path):
     assert code != 0
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def test_workers_that_restored_different_steps_stop_with_one_line(tmp_path):
-    first = launch(
-        "--workers=2",
-        "--",
-        "--strategy=multi_worker",
-        "--model_dir=run",
-        *EQUIVALENCE,
-        cwd=str(tmp_path),
-    )
-    assert first.returncode == 0, first.stdout[-3000:]
+def test_workers_that_restored_different_steps_stop_with_one_line(two_workers, tmp_path):
+    trained, _ = two_workers
+    shutil.copytree(trained / "run" / "checkpoints", tmp_path / "run" / "checkpoints")
     # A rerun where worker 1 sees another `model_dir`, as when it is not shared.
-    addresses = [f"127.0.0.1:{port}" for port in _free_ports(2)]
-    procs = []
+    addresses = [f"127.0.0.1:{port}" for port in pick_ports(2)]
+    procs = [
+        start_task(
+            cluster.make_tf_config({"worker": addresses}, "worker", index),
+            "--strategy=multi_worker",
+            f"--model_dir={model_dir}",
+            "--config.train.steps=400",
+            "--config.eval.every=0",
+            cwd=tmp_path,
+        )
+        for index, model_dir in enumerate(["run", "elsewhere"])
+    ]
     try:
-        for index, model_dir in enumerate(["run", "elsewhere"]):
-            env = dict(
-                os.environ,
-                TF_CONFIG=cluster.make_tf_config({"worker": addresses}, "worker", index),
-                TF_CPP_MIN_LOG_LEVEL="2",
-                PYTHONPATH=REPO,
-            )
-            command = [sys.executable, "-m", "trainer", "--strategy=multi_worker"]
-            procs.append(
-                subprocess.Popen(
-                    [
-                        *command,
-                        f"--model_dir={model_dir}",
-                        *EQUIVALENCE[1:],
-                        "--config.train.steps=40",
-                    ],
-                    cwd=tmp_path,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
-        results = [proc.communicate(timeout=600) for proc in procs]
+        results = [proc.communicate(timeout=TIMEOUT_S) for proc in procs]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill(*procs)
     for proc, (out, err) in zip(procs, results, strict=True):
         lines = [line for line in err.splitlines() if line.strip()]
         assert proc.returncode == 2, out[-2000:] + err[-3000:]
         assert len(lines) == 1, err
         assert "the workers restored different steps" in lines[0]
-        assert "worker:0 step 20, worker:1 step 0" in lines[0] and "not shared" in lines[0]
+        assert "worker:0 step 300, worker:1 step 0" in lines[0] and "not shared" in lines[0]

@@ -2,11 +2,9 @@
 
 import json
 import math
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -14,17 +12,9 @@ import pytest
 
 from strategies import cluster
 from strategies.errors import TaskLost, UserError
-from tests.helpers import REPO, launch, tiny_config
+from tests.helpers import TIMEOUT_S, kill, launch, start_task, tiny_config
 from trainer import train
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
-    try:
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+from trainer.launch import pick_ports
 
 
 def _spec(addresses: list[str], index: int) -> cluster.ClusterSpec:
@@ -32,7 +22,7 @@ def _spec(addresses: list[str], index: int) -> cluster.ClusterSpec:
 
 
 def test_a_peer_that_never_answers_is_named_then_given_up_on_after_the_bound():
-    mine, missing = _free_ports(2)
+    mine, missing = pick_ports(2)
     spec = _spec([f"127.0.0.1:{mine}", f"127.0.0.1:{missing}"], 0)
     said: list[str] = []
     start = time.monotonic()
@@ -49,7 +39,7 @@ def test_a_peer_that_never_answers_is_named_then_given_up_on_after_the_bound():
 
 
 def test_a_host_that_does_not_resolve_is_named_at_once():
-    (mine,) = _free_ports(1)
+    (mine,) = pick_ports(1)
     spec = _spec([f"127.0.0.1:{mine}", "no-such-host.invalid:2222"], 0)
     said: list[tuple[float, str]] = []
     start = time.monotonic()
@@ -67,7 +57,7 @@ def test_a_host_that_does_not_resolve_is_named_at_once():
 def test_tasks_waiting_for_each_other_all_start():
     # Each holds its own port while it waits, so none waits for a server that
     # only starts once its own wait is over.
-    ports = _free_ports(3)
+    ports = pick_ports(3)
     addresses = [f"127.0.0.1:{port}" for port in ports]
     done: list[int] = []
     servers: list[socket.socket] = []  # what TensorFlow's server is once a task has started
@@ -133,37 +123,22 @@ def test_a_blank_tf_config_means_one_process(tmp_path, monkeypatch):
 
 def _start_worker_0(tmp_path, missing_port: int, *flags: str) -> subprocess.Popen:
     """Worker 0 of a two-worker `TF_CONFIG` whose worker 1 never starts."""
-    (mine,) = _free_ports(1)
+    (mine,) = pick_ports(1)
     tf_config = cluster.make_tf_config(
         {"worker": [f"127.0.0.1:{mine}", f"127.0.0.1:{missing_port}"]}, "worker", 0
     )
-    env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainer", "--strategy=multi_worker", "--model_dir=run", *flags],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _ended(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    return start_task(tf_config, "--strategy=multi_worker", "--model_dir=run", *flags, cwd=tmp_path)
 
 
 def test_the_cli_gives_up_on_a_missing_peer_with_one_line(tmp_path):
-    (missing,) = _free_ports(1)
+    (missing,) = pick_ports(1)
     proc = _start_worker_0(
         tmp_path, missing, "--config.strategy.multi_worker.startup_timeout_seconds=3"
     )
     try:
-        out, err = proc.communicate(timeout=600)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
-        _ended(proc)
+        kill(proc)
     assert proc.returncode == 144, out + err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
@@ -173,7 +148,7 @@ def test_the_cli_gives_up_on_a_missing_peer_with_one_line(tmp_path):
 
 
 def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path):
-    (missing,) = _free_ports(1)
+    (missing,) = pick_ports(1)
     proc = _start_worker_0(tmp_path, missing)  # the default wait: 120 s
     try:
         for line in proc.stdout:
@@ -181,10 +156,10 @@ def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path):
                 break
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=600)
+        proc.wait(timeout=TIMEOUT_S)
         took = time.monotonic() - sent
     finally:
-        _ended(proc)
+        kill(proc)
     assert proc.returncode == 143
     assert took < 30, "stops at the signal, not at the end of the wait"
 
