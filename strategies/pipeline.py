@@ -259,6 +259,7 @@ def _on_device(stage: Stage, inputs: Any, weights: list, state: list, training) 
     nothing: it replays the block's own tape.
     """
     flat, count = tf.nest.flatten(inputs), len(weights)
+    sizes = {}
 
     @tf.custom_gradient
     def block(*tensors):
@@ -266,10 +267,13 @@ def _on_device(stage: Stage, inputs: Any, weights: list, state: list, training) 
         with tf.device(stage.device), tf.GradientTape() as tape:
             tape.watch([tensors[i] for i in watched])
             packed = tf.nest.pack_sequence_as(inputs, list(tensors[count:]))
-            outputs, new_state = stage.model.stateless_call(
-                list(tensors[:count]), state, packed, training=training
+            outputs, new_state, losses = stage.model.stateless_call(
+                list(tensors[:count]), state, packed, training=training, return_losses=True
             )
-            outputs = tf.nest.flatten(outputs)
+            # Losses the layers add (activity regularizers) are outputs too, so that
+            # their gradients come back through this block.
+            outputs = tf.nest.flatten(outputs) + list(losses)
+        sizes["outputs"], sizes["losses"] = len(outputs), len(losses)
 
         def backward(*output_grads):
             grads = [tf.zeros_like(o) if g is None else g for o, g in zip(outputs, output_grads)]
@@ -286,8 +290,12 @@ def _on_device(stage: Stage, inputs: Any, weights: list, state: list, training) 
         return outputs + list(new_state), backward
 
     results = block(*weights, *flat)
-    outputs = tf.nest.pack_sequence_as(stage.model.output, results[: len(results) - len(state)])
-    return outputs, results[len(results) - len(state) :]
+    produced, new_state = results[: sizes["outputs"]], results[sizes["outputs"] :]
+    losses = produced[len(produced) - sizes["losses"] :]
+    if losses:
+        stage.layers[-1].add_loss(tf.add_n(losses))  # so that the model's `losses` hold them
+    outputs = produced[: len(produced) - sizes["losses"]]
+    return tf.nest.pack_sequence_as(stage.model.output, outputs), new_state
 
 
 def _keep_state(stage: Stage, updates: list[list]) -> None:

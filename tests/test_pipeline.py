@@ -143,6 +143,35 @@ def test_a_sequential_model_trains_as_on_one_device(tmp_path):
     _assert_same_checkpoints(tmp_path / "one", tmp_path / "pipe")
 
 
+def stateful(spec, config) -> keras.Model:
+    """Layers with state and added losses: batch statistics, dropout, an activity penalty."""
+    del config
+    from trainer.layers import Dropout
+
+    inputs = keras.Input(spec.input_shape)
+    x = keras.layers.Flatten()(inputs)
+    x = keras.layers.Dense(32, activity_regularizer=keras.regularizers.L2(1e-3))(x)
+    x = keras.layers.BatchNormalization()(x)
+    x = Dropout(0.3, seed=1)(keras.layers.Activation("relu")(x))
+    x = keras.layers.Dense(32, activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
+
+
+def test_state_and_added_losses_train_as_on_one_device(tmp_path):
+    """Without micro-batches, moving statistics, dropout and activity losses are one device's."""
+    user_model = {"model.name": "tests.test_pipeline:stateful"}
+    one = _train(tmp_path / "one", "one_device", **user_model)
+    job = _train(
+        tmp_path / "pipe",
+        "pipeline",
+        **user_model,
+        **{"strategy.pipeline.stages": 3, "strategy.pipeline.micro_batches": 1},
+    )
+    assert len(job.results["placement"]["stages"]) == 3
+    _assert_same_checkpoints(tmp_path / "one", tmp_path / "pipe")
+    assert job.results["train"]["loss"] == pytest.approx(one.results["train"]["loss"], rel=1e-5)
+
+
 def branchy(spec, config) -> keras.Model:
     """A residual connection from `flat` past `a`, `b`, `c`: stages start at `a` or `logits`."""
     del config
