@@ -130,10 +130,21 @@ def _start_worker_0(tmp_path, missing_port: int, *flags: str) -> subprocess.Pope
     return start_task(tf_config, "--strategy=multi_worker", "--model_dir=run", *flags, cwd=tmp_path)
 
 
-def test_the_cli_gives_up_on_a_missing_peer_with_one_line(tmp_path):
-    (missing,) = pick_ports(1)
-    proc = _start_worker_0(
-        tmp_path, missing, "--config.strategy.multi_worker.startup_timeout_seconds=3"
+@pytest.mark.parametrize("strategy", ["multi_worker", "parameter_server"])
+def test_the_cli_gives_up_on_missing_tasks_with_one_line(tmp_path, strategy):
+    chief, worker, ps = pick_ports(3)
+    jobs = {"worker": [f"127.0.0.1:{chief}", f"127.0.0.1:{worker}"]}
+    missing = [f"worker:1 at 127.0.0.1:{worker}"]
+    if strategy == "parameter_server":  # its chief waits for the worker and the ps
+        jobs = {"chief": [f"127.0.0.1:{chief}"], "worker": [f"127.0.0.1:{worker}"]}
+        jobs["ps"] = [f"127.0.0.1:{ps}"]
+        missing = [f"worker:0 at 127.0.0.1:{worker}", f"ps:0 at 127.0.0.1:{ps}"]
+    proc = start_task(
+        cluster.make_tf_config(jobs, "chief" if "chief" in jobs else "worker", 0),
+        f"--strategy={strategy}",
+        "--model_dir=run",
+        f"--config.strategy.{strategy}.startup_timeout_seconds=3",
+        cwd=tmp_path,
     )
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
@@ -142,8 +153,8 @@ def test_the_cli_gives_up_on_a_missing_peer_with_one_line(tmp_path):
     assert proc.returncode == 144, out + err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
-    assert lines[0].startswith(f"error: worker:1 at 127.0.0.1:{missing} did not answer within 3 s")
-    assert f"waiting for worker:1 at 127.0.0.1:{missing}" in out
+    assert lines[0].startswith(f"error: {missing[0]} did not answer within 3 s"), lines[0]
+    assert all(f"waiting for {task}" in out for task in missing), out
     assert not (tmp_path / "run").exists()
 
 
