@@ -174,6 +174,10 @@ def test_a_sweep_ranks_its_trials_and_a_bad_value_fails_only_its_row(swept):
     assert [r["trial"] for r in table] == [r["trial"] for r in rows]
     assert float(table[0]["eval/accuracy"]) == pytest.approx(accuracies[0])
     assert f"best: {summary['best']}" in first.stdout
+    # Two trials at once share the cores out: each trial's ops get its half.
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    log = (sweep_dir / "logs" / f"{rows[0]['trial']}.log").read_text()
+    assert f"threads per op: {share}" in log
     assert "failed: Unknown `optimizer.name` 'nosuch'" in first.stdout
 
 
@@ -199,6 +203,24 @@ def test_the_hparams_dashboard_compares_the_trials(swept):
         assert shown == pytest.approx(row["eval"]["accuracy"])
     differing = {i.name for i in experiment.hparam_infos if i.differs}
     assert "optimizer.learning_rate" in differing
+
+
+def test_a_bad_sweep_flag_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    result = run_cli(
+        "--sweep.optimizer.learning_rat=1e-3,1e-2",
+        "--sweep_dir=sw",
+        "--",
+        *TINY,
+        cwd=str(tmp_path),
+        module="trainer.sweep",
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: `--sweep.optimizer.learning_rat`: the config has no field "
+        "`optimizer.learning_rat` (no `learning_rat` there); did you mean "
+        "`--sweep.optimizer.learning_rate`?"
+    ]
+    assert not os.listdir(tmp_path)
 
 
 def _trial_processes(sweep_dir: pathlib.Path) -> list[int]:

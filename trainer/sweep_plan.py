@@ -10,6 +10,7 @@ Nothing here imports TensorFlow or touches a device.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import os
 import random
@@ -217,14 +218,21 @@ def _field_values(
     base: ml_collections.ConfigDict, config_path: str, field: str, text: str
 ) -> list[str]:
     """Checks that `field` exists and that each of its values parses as the field's type."""
-    section = base
+    section, path = base, []
     for key in field.split("."):
         if not isinstance(section, ml_collections.ConfigDict) or key not in section:
+            known = list(section.keys()) if isinstance(section, ml_collections.ConfigDict) else []
+            close = difflib.get_close_matches(key, known, n=1)
+            fix = (
+                f"did you mean `--sweep.{'.'.join([*path, close[0]])}`?"
+                if close
+                else f"name a field of `{config_path}`, e.g. `--sweep.optimizer.learning_rate`."
+            )
             raise UserError(
-                f"`--sweep.{field}`: the config has no field `{field}` (no `{key}` there); "
-                f"name a field of `{config_path}`, e.g. `--sweep.optimizer.learning_rate`."
+                f"`--sweep.{field}`: the config has no field `{field}` (no `{key}` there); {fix}"
             )
         section = section[key]
+        path.append(key)
     values = split_values(text)
     for value in values:
         try:
