@@ -64,7 +64,9 @@ _PARALLEL = flags.DEFINE_string(
     "parallel", "auto", "Trials at once: auto (one per GPU; 1 without GPUs) or a count."
 )
 _METRIC = flags.DEFINE_string("metric", "eval/accuracy", "Ranks the trials: train/<m> or eval/<m>.")
-_MODE = flags.DEFINE_string("mode", "auto", "max, min, or auto (min for a loss, else max).")
+_MODE = flags.DEFINE_enum(
+    "mode", "auto", list(sweep_results.MODES), "max, min, or auto (min for a loss, else max)."
+)
 _SWEEP_DIR = flags.DEFINE_string(
     "sweep_dir",
     None,
@@ -291,6 +293,10 @@ def sweep(
     slots = sweep_plan.plan_slots(_PARALLEL.value, per_trial, sweep_plan.visible_gpus(), cores)
     name = os.path.splitext(os.path.basename(config_path))[0]
     sweep_dir = _SWEEP_DIR.value or os.path.join("runs", f"sweep-{name}")
+    if os.path.exists(sweep_dir) and not os.path.isdir(sweep_dir):
+        raise UserError(
+            f"`--sweep_dir` '{sweep_dir}' is a file, not a directory; give a directory."
+        )
     console.log(
         f"{len(trials)} trial(s) in {sweep_dir}, {len(slots)} at a time "
         f"({'; '.join(s.describe() for s in slots)})"
