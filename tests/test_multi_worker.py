@@ -198,7 +198,7 @@ def test_each_workers_thread_count_stays_flat_over_many_steps(tmp_path):
         "--",
         "--strategy=multi_worker",
         f"--model_dir={tmp_path / 'run'}",
-        "--config.train.steps=1000",
+        "--config.train.steps=600",
         "--config.train.steps_per_loop=10",
         "--config.train.checkpoint_every=500",
         "--config.eval.every=0",
@@ -214,7 +214,7 @@ def test_each_workers_thread_count_stays_flat_over_many_steps(tmp_path):
     pids: dict[int, int] = {}
     try:
         while proc.poll() is None:
-            steps = [int(m) for m in re.findall(r"step: (\d+)/1000", "".join(lines[-5:]))]
+            steps = [int(m) for m in re.findall(r"step: (\d+)/600", "".join(lines[-5:]))]
             if steps and steps[-1] >= 100:
                 for worker in (0, 1):
                     pids[worker] = pids.get(worker) or pid_of("worker", worker, str(tmp_path))
@@ -228,9 +228,9 @@ def test_each_workers_thread_count_stays_flat_over_many_steps(tmp_path):
         proc.wait()
     output = "".join(lines)
     assert proc.returncode == 0, output[-3000:]
-    assert "step: 1000/1000" in output
+    assert "step: 600/600" in output
     for worker, seen in samples.items():
-        assert seen and seen[-1][0] - seen[0][0] >= 500, (worker, seen, output[-2000:])
+        assert seen and seen[-1][0] - seen[0][0] >= 400, (worker, seen, output[-2000:])
         first, most = seen[0][1], max(count for _, count in seen)
         assert most - first <= 16, f"worker:{worker} threads grew from {first} to {most}: {seen}"
 
