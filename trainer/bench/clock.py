@@ -1,15 +1,14 @@
-"""The benchmark's clock: a loop action that notes when each block of steps finished.
+"""The benchmark's clock: a loop action that notes when each block of the loop is done.
 
 The towerflow contender passes a `Clock` to `train.run(..., extra_actions=)`;
 a trainer in another process (the `startup` case, a local cluster) gets one
 through `train.actions` (`--config.train.actions=trainer.bench.clock:to_file`)
 and writes its marks to the file named by `$TOWERFLOW_BENCH_CLOCK`.
 
-A mark is the time the block's steps (and their metrics) finished, taken by
-the action's `block` context (see `trainer.controller`). From one mark to the
-next is one whole loop: the previous block's actions (summaries, metrics,
-progress line) and this block's steps. The end-of-run checkpoint comes after
-the last mark, so it is not timed.
+The clock runs after the loop's other actions, so from one mark to the next
+is one whole loop: the block's steps and its actions (metrics, summaries,
+progress line). The last block's actions also hold the end-of-run checkpoint,
+so a timing ends at a block before the last (`rate(..., until=)`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import ml_collections
 
@@ -26,11 +25,11 @@ from trainer.controller import Action, Output
 
 FILE_VARIABLE = "TOWERFLOW_BENCH_CLOCK"  # where `to_file`'s clock appends its marks
 
-Mark = tuple[int, float]  # (step reached, seconds when the block's steps finished)
+Mark = tuple[int, float]  # (step reached, seconds once the block's actions were done)
 
 
 class Clock:
-    """A loop action: `marks` holds `(output.step, time)` for each block.
+    """A loop action: `marks` holds `(output.step, time)` once each block's actions are done.
 
     Args:
       now: the clock read (`time.perf_counter`; `time.time` to compare with
@@ -46,16 +45,9 @@ class Clock:
         self.marks: list[Mark] = []
         self._now = now
         self._on_mark = on_mark
-        self._finished = 0.0
-
-    @contextlib.contextmanager
-    def block(self, step: int) -> Iterator[None]:
-        """Around each block (the controller enters it): notes when its steps finished."""
-        yield
-        self._finished = self._now()
 
     def __call__(self, output: Output) -> None:
-        mark = (output.step, self._finished)
+        mark = (output.step, self._now())
         self.marks.append(mark)
         if self._on_mark:
             self._on_mark(mark)
@@ -64,17 +56,14 @@ class Clock:
         """This clock as an action after every block, for `extra_actions`."""
         return Action(self, name="bench clock")
 
-    def rate(self, per_step: float) -> float:
-        """`per_step` x steps per second, from the first mark to the last."""
-        return rate(self.marks, per_step)
 
-
-def rate(marks: list[Mark], per_step: float) -> float:
-    """`per_step` x steps per second between the first and the last of `marks`.
+def rate(marks: list[Mark], per_step: float, until: int | None = None) -> float:
+    """`per_step` x steps per second from the first of `marks` to the last at or before `until`.
 
     Raises:
-      RuntimeError: fewer than two marks.
+      RuntimeError: fewer than two marks to time between.
     """
+    marks = [m for m in marks if until is None or m[0] <= until]
     if len(marks) < 2:
         raise RuntimeError(f"need two blocks to time loops, got {len(marks)}")
     (s0, t0), (s1, t1) = marks[0], marks[-1]

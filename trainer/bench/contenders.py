@@ -18,20 +18,24 @@ from trainer.bench.harness import Run, paired, timed
 def towerflow(config: ml_collections.ConfigDict, strategy, model_dir: str, steps: int) -> Run:
     """`train.run` for `steps` more steps; examples/s over whole loops after the first.
 
-    A `Clock` action notes when each block's steps finished; the trainer's
-    printed lines go nowhere (stdout holds the benchmark's table).
+    A `Clock` action notes when each block is done. One more step runs after
+    the timed ones, untimed: the end-of-run checkpoint comes after it. The
+    trainer's printed lines go nowhere (stdout holds the benchmark's table).
     """
-    from trainer import train
+    from trainer import actions, train
 
     job = train.build(config, model_dir, strategy)
     batch = config.train.global_batch_size
 
     def run() -> float:
-        job.total_steps = int(job.optimizer.iterations.numpy()) + steps
+        end = int(job.optimizer.iterations.numpy()) + steps
+        job.total_steps = end + 1
         blocks = clock.Clock()
+        # A block ends at `end` whatever the loop length (blocks end where an action is due).
+        timed_end = actions.Action(lambda output: None, every=end, name="end of timing")
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            train.run(job, "train", extra_actions=[blocks.action()])
-        return blocks.rate(batch)
+            train.run(job, "train", extra_actions=[blocks.action(), timed_end])
+        return clock.rate(blocks.marks, batch, until=end)
 
     run.self_warming = True
     return run

@@ -8,7 +8,6 @@ action (`clock.to_file`).
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import tempfile
@@ -71,7 +70,8 @@ def cluster_rate(sizes: Sizes, name: str, topology: list[str], workdir: str) -> 
         "model.hidden_units": "(" + "".join(f"{u}," for u in sizes.small_hidden) + ")",
         "model.dropout": 0.0,
         "train.global_batch_size": sizes.small_batch,
-        "train.steps": sizes.cluster_steps,
+        # One more step, untimed: the end-of-run checkpoint comes after it.
+        "train.steps": sizes.cluster_steps + 1,
         "train.steps_per_loop": loop,
         "train.checkpoint_every": 0,
         "train.export": False,
@@ -91,11 +91,11 @@ def cluster_rate(sizes: Sizes, name: str, topology: list[str], workdir: str) -> 
         "--mode=train",
         *args,
     ]
-    marks, log = os.path.join(model_dir, "clock.txt"), model_dir + ".log"
+    marks, log = model_dir + ".clock", model_dir + ".log"
     with child(command, log, marks) as process:
         process.wait()
     if process.returncode:
         raise RuntimeError(
             f"{name} cluster exited with {process.returncode}: {' '.join(command)}\n{tail(log)}"
         )
-    return clock.rate(clock.read(marks), sizes.small_batch)
+    return clock.rate(clock.read(marks), sizes.small_batch, until=sizes.cluster_steps)
