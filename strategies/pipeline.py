@@ -221,8 +221,9 @@ def run_by_stages(stages: list[Stage], inputs: Any, micro_batches: int, training
             part, state = _on_device(stage, part, weights[s][m], states[s], training)
             new_states[s].append(state)
         outputs.append(part)
-    for stage, updates in zip(stages, new_states, strict=True):
-        _keep_state(stage, updates)
+    if training:  # inference leaves the state as it is
+        for stage, updates in zip(stages, new_states, strict=True):
+            _keep_state(stage, updates)
     with tf.device(stages[-1].device):
         return tf.nest.map_structure(lambda *o: tf.concat(o, axis=0), *outputs)
 

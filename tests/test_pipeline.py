@@ -159,7 +159,8 @@ def stateful(spec, config) -> keras.Model:
 
 def test_state_and_added_losses_train_as_on_one_device(tmp_path):
     """Without micro-batches, moving statistics, dropout and activity losses are one device's."""
-    user_model = {"model.name": "tests.test_pipeline:stateful"}
+    # Evaluated along the way too: inference between training blocks leaves the state as it is.
+    user_model = {"model.name": "tests.test_pipeline:stateful", "eval.every": 10}
     one = _train(tmp_path / "one", "one_device", **user_model)
     job = _train(
         tmp_path / "pipe",
@@ -170,6 +171,13 @@ def test_state_and_added_losses_train_as_on_one_device(tmp_path):
     assert len(job.results["placement"]["stages"]) == 3
     _assert_same_checkpoints(tmp_path / "one", tmp_path / "pipe")
     assert job.results["train"]["loss"] == pytest.approx(one.results["train"]["loss"], rel=1e-5)
+    assert job.results["eval"]["loss"] == pytest.approx(one.results["eval"]["loss"], rel=1e-5)
+
+
+def test_evaluates_between_blocks_with_dropout(tmp_path):
+    """Inference leaves the stages' state alone (writing it broke the eval loop's iterator)."""
+    job = _train(tmp_path, "pipeline", **{"model.dropout": 0.1, "eval.every": 10})
+    assert job.results["eval"]["examples"] == 360  # the digits' eval split, whole
 
 
 def branchy(spec, config) -> keras.Model:
