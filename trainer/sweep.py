@@ -202,7 +202,8 @@ def _pinned(cores: Sequence[int]) -> Iterator[None]:
     """Runs the block on `cores` only; a process started in it inherits them.
 
     The affinity is the calling thread's (Linux), so the sweep's other threads
-    keep every core; it is restored afterwards.
+    keep every core; it is restored afterwards. (The trial's output pump, a
+    thread started in the block, keeps the trial's cores: it only reads a pipe.)
     """
     if not hasattr(os, "sched_setaffinity"):
         yield
