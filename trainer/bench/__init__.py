@@ -9,9 +9,10 @@ batch and strategy:
 
 - `towerflow`: `trainer.train.run` as a user runs it (default config values,
   including `train.steps_per_loop`), timed over whole loops by a clock action
-  (`clock.py`) that notes when each block's steps have finished, so each
+  (`clock.py`) that notes when each block and its actions are done, so each
   loop's summaries, metrics and progress line count. Checkpoints and evals are
-  off here (the `checkpoint` case measures saves).
+  off here (the `checkpoint` case measures saves; the end-of-run checkpoint
+  comes after one more, untimed step).
 - `keras_fit_spe<k>`: Keras `model.fit` under the same `tf.distribute` strategy,
   with `steps_per_execution` 1 and the `steps_per_loop` towerflow uses, and
   Keras's own optimizer class (same kind, schedule and results; towerflow's
