@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import configs.default
+import strategies
 from strategies.base import variable_devices
 from tests import helpers
 from trainer import train
@@ -224,6 +226,26 @@ def test_more_stages_than_devices_is_one_line(tmp_path):
     config = helpers.tiny_config(**{"strategy.name": "pipeline", "strategy.pipeline.stages": 5})
     message = helpers.one_line_error("5 stages", train.train_and_evaluate, config, str(tmp_path))
     assert "`devices.logical_cpus`" in message
+
+
+def test_the_strategy_contract_holds_without_a_model():
+    """As the contract tests in test_strategies.py check for the other local plugins."""
+    strategy = strategies.get("pipeline", configs.default.get_config().strategy.pipeline)
+    with strategy.scope():
+        made = tf.Variable(tf.ones([3]))  # on the host until `place_model` moves it
+    assert variable_devices(made) == ["/job:localhost/replica:0/task:0/device:CPU:0"]
+    assert strategy.num_replicas_in_sync == 1 and strategy.is_chief
+
+    def step(batch):
+        return {"examples": tf.cast(tf.size(batch), tf.float32), "total": tf.reduce_sum(batch)}
+
+    def batches(ctx, size=37, repeat=False):
+        data = tf.data.Dataset.range(size).map(lambda i: tf.cast(i, tf.float32))
+        return (data.repeat() if repeat else data).batch(ctx.get_per_replica_batch_size(8))
+
+    iterator = iter(strategy.distribute_dataset(lambda ctx: batches(ctx, 1000, True)))
+    assert strategy.run_steps(step, iterator, 5) == {"examples": 40, "total": sum(range(40))}
+    assert strategy.evaluate(step, batches) == {"examples": 37, "total": sum(range(37))}
 
 
 def test_listed_by_list_strategies(tmp_path):
