@@ -8,9 +8,9 @@ drawn as 32x32 RGB images. The task writes them to TFRecord files once
 (`task.data_dir`), then reads them with its own `dataset_fn`: files sharded
 per input pipeline, decoded, and in training augmented (random shifts and
 brightness, seeded, so a resumed run sees the same batches). 300 steps of
-128 take about 80 s on 2 CPU cores and reach about 0.8 eval accuracy
-(BatchNormalization momentum 0.9, so its moving statistics settle in so short
-a run).
+128 take about 80 s on 2 CPU cores and reach 0.7-0.8 eval accuracy (a run
+this short varies from run to run; BatchNormalization momentum 0.9, so its
+moving statistics settle in time).
 """
 
 import os

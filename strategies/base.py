@@ -54,6 +54,9 @@ class Strategy(abc.ABC):
     """One way of distributing training, behind the towerflow interface."""
 
     name: str = "?"  # set by `@register`
+    # Whether `train.jit_compile` works: XLA needs the variables on the device that
+    # computes, which a plugin that keeps them elsewhere (on the host, by stage) breaks.
+    supports_jit_compile: bool = True
     cluster = None  # the parsed `TF_CONFIG` (`cluster.ClusterSpec`) of a multi-process plugin
 
     def __init__(self, options: ml_collections.ConfigDict | None = None):

@@ -14,6 +14,8 @@ from strategies.registry import register
 class CentralStorage(Strategy):
     """Variables on the host, one replica (tower) per device, gradients reduced on the host."""
 
+    supports_jit_compile = False  # variables live away from the devices that compute
+
     @classmethod
     def local_replicas(cls, options, logical_cpus: int) -> int:
         return devices.one_per_device(options, logical_cpus)

@@ -51,6 +51,8 @@ from strategies.registry import register
 class Pipeline(Strategy):
     """Model parallelism: consecutive layers in stages on GPUs (else logical CPUs), GPipe."""
 
+    supports_jit_compile = False  # variables live away from the devices that compute
+
     @classmethod
     def local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
         # One replica, but its stages compute side by side: each op gets one stage's

@@ -160,6 +160,14 @@ BAD_INPUTS = [
     (["--config.optimizer.schedule=linear"], "Unknown `optimizer.schedule` 'linear'"),
     (["--config.optimizer.learning_rate=-1.0"], "`optimizer.learning_rate` (-1.0) must be"),
     (["--config.optimizer.learning_rate=nan"], "`optimizer.learning_rate` (nan) must be finite"),
+    (
+        ["--strategy=central_storage", "--config.train.jit_compile=True"],
+        "`train.jit_compile` does not work under `central_storage`",
+    ),
+    (
+        ["--strategy=pipeline", "--config.train.jit_compile=True"],
+        "`train.jit_compile` does not work under `pipeline`",
+    ),
     (["--config.optimizer.learning_rate=inf"], "`optimizer.learning_rate` (inf) must be finite"),
     (["--config.optimizer.clip_global_norm=1e400"], "`optimizer.clip_global_norm` (inf) must"),
     (

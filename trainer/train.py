@@ -101,6 +101,12 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
         tf.config.experimental.enable_op_determinism()  # same inputs, same bits, every run
     name = config.strategy.name
     plugin, options = strategies.plugin(name), config.strategy.get(name)
+    if config.train.jit_compile and not plugin.supports_jit_compile:
+        raise UserError(
+            f"`train.jit_compile` does not work under `{name}`, whose variables live away from "
+            "the devices that compute; set `--config.train.jit_compile=False`, or use "
+            "`mirrored` or `one_device`."
+        )
     devices.configure(
         config.devices.logical_cpus,
         config.devices.gpu_memory_growth,
