@@ -68,7 +68,7 @@ class DigitImages(Task):
         pattern = os.path.join(write_tfrecords(self.config.task.data_dir), f"{split}-*.tfrecord")
         files = tf.data.Dataset.list_files(pattern, shuffle=False)
         files = files.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-        records = files.interleave(tf.data.TFRecordDataset, deterministic=True)
+        records = files.interleave(tf.data.TFRecordDataset)  # in file order
         examples = records.map(_decode, num_parallel_calls=tf.data.AUTOTUNE)
         batch = input_context.get_per_replica_batch_size(global_batch_size)
         if split == "eval":

@@ -438,8 +438,7 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
         _tell(job, f"  {name}: {', '.join(where)}")
     _tell(
         job,
-        f"model: {job.config.model.name} ({job.model.count_params():,} parameters) | "
-        f"data: {job.config.data.name} | steps: {job.total_steps} | "
+        f"{_what(job)} | steps: {job.total_steps} | "
         f"global batch: {job.config.train.global_batch_size}",
     )
     if strategy.is_chief:
@@ -448,6 +447,14 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
             f.write(config_json + "\n")
         summaries.text("config", f"```\n{config_json}\n```")
         summaries.hparams(job.config, os.path.basename(os.path.abspath(job.model_dir)))
+
+
+def _what(job: Job) -> str:
+    """What is trained, for the start-up line: a user's task, or the model and the data."""
+    config, size = job.config, f"({job.model.count_params():,} parameters)"
+    if config.task.name not in tasks.BUILT_IN:
+        return f"task: {config.task.name} {size}"
+    return f"model: {config.model.name} {size} | data: {config.data.name}"
 
 
 def progress_line(split: str, step: int, metrics: dict, total: int | None = None) -> str:
