@@ -96,7 +96,21 @@ def _as_action(made: object, name: str) -> Action:
     return Action(made, name=name)
 
 
-class Preemption:
+class _Around:
+    """An action entered for the whole loop: it enters and exits the context it wraps."""
+
+    def __init__(self, context):
+        self._context = context
+
+    def __enter__(self):
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._context.__exit__(*exc)
+
+
+class Preemption(_Around):
     """Watches for SIGTERM around the loop; after each block, saves and stops if it came.
 
     `watch` is the strategy's (`Strategy.watch_preemption()`): on one process
@@ -104,20 +118,13 @@ class Preemption:
     """
 
     def __init__(self, watch, save: Callable[[int], None], say: Callable[[str], None]):
-        self._watch = watch
+        super().__init__(watch)
         self._save = save
         self._say = say
 
-    def __enter__(self) -> Preemption:
-        self._watch.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._watch.__exit__(*exc)
-
     def __call__(self, output: Output) -> None:
         try:
-            self._watch.check(lambda: self._save(output.step))
+            self._context.check(lambda: self._save(output.step))
         except Preempted as e:
             self._say(
                 f"preempted ({e}) at step {output.step}: checkpoint saved; exiting with "
@@ -126,22 +133,12 @@ class Preemption:
             raise
 
 
-class Watchdog:
+class Watchdog(_Around):
     """Says which tasks of the cluster do not answer while a block runs long."""
-
-    def __init__(self, watchdog):
-        self._watchdog = watchdog
-
-    def __enter__(self) -> Watchdog:
-        self._watchdog.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._watchdog.__exit__(*exc)
 
     def block(self, step: int):
         """Marks the block that starts at `step`."""
-        return self._watchdog.loop(step)
+        return self._context.loop(step)
 
     def __call__(self, output: Output) -> None:
         """Nothing to do between blocks."""
