@@ -57,6 +57,9 @@ class Strategy(abc.ABC):
     # Whether `train.jit_compile` works: XLA needs the variables on the device that
     # computes, which a plugin that keeps them elsewhere (on the host, by stage) breaks.
     supports_jit_compile: bool = True
+    # Whether `train.precision=mixed_float16` works: Keras's loss-scale optimizer updates
+    # its counters inside a branch, which a plugin with variables on the host cannot run.
+    supports_loss_scaling: bool = True
     cluster = None  # the parsed `TF_CONFIG` (`cluster.ClusterSpec`) of a multi-process plugin
 
     def __init__(self, options: ml_collections.ConfigDict | None = None):

@@ -15,6 +15,7 @@ class CentralStorage(Strategy):
     """Variables on the host, one replica (tower) per device, gradients reduced on the host."""
 
     supports_jit_compile = False  # variables live away from the devices that compute
+    supports_loss_scaling = False  # the loss scale's counters cannot update from a branch
 
     @classmethod
     def local_replicas(cls, options, logical_cpus: int) -> int:

@@ -168,6 +168,10 @@ BAD_INPUTS = [
         ["--strategy=pipeline", "--config.train.jit_compile=True"],
         "`train.jit_compile` does not work under `pipeline`",
     ),
+    (
+        ["--strategy=central_storage", "--config.train.precision=mixed_float16"],
+        "`train.precision` 'mixed_float16' (loss scaling) does not work under `central_storage`",
+    ),
     (["--config.optimizer.learning_rate=inf"], "`optimizer.learning_rate` (inf) must be finite"),
     (["--config.optimizer.clip_global_norm=1e400"], "`optimizer.clip_global_norm` (inf) must"),
     (

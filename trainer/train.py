@@ -107,6 +107,11 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
             "the devices that compute; set `--config.train.jit_compile=False`, or use "
             "`mirrored` or `one_device`."
         )
+    if config.train.precision == "mixed_float16" and not plugin.supports_loss_scaling:
+        raise UserError(
+            f"`train.precision` 'mixed_float16' (loss scaling) does not work under `{name}`; "
+            "use `--config.train.precision=mixed_bfloat16` (no loss scaling), or `mirrored`."
+        )
     devices.configure(
         config.devices.logical_cpus,
         config.devices.gpu_memory_growth,
