@@ -1,0 +1,273 @@
+"""Slurm: the `TF_CONFIG` each task derives from its step's environment, and jobs on a real Slurm.
+
+The derivation tests are fast and need no Slurm: each layout below is
+written out by hand (which node and which local index every rank gets, as
+Slurm places them) and every rank's environment is built from it, so each
+task's result is checked against the layout, not against the code's own sum.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import tensorflow as tf
+
+from strategies import cluster, slurm
+from tests.helpers import one_line_error
+
+PORT = 2222
+# hostlist -> the hosts `scontrol show hostnames` prints for it (checked below where it exists).
+HOSTLISTS = {
+    "localhost": ["localhost"],
+    "node[01-03,7]": ["node01", "node02", "node03", "node7"],
+    "n[9-11],m5,o[3-4,6,7-9]": ["n9", "n10", "n11", "m5", "o3", "o4", "o6", "o7", "o8", "o9"],
+    "x[008-010]": ["x008", "x009", "x010"],
+    "host-1,host-2": ["host-1", "host-2"],
+    "rack[1-2]-n[1-2]": ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"],
+    "n[01-2]": ["n01", "n02"],
+    "n[1-02]": ["n1", "n2"],
+    "n[1-2],,m": ["n1", "n2", "m"],
+    "n[0-1],n0": ["n0", "n1", "n0"],
+}
+MALFORMED_HOSTLISTS = ["a[1-2]b", "a[]", "a[3-1]", "n[1-2", "n[a-b]", "n[1-2]]"]
+
+
+def step_environ(nodelist: str, tasks_per_node: str, places, rank: int, **extra) -> dict:
+    """The environment `srun` gives task `rank` of a step; `places[r]` is rank r's (node, local)."""
+    node, local = places[rank]
+    return {
+        "SLURM_JOB_ID": "42",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(local),
+        "SLURMD_NODENAME": node,
+        "SLURM_STEP_NODELIST": nodelist,
+        "SLURM_STEP_TASKS_PER_NODE": tasks_per_node,
+        "SLURM_STEP_NUM_TASKS": str(len(places)),
+        **extra,
+    }
+
+
+# (nodelist, tasks per node, distribution, where each rank runs: (node, local index)).
+LAYOUTS = {
+    "one node, 2 tasks": ("localhost", "2", "block", [("localhost", 0), ("localhost", 1)]),
+    "one node, 4 tasks": ("vm", "4", "block", [("vm", 0), ("vm", 1), ("vm", 2), ("vm", 3)]),
+    "2 nodes, 1 task each": ("node[01-02]", "1(x2)", "block", [("node01", 0), ("node02", 0)]),
+    "3 nodes, 2 tasks each": (
+        "node[01-03]",
+        "2(x3)",
+        "block",
+        [("node01", 0), ("node01", 1), ("node02", 0), ("node02", 1), ("node03", 0), ("node03", 1)],
+    ),
+    # Heterogeneous, and in Slurm's node order, not by name: n10 after n9.
+    "uneven, block": (
+        "n[9-10],m5",
+        "2,1,3",
+        "block",
+        [("n9", 0), ("n9", 1), ("n10", 0), ("m5", 0), ("m5", 1), ("m5", 2)],
+    ),
+    "uneven, cyclic": (
+        "a,b",
+        "3,1",
+        "cyclic",
+        [("a", 0), ("b", 0), ("a", 1), ("a", 2)],
+    ),
+    "cyclic, 2 nodes": (
+        "n[1-2]",
+        "2(x2)",
+        "cyclic:block",  # the second level (sockets within a node) does not matter
+        [("n1", 0), ("n2", 0), ("n1", 1), ("n2", 1)],
+    ),
+}
+
+
+def derive_all(layout, strategy: str, ps_tasks: int = 1, port: int = PORT) -> list[dict]:
+    """Every rank's TF_CONFIG (as a dict) for one of `LAYOUTS`."""
+    nodelist, tasks_per_node, distribution, places = LAYOUTS[layout]
+    configs = []
+    for rank in range(len(places)):
+        environ = step_environ(
+            nodelist, tasks_per_node, places, rank, SLURM_DISTRIBUTION=distribution
+        )
+        configs.append(json.loads(slurm.tf_config(environ, strategy, ps_tasks, port)))
+    return configs
+
+
+@pytest.mark.parametrize("hostlist", HOSTLISTS)
+def test_expand_hostlist(hostlist):
+    assert slurm.expand_hostlist(hostlist) == HOSTLISTS[hostlist]
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="no `scontrol` (slurm-wlm) here")
+def test_expand_hostlist_as_scontrol_does(tmp_path):
+    # scontrol reads a config before it does anything, even with nothing to ask the controller.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=expand\nSlurmctldHost=localhost\n")
+    for hostlist, hosts in HOSTLISTS.items():
+        shown = subprocess.run(
+            ["scontrol", "show", "hostnames", hostlist],
+            env={"SLURM_CONF": str(conf), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        assert shown.stdout.split() == hosts == slurm.expand_hostlist(hostlist), hostlist
+
+
+@pytest.mark.parametrize("hostlist", MALFORMED_HOSTLISTS)
+def test_malformed_hostlist_is_one_line(hostlist):
+    # scontrol refuses each of these ("Invalid hostlist") or prints nonsense (`n[1-2` -> `n]`).
+    with pytest.raises(ValueError):
+        slurm.expand_hostlist(hostlist)
+    environ = step_environ(hostlist, "2", [("a", 0), ("a", 1)], 0)
+    message = one_line_error("SLURM_STEP_NODELIST", slurm.tf_config, environ, "multi_worker", 1, 1)
+    assert hostlist in message
+
+
+def test_expand_tasks_per_node():
+    assert slurm.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert slurm.expand_tasks_per_node("4") == [4]
+    assert slurm.expand_tasks_per_node("1,3(x2)") == [1, 3, 3]
+    with pytest.raises(ValueError):
+        slurm.expand_tasks_per_node("2(3)")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_multi_worker_every_task_a_worker_at_its_own_node_and_port(layout):
+    places = LAYOUTS[layout][3]
+    configs = derive_all(layout, "multi_worker")
+    expected = [f"{node}:{PORT + local}" for node, local in places]
+    for rank, config in enumerate(configs):
+        assert config == {
+            "cluster": {"worker": expected},
+            "task": {"type": "worker", "index": rank},
+        }
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if len(LAYOUTS[name][3]) >= 4])
+@pytest.mark.parametrize("ps_tasks", [1, 2])
+def test_parameter_server_chief_then_ps_then_workers(layout, ps_tasks):
+    places = LAYOUTS[layout][3]
+    configs = derive_all(layout, "parameter_server", ps_tasks, port=3000)
+    addresses = [f"{node}:{3000 + local}" for node, local in places]
+    expected = {
+        "chief": addresses[:1],
+        "ps": addresses[1 : 1 + ps_tasks],
+        "worker": addresses[1 + ps_tasks :],
+    }
+    tasks = []
+    for rank, config in enumerate(configs):
+        assert config["cluster"] == expected  # one cluster, the same in every task
+        task = config["task"]
+        # Each task finds itself at the address of the node it runs on.
+        assert expected[task["type"]][task["index"]] == addresses[rank]
+        tasks.append((task["type"], task["index"]))
+    assert len(set(tasks)) == len(places)  # each task once
+    assert cluster.parse(json.dumps(configs[0])).is_chief
+
+
+@pytest.mark.parametrize(
+    "layout", ["one node, 4 tasks", "3 nodes, 2 tasks each", "2 nodes, 1 task each"]
+)
+def test_same_cluster_as_tensorflows_resolver_where_it_fits(layout, monkeypatch):
+    # TensorFlow's SlurmClusterResolver assumes block distribution and nodes whose names
+    # sort in Slurm's order; with explicit GPU counts it runs on CPU nodes.
+    nodelist, tasks_per_node, _, places = LAYOUTS[layout]
+    per_node = max(slurm.expand_tasks_per_node(tasks_per_node))
+    jobs = {"chief": 1, "ps": 1, "worker": len(places) - 2} if len(places) >= 4 else None
+    strategy = "parameter_server" if jobs else "multi_worker"
+    for rank in range(len(places)):
+        environ = step_environ(nodelist, tasks_per_node, places, rank)
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+            jobs=jobs, port_base=PORT, gpus_per_node=per_node, gpus_per_task=1, auto_set_gpu=False
+        )
+        theirs = resolver.cluster_spec().as_dict()
+        ours = json.loads(slurm.tf_config(environ, strategy, 1, PORT))
+        assert ours["cluster"] == theirs
+        assert (ours["task"]["type"], ours["task"]["index"]) == resolver.get_task_info()
+
+
+def test_batch_script_of_one_task_is_a_cluster_of_one():
+    environ = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "1",
+        "SLURMD_NODENAME": "node03",
+        "SLURM_JOB_NODELIST": "node[03-04]",
+    }
+    config = json.loads(slurm.tf_config(environ, "multi_worker", 1, PORT))
+    assert config == {
+        "cluster": {"worker": ["node03:2222"]},
+        "task": {"type": "worker", "index": 0},
+    }
+
+
+def test_batch_script_of_several_tasks_says_run_srun():
+    environ = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    message = one_line_error("outside a job step", slurm.tf_config, environ, "multi_worker", 1, 1)
+    assert "`SLURM_NTASKS`" in message and "srun -K" in message
+
+
+def test_parameter_server_with_too_few_tasks_names_the_counts():
+    places = LAYOUTS["one node, 2 tasks"][3]
+    environ = step_environ("localhost", "2", places, 0)
+    message = one_line_error("needs 3 or more", slurm.tf_config, environ, "parameter_server", 1, 1)
+    assert (
+        "the step has 2" in message and "sbatch -n3" in message and "`cluster.ps_tasks`" in message
+    )
+    message = one_line_error("needs 4 or more", slurm.tf_config, environ, "parameter_server", 2, 1)
+    assert "2 ps" in message
+    one_line_error(r"`cluster.ps_tasks` \(0\) must be at least 1", slurm.tf_config, environ,
+                   "parameter_server", 0, 1)  # fmt: skip
+
+
+def test_without_slurm_says_start_with_srun():
+    message = one_line_error("SLURM_PROCID", slurm.tf_config, {}, "multi_worker", 1, PORT)
+    assert "srun" in message
+
+
+@pytest.mark.parametrize("distribution", ["plane", "arbitrary", "plane=2"])
+def test_other_distributions_say_use_block(distribution):
+    places = LAYOUTS["2 nodes, 1 task each"][3]
+    environ = step_environ("node[01-02]", "1(x2)", places, 1, SLURM_DISTRIBUTION=distribution)
+    message = one_line_error("SLURM_DISTRIBUTION", slurm.tf_config, environ, "multi_worker", 1, 1)
+    assert distribution in message and "srun -m block" in message
+
+
+def test_a_task_elsewhere_than_the_layout_says_so():
+    # E.g. an arbitrary placement (a hostfile) that does not report itself as such.
+    places = [("node02", 0), ("node01", 0)]
+    environ = step_environ("node[01-02]", "1(x2)", places, 0)
+    message = one_line_error("runs on `node02`", slurm.tf_config, environ, "multi_worker", 1, 1)
+    assert "puts it on `node01`" in message
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"SLURM_STEP_TASKS_PER_NODE": "2,1"}, "SLURM_STEP_TASKS_PER_NODE"),
+        ({"SLURM_STEP_NUM_TASKS": "3"}, "SLURM_STEP_NUM_TASKS"),
+        ({"SLURM_STEP_TASKS_PER_NODE": "x"}, "is malformed"),
+        ({"SLURM_PROCID": "-1"}, "non-negative integer"),
+        ({"SLURM_PROCID": "2"}, r"`SLURM_PROCID` \(2\) must be below"),
+    ],
+)
+def test_inconsistent_step_variables_are_one_line(change, match):
+    environ = {**step_environ("localhost", "2", LAYOUTS["one node, 2 tasks"][3], 0), **change}
+    one_line_error(match, slurm.tf_config, environ, "multi_worker", 1, PORT)
+
+
+def test_ports_must_fit():
+    environ = step_environ("vm", "4", LAYOUTS["one node, 4 tasks"][3], 0)
+    message = one_line_error("cluster.port", slurm.tf_config, environ, "multi_worker", 1, 65533)
+    assert "(65533)" in message and "4 port(s) per node" in message
+    one_line_error("cluster.port", slurm.tf_config, environ, "multi_worker", 1, 0)
+    assert json.loads(slurm.tf_config(environ, "multi_worker", 1, 65532))["cluster"]["worker"][
+        3
+    ] == ("vm:65535")
