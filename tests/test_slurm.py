@@ -4,19 +4,33 @@ The derivation tests are fast and need no Slurm: each layout below is
 written out by hand (which node and which local index every rank gets, as
 Slurm places them) and every rank's environment is built from it, so each
 task's result is checked against the layout, not against the code's own sum.
+
+The job tests submit the README's own `sbatch` commands to a single-node
+Slurm of their own (`tests/slurm_cluster.py`), changing only `--model_dir`
+and adding flags that make the run small; they skip, saying why, where Slurm
+cannot start (`.ci/run` installs it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pathlib
+import re
+import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
 
 from strategies import cluster, slurm
-from tests.helpers import one_line_error
+from strategies.errors import UserError
+from tests import slurm_cluster
+from tests.helpers import REPO, TIMEOUT_S, one_line_error
+from trainer.launch import pick_ports
 
 PORT = 2222
 # hostlist -> the hosts `scontrol show hostnames` prints for it (checked below where it exists).
@@ -223,8 +237,8 @@ def test_parameter_server_with_too_few_tasks_names_the_counts():
     )
     message = one_line_error("needs 4 or more", slurm.tf_config, environ, "parameter_server", 2, 1)
     assert "2 ps" in message
-    one_line_error(r"`cluster.ps_tasks` \(0\) must be at least 1", slurm.tf_config, environ,
-                   "parameter_server", 0, 1)  # fmt: skip
+    at_least_one = r"`cluster.ps_tasks` \(0\) must be at least 1"
+    one_line_error(at_least_one, slurm.tf_config, environ, "parameter_server", 0, 1)
 
 
 def test_without_slurm_says_start_with_srun():
@@ -271,3 +285,113 @@ def test_ports_must_fit():
     assert json.loads(slurm.tf_config(environ, "multi_worker", 1, 65532))["cluster"]["worker"][
         3
     ] == ("vm:65535")
+
+
+# What the job tests add to the README's command: a short run, no export, no evaluation.
+SMALL_RUN = (
+    "--config.train.steps=20",
+    "--config.train.steps_per_loop=5",
+    "--config.train.checkpoint_every=10",
+    "--config.eval.every=0",
+    "--config.train.export=False",
+    "--config.model.hidden_units=(16,)",
+)
+
+
+def readme_sbatch_commands() -> dict[str, list[str]]:
+    """The README's `sbatch` command lines (as argv), by the strategy each runs."""
+    commands = {}
+    for line in re.findall(r"^\s*(sbatch .+)$", pathlib.Path(REPO, "README.md").read_text(), re.M):
+        argv = shlex.split(line)
+        strategy = re.search(r"--strategy=(\w+)", wrapped(argv))[1]
+        commands[strategy] = argv
+    return commands
+
+
+def wrapped(argv: list[str]) -> str:
+    """The command an `sbatch --wrap` line runs."""
+    return argv[_wrap_index(argv)].removeprefix("--wrap=")
+
+
+def with_wrapped(argv: list[str], command: list[str]) -> list[str]:
+    """`argv` with the command its `--wrap` runs replaced by `command`."""
+    i = _wrap_index(argv)
+    prefix = "--wrap=" if argv[i].startswith("--wrap=") else ""
+    return [*argv[:i], prefix + shlex.join(command), *argv[i + 1 :]]
+
+
+def _wrap_index(argv: list[str]) -> int:
+    """Where in `argv` the wrapped command is (`--wrap CMD` or `--wrap=CMD`)."""
+    for i, arg in enumerate(argv):
+        if arg == "--wrap":
+            return i + 1
+        if arg.startswith("--wrap="):
+            return i
+    raise AssertionError(f"no --wrap in {shlex.join(argv)}")
+
+
+def consecutive_free_ports(count: int) -> int:
+    """The first of `count` consecutive ports of 127.0.0.1 that are free now."""
+    for _ in range(100):
+        base = pick_ports(1)[0]
+        with contextlib.suppress(UserError):
+            return pick_ports(count, base)[0]
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def slurm_node():
+    """A single-node Slurm for this module's job tests; skips where one cannot start.
+
+    Under `.ci/run` (`TOWERFLOW_CI` set) it fails instead: CI installs Slurm, so
+    these tests must run there, not skip unseen.
+    """
+    reason = slurm_cluster.unavailable()
+    if reason:
+        (pytest.fail if os.environ.get("TOWERFLOW_CI") else pytest.skip)(reason)
+    with slurm_cluster.running() as running:
+        yield running
+
+
+def test_readme_has_one_sbatch_command_per_cluster_strategy():
+    commands = readme_sbatch_commands()
+    assert set(commands) == {"multi_worker", "parameter_server"}
+    for argv in commands.values():
+        srun = shlex.split(wrapped(argv))
+        # -K: a task that fails ends the step, instead of the others training on without it.
+        assert srun[:2] == ["srun", "-K"], srun
+        assert "--cluster=slurm" in srun
+
+
+@pytest.mark.parametrize(
+    ("strategy", "tasks"),
+    [("multi_worker", {"worker": 2}), ("parameter_server", {"chief": 1, "ps": 1, "worker": 2})],
+)
+def test_readme_sbatch_command_trains_on_a_real_slurm(slurm_node, strategy, tasks, tmp_path):
+    argv = readme_sbatch_commands()[strategy]
+    count = sum(tasks.values())
+    port = consecutive_free_ports(count)
+    model_dir = tmp_path / "run"
+    command = [
+        *(a for a in shlex.split(wrapped(argv)) if not a.startswith("--model_dir=")),
+        f"--model_dir={model_dir}",
+        f"--config.cluster.port={port}",
+        *SMALL_RUN,
+    ]
+    environ = {
+        **os.environ,
+        # The job runs the README's `python`: this one, with this repository importable.
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+        "PYTHONPATH": REPO,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    }
+    environ.pop("TF_CONFIG", None)
+    job_id = slurm_node.submit(with_wrapped(argv, command), tmp_path, environ)
+    job = slurm_node.wait(job_id, timeout_s=TIMEOUT_S)
+
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.output
+    # Each task found its place: the start-up lines name Slurm and every task's own port.
+    assert re.search(r"\bslurm\b", job.output), job.output
+    for offset in range(count):
+        assert f"{slurm_cluster.NODE}:{port + offset}" in job.output, job.output
+    assert json.loads((model_dir / "results.json").read_text())["step"] == 20
