@@ -54,6 +54,19 @@ def get_config() -> ml_collections.ConfigDict:
     # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
     c.strategy.parameter_server.startup_timeout_seconds = 120.0
 
+    # Where this process's cluster comes from (strategies/discovery.py); `--cluster` sets
+    # `source`. auto: `TF_CONFIG` if set, else a Slurm step or a JobSet or SageMaker job of
+    # several tasks, else one process | tf_config | slurm | jobset | sagemaker | local.
+    c.cluster = ml_collections.ConfigDict()
+    c.cluster.source = "auto"
+    c.cluster.port = (
+        2222  # slurm / jobset / sagemaker: a task's port (slurm: +1 per task on a node)
+    )
+    c.cluster.ps_tasks = 1  # slurm, under parameter_server: tasks after the chief that are ps
+    # An evaluator task runs beside training though `TF_CONFIG` does not list it (e.g. Vertex
+    # AI): the chief then leaves evaluation to it. One listed in `cluster` needs no flag.
+    c.cluster.sidecar_evaluator = False
+
     c.devices = ml_collections.ConfigDict()
     c.devices.logical_cpus = 2  # split the host CPU into N logical devices (0 = leave as is)
     c.devices.gpu_memory_growth = True  # allocate GPU memory as needed, not all at start
@@ -125,6 +138,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.steps = 1000  # total optimizer steps (a rerun continues to this)
     c.train.epochs = 0  # if > 0, steps = epochs * train examples // global batch
     c.train.global_batch_size = 128  # examples per step over all replicas
+    # Gradient accumulation: each step's global batch runs as this many micro-batches, one
+    # after another, whose gradients are summed into one update (one all-reduce); a step
+    # still trains on `global_batch_size` examples with the memory of a micro-batch.
+    c.train.accumulation_steps = 1
     # Steps inside one tf.function call (one progress line); 0 = auto: loops of about
     # 1 s, measured as it trains. 100 keeps the per-loop cost < 2% (`python -m trainer.bench`).
     c.train.steps_per_loop = 100

@@ -7,9 +7,12 @@ JSON object that lists the whole cluster and names the task itself:
                  "ps": ["host3:2222"]},
      "task": {"type": "worker", "index": 1}}
 
-Kubernetes TFJob sets it, `python -m trainer.launch` writes it for local
-clusters, and `parse` turns it into a `ClusterSpec` or a one-line `UserError`
-that says what is wrong and how to fix it. `start_up` waits, boundedly and
+A scheduler sets it (a TFJob, Vertex AI), `python -m trainer.launch` writes it
+for local clusters, `strategies.discovery` derives it from a Slurm step or a
+JobSet pod, and `parse` turns it into a `ClusterSpec` or a one-line
+`UserError` that says what is wrong and how to fix it. A job may also be given
+as TensorFlow's sparse form, `{"worker": {"0": "host:port", ...}}`, when it
+lists every index. `start_up` waits, boundedly and
 saying for whom, until the other tasks answer; `ClusterSpec.unreachable`
 names the tasks whose server no longer replies; `wait_until_gone` lets a
 server task (a ps, or a worker of a parameter-server cluster) see the chief end.
@@ -23,7 +26,9 @@ Glossary (TensorFlow's):
 * ps: a parameter server, which holds variables.
 * evaluator: an optional task that evaluates checkpoints on the side. It is
   independent of training: it may be absent from `cluster` while its own
-  `task.type` is "evaluator", and `ClusterSpec.as_dict` leaves it out.
+  `task.type` is "evaluator", and `ClusterSpec.as_dict` leaves it out. The
+  chief leaves evaluation to it when `cluster` lists it (or when the config
+  says one runs: `strategies.discovery`).
 
 This module does not import TensorFlow.
 """
@@ -166,6 +171,12 @@ def parse(text: str | None) -> ClusterSpec | None:
     if text is None or not text.strip():
         return None
     config = _load(text)
+    if "sparseCluster" in config and "cluster" not in config:
+        raise UserError(
+            "`TF_CONFIG` has a `sparseCluster` (a TFJob with `enableDynamicWorker` writes one) "
+            "and no `cluster`; every towerflow task needs every task's address: set "
+            "`enableDynamicWorker: false` in the TFJob."
+        )
     jobs = _parse_jobs(config.get("cluster"), "cluster" in config)
     task_type, task_index = _parse_task(config.get("task"), "task" in config, jobs)
     rpc_layer = config.get("rpc_layer") or DEFAULT_RPC_LAYER
@@ -454,6 +465,8 @@ def _parse_addresses(job: str, addresses: Any) -> tuple[str, ...]:
             f"`TF_CONFIG` `cluster` has unknown task type {_show(job)}; "
             f"use only {_names(TASK_TYPES)}."
         )
+    if isinstance(addresses, dict):
+        addresses = _dense(job, addresses)
     if (
         not isinstance(addresses, list)
         or not addresses
@@ -471,6 +484,28 @@ def _parse_addresses(job: str, addresses: Any) -> tuple[str, ...]:
                 'with a port from 1 to 65535; write it as "10.0.0.1:2222".'
             )
     return tuple(addresses)
+
+
+def _dense(job: str, tasks: dict[str, Any]) -> list[Any]:
+    """A job in TensorFlow's sparse form, {"1": "host:port"}, as a list; every index must be there.
+
+    A sparse cluster (a TFJob with `enableDynamicWorker` gives each worker only
+    itself) cannot run here: the chief schedules on every worker, the workers
+    of `multi_worker` all-reduce with every other, and a server watches the chief.
+    """
+    if not all(isinstance(key, str) and key.isdigit() for key in tasks):
+        raise UserError(
+            f"`TF_CONFIG` `cluster.{job}` is an object with keys {_show(list(tasks))}; as an "
+            'object it maps task indices to addresses, as in {"0": "host:2222"}; or give a list.'
+        )
+    by_index = {int(key): address for key, address in tasks.items()}
+    if sorted(by_index) != list(range(len(by_index))):
+        raise UserError(
+            f"`TF_CONFIG` `cluster.{job}` lists only task(s) {_show(sorted(by_index))} (a sparse "
+            "cluster, as a TFJob with `enableDynamicWorker` writes); every towerflow task needs "
+            "every task's address: list them all (`enableDynamicWorker: false`)."
+        )
+    return [by_index[index] for index in range(len(by_index))]
 
 
 def _check_unique(jobs: dict[str, tuple[str, ...]]) -> None:

@@ -76,6 +76,13 @@ def test_evaluator_may_be_absent_from_cluster():
     assert spec.address is None and not spec.is_chief
 
 
+def test_a_job_given_by_index_as_tensorflow_takes_it_is_a_list():
+    text = _with({"type": "worker", "index": 1}, worker={"1": "h:2", "0": "h:1"}, ps=["h:3"])
+    spec = cluster.parse(text)
+    assert spec.jobs == {"worker": ("h:1", "h:2"), "ps": ("h:3",)}
+    assert spec.address == "h:2"
+
+
 def test_one_task_cluster_needs_no_task():
     spec = cluster.parse(_with(worker=["localhost:2222"]))
     assert (spec.task_type, spec.task_index, spec.is_chief) == ("worker", 0, True)
@@ -174,6 +181,16 @@ def test_make_tf_config_refuses_a_bad_cluster():
             json.dumps({"cluster": {"worker": ["h:1"]}, "rpc_layer": 7}),
             ["`rpc_layer` must be a string", "7"],
         ),
+        # TFJob's `enableDynamicWorker` gives a worker only itself (and the ps tasks).
+        (
+            _with({"type": "worker", "index": 1}, worker={"1": "h:1"}, ps=["h:2"]),
+            ["`cluster.worker` lists only task(s) [1]", "`enableDynamicWorker: false`"],
+        ),
+        (
+            json.dumps({"sparseCluster": {"worker": {"1": "h:1"}}, "task": {"type": "worker"}}),
+            ["has a `sparseCluster`", "`enableDynamicWorker: false`"],
+        ),
+        (_with(worker={"first": "h:1"}), ['keys ["first"]', 'as in {"0": "host:2222"}']),
     ],
 )
 def test_malformed_tf_config_is_a_one_line_user_error(text, expected):

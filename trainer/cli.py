@@ -15,6 +15,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 
+import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -51,6 +52,7 @@ class Flags:
     values: flags.FlagValues
     config: flags.FlagHolder
     strategy: flags.FlagHolder
+    cluster: flags.FlagHolder
     model_dir: flags.FlagHolder
     mode: flags.FlagHolder
     list_strategies: flags.FlagHolder
@@ -64,6 +66,8 @@ def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -
       argv: the arguments that will be parsed (ml_collections finds the
         `--config.a.b` overrides there); None reads `sys.argv` when parsing.
     """
+    from strategies import discovery  # after `own_packages_first`: towerflow's own
+
     defined = Flags(
         values=flag_values,
         # No default: `resolve_config_arg` supplies configs/default.py, found from any
@@ -79,6 +83,15 @@ def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -
         ),
         strategy=flags.DEFINE_string(
             "strategy", None, "Shorthand for --config.strategy.name.", flag_values=flag_values
+        ),
+        cluster=flags.DEFINE_enum(
+            "cluster",
+            None,
+            list(discovery.SOURCES),
+            "Where the cluster comes from (default auto: TF_CONFIG, else a Slurm step, JobSet "
+            "or SageMaker job of several tasks, else one process). Shorthand for "
+            "--config.cluster.source.",
+            flag_values=flag_values,
         ),
         model_dir=flags.DEFINE_string(
             "model_dir",
@@ -144,11 +157,23 @@ def main(defined: Flags, argv: list[str]) -> None:
     config = defined.config.value
     if defined.strategy.value:
         config.strategy.name = defined.strategy.value
+    if defined.cluster.value:
+        set_cluster_source(config, defined.cluster.value)
     model_dir = defined.model_dir.value
     if model_dir is None:  # given but empty, `check_model_dir` refuses it
         config_path = config_flags.get_config_filename(defined.values["config"])
         model_dir = default_model_dir(config_path, config.strategy.name)
     train_and_evaluate(config, model_dir, defined.mode.value)
+
+
+def set_cluster_source(config: ml_collections.ConfigDict, source: str) -> None:
+    """`--cluster`: sets `cluster.source`, adding the section to a config file that has none."""
+    from strategies import discovery
+
+    if "cluster" not in config:
+        with config.unlocked():
+            config.cluster = ml_collections.ConfigDict(discovery.settings(None))
+    config.cluster.source = source
 
 
 def resolve_config_arg(argv: list[str]) -> list[str]:

@@ -20,7 +20,7 @@ import ml_collections
 import tensorflow as tf
 
 import strategies
-from strategies import devices
+from strategies import devices, discovery
 from strategies.errors import UserError
 from trainer import (
     actions,
@@ -97,6 +97,10 @@ def train_and_evaluate(
 def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
     """Checks the config, sets up devices and builds the strategy plugin."""
     checks.check_config(config)
+    # The cluster becomes this process's `TF_CONFIG` before any plugin reads it.
+    cluster_line = discovery.resolve(config.get("cluster"), config.strategy.name).line()
+    if cluster_line:
+        say(cluster_line)
     if config.train.deterministic:
         tf.config.experimental.enable_op_determinism()  # same inputs, same bits, every run
     name = config.strategy.name
@@ -238,7 +242,11 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         placement = strategy.describe(job.model.variables)
         _log_start(job, placement, summaries)
         train_metrics = {}
-        evaluate = mode != "train" and strategy.evaluates_inline
+        evaluate = (
+            mode != "train"
+            and strategy.evaluates_inline
+            and not discovery.sidecar_evaluator(config.get("cluster"))
+        )
         if mode != "eval":
             train_metrics = _train(job, checkpointer, summaries, evaluate, extra_actions)
         eval_metrics = _evaluate(job, summaries) if evaluate else {}
