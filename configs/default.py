@@ -59,9 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
     # several tasks, else one process | tf_config | slurm | jobset | sagemaker | local.
     c.cluster = ml_collections.ConfigDict()
     c.cluster.source = "auto"
-    c.cluster.port = (
-        2222  # slurm / jobset / sagemaker: a task's port (slurm: +1 per task on a node)
-    )
+    # slurm / jobset / sagemaker: every task's port (slurm: +1 for each next task on a node).
+    c.cluster.port = 2222
     c.cluster.ps_tasks = 1  # slurm, under parameter_server: tasks after the chief that are ps
     # An evaluator task runs beside training though `TF_CONFIG` does not list it (e.g. Vertex
     # AI): the chief then leaves evaluation to it. One listed in `cluster` needs no flag.
