@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -97,7 +96,7 @@ class CoordinatedWatch:
         # The handler restores "the latest checkpoint" of what it is given when it
         # starts; the loop restores (with its own checks) before this, so give it
         # an empty directory and let `save_fn` write the real checkpoint.
-        self._scratch = scratch.make("preemption")  # named by pid: orphans are removed
+        self._scratch = scratch.make("preemption")  # in memory: gone however the process ends
         self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
             self._resolver,
             tf.train.Checkpoint(),
@@ -114,7 +113,9 @@ class CoordinatedWatch:
             self._handler = None
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        if self._scratch is not None:
+            scratch.remove(self._scratch)
+            self._scratch = None
 
     def check(self, save: Save) -> None:
         """After a loop, on every worker: saves and raises `Preempted` at the agreed step."""

@@ -1,65 +1,44 @@
-"""Private scratch directories in the temp dir, named after the process that owns them.
+"""Scratch space of a task that is not the chief, in the process's own memory.
 
-Tasks that are not the chief write what they must (a collective save, the
-preemption handler's files) to a scratch directory and remove it when they
-end. A task killed with SIGKILL cannot, so every name carries its owner's
-host and pid, `towerflow-<kind>-<host>-<pid>-<random>`, and `make` first
-removes those of this host whose process is gone. A live process's scratch is
-never touched, nor one of another host sharing the temp dir, nor a name this
-module did not make.
+Tasks other than the chief must write what the chief writes (a collective
+checkpoint save, the preemption handler's files, an export), and keep none of
+it. They write to TensorFlow's in-memory file system (`ram://`), which
+belongs to the process: however the process ends, SIGKILL and the OOM killer
+included, nothing is left on any disk, and nothing needs cleaning up on the
+next start. `remove` frees the memory while the process runs; a checkpoint in
+scratch costs about as much memory as the variables it holds.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import socket
-import tempfile
-
-_NAME = re.compile(r"^towerflow-[a-z]+-(?P<host>.+)-(?P<pid>\d+)-[^-]+$")
+import contextlib
+import uuid
+from collections.abc import Iterator
 
 
 def make(kind: str) -> str:
-    """Creates and returns a new scratch directory for `kind` ("ckpt", "preemption", ...).
+    """Creates and returns a new scratch directory for `kind` ("ckpt", "preemption", ...)."""
+    import tensorflow as tf  # here: the launcher imports `preemption`, and with it this module
 
-    Scratch directories that processes of this host left behind when they
-    died are removed first.
-    """
-    remove_orphans()
-    host = _host()
-    return tempfile.mkdtemp(prefix=f"towerflow-{kind}-{host}-{os.getpid()}-")
+    # A random name: on `ram://` a name is also a prefix match, so none may start another.
+    path = f"ram://towerflow-{kind}-{uuid.uuid4().hex}"
+    tf.io.gfile.makedirs(path)
+    return path
 
 
-def remove_orphans(directory: str | None = None) -> list[str]:
-    """Removes this host's scratch directories whose owner process is gone; returns them."""
-    directory = directory or tempfile.gettempdir()
+def remove(path: str) -> None:
+    """Removes scratch directory `path` and frees its memory; nothing when it is gone."""
+    import tensorflow as tf
+
+    if tf.io.gfile.exists(path):
+        tf.io.gfile.rmtree(path)
+
+
+@contextlib.contextmanager
+def directory(kind: str) -> Iterator[str]:
+    """A scratch directory for the block, removed after it."""
+    path = make(kind)
     try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    removed = []
-    for name in names:
-        match = _NAME.match(name)
-        if not match or match["host"] != _host() or alive(int(match["pid"])):
-            continue
-        path = os.path.join(directory, name)
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def _host() -> str:
-    """This host's name, kept to characters that are safe in a file name."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
-
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` of this host runs (a zombie counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+        yield path
+    finally:
+        remove(path)

@@ -1,17 +1,20 @@
 """One trainer per `model_dir`: a second is refused, a dead one's lock is taken over."""
 
 import errno
+import os
 import pathlib
 import signal
 import socket
 import subprocess
 import sys
+import uuid
 
 import pytest
+import tensorflow as tf
 
 from strategies.errors import UserError
 from tests.helpers import REPO, tiny_config
-from trainer import lock, train
+from trainer import lock, storage, train
 
 HOLD = "import sys; from trainer import lock; lock.take(sys.argv[1]); print('held', flush=True); "
 
@@ -117,3 +120,33 @@ def test_without_flock_a_live_pid_holds_the_lock_and_a_dead_one_does_not(
     )
     held.release()
     assert not (tmp_path / lock.LOCK_FILE).exists()
+
+
+def test_on_a_remote_model_dir_the_lock_file_written_with_gfile_decides(capsys):
+    # `ram://` stands in for a bucket: no `flock`, so the recorded host and pid decide.
+    model_dir = f"ram://towerflow-test-{uuid.uuid4().hex}/run"
+    path = f"{model_dir}/{lock.LOCK_FILE}"
+    held = lock.take(model_dir)
+    with tf.io.gfile.GFile(path) as f:
+        assert f.read() == f"{socket.gethostname()} {os.getpid()}\n"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # A trainer of this host that runs (written whole: `ram://` appends to a file it opens).
+        storage.write_text(path, f"{socket.gethostname()} {sleeper.pid}\n")
+        with pytest.raises(UserError, match=f"in use by pid {sleeper.pid} on host"):
+            lock.take(model_dir)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    held.release()  # the file names another trainer now: left alone
+    assert tf.io.gfile.exists(path)
+    again = lock.take(model_dir)  # its pid is gone now
+    assert f"from a trainer that is gone ({socket.gethostname()} {sleeper.pid})" in (
+        capsys.readouterr().err
+    )
+    again.release()
+    assert not tf.io.gfile.exists(path)
+    storage.write_text(path, "other-host 4242\n")
+    with pytest.raises(UserError, match=r"in use by pid 4242 on host other-host .* delete `ram://"):
+        lock.take(model_dir)
+    tf.io.gfile.rmtree(model_dir)

@@ -1,72 +1,74 @@
-"""Scratch directories of killed tasks are removed on the next start; live ones never are."""
+"""Scratch space of tasks that are not the chief: in memory, so no exit leaves any behind."""
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 
 import pytest
 import tensorflow as tf
 
 from strategies import scratch
-from tests.helpers import REPO
+from tests.helpers import launch_and_signal
 from trainer.checkpoints import Checkpointer
 
-MAKE = "import sys; from strategies import scratch; print(scratch.make(sys.argv[1]), flush=True); "
+
+@pytest.fixture
+def temp_dir(tmp_path, monkeypatch):
+    """This test's own temp dir, for this process and those it starts."""
+    path = tmp_path / "tmp"
+    path.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    monkeypatch.setenv("TMPDIR", str(path))
+    return path
 
 
-@pytest.fixture(autouse=True)
-def _temp_dir(tmp_path, monkeypatch):
-    """This test's own temp dir, so that other runs' scratch directories are not touched."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+def test_a_non_chief_checkpointer_writes_to_memory_and_frees_it(tmp_path, temp_dir):
+    variable = tf.Variable([1.0, 2.0])
+    checkpointer = Checkpointer(str(tmp_path / "model"), False, 3, [variable])
+    for step in (1, 2, 3):
+        path = checkpointer.save(step)
+        assert path.startswith("ram://") and tf.io.gfile.exists(path + ".index")
+    saved = os.path.dirname(path)
+    # Only the newest is kept: what a task that is not the chief writes is never read.
+    assert sorted(tf.io.gfile.listdir(saved)) == [
+        "checkpoint",
+        "ckpt-3.data-00000-of-00001",
+        "ckpt-3.index",
+    ]
+    checkpointer.close()
+    assert not tf.io.gfile.exists(saved)
+    assert os.listdir(temp_dir) == [] and not (tmp_path / "model").exists()
 
 
-def _scratch_of_another_process(kind: str, then: str = "sys.stdin.read()"):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", MAKE + then, kind],
-        cwd=REPO,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+def test_scratch_directories_are_distinct_and_removed_after_their_block():
+    with scratch.directory("export") as a, scratch.directory("export") as b:
+        assert a != b and not a.startswith(b) and not b.startswith(a)
+        assert tf.io.gfile.isdir(a) and tf.io.gfile.isdir(b)
+    assert not tf.io.gfile.exists(a) and not tf.io.gfile.exists(b)
+    scratch.remove(a)  # a second time: nothing to do
+
+
+def test_a_killed_non_chief_leaves_no_scratch_behind(tmp_path, temp_dir):
+    # Worker 1 writes its share of every checkpoint (every 20 steps) and runs the
+    # preemption handler; it is killed after several saves, with no chance to clean up.
+    code, lines, _ = launch_and_signal(
+        "--workers=2",
+        "--",
+        "--strategy=multi_worker",
+        f"--model_dir={tmp_path / 'run'}",
+        "--config.train.steps=100000",
+        "--config.train.steps_per_loop=20",
+        "--config.train.checkpoint_every=20",
+        "--config.eval.every=0",
+        "--config.train.export=False",
+        "--config.model.hidden_units=(16,)",
+        cwd=tmp_path,
+        trigger="[worker:0] train | step: 80/",
+        task=("worker", 1),
+        sig=signal.SIGKILL,
     )
-    return proc, proc.stdout.readline().strip()
-
-
-def test_a_killed_tasks_scratch_is_removed_when_the_next_task_starts(tmp_path):
-    killed, orphan = _scratch_of_another_process("ckpt")
-    alive, live = _scratch_of_another_process("preemption")
-    try:
-        killed.send_signal(signal.SIGKILL)
-        killed.wait()
-        assert os.path.basename(orphan).startswith(f"towerflow-ckpt-{socket.gethostname()}-")
-        assert f"-{killed.pid}-" in orphan and os.path.isdir(orphan)
-        elsewhere = tmp_path / "towerflow-ckpt-otherhost-1-abcdefgh"  # another host's
-        mine = tmp_path / "towerflow-ckpt-unrelated"  # not named by this module
-        elsewhere.mkdir()
-        mine.mkdir()
-        # A task that is not the chief starts: its checkpointer makes its own scratch.
-        checkpointer = Checkpointer(str(tmp_path / "model"), False, 1, [tf.Variable(1.0)])
-        assert not os.path.exists(orphan), "the killed task's scratch is gone"
-        assert os.path.isdir(live), "a live task's scratch is kept"
-        assert elsewhere.is_dir() and mine.is_dir()
-        checkpointer.close()
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-            [os.path.basename(live), elsewhere.name, mine.name]
-        )
-    finally:
-        for proc in (killed, alive):
-            proc.kill()
-            proc.wait()
-
-
-def test_scratch_names_carry_the_kind_host_and_pid():
-    path = scratch.make("preemption")
-    try:
-        name = os.path.basename(path)
-        assert name.startswith(f"towerflow-preemption-{socket.gethostname()}-{os.getpid()}-")
-        assert scratch.remove_orphans() == [] and os.path.isdir(path)
-    finally:
-        os.rmdir(path)
+    output = "\n".join(line for _, line in lines)
+    assert code != 0 and "worker:1 (127.0.0.1:" in output, output[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "ckpt-60.index").exists()  # saved by both workers
+    left = [name for name in os.listdir(temp_dir) if name.startswith("towerflow-")]
+    assert left == [], "scratch left behind by the killed worker (or by worker 0 on its exit)"

@@ -1,8 +1,8 @@
 """Checkpoints under `model_dir/checkpoints`, written by the chief.
 
 Every task calls `save` (some strategies save collectively); tasks other
-than the chief write to a private scratch directory that `close` removes
-(`strategies.scratch`, which also removes those of tasks killed earlier).
+than the chief write to a private scratch directory in their own memory
+(`strategies.scratch`), keep only the newest there, and `close` frees it.
 
 With `async_save`, `save` returns once the values are copied to host memory
 and a background thread writes the files, so training goes on meanwhile.
@@ -89,7 +89,7 @@ class Checkpointer:
         self._options = tf.train.CheckpointOptions(enable_async=async_save)
         if async_save:
             _let_keras_variables_save_asynchronously()
-        self._max_to_keep = max_to_keep
+        self._max_to_keep = max_to_keep if is_chief else 1  # scratch holds memory: no more
         self._temp_dir = None if is_chief else scratch.make("ckpt")
         self._write_dir = self._temp_dir or self.directory
         self._saved: tuple[int | None, str] = (None, "")  # (step, path) of the last save
@@ -147,7 +147,10 @@ class Checkpointer:
         TensorFlow does not always refuse one itself (a mirrored variable can
         skip a mismatched value silently), so compare before restoring.
         """
-        found = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+        # Not `tf.train.load_checkpoint`, which reads a path that is a directory as
+        # "the newest checkpoint in it": on `ram://` (whose directories are name
+        # prefixes) the prefix `ckpt-20` of `ckpt-20.index` is such a path.
+        found = tf.compat.v1.train.NewCheckpointReader(path).get_variable_to_shape_map()
         for key, (name, shape) in self._shapes.items():
             if key not in found or tuple(found[key]) != tuple(shape):
                 there = tuple(found[key]) if key in found else "absent"
@@ -210,7 +213,7 @@ class Checkpointer:
             self.sync()
         finally:
             if self._temp_dir:
-                shutil.rmtree(self._temp_dir, ignore_errors=True)
+                scratch.remove(self._temp_dir)
 
     def _commit(self, step: int, path: str) -> None:
         """Names `path` in the state file, then deletes checkpoints beyond `max_to_keep`."""
@@ -240,13 +243,10 @@ class Checkpointer:
             free = f", {shutil.disk_usage(self._write_dir).free / 2**20:.1f} MiB free"
         latest = self._newest_first(self._write_dir)
         kept = f"the last good checkpoint {latest[0]} is kept" if latest else "none was saved"
-        where, elsewhere = f"`model_dir` {self.model_dir}", "another `--model_dir`"
-        if self._temp_dir:  # a task that is not the chief writes to the temp dir
-            where, elsewhere = f"this task's scratch directory {self._temp_dir}", "`TMPDIR`"
         return NoSpace(
-            f"no space left in {where} for checkpoint ckpt-{step}: it needs about "
-            f"{self._bytes / 2**20:.1f} MiB{free}; {kept}. Free some space (or pass "
-            f"{elsewhere} on a larger disk) and run again to resume."
+            f"no space left in `model_dir` {self.model_dir} for checkpoint ckpt-{step}: it "
+            f"needs about {self._bytes / 2**20:.1f} MiB{free}; {kept}. Free some space (or "
+            "pass another `--model_dir` on a larger disk) and run again to resume."
         )
 
 

@@ -10,8 +10,10 @@ import math
 import os
 
 import ml_collections
+import tensorflow as tf
 
 from strategies.errors import UserError
+from trainer import storage
 
 # (field, smallest allowed value, what it means)
 _MINIMUMS = (
@@ -20,6 +22,7 @@ _MINIMUMS = (
     ("train.checkpoint_every", 0, "steps between checkpoints (0 = end only)"),
     ("train.max_checkpoints", 1, "checkpoints kept"),
     ("train.epochs", 0, "passes over the training data (0 = use train.steps)"),
+    ("train.accumulation_steps", 1, "micro-batches per update; 1 = none"),
     ("eval.every", 0, "steps between evaluations (0 = end only)"),
     ("eval.global_batch_size", 1, "examples per eval step over all replicas"),
 )
@@ -73,7 +76,7 @@ def _check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
 
 
 def check_batch(config: ml_collections.ConfigDict, strategy) -> None:
-    """The global batches must split evenly over the strategy's replicas."""
+    """The global batches must split evenly over the strategy's replicas (and micro-batches)."""
     replicas = strategy.num_replicas_in_sync
     for field in ("train.global_batch_size", "eval.global_batch_size"):
         batch = _get(config, field)
@@ -83,6 +86,15 @@ def check_batch(config: ml_collections.ConfigDict, strategy) -> None:
                 f"`{field}` ({batch}) must be divisible by the {replicas} replicas of "
                 f"`{strategy.name}`; use {lower} or {lower + replicas}."
             )
+    micro = config.train.accumulation_steps
+    parts, batch = replicas * micro, config.train.global_batch_size
+    if batch % parts:
+        lower = max(parts, batch - batch % parts)
+        raise UserError(
+            f"`train.global_batch_size` ({batch}) must be divisible by `train.accumulation_steps` "
+            f"({micro}) x the {replicas} replica(s) of `{strategy.name}` ({parts}), so every "
+            f"micro-batch is whole; use {lower} or {lower + parts}."
+        )
 
 
 def total_steps(config: ml_collections.ConfigDict, spec) -> int:
@@ -143,35 +155,40 @@ def _memory_bytes() -> int:
 
 
 def check_model_dir(model_dir: str) -> None:
-    """`model_dir` must be a directory we can create or write.
+    """`model_dir` must be a directory we can create or write, locally or on a remote file system.
+
+    A remote `model_dir` (a bucket, `scheme://...`) is checked through
+    `tf.io.gfile` for what it is (a file, or under one); whether it may be
+    written shows only when the lock is written (`trainer.lock.take`), as
+    object stores have no permission bits to read.
 
     Raises:
       UserError: it is a file, or it (or its parent) is not writable.
     """
     if not model_dir:
         raise UserError("`--model_dir` is empty; give a directory, e.g. `--model_dir=runs/x`.")
-    if os.path.exists(model_dir):
-        if not os.path.isdir(model_dir):
+    if tf.io.gfile.exists(model_dir):
+        if not tf.io.gfile.isdir(model_dir):
             raise UserError(
                 f"`--model_dir` '{model_dir}' is a file, not a directory; give a directory."
             )
         target = model_dir
     else:
         target = _existing_parent(model_dir)
-        if not os.path.isdir(target):
+        if target is not None and not tf.io.gfile.isdir(target):
             raise UserError(
                 f"`--model_dir` '{model_dir}' cannot be created: '{target}' is a file; "
                 "give a path under a directory."
             )
-    if not os.access(target, os.W_OK | os.X_OK):
+    if storage.is_local(model_dir) and not os.access(target, os.W_OK | os.X_OK):
         raise UserError(
             f"`--model_dir` '{model_dir}' is not writable ('{target}' denies writes); "
             "give a directory you can write to."
         )
 
 
-def _existing_parent(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
+def _existing_parent(path: str) -> str | None:
+    """The nearest existing directory (or file) above `path`; None past a bucket's root."""
+    while path is not None and not tf.io.gfile.exists(path):
+        path = storage.parent(path)
     return path

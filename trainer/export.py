@@ -15,12 +15,11 @@ each batched. What it returns depends on how the model is trained:
 from __future__ import annotations
 
 import os
-import shutil
 
 import keras
 import tensorflow as tf
 
-from trainer import models, tasks
+from trainer import models, storage, tasks
 
 
 def export(
@@ -43,7 +42,8 @@ def export(
         not the built-in task's.
 
     The export is written beside `path` first and moved into place, so a crash
-    never leaves a half-written export.
+    never leaves a half-written export (on an object store, where a move is a
+    copy of each file, a crash in the move may).
     """
     module = tf.Module()
     module.model = model
@@ -72,11 +72,13 @@ def export(
 
     signature = serve.get_concrete_function(**_input_specs(model, input_shape))
     module.serve = serve
-    staging = path + ".tmp"
-    shutil.rmtree(staging, ignore_errors=True)
+    # Beside `path`, but not named `path` + something: on `ram://` a name is also a
+    # prefix match, and `export.tmp` would then count as inside `export`.
+    staging = os.path.join(os.path.dirname(path), f".staging-{os.path.basename(path)}")
+    if tf.io.gfile.exists(staging):  # left by an export that crashed
+        tf.io.gfile.rmtree(staging)
     tf.saved_model.save(module, staging, signatures={"serving_default": signature})
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(staging, path)
+    storage.replace_dir(staging, path)
     return path
 
 

@@ -14,6 +14,13 @@ behind, but the kernel drops its `flock`: the next trainer on the same host
 finds the file unlocked, and takes it over with a warning. A lock file from
 another host cannot be checked from here (its `flock` may not reach this
 host), so it is refused with the path to delete once that trainer is gone.
+
+A remote `model_dir` (a bucket, `scheme://...`, see `trainer.storage`) has
+neither `flock` nor exclusive creation through `tf.io.gfile`: there the lock
+is a plain file written with gfile, and the recorded "host pid" alone decides,
+as on a local file system without `flock`. It refuses a second trainer that
+starts while the first runs; two started within the same second may both get
+through.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ import os
 import socket
 import sys
 
+import tensorflow as tf
+
 from strategies.errors import UserError
-from strategies.scratch import alive
+from trainer import cli, storage
 
 LOCK_FILE = "towerflow.lock"
 
@@ -34,30 +43,40 @@ LOCK_FILE = "towerflow.lock"
 class ModelDirLock:
     """The held lock of one `model_dir`; `release` (or process exit) gives it up."""
 
-    def __init__(self, path: str, fd: int):
+    def __init__(self, path: str, fd: int | None):
+        """Args: path: the lock file; fd: its open descriptor, None for a remote one."""
         self.path = path
-        self._fd: int | None = fd
+        self._fd = fd
+        self._held = True
         atexit.register(self.release)
 
     def release(self) -> None:
         """Removes the lock file and drops the lock; does nothing the second time."""
+        if not self._held:
+            return
+        self._held = False
+        atexit.unregister(self.release)
         if self._fd is None:
+            with contextlib.suppress(tf.errors.OpError):
+                if _read_remote(self.path) == _holder():  # not taken over meanwhile
+                    tf.io.gfile.remove(self.path)
             return
         with contextlib.suppress(OSError):
             if _same_file(self._fd, self.path):
                 os.unlink(self.path)
         os.close(self._fd)
-        self._fd = None
-        atexit.unregister(self.release)
 
 
 def take(model_dir: str) -> ModelDirLock:
     """Creates `model_dir` if needed and takes its lock.
 
     Raises:
-      UserError: another trainer holds it; nothing in `model_dir` is changed.
+      UserError: another trainer holds it, or a remote `model_dir` may not be
+        written; nothing in `model_dir` is changed.
     """
     path = os.path.join(model_dir, LOCK_FILE)
+    if not storage.is_local(model_dir):
+        return _take_remote(model_dir, path)
     flocked = True
     while True:
         try:
@@ -76,22 +95,53 @@ def take(model_dir: str) -> ModelDirLock:
         if _same_file(fd, path):  # not a file its last holder removed meanwhile
             break
         os.close(fd)
-    holder = _read(fd)
-    host, _, pid = holder.partition(" ")
-    running = not flocked and pid.isdigit() and int(pid) != os.getpid() and alive(int(pid))
-    if holder and (host != _host() or running):
+    try:
+        _check_holder(model_dir, path, _read(fd), pid_decides=not flocked)
+    except UserError:
         os.close(fd)
-        raise UserError(_in_use(model_dir, holder, path, other_host=host != _host()))
-    if holder:
-        print(
-            f"warning: taking over the lock of `model_dir` {model_dir} from a trainer "
-            f"that is gone ({holder}); it was stopped without releasing it",
-            file=sys.stderr,
-            flush=True,
-        )
+        raise
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{_host()} {os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{_holder()}\n".encode(), 0)
     return ModelDirLock(path, fd)
+
+
+def _take_remote(model_dir: str, path: str) -> ModelDirLock:
+    """The lock of a remote `model_dir`: a file naming this host and pid, written with gfile."""
+    _check_holder(model_dir, path, _read_remote(path), pid_decides=True)
+    try:
+        tf.io.gfile.makedirs(model_dir)
+        storage.write_text(path, f"{_holder()}\n")
+    except tf.errors.PermissionDeniedError as e:
+        raise UserError(
+            f"`--model_dir` '{model_dir}' is not writable ({cli.one_line(e)}); "
+            "give a directory you can write to."
+        ) from None
+    return ModelDirLock(path, None)
+
+
+def _check_holder(model_dir: str, path: str, holder: str, pid_decides: bool) -> None:
+    """Refuses a lock held by a trainer that may still run; warns when taking one over.
+
+    Args:
+      holder: the lock file's "host pid" ("" for a new lock).
+      pid_decides: there is no `flock` to tell a running holder from a dead one,
+        so a live pid of this host holds the lock.
+
+    Raises:
+      UserError: the holder runs (or, on another host, cannot be checked).
+    """
+    if not holder:
+        return
+    host, _, pid = holder.partition(" ")
+    running = pid_decides and pid.isdigit() and int(pid) != os.getpid() and alive(int(pid))
+    if host != _host() or running:
+        raise UserError(_in_use(model_dir, holder, path, other_host=host != _host()))
+    print(
+        f"warning: taking over the lock of `model_dir` {model_dir} from a trainer "
+        f"that is gone ({holder}); it was stopped without releasing it",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _in_use(model_dir: str, holder: str, path: str, other_host: bool = False) -> str:
@@ -110,6 +160,15 @@ def _read(fd: int) -> str:
     return os.pread(fd, 1024, 0).decode(errors="replace").strip()
 
 
+def _read_remote(path: str) -> str:
+    """A remote lock file's "host pid", or "" when there is none."""
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            return f.read(1024).strip()
+    except tf.errors.NotFoundError:
+        return ""
+
+
 def _same_file(fd: int, path: str) -> bool:
     try:
         here, there = os.fstat(fd), os.stat(path)
@@ -120,3 +179,19 @@ def _same_file(fd: int, path: str) -> bool:
 
 def _host() -> str:
     return socket.gethostname() or "localhost"
+
+
+def _holder() -> str:
+    """What this process writes in a lock it holds."""
+    return f"{_host()} {os.getpid()}"
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a zombie counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True

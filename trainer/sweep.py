@@ -40,13 +40,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import IO
 
 from absl import app, flags
 
 from strategies.errors import UserError
 from strategies.preemption import PREEMPTED_EXIT_CODE
-from trainer import cli, processes, sweep_plan, sweep_results
+from trainer import cli, processes, storage, sweep_plan, sweep_results
 from trainer.sweep_plan import Slot, Trial
 from trainer.sweep_results import FAILED, FINISHED, INTERRUPTED, Row
 
@@ -78,6 +77,33 @@ _GRACE_S = flags.DEFINE_float(
 _SWEEP_VALUES: dict[str, str] = {}  # `--sweep.<field>=<values>`, taken out before absl parses
 
 
+class _Log:
+    """A trial's log in the sweep directory, appended to line by line by its output pump."""
+
+    def __init__(self, path: str):
+        self._file = storage.open_file(path, "a")
+        # Each flush of a file in a bucket uploads it whole: there the log is written
+        # when the trial ends; a local one can be followed as it grows.
+        self._flush = storage.is_local(path)
+        self._lock = threading.Lock()  # the pump writes while `_finish` may close
+
+    def write(self, line: str) -> None:
+        """Appends `line`; does nothing once closed (a pump that outlived its join)."""
+        with self._lock:
+            if self._file is None:
+                return
+            self._file.write(line + "\n")
+            if self._flush:
+                self._file.flush()
+
+    def close(self) -> None:
+        """Writes out what is left; later lines are dropped."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
 @dataclasses.dataclass
 class _Running:
     """A trial's process while it runs."""
@@ -86,7 +112,7 @@ class _Running:
     slot: Slot
     proc: subprocess.Popen
     pump: threading.Thread
-    log: IO[str]
+    log: _Log
     started: float
     last_error: list[str]
 
@@ -124,7 +150,7 @@ def run_sweep(
             )
         else:
             pending.append(trial)
-    os.makedirs(os.path.join(sweep_dir, "logs"), exist_ok=True)
+    storage.makedirs(os.path.join(sweep_dir, "logs"))
     running: dict[int, _Running] = {}  # by slot index: slots may share cores, so look alike
     try:
         while pending or running:
@@ -179,16 +205,14 @@ def _start(
         *trial.flags,
         f"--model_dir={model_dir}",
     ]
-    log = open(os.path.join(sweep_dir, "logs", f"{trial.name}.log"), "a")  # noqa: SIM115 (closed in _finish)
+    log = _Log(os.path.join(sweep_dir, "logs", f"{trial.name}.log"))
     last_error: list[str] = []
     prefix = f"{trial.index:02d}"
 
     def on_line(line: str) -> None:
         if line.startswith("error: "):
             last_error[:] = [line.removeprefix("error: ")]
-        if not log.closed:
-            log.write(line + "\n")
-            log.flush()
+        log.write(line)
         console.write(prefix, line)
 
     console.log(f"{prefix}: starting {trial.name} on {slot.describe()}")
@@ -265,6 +289,8 @@ def _stop(
 
 def main(argv: list[str]) -> None:
     """Plans the sweep, runs it, writes and prints the results; exits 1 unless all finished."""
+    with cli.native_stderr_silenced():  # TensorFlow (whose gfile writes the sweep directory)
+        import tensorflow  # noqa: F401  loads here, its start-up chatter hidden
     console = processes.Console(own="sweep")
     try:
         with processes.Interrupt().catching() as interrupt:
@@ -294,10 +320,7 @@ def sweep(
     slots = sweep_plan.plan_slots(_PARALLEL.value, per_trial, sweep_plan.visible_gpus(), cores)
     name = os.path.splitext(os.path.basename(config_path))[0]
     sweep_dir = _SWEEP_DIR.value or os.path.join("runs", f"sweep-{name}")
-    if os.path.exists(sweep_dir) and not os.path.isdir(sweep_dir):
-        raise UserError(
-            f"`--sweep_dir` '{sweep_dir}' is a file, not a directory; give a directory."
-        )
+    check_sweep_dir(sweep_dir)
     console.log(
         f"{len(trials)} trial(s) in {sweep_dir}, {len(slots)} at a time "
         f"({'; '.join(s.describe() for s in slots)})"
@@ -316,6 +339,18 @@ def sweep(
     if interrupt.signal is not None:
         return interrupt.code
     return 0 if all(r.status == FINISHED for r in rows) else 1
+
+
+def check_sweep_dir(sweep_dir: str) -> None:
+    """`--sweep_dir`, local or remote (see `trainer.storage`), must not be a file.
+
+    Raises:
+      UserError: it is a file.
+    """
+    if storage.is_file(sweep_dir):
+        raise UserError(
+            f"`--sweep_dir` '{sweep_dir}' is a file, not a directory; give a directory."
+        )
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

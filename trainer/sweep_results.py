@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
 from collections.abc import Sequence
 
 from strategies.errors import UserError
+from trainer import storage
 
 FINISHED, FAILED, INTERRUPTED, NOT_RUN = "finished", "failed", "interrupted", "not run"
 MODES = ("auto", "max", "min")
@@ -54,11 +56,7 @@ class Row:
 
 def read_results(model_dir: str) -> dict | None:
     """The trial's `results.json`, or None if it has none (yet)."""
-    path = os.path.join(model_dir, "results.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return storage.read_json(os.path.join(model_dir, "results.json"))
 
 
 def check_metric(metric: str, mode: str) -> str:
@@ -107,21 +105,20 @@ def write(sweep_dir: str, rows: Sequence[Row], metric: str, mode: str) -> None:
         "best": winner.trial if winner else None,
         "trials": [dataclasses.asdict(r) for r in rows],
     }
-    _replace(os.path.join(sweep_dir, "sweep.json"), json.dumps(summary, indent=2) + "\n")
+    storage.write_text(os.path.join(sweep_dir, "sweep.json"), json.dumps(summary, indent=2) + "\n")
     fields = list(dict.fromkeys(f for r in rows for f in r.overrides))
     metrics = metric_names(rows)
-    staging = os.path.join(sweep_dir, "sweep.csv.tmp")
-    with open(staging, "w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["trial", "status", *fields, *metrics, "step", "wall_time_s", "error"])
-        for r in rows:
-            values = [r.metric(m) for m in metrics]
-            out.writerow(
-                [r.trial, r.status, *(r.overrides.get(x, "") for x in fields)]
-                + ["" if v is None else v for v in values]
-                + [r.step, r.wall_time_s, r.error]
-            )
-    os.replace(staging, os.path.join(sweep_dir, "sweep.csv"))
+    text = io.StringIO()
+    out = csv.writer(text)
+    out.writerow(["trial", "status", *fields, *metrics, "step", "wall_time_s", "error"])
+    for r in rows:
+        values = [r.metric(m) for m in metrics]
+        out.writerow(
+            [r.trial, r.status, *(r.overrides.get(x, "") for x in fields)]
+            + ["" if v is None else v for v in values]
+            + [r.step, r.wall_time_s, r.error]
+        )
+    storage.write_text(os.path.join(sweep_dir, "sweep.csv"), text.getvalue())
 
 
 def table(rows: Sequence[Row], metric: str) -> str:
@@ -152,9 +149,3 @@ def table(rows: Sequence[Row], metric: str) -> str:
     else:
         text.append(f"best: none (no finished trial reported `{metric}`)")
     return "\n".join(text)
-
-
-def _replace(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -20,7 +18,7 @@ import ml_collections
 import tensorflow as tf
 
 import strategies
-from strategies import devices, discovery
+from strategies import devices, discovery, scratch
 from strategies.errors import UserError
 from trainer import (
     actions,
@@ -34,6 +32,7 @@ from trainer import (
     optim,
     precision,
     steps,
+    storage,
     tasks,
 )
 from trainer import lock as model_dir_lock
@@ -220,7 +219,7 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
     # One trainer at a time writes model_dir (the chief); `--mode=eval` only reads it.
     lock = model_dir_lock.take(job.model_dir) if strategy.is_chief and mode != "eval" else None
     if strategy.is_chief:
-        os.makedirs(job.model_dir, exist_ok=True)
+        tf.io.gfile.makedirs(job.model_dir)
     checkpointer = Checkpointer(
         job.model_dir,
         strategy.is_chief,
@@ -260,7 +259,7 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         if mode != "eval" and config.train.export:
             _export(job)
         if strategy.is_chief:
-            _write_json(os.path.join(job.model_dir, "results.json"), results)
+            storage.write_json(os.path.join(job.model_dir, "results.json"), results)
         return results
     except tf.errors.OpError as e:
         with contextlib.suppress(Exception):  # a save under way may need the lost task
@@ -285,8 +284,8 @@ def _export(job: Job) -> None:
         export(job.model, path, spec.input_shape, spec.num_classes, raw)
         say(f"exported SavedModel to {path}")
         return
-    with tempfile.TemporaryDirectory(prefix="towerflow-export-") as scratch:
-        export(job.model, os.path.join(scratch, "export"), spec.input_shape, spec.num_classes, raw)
+    with scratch.directory("export") as private:  # in memory: nothing left on any exit
+        export(job.model, os.path.join(private, "export"), spec.input_shape, spec.num_classes, raw)
 
 
 def sidecar_evaluate(job: Job) -> dict:
@@ -456,8 +455,7 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     )
     if strategy.is_chief:
         config_json = job.config.to_json_best_effort(indent=2, sort_keys=True)
-        with open(os.path.join(job.model_dir, "config.json"), "w") as f:
-            f.write(config_json + "\n")
+        storage.write_text(os.path.join(job.model_dir, "config.json"), config_json + "\n")
         summaries.text("config", f"```\n{config_json}\n```")
         summaries.hparams(job.config, os.path.basename(os.path.abspath(job.model_dir)))
 
@@ -494,11 +492,3 @@ def _tell(job: Job, line: str) -> None:
 def say(line: str) -> None:
     """Progress for the terminal: one line, flushed at once."""
     print(line, flush=True)
-
-
-def _write_json(path: str, value: dict) -> None:
-    staging = path + ".tmp"
-    with open(staging, "w") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(staging, path)
