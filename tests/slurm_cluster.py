@@ -161,27 +161,32 @@ class SlurmCluster:
 
     def _start(self) -> None:
         """Starts munged, slurmctld and slurmd, then waits until the node is idle."""
-        (self.root / "munge" / "munge.key").write_bytes(secrets.token_bytes(1024))
-        (self.root / "munge" / "munge.key").chmod(0o600)
         munge = self.root / "munge"
+        key = os.open(munge / "munge.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(key, "wb") as f:  # readable by its owner only from the start, as munged wants
+            f.write(secrets.token_bytes(1024))
         self._daemon(
             "munged",
             "--foreground",
-            "--force",  # as root, and in a directory munged would otherwise find too open
+            # munged refuses paths it finds too open (a TMPDIR without the sticky bit);
+            # this key and socket serve one test run.
+            "--force",
             f"--key-file={munge}/munge.key",
             f"--socket={munge}/munge.socket",
             f"--pid-file={munge}/munged.pid",
             f"--seed-file={munge}/munged.seed",
-            f"--log-file={munge}/munged.log",
+            f"--log-file={self.root}/log/munged.log",
         )
         self._daemon("slurmctld", "-D", "-i", "-f", self.environ["SLURM_CONF"])
         self._daemon("slurmd", "-D", "-N", NODE, "-f", self.environ["SLURM_CONF"])
         deadline = time.monotonic() + START_TIMEOUT_S
         while (state := self._node_state()) != "idle":
-            if time.monotonic() > deadline or any(d.poll() is not None for d in self._daemons):
+            ended = [d.args[0] for d in self._daemons if d.poll() is not None]
+            if ended or time.monotonic() > deadline:
+                problem = f"{', '.join(ended)} ended" if ended else f"node state {state!r}"
                 raise RuntimeError(
-                    f"the test Slurm did not come up (node state {state!r} after "
-                    f"{START_TIMEOUT_S:g} s):\n{self.logs()}"
+                    f"the test Slurm did not come up within {START_TIMEOUT_S:g} s ({problem}):\n"
+                    + self.logs()
                 )
             time.sleep(0.5)
 
@@ -219,7 +224,7 @@ def running() -> Iterator[SlurmCluster]:
     try:
         root.chmod(0o755)  # munged's socket must be reachable through it
         for sub in ("munge", "state", "spool", "log"):
-            (root / sub).mkdir(mode=0o700)
+            (root / sub).mkdir(mode=0o755)
         ctld_port, slurmd_port = pick_ports(2)
         (root / "slurm.conf").write_text(
             _SLURM_CONF.format(
