@@ -1,0 +1,165 @@
+"""deploy/: every pod of each JobSet manifest, built as Kubernetes would, derives one cluster.
+
+Kubernetes cannot run here. What can be checked is what towerflow reads: each
+pod's environment (the downward-API values of its JobSet labels, the
+completion index its Indexed Job adds, its DNS hostname), the command it
+runs, and the `TF_CONFIG` `--cluster=jobset` derives from them, for every
+pod of every replicated job. Every pod must see the same cluster, name a
+different task, and find each task at the DNS name of the pod that runs it.
+"""
+
+import dataclasses
+import pathlib
+import re
+
+import pytest
+import yaml
+from absl import flags
+
+from strategies import cluster, discovery
+from strategies.preemption import PREEMPTED_EXIT_CODE
+from trainer import cli, faults
+
+DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
+MANIFESTS = {
+    "jobset-multi-worker.yaml": "multi_worker",
+    "jobset-parameter-server.yaml": "parameter_server",
+}
+_FIELD = re.compile(r"metadata\.(labels|annotations)\['([^']+)'\]")
+
+
+@dataclasses.dataclass
+class Pod:
+    """One pod of a JobSet, as Kubernetes would run it."""
+
+    replicated_job: str
+    hostname: str
+    environ: dict[str, str]
+    command: list[str]
+    spec: dict
+
+
+def _jobset(name: str) -> dict:
+    (jobset,) = [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+    assert (jobset["apiVersion"], jobset["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+    return jobset
+
+
+def _pods(jobset: dict) -> list[Pod]:
+    """Every pod: each replicated job x its replicas x its completion indices."""
+    name, pods = jobset["metadata"]["name"], []
+    for replicated in jobset["spec"]["replicatedJobs"]:
+        replicas = replicated.get("replicas", 1)
+        job = replicated["template"]["spec"]
+        for job_index in range(replicas):
+            for index in range(job["completions"]):
+                labels = {  # what the JobSet controller puts on each pod
+                    "jobset.sigs.k8s.io/jobset-name": name,
+                    "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"],
+                    "jobset.sigs.k8s.io/replicatedjob-replicas": str(replicas),
+                    "jobset.sigs.k8s.io/job-index": str(job_index),
+                }
+                annotations = {"batch.kubernetes.io/job-completion-index": str(index)}
+                hostname = f"{name}-{replicated['name']}-{job_index}-{index}"
+                (container,) = job["template"]["spec"]["containers"]
+                environ = {"HOSTNAME": hostname, "JOB_COMPLETION_INDEX": str(index)}
+                for variable in container["env"]:
+                    environ[variable["name"]] = _value(variable, labels, annotations)
+                command = container["command"] + container.get("args", [])
+                pods.append(Pod(replicated["name"], hostname, environ, command, job))
+    return pods
+
+
+def _value(variable: dict, labels: dict, annotations: dict) -> str:
+    """A container variable's value: given, or from the pod's metadata (the downward API)."""
+    if "value" in variable:
+        return str(variable["value"])
+    path = variable["valueFrom"]["fieldRef"]["fieldPath"]
+    match = _FIELD.fullmatch(path)
+    assert match, f"{variable['name']}: a field this test cannot resolve: {path}"
+    kind, key = match.groups()
+    return (labels if kind == "labels" else annotations)[key]
+
+
+def _tf_config(pod: Pod) -> cluster.ClusterSpec:
+    """What `python -m trainer` derives in `pod`: its own flags parsed, then discovery."""
+    assert pod.command[:3] == ["python", "-m", "trainer"], pod.command
+    argv = ["towerflow", *pod.command[3:]]
+    defined = cli.define_flags(flags.FlagValues(), argv)
+    cli.parse_flags(defined, argv)
+    config = defined.config.value
+    cli.set_cluster_source(config, defined.cluster.value)
+    found = discovery.find(config.cluster, defined.strategy.value, pod.environ)
+    assert found.source == "jobset"
+    return cluster.parse(found.tf_config)
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_every_pod_derives_the_same_cluster_and_its_own_task(name):
+    jobset = _jobset(name)
+    pods = _pods(jobset)
+    specs = [_tf_config(pod) for pod in pods]
+    jobs = specs[0].jobs
+    assert all(spec.jobs == jobs for spec in specs), "one cluster on every pod"
+    tasks = [(spec.task_type, spec.task_index) for spec in specs]
+    every_task = [
+        (job, index) for job, addresses in jobs.items() for index in range(len(addresses))
+    ]
+    assert sorted(tasks) == sorted(every_task), "each task exactly once"
+    counts = {
+        r["name"]: r.get("replicas", 1) * r["template"]["spec"]["completions"]
+        for r in jobset["spec"]["replicatedJobs"]
+    }
+    assert {job: len(addresses) for job, addresses in jobs.items()} == counts
+    subdomain = jobset["spec"].get("network", {}).get("subdomain", jobset["metadata"]["name"])
+    for pod, spec in zip(pods, specs):
+        assert spec.task_type == pod.replicated_job
+        port = pod.spec["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+        assert spec.jobs[spec.task_type][spec.task_index] == f"{pod.hostname}.{subdomain}:{port}"
+
+
+def test_the_topologies_fit_their_strategies():
+    multi_worker = _tf_config(_pods(_jobset("jobset-multi-worker.yaml"))[0])
+    assert list(multi_worker.jobs) == ["worker"] and multi_worker.is_chief
+    parameter_server = _tf_config(_pods(_jobset("jobset-parameter-server.yaml"))[0])
+    assert parameter_server.has_chief and parameter_server.num_ps and parameter_server.num_workers
+    assert "evaluator" in parameter_server.jobs, "listed, so the chief leaves evaluation to it"
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_the_same_command_on_every_pod_with_a_shared_model_dir(name):
+    jobset = _jobset(name)
+    pods = _pods(jobset)
+    assert len({tuple(pod.command) for pod in pods}) == 1, "the same command on every task"
+    assert f"--strategy={MANIFESTS[name]}" in pods[0].command
+    (claim,) = [d for d in yaml.safe_load_all((DEPLOY / "volume.yaml").read_text()) if d]
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]
+    for pod in pods:
+        pod_spec = pod.spec["template"]["spec"]
+        (volume,) = pod_spec["volumes"]
+        assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+        (mount,) = pod_spec["containers"][0]["volumeMounts"]
+        assert mount["name"] == volume["name"]
+        model_dir = next(a for a in pod.command if a.startswith("--model_dir="))
+        assert model_dir.removeprefix("--model_dir=").startswith(mount["mountPath"] + "/")
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_only_preemption_and_a_lost_task_restart_the_jobset(name):
+    jobset = _jobset(name)
+    assert jobset["spec"]["network"]["enableDNSHostnames"] is True
+    policy = jobset["spec"]["failurePolicy"]
+    assert policy["maxRestarts"] >= 1
+    assert {"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]} in policy["rules"]
+    retried = sorted([PREEMPTED_EXIT_CODE, faults.TASK_LOST_EXIT_CODE])
+    for replicated in jobset["spec"]["replicatedJobs"]:
+        job = replicated["template"]["spec"]
+        assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
+        disrupted, other_codes = job["podFailurePolicy"]["rules"]
+        assert disrupted["action"] == "Count"
+        assert disrupted["onPodConditions"][0]["type"] == "DisruptionTarget"
+        assert other_codes["action"] == "FailJob"
+        assert other_codes["onExitCodes"]["operator"] == "NotIn"
+        assert sorted(other_codes["onExitCodes"]["values"]) == retried
+        container = job["template"]["spec"]["containers"][0]["name"]
+        assert other_codes["onExitCodes"]["containerName"] == container
