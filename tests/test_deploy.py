@@ -150,7 +150,8 @@ def test_only_preemption_and_a_lost_task_restart_the_jobset(name):
     assert jobset["spec"]["network"]["enableDNSHostnames"] is True
     policy = jobset["spec"]["failurePolicy"]
     assert policy["maxRestarts"] >= 1
-    assert {"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]} in policy["rules"]
+    (rule,) = policy["rules"]  # and by default: restart
+    assert (rule["action"], rule["onJobFailureReasons"]) == ("FailJobSet", ["PodFailurePolicy"])
     retried = sorted([PREEMPTED_EXIT_CODE, faults.TASK_LOST_EXIT_CODE])
     for replicated in jobset["spec"]["replicatedJobs"]:
         job = replicated["template"]["spec"]
