@@ -4,6 +4,16 @@ Each step runs in replica context on one replica's share of the global batch,
 `(features, labels)` or `(features, labels, sample_weights)`, and returns
 weighted sums (see `trainer.tasks`). The loss is scaled by the global batch
 size, so summing gradients over replicas gives the global-batch mean.
+
+With gradient accumulation (`train.accumulation_steps = k`), a replica's
+share is cut into k micro-batches that run one after another; their gradients
+are summed locally and applied once, so a step is still one update of the
+global batch (one all-reduce, one push to the parameter servers). Each
+micro-batch is a step of a global batch k times smaller whose loss counts
+1/k, so the summed gradient is the global batch's. Layers that look at their
+batch see micro-batches: `BatchNormalization` normalises each micro-batch
+and updates its moving statistics k times a step, and dropout draws a mask
+per micro-batch.
 """
 
 from __future__ import annotations
@@ -11,7 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import keras
+import ml_collections
 import tensorflow as tf
+
+from strategies.errors import UserError
 
 
 def make_train_step(
@@ -22,6 +35,7 @@ def make_train_step(
     clip_global_norm: float = 0.0,
     jit_compile: bool = False,
     custom_step: Callable | None = None,
+    accumulation_steps: int = 1,
 ) -> Callable:
     """One optimizer step on one replica's batch `(x, y)`; returns the task's sums.
 
@@ -31,16 +45,24 @@ def make_train_step(
     where `replica_loss(outputs)` is the task's `(loss share, sums)`; it applies
     its own gradients and returns the sums.
 
+    With `accumulation_steps` k > 1, the replica's batch runs as k micro-batches
+    whose gradients and sums are added up before the one update (see the
+    module docstring); the replica's batch must divide by k.
+
     With `jit_compile`, XLA compiles the forward and backward pass; the update
     stays outside, where the strategy aggregates gradients across replicas
     (which one XLA computation on one device cannot do). XLA also needs the
     variables on the device that computes, which rules out `central_storage`.
     """
+    k = accumulation_steps
+    micro_global_batch = global_batch_size // k
 
     def gradients(x, y, weights) -> tuple:
         with tf.GradientTape() as tape:
             outputs = model(x, training=True)
-            loss, sums = task.train_sums(model, x, y, outputs, weights, global_batch_size)
+            loss, sums = task.train_sums(model, x, y, outputs, weights, micro_global_batch)
+            if k > 1:
+                loss /= k  # the micro-batches' gradients add up to the mean of k steps
             scaled = optimizer.scale_loss(loss)  # the loss itself, unless float16 loss scaling
         return tape.gradient(scaled, model.trainable_variables), sums
 
@@ -55,7 +77,7 @@ def make_train_step(
         weights = _weights(weights, y)
         if custom_step is not None:
             return custom_step(model, optimizer, x, y, weights, replica_loss(x, y, weights))
-        grads, sums = gradients(x, y, weights)
+        grads, sums = _accumulated(gradients, (x, y, weights), k)
         if clip_global_norm:
             # Loss-scaled gradients are clipped at the scaled norm.
             norm = clip_global_norm * optimizer.scale_loss(tf.constant(1.0))
@@ -67,6 +89,74 @@ def make_train_step(
         return lambda outputs: task.train_sums(model, x, y, outputs, weights, global_batch_size)
 
     return step
+
+
+def check_custom_step(custom_step: Callable | None, config: ml_collections.ConfigDict) -> None:
+    """A task's own `train_step` applies its own gradients: nothing of ours can come between.
+
+    Raises:
+      UserError: `train.accumulation_steps` > 1 with a task's own `train_step`.
+    """
+    if custom_step is None or config.train.accumulation_steps == 1:
+        return
+    raise UserError(
+        f"`train.accumulation_steps` ({config.train.accumulation_steps}) cannot split the "
+        f"steps of `task.name` '{config.task.name}', whose own `train_step` applies its "
+        "gradients; set `--config.train.accumulation_steps=1`, or accumulate in your "
+        "`train_step`."
+    )
+
+
+def _accumulated(gradients: Callable, batch: tuple, k: int) -> tuple:
+    """`gradients(*batch)` over `k` micro-batches of `batch`: gradients and sums added up.
+
+    The micro-batches run one after another (each starts once the gradients
+    before it are summed), so memory holds one micro-batch's activations.
+    """
+    if k == 1:
+        return gradients(*batch)
+    grads, sums = None, None
+    for i in range(k):
+        part = _micro_batch(batch, i, k)
+        if grads is not None:
+            with tf.control_dependencies(_tensors(grads)):
+                part = tf.nest.map_structure(tf.identity, part, expand_composites=True)
+        more, more_sums = gradients(*part)
+        if grads is None:
+            grads, sums = list(more), more_sums
+            continue
+        grads = [_add(a, b) for a, b in zip(grads, more)]
+        sums = tf.nest.map_structure(tf.add, sums, more_sums)
+    return grads, sums
+
+
+def _micro_batch(batch, i: int, k: int):
+    """Rows `[i * n/k, (i + 1) * n/k)` of every tensor of `batch` (n rows each)."""
+
+    def part(tensor):
+        rows = tensor.shape[0]  # static where the pipeline batches with a fixed size
+        if rows is None:
+            ragged = isinstance(tensor, tf.RaggedTensor)
+            rows = tensor.nrows(out_type=tf.int32) if ragged else tf.shape(tensor)[0]
+        size = rows // k
+        return tensor[i * size : (i + 1) * size]
+
+    return tf.nest.map_structure(part, batch)
+
+
+def _add(a, b):
+    """The sum of two gradients of one variable: dense, sparse (rows listed twice) or None."""
+    if a is None:
+        return b
+    if isinstance(a, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+        )
+    return a + b
+
+
+def _tensors(grads: list) -> list[tf.Tensor]:
+    return [t for t in tf.nest.flatten(grads, expand_composites=True) if t is not None]
 
 
 def _clip_summed(grads: list, clip_norm: float, replica) -> list:

@@ -133,6 +133,7 @@ def build(
     strategy = strategy or make_strategy(config)
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
+    steps.check_custom_step(getattr(user_task, "train_step", None), config)
     if user_task is None:
         dataset = data.get(config.data)
     else:
@@ -352,6 +353,7 @@ def _train(
         config.optimizer.clip_global_norm,
         config.train.jit_compile,
         job.custom_step,
+        config.train.accumulation_steps,
     )
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
 
