@@ -1,0 +1,230 @@
+"""Clusters across simulated hosts: a network namespace per host, real addresses, a bridge.
+
+Each task runs the README's per-host command (`TF_CONFIG=... python -m
+trainer ...`) in its own namespace (`trainer.bench.hosts`), so tasks talk over
+10.77.0.x addresses through a bridge, as separate machines would, and a link
+can be shaped or cut. The model_dir is a directory every host sees (the
+namespaces share the file system). Needs root and iproute2 (CI runs as root);
+skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from strategies import cluster
+from tests.helpers import TIMEOUT_S
+from trainer import faults
+from trainer.bench import hosts as hosts_lib
+
+TINY = [
+    "--config.train.steps_per_loop=10",
+    "--config.eval.every=0",
+    "--config.train.export=False",
+    "--config.model.hidden_units=(32,)",
+]
+# The longest path the README documents for naming a lost task: the watchdog looks once a
+# loop has run `WATCHDOG_AFTER_S` (checking every as often), and gives up after `GIVE_UP_S`
+# of probes that each wait up to `PROBE_S`. The coordination service's heartbeats name a
+# cut-off host sooner (about 12 s here).
+DETECTION_BOUND_S = 2 * faults.WATCHDOG_AFTER_S + faults.GIVE_UP_S + 2 * cluster.PROBE_S
+
+
+@pytest.fixture
+def make_hosts():
+    """`make_hosts(count, names=None)`: entered `Hosts`, torn down after the test; or a skip."""
+    reason = hosts_lib.available()
+    if reason:
+        pytest.skip(f"simulated hosts cannot be made here: {reason}")
+    made: list[hosts_lib.Hosts] = []
+
+    def make(count: int, names: list[str] | None = None) -> hosts_lib.Hosts:
+        made.append(hosts_lib.Hosts(count, names).__enter__())
+        return made[-1]
+
+    yield make
+    for hosts in made:
+        hosts.close()
+
+
+def _start(hosts, tasks, tmp_path, *args: str) -> dict[str, subprocess.Popen]:
+    """Each task's per-host command, on its host; its output to `tmp_path/<task>.log`."""
+    return {
+        task.name: hosts.start_trainer(
+            task, args, log=str(tmp_path / f"{task.name}.log"), cwd=str(tmp_path)
+        )
+        for task in tasks
+    }
+
+
+def _wait(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
+    """Each task's exit code, all within `TIMEOUT_S` (generous: a loaded machine)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    return {name: p.wait(timeout=max(1, deadline - time.monotonic())) for name, p in procs.items()}
+
+
+def _logs(tmp_path) -> str:
+    """Every task's output (its end), for a failure's message."""
+    return "\n".join(
+        f"--- {log.name}\n{log.read_text()[-2000:]}" for log in sorted(tmp_path.glob("*.log"))
+    )
+
+
+def _trained(tmp_path, hosts, layout: dict, steps: int, *args: str, by_name=False) -> dict:
+    """Trains a tiny job on `hosts` as `layout` says; every task exits 0. Its results.json."""
+    tasks = hosts.cluster(layout, by_name=by_name)
+    procs = _start(hosts, tasks, tmp_path, *args, f"--config.train.steps={steps}", *TINY)
+    assert set(_wait(procs).values()) == {0}, _logs(tmp_path)
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["step"] == steps
+    return results
+
+
+def test_multi_worker_on_two_hosts_by_name(make_hosts, tmp_path):
+    hosts = make_hosts(2, names=["trainer-a", "trainer-b"])
+    run = f"--model_dir={tmp_path / 'run'}"
+    results = _trained(
+        tmp_path, hosts, {"worker": [0, 1]}, 40, "--strategy=multi_worker", run, by_name=True
+    )
+    assert results["placement"]["replicas_in_sync"] == 2
+    assert "2 worker process(es)" in results["placement"]["communication"]
+
+
+def test_parameter_server_on_four_hosts(make_hosts, tmp_path):
+    hosts = make_hosts(4)
+    layout = {"chief": [0], "worker": [1, 2], "ps": [3]}
+    run = f"--model_dir={tmp_path / 'run'}"
+    # The workers and the ps serve until the chief is gone, then exit 0 too.
+    results = _trained(tmp_path, hosts, layout, 40, "--strategy=parameter_server", run)
+    assert "variables on 1 ps task(s)" in results["placement"]["communication"]
+    ps = "/job:ps/replica:0/task:0/device:CPU:0"
+    assert results["placement"]["variables"]["dense/kernel"] == [ps]
+
+
+def _until(condition, procs, tmp_path) -> None:
+    """Waits for `condition()` while every task runs (bounded)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        running = all(p.poll() is None for p in procs.values())
+        assert running and time.monotonic() < deadline, _logs(tmp_path)
+        time.sleep(0.05)
+
+
+def test_a_cut_link_is_named_on_both_sides_within_the_bound_and_the_rerun_resumes(
+    make_hosts, tmp_path
+):
+    hosts = make_hosts(2)
+    tasks = hosts.cluster({"worker": [0, 1]})
+    run = tmp_path / "run"
+    args = ["--strategy=multi_worker", f"--model_dir={run}", "--config.train.steps=600", *TINY]
+    args.append("--config.train.checkpoint_every=20")
+    procs = _start(hosts, tasks, tmp_path, *args)
+    _until((run / "checkpoints" / "checkpoint").exists, procs, tmp_path)
+    hosts.set_link(1, up=False)  # worker:1's host is cut off; both processes still run
+    cut, ended = time.monotonic(), {}
+    while len(ended) < len(procs) and time.monotonic() - cut < TIMEOUT_S:
+        for name, proc in procs.items():
+            if name not in ended and proc.poll() is not None:
+                ended[name] = time.monotonic() - cut
+        time.sleep(0.05)
+    hosts.set_link(1, up=True)  # down until both had noticed: longer than it takes
+    codes = {name: proc.poll() for name, proc in procs.items()}
+    assert codes == {"worker:0": 144, "worker:1": 144}, _logs(tmp_path)
+    assert max(ended.values()) < DETECTION_BOUND_S, (ended, _logs(tmp_path))
+    resumes = set()
+    peers = {"worker:0": "worker:1 (10.77.0.2:2222)", "worker:1": "worker:0 (10.77.0.1:2222)"}
+    for task, lost in peers.items():
+        log = (tmp_path / f"{task}.log").read_text()
+        pattern = rf"^error: {re.escape(lost)} stopped answering .* resumes from (\S+)\.$"
+        named = re.search(pattern, log, re.M)
+        assert named, log[-3000:]
+        resumes.add(named.group(1))
+    (checkpoint,) = resumes
+    step = int(checkpoint.rpartition("-")[2])
+    assert step >= 20
+
+    # The restart recipe: the same commands again, with the same model_dir.
+    procs = _start(hosts, tasks, tmp_path, *args)
+    assert _wait(procs) == {"worker:0": 0, "worker:1": 0}, _logs(tmp_path)
+    assert f"restored {checkpoint} at step {step}" in (tmp_path / "worker:0.log").read_text()
+    assert json.loads((run / "results.json").read_text())["step"] == 600
+
+
+def test_a_lossy_rate_limited_link_still_trains_to_the_end(make_hosts, tmp_path):
+    hosts = make_hosts(2)
+    try:
+        hosts.shape(1, rate_mbit=100, loss=0.01)  # both ways: 100 Mbit/s, 1% of packets lost
+    except hosts_lib.Unavailable as e:  # no netem and no iptables
+        pytest.skip(str(e))
+    run = f"--model_dir={tmp_path / 'run'}"
+    _trained(tmp_path, hosts, {"worker": [0, 1]}, 100, "--strategy=multi_worker", run)
+    # The training's traffic went through the shaped link, and lost packets on the way.
+    counts = hosts.counters(1)
+    assert counts["shaped_bytes"] > 100_000 and counts["dropped_packets"] > 0, counts
+
+
+def _namespaces() -> set[str]:
+    return set(
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    )
+
+
+def _namespace_pids(namespace: str) -> list[int]:
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    return [int(pid) for pid in listed.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a killed one may stay a zombie until its new parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# A task with a descendant in a session of its own; it prints what `b` resolves to there.
+_TASK = """
+import socket, subprocess, time
+subprocess.Popen(["sleep", "600"], start_new_session=True)
+print(socket.gethostbyname("b"), flush=True)
+time.sleep(600)
+"""
+
+
+def test_hosts_are_isolated_and_torn_down_and_a_killed_runs_are_removed():
+    reason = hosts_lib.available()
+    if reason:
+        pytest.skip(f"simulated hosts cannot be made here: {reason}")
+    # A killed run's namespace, a process still in it: its owner's pid is gone.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = f"{hosts_lib.PREFIX}{gone.pid}-0-h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    straggler = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"])
+    try:
+        with hosts_lib.Hosts(2, names=["a", "b"]) as hosts:
+            assert stale not in _namespaces() and straggler.wait(timeout=60) == -9
+            own = {*hosts.namespaces, hosts.bridge}
+            assert own <= _namespaces()
+            # None of their addresses or links is in the machine's own namespace.
+            addresses = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True)
+            assert hosts_lib.SUBNET not in addresses.stdout
+            proc = hosts.start(1, [sys.executable, "-c", _TASK], stdout=subprocess.PIPE, text=True)
+            assert proc.stdout.readline() == "10.77.0.2\n"  # the name, from its hosts file
+            pids = _namespace_pids(hosts.namespaces[1])
+            assert len(pids) == 2, pids
+    finally:
+        straggler.kill()
+        straggler.wait()
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+    assert not own & _namespaces()
+    assert not [pid for pid in pids if _alive(pid)]
+    assert not [n for n in own if os.path.exists(os.path.join(hosts_lib.NETNS_ETC, n))]
