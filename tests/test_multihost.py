@@ -4,8 +4,9 @@ Each task runs the README's per-host command (`TF_CONFIG=... python -m
 trainer ...`) in its own namespace (`trainer.bench.hosts`), so tasks talk over
 10.77.0.x addresses through a bridge, as separate machines would, and a link
 can be shaped or cut. The model_dir is a directory every host sees (the
-namespaces share the file system). Needs root and iproute2 (CI runs as root);
-skipped with the reason otherwise.
+namespaces share the file system). Needs root and iproute2, and netem or
+iptables for loss; skipped with the reason otherwise, except under `.ci/run`
+(`TOWERFLOW_CI`, as root), where they must run.
 """
 
 from __future__ import annotations
@@ -37,12 +38,17 @@ TINY = [
 DETECTION_BOUND_S = 2 * faults.WATCHDOG_AFTER_S + faults.GIVE_UP_S + 2 * cluster.PROBE_S
 
 
+def _cannot(reason: str) -> None:
+    """Skips, saying why; fails under `.ci/run` (`TOWERFLOW_CI`), which runs as root."""
+    (pytest.fail if os.environ.get("TOWERFLOW_CI") else pytest.skip)(reason)
+
+
 @pytest.fixture
 def make_hosts():
     """`make_hosts(count, names=None)`: entered `Hosts`, torn down after the test; or a skip."""
     reason = hosts_lib.available()
     if reason:
-        pytest.skip(f"simulated hosts cannot be made here: {reason}")
+        _cannot(f"simulated hosts cannot be made here: {reason}")
     made: list[hosts_lib.Hosts] = []
 
     def make(count: int, names: list[str] | None = None) -> hosts_lib.Hosts:
@@ -162,7 +168,7 @@ def test_a_lossy_rate_limited_link_still_trains_to_the_end(make_hosts, tmp_path)
     try:
         hosts.shape(1, rate_mbit=100, loss=0.01)  # both ways: 100 Mbit/s, 1% of packets lost
     except hosts_lib.Unavailable as e:  # no netem and no iptables
-        pytest.skip(str(e))
+        _cannot(str(e))
     run = f"--model_dir={tmp_path / 'run'}"
     _trained(tmp_path, hosts, {"worker": [0, 1]}, 100, "--strategy=multi_worker", run)
     # The training's traffic went through the shaped link, and lost packets on the way.
@@ -202,7 +208,7 @@ time.sleep(600)
 def test_hosts_are_isolated_and_torn_down_and_a_killed_runs_are_removed():
     reason = hosts_lib.available()
     if reason:
-        pytest.skip(f"simulated hosts cannot be made here: {reason}")
+        _cannot(f"simulated hosts cannot be made here: {reason}")
     # A killed run's namespace, a process still in it: its owner's pid is gone.
     gone = subprocess.Popen(["true"])
     gone.wait()
