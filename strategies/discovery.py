@@ -6,10 +6,11 @@ comes from the first of:
 
 1. `TF_CONFIG`, when set and not blank (`python -m trainer.launch`, a TFJob,
    Vertex AI, a script of your own);
-2. a scheduler's environment, when it started more than one task: a Slurm
-   job step (`SLURM_*`, derived by `strategies.slurm`), a Kubernetes JobSet
-   pod (the variables `deploy/jobset-*.yaml` set, see `jobset_tf_config`) or
-   a SageMaker training job of several hosts (`SM_HOSTS`, `SM_CURRENT_HOST`);
+2. a scheduler's environment: a Slurm job step of more than one task
+   (`SLURM_*`, derived by `strategies.slurm`), a Kubernetes JobSet pod (the
+   variables `deploy/jobset-*.yaml` set, see `jobset_tf_config`) or a
+   SageMaker training job of several hosts (`SM_HOSTS`, `SM_CURRENT_HOST`);
+   a Slurm or SageMaker job of one task is one process;
 3. else this process alone (`local`).
 
 `cluster.source` (`--cluster`) names one instead: `tf_config`, `slurm`,
@@ -155,7 +156,7 @@ def sidecar_evaluator(section: Mapping[str, Any] | None) -> bool:
 
 
 def detect(environ: Mapping[str, str]) -> str:
-    """The source `auto` picks for `environ`: a scheduler only when it started several tasks."""
+    """The source `auto` picks for `environ` (the order of the module docstring)."""
     if environ.get("TF_CONFIG", "").strip():
         return "tf_config"
     if _has(environ, SLURM_VARIABLES) and _slurm_tasks(environ) > 1:
