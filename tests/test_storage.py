@@ -169,6 +169,11 @@ def test_model_dir_mistakes_on_ram_are_one_line_and_write_nothing():
         one_line_error(
             "is a file, not a directory", train.train_and_evaluate, tiny_config(), root + "/file"
         )
+        one_line_error(
+            r"no file system for `nosuchfs://` here \(it has `gs://`, `ram://` and local",
+            checks.check_model_dir,
+            "nosuchfs://bucket/run",
+        )
         checks.check_model_dir(root + "/new/run")  # may be created: no error, nothing made
         assert sorted(tf.io.gfile.listdir(root)) == ["file"]
         assert _read(root + "/file") == "not a directory"

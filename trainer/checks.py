@@ -163,10 +163,12 @@ def check_model_dir(model_dir: str) -> None:
     object stores have no permission bits to read.
 
     Raises:
-      UserError: it is a file, or it (or its parent) is not writable.
+      UserError: it is a file, or it (or its parent) is not writable, or
+        TensorFlow has no file system for its scheme.
     """
     if not model_dir:
         raise UserError("`--model_dir` is empty; give a directory, e.g. `--model_dir=runs/x`.")
+    storage.check_scheme(model_dir, "--model_dir")
     if tf.io.gfile.exists(model_dir):
         if not tf.io.gfile.isdir(model_dir):
             raise UserError(

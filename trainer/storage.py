@@ -23,6 +23,8 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+from strategies.errors import UserError
+
 if TYPE_CHECKING:
     import tensorflow as tf
 
@@ -32,6 +34,23 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 def is_local(path: str) -> bool:
     """Whether `path` is on the local file system (no `scheme://` prefix)."""
     return not _SCHEME.match(path)
+
+
+def check_scheme(path: str, flag: str) -> None:
+    """TensorFlow must have a file system for `path`'s scheme (`gs://` is built in).
+
+    Raises:
+      UserError: it has none (`s3://` without a file-system plugin, a typo).
+    """
+    scheme = _SCHEME.match(path)
+    known = _tf().io.gfile.get_registered_schemes()
+    if scheme and scheme[0][: -len("://")] not in known:
+        schemes = ", ".join(f"`{s}://`" for s in sorted(known) if s and s != "file")
+        raise UserError(
+            f"`{flag}` '{path}': TensorFlow has no file system for `{scheme[0]}` here (it has "
+            f"{schemes} and local paths); load a TensorFlow file-system plugin for it, or give "
+            "a local or mounted path."
+        )
 
 
 def parent(path: str) -> str | None:

@@ -345,8 +345,9 @@ def check_sweep_dir(sweep_dir: str) -> None:
     """`--sweep_dir`, local or remote (see `trainer.storage`), must not be a file.
 
     Raises:
-      UserError: it is a file.
+      UserError: it is a file, or TensorFlow has no file system for its scheme.
     """
+    storage.check_scheme(sweep_dir, "--sweep_dir")
     if storage.is_file(sweep_dir):
         raise UserError(
             f"`--sweep_dir` '{sweep_dir}' is a file, not a directory; give a directory."
