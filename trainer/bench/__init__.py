@@ -45,6 +45,9 @@ module each, named after the case:
    (import, build a model, compile and run one step).
 6. `checkpoint`: how long a save of a ~100 MB checkpoint blocks training,
    synchronous against asynchronous, and how long a restore takes.
+7. `multi_host`: `multi_worker` on 2 simulated hosts (network namespaces, one
+   core each) over raw and shaped links, against one host alone (needs root;
+   `hosts.py` makes the hosts).
 """
 
 from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes

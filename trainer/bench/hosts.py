@@ -258,7 +258,7 @@ class Hosts:
 
     def start_trainer(
         self,
-        task: Task,
+        task: Task | int,
         args: Sequence[str],
         log: str,
         cwd: str | None = None,
@@ -268,7 +268,8 @@ class Hosts:
         """Starts the README's per-host command for `task`: `TF_CONFIG=... python -m trainer ARGS`.
 
         Args:
-          task: the task (from `cluster`); it runs on its host.
+          task: the task (from `cluster`), which runs on its host; or a host, to
+            run one process there without `TF_CONFIG`.
           args: the trainer's flags.
           log: the file its stdout and stderr go to.
           cwd: its working directory.
@@ -279,10 +280,11 @@ class Hosts:
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, environ.get("PYTHONPATH")]))
         environ.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **(env or {}))
-        environ["TF_CONFIG"] = task.tf_config
+        if isinstance(task, Task):
+            environ["TF_CONFIG"] = task.tf_config
         with open(log, "w") as output:
             return self.start(
-                task.host,
+                task.host if isinstance(task, Task) else task,
                 [sys.executable, "-m", "trainer", *args],
                 env=environ,
                 cpu=cpu,

@@ -6,7 +6,7 @@ import dataclasses
 
 import ml_collections
 
-CASES = ("small_mlp", "dense_large", "input", "strategies", "startup", "checkpoint")
+CASES = ("small_mlp", "dense_large", "input", "strategies", "startup", "checkpoint", "multi_host")
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
 
@@ -31,6 +31,10 @@ class Sizes:
     loop1_steps: int = 41  # small_mlp with one step per loop: steps per repetition
     startup_reps: int = 3
     clusters: tuple[str, ...] = ("multi_worker", "parameter_server")  # local clusters timed
+    host_links: tuple[str, ...] = ("raw", "10gbit", "1gbit")  # multi_host: `multi_host.LINKS`
+    host_models: tuple[str, ...] = ("default", "dense")  # multi_host: the models timed
+    host_steps: int = 300  # multi_host: timed steps of the default model (of dense: below)
+    host_dense_steps: int = 12
 
 
 FULL = Sizes()
@@ -53,6 +57,9 @@ QUICK = Sizes(
     # One cluster runs the `strategies` case's cluster path; a parameter-server cluster's
     # three processes would add ~10 s to start and stop (its trainer has tests of its own).
     clusters=("multi_worker",),
+    host_links=("1gbit",),
+    host_models=("default",),
+    host_steps=30,
 )
 
 
