@@ -12,7 +12,7 @@ import pytest
 import strategies
 from tests.helpers import run_cli, tiny_config
 from trainer import bench, controller, train
-from trainer.bench import clock
+from trainer.bench import clock, hosts
 
 # Keras 3 `fit` with `steps_per_execution` > 1 fails under MirroredStrategy
 # (keras-team/keras#19246): the benchmark reports it in `failed` instead.
@@ -82,6 +82,8 @@ def test_case_details(results):
     assert all(math.isfinite(v) for v in waits.values())  # differences may be negative
     assert _positive(cases["checkpoint"]["checkpoint_mb"])
     assert results["machine"]["cpu_cores"] >= 1
+    if hosts.available() is None:  # as root: 2 simulated hosts over a 1 Gbit/s link
+        assert _positive(cases["multi_host"]["ratios"]["default/1gbit/one_host"])
     clusters = cases["strategies"]["figures"]
     assert bench.QUICK.clusters, "--quick times at least one local cluster"
     for name in bench.QUICK.clusters:
