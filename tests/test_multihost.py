@@ -170,7 +170,7 @@ def test_a_lossy_rate_limited_link_still_trains_to_the_end(make_hosts, tmp_path)
     except hosts_lib.Unavailable as e:  # no netem and no iptables
         _cannot(str(e))
     run = f"--model_dir={tmp_path / 'run'}"
-    _trained(tmp_path, hosts, {"worker": [0, 1]}, 100, "--strategy=multi_worker", run)
+    _trained(tmp_path, hosts, {"worker": [0, 1]}, 60, "--strategy=multi_worker", run)
     # The training's traffic went through the shaped link, and lost packets on the way.
     counts = hosts.counters(1)
     assert counts["shaped_bytes"] > 100_000 and counts["dropped_packets"] > 0, counts

@@ -9,11 +9,9 @@ joins the hosts lives in a namespace of its own too, one port per host, so a
 host's link can be shaped (`Hosts.shape`: a rate limit, delay, loss) or cut
 (`Hosts.set_link`) on its own.
 
-    with Hosts(2, names=["host0", "host1"]) as hosts:
-        tasks = hosts.cluster({"worker": [0, 1]}, by_name=True)
-        procs = [hosts.start_trainer(t, ["--strategy=multi_worker", ...], log=...) for t in tasks]
-
-Each task runs the README's own per-host command, `TF_CONFIG=...
+`Hosts(count, names)` makes the hosts, `Hosts.cluster` lays a cluster's tasks
+out on them with each task's `TF_CONFIG`, and `Hosts.start_trainer` runs one.
+A task runs the README's own per-host command, `TF_CONFIG=...
 python -m trainer ...`, through `ip netns exec` (optionally pinned to one core
 with `taskset`, to stand for a host of its own). Names resolve through an
 /etc/hosts-style file that `ip netns exec` mounts over /etc/hosts.
