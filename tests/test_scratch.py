@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from strategies import scratch
-from tests.helpers import launch_and_signal
+from tests.helpers import launch, launch_and_signal
 from trainer.checkpoints import Checkpointer
 
 
@@ -48,20 +48,27 @@ def test_scratch_directories_are_distinct_and_removed_after_their_block():
     scratch.remove(a)  # a second time: nothing to do
 
 
-def test_a_killed_non_chief_leaves_no_scratch_behind(tmp_path, temp_dir):
+def _scratch_left(temp_dir) -> list[str]:
+    return [name for name in os.listdir(temp_dir) if name.startswith("towerflow-")]
+
+
+def test_a_non_chief_leaves_no_scratch_when_killed_or_at_the_end(tmp_path, temp_dir):
     # Worker 1 writes its share of every checkpoint (every 20 steps) and runs the
     # preemption handler; it is killed after several saves, with no chance to clean up.
-    code, lines, _ = launch_and_signal(
-        "--workers=2",
-        "--",
+    common = [
         "--strategy=multi_worker",
         f"--model_dir={tmp_path / 'run'}",
-        "--config.train.steps=100000",
         "--config.train.steps_per_loop=20",
         "--config.train.checkpoint_every=20",
         "--config.eval.every=0",
-        "--config.train.export=False",
         "--config.model.hidden_units=(16,)",
+    ]
+    code, lines, _ = launch_and_signal(
+        "--workers=2",
+        "--",
+        *common,
+        "--config.train.steps=100000",
+        "--config.train.export=False",
         cwd=tmp_path,
         trigger="[worker:0] train | step: 80/",
         task=("worker", 1),
@@ -70,5 +77,9 @@ def test_a_killed_non_chief_leaves_no_scratch_behind(tmp_path, temp_dir):
     output = "\n".join(line for _, line in lines)
     assert code != 0 and "worker:1 (127.0.0.1:" in output, output[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "ckpt-60.index").exists()  # saved by both workers
-    left = [name for name in os.listdir(temp_dir) if name.startswith("towerflow-")]
-    assert left == [], "scratch left behind by the killed worker (or by worker 0 on its exit)"
+    assert _scratch_left(temp_dir) == [], "left by the killed worker (or by worker 0 on its exit)"
+    # The same job resumed to its end: worker 1 also exports (its copy is dropped).
+    result = launch("--workers=2", "--", *common, "--config.train.steps=140", cwd=str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[worker:0] train | step: 140/140" in result.stdout
+    assert _scratch_left(temp_dir) == [], "left by a normal end"
