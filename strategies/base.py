@@ -39,7 +39,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from strategies import preemption
+from strategies import preemption, transfer
 
 StepFn = Callable[[Any], dict]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
@@ -60,6 +60,10 @@ class Strategy(abc.ABC):
     # Whether `train.precision=mixed_float16` works: Keras's loss-scale optimizer updates
     # its counters inside a branch, which a plugin with variables on the host cannot run.
     supports_loss_scaling: bool = True
+    # Whether `gradient_dtype` (and packing) can be set: a plugin that all-reduces gradients
+    # sets `gradient_transfer` from its options (see `strategies.transfer`).
+    supports_gradient_transfer: bool = False
+    gradient_transfer = transfer.GradientTransfer()
     cluster = None  # the parsed `TF_CONFIG` (`cluster.ClusterSpec`) of a multi-process plugin
 
     def __init__(self, options: ml_collections.ConfigDict | None = None):
@@ -219,9 +223,14 @@ class Strategy(abc.ABC):
             "tf_strategy": type(self.tf_strategy).__name__,
             "replicas_in_sync": self.num_replicas_in_sync,
             "compute_devices": self.compute_devices,
-            "communication": self.communication,
+            "communication": "; ".join(filter(None, [self.communication, self._transfer_text()])),
+            "gradient_transfer": self.gradient_transfer.as_dict(),
             "variables": {_variable_name(v): variable_devices(v) for v in variables},
         }
+
+    def _transfer_text(self) -> str:
+        how = self.gradient_transfer.describe()
+        return f"gradients cross {how}" if how else ""
 
     # --- helpers for plugins -------------------------------------------------
 

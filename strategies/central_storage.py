@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-from strategies import devices
+from strategies import devices, transfer
 from strategies.base import Strategy
 from strategies.registry import register
 
@@ -16,6 +16,7 @@ class CentralStorage(Strategy):
 
     supports_jit_compile = False  # variables live away from the devices that compute
     supports_loss_scaling = False  # the loss scale's counters cannot update from a branch
+    supports_gradient_transfer = True
 
     @classmethod
     def local_replicas(cls, options, logical_cpus: int) -> int:
@@ -25,6 +26,7 @@ class CentralStorage(Strategy):
         compute = devices.parse_devices(
             self.options.get("devices", ""), "strategy.central_storage.devices"
         )
+        self.gradient_transfer = transfer.from_options(self.options, "central_storage")
         spec = self.options.get("parameter_device", "")
         host = (
             devices.parse_devices(spec, "strategy.central_storage.parameter_device")[0]

@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from strategies import devices
+from strategies import devices, transfer
 from strategies.base import Strategy
 from strategies.errors import UserError
 from strategies.registry import register
@@ -19,12 +19,15 @@ CROSS_DEVICE_OPS = {
 class Mirrored(Strategy):
     """Synchronous replicas on all local GPUs (else logical CPUs), a copy of every variable each."""
 
+    supports_gradient_transfer = True
+
     @classmethod
     def local_replicas(cls, options, logical_cpus: int) -> int:
         return devices.one_per_device(options, logical_cpus)
 
     def _build(self) -> tf.distribute.Strategy:
         names = devices.parse_devices(self.options.get("devices", ""), "strategy.mirrored.devices")
+        self.gradient_transfer = transfer.from_options(self.options, "mirrored")
         self._reduction = self.options.get("cross_device_ops", "auto")
         return tf.distribute.MirroredStrategy(
             names, cross_device_ops=_cross_device_ops(self._reduction, names)

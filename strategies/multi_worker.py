@@ -19,7 +19,7 @@ import math
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
-from strategies import preemption
+from strategies import preemption, transfer
 from strategies.base import Strategy
 from strategies.errors import UserError
 from strategies.registry import register
@@ -35,6 +35,8 @@ IMPLEMENTATIONS = {
 class MultiWorker(Strategy):
     """Synchronous replicas in every worker of a `TF_CONFIG` cluster, gradients all-reduced."""
 
+    supports_gradient_transfer = True
+
     def _build(self) -> tf.distribute.Strategy:
         self.cluster = cluster_lib.from_env()
         if self.role == "evaluate":  # the sidecar evaluator is not part of the collective
@@ -44,7 +46,9 @@ class MultiWorker(Strategy):
                 f"`TF_CONFIG` lists {self.cluster.num_ps} ps tasks, which `multi_worker` does "
                 "not use; use `--strategy=parameter_server`, or drop the ps job."
             )
-        options = self._communication_options()  # checked first: a bad option fails at once
+        # Checked first: a bad option fails at once.
+        self.gradient_transfer = transfer.from_options(self.options, "multi_worker")
+        options = self._communication_options()
         if self.cluster:
             cluster_lib.start_up(
                 self.cluster,
@@ -84,7 +88,7 @@ class MultiWorker(Strategy):
         # rate. Without one, a dead or hung peer is still found by the coordination
         # service's heartbeats and the loop's watchdog.
         return tf.distribute.experimental.CommunicationOptions(
-            bytes_per_pack=self.options.get("bytes_per_pack", 0),
+            bytes_per_pack=self.gradient_transfer.bytes_per_pack,
             timeout_seconds=float(timeout) or None,
             implementation=IMPLEMENTATIONS[name],
         )

@@ -51,6 +51,17 @@ def tiny_config(**overrides):
     return config
 
 
+def config_flags(config, fields: tuple[str, ...]) -> list[str]:
+    """`--config.FIELD=VALUE` for each dotted field of `config`: that config, for a subprocess."""
+    flags = []
+    for field in fields:
+        value = config
+        for key in field.split("."):
+            value = value[key]
+        flags.append(f"--config.{field}={value}")
+    return flags
+
+
 def one_line_error(match: str, fn, *args) -> str:
     """The message of the UserError `fn(*args)` raises; it must match `match` and be one line."""
     import pytest

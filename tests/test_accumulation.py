@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import checkpoint_values, launch, one_line_error, tiny_config
+from tests.helpers import checkpoint_values, config_flags, launch, one_line_error, tiny_config
 from trainer import train
 
 STEPS, BATCH = 20, 32
@@ -165,13 +165,6 @@ _FIELDS = (
 )
 
 
-def _flags(config) -> list[str]:
-    values = config.to_dict()
-    for part in ("model", "train", "eval"):
-        values.update({f"{part}.{k}": v for k, v in values[part].items()})
-    return [f"--config.{field}={values[field]}" for field in _FIELDS]
-
-
 def _counters(values: dict) -> dict:
     """A checkpoint's `MicroBatches` counters: the model's int64 variables, in model order."""
     ints = {k: v for k, v in values.items() if k.startswith("variables/") and v.dtype == np.int64}
@@ -186,7 +179,7 @@ def test_two_workers_accumulate_then_all_reduce_once(one_batch, tmp_path):
         "--",
         "--strategy=multi_worker",
         "--model_dir=mw",
-        *_flags(_config("multi_worker", 2)),
+        *config_flags(_config("multi_worker", 2), _FIELDS),
         cwd=str(tmp_path),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -207,7 +200,7 @@ def test_async_parameter_server_updates_once_per_step(tmp_path):
         "--",
         "--strategy=parameter_server",
         "--model_dir=ps",
-        *_flags(_config("parameter_server", 4)),
+        *config_flags(_config("parameter_server", 4), _FIELDS),
         cwd=str(tmp_path),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -14,7 +14,9 @@ Keras's own path.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import keras
 import ml_collections
@@ -60,15 +62,62 @@ class _FusedAdamUpdate:
         )
 
 
-class Adam(_FusedAdamUpdate, keras.optimizers.Adam):
+class _SummedByCaller:
+    """Keras's cross-replica sum of the gradients, which `summed_by_caller` turns off.
+
+    Mixed into every optimizer here. Keras 3's TensorFlow optimizer all-reduces
+    whatever it is given, in the gradients' dtype and without packing, and has
+    no public switch (tf.keras had `skip_gradients_aggregation`); a train step
+    that sums in bfloat16 or in packs (`strategies.transfer`) would otherwise
+    have its sum summed again.
+    """
+
+    _summed_by_caller = False
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        if self._summed_by_caller:
+            return list(grads_and_vars)
+        return super()._all_reduce_sum_gradients(grads_and_vars)
+
+
+@contextlib.contextmanager
+def summed_by_caller(optimizer: keras.optimizers.Optimizer) -> Iterator[None]:
+    """Inside, `optimizer` applies gradients as given: the caller summed them over replicas.
+
+    Works while the update is traced (inside a `tf.function`, as the train step is).
+
+    Raises:
+      TypeError: `optimizer` (or the one a loss-scale optimizer wraps) is not one
+        of this module's, or this Keras no longer sums through the method it overrides.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # under loss scaling
+    if not isinstance(inner, _SummedByCaller):
+        raise TypeError(
+            f"{type(inner).__name__} always all-reduces its gradients; build the optimizer "
+            "with `trainer.optim.build`."
+        )
+    if not hasattr(keras.optimizers.Optimizer, "_all_reduce_sum_gradients"):
+        raise TypeError(
+            f"Keras {keras.__version__} no longer sums gradients in `_all_reduce_sum_gradients`, "
+            "which towerflow turns off to sum them itself; set `gradient_dtype` to float32 "
+            "and `bytes_per_pack` to 0."
+        )
+    inner._summed_by_caller = True
+    try:
+        yield
+    finally:
+        inner._summed_by_caller = False
+
+
+class Adam(_FusedAdamUpdate, _SummedByCaller, keras.optimizers.Adam):
     """Keras's Adam; each dense update is one fused kernel."""
 
 
-class AdamW(_FusedAdamUpdate, keras.optimizers.AdamW):
+class AdamW(_FusedAdamUpdate, _SummedByCaller, keras.optimizers.AdamW):
     """Keras's AdamW; each dense update is one fused kernel."""
 
 
-class SGD(keras.optimizers.SGD):
+class SGD(_SummedByCaller, keras.optimizers.SGD):
     """Keras's SGD; with momentum (not Nesterov), each dense update is one fused kernel."""
 
     def update_step(self, gradient, variable, learning_rate):

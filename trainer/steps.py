@@ -25,6 +25,8 @@ import ml_collections
 import tensorflow as tf
 
 from strategies.errors import UserError
+from strategies.transfer import GradientTransfer
+from trainer import optim
 
 
 def make_train_step(
@@ -36,6 +38,7 @@ def make_train_step(
     jit_compile: bool = False,
     custom_step: Callable | None = None,
     accumulation_steps: int = 1,
+    transfer: GradientTransfer | None = None,
 ) -> Callable:
     """One optimizer step on one replica's batch `(x, y)`; returns the task's sums.
 
@@ -48,6 +51,9 @@ def make_train_step(
     With `accumulation_steps` k > 1, the replica's batch runs as k micro-batches
     whose gradients and sums are added up before the one update (see the
     module docstring); the replica's batch must divide by k.
+
+    A `transfer` that sums in the step (bfloat16 or packs, `strategies.transfer`)
+    sums the gradients over replicas here; the optimizer applies the sum as given.
 
     With `jit_compile`, XLA compiles the forward and backward pass; the update
     stays outside, where the strategy aggregates gradients across replicas
@@ -78,12 +84,22 @@ def make_train_step(
         if custom_step is not None:
             return custom_step(model, optimizer, x, y, weights, replica_loss(x, y, weights))
         grads, sums = _accumulated(gradients, (x, y, weights), k)
-        if clip_global_norm:
-            # Loss-scaled gradients are clipped at the scaled norm.
-            norm = clip_global_norm * optimizer.scale_loss(tf.constant(1.0))
-            grads = _clip_summed(grads, norm, tf.distribute.get_replica_context())
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        apply(grads)
         return sums
+
+    def apply(grads: list) -> None:
+        # Loss-scaled gradients are clipped at the scaled norm.
+        norm = clip_global_norm * optimizer.scale_loss(tf.constant(1.0))
+        if transfer is None or not transfer.summed_by_step:
+            if clip_global_norm:
+                grads = _clip_summed(grads, norm, tf.distribute.get_replica_context())
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return
+        grads = transfer.all_reduce(grads)
+        if clip_global_norm:
+            grads, _ = tf.clip_by_global_norm(grads, norm)
+        with optim.summed_by_caller(optimizer):
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
     def replica_loss(x, y, weights) -> Callable:
         return lambda outputs: task.train_sums(model, x, y, outputs, weights, global_batch_size)
@@ -91,20 +107,31 @@ def make_train_step(
     return step
 
 
-def check_custom_step(custom_step: Callable | None, config: ml_collections.ConfigDict) -> None:
+def check_custom_step(
+    custom_step: Callable | None, config: ml_collections.ConfigDict, transfer: GradientTransfer
+) -> None:
     """A task's own `train_step` applies its own gradients: nothing of ours can come between.
 
     Raises:
-      UserError: `train.accumulation_steps` > 1 with a task's own `train_step`.
+      UserError: `train.accumulation_steps` > 1, or a gradient transfer that the step
+        would make (bfloat16, packs), with a task's own `train_step`.
     """
-    if custom_step is None or config.train.accumulation_steps == 1:
+    if custom_step is None:
         return
-    raise UserError(
-        f"`train.accumulation_steps` ({config.train.accumulation_steps}) cannot split the "
-        f"steps of `task.name` '{config.task.name}', whose own `train_step` applies its "
-        "gradients; set `--config.train.accumulation_steps=1`, or accumulate in your "
-        "`train_step`."
-    )
+    task = f"`task.name` '{config.task.name}', whose own `train_step` applies its gradients"
+    k = config.train.accumulation_steps
+    if k > 1:
+        raise UserError(
+            f"`train.accumulation_steps` ({k}) cannot split the steps of {task}; set "
+            "`--config.train.accumulation_steps=1`, or accumulate in your `train_step`."
+        )
+    if transfer.summed_by_step:
+        name = config.strategy.name
+        raise UserError(
+            f"`strategy.{name}` sums gradients {transfer.describe()}, which cannot reach the "
+            f"steps of {task} (its optimizer sums them in float32, in one pack); set "
+            f"`strategy.{name}.gradient_dtype` to float32 (and `bytes_per_pack` to 0)."
+        )
 
 
 def _accumulated(gradients: Callable, batch: tuple, k: int) -> tuple:

@@ -18,7 +18,7 @@ import ml_collections
 import tensorflow as tf
 
 import strategies
-from strategies import devices, discovery, scratch
+from strategies import devices, discovery, scratch, transfer
 from strategies.errors import UserError
 from trainer import (
     actions,
@@ -110,6 +110,8 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
             "the devices that compute; set `--config.train.jit_compile=False`, or use "
             "`mirrored` or `one_device`."
         )
+    if not plugin.supports_gradient_transfer:
+        transfer.refuse(options, name)
     if config.train.precision == "mixed_float16" and not plugin.supports_loss_scaling:
         raise UserError(
             f"`train.precision` 'mixed_float16' (loss scaling) does not work under `{name}`; "
@@ -133,7 +135,8 @@ def build(
     strategy = strategy or make_strategy(config)
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
-    steps.check_custom_step(getattr(user_task, "train_step", None), config)
+    custom_step = getattr(user_task, "train_step", None)
+    steps.check_custom_step(custom_step, config, strategy.gradient_transfer)
     if user_task is None:
         dataset = data.get(config.data)
     else:
@@ -154,7 +157,6 @@ def build(
         optimizer.build(model.trainable_variables)
         task = _objective(model, dataset, config)
     user_actions = actions.user_actions(config.train.get("actions", ""), config)
-    custom_step = getattr(user_task, "train_step", None)
     return Job(
         config,
         model_dir,
@@ -354,6 +356,7 @@ def _train(
         config.train.jit_compile,
         job.custom_step,
         config.train.accumulation_steps,
+        strategy.gradient_transfer,
     )
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
 
