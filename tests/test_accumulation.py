@@ -105,12 +105,13 @@ def test_micro_batches_give_the_weights_of_one_batch(strategy, k, one_batch, tmp
         assert run.results["train"][name] == pytest.approx(one_batch.results["train"][name])
 
 
-def test_micro_batches_with_clipping_and_a_regulariser(tmp_path):
+def test_micro_batches_with_clipping_and_a_regulariser(tmp_path, capsys):
     """The regulariser counts once per update and clipping sees the whole batch's gradient."""
     extra = {"model.weight_decay": 1e-2, "optimizer.clip_global_norm": 0.5}
     one = _trained(_config("mirrored", 1, **extra), tmp_path / "one")
     micro = _trained(_config("mirrored", 4, **extra), tmp_path / "micro")
     assert micro.rows == 2
+    assert "| global batch: 32 (4 micro-batches of 8)" in capsys.readouterr().out
     _assert_same(micro.weights, one.weights)
 
 

@@ -453,11 +453,9 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     _tell(job, f"communication: {placement['communication']}")
     for name, where in placement["variables"].items():
         _tell(job, f"  {name}: {', '.join(where)}")
-    _tell(
-        job,
-        f"{_what(job)} | steps: {job.total_steps} | "
-        f"global batch: {job.config.train.global_batch_size}",
-    )
+    batch, micro = job.config.train.global_batch_size, job.config.train.accumulation_steps
+    micro_batches = f" ({micro} micro-batches of {batch // micro})" if micro > 1 else ""
+    _tell(job, f"{_what(job)} | steps: {job.total_steps} | global batch: {batch}{micro_batches}")
     if strategy.is_chief:
         config_json = job.config.to_json_best_effort(indent=2, sort_keys=True)
         storage.write_text(os.path.join(job.model_dir, "config.json"), config_json + "\n")
