@@ -289,8 +289,6 @@ def _stop(
 
 def main(argv: list[str]) -> None:
     """Plans the sweep, runs it, writes and prints the results; exits 1 unless all finished."""
-    with cli.native_stderr_silenced():  # TensorFlow (whose gfile writes the sweep directory)
-        import tensorflow  # noqa: F401  loads here, its start-up chatter hidden
     console = processes.Console(own="sweep")
     try:
         with processes.Interrupt().catching() as interrupt:
@@ -320,7 +318,8 @@ def sweep(
     slots = sweep_plan.plan_slots(_PARALLEL.value, per_trial, sweep_plan.visible_gpus(), cores)
     name = os.path.splitext(os.path.basename(config_path))[0]
     sweep_dir = _SWEEP_DIR.value or os.path.join("runs", f"sweep-{name}")
-    check_sweep_dir(sweep_dir)
+    with cli.native_stderr_silenced():  # the first file access loads TensorFlow: no chatter
+        check_sweep_dir(sweep_dir)
     console.log(
         f"{len(trials)} trial(s) in {sweep_dir}, {len(slots)} at a time "
         f"({'; '.join(s.describe() for s in slots)})"
