@@ -163,6 +163,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.loss_upper_bound = 0.0  # a loop loss above this counts as a blow-up (0 = none)
     c.train.max_recoveries = 3  # blow-ups recovered from the last good checkpoint, then stop
     c.train.deterministic = False  # deterministic ops: a restarted run ends bit-identical
+    # (start, stop): a TensorBoard profile of these steps on the chief, into model_dir/train
+    # (the Profile tab; `pip install "towerflow[profile]"`), e.g. (200, 205); () = none.
+    c.train.profile_steps = ()
     # Your own loop actions, "module.path:function" (comma-separated): each function takes
     # the config and returns a callable on each block's output (see trainer/controller.py).
     c.train.actions = ""

@@ -1,8 +1,8 @@
 """The loop's built-in actions, and the user's own from `train.actions`.
 
 Each function here returns a `controller.Action`: a plain callable on a
-block's `Output` with its schedule. `Preemption` and `Watchdog` are callables
-that are also context managers around the whole loop. `trainer.train` puts them in order:
+block's `Output` with its schedule. `Preemption`, `Watchdog` and `Profile` are
+callables that are also context managers around the whole loop. `trainer.train` puts them in order:
 blow-up recovery first (it may roll the step back and skip the rest), then
 rates, summaries, the progress line, checkpoints, preemption, evaluation,
 and the user's actions last, so they see the eval metrics of their block.
@@ -10,9 +10,11 @@ and the user's actions last, so they see the eval metrics of their block.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import ml_collections
+import tensorflow as tf
 
 from strategies.errors import UserError
 from strategies.preemption import PREEMPTED_EXIT_CODE, Preempted
@@ -131,6 +133,76 @@ class Preemption(_Around):
                 f"{PREEMPTED_EXIT_CODE} so the scheduler restarts the job"
             )
             raise
+
+
+class Profile:
+    """A TensorBoard profile of steps `start` to `stop` (`train.profile_steps`), on the chief.
+
+    TensorFlow's profiler runs from the block that starts at `start` to the end
+    of the block that reaches `stop`: the controller ends blocks at both (see
+    `profile`), so the trace holds those steps and the loop's work between
+    them. It lands in `logdir/plugins/profile/<time>/<host>.xplane.pb`, where
+    TensorBoard's Profile tab finds it (`pip install "towerflow[profile]"`).
+    """
+
+    def __init__(
+        self,
+        start: int,
+        stop: int,
+        logdir: str,
+        current_step: Callable[[], int],
+        say: Callable[[str], None],
+    ):
+        self.start, self.stop, self.logdir = start, stop, logdir
+        self._current_step = current_step
+        self._say = say
+        self._running = False
+        self._done = False  # one profile a run, even if a recovery rolls the step back
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._finish()  # training ended inside the window (or failed)
+
+    @contextlib.contextmanager
+    def block(self, step: int) -> Iterator[None]:
+        """Starts the profiler before the block at `start`; stops it after the one at `stop`."""
+        if not (self._running or self._done) and self.start <= step < self.stop:
+            tf.profiler.experimental.start(self.logdir)
+            self._running, self._first = True, step
+        yield
+        if self._running and self._current_step() >= self.stop:
+            self._finish()
+
+    def _finish(self) -> None:
+        if not self._running:
+            return
+        tf.profiler.experimental.stop()
+        self._running, self._done = False, True
+        self._say(
+            f"profile of steps {self._first} to {self._current_step()} written to "
+            f"{self.logdir}/plugins/profile (TensorBoard's Profile tab)"
+        )
+
+    def __call__(self, output: Output) -> None:
+        """Nothing to do between blocks."""
+
+
+def profile(
+    steps: tuple[int, int],
+    logdir: str,
+    current_step: Callable[[], int],
+    say: Callable[[str], None],
+) -> Action:
+    """The `Profile` of `steps` (start, stop); blocks end at both."""
+    start, stop = steps
+    return Action(
+        Profile(start, stop, logdir, current_step, say),
+        every=0,
+        at_steps=(start, stop),
+        name="profile",
+    )
 
 
 class Watchdog(_Around):

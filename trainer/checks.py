@@ -49,10 +49,26 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                 f"`{field}` ({value}) must be >= {minimum} ({meaning}); "
                 f"set e.g. `--config.{field}={max(minimum, 1)}`."
             )
+    _check_profile_steps(tuple(config.train.profile_steps))
     if config.train.epochs == 0 and config.train.steps <= 0:
         raise UserError(
             f"`train.steps` ({config.train.steps}) must be a positive integer; "
             "set e.g. `--config.train.steps=1000`, or `train.epochs`."
+        )
+
+
+def _check_profile_steps(steps: tuple) -> None:
+    if not steps:
+        return
+    if (
+        len(steps) != 2
+        or not all(isinstance(s, int) for s in steps)
+        or not 0 <= steps[0] < steps[1]
+    ):
+        raise UserError(
+            f"`train.profile_steps` ({steps}) must be (start, stop), the steps to profile, "
+            "with 0 <= start < stop; e.g. `--config.train.profile_steps=(200,205)`, or () "
+            "for none."
         )
 
 

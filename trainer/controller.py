@@ -80,16 +80,18 @@ class Action:
         None: after every block.
       at_end: also run after the last block.
       name: for messages.
+      at_steps: also run when the step is one of these (blocks end there too).
     """
 
     fn: Callable[[Output], Any]
     every: int | None = None
     at_end: bool = False
     name: str = ""
+    at_steps: tuple[int, ...] = ()
 
     def due(self, output: Output) -> bool:
         """Whether the action runs after the block that produced `output`."""
-        if self.every is None or (output.is_last and self.at_end):
+        if self.every is None or (output.is_last and self.at_end) or output.step in self.at_steps:
             return True
         return self.every > 0 and output.step % self.every == 0
 
@@ -100,6 +102,7 @@ def steps_until_next_event(step: int, total: int, actions: Sequence[Action], lon
     for action in actions:
         if action.every:
             n = min(n, action.every - step % action.every)
+        n = min([n] + [at - step for at in action.at_steps if at > step])
     return n
 
 

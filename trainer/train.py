@@ -403,6 +403,11 @@ def _actions(
         # A single process has no other task to lose; the watchdog then never reports.
         actions.Action(actions.Watchdog(faults.Watchdog(strategy.lost_tasks, say))),
     ]
+    if config.train.profile_steps and strategy.is_chief:
+        logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
+        built_in.append(
+            actions.profile(config.train.profile_steps, logdir, lambda: _step(job), say)
+        )
     if evaluate:
         built_in.append(actions.evaluation(lambda: _evaluate(job, summaries), config.eval.every))
     return built_in + job.user_actions
