@@ -71,8 +71,13 @@ _SWEEP_DIR = flags.DEFINE_string(
     None,
     "Where the trials' model_dirs and the results go (default: runs/sweep-<config>).",
 )
+# `trainer.launch` has a `--grace_s` of its own; a process that imports both (a
+# test run) keeps one definition instead of failing, and each program reads its own.
 _GRACE_S = flags.DEFINE_float(
-    "grace_s", GRACE_S, "Seconds interrupted trials get to save a checkpoint and exit."
+    "grace_s",
+    GRACE_S,
+    "Seconds interrupted trials get to save a checkpoint and exit.",
+    allow_override=True,
 )
 _SWEEP_VALUES: dict[str, str] = {}  # `--sweep.<field>=<values>`, taken out before absl parses
 
