@@ -15,7 +15,8 @@ latter also with its gradients all-reduced in bfloat16
 
 examples/s come from the chief's clock action (`clock.to_file`) over whole
 loops, the first loop (tracing) and the end-of-run checkpoint left out. Runs
-alternate (one host, each link, ...) `max(1, reps // 2)` times per model.
+alternate (one host, each link, ...) `max(1, reps // 2)` times per model;
+ratios are paired within each round (`harness.paired`).
 Needs root (`hosts.available()`); elsewhere the case reports why, no figures.
 """
 
@@ -25,7 +26,7 @@ import os
 import statistics
 
 from trainer.bench import clock, hosts
-from trainer.bench.harness import note, result, tail
+from trainer.bench.harness import note, paired, result, tail
 from trainer.bench.sizes import Sizes
 
 # Each host's link, both ways: HTB rate in Mbit/s, and added one-way delay (netem only).
@@ -61,11 +62,13 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
                 note(f"  rep {rep + 1} {key}: {rate:.4g} examples/s")
     figures = {key: statistics.median(values) for key, values in samples.items()}
     ratios = {}
-    for key, value in figures.items():
+    for key in figures:
         if not key.endswith("/one_host"):
-            ratios[f"{key}/one_host"] = value / figures[f"{key.split('/')[0]}/one_host"]
+            base = f"{key.split('/')[0]}/one_host"
+            ratios[f"{key}/one_host"] = paired(samples, lambda r, k=key, b=base: r[k] / r[b])
         if key.endswith("/bf16"):
-            ratios[f"{key}/float32"] = value / figures[key.removesuffix("/bf16")]
+            base = key.removesuffix("/bf16")
+            ratios[f"{key}/float32"] = paired(samples, lambda r, k=key, b=base: r[k] / r[b])
     netem = hosts.netem()
     return result(
         "examples/s",

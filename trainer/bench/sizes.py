@@ -33,8 +33,8 @@ class Sizes:
     clusters: tuple[str, ...] = ("multi_worker", "parameter_server")  # local clusters timed
     host_links: tuple[str, ...] = ("raw", "10gbit", "1gbit")  # multi_host: `multi_host.LINKS`
     host_models: tuple[str, ...] = ("default", "dense")  # multi_host: the models timed
-    host_steps: int = 300  # multi_host: timed steps of the default model (of dense: below)
-    host_dense_steps: int = 12
+    host_steps: int = 2000  # multi_host: timed steps of the default model (of dense: below)
+    host_dense_steps: int = 30
 
 
 FULL = Sizes()
