@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import TIMEOUT_S, kill, one_line_error, start_cli, tiny_config
+from tests.helpers import TIMEOUT_S, kill, launch, one_line_error, start_cli, tiny_config
 from trainer import actions, train
 
 
@@ -84,3 +84,23 @@ def test_bad_profile_steps_are_one_line(steps, tmp_path):
     message = one_line_error("train.profile_steps", train.train_and_evaluate, config, str(tmp_path))
     assert "0 <= start < stop" in message
     assert not list(tmp_path.iterdir())
+
+
+def test_two_workers_end_blocks_together_and_only_the_chief_profiles(tmp_path):
+    """A block that ended on the chief alone would leave the workers' collectives unmatched."""
+    result = launch(
+        "--workers=2",
+        "--",
+        "--strategy=multi_worker",
+        "--model_dir=mw",
+        "--config.train.steps=10",
+        "--config.train.steps_per_loop=5",
+        "--config.train.profile_steps=(3,6)",
+        "--config.train.export=False",
+        "--config.eval.every=0",
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "profile of steps 3 to 6 written" in result.stdout
+    traces = list((tmp_path / "mw" / "train" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1

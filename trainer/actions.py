@@ -143,6 +143,8 @@ class Profile:
     `profile`), so the trace holds those steps and the loop's work between
     them. It lands in `logdir/plugins/profile/<time>/<host>.xplane.pb`, where
     TensorBoard's Profile tab finds it (`pip install "towerflow[profile]"`).
+    Every task of a cluster has the action, so all end their blocks at the same
+    steps (workers that step together must); only an `enabled` one profiles.
     """
 
     def __init__(
@@ -152,12 +154,14 @@ class Profile:
         logdir: str,
         current_step: Callable[[], int],
         say: Callable[[str], None],
+        enabled: bool = True,
     ):
         self.start, self.stop, self.logdir = start, stop, logdir
         self._current_step = current_step
         self._say = say
         self._running = False
-        self._done = False  # one profile a run, even if a recovery rolls the step back
+        # One profile a run (even if a recovery rolls the step back); none where disabled.
+        self._done = not enabled
 
     def __enter__(self):
         return self
@@ -194,11 +198,12 @@ def profile(
     logdir: str,
     current_step: Callable[[], int],
     say: Callable[[str], None],
+    enabled: bool = True,
 ) -> Action:
-    """The `Profile` of `steps` (start, stop); blocks end at both."""
+    """The `Profile` of `steps` (start, stop); blocks end at both, profiled where `enabled`."""
     start, stop = steps
     return Action(
-        Profile(start, stop, logdir, current_step, say),
+        Profile(start, stop, logdir, current_step, say, enabled),
         every=0,
         at_steps=(start, stop),
         name="profile",

@@ -403,11 +403,10 @@ def _actions(
         # A single process has no other task to lose; the watchdog then never reports.
         actions.Action(actions.Watchdog(faults.Watchdog(strategy.lost_tasks, say))),
     ]
-    if config.train.profile_steps and strategy.is_chief:
+    if config.train.profile_steps:  # on every task: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
-        built_in.append(
-            actions.profile(config.train.profile_steps, logdir, lambda: _step(job), say)
-        )
+        profile_steps, step = config.train.profile_steps, lambda: _step(job)
+        built_in.append(actions.profile(profile_steps, logdir, step, say, strategy.is_chief))
     if evaluate:
         built_in.append(actions.evaluation(lambda: _evaluate(job, summaries), config.eval.every))
     return built_in + job.user_actions
