@@ -239,13 +239,18 @@ class Strategy(abc.ABC):
         return tf.nest.map_structure(lambda v: self.reduce("sum", v), outputs)
 
     def _make_train_loop(self, step_fn: StepFn) -> Callable:
+        def add_step(totals: dict, batch) -> dict:
+            return tf.nest.map_structure(tf.add, totals, step_fn(batch))
+
         @tf.function
         def loop(iterator, n):
-            totals = self._reduced_step(step_fn, next(iterator))
+            # Each replica adds up its own sums over the loop, and they are reduced once at
+            # its end: between processes every reduction is a collective (a network round
+            # trip), and reducing each step's sums cost multi_worker four of them a step.
+            totals = self.call_for_each_replica(step_fn, args=(next(iterator),))
             for _ in tf.range(n - 1):
-                out = self._reduced_step(step_fn, next(iterator))
-                totals = tf.nest.map_structure(tf.add, totals, out)
-            return totals
+                totals = self.call_for_each_replica(add_step, args=(totals, next(iterator)))
+            return tf.nest.map_structure(lambda v: self.reduce("sum", v), totals)
 
         return loop
 

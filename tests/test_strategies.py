@@ -110,6 +110,23 @@ def test_run_steps_sums_over_replicas_and_steps(strategy):
     assert out["total"] == sum(range(5 * GLOBAL_BATCH, 6 * GLOBAL_BATCH))
 
 
+def test_run_steps_reduces_the_sums_once_a_loop(strategy, monkeypatch):
+    """Replicas add up their own sums over the steps; each sum crosses replicas once a loop.
+
+    Between processes (`multi_worker`) every reduction is a collective, a network round trip.
+    """
+    reduced = []
+    reduce = strategy.reduce
+    monkeypatch.setattr(strategy, "reduce", lambda op, v, **kw: reduced.append(1) or reduce(op, v))
+
+    def step(batch):
+        return {"examples": tf.cast(tf.size(batch), tf.float32), "loss": tf.constant(0.5)}
+
+    out = strategy.run_steps(step, iter(strategy.distribute_dataset(_range_dataset_fn)), 5)
+    assert out == {"examples": 5 * GLOBAL_BATCH, "loss": 0.5 * 5 * strategy.num_replicas_in_sync}
+    assert len(reduced) == 2  # traced once: one reduction of each sum, none per step
+
+
 def test_evaluate_sees_every_example_once(strategy):
     def dataset_fn(ctx):
         return tf.data.Dataset.range(37).batch(ctx.get_per_replica_batch_size(GLOBAL_BATCH))
