@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -43,6 +44,24 @@ from strategies import preemption, transfer
 
 StepFn = Callable[[Any], dict]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHalves:
+    """A train step's two halves, for a plugin that runs them apart.
+
+    The trainer's step (`step_fn(batch)`) is `apply(gradients(batch)[0])`; it
+    carries its halves as `step_fn.halves` (None for a task's own
+    `train_step`, which applies its own gradients). Synchronous
+    `parameter_server` with spare replicas computes gradients on the workers
+    and applies their average on the ps; staleness-aware async looks at the
+    update between the two.
+    """
+
+    gradients: Callable[[Any], tuple[list, dict]]  # batch -> (gradients of `variables`, sums)
+    apply: Callable[[list], None]  # gradients -> one optimizer update (in replica context)
+    variables: list  # the trainable variables, in the order of the gradients
+    iterations: tf.Variable  # the optimizer's update counter (the step)
 
 # tf.data warns about reading dataset options while a distributed loop is traced; harmless.
 warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
@@ -227,6 +246,16 @@ class Strategy(abc.ABC):
             "gradient_transfer": self.gradient_transfer.as_dict(),
             "variables": {_variable_name(v): variable_devices(v) for v in variables},
         }
+
+    def report(self, sums: dict) -> tuple[dict[str, float], dict[str, Any]]:
+        """The plugin's own figures from a block's `run_steps` sums, for TensorBoard.
+
+        Returns scalars (shown with the train metrics, e.g. the mean staleness
+        of async updates) and histograms (counts per bucket 0, 1, ...: a
+        1-D array). Both empty unless the plugin adds sums of its own.
+        """
+        del sums
+        return {}, {}
 
     def _transfer_text(self) -> str:
         how = self.gradient_transfer.describe()

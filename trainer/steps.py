@@ -24,6 +24,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
+from strategies.base import StepHalves
 from strategies.errors import UserError
 from strategies.transfer import GradientTransfer
 from trainer import optim
@@ -79,13 +80,17 @@ def make_train_step(
         # Train batches are always full (endless streams, remainders dropped), so
         # unlike eval there is no empty batch to pad, and padding would skew the
         # batch statistics of layers such as BatchNormalization.
-        x, y, weights = unpack(batch)
-        weights = _weights(weights, y)
         if custom_step is not None:
+            x, y, weights = unpack(batch)
+            weights = _weights(weights, y)
             return custom_step(model, optimizer, x, y, weights, replica_loss(x, y, weights))
-        grads, sums = _accumulated(gradients, (x, y, weights), k)
+        grads, sums = compute(batch)
         apply(grads)
         return sums
+
+    def compute(batch) -> tuple:
+        x, y, weights = unpack(batch)
+        return _accumulated(gradients, (x, y, _weights(weights, y)), k)
 
     def apply(grads: list) -> None:
         # Loss-scaled gradients are clipped at the scaled norm.
@@ -104,6 +109,10 @@ def make_train_step(
     def replica_loss(x, y, weights) -> Callable:
         return lambda outputs: task.train_sums(model, x, y, outputs, weights, global_batch_size)
 
+    # A plugin may run the halves apart (sync `parameter_server` applies on the ps).
+    step.halves = None
+    if custom_step is None:
+        step.halves = StepHalves(compute, apply, model.trainable_variables, optimizer.iterations)
     return step
 
 
