@@ -48,6 +48,10 @@ module each, named after the case:
 7. `multi_host`: `multi_worker` on 2 simulated hosts (network namespaces, one
    core each) over raw and shaped links, against one host alone (needs root;
    `hosts.py` makes the hosts).
+8. `gradients`: `multi_worker` on 2 local workers (one core each) on the
+   `dense_large` MLP: float32 against bfloat16 gradient transfer, one pack
+   against 16 MB packs, gradient accumulation; examples/s, scaling efficiency
+   over one worker alone, all-reduce times (`allreduce.py`) and digits accuracy.
 """
 
 from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes

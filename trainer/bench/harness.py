@@ -114,7 +114,9 @@ def note(line: str) -> None:
 
 
 @contextlib.contextmanager
-def child(command: list[str], log: str, marks: str | None = None) -> Iterator[subprocess.Popen]:
+def child(
+    command: list[str], log: str, marks: str | None = None, env: dict | None = None
+) -> Iterator[subprocess.Popen]:
     """Runs `command` from the repository, its output to the file `log`; killed on the way out.
 
     Args:
@@ -122,9 +124,12 @@ def child(command: list[str], log: str, marks: str | None = None) -> Iterator[su
       log: the file its stdout and stderr go to (`tail` reads it for errors).
       marks: where a trainer given `train.actions=trainer.bench.clock:to_file`
         writes its clock's marks.
+      env: more environment variables (e.g. a cluster task's `TF_CONFIG`).
     """
+    extra = env or {}
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     env.pop("TF_CONFIG", None)
+    env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     if marks:
         env[clock.FILE_VARIABLE] = marks

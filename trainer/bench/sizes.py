@@ -6,7 +6,16 @@ import dataclasses
 
 import ml_collections
 
-CASES = ("small_mlp", "dense_large", "input", "strategies", "startup", "checkpoint", "multi_host")
+CASES = (
+    "small_mlp",
+    "dense_large",
+    "input",
+    "strategies",
+    "startup",
+    "checkpoint",
+    "multi_host",
+    "gradients",
+)
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
 
@@ -35,6 +44,11 @@ class Sizes:
     host_models: tuple[str, ...] = ("default", "dense")  # multi_host: the models timed
     host_steps: int = 2000  # multi_host: timed steps of the default model (of dense: below)
     host_dense_steps: int = 30
+    # gradients: multi_worker on 2 local workers (one core each), the dense_large MLP.
+    gradient_steps: int = 24  # timed steps of each run (k micro-batches: 1/k of them, >= 4)
+    transfers: tuple[str, ...] = ("float32", "bfloat16", "float32_packs", "bfloat16_packs")
+    accumulation: tuple[int, ...] = (1, 4, 16)  # micro-batches of large_batch / 2 per worker
+    accuracy_steps: int = 1000  # the default digits job, float32 against bfloat16 transfer
 
 
 FULL = Sizes()
@@ -60,6 +74,10 @@ QUICK = Sizes(
     host_links=("1gbit",),
     host_models=("default",),
     host_steps=30,
+    gradient_steps=4,
+    transfers=("float32", "bfloat16"),
+    accumulation=(1,),  # its path is the float32 run's, with another batch
+    accuracy_steps=0,  # not run
 )
 
 
