@@ -61,6 +61,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategy.parameter_server.max_shard_bytes = 64 << 20  # max_size: largest shard in bytes
     # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
     c.strategy.parameter_server.startup_timeout_seconds = 120.0
+    # Spare replicas: each update averages the first k of the n workers' gradients, late ones
+    # are dropped (synchronous; k = n: no spare). 0 = asynchronous, each worker updates alone.
+    c.strategy.parameter_server.sync_replicas = 0
+    # Asynchronous: what an update does about the updates applied since its worker read the
+    # variables (its staleness, recorded in TensorBoard either way): none | scale (gradient
+    # divided by 1 + staleness) | drop_above=N (updates staler than N discarded).
+    c.strategy.parameter_server.staleness = "none"
+    c.strategy.parameter_server.warmup_steps = 0  # asynchronous: first steps on one worker alone
+    # Tests and benchmarks only: "WORKER:SECONDS" makes that worker sleep before each batch.
+    c.strategy.parameter_server.test_straggler = ""
     # Workers push float32 gradients to the ps; nothing is all-reduced (float32 only).
     c.strategy.parameter_server.gradient_dtype = "float32"
 

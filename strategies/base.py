@@ -63,6 +63,7 @@ class StepHalves:
     variables: list  # the trainable variables, in the order of the gradients
     iterations: tf.Variable  # the optimizer's update counter (the step)
 
+
 # tf.data warns about reading dataset options while a distributed loop is traced; harmless.
 warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
 
@@ -246,6 +247,15 @@ class Strategy(abc.ABC):
             "gradient_transfer": self.gradient_transfer.as_dict(),
             "variables": {_variable_name(v): variable_devices(v) for v in variables},
         }
+
+    @property
+    def splits_steps(self) -> bool:
+        """Whether `run_steps` runs the step's halves apart (`step_fn.halves`).
+
+        A task's own `train_step` has no halves, so it cannot run under such
+        a plugin (e.g. synchronous `parameter_server` with spare replicas).
+        """
+        return False
 
     def report(self, sums: dict) -> tuple[dict[str, float], dict[str, Any]]:
         """The plugin's own figures from a block's `run_steps` sums, for TensorBoard.

@@ -21,6 +21,18 @@ by the layers of `trainer.layers` under the sharding policy of the options
 `ShardedVariable`s it makes. Each worker reads its own shard of the input
 (`InputContext(num_workers, worker index)`) and applies its updates as it
 goes: there is no synchronisation between workers (asynchronous training).
+
+Two options change how updates meet (`config.strategy.parameter_server`):
+
+- `sync_replicas = k` (0: asynchronous): synchronous training with spare
+  replicas; each update averages the first k of the n workers' gradients,
+  and late ones are dropped (`strategies.ps_sync`).
+- `staleness`: none | scale | drop_above=N, with `warmup_steps`: what an
+  asynchronous update does about the updates applied since its worker read
+  the variables; each block records their histogram (`strategies.ps_staleness`).
+
+`test_straggler = "WORKER:SECONDS"` (tests and benchmarks only) makes one
+worker sleep that long before each of its batches.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
-from strategies import sharding
+from strategies import ps_staleness, ps_sync, sharding
 from strategies.base import DatasetFn, StepFn, Strategy, _to_floats
 from strategies.errors import TaskLost, UserError
 from strategies.registry import register
@@ -55,7 +67,11 @@ class ParameterServer(Strategy):
             num_ps=max(1, cluster.num_ps if cluster else 1),
         )
         self.cluster = _parameter_server_cluster(cluster)
+        self._check_update_options()
         self.coordinator = None
+        self._sync: ps_sync.SyncReplicas | None = None
+        self._updates = None  # async: the cluster's update counter, on a ps task
+        self._block_steps = 0
         if self.role != "evaluate":  # the evaluator is not part of the training cluster
             cluster_lib.start_up(
                 self.cluster,
@@ -73,6 +89,35 @@ class ParameterServer(Strategy):
         strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=None)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         return strategy
+
+    def _check_update_options(self) -> None:
+        """Reads `sync_replicas`, `staleness`, `warmup_steps`, `test_straggler`; one line if bad."""
+        workers = self.cluster.num_workers
+        self.sync_replicas = self.options.get("sync_replicas", 0)
+        self.staleness = ps_staleness.Staleness.parse(self.options.get("staleness", "none"))
+        self.warmup_steps = self.options.get("warmup_steps", 0)
+        self.straggler = _straggler(self.options.get("test_straggler", ""), workers)
+        option = "`strategy.parameter_server.sync_replicas`"
+        if not 0 <= self.sync_replicas <= workers:
+            raise UserError(
+                f"{option} ({self.sync_replicas}) must be between 0 (asynchronous) and the "
+                f"{workers} workers of the cluster ({workers}: every worker, no spare); use "
+                f"{max(workers - 1, 1)} for one spare worker, or start more workers."
+            )
+        if self.warmup_steps < 0:
+            raise UserError(
+                f"`strategy.parameter_server.warmup_steps` ({self.warmup_steps}) must be >= 0."
+            )
+        if self.sync_replicas and (self.staleness.mode != "none" or self.warmup_steps):
+            raise UserError(
+                f"{option} ({self.sync_replicas}) is synchronous: its updates are never stale, "
+                "so `strategy.parameter_server.staleness` and `warmup_steps` do not apply; "
+                "set `staleness=none` and `warmup_steps=0`, or `sync_replicas=0` (asynchronous)."
+            )
+
+    @property
+    def splits_steps(self) -> bool:
+        return bool(self.sync_replicas) or self.staleness.mode != "none"
 
     @property
     def role(self) -> str:
@@ -104,11 +149,30 @@ class ParameterServer(Strategy):
             placement = (
                 f"round-robin, big ones sharded by the {self.policy.partitioner} partitioner"
             )
-        return (
-            f"variables on {self.cluster.num_ps} ps task(s) ({placement}); "
-            f"{self.cluster.num_workers} workers each pull the variables and push their "
-            "gradients asynchronously, scheduled by the chief"
-        )
+        workers = self.cluster.num_workers
+        where = f"variables on {self.cluster.num_ps} ps task(s) ({placement}); "
+        if self.sync_replicas:
+            return where + (
+                f"synchronous with {workers - self.sync_replicas} spare worker(s): each step "
+                f"all {workers} workers push their gradients to accumulators on the ps tasks, "
+                f"and one update averages the first {self.sync_replicas}; late ones are dropped"
+            )
+        how = [
+            f"{workers} workers each pull the variables and push their gradients "
+            "asynchronously, scheduled by the chief; staleness recorded",
+            self.staleness.describe(),
+        ]
+        if self.warmup_steps:
+            how.append(f"the first {self.warmup_steps} steps on one worker")
+        return where + ", ".join(filter(None, how))
+
+    def describe(self, variables=()) -> dict:
+        return {
+            **super().describe(variables),
+            "sync_replicas": self.sync_replicas,
+            "staleness": self.options.get("staleness", "none"),
+            "warmup_steps": self.warmup_steps,
+        }
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -156,6 +220,10 @@ class ParameterServer(Strategy):
             for index in range(self.cluster.num_workers)
         ]
 
+        if self.straggler:
+            worker, seconds = self.straggler
+            branches[worker] = _sleeping(branches[worker], seconds)
+
         def per_worker_dataset() -> tf.data.Dataset:
             index = tf.distribute.coordinator.experimental_get_current_worker_index()
             return tf.switch_case(tf.cast(index, tf.int32), branches)
@@ -163,21 +231,49 @@ class ParameterServer(Strategy):
         return self.coordinator.create_per_worker_dataset(per_worker_dataset)
 
     def run_steps(self, step_fn: StepFn, iterator, n: int) -> dict[str, float]:
-        """Runs `n` steps in all, split over the workers, each applying its own updates.
+        """Runs `n` steps: synchronous ones (`sync_replicas`), or split over the workers.
 
-        Each closure runs its share of the steps in one `tf.function`; a closure
-        that a failed worker did not finish runs again on another worker.
+        Asynchronously, each closure runs its share of the steps in one
+        `tf.function`, each step applying its own update; a closure that a
+        failed worker did not finish runs again on another worker. The first
+        `warmup_steps` steps of the job run on one worker alone.
         """
-        loop = self._compile("train", step_fn, self._make_train_loop)
-        workers = self.cluster.num_workers
-        shares = [len(range(i, n, workers)) for i in range(min(n, workers))]
-        results = [
-            self.coordinator.schedule(loop, args=(iterator, tf.constant(share, tf.int64)))
-            for share in shares
-        ]
+        self._block_steps = n
+        if self.sync_replicas:
+            if self._sync is None:
+                self._sync = ps_sync.SyncReplicas(
+                    self.tf_strategy,
+                    self.coordinator,
+                    step_fn.halves,
+                    self.sync_replicas,
+                    self.cluster.num_workers,
+                )
+            return _to_floats(self._sync.run(iterator, n))
+        if self._updates is None:
+            with self.tf_strategy.scope():  # on a ps task; counts this run's updates
+                self._updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates")
+        loop = self._compile(
+            "train",
+            step_fn,
+            lambda fn: ps_staleness.make_loop(self.tf_strategy, fn, self.staleness, self._updates),
+        )
+        alone = min(n, max(0, self.warmup_steps - _steps_done(step_fn, self._updates)))
+        results = []
+        if alone:  # warm-up: one worker, no staleness; the others join after it
+            results.append(self.coordinator.schedule(loop, args=(iterator, _int64(alone))))
+            self.coordinator.join()
+        workers, rest = self.cluster.num_workers, n - alone
+        shares = [len(range(i, rest, workers)) for i in range(min(rest, workers))]
+        results += [self.coordinator.schedule(loop, args=(iterator, _int64(s))) for s in shares]
         self.coordinator.join()
         sums = [result.fetch() for result in results]
         return _to_floats(tf.nest.map_structure(lambda *parts: tf.add_n(parts), *sums))
+
+    def report(self, sums: dict) -> tuple[dict, dict]:
+        """Synchronous: gradients averaged and dropped per update; async: staleness."""
+        if self.sync_replicas:
+            return ps_sync.report(sums, self._block_steps)
+        return ps_staleness.report(sums, self._block_steps, self.staleness)
 
     def evaluate(self, step_fn: StepFn, dataset_fn: DatasetFn) -> dict[str, float]:
         """One pass over the eval data on the chief, reading the variables from the ps tasks."""
@@ -197,3 +293,51 @@ def _parameter_server_cluster(cluster: cluster_lib.ClusterSpec | None) -> cluste
             "--strategy=parameter_server`."
         )
     return cluster
+
+
+def _int64(value: int) -> tf.Tensor:
+    return tf.constant(value, tf.int64)
+
+
+def _steps_done(step_fn: StepFn, updates: tf.Variable) -> int:
+    """The job's step: the optimizer's counter, else the updates this run counted."""
+    halves = getattr(step_fn, "halves", None)
+    return int((halves.iterations if halves else updates).numpy())
+
+
+def _straggler(text: str, workers: int) -> tuple[int, float] | None:
+    """`test_straggler` "WORKER:SECONDS" as (worker, seconds); None for "".
+
+    Raises:
+      UserError: not of that form, or no such worker.
+    """
+    if not str(text).strip():
+        return None
+    worker, _, seconds = str(text).partition(":")
+    try:
+        parsed = int(worker), float(seconds)
+    except ValueError:
+        parsed = None
+    if parsed is None or not 0 <= parsed[0] < workers or parsed[1] < 0:
+        raise UserError(
+            f"`strategy.parameter_server.test_straggler` ('{text}') must be 'WORKER:SECONDS' "
+            f"with WORKER one of 0..{workers - 1} and SECONDS >= 0, e.g. '2:0.2', or ''."
+        )
+    return parsed
+
+
+def _sleeping(dataset_fn, seconds: float):
+    """`dataset_fn` whose dataset sleeps `seconds` before each batch (a straggling worker)."""
+
+    def sleeping() -> tf.data.Dataset:
+        dataset = dataset_fn()
+        spec = dataset.element_spec
+        variant = tf.raw_ops.SleepDataset(
+            input_dataset=tf.data.experimental.to_variant(dataset),
+            sleep_microseconds=tf.constant(round(seconds * 1e6), tf.int64),
+            output_types=[s.dtype for s in tf.nest.flatten(spec)],
+            output_shapes=[s.shape for s in tf.nest.flatten(spec)],
+        )
+        return tf.data.experimental.from_variant(variant, spec)
+
+    return sleeping

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 
 import ml_collections
+import numpy as np
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
@@ -42,6 +43,17 @@ class Summaries:
             return
         tensors = {name: tf.constant(value, tf.float32) for name, value in values.items()}
         self._write_scalars(writer, tf.constant(step, tf.int64), tensors)
+        writer.flush()
+
+    def histograms(self, split: str, step: int, counts: dict[str, np.ndarray]) -> None:
+        """Writes each of `counts` (counts of the values 0, 1, 2, ...) as a histogram at `step`."""
+        writer = self._writer(split) if counts else None
+        if writer is None:
+            return
+        with writer.as_default(step=step):
+            for name, bucket_counts in counts.items():
+                values = np.repeat(np.arange(len(bucket_counts)), np.asarray(bucket_counts, int))
+                tf.summary.histogram(name, values, buckets=len(bucket_counts))
         writer.flush()
 
     def hparams(self, config: ml_collections.ConfigDict, trial_id: str) -> None:

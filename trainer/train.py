@@ -137,6 +137,13 @@ def build(
     user_task = tasks.user_task(config)
     custom_step = getattr(user_task, "train_step", None)
     steps.check_custom_step(custom_step, config, strategy.gradient_transfer)
+    if custom_step is not None and strategy.splits_steps:
+        raise UserError(
+            f"`task.name` '{config.task.name}' brings its own `train_step`, which applies its "
+            f"own gradients, and `strategy.{strategy.name}` as set runs a step's gradients and "
+            f"its update apart; leave `strategy.{strategy.name}`'s update options at their "
+            "defaults (e.g. `sync_replicas=0`, `staleness=none`)."
+        )
     if user_task is None:
         dataset = data.get(config.data)
     else:
@@ -361,7 +368,10 @@ def _train(
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
 
     def run_block(n: int) -> dict:
-        return job.task.metrics(strategy.run_steps(train_step, iterator, n))
+        sums = strategy.run_steps(train_step, iterator, n)
+        scalars, histograms = strategy.report(sums)  # the plugin's own figures (e.g. staleness)
+        summaries.histograms("train", _step(job), histograms)
+        return {**job.task.metrics(sums), **scalars}
 
     loop = controller.Controller(
         run_block,
