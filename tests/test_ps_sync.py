@@ -1,0 +1,266 @@
+"""Spare replicas and staleness under `parameter_server`: 3 workers + 1 ps on 127.0.0.1.
+
+Two cluster runs, each shared by the tests that read it (module fixtures):
+one synchronous step with k = n = 3 on known per-worker batches, and a
+k = 2 run with a straggling worker that is killed mid-run. The option
+checks run in this process.
+"""
+
+import json
+import signal
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import configs.default
+import strategies
+from strategies import cluster
+from strategies.errors import UserError
+from tests.helpers import launch, launch_and_signal, run_cli, tiny_config
+from trainer import train
+
+CLUSTER_TIMEOUT_S = 300
+BATCH = 16  # examples per worker and step
+WORKERS = 3
+TINY = [  # the tiny model of `tiny_config`, trained by plain SGD at a constant rate
+    "--config.model.hidden_units=(32,)",
+    "--config.model.dropout=0.0",
+    "--config.optimizer.name=sgd",
+    "--config.optimizer.schedule=constant",
+    "--config.optimizer.warmup_steps=0",
+    "--config.optimizer.learning_rate=0.1",
+    "--config.train.export=False",
+    "--config.eval.every=0",
+]
+
+
+def worker_batches(input_context, split, global_batch_size):
+    """Worker i sees one fixed batch of its own, again and again; one pipeline sees all three.
+
+    So k = n = 3 workers' averaged gradient is the gradient of the three batches together.
+    """
+    del split
+    parts = []
+    for worker in range(WORKERS):
+        rng = np.random.default_rng(worker)
+        x = rng.normal(size=(BATCH, 64)).astype(np.float32)
+        parts.append((x, rng.integers(0, 10, size=BATCH)))
+    if input_context.num_input_pipelines == 1:
+        x, y = (np.concatenate(column) for column in zip(*parts))
+    else:
+        x, y = parts[input_context.input_pipeline_id]
+    return tf.data.Dataset.from_tensors((x, y))
+
+
+def _launch(tmp_path, name: str, *flags: str) -> tuple[dict, str]:
+    model_dir = tmp_path / name
+    result = launch(
+        f"--workers={WORKERS}",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        f"--model_dir={model_dir}",
+        *TINY,
+        *flags,
+        cwd=str(tmp_path),
+        timeout=CLUSTER_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return json.loads((model_dir / "results.json").read_text()), result.stdout
+
+
+def _scalars(model_dir, tag: str) -> dict[int, float]:
+    """The TensorBoard scalar `tag` of the train run, by step."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    events = event_accumulator.EventAccumulator(
+        str(model_dir / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    events.Reload()
+    return {e.step: float(tf.make_ndarray(e.tensor_proto)) for e in events.Tensors(tag)}
+
+
+# k = n: one update, the average of every worker's gradient.
+
+DATA = [
+    "--config.data.name=tests.test_ps_sync:worker_batches",
+    "--config.data.num_classes=10",
+    "--config.data.input_shape=(64,)",
+]
+
+
+@pytest.fixture(scope="module")
+def all_three(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("sync3")
+    results, _ = _launch(
+        tmp_path,
+        "run",
+        *DATA,
+        "--config.strategy.parameter_server.sync_replicas=3",
+        "--config.train.steps=1",
+        f"--config.train.global_batch_size={BATCH}",
+    )
+    return tmp_path / "run", results
+
+
+def test_k_equal_n_applies_the_average_of_every_workers_gradient(all_three, tmp_path):
+    model_dir, results = all_three
+    assert results["placement"]["sync_replicas"] == 3
+    assert results["train"]["replicas_averaged"] == 3
+    assert results["train"]["most_pushes_by_one_worker"] == 1  # so each worker once
+    # The same step on one device, on the three workers' batches together.
+    config = tiny_config(
+        **{
+            "strategy.name": "one_device",
+            "data.name": "tests.test_ps_sync:worker_batches",
+            "data.input_shape": (64,),
+            "optimizer.name": "sgd",
+            "optimizer.schedule": "constant",
+            "optimizer.warmup_steps": 0,
+            "optimizer.learning_rate": 0.1,
+            "train.steps": 1,
+            "train.global_batch_size": WORKERS * BATCH,
+        }
+    )
+    train.train_and_evaluate(config, str(tmp_path / "one"), mode="train")
+    cluster_init = _values(model_dir, "ckpt-0")
+    one_init = _values(tmp_path / "one", "ckpt-0")
+    assert cluster_init.keys() == one_init.keys()
+    for key in one_init:
+        np.testing.assert_array_equal(cluster_init[key], one_init[key], err_msg=key)
+    cluster_after, one_after = _values(model_dir, "ckpt-1"), _values(tmp_path / "one", "ckpt-1")
+    moved = 0
+    for key in one_after:
+        np.testing.assert_allclose(
+            cluster_after[key], one_after[key], rtol=1e-5, atol=1e-6, err_msg=key
+        )
+        moved += not np.array_equal(one_after[key], one_init[key])
+    assert moved >= 4, "the step moved every kernel and bias"
+
+
+def _values(model_dir, checkpoint: str) -> dict:
+    """Every variable's value in `model_dir`'s checkpoint `checkpoint`, by key."""
+    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / checkpoint))
+    names = [n for n in reader.get_variable_to_shape_map() if "VARIABLE_VALUE" in n]
+    return {n: reader.get_tensor(n) for n in names}
+
+
+# k = 2 of 3 with a straggler, which is killed mid-run.
+
+STEPS = 160
+
+
+@pytest.fixture(scope="module")
+def spare(tmp_path_factory):
+    """k = 2 with worker 2 sleeping 0.1 s a batch; SIGKILLed at step 40, restarted."""
+    tmp_path = tmp_path_factory.mktemp("sync2")
+    model_dir = tmp_path / "run"
+    code, lines, killed_at = launch_and_signal(
+        f"--workers={WORKERS}",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        f"--model_dir={model_dir}",
+        *TINY,
+        "--config.strategy.parameter_server.sync_replicas=2",
+        "--config.strategy.parameter_server.test_straggler=2:0.1",
+        f"--config.train.steps={STEPS}",
+        "--config.train.steps_per_loop=20",
+        "--config.train.checkpoint_every=0",
+        cwd=tmp_path,
+        trigger="[chief] train | step: 40/",
+        task=("worker", 2),
+        sig=signal.SIGKILL,
+        timeout=CLUSTER_TIMEOUT_S,
+    )
+    output = "\n".join(line for _, line in lines)
+    assert code == 0, output[-4000:]
+    return model_dir, lines, killed_at
+
+
+def test_no_gradient_is_applied_twice_or_at_another_step(spare):
+    model_dir, _, _ = spare
+    blocks = _scalars(model_dir, "wrong_step_pushes")
+    assert sorted(blocks) == list(range(20, STEPS + 1, 20)), "one record per block"
+    assert set(blocks.values()) == {0.0}, "every push applied was computed at its step"
+    assert set(_scalars(model_dir, "most_pushes_by_one_worker").values()) == {1.0}
+    assert min(_scalars(model_dir, "min_replicas_averaged").values()) >= 2
+    averaged = _scalars(model_dir, "replicas_averaged").values()
+    assert all(2 <= a <= 3 for a in averaged)
+    assert sum(_scalars(model_dir, "late_dropped").values()) > 0, "the straggler's were dropped"
+
+
+def test_a_killed_worker_does_not_stop_training_with_a_spare(spare):
+    model_dir, lines, killed_at = spare
+    restarted = next(
+        (t for t, line in lines if t > killed_at and "[worker:2] serving as" in line), None
+    )
+    after_kill = [
+        line
+        for t, line in lines
+        if t > killed_at and (restarted is None or t < restarted) and "[chief] train |" in line
+    ]
+    assert after_kill, "steps went on while worker 2 was down"
+    output = "\n".join(line for _, line in lines)
+    assert "worker:2 was killed by SIGKILL" in output
+    results = json.loads((model_dir / "results.json").read_text())
+    assert results["step"] == STEPS
+    assert results["eval"]["accuracy"] >= 0.8
+
+
+# Options, in this process.
+
+PS_CLUSTER = {
+    "chief": ["127.0.0.1:1"],
+    "worker": ["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"],
+    "ps": ["127.0.0.1:5"],
+}
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sync_replicas": 4}, r"`strategy.parameter_server.sync_replicas` \(4\) must be between"),
+        ({"sync_replicas": -1}, r"`strategy.parameter_server.sync_replicas` \(-1\) must be"),
+        ({"sync_replicas": 2, "staleness": "scale"}, r"is synchronous: .* `staleness=none`"),
+        ({"sync_replicas": 3, "warmup_steps": 10}, r"is synchronous: .*`warmup_steps=0`"),
+        ({"staleness": "drop_above"}, r"Unknown `strategy.parameter_server.staleness` 'drop_above"),
+        ({"staleness": "halve"}, r"known: none, scale, drop_above=N"),
+        ({"warmup_steps": -5}, r"`strategy.parameter_server.warmup_steps` \(-5\) must be >= 0"),
+        ({"test_straggler": "3:0.1"}, r"test_straggler` \('3:0.1'\) must be 'WORKER:SECONDS'"),
+    ],
+)
+def test_impossible_update_options_are_one_line(monkeypatch, options, message):
+    monkeypatch.setenv("TF_CONFIG", cluster.make_tf_config(PS_CLUSTER, "evaluator", 0))
+    config = configs.default.get_config().strategy.parameter_server
+    config.update(options)
+    with pytest.raises(UserError, match=message) as caught:
+        strategies.get("parameter_server", config)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_defaults_are_asynchronous_and_say_so(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", cluster.make_tf_config(PS_CLUSTER, "evaluator", 0))
+    plugin = strategies.get(
+        "parameter_server", configs.default.get_config().strategy.parameter_server
+    )
+    assert (plugin.sync_replicas, plugin.staleness.mode, plugin.warmup_steps) == (0, "none", 0)
+    assert not plugin.splits_steps
+    assert "asynchronously" in plugin.communication
+
+
+def test_a_bad_option_on_the_command_line_exits_2_and_writes_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("TF_CONFIG", cluster.make_tf_config(PS_CLUSTER, "chief", 0))
+    result = run_cli(
+        "--strategy=parameter_server",
+        "--model_dir=run",
+        "--config.strategy.parameter_server.sync_replicas=5",
+        cwd=str(tmp_path),
+        keep_tf_config=True,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "sync_replicas` (5)" in errors[0], result.stderr[-2000:]
+    assert "use 2 for one spare worker" in errors[0]
+    assert not (tmp_path / "run").exists()
