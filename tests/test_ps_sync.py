@@ -140,9 +140,9 @@ def test_k_equal_n_applies_the_average_of_every_workers_gradient(all_three, tmp_
 
 
 def _values(model_dir, checkpoint: str) -> dict:
-    """Every variable's value in `model_dir`'s checkpoint `checkpoint`, by key."""
+    """The model's variables in `model_dir`'s checkpoint `checkpoint`, by key."""
     reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / checkpoint))
-    names = [n for n in reader.get_variable_to_shape_map() if "VARIABLE_VALUE" in n]
+    names = [n for n in reader.get_variable_to_shape_map() if n.startswith("variables/")]
     return {n: reader.get_tensor(n) for n in names}
 
 
