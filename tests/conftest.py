@@ -11,11 +11,14 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from strategies import devices  # noqa: E402
-from tests import helpers  # noqa: E402
+from trainer.cli import native_stderr_silenced  # noqa: E402
 
 LOGICAL_CPUS = 4
-devices.configure(logical_cpus=LOGICAL_CPUS)
+with native_stderr_silenced():  # TensorFlow's start-up chatter, in each test worker
+    from strategies import devices
+    from tests import helpers
+
+    devices.configure(logical_cpus=LOGICAL_CPUS)
 
 
 @pytest.fixture(autouse=True, scope="module")
