@@ -239,3 +239,13 @@ def test_a_sweep_directory_on_ram_holds_logs_rows_and_results(tmp_path):
         f.write("")
     one_line_error("is a file, not a directory", sweep.check_sweep_dir, sweep_dir + "/file")
     tf.io.gfile.rmtree(sweep_dir)
+
+
+def test_a_non_chief_task_names_an_unknown_scheme_in_one_line(monkeypatch):
+    """Only the chief checks that model_dir can be written; every task checks its scheme."""
+    config = tiny_config(**{"strategy.name": "one_device"})
+    strategy = train.make_strategy(config)
+    monkeypatch.setattr(type(strategy), "is_chief", property(lambda self: False))
+    one_line_error(
+        "no file system for `nosuchfs://`", train.build, config, "nosuchfs://b/run", strategy
+    )

@@ -151,6 +151,8 @@ def build(
     total_steps = checks.total_steps(config, dataset.spec)
     if strategy.is_chief:
         checks.check_model_dir(model_dir)
+    else:  # every task reads model_dir; the chief alone checks that it can be written
+        storage.check_scheme(model_dir, "--model_dir")
     data.check(dataset)
     keras.utils.set_random_seed(config.seed)
     with strategy.scope(), precision.policy(config.train.precision):
