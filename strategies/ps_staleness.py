@@ -100,12 +100,15 @@ def make_loop(strategy: tf.distribute.Strategy, step_fn: StepFn, policy: Stalene
         present = [t for t in tf.nest.flatten(grads, expand_composites=True) if t is not None]
         with tf.control_dependencies(present):
             stale = updates.read_value() - read
-        if policy.mode == "scale":
-            grads = [_scaled(g, 1.0 / (1.0 + tf.cast(stale, tf.float32))) for g in grads]
+        factor = 1.0 / (1.0 + tf.cast(stale, tf.float32)) if policy.mode == "scale" else 1.0
+
+        def scaled_apply(grads: list, factor) -> None:
+            # Scaled inside the replica, where the strategy's reduction finds the device.
+            halves.apply([_scaled(g, factor) for g in grads])
 
         def apply() -> tf.Tensor:
             with tf.control_dependencies([updates.assign_add(1)]):
-                strategy.run(halves.apply, args=(grads,))
+                strategy.run(scaled_apply, args=(grads, factor))
             return tf.constant(0.0)
 
         if policy.mode != "drop_above":
@@ -144,9 +147,10 @@ def report(sums: dict, steps: int, policy: Staleness) -> tuple[dict, dict]:
     return scalars, {"staleness": histogram}
 
 
-def _scaled(gradient, factor: tf.Tensor):
-    if gradient is None:
-        return None
+def _scaled(gradient, factor):
+    """`gradient` times `factor` (a float factor is 1: the gradient as it is)."""
+    if gradient is None or isinstance(factor, float):
+        return gradient
     if isinstance(gradient, tf.IndexedSlices):
         values = gradient.values * tf.cast(factor, gradient.values.dtype)
         return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)

@@ -209,6 +209,52 @@ def test_a_killed_worker_does_not_stop_training_with_a_spare(spare):
     assert results["eval"]["accuracy"] >= 0.8
 
 
+# Asynchronous, with a straggler: staleness recorded, the stalest updates dropped.
+
+WARMUP = 20
+
+
+@pytest.fixture(scope="module")
+def asynchronous(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("async")
+    results, _ = _launch(
+        tmp_path,
+        "run",
+        "--config.strategy.parameter_server.staleness=drop_above=1",
+        f"--config.strategy.parameter_server.warmup_steps={WARMUP}",
+        "--config.strategy.parameter_server.test_straggler=2:0.05",
+        "--config.train.steps=120",
+        f"--config.train.steps_per_loop={WARMUP}",
+        "--config.train.checkpoint_every=0",
+    )
+    return tmp_path / "run", results
+
+
+def _histograms(model_dir, tag: str) -> dict[int, np.ndarray]:
+    """The counts of the train run's histogram `tag` (one bucket per value), by step."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    events = event_accumulator.EventAccumulator(
+        str(model_dir / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    events.Reload()
+    return {e.step: tf.make_ndarray(e.tensor_proto)[:, 2] for e in events.Tensors(tag)}
+
+
+def test_async_staleness_is_recorded_and_the_stalest_updates_dropped(asynchronous):
+    model_dir, results = asynchronous
+    assert results["step"] == 120, "dropped updates are not steps: the job ran until 120"
+    assert results["placement"]["staleness"] == "drop_above=1"
+    histograms = _histograms(model_dir, "staleness")
+    first, *later = sorted(histograms)
+    # The warm-up block ran on one worker alone: nothing was stale, nothing dropped.
+    assert first == WARMUP and histograms[first][0] == WARMUP and histograms[first].sum() == WARMUP
+    stale = sum(histograms[step][2:].sum() for step in later)
+    dropped = sum(_scalars(model_dir, "stale_dropped").values())
+    assert dropped == stale > 0, "every update staler than 1, and only those, was dropped"
+    assert set(_scalars(model_dir, "staleness_mean")) == set(histograms)
+
+
 # Options, in this process.
 
 PS_CLUSTER = {

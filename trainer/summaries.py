@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import ml_collections
 import numpy as np
 import tensorflow as tf
+from tensorboard.plugins.histogram import metadata as histogram_metadata
 from tensorboard.plugins.hparams import api as hp
 
 HPARAMS_SPLIT = ""  # the session's own run: `model_dir`, the parent of `train` and `eval`
@@ -50,10 +51,13 @@ class Summaries:
         writer = self._writer(split) if counts else None
         if writer is None:
             return
+        # The histogram plugin's own form, one bucket per value: rows (left, right, count).
+        metadata = histogram_metadata.create_summary_metadata(display_name="", description="")
         with writer.as_default(step=step):
             for name, bucket_counts in counts.items():
-                values = np.repeat(np.arange(len(bucket_counts)), np.asarray(bucket_counts, int))
-                tf.summary.histogram(name, values, buckets=len(bucket_counts))
+                values = np.arange(len(bucket_counts), dtype=np.float64)
+                buckets = np.stack([values - 0.5, values + 0.5, bucket_counts], axis=1)
+                tf.summary.write(name, tf.constant(buckets, tf.float64), metadata=metadata)
         writer.flush()
 
     def hparams(self, config: ml_collections.ConfigDict, trial_id: str) -> None:

@@ -52,6 +52,10 @@ module each, named after the case:
    `dense_large` MLP: float32 against bfloat16 gradient transfer, one pack
    against 16 MB packs, gradient accumulation; examples/s, scaling efficiency
    over one worker alone, all-reduce times (`allreduce.py`) and digits accuracy.
+9. `stragglers`: `parameter_server` on 3 local workers, one of them slow:
+   spare replicas (k = 2 of 3 against 3: seconds per step, accuracy) and
+   asynchronous staleness (its histogram; `scale` against `none`: steps to
+   the synchronous accuracy).
 """
 
 from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes

@@ -15,6 +15,7 @@ CASES = (
     "checkpoint",
     "multi_host",
     "gradients",
+    "stragglers",
 )
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
@@ -49,6 +50,10 @@ class Sizes:
     transfers: tuple[str, ...] = ("float32", "bfloat16", "float32_packs", "bfloat16_packs")
     accumulation: tuple[int, ...] = (1, 4, 16)  # micro-batches of large_batch / 2 per worker
     accuracy_steps: int = 1000  # the default digits job, float32 against bfloat16 transfer
+    # stragglers: the digits job on 3 parameter_server workers, worker 2 sleeping before batches.
+    straggler_s: float = 0.05  # its sleep per batch
+    straggler_steps: int = 1000  # steps of each run (the default job's)
+    straggler_loop: int = 100  # steps per loop, and between evaluations
 
 
 FULL = Sizes()
@@ -78,6 +83,9 @@ QUICK = Sizes(
     transfers=("float32", "bfloat16"),
     accumulation=(1,),  # its path is the float32 run's, with another batch
     accuracy_steps=0,  # not run
+    straggler_s=0.02,
+    straggler_steps=40,
+    straggler_loop=10,
 )
 
 
