@@ -9,9 +9,10 @@ Two options of the synchronous plugins that all-reduce (`mirrored`,
   bits of mantissa: about 3 significant digits), while the update, the
   optimizer's state and loss scaling stay float32.
 - `bytes_per_pack` (`multi_worker`): "0" (all gradients concatenated into one
-  collective, TensorFlow's default), "auto" (packs of about 16 MB, which
-  overlap: a 64 MB all-reduce between two processes here ran 2.6x faster in
-  16 MB packs than in one) or a number of bytes.
+  collective, TensorFlow's default), "auto" (packs of about 16 MB, whose
+  collectives overlap: the 59 MB of gradients of the benchmark's
+  `dense_large` MLP all-reduce 1.2-1.3x faster between two processes here)
+  or a number of bytes. A pack holds whole tensors: one tensor is never split.
 
 With either set, the train step sums the gradients itself
 (`GradientTransfer.all_reduce`) and the optimizer applies the sum without
@@ -31,7 +32,7 @@ import tensorflow as tf
 from strategies.errors import UserError
 
 GRADIENT_DTYPES = {"float32": tf.float32, "bfloat16": tf.bfloat16}
-AUTO_BYTES_PER_PACK = 16 << 20  # measured here: the fastest of 4, 16 and 64 MB packs
+AUTO_BYTES_PER_PACK = 16 << 20  # what "auto" packs
 
 
 @dataclasses.dataclass(frozen=True)
