@@ -79,6 +79,9 @@ def test_digits_on_two_workers_and_two_ps(tmp_path):
     placement = results["placement"]
     assert placement["tf_strategy"] == "ParameterServerStrategyV2"
     assert placement["replicas_in_sync"] == 1
+    # Asynchronous by default, and every update's staleness recorded.
+    assert (placement["sync_replicas"], placement["staleness"]) == (0, "none")
+    assert results["train"]["staleness_mean"] >= 0
     assert _tasks(placement["compute_devices"]) == {
         "/job:worker/replica:0/task:0",
         "/job:worker/replica:0/task:1",
