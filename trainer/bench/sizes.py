@@ -54,6 +54,8 @@ class Sizes:
     straggler_s: float = 0.05  # its sleep per batch
     straggler_steps: int = 1000  # steps of each run (the default job's)
     straggler_loop: int = 100  # steps per loop, and between evaluations
+    # The runs (`stragglers.RUNS`): sync k = 3 and 2, async staleness none and scale.
+    straggler_runs: tuple[str, ...] = ("sync_k3", "sync_k2", "async_none", "async_scale")
 
 
 FULL = Sizes()
@@ -84,8 +86,9 @@ QUICK = Sizes(
     accumulation=(1,),  # its path is the float32 run's, with another batch
     accuracy_steps=0,  # not run
     straggler_s=0.02,
-    straggler_steps=40,
+    straggler_steps=20,
     straggler_loop=10,
+    straggler_runs=("sync_k2",),  # one cluster; the others' paths: tests/test_ps_sync.py
 )
 
 
