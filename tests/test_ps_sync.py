@@ -53,8 +53,10 @@ def worker_batches(input_context, split, global_batch_size):
     return tf.data.Dataset.from_tensors((x, y))
 
 
-def _launch(tmp_path, name: str, *flags: str) -> tuple[dict, str]:
-    model_dir = tmp_path / name
+def _launch(tmp_path_factory, name: str, *flags: str) -> tuple:
+    """Trains on 3 workers + 1 ps in a fresh directory; returns model_dir and results.json."""
+    tmp_path = tmp_path_factory.mktemp(name)
+    model_dir = tmp_path / "run"
     result = launch(
         f"--workers={WORKERS}",
         "--ps=1",
@@ -67,18 +69,22 @@ def _launch(tmp_path, name: str, *flags: str) -> tuple[dict, str]:
         timeout=CLUSTER_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    return json.loads((model_dir / "results.json").read_text()), result.stdout
+    return model_dir, json.loads((model_dir / "results.json").read_text())
 
 
-def _scalars(model_dir, tag: str) -> dict[int, float]:
-    """The TensorBoard scalar `tag` of the train run, by step."""
+def _events(model_dir, tag: str) -> dict[int, np.ndarray]:
+    """The train run's TensorBoard tensor `tag` (a scalar, or a histogram's rows), by step."""
     from tensorboard.backend.event_processing import event_accumulator
 
     events = event_accumulator.EventAccumulator(
         str(model_dir / "train"), size_guidance={event_accumulator.TENSORS: 0}
     )
     events.Reload()
-    return {e.step: float(tf.make_ndarray(e.tensor_proto)) for e in events.Tensors(tag)}
+    return {e.step: tf.make_ndarray(e.tensor_proto) for e in events.Tensors(tag)}
+
+
+def _scalars(model_dir, tag: str) -> dict[int, float]:
+    return {step: float(value) for step, value in _events(model_dir, tag).items()}
 
 
 # k = n: one update, the average of every worker's gradient.
@@ -92,16 +98,14 @@ DATA = [
 
 @pytest.fixture(scope="module")
 def all_three(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("sync3")
-    results, _ = _launch(
-        tmp_path,
-        "run",
+    return _launch(
+        tmp_path_factory,
+        "sync3",
         *DATA,
         "--config.strategy.parameter_server.sync_replicas=3",
         "--config.train.steps=1",
         f"--config.train.global_batch_size={BATCH}",
     )
-    return tmp_path / "run", results
 
 
 def test_k_equal_n_applies_the_average_of_every_workers_gradient(all_three, tmp_path):
@@ -216,10 +220,9 @@ WARMUP = 20
 
 @pytest.fixture(scope="module")
 def asynchronous(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("async")
-    results, _ = _launch(
-        tmp_path,
-        "run",
+    return _launch(
+        tmp_path_factory,
+        "async",
         "--config.strategy.parameter_server.staleness=drop_above=1",
         f"--config.strategy.parameter_server.warmup_steps={WARMUP}",
         "--config.strategy.parameter_server.test_straggler=2:0.05",
@@ -227,18 +230,11 @@ def asynchronous(tmp_path_factory):
         f"--config.train.steps_per_loop={WARMUP}",
         "--config.train.checkpoint_every=0",
     )
-    return tmp_path / "run", results
 
 
 def _histograms(model_dir, tag: str) -> dict[int, np.ndarray]:
     """The counts of the train run's histogram `tag` (one bucket per value), by step."""
-    from tensorboard.backend.event_processing import event_accumulator
-
-    events = event_accumulator.EventAccumulator(
-        str(model_dir / "train"), size_guidance={event_accumulator.TENSORS: 0}
-    )
-    events.Reload()
-    return {e.step: tf.make_ndarray(e.tensor_proto)[:, 2] for e in events.Tensors(tag)}
+    return {step: rows[:, 2] for step, rows in _events(model_dir, tag).items()}
 
 
 def test_async_staleness_is_recorded_and_the_stalest_updates_dropped(asynchronous):
