@@ -17,7 +17,7 @@ import configs.default
 import strategies
 from strategies import cluster
 from strategies.errors import UserError
-from tests.helpers import launch, launch_and_signal, run_cli, tiny_config
+from tests.helpers import launch, launch_and_signal, one_line_error, run_cli, tiny_config
 from trainer import train
 
 CLUSTER_TIMEOUT_S = 300
@@ -305,4 +305,17 @@ def test_a_bad_option_on_the_command_line_exits_2_and_writes_nothing(monkeypatch
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "sync_replicas` (5)" in errors[0], result.stderr[-2000:]
     assert "use 2 for one spare worker" in errors[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tasks_own_train_step_under_a_plugin_that_splits_steps_is_one_line(tmp_path):
+    """Sync `parameter_server` runs a step's halves apart; a task's own step has none."""
+
+    class Splitting(strategies.plugin("one_device")):  # as `sync_replicas` > 0 reports
+        splits_steps = True
+
+    config = tiny_config(**{"task.name": "examples.custom_step:ConsistencyTask"})
+    strategy = Splitting(config.strategy.one_device)
+    message = one_line_error("train_step", train.build, config, str(tmp_path / "run"), strategy)
+    assert "runs a step's gradients and its update apart" in message
     assert not (tmp_path / "run").exists()
