@@ -257,15 +257,16 @@ class Strategy(abc.ABC):
         """
         return False
 
-    def report(self, sums: dict) -> tuple[dict[str, float], dict[str, Any]]:
-        """The plugin's own figures from a block's `run_steps` sums, for TensorBoard.
+    def report(self, sums: dict) -> tuple[dict, dict[str, float], dict[str, Any]]:
+        """A block's `run_steps` sums split into the task's and the plugin's own figures.
 
-        Returns scalars (shown with the train metrics, e.g. the mean staleness
-        of async updates) and histograms (counts per bucket 0, 1, ...: a
-        1-D array). Both empty unless the plugin adds sums of its own.
+        Returns the task's sums (what the train step returned, for its
+        metrics), then the plugin's scalars (shown with the train metrics,
+        e.g. the mean staleness of async updates) and histograms (counts per
+        bucket 0, 1, ...: a 1-D array). The last two are empty unless the
+        plugin adds sums of its own.
         """
-        del sums
-        return {}, {}
+        return sums, {}, {}
 
     def _transfer_text(self) -> str:
         how = self.gradient_transfer.describe()

@@ -269,11 +269,13 @@ class ParameterServer(Strategy):
         sums = [result.fetch() for result in results]
         return _to_floats(tf.nest.map_structure(lambda *parts: tf.add_n(parts), *sums))
 
-    def report(self, sums: dict) -> tuple[dict, dict]:
+    def report(self, sums: dict) -> tuple[dict, dict, dict]:
         """Synchronous: gradients averaged and dropped per update; async: staleness."""
+        own = ps_sync.SUMS if self.sync_replicas else ps_staleness.SUMS
+        task_sums = {k: v for k, v in sums.items() if k not in own}
         if self.sync_replicas:
-            return ps_sync.report(sums, self._block_steps)
-        return ps_staleness.report(sums, self._block_steps, self.staleness)
+            return task_sums, *ps_sync.report(sums, self._block_steps)
+        return task_sums, *ps_staleness.report(sums, self._block_steps, self.staleness)
 
     def evaluate(self, step_fn: StepFn, dataset_fn: DatasetFn) -> dict[str, float]:
         """One pass over the eval data on the chief, reading the variables from the ps tasks."""

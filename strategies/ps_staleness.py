@@ -37,6 +37,8 @@ from strategies.errors import UserError
 
 BUCKETS = 32  # staleness 0, 1, ..., 30, and 31 or more
 MODES = ("none", "scale", "drop_above=N")
+# The sums each async step adds to the task's (the task's metrics leave them out).
+SUMS = ("staleness_histogram", "staleness_sum", "stale_dropped")
 
 
 @dataclasses.dataclass(frozen=True)

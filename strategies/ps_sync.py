@@ -54,6 +54,15 @@ import tensorflow as tf
 
 from strategies.base import StepHalves
 
+# The sums each synchronous step adds to the task's (the task's metrics leave them out).
+SUMS = (
+    "sync_pushed_by_worker",
+    "sync_applied_by_worker",
+    "sync_averaged",
+    "sync_min_averaged",
+    "sync_wrong_step",
+    "sync_most_by_one_worker",
+)
 _MARKS = 2  # after a push's gradients: its count (1.0), its step within the block
 
 

@@ -371,7 +371,8 @@ def _train(
 
     def run_block(n: int) -> dict:
         sums = strategy.run_steps(train_step, iterator, n)
-        scalars, histograms = strategy.report(sums)  # the plugin's own figures (e.g. staleness)
+        # The task's sums, and the plugin's own figures (e.g. staleness).
+        sums, scalars, histograms = strategy.report(sums)
         summaries.histograms("train", _step(job), histograms)
         return {**job.task.metrics(sums), **scalars}
 
