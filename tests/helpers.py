@@ -112,9 +112,11 @@ def run_command(
     )
     # Once it ends, what it left behind goes too: such a process may hold its pipes
     # open, and `communicate` waits for the pipes to close.
-    threading.Thread(target=_kill_when_it_ends, args=(proc,), daemon=True).start()
+    killer = threading.Thread(target=_kill_when_it_ends, args=(proc,), daemon=True)
+    killer.start()
     try:
         out, err = proc.communicate(timeout=timeout)
+        killer.join()  # the pipes may close before what it left behind is killed
     except subprocess.TimeoutExpired:
         kill(proc)
         out, err = proc.communicate()
