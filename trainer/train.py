@@ -83,12 +83,13 @@ def train_and_evaluate(
     if mode not in MODES:
         raise UserError(f"Unknown `--mode` '{mode}'; known: {', '.join(MODES)}.")
     strategy = make_strategy(config)
-    if strategy.role == "serve":  # a ps or worker task of a parameter-server cluster
+    member = strategy.membership
+    if member.role == "serve":  # a ps or worker task of a parameter-server cluster
         say(f"serving as a {strategy.name} task until the chief ends the job")
-        strategy.serve()
+        member.serve()
         return {}
     job = build(config, model_dir, strategy)
-    if strategy.role == "evaluate":
+    if member.role == "evaluate":
         return sidecar_evaluate(job)
     return run(job, mode, extra_actions)
 
@@ -149,7 +150,7 @@ def build(
     else:
         dataset = data.from_function(config.data, user_task.dataset_fn, config.task.name)
     total_steps = checks.total_steps(config, dataset.spec)
-    if strategy.is_chief:
+    if strategy.membership.is_chief:
         checks.check_model_dir(model_dir)
     else:  # every task reads model_dir; the chief alone checks that it can be written
         storage.check_scheme(model_dir, "--model_dir")
@@ -226,23 +227,23 @@ def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections
 def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
     """Trains and/or evaluates a built `job`; the only function that writes `model_dir`."""
     start = time.time()
-    strategy, config = job.strategy, job.config
+    strategy, member, config = job.strategy, job.strategy.membership, job.config
     say(f"model_dir: {job.model_dir}")
     # One trainer at a time writes model_dir (the chief); `--mode=eval` only reads it.
-    lock = model_dir_lock.take(job.model_dir) if strategy.is_chief and mode != "eval" else None
-    if strategy.is_chief:
+    lock = model_dir_lock.take(job.model_dir) if member.is_chief and mode != "eval" else None
+    if member.is_chief:
         tf.io.gfile.makedirs(job.model_dir)
     checkpointer = Checkpointer(
         job.model_dir,
-        strategy.is_chief,
+        member.is_chief,
         config.train.max_checkpoints,
         async_save=config.train.async_checkpoint,
         **checkpointed(job),
     )
-    summaries = Summaries(job.model_dir, strategy.is_chief)
+    summaries = Summaries(job.model_dir, member.is_chief)
     try:
         restored = checkpointer.restore()
-        strategy.check_restored(_step(job), job.model_dir)  # every worker, the same step
+        member.check_restored(_step(job), job.model_dir)  # every worker, the same step
         if restored:
             say(f"restored {restored} at step {_step(job)}")
         elif mode == "eval":
@@ -255,7 +256,7 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         train_metrics = {}
         evaluate = (
             mode != "train"
-            and strategy.evaluates_inline
+            and member.evaluates_inline
             and not discovery.sidecar_evaluator(config.get("cluster"))
         )
         if mode != "eval":
@@ -270,13 +271,13 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         }
         if mode != "eval" and config.train.export:
             _export(job)
-        if strategy.is_chief:
+        if member.is_chief:
             storage.write_json(os.path.join(job.model_dir, "results.json"), results)
         return results
     except tf.errors.OpError as e:
         with contextlib.suppress(Exception):  # a save under way may need the lost task
             checkpointer.sync()
-        lost = faults.lost_task_error(e, strategy.lost_tasks(), checkpointer.directory)
+        lost = faults.lost_task_error(e, member.lost_tasks(), checkpointer.directory)
         if lost is None:
             raise
         raise lost from None
@@ -291,7 +292,7 @@ def _export(job: Job) -> None:
     """Every task exports (some strategies save collectively); only the chief's is kept."""
     spec = job.dataset.spec
     raw = isinstance(job.task, compiled.CompiledTask)  # the user's outputs, as compiled
-    if job.strategy.is_chief:
+    if job.strategy.membership.is_chief:
         path = os.path.join(job.model_dir, "export")
         export(job.model, path, spec.input_shape, spec.num_classes, raw)
         say(f"exported SavedModel to {path}")
@@ -382,7 +383,7 @@ def _train(
         job.total_steps,
         [*_actions(job, checkpointer, summaries, evaluate), *extra_actions],
         loop_length.LoopLength(config.train.steps_per_loop),
-        agree=strategy.agree,
+        agree=strategy.membership.agree,
     )
     last = loop.train()
     if last and last.stopped:
@@ -394,7 +395,7 @@ def _actions(
     job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool
 ) -> list[actions.Action]:
     """The loop's actions, in the order they run after a block."""
-    config, strategy = job.config, job.strategy
+    config, member = job.config, job.strategy.membership
     recoveries = []
 
     def recover(step: int, loss: float) -> None:
@@ -412,14 +413,14 @@ def _actions(
         actions.rates(config.train.global_batch_size, lambda: float(job.optimizer.learning_rate)),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
-        actions.Action(actions.Preemption(strategy.watch_preemption(), checkpointer.save, say)),
+        actions.Action(actions.Preemption(member.watch_preemption(), checkpointer.save, say)),
         # A single process has no other task to lose; the watchdog then never reports.
-        actions.Action(actions.Watchdog(faults.Watchdog(strategy.lost_tasks, say))),
+        actions.Action(actions.Watchdog(faults.Watchdog(member.lost_tasks, say))),
     ]
     if config.train.profile_steps:  # on every task: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
         profile_steps, step = config.train.profile_steps, lambda: _step(job)
-        built_in.append(actions.profile(profile_steps, logdir, step, say, strategy.is_chief))
+        built_in.append(actions.profile(profile_steps, logdir, step, say, member.is_chief))
     if evaluate:
         built_in.append(actions.evaluation(lambda: _evaluate(job, summaries), config.eval.every))
     return built_in + job.user_actions
@@ -473,7 +474,7 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     batch, micro = job.config.train.global_batch_size, job.config.train.accumulation_steps
     micro_batches = f" ({micro} micro-batches of {batch // micro})" if micro > 1 else ""
     _tell(job, f"{_what(job)} | steps: {job.total_steps} | global batch: {batch}{micro_batches}")
-    if strategy.is_chief:
+    if strategy.membership.is_chief:
         config_json = job.config.to_json_best_effort(indent=2, sort_keys=True)
         storage.write_text(os.path.join(job.model_dir, "config.json"), config_json + "\n")
         summaries.text("config", f"```\n{config_json}\n```")
@@ -505,7 +506,8 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
 
 def _tell(job: Job, line: str) -> None:
     """Progress from the chief (and a sidecar evaluator); other workers stay quiet."""
-    if job.strategy.is_chief or job.strategy.role != "train":
+    member = job.strategy.membership
+    if member.is_chief or member.role != "train":
         say(line)
 
 
