@@ -1,7 +1,8 @@
 """Model builders by name, or the user's own as "module.path:function".
 
 A builder is `fn(spec: DataSpec, config: ConfigDict) -> keras.Model`; it gets
-the data's shape and class count and `config.model`. A classifier outputs
+the data's shape and class count and `config.model` (by name when its
+parameters are named so, in any order; else in that order: `trainer.calls`). A classifier outputs
 `num_classes` logits, or probabilities when its output layer ends in a softmax
 (or, for two classes, one sigmoid unit), as Keras Applications models do:
 `output_kind` tells which, and the loss and the export follow. A regression
@@ -18,10 +19,12 @@ import ml_collections
 
 from strategies.errors import UserError
 from strategies.registry import Registry
+from trainer import calls
 from trainer.data import DataSpec
 from trainer.layers import Dropout, ShardedEmbedding
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
+BUILDER = calls.Signature("build", ("spec", "config"), "keras.Model")
 _BUILDERS = Registry("Model")
 builder = _BUILDERS.register  # `@builder("name")` registers a built-in model builder
 
@@ -50,7 +53,7 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
     """
     builder = resolve(config.name)
     if config.name not in _BUILDERS:
-        model = builder(spec, config)
+        model = calls.adapt(builder, BUILDER, f"`model.name` '{config.name}'")(spec, config)
     elif spec.input_shape is None:
         raise UserError(
             f"`model.name` '{config.name}' takes one input tensor, and the data's features "

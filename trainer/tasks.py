@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from trainer import calls
+
 AUC_BUCKETS = 200  # resolution of the binary AUC's score histogram
 OUTPUT_KINDS = ("logits", "probabilities", "sigmoid")  # see `models.output_kind`
 _EPSILON = 1e-7  # probabilities are clipped to [eps, 1] before the log, as Keras does
@@ -190,6 +192,12 @@ def auc(positives, negatives) -> float:
 # --- the user's own task ---------------------------------------------------------
 
 BUILT_IN = ("auto", "classification", "regression")  # `task.name` values of the built-in tasks
+# How towerflow calls a user's task and its methods (by these names, or in this order).
+MAKE_TASK = calls.Signature("Task", ("config",))
+BUILD_MODEL = calls.Signature("build_model", (), "keras.Model")
+TRAIN_STEP = calls.Signature(
+    "train_step", ("model", "optimizer", "features", "labels", "weights", "replica_loss")
+)
 
 
 class Task:
@@ -218,6 +226,9 @@ class Task:
         loss. `replica_loss(outputs)` gives the task's `(loss share, sums)`:
         the replica's share of the global batch's loss, and the sums the loop
         reports. The step applies its own gradients and returns the sums.
+
+    Each function gets its parameters by name when it names them as above (in
+    any order), else in the order above (see `trainer.calls`).
     """
 
     loss = None
@@ -252,7 +263,8 @@ def user_task(config) -> Task | None:
             f"Unknown `task.name` '{name}'; built-in tasks: {', '.join(BUILT_IN)}, or give "
             "your own as 'module.path:TaskClass'."
         )
-    made = resolve("task.name", name, "a Task class, or a function of the config")(config)
+    made = resolve("task.name", name, "a Task class, or a function of the config")
+    made = calls.adapt(made, MAKE_TASK, f"`task.name` '{name}'")(config)
     missing = [m for m in ("build_model", "dataset_fn") if not callable(getattr(made, m, None))]
     if missing:
         raise UserError(

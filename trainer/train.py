@@ -22,6 +22,7 @@ from strategies import devices, discovery, scratch, transfer
 from strategies.errors import UserError
 from trainer import (
     actions,
+    calls,
     checks,
     compiled,
     controller,
@@ -136,6 +137,9 @@ def build(
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
     custom_step = getattr(user_task, "train_step", None)
+    if custom_step is not None:
+        origin = f"`task.name` '{config.task.name}' `train_step`"
+        custom_step = calls.adapt(custom_step, tasks.TRAIN_STEP, origin)
     steps.check_custom_step(custom_step, config, strategy.gradient_transfer)
     if custom_step is not None and strategy.splits_steps:
         raise UserError(
@@ -182,7 +186,7 @@ def build(
 
 def _task_model(task: tasks.Task, name: str) -> keras.Model:
     """The user task's model, compiled with the task's `loss` if it came uncompiled."""
-    model = task.build_model()
+    model = calls.adapt(task.build_model, tasks.BUILD_MODEL, f"`task.name` '{name}'")()
     if not isinstance(model, keras.Model):
         raise UserError(
             f"`task.name` '{name}': `build_model()` returned {type(model).__name__}, "
