@@ -19,7 +19,7 @@ import ml_collections
 
 from strategies.errors import UserError
 from strategies.registry import Registry
-from trainer import calls
+from trainer import calls, compiled
 from trainer.data import DataSpec
 from trainer.layers import Dropout, ShardedEmbedding
 
@@ -66,15 +66,27 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
         raise UserError(
             f"`model.name` '{config.name}' returned {type(model).__name__}, not a keras.Model."
         )
-    if spec.num_classes > 0 and output_kind(model) == "sigmoid":
-        units = model.outputs[0].shape[-1]
-        if spec.num_classes != 2 or units != 1:
-            raise UserError(
-                f"`model.name` '{config.name}' ends in a sigmoid over {units} outputs, and the "
-                f"data has {spec.num_classes} classes; end it in `num_classes` logits or a "
-                "softmax (a sigmoid only as one unit for two classes)."
-            )
+    _check_sigmoid(model, spec, config.name)
     return model
+
+
+def _check_sigmoid(model: keras.Model, spec: DataSpec, name: str) -> None:
+    """A sigmoid output is one unit for two classes, unless the model brings its own loss.
+
+    A model the user compiled is trained with its own loss (e.g. one sigmoid
+    unit and `binary_crossentropy`), which says what its outputs mean: the
+    class count is not asked of the data then.
+    """
+    if spec.num_classes <= 0 or output_kind(model) != "sigmoid" or compiled.is_compiled(model):
+        return
+    units = model.outputs[0].shape[-1]
+    if spec.num_classes != 2 or units != 1:
+        raise UserError(
+            f"`model.name` '{name}' ends in a sigmoid over {units} outputs, and the data has "
+            f"{spec.num_classes} classes (`data.num_classes`); for two classes set "
+            "`--config.data.num_classes=2` and end the model in one sigmoid unit, else end it "
+            "in `data.num_classes` logits or a softmax (or compile it with its own loss)."
+        )
 
 
 def _built_in(builder: Builder, spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
