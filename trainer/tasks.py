@@ -81,15 +81,20 @@ class Classification(_Task):
       num_classes: classes of the label.
       outputs: "logits", "probabilities" (a softmax over the classes) or
         "sigmoid" (one probability of class 1, for two classes).
+      class_names: the classes' names, where the labels have names: the
+        metrics then add each class's accuracy (its recall), `accuracy/<name>`.
     """
 
     name = "classification"
 
-    def __init__(self, num_classes: int, outputs: str = "logits"):
+    def __init__(
+        self, num_classes: int, outputs: str = "logits", class_names: tuple[str, ...] = ()
+    ):
         if outputs not in OUTPUT_KINDS:
             raise ValueError(f"`outputs` {outputs!r} must be one of {', '.join(OUTPUT_KINDS)}.")
         self.num_classes = num_classes
         self.outputs = outputs
+        self.class_names = tuple(class_names)
 
     def probabilities(self, outputs: tf.Tensor) -> tf.Tensor:
         """The model's outputs as class probabilities, [batch, num_classes]."""
@@ -116,6 +121,10 @@ class Classification(_Task):
         predicted = tf.argmax(probabilities, axis=-1, output_type=tf.int32)
         correct = tf.cast(tf.equal(predicted, labels), tf.float32)
         sums = {"correct": tf.reduce_sum(weights * correct)}
+        if self.class_names:  # per class: the weight of its examples, and of those right
+            classes = len(self.class_names)
+            sums["class_weight"] = tf.math.unsorted_segment_sum(weights, labels, classes)
+            sums["class_correct"] = tf.math.unsorted_segment_sum(weights * correct, labels, classes)
         if self.num_classes == 2:
             sums.update(_score_histograms(labels, probabilities, weights))
         return sums
@@ -126,6 +135,10 @@ class Classification(_Task):
         metrics = {"loss": sums["loss"] / n, "accuracy": sums["correct"] / n}
         if "positives" in sums:
             metrics["auc"] = auc(sums["positives"], sums["negatives"])
+        for i, name in enumerate(self.class_names):  # classes with examples in these sums
+            if sums["class_weight"][i] > 0:
+                right = sums["class_correct"][i] / sums["class_weight"][i]
+                metrics[f"accuracy/{name}"] = float(right)
         return metrics
 
 
@@ -149,12 +162,17 @@ class Regression(_Task):
         return {"loss": sums["loss"] / n, "mae": sums["abs_error"] / n}
 
 
-def for_spec(num_classes: int, outputs: str = "logits") -> Classification | Regression:
+def for_spec(
+    num_classes: int, outputs: str = "logits", class_names: tuple[str, ...] = ()
+) -> Classification | Regression:
     """The task for data with `num_classes` classes (0 = regression).
 
-    `outputs` is what a classification model outputs (see `OUTPUT_KINDS`).
+    `outputs` is what a classification model outputs (see `OUTPUT_KINDS`);
+    `class_names` name the classes, where the labels have names.
     """
-    return Classification(num_classes, outputs) if num_classes > 0 else Regression()
+    if num_classes > 0:
+        return Classification(num_classes, outputs, class_names)
+    return Regression()
 
 
 def _total_weight(sums: dict) -> float:

@@ -88,6 +88,7 @@ class PipelineDataset:
     fn: PipelineFn
     name: str
     settings: Settings = Settings()
+    notes: tuple[str, ...] = ()
 
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The function's train stream, endless, from the batches of step `start_step`.
