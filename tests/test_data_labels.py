@@ -1,14 +1,19 @@
-"""Labels as users have them: the class count from what the user gave.
+"""Labels and values as users have them: class names, missing values, the class count.
 
-A model compiled with its own loss (one sigmoid unit, `binary_crossentropy`)
-fed by the user's own `dataset_fn` trains without `data.num_classes`; an
-uncompiled one names `data.num_classes` in its error.
+CSV and TFRecord files written by the tests: a label of class names
+(`data.label_vocabulary`, given or `auto`), missing values (`data.na_values`,
+defaults in `data.features`, `data.incomplete`), each mistake one line naming
+file, line and value. A model compiled with its own loss (one sigmoid unit,
+`binary_crossentropy`) fed by the user's own `dataset_fn` trains without
+`data.num_classes`; an uncompiled one names `data.num_classes` in its error.
 """
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
+from configs import default
 from tests.helpers import one_line_error, tiny_config
 from trainer import data, models, train
 
@@ -63,3 +68,186 @@ def test_an_uncompiled_sigmoid_model_names_data_num_classes():
     assert "`--config.data.num_classes=2`" in message
     model = models.build(config.model, data.DataSpec((3,), 2, None, None))
     assert np.prod(model.outputs[0].shape[1:]) == 1
+
+
+# --- CSV: class names as labels, missing values ------------------------------------------
+
+HEADER = "size,colour,weight,species"
+
+
+def _csv(tmp_path, train: list[str], evaluation: list[str] | None = None, **fields):
+    """CSV files of `size` (float), `colour` (string), `weight` (int) and `species` (names)."""
+    for split, lines in (("train", train), ("eval", evaluation or train)):
+        (tmp_path / f"{split}.csv").write_text("\n".join([HEADER, *lines]) + "\n")
+    config = default.get_config().data
+    config.update(
+        {
+            "name": "csv",
+            "train_files": str(tmp_path / "train.csv"),
+            "eval_files": str(tmp_path / "eval.csv"),
+            "label": "species",
+            "features": "size:float32,colour:string,weight:int64",
+            "label_vocabulary": "auto",
+            **fields,
+        }
+    )
+    return config
+
+
+ROWS = ["1.5,red,3,Gentoo", "0.5,blue,1,Adelie", "2.5,red,4,Chinstrap", "1.0,blue,2,Adelie"]
+
+
+def _eval(dataset) -> tuple[dict, np.ndarray]:
+    features, labels = next(iter(dataset.eval_fn(64)(tf.distribute.InputContext())))
+    return features, labels.numpy()
+
+
+def test_a_string_label_column_becomes_classes_by_its_sorted_names(tmp_path):
+    dataset = data.get(_csv(tmp_path, ROWS))
+    assert dataset.spec.class_names == ("Adelie", "Chinstrap", "Gentoo")
+    assert dataset.spec.num_classes == 3 and dataset.spec.train_size == 4
+    _, labels = _eval(dataset)
+    np.testing.assert_array_equal(labels, [2, 0, 1, 0])
+
+
+def test_a_given_vocabulary_sets_the_class_order(tmp_path):
+    dataset = data.get(_csv(tmp_path, ROWS, label_vocabulary="Gentoo, Adelie,Chinstrap,Emperor"))
+    assert dataset.spec.class_names == ("Gentoo", "Adelie", "Chinstrap", "Emperor")
+    assert dataset.spec.num_classes == 4
+    np.testing.assert_array_equal(_eval(dataset)[1], [0, 1, 2, 1])
+
+
+def test_a_label_not_in_the_vocabulary_is_one_line_naming_file_line_and_value(tmp_path):
+    config = _csv(
+        tmp_path, ROWS, ROWS + ["1.0,red,2,Emperor"], label_vocabulary="Adelie,Chinstrap,Gentoo"
+    )
+    message = one_line_error("Emperor", data.get, config)
+    assert message == (
+        f"CSV file '{tmp_path / 'eval.csv'}' line 6: the label 'Emperor' is not in "
+        "`data.label_vocabulary` (Adelie, Chinstrap, Gentoo); add it to the vocabulary (or use "
+        "`auto`), or fix that value."
+    )
+
+
+def test_a_string_label_without_a_vocabulary_points_at_the_vocabulary(tmp_path):
+    config = _csv(tmp_path, ROWS, label_vocabulary="")
+    message = one_line_error("line 2, column `species`", data.get, config)
+    assert "'Gentoo' is not a number" in message
+    assert "`--config.data.label_vocabulary=auto`" in message
+
+
+def test_a_missing_value_without_a_default_is_one_line_naming_the_option(tmp_path):
+    config = _csv(tmp_path, [*ROWS[:2], "NA,red,4,Chinstrap", *ROWS[3:]])
+    message = one_line_error("line 4", data.get, config)
+    assert message == (
+        f"CSV file '{tmp_path / 'train.csv'}' line 4, column `size` is missing "
+        "(`data.na_values`); give `size` a default in `data.features` (e.g. 'size:float32=0'), "
+        "or set `--config.data.incomplete=drop` to leave such rows out."
+    )
+    config = _csv(tmp_path, [*ROWS, "1.0,red,2,"])
+    assert "line 6, column `species` is missing" in one_line_error("species", data.get, config)
+
+
+def test_missing_values_take_their_defaults(tmp_path):
+    rows = ["N/A,,3,Gentoo", " NA ,blue,null,Adelie", "?,red,4,Chinstrap"]
+    config = _csv(
+        tmp_path,
+        rows,
+        features="size:float32=-1,colour:string=unknown,weight:int64=0",
+        na_values="NA,N/A,null,?",
+    )
+    features, labels = _eval(data.get(config))
+    np.testing.assert_array_equal(features["size"], [-1.0, -1.0, -1.0])
+    assert [c.decode() for c in features["colour"].numpy()] == ["unknown", "blue", "red"]
+    np.testing.assert_array_equal(features["weight"], [3, 0, 4])
+    np.testing.assert_array_equal(labels, [2, 0, 1])
+
+
+def test_incomplete_rows_are_dropped_and_counted(tmp_path):
+    rows = [*ROWS, "NA,red,2,Gentoo", "1.0,,2,Adelie", "1.0,red,2,NA"]
+    dataset = data.get(_csv(tmp_path, rows, ROWS, incomplete="drop"))
+    assert dataset.spec.train_size == 4 and dataset.spec.eval_size == 4
+    assert dataset.notes == (
+        "data: dropped 3 of 7 rows of `data.train_files` with a missing value and no default "
+        "(`data.incomplete=drop`)",
+    )
+    train = dataset.train_fn(4, seed=0)(tf.distribute.InputContext())
+    features, labels = next(iter(train))
+    assert sorted(features["size"].numpy().tolist()) == [0.5, 1.0, 1.5, 2.5]
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"incomplete": "skip"}, "Unknown `data.incomplete` 'skip'; known: error, drop"),
+        ({"features": "size:float32=small"}, "gives `size` .float32. the default 'small'"),
+        ({"label_vocabulary": "Adelie,Adelie"}, "names Adelie twice"),
+        ({"label_vocabulary": "Adelie"}, "has not two names"),
+    ],
+)
+def test_bad_missing_value_and_vocabulary_options_are_one_line(tmp_path, fields, match):
+    one_line_error(match, data.get, _csv(tmp_path, ROWS, **fields))
+
+
+# --- TFRecord: a string label, examples that lack a feature ---------------------------------
+
+
+def _tfrecord(tmp_path, examples: list[dict], **fields):
+    """TFRecord files of `examples` ({"size": [..], "species": [..]}), both splits the same."""
+    for split in ("train", "eval"):
+        with tf.io.TFRecordWriter(str(tmp_path / f"{split}.tfrecord")) as writer:
+            for example in examples:
+                feature = {}
+                for name, values in example.items():
+                    if isinstance(values[0], str):
+                        values = tf.train.BytesList(value=[v.encode() for v in values])
+                        feature[name] = tf.train.Feature(bytes_list=values)
+                    else:
+                        feature[name] = tf.train.Feature(
+                            float_list=tf.train.FloatList(value=values)
+                        )
+                proto = tf.train.Example(features=tf.train.Features(feature=feature))
+                writer.write(proto.SerializeToString())
+    config = default.get_config().data
+    config.update(
+        {
+            "name": "tfrecord",
+            "train_files": str(tmp_path / "train.tfrecord"),
+            "eval_files": str(tmp_path / "eval.tfrecord"),
+            "label": "species",
+            "features": "size:float32",
+            "label_vocabulary": "auto",
+            **fields,
+        }
+    )
+    return config
+
+
+PENGUINS = [
+    {"size": [1.5], "species": ["Gentoo"]},
+    {"size": [0.5], "species": ["Adelie"]},
+    {"size": [2.5], "species": ["Chinstrap"]},
+]
+
+
+def test_a_tfrecord_string_label_becomes_classes(tmp_path):
+    dataset = data.get(_tfrecord(tmp_path, PENGUINS))
+    data.check(dataset)
+    assert dataset.spec.class_names == ("Adelie", "Chinstrap", "Gentoo")
+    np.testing.assert_array_equal(_eval(dataset)[1], [2, 0, 1])
+    config = _tfrecord(tmp_path, PENGUINS, label_vocabulary="Adelie,Gentoo")
+    message = one_line_error("Chinstrap", data.get, config)
+    assert (
+        f"TFRecord file '{tmp_path / 'train.tfrecord'}' record 3: the label 'Chinstrap'" in message
+    )
+
+
+def test_a_tfrecord_example_that_lacks_a_feature_is_named_filled_or_dropped(tmp_path):
+    examples = [*PENGUINS, {"species": ["Adelie"]}]
+    message = one_line_error("record 4 lacks `size`", data.get, _tfrecord(tmp_path, examples))
+    assert "'size:float32=0'" in message and "`--config.data.incomplete=drop`" in message
+    features, labels = _eval(data.get(_tfrecord(tmp_path, examples, features="size:float32=-1")))
+    np.testing.assert_array_equal(features["size"], [1.5, 0.5, 2.5, -1.0])
+    dataset = data.get(_tfrecord(tmp_path, examples, incomplete="drop"))
+    assert "dropped 1 of 4 examples of `data.train_files`" in dataset.notes[0]
+    np.testing.assert_array_equal(_eval(dataset)[1], [2, 0, 1])
