@@ -10,7 +10,7 @@ hold `NA` (all four measurements of a few, `sex` of more). The README trains
 on them with `data.label_vocabulary=auto`, `sex:string=unknown` and
 `data.incomplete=drop`; `build` is the model: the measurements scaled, the
 strings hashed (no vocabulary table, so it runs under every strategy), one
-hidden layer. 300 steps reach eval accuracy about 0.98 in seconds.
+hidden layer. 300 steps reach eval accuracy 1.0 in seconds (see the README).
 """
 
 import csv

@@ -8,13 +8,26 @@ file, line and value. A model compiled with its own loss (one sigmoid unit,
 `data.num_classes`; an uncompiled one names `data.num_classes` in its error.
 """
 
+import json
+import pathlib
+import re
+import shlex
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from configs import default
-from tests.helpers import one_line_error, tiny_config
+from tests.helpers import (
+    REPO,
+    one_line_error,
+    run_cli,
+    run_command,
+    tiny_config,
+    train_on_cluster,
+)
 from trainer import data, models, train
 
 
@@ -251,3 +264,62 @@ def test_a_tfrecord_example_that_lacks_a_feature_is_named_filled_or_dropped(tmp_
     dataset = data.get(_tfrecord(tmp_path, examples, incomplete="drop"))
     assert "dropped 1 of 4 examples of `data.train_files`" in dataset.notes[0]
     np.testing.assert_array_equal(_eval(dataset)[1], [2, 0, 1])
+
+
+# --- the README's penguins command, under three strategies -----------------------------------
+
+
+def _penguins_commands() -> list[list[str]]:
+    """The README's penguins commands, as a user would type them."""
+    text = pathlib.Path(REPO, "README.md").read_text()
+    block = next(b for b in re.findall(r"```sh\n(.*?)```", text, re.DOTALL) if "penguins" in b)
+    return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line]
+
+
+def _penguins_data(tmp_path) -> list[str]:
+    """Writes the data as the README's first command does; returns the trainer's flags."""
+    write, train = _penguins_commands()
+    assert write[:3] == ["python", "-m", "examples.penguins"]
+    result = run_command([sys.executable, *write[1:]], cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert train[0] == "towerflow"
+    return [flag for flag in train[1:] if not flag.startswith("--model_dir")]
+
+
+def _check_penguins(model_dir: pathlib.Path, results: dict) -> None:
+    names = ["Adelie", "Chinstrap", "Gentoo"]
+    assert results["class_names"] == names
+    assert results["eval"]["accuracy"] >= 0.9, results["eval"]
+    assert results["eval"]["examples"] == 78  # 2 of the 80 eval rows lack measurements
+    assert {f"accuracy/{name}" for name in names} <= set(results["eval"])
+    recorded = json.loads((model_dir / "config.json").read_text())["data"]
+    assert recorded["label_vocabulary"] == ",".join(names)  # `auto`, as start-up found it
+    serve = tf.saved_model.load(str(model_dir / "export")).signatures["serving_default"]
+    outputs = serve(
+        bill_length_mm=tf.constant([38.8, 48.8, 47.5]),
+        bill_depth_mm=tf.constant([18.3, 18.4, 15.0]),
+        flipper_length_mm=tf.constant([190.0, 196.0, 217.0]),
+        body_mass_g=tf.constant([3700.0, 3730.0, 5080.0]),
+        island=tf.constant(["Torgersen", "Dream", "Biscoe"]),
+        sex=tf.constant(["male", "female", "unknown"]),
+    )
+    assert [n.decode() for n in outputs["class_names"].numpy()] == names
+    np.testing.assert_array_equal(outputs["classes"], [0, 1, 2])
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+def test_the_readme_penguins_command_trains_to_090(tmp_path, strategy):
+    flags = _penguins_data(tmp_path)
+    model_dir = tmp_path / "model"
+    result = run_cli(
+        *flags, f"--strategy={strategy}", f"--model_dir={model_dir}", cwd=str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data: dropped 3 of 280 rows of `data.train_files`" in result.stdout
+    _check_penguins(model_dir, json.loads((model_dir / "results.json").read_text()))
+
+
+def test_the_readme_penguins_command_trains_to_090_on_a_parameter_server_cluster(tmp_path):
+    flags = _penguins_data(tmp_path)
+    results = train_on_cluster(tmp_path, *flags, "--strategy=parameter_server")
+    _check_penguins(tmp_path / "model", results)
