@@ -292,6 +292,7 @@ def _check_penguins(model_dir: pathlib.Path, results: dict) -> None:
     assert results["eval"]["accuracy"] >= 0.9, results["eval"]
     assert results["eval"]["examples"] == 78  # 2 of the 80 eval rows lack measurements
     assert {f"accuracy/{name}" for name in names} <= set(results["eval"])
+    assert {f"accuracy/{name}" for name in names} <= _tensorboard_tags(model_dir / "eval")
     recorded = json.loads((model_dir / "config.json").read_text())["data"]
     assert recorded["label_vocabulary"] == ",".join(names)  # `auto`, as start-up found it
     serve = tf.saved_model.load(str(model_dir / "export")).signatures["serving_default"]
@@ -305,6 +306,16 @@ def _check_penguins(model_dir: pathlib.Path, results: dict) -> None:
     )
     assert [n.decode() for n in outputs["class_names"].numpy()] == names
     np.testing.assert_array_equal(outputs["classes"], [0, 1, 2])
+
+
+def _tensorboard_tags(logdir: pathlib.Path) -> set[str]:
+    """The tags of the scalars TensorBoard shows for `logdir`."""
+    return {
+        value.tag
+        for path in logdir.glob("events.out.tfevents.*")
+        for event in tf.compat.v1.train.summary_iterator(str(path))
+        for value in event.summary.value
+    }
 
 
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
