@@ -1,7 +1,8 @@
 """Model builders by name, or the user's own as "module.path:function".
 
 A builder is `fn(spec: DataSpec, config: ConfigDict) -> keras.Model`; it gets
-the data's shape and class count and `config.model`. A classifier outputs
+the data's shape and class count and `config.model` (by name when its
+parameters are named so, in any order; else in that order: `trainer.calls`). A classifier outputs
 `num_classes` logits, or probabilities when its output layer ends in a softmax
 (or, for two classes, one sigmoid unit), as Keras Applications models do:
 `output_kind` tells which, and the loss and the export follow. A regression
@@ -18,10 +19,12 @@ import ml_collections
 
 from strategies.errors import UserError
 from strategies.registry import Registry
+from trainer import calls, compiled
 from trainer.data import DataSpec
 from trainer.layers import Dropout, ShardedEmbedding
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
+BUILDER = calls.Signature("build", ("spec", "config"), "keras.Model")
 _BUILDERS = Registry("Model")
 builder = _BUILDERS.register  # `@builder("name")` registers a built-in model builder
 
@@ -50,7 +53,7 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
     """
     builder = resolve(config.name)
     if config.name not in _BUILDERS:
-        model = builder(spec, config)
+        model = calls.adapt(builder, BUILDER, f"`model.name` '{config.name}'")(spec, config)
     elif spec.input_shape is None:
         raise UserError(
             f"`model.name` '{config.name}' takes one input tensor, and the data's features "
@@ -63,15 +66,27 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
         raise UserError(
             f"`model.name` '{config.name}' returned {type(model).__name__}, not a keras.Model."
         )
-    if spec.num_classes > 0 and output_kind(model) == "sigmoid":
-        units = model.outputs[0].shape[-1]
-        if spec.num_classes != 2 or units != 1:
-            raise UserError(
-                f"`model.name` '{config.name}' ends in a sigmoid over {units} outputs, and the "
-                f"data has {spec.num_classes} classes; end it in `num_classes` logits or a "
-                "softmax (a sigmoid only as one unit for two classes)."
-            )
+    _check_sigmoid(model, spec, config.name)
     return model
+
+
+def _check_sigmoid(model: keras.Model, spec: DataSpec, name: str) -> None:
+    """A sigmoid output is one unit for two classes, unless the model brings its own loss.
+
+    A model the user compiled is trained with its own loss (e.g. one sigmoid
+    unit and `binary_crossentropy`), which says what its outputs mean: the
+    class count is not asked of the data then.
+    """
+    if spec.num_classes <= 0 or output_kind(model) != "sigmoid" or compiled.is_compiled(model):
+        return
+    units = model.outputs[0].shape[-1]
+    if spec.num_classes != 2 or units != 1:
+        raise UserError(
+            f"`model.name` '{name}' ends in a sigmoid over {units} outputs, and the data has "
+            f"{spec.num_classes} classes (`data.num_classes`); for two classes set "
+            "`--config.data.num_classes=2` and end the model in one sigmoid unit, else end it "
+            "in `data.num_classes` logits or a softmax (or compile it with its own loss)."
+        )
 
 
 def _built_in(builder: Builder, spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:

@@ -327,8 +327,26 @@ def _weights(weights, labels) -> tf.Tensor:
     return tf.reshape(tf.cast(weights, tf.float32), [-1])
 
 
-def _pad_to(tensor, rows: tf.Tensor) -> tf.Tensor:
-    """`tensor` with zero rows appended up to `rows` (its static inner shape kept)."""
+def _pad_to(tensor, rows: tf.Tensor):
+    """`tensor` with zero rows appended up to `rows` (its static inner shape kept).
+
+    A ragged tensor gets rows of one zero value each (an empty row would make
+    e.g. a mean over its values NaN, and NaN times weight 0 is still NaN); a
+    sparse one gets a taller dense shape (rows without values).
+    """
+    if isinstance(tensor, tf.RaggedTensor):
+        splits_dtype = tensor.row_splits.dtype
+        missing = tf.maximum(tf.cast(rows, splits_dtype) - tensor.nrows(splits_dtype), 0)
+        inner = tensor.flat_values.shape[1:]
+        zeros = tf.zeros([missing, *[1] * tensor.ragged_rank, *inner], tensor.dtype)
+        padding = tf.RaggedTensor.from_tensor(
+            zeros, ragged_rank=tensor.ragged_rank, row_splits_dtype=splits_dtype
+        )
+        return tf.concat([tensor, padding], axis=0)
+    if isinstance(tensor, tf.SparseTensor):
+        shape = tensor.dense_shape
+        taller = tf.maximum(tf.cast(rows, shape.dtype), shape[0])
+        return tf.SparseTensor(tensor.indices, tensor.values, tf.concat([[taller], shape[1:]], 0))
     tensor = tf.convert_to_tensor(tensor)
     missing = tf.maximum(rows - tf.shape(tensor, out_type=tf.int32)[0], 0)
     paddings = [[0, missing]] + [[0, 0]] * (tensor.shape.rank - 1)

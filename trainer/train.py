@@ -22,6 +22,7 @@ from strategies import devices, discovery, scratch, transfer
 from strategies.errors import UserError
 from trainer import (
     actions,
+    calls,
     checks,
     compiled,
     controller,
@@ -37,6 +38,7 @@ from trainer import (
 )
 from trainer import lock as model_dir_lock
 from trainer.checkpoints import Checkpointer
+from trainer.data import labels
 from trainer.export import export
 from trainer.summaries import Summaries
 
@@ -137,6 +139,9 @@ def build(
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
     custom_step = getattr(user_task, "train_step", None)
+    if custom_step is not None:
+        origin = f"`task.name` '{config.task.name}' `train_step`"
+        custom_step = calls.adapt(custom_step, tasks.TRAIN_STEP, origin)
     steps.check_custom_step(custom_step, config, strategy.gradient_transfer)
     if custom_step is not None and strategy.splits_steps:
         raise UserError(
@@ -183,7 +188,7 @@ def build(
 
 def _task_model(task: tasks.Task, name: str) -> keras.Model:
     """The user task's model, compiled with the task's `loss` if it came uncompiled."""
-    model = task.build_model()
+    model = calls.adapt(task.build_model, tasks.BUILD_MODEL, f"`task.name` '{name}'")()
     if not isinstance(model, keras.Model):
         raise UserError(
             f"`task.name` '{name}': `build_model()` returned {type(model).__name__}, "
@@ -221,7 +226,7 @@ def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections
             f"`task.name` '{task_name}' does not fit the data's `num_classes` ({classes}); "
             "use `task.name=auto`, or set the data's class count."
         )
-    return tasks.for_spec(classes, models.output_kind(model))
+    return tasks.for_spec(classes, models.output_kind(model), dataset.spec.class_names)
 
 
 def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
@@ -269,6 +274,8 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
             "wall_time_s": round(time.time() - start, 3),
             "placement": placement,
         }
+        if job.dataset.spec.class_names:  # what each class index of the metrics and export is
+            results["class_names"] = list(job.dataset.spec.class_names)
         if mode != "eval" and config.train.export:
             _export(job)
         if member.is_chief:
@@ -292,13 +299,14 @@ def _export(job: Job) -> None:
     """Every task exports (some strategies save collectively); only the chief's is kept."""
     spec = job.dataset.spec
     raw = isinstance(job.task, compiled.CompiledTask)  # the user's outputs, as compiled
+    args = (spec.input_shape, spec.num_classes, raw, spec.class_names)
     if job.strategy.membership.is_chief:
         path = os.path.join(job.model_dir, "export")
-        export(job.model, path, spec.input_shape, spec.num_classes, raw)
+        export(job.model, path, *args)
         say(f"exported SavedModel to {path}")
         return
     with scratch.directory("export") as private:  # in memory: nothing left on any exit
-        export(job.model, os.path.join(private, "export"), spec.input_shape, spec.num_classes, raw)
+        export(job.model, os.path.join(private, "export"), *args)
 
 
 def sidecar_evaluate(job: Job) -> dict:
@@ -474,11 +482,23 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     batch, micro = job.config.train.global_batch_size, job.config.train.accumulation_steps
     micro_batches = f" ({micro} micro-batches of {batch // micro})" if micro > 1 else ""
     _tell(job, f"{_what(job)} | steps: {job.total_steps} | global batch: {batch}{micro_batches}")
+    for note in job.dataset.notes:
+        _tell(job, note)
     if strategy.membership.is_chief:
-        config_json = job.config.to_json_best_effort(indent=2, sort_keys=True)
+        config_json = _recorded(job).to_json_best_effort(indent=2, sort_keys=True)
         storage.write_text(os.path.join(job.model_dir, "config.json"), config_json + "\n")
         summaries.text("config", f"```\n{config_json}\n```")
         summaries.hparams(job.config, os.path.basename(os.path.abspath(job.model_dir)))
+
+
+def _recorded(job: Job) -> ml_collections.ConfigDict:
+    """The config as run, with what start-up found: the class names of `label_vocabulary=auto`."""
+    config = job.config
+    names = job.dataset.spec.class_names
+    if names and config.data.get("label_vocabulary", "") == labels.AUTO:
+        config = config.copy_and_resolve_references()
+        config.data.label_vocabulary = ",".join(names)
+    return config
 
 
 def _what(job: Job) -> str:
@@ -493,6 +513,8 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
     """One fixed-width line: `train | step: 1200/1500 | loss: 0.3100 | ...`."""
     parts = [f"{split:<5}", f"step: {step}/{total}" if total else f"step: {step}"]
     for name, value in metrics.items():
+        if "/" in name:  # per class (TensorBoard and results.json): too many for one line
+            continue
         if name == "learning_rate":
             parts.append(f"lr: {value:.2e}")
         elif name.endswith("_per_sec"):

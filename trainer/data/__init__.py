@@ -24,8 +24,11 @@ Sources, one module each, behind that one interface (`base.Dataset`):
 - files (`tfrecord`, `csv`): records are read in order and shuffled with a
   `data.shuffle_buffer`-sized buffer; resuming skips records before they are
   parsed. `data.features` names the features to read, of mixed dtypes and
-  shapes (`features.py`). CSV files are parsed once at start-up, which finds a
-  bad value's line and gives the split sizes;
+  shapes, and the defaults of missing values (`features.py`); a label of
+  class names goes through `data.label_vocabulary` (`labels.py`). CSV files
+  are parsed once at start-up, which finds a bad value's line and gives the
+  split sizes; every TFRecord is looked at once too (its features' presence,
+  its label);
 - the user's own `dataset_fn` (`data.name=module.path:function`, `user.py`):
   resuming skips the batches already trained on, exact for a deterministic
   pipeline.
