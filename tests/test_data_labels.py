@@ -334,3 +334,11 @@ def test_the_readme_penguins_command_trains_to_090_on_a_parameter_server_cluster
     flags = _penguins_data(tmp_path)
     results = train_on_cluster(tmp_path, *flags, "--strategy=parameter_server")
     _check_penguins(tmp_path / "model", results)
+
+
+def test_a_vocabulary_for_a_numeric_tfrecord_label_is_one_line(tmp_path):
+    examples = [{"size": [1.0], "species": [0.0]}, {"size": [2.0], "species": [1.0]}]
+    message = one_line_error(
+        "reads `data.label` 'species' as class names", data.get, _tfrecord(tmp_path, examples)
+    )
+    assert "holds it as float32" in message and "`--config.data.label_vocabulary=`" in message

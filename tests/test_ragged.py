@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests.helpers import tiny_config, train_on_cluster
-from trainer import steps, train
+from trainer import export, steps, train
 
 TRAIN_EXAMPLES, EVAL_EXAMPLES, TAGS = 192, 50, 20
 LABEL_TAG = TAGS - 1  # the first tag of every odd example, never any other
@@ -162,3 +162,17 @@ def test_an_empty_eval_batch_of_ragged_and_sparse_features_is_padded_with_a_zero
     np.testing.assert_array_equal(seen["outputs"], [[0.0, 2.0]])  # one padding row each
     np.testing.assert_array_equal(seen["weights"], [0.0])
     assert int(seen["examples"]) == 0
+
+
+def test_the_export_serves_a_sparse_input_as_its_parts(tmp_path):
+    ids = keras.Input(shape=(5,), sparse=True, name="ids")
+    total = keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)(ids)  # a row's sum
+    model = keras.Model({"ids": ids}, total)
+    export.export(model, str(tmp_path / "export"), None, 0)
+    serve = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+    outputs = serve(
+        ids_indices=tf.constant([[0, 1], [0, 4], [1, 2]], tf.int64),
+        ids_values=tf.constant([1.0, 2.0, 5.0]),
+        ids_dense_shape=tf.constant([2, 5], tf.int64),
+    )
+    np.testing.assert_allclose(outputs["predictions"], [3.0, 5.0])

@@ -116,3 +116,25 @@ def test_an_action_that_takes_nothing_is_one_line():
         config,
     )
     assert "make_action(config)" in message
+
+
+class TaskOfTwoParameters:
+    """A user's task whose `dataset_fn` lacks `global_batch_size` and names the others otherwise."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def build_model(self):
+        return model(None, data.DataSpec((4,), 2, None, None))
+
+    def dataset_fn(self, context, mode):
+        raise AssertionError("never called")
+
+
+def test_a_tasks_dataset_fn_that_cannot_be_called_names_the_task(tmp_path):
+    config = tiny_config(**{"task.name": "tests.test_user_calls:TaskOfTwoParameters"})
+    message = one_line_error("takes", train.train_and_evaluate, config, str(tmp_path / "m"))
+    assert message.startswith(
+        "`task.name` 'tests.test_user_calls:TaskOfTwoParameters' `dataset_fn` takes (context, mode)"
+    )
+    assert not (tmp_path / "m").exists()

@@ -71,9 +71,10 @@ def from_function(config: ml_collections.ConfigDict, fn: user.PipelineFn, name: 
     Args:
       config: the `data` part of a config (its memory budget, sharding and class count).
       fn: `fn(input_context, split, global_batch_size) -> tf.data.Dataset`.
-      name: how messages name it (e.g. the task's `task.name`).
+      name: how messages name it: the task's `task.name`.
     """
     checked = settings(config)
     named = config.copy_and_resolve_references()
     named.name = name
-    return _with_settings(user.dataset(named, fn), checked)
+    origin = f"`task.name` '{name}' `dataset_fn`"
+    return _with_settings(user.dataset(named, fn, origin), checked)

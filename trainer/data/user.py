@@ -146,7 +146,7 @@ class PipelineDataset:
         return dataset
 
 
-def dataset(config: ml_collections.ConfigDict, fn: PipelineFn) -> PipelineDataset:
+def dataset(config: ml_collections.ConfigDict, fn: PipelineFn, origin: str = "") -> PipelineDataset:
     """The `Dataset` of the user's `fn`, named by `data.name`.
 
     Calls `fn` once (train split, a context of one pipeline) to read the
@@ -159,7 +159,7 @@ def dataset(config: ml_collections.ConfigDict, fn: PipelineFn) -> PipelineDatase
         `(features, labels[, sample_weights])`.
     """
     classes = check_classes("data.num_classes", config.num_classes)
-    fn = calls.adapt(fn, SIGNATURE, f"`data.name` '{config.name}'")
+    fn = calls.adapt(fn, SIGNATURE, origin or f"`data.name` '{config.name}'")
     batches = fn(tf.distribute.InputContext(), "train", _PROBE_BATCH)
     _check_structure(config.name, "train", batches)
     features = batches.element_spec[0]
