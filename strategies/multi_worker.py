@@ -18,7 +18,7 @@ import math
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
-from strategies import membership, preemption, transfer
+from strategies import membership, preemption, tf_start, transfer
 from strategies.base import Strategy
 from strategies.errors import UserError
 from strategies.registry import register
@@ -54,15 +54,17 @@ class MultiWorker(Strategy):
         # Checked first: a bad option fails at once.
         self.gradient_transfer = transfer.from_options(self.options, "multi_worker")
         options = self._communication_options()
-        if cluster:
-            cluster_lib.start_up(
-                cluster,
-                self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S),
-                "strategy.multi_worker.startup_timeout_seconds",
+        if not cluster:
+            return tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=self._resolver(), communication_options=options
             )
-        return tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=self._resolver(), communication_options=options
-        )
+        timeout = self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S)
+        setting = "strategy.multi_worker.startup_timeout_seconds"
+        cluster_lib.start_up(cluster, timeout, setting)
+        with tf_start.bounded(timeout, setting, cluster.task_name):
+            return tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=self._resolver(), communication_options=options
+            )
 
     def _resolver(self):
         """The training cluster without the evaluator, which is not part of the collective."""

@@ -44,7 +44,7 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
-from strategies import membership, ps_staleness, ps_sync, sharding
+from strategies import membership, ps_staleness, ps_sync, sharding, tf_start
 from strategies.base import DatasetFn, StepFn, Strategy, TrainStepProtocol, _to_floats
 from strategies.errors import UserError
 from strategies.registry import register
@@ -72,12 +72,10 @@ class ParameterServer(Strategy):
         self._sync: ps_sync.SyncReplicas | None = None
         self._updates = None  # async: the cluster's update counter, on a ps task
         self._block_steps = 0
+        timeout = self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S)
+        setting = "strategy.parameter_server.startup_timeout_seconds"
         if self.membership.role != "evaluate":  # the evaluator is not part of the training cluster
-            cluster_lib.start_up(
-                self._cluster,
-                self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S),
-                "strategy.parameter_server.startup_timeout_seconds",
-            )
+            cluster_lib.start_up(self._cluster, timeout, setting)
         if self.membership.role != "train":  # servers and the evaluator: no cluster-wide strategy
             return tf.distribute.get_strategy()
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -86,7 +84,8 @@ class ParameterServer(Strategy):
             task_id=0,
             rpc_layer=self._cluster.rpc_layer,
         )
-        strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=None)
+        with tf_start.bounded(timeout, setting, self._cluster.task_name):
+            strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=None)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         return strategy
 
