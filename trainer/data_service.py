@@ -121,7 +121,8 @@ def _tf_config(text: str | None) -> tuple[dict[str, list[str]], str, int]:
 
 def serve(server: Server, stop: threading.Event) -> None:
     """Runs `server` until `stop` is set; says where it serves."""
-    import tensorflow as tf
+    with cli.native_stderr_silenced():  # TensorFlow's C++ start-up chatter
+        import tensorflow as tf
 
     service = tf.data.experimental.service
     if server.role == "dispatcher":
@@ -133,7 +134,7 @@ def serve(server: Server, stop: threading.Event) -> None:
         )
         running = service.DispatchServer(config)
         journal = f", journal in {server.work_dir}" if server.work_dir else ""
-        print(f"dispatcher serving at {running.target}{journal}", flush=True)
+        print(f"dispatcher serving at {running.target}{journal} (pid {os.getpid()})", flush=True)
     else:
         config = service.WorkerConfig(
             dispatcher_address=server.dispatcher,
@@ -145,7 +146,7 @@ def serve(server: Server, stop: threading.Event) -> None:
         running = service.WorkerServer(config)
         print(
             f"data worker serving at {server.host}:{server.port} for the dispatcher at "
-            f"{server.dispatcher}",
+            f"{server.dispatcher} (pid {os.getpid()})",
             flush=True,
         )
     stop.wait()

@@ -79,6 +79,7 @@ SHARDING = {
 _LOCAL = re.compile(r"local:(-?\d+)$")
 _REMOTE = re.compile(r"grpc://([^:/\s]+):(\d+)$")
 _POLL_S = 0.5
+_DISPATCHER = "data:dispatcher"  # how a local dispatcher's output lines are prefixed
 _STOP_S = 5.0  # how long a local server may take to exit after SIGTERM
 
 
@@ -293,7 +294,7 @@ class LocalService:
         dispatcher = f"{launch.LOOPBACK}:{ports[0]}"
         module = [sys.executable, "-m", "trainer.data_service"]
         self.commands = {
-            "data:dispatcher": [*module, "--role=dispatcher", f"--port={ports[0]}"],
+            _DISPATCHER: [*module, "--role=dispatcher", f"--port={ports[0]}"],
             **{
                 f"data:worker:{i}": [
                     *module,
@@ -320,6 +321,10 @@ class LocalService:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """SIGTERM to every server, SIGKILL to those still there after a few seconds."""
         for proc in self.procs.values():
             processes.signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + _STOP_S
@@ -407,6 +412,8 @@ def _watched(
     reported: set[str] = set()
 
     def lost(what: str) -> None:
+        if local is not None:
+            local.stop()  # its servers run in process groups of their own
         print(
             f"error: {what}; training cannot read its input. Restart it (the scheduler's "
             "restart policy, or `python -m trainer.launch --restarts=N`) and the run resumes "
@@ -422,16 +429,14 @@ def _watched(
         while not done.wait(_POLL_S * 2):
             if local is not None:
                 ended = dict(local.ended())
-                workers = [n for n in local.procs if n != "data:dispatcher"]
-                if "data:dispatcher" in ended:
-                    lost(f"the tf.data dispatcher {local.describe('data:dispatcher')} exited")
+                workers = [n for n in local.procs if n != _DISPATCHER]
                 for name in sorted(set(ended) - reported):
                     reported.add(name)
                     alive = [n for n in workers if n not in ended]
                     what = f"{local.describe(name)} exited with code {ended[name]}"
-                    if service.sharding != "dynamic" or not alive:
-                        lost(f"data worker {what}")
-                    say(f"data worker {what}; {len(alive)} other(s) take over its work")
+                    if name == _DISPATCHER or service.sharding != "dynamic" or not alive:
+                        lost(what)
+                    say(f"{what}; the other data workers ({len(alive)}) take over its work")
             elif _listens(service.address):
                 silent_since = None
             else:
