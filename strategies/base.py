@@ -213,6 +213,14 @@ class Strategy(abc.ABC):
         }
 
     @property
+    def ordered_input(self) -> bool:
+        """Whether steps take an input pipeline's batches in its order (exact resume).
+
+        False where workers take steps as they come (asynchronous `parameter_server`).
+        """
+        return True
+
+    @property
     def splits_steps(self) -> bool:
         """Whether `run_steps` runs the step's halves apart (`TrainStepProtocol`).
 

@@ -115,6 +115,11 @@ class ParameterServer(Strategy):
             )
 
     @property
+    def ordered_input(self) -> bool:
+        """Workers take steps, and their batches, as they come."""
+        return False
+
+    @property
     def splits_steps(self) -> bool:
         return bool(self.sync_replicas) or self.staleness.mode != "none"
 

@@ -39,6 +39,7 @@ from trainer import (
 from trainer import lock as model_dir_lock
 from trainer.checkpoints import Checkpointer
 from trainer.data import labels
+from trainer.data import service as data_service
 from trainer.export import export
 from trainer.summaries import Summaries
 
@@ -90,10 +91,12 @@ def train_and_evaluate(
         say(f"serving as a {strategy.name} task until the chief ends the job")
         member.serve()
         return {}
-    job = build(config, model_dir, strategy)
     if member.role == "evaluate":
-        return sidecar_evaluate(job)
-    return run(job, mode, extra_actions)
+        return sidecar_evaluate(build(config, model_dir, strategy))
+    if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service`)
+        return run(build(config, model_dir, strategy), mode, extra_actions)
+    with data_service.started(config.data, strategy.ordered_input, say) as service:
+        return run(build(config, model_dir, strategy, service), mode, extra_actions)
 
 
 def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
@@ -132,9 +135,15 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
 
 
 def build(
-    config: ml_collections.ConfigDict, model_dir: str, strategy: strategies.Strategy | None = None
+    config: ml_collections.ConfigDict,
+    model_dir: str,
+    strategy: strategies.Strategy | None = None,
+    service: data_service.Service | None = None,
 ) -> Job:
-    """Builds strategy, data, model and optimizer and checks them; writes nothing."""
+    """Builds strategy, data, model and optimizer and checks them; writes nothing.
+
+    With a `service` (`data_service.started`), the training input runs on it.
+    """
     strategy = strategy or make_strategy(config)
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
@@ -160,6 +169,7 @@ def build(
     else:  # every task reads model_dir; the chief alone checks that it can be written
         storage.check_scheme(model_dir, "--model_dir")
     data.check(dataset)
+    dataset = data_service.wrap(dataset, service, model_dir)
     keras.utils.set_random_seed(config.seed)
     with strategy.scope(), precision.policy(config.train.precision):
         if user_task is None:
@@ -273,6 +283,7 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
             "eval": eval_metrics,
             "wall_time_s": round(time.time() - start, 3),
             "placement": placement,
+            "input": {k: v for k, v in data_service.describe(job.dataset).items() if k != "line"},
         }
         if job.dataset.spec.class_names:  # what each class index of the metrics and export is
             results["class_names"] = list(job.dataset.spec.class_names)
@@ -484,6 +495,7 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     _tell(job, f"{_what(job)} | steps: {job.total_steps} | global batch: {batch}{micro_batches}")
     for note in job.dataset.notes:
         _tell(job, note)
+    _tell(job, data_service.describe(job.dataset)["line"])
     if strategy.membership.is_chief:
         config_json = _recorded(job).to_json_best_effort(indent=2, sort_keys=True)
         storage.write_text(os.path.join(job.model_dir, "config.json"), config_json + "\n")
