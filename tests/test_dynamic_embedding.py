@@ -6,7 +6,8 @@ import pytest
 import tensorflow as tf
 
 from strategies.errors import UserError
-from trainer import optim, tables
+from tests.test_models import tiny_ctr_config
+from trainer import optim, tables, train
 from trainer.layers import DynamicEmbedding
 
 WIDTH = 4
@@ -17,15 +18,17 @@ def _rows_of(layer: DynamicEmbedding, ids) -> np.ndarray:
     return layer(tf.constant(ids, tf.int64), training=False).numpy()
 
 
-def test_an_admitted_id_reads_its_initial_row_and_others_the_default_row():
+def test_an_admitted_id_reads_its_initial_row_from_the_next_step_and_others_the_default_row():
     layer = DynamicEmbedding(WIDTH, min_count=2, seed=5)
     ids = tf.constant([[2**63 - 1, 7], [7, -3]], tf.int64)
-    out = layer(ids, training=True).numpy()  # 7 seen twice: admitted
+    out = layer(ids, training=True).numpy()  # 7 seen twice: admitted, found from the next step
     assert out.shape == (2, 2, WIDTH)
+    np.testing.assert_array_equal(out, np.zeros_like(out))  # the default row starts at 0
+    out = layer(ids, training=True).numpy()
     initial = tables.initial_rows(5, tf.constant([7], tf.int64), WIDTH).numpy()[0]
     np.testing.assert_array_equal(out[0, 1], initial)
     np.testing.assert_array_equal(out[1, 0], initial)
-    np.testing.assert_array_equal(out[0, 0], np.zeros(WIDTH))  # the default row starts at 0
+    np.testing.assert_array_equal(out[0, 0], np.zeros(WIDTH))
     np.testing.assert_array_equal(_rows_of(layer, [12345]), np.zeros((1, WIDTH)))
 
 
@@ -142,15 +145,17 @@ def test_a_new_id_in_a_reused_slot_starts_from_its_initial_row_and_fresh_slots()
         grads = tape.gradient(loss, layer.trainable_variables)
         optimizer.apply_gradients(zip(grads, layer.trainable_variables))
 
-    train([1])
+    train([1])  # step 0: 1 admitted
+    train([1])  # step 1: 1 read and trained
     trained = _rows_of(layer, [1])[0]
     assert not np.allclose(trained, tables.initial_rows(3, tf.constant([1], tf.int64), WIDTH)[0])
-    train([2])  # evicts 1: the slot's row and moments start again for 2
+    train([2])  # step 2: evicts 1, admits 2 into its slot
+    train([2])  # step 3: the slot's row and moments start again for 2
     fresh = keras.Variable(tables.initial_rows(3, tf.constant([2], tf.int64), WIDTH))
     reference = optim.OPTIMIZERS["adam"](0.5, None)
-    _one_row_step(reference, fresh)
+    _one_row_step(reference, fresh, at_step=3)
     np.testing.assert_allclose(_rows_of(layer, [2])[0], fresh.numpy()[0], rtol=1e-6)
-    assert optimizer.iterations.numpy() == 2 and int(layer.table.counter("evicted")) == 1
+    assert optimizer.iterations.numpy() == 4 and int(layer.table.counter("evicted")) == 1
 
 
 def _built(layer: DynamicEmbedding) -> list:
@@ -158,8 +163,43 @@ def _built(layer: DynamicEmbedding) -> list:
     return layer.trainable_variables
 
 
-def _one_row_step(optimizer, variable) -> None:
-    """What the layer's step does to a new id's row: gradient 1 in every column (at step 2)."""
-    optimizer.iterations.assign(1)
+def _one_row_step(optimizer, variable, at_step: int) -> None:
+    """What the layer's step does to a new id's row: gradient 1 in every column."""
+    optimizer.iterations.assign(at_step)
     grad = tf.IndexedSlices(tf.ones([1, WIDTH]), tf.constant([0]), tf.constant([1, WIDTH]))
     optimizer.apply_gradients([(grad, variable)])
+
+
+# Under the trainer: strategies agree, and a resumed run equals an uninterrupted one.
+
+
+def _ctr_config(strategy: str, steps: int, **model):
+    config = tiny_ctr_config(
+        **{"strategy.name": strategy, "train.steps": steps, "train.deterministic": True}
+    )
+    config.model.update({"embedding": "dynamic", "min_count": 2, **model})
+    return config
+
+
+def _rows_by_id(config, model_dir) -> dict[int, np.ndarray]:
+    """The row of every id the table of `model_dir`'s newest checkpoint holds."""
+    job = train.build(config, str(model_dir))
+    path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    tf.train.Checkpoint(model=job.model).restore(path).expect_partial()
+    layer = job.model.get_layer("embedding")
+    keys, values = layer.table.index.export()
+    ids = tf.boolean_mask(keys, values >= 0)
+    return dict(zip(ids.numpy().tolist(), layer(ids).numpy(), strict=True))
+
+
+def test_one_device_and_mirrored_admit_the_same_ids_with_the_same_rows(tmp_path):
+    tables_by_strategy = []
+    for strategy in ("one_device", "mirrored"):
+        config = _ctr_config(strategy, 20)
+        results = train.train_and_evaluate(config, str(tmp_path / strategy))
+        assert results["step"] == 20
+        tables_by_strategy.append(_rows_by_id(config, tmp_path / strategy))
+    one, mirrored = tables_by_strategy
+    assert len(one) > 100 and sorted(one) == sorted(mirrored)
+    for key, row in one.items():
+        np.testing.assert_allclose(mirrored[key], row, rtol=1e-5, atol=1e-6)

@@ -384,9 +384,7 @@ class DynamicEmbedding(keras.layers.Layer):
         self.eviction = eviction
         self.mask_id = mask_id
         self.seed = int(seed)
-        self.table = tables.DynamicTable(
-            KEY_DTYPES[key_dtype], capacity, min_count, ttl_steps, eviction, name=self.name
-        )
+        self.table = tables.DynamicTable(capacity, min_count, ttl_steps, eviction, name=self.name)
 
     def build(self, input_shape=None):
         self.rows = self.add_weight((self.capacity, self.output_dim), "zeros", name="rows")
@@ -410,12 +408,13 @@ class DynamicEmbedding(keras.layers.Layer):
     def call(self, inputs, training=False):
         ragged = isinstance(inputs, tf.RaggedTensor)
         ids = inputs.flat_values if ragged else tf.convert_to_tensor(inputs)
-        ids = self._keys(ids)
+        if ids.dtype != tf.string:
+            ids = tf.cast(ids, tf.int64)
         flat = tf.reshape(ids, [-1])
         valid = tf.ones_like(flat, tf.bool)
         if self.mask_id is not None:
             valid = tf.not_equal(flat, tf.constant(self.mask_id, flat.dtype))
-        vectors = self._vectors(tf.boolean_mask(flat, valid), training)
+        vectors = self._vectors(tables.key64(tf.boolean_mask(flat, valid)), training)
         vectors = tf.scatter_nd(
             tf.where(valid), vectors, tf.stack([tf.size(flat, out_type=tf.int64), self.output_dim])
         )
@@ -452,19 +451,20 @@ class DynamicEmbedding(keras.layers.Layer):
             )
         return super().__call__(inputs, *args, **kwargs)
 
-    def _keys(self, ids: tf.Tensor) -> tf.Tensor:
-        return ids if ids.dtype == tf.string else tf.cast(ids, tf.int64)
-
     def _vectors(self, keys: tf.Tensor, training) -> tf.Tensor:
-        """The embedding of each of `keys` (1-D): its row, or the default row."""
-        slots, stamps = self.table.admit(keys) if training else self.table.find(keys)
+        """The embedding of each of `keys` (1-D int64): its row, or the default row."""
+        if training:
+            slots, stamps = self.table.find(keys, self.table.now())
+            with tf.control_dependencies([slots]):  # ids admitted now are found next step
+                self._admit(keys)
+        else:
+            slots, stamps = self.table.find(keys)
         hit = slots >= 0
         where = tf.where(hit)
         slots = tf.boolean_mask(slots, hit)
         rows = tf.gather(self.rows.value, slots)
-        # A new id in a slot whose row still holds an older id's values reads its
-        # initial value; the gradient still reaches the row, which the optimizer
-        # resets before applying it.
+        # A new id, or a reused slot, reads the id's initial value; the gradient
+        # still reaches the row, which the optimizer resets before applying it.
         stale = tf.not_equal(tf.gather(self.row_stamps.value, slots), tf.boolean_mask(stamps, hit))
         initial = tables.initial_rows(self.seed, tf.boolean_mask(keys, hit), self.output_dim)
         rows += tf.stop_gradient(tf.where(stale[:, None], initial - rows, tf.zeros_like(rows)))
@@ -472,6 +472,23 @@ class DynamicEmbedding(keras.layers.Layer):
         found = tf.scatter_nd(where, rows, shape)
         default = tf.cast(~hit, tf.float32)[:, None] * self.default_row.value[None, :]
         return found + default
+
+    def _admit(self, keys: tf.Tensor):
+        """Admits the ids of the whole global batch, once per process.
+
+        Each replica gathers every replica's ids, and the first replica of each
+        worker admits them all: the same ids in the same step under any split,
+        and every worker's table the same.
+        """
+        replica = tf.distribute.get_replica_context()
+        if replica is None or replica.num_replicas_in_sync == 1:
+            return self.table.admit(keys)
+        everyone = replica.all_gather(keys, 0)
+        local = len(tf.distribute.get_strategy().extended.worker_devices)
+        first = tf.equal(replica.replica_id_in_sync_group % local, 0)
+        if tf.get_static_value(first) is not None:
+            return self.table.admit(everyone) if tf.get_static_value(first) else None
+        return tf.cond(first, lambda: self.table.admit(everyone), lambda: tf.constant(False))
 
     def compute_output_shape(self, input_shape):
         if self.combiner is None:

@@ -1,16 +1,17 @@
 """Dynamic embedding tables: a row per admitted id, created on admission, freed on eviction.
 
-A table maps raw ids (int64 over the whole 64-bit range, or strings) to rows
-of a `[capacity, dim]` variable. It has two halves:
+A table maps raw ids (int64 over the whole 64-bit range; strings by their
+64-bit fingerprint, `key64`) to rows of a `[capacity, dim]` variable. It has
+two halves:
 
 * The *index*, on the host and shared by every replica of the process: hash
   tables (`tf.lookup.experimental.MutableHashTable`) from id to row slot, from
   slot to id, and from slot to (stamp, last-seen step), a stack of freed slots
   and a few counters. A value below 0 in the id -> slot table is the count of
   an id not admitted yet (`-count - 1`), so admission needs no second table.
-  Every change to the index runs inside one `tf.CriticalSection`, so replicas
-  (and asynchronous workers) admitting ids at once cannot race. The index is
-  made of lookup tables, not variables, because a variable created under a
+  Every change to the index runs inside one `tf.CriticalSection`, so callers
+  admitting ids at once (asynchronous workers) cannot race. The index is made
+  of lookup tables, not variables, because a variable created under a
   strategy's scope is copied per replica, and the replicas must share one.
 * The *rows* (`DynamicEmbedding.rows`), an ordinary trainable variable that
   the strategy places like any other (mirrored copies, the host), read with
@@ -22,22 +23,28 @@ of a `[capacity, dim]` variable. It has two halves:
 A row's initial value depends only on (seed, id): `initial_rows` hashes
 (seed, id, column) with SplitMix64 in TF's uint64 arithmetic. Rows are not
 written when an id is admitted (a replica cannot write a mirrored variable
-alone); the lookup reads the initial value wherever the slot's stamp in the
-index differs from the row's stamp (a new id in a reused slot), and the
+alone); a lookup reads the initial value wherever the slot's stamp in the
+index differs from the row's stamp (a new id, or a reused slot), and the
 optimizer's update first resets such rows (and their optimizer slots) to the
-initial value, then applies the gradient. So results do not depend on the
-order ids arrive in, and every replica's copy stays the same.
+initial value, then applies the gradient.
 
-Admission: an id seen fewer than `min_count` times (counted over the
-training lookups) reads a shared default row. Eviction is least-recently
-used: when the table is full, a new id takes the slot of the id looked up
-longest ago (never one looked up at the current step); with `ttl_steps`, a
-sweep every `ceil(ttl_steps / 8)` steps frees ids not seen for `ttl_steps`
-steps. With eviction off (`eviction=None`) a full table refuses new ids: they
-read the default row and are counted (`refused`).
+Admission is decided once a step on the ids of the whole global batch (the
+layer gathers them from every replica), and an id admitted at step t reads
+its row from step t + 1 on (at step t it still reads the default row). So
+what a step reads does not depend on how its batch is split over replicas or
+in what order replicas reach the table: the same ids are admitted and every
+id gets the same row under one device, several replicas or several workers.
+An id counts once per lookup; after `min_count` lookups it is admitted.
+
+Eviction is least-recently used: when the table is full, a new id takes the
+slot of the id seen longest ago (ties broken by id, never an id seen at the
+current step). With `ttl_steps`, a sweep every `ceil(ttl_steps / 8)` steps
+frees ids not seen for `ttl_steps` steps. With eviction off (`eviction=None`)
+a full table refuses new ids: they read the default row and are counted
+(`refused`); which of a step's new ids are refused then follows their order.
 
 The step is the optimizer's `iterations` once `trainer.optim` has built for
-the rows (`use_clock`); a table used on its own counts its training lookups.
+the rows (`use_clock`); a table used on its own counts its admission calls.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import tensorflow as tf
 DEFAULT_CAPACITY = 2**18  # rows per table: 32 MB of float32 rows at width 32
 ROW_SCALE = 0.05  # initial rows are uniform in [-ROW_SCALE, ROW_SCALE), as Keras's "uniform"
 EVICTIONS = ("lru", None)
-COUNTERS = ("fresh", "stamp", "free", "calls", "swept", "admitted", "evicted", "refused")
+COUNTERS = ("fresh", "free", "calls", "swept", "admitted", "evicted", "refused")
 _C = {name: index for index, name in enumerate(COUNTERS)}
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -90,10 +97,9 @@ def initial_rows(seed: int, keys: tf.Tensor, dim: int) -> tf.Tensor:
 
 
 class DynamicTable(tf.Module):
-    """The index of one dynamic table: ids -> row slots, admission and eviction.
+    """The index of one dynamic table: int64 ids -> row slots, admission and eviction.
 
     Args:
-      key_dtype: `tf.int64` or `tf.string`.
       capacity: the most rows (slots) the table holds.
       min_count: lookups an id needs before it gets a row.
       ttl_steps: free the rows of ids not seen for this many steps (0: never).
@@ -103,7 +109,6 @@ class DynamicTable(tf.Module):
 
     def __init__(
         self,
-        key_dtype: tf.DType,
         capacity: int,
         min_count: int = 1,
         ttl_steps: int = 0,
@@ -111,27 +116,33 @@ class DynamicTable(tf.Module):
         name: str = "table",
     ):
         super().__init__(name=name)
-        self.key_dtype = key_dtype
         self.capacity = int(capacity)
         self.min_count = int(min_count)
         self.ttl_steps = int(ttl_steps)
         self.eviction = eviction
         self.sweep_every = max(1, math.ceil(self.ttl_steps / 8))
-        empty_key = "" if key_dtype == tf.string else 0
         with tf.device("/cpu:0"):
-            self.index = tf.lookup.experimental.MutableHashTable(key_dtype, tf.int64, -1)
-            self.slot_keys = tf.lookup.experimental.MutableHashTable(tf.int64, key_dtype, empty_key)
-            self.slot_info = tf.lookup.experimental.MutableHashTable(
-                tf.int64, tf.int64, tf.constant([-1, -1], tf.int64)
-            )
-            self.free = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
-            self.counters = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
+            self.index = self._hash_table(-1)
+            self.slot_keys = self._hash_table(0)
+            self.slot_info = self._hash_table(tf.constant([-1, -1], tf.int64))
+            self.free = self._hash_table(-1)
+            self.counters = self._hash_table(0)
         self._lock = tf.CriticalSection(name=f"{name}_lock")
         self._clock = None
+
+    @staticmethod
+    def _hash_table(default) -> tf.lookup.experimental.MutableHashTable:
+        return tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, default)
 
     def use_clock(self, step: tf.Variable) -> None:
         """Takes the step from `step` (the optimizer's `iterations`) instead of counting calls."""
         self._clock = step
+
+    def now(self) -> tf.Tensor:
+        """The current step."""
+        if self._clock is not None:
+            return tf.cast(tf.convert_to_tensor(self._clock), tf.int64)
+        return self.counter("calls")
 
     # Counters.
 
@@ -151,81 +162,78 @@ class DynamicTable(tf.Module):
 
     # Lookups.
 
-    def find(self, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """Slots and stamps of `keys` (1-D), -1 where an id holds no row; changes nothing."""
+    def find(self, keys: tf.Tensor, step: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+        """Slots and stamps of int64 `keys` (1-D); changes nothing.
+
+        The slot is -1 where an id holds no row, or (given `step`) was admitted
+        at `step` or later.
+        """
         slots = tf.reshape(self.index.lookup(keys), [-1])
         slots = tf.where(slots >= 0, slots, -1)
-        return slots, self.stamps(slots)
+        stamps = self.stamps(slots)
+        if step is not None:
+            slots = tf.where(stamps // self.capacity < step, slots, -1)
+        return slots, stamps
 
     def stamps(self, slots: tf.Tensor) -> tf.Tensor:
-        """The stamp of each slot's current id (-1 for a free slot)."""
+        """The stamp of each slot's current id: `capacity * admission step + slot` (-1: free)."""
         return tf.reshape(self.slot_info.lookup(slots), [-1, 2])[:, 0]
 
     def keys_of(self, slots: tf.Tensor) -> tf.Tensor:
         """The id each slot holds."""
         return tf.reshape(self.slot_keys.lookup(slots), [-1])
 
-    def admit(self, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """Counts `keys` (1-D), admits those seen `min_count` times; their slots and stamps.
+    def admit(self, keys: tf.Tensor) -> tf.Operation:
+        """Counts int64 `keys` (1-D, a step's), admits those seen `min_count` times.
 
-        A key that holds no row (not admitted yet, or refused by a full table)
-        gets slot -1. Every key's last-seen step becomes the current step.
+        Every key's last-seen step becomes the current step; ids admitted now
+        are found from the next step on. Then, if due, the TTL sweep.
         """
         return self._lock.execute(lambda: self._admit(keys))
 
-    def _step(self):
-        if self._clock is not None:
-            return tf.cast(tf.convert_to_tensor(self._clock), tf.int64)
-        calls = self.counter("calls")
-        with tf.control_dependencies([self._set("calls", calls + 1)]):
-            return tf.identity(calls)
-
-    def _admit(self, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        step = self._step()
-        if self.ttl_steps:
-            step = self._maybe_sweep(step)
+    def _admit(self, keys: tf.Tensor) -> tf.Tensor:
+        step = self.now()
         unique, position = tf.unique(keys)
         seen = tf.math.unsorted_segment_sum(
             tf.ones_like(position, tf.int64), position, tf.size(unique)
         )
         value = tf.reshape(self.index.lookup(unique), [-1])
         held = value >= 0
-        slots = tf.where(held, value, -1)
-        stamps = self._touch(tf.boolean_mask(slots, held), step)
-        stamps = tf.tensor_scatter_nd_update(
-            tf.fill(tf.shape(slots), tf.constant(-1, tf.int64)), tf.where(held), stamps
-        )
+        touched = self._touch(tf.boolean_mask(value, held), step)
         counts = tf.where(held, tf.zeros_like(value), -value - 1) + seen
-        wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
-        new_slots = self._allocate(tf.size(wanted, out_type=tf.int64), step)
+        with tf.control_dependencies([touched]):
+            wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
+            new_slots = self._allocate(tf.size(wanted, out_type=tf.int64), step)
         granted = wanted[: tf.size(new_slots)]
-        new_stamps = self.counter("stamp") + tf.range(tf.size(new_slots, out_type=tf.int64))
         new_keys = tf.gather(unique, granted)
-        slots = tf.tensor_scatter_nd_update(slots, granted[:, None], new_slots)
-        stamps = tf.tensor_scatter_nd_update(stamps, granted[:, None], new_stamps)
-        waiting = slots < 0
+        new_stamps = step * self.capacity + new_slots
+        admitted = tf.scatter_nd(
+            granted[:, None], tf.ones_like(granted, tf.bool), tf.shape(held, out_type=tf.int64)
+        )
+        waiting = ~held & ~admitted
         updates = [
             self.index.insert(new_keys, new_slots),
             self.slot_keys.insert(new_slots, new_keys),
             self.slot_info.insert(
                 new_slots, tf.stack([new_stamps, tf.fill(tf.shape(new_stamps), step)], 1)
             ),
-            self._add("stamp", tf.size(new_slots)),
             self._add("admitted", tf.size(new_slots)),
             self._add("refused", tf.size(wanted) - tf.size(new_slots)),
             self.index.insert(
                 tf.boolean_mask(unique, waiting), -tf.boolean_mask(counts, waiting) - 1
             ),
         ]
+        if self._clock is None:
+            updates.append(self._set("calls", step + 1))
         with tf.control_dependencies(updates):
-            return tf.gather(slots, position), tf.gather(stamps, position)
+            if self.ttl_steps:  # after the touch: an id seen now is never swept now
+                return self._maybe_sweep(step)
+            return tf.constant(True)
 
-    def _touch(self, slots: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-        """Marks `slots` seen at `step`; returns their stamps."""
-        stamps = self.stamps(slots)
-        seen = tf.stack([stamps, tf.fill(tf.shape(stamps), step)], 1)
-        with tf.control_dependencies([self.slot_info.insert(slots, seen)]):
-            return tf.identity(stamps)
+    def _touch(self, slots: tf.Tensor, step: tf.Tensor):
+        """Marks `slots` seen at `step`."""
+        seen = tf.stack([self.stamps(slots), tf.fill(tf.shape(slots), step)], 1)
+        return self.slot_info.insert(slots, seen)
 
     # Allocation and eviction.
 
@@ -249,9 +257,11 @@ class DynamicTable(tf.Module):
         def evict():
             slots, info = self._export()
             older = info[:, 1] < step
-            # Oldest first; ties by slot, so the choice does not depend on the export's order.
-            order = tf.sort(tf.boolean_mask(info[:, 1] * self.capacity + slots, older))
-            chosen = order[:count] % self.capacity
+            slots, last_seen = tf.boolean_mask(slots, older), tf.boolean_mask(info[:, 1], older)
+            # Oldest first, ties by id: the choice depends on neither slots nor export order.
+            order = tf.argsort(self.keys_of(slots), stable=True)
+            order = tf.gather(order, tf.argsort(tf.gather(last_seen, order), stable=True))
+            chosen = tf.gather(slots, order[:count])
             with tf.control_dependencies([self._release(chosen, "evicted")]):
                 return tf.identity(chosen)
 
@@ -264,9 +274,8 @@ class DynamicTable(tf.Module):
 
     def _release(self, slots: tf.Tensor, counter: str):
         """Forgets the ids of `slots` (they are counted from zero if they come back)."""
-        keys = self.keys_of(slots)
         return tf.group(
-            self.index.remove(keys),
+            self.index.remove(self.keys_of(slots)),
             self.slot_keys.remove(slots),
             self.slot_info.remove(slots),
             self._add(counter, tf.size(slots)),
@@ -282,15 +291,15 @@ class DynamicTable(tf.Module):
             free = self.counter("free")
             count = tf.size(expired, out_type=tf.int64)
             with tf.control_dependencies([self._release(expired, "evicted")]):
-                return tf.group(
+                done = tf.group(
                     self.free.insert(tf.range(free, free + count), expired),
                     self._set("free", free + count),
                     self._set("swept", step + 1),
                 )
+            with tf.control_dependencies([done]):
+                return tf.constant(True)
 
-        done = tf.cond(due, sweep, tf.no_op)
-        with tf.control_dependencies([done]):
-            return tf.identity(step)
+        return tf.cond(due, sweep, lambda: tf.constant(False))
 
 
 _ROWS: dict[int, weakref.ref] = {}
