@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from strategies.errors import UserError
+from tests.helpers import checkpoint_values
 from tests.test_models import tiny_ctr_config
 from trainer import optim, tables, train
 from trainer.layers import DynamicEmbedding
@@ -203,3 +204,26 @@ def test_one_device_and_mirrored_admit_the_same_ids_with_the_same_rows(tmp_path)
     assert len(one) > 100 and sorted(one) == sorted(mirrored)
     for key, row in one.items():
         np.testing.assert_allclose(mirrored[key], row, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_path):
+    options = {"capacity": 300, "ttl_steps": 8}  # evictions and sweeps on the way
+    straight = _ctr_config("one_device", 20, **options)
+    train.train_and_evaluate(straight, str(tmp_path / "straight"))
+    train.train_and_evaluate(_ctr_config("one_device", 10, **options), str(tmp_path / "resumed"))
+    results = train.train_and_evaluate(straight, str(tmp_path / "resumed"))
+    assert results["step"] == 20
+    a, b = (checkpoint_values(tmp_path / run) for run in ("straight", "resumed"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    rows, resumed_rows = (_rows_by_id(straight, tmp_path / run) for run in ("straight", "resumed"))
+    assert sorted(rows) == sorted(resumed_rows)
+    for key, row in rows.items():
+        np.testing.assert_array_equal(resumed_rows[key], row)
+    reader = tf.train.load_checkpoint(str(tmp_path / "straight" / "checkpoints"))
+    (keys,) = [
+        n for n in reader.get_variable_to_shape_map() if "counters/.ATTRIBUTES/table-keys" in n
+    ]
+    counters = dict(zip(reader.get_tensor(keys), reader.get_tensor(keys.replace("keys", "values"))))
+    assert counters[tables.COUNTERS.index("evicted")] > 0, "rows were evicted on the way"
