@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from strategies.errors import UserError
-from tests.helpers import checkpoint_values
+from tests.helpers import checkpoint_values, launch
 from tests.test_models import tiny_ctr_config
 from trainer import optim, tables, train
 from trainer.layers import DynamicEmbedding
@@ -227,3 +227,25 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_pat
     ]
     counters = dict(zip(reader.get_tensor(keys), reader.get_tensor(keys.replace("keys", "values"))))
     assert counters[tables.COUNTERS.index("evicted")] > 0, "rows were evicted on the way"
+
+
+def test_under_parameter_server_it_is_one_line_and_exit_2(tmp_path):
+    result = launch(
+        "--workers=1",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        "--config=configs/ctr.py",
+        "--config.model.embedding=dynamic",
+        "--model_dir=run",
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stdout.splitlines() if "error:" in line]
+    assert errors == [
+        "[chief] error: `DynamicEmbedding` 'embedding' cannot be split over parameter servers "
+        "yet (its table would sit on the coordinator); train it under `mirrored`, `one_device`, "
+        "`central_storage` or `multi_worker`, or use a `ShardedEmbedding` (ctr: "
+        "`--config.model.embedding=hashed`)."
+    ], result.stdout[-3000:]
+    assert not (tmp_path / "run").exists()

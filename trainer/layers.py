@@ -440,6 +440,15 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def __call__(self, inputs, *args, **kwargs):
         # Checked before Keras's `__call__`, which adds lines about the call to any error.
+        if isinstance(
+            tf.distribute.get_strategy(), tf.distribute.experimental.ParameterServerStrategy
+        ):
+            raise UserError(
+                f"`DynamicEmbedding` '{self.name}' cannot be split over parameter servers yet "
+                "(its table would sit on the coordinator); train it under `mirrored`, "
+                "`one_device`, `central_storage` or `multi_worker`, or use a `ShardedEmbedding` "
+                "(ctr: `--config.model.embedding=hashed`)."
+            )
         dtype = keras.backend.standardize_dtype(inputs.dtype)
         strings = dtype == "string"
         if strings != (self.key_dtype == "string") or dtype.startswith(("float", "bool")):

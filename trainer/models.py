@@ -78,6 +78,8 @@ def _built_in(builder: Builder, spec: DataSpec, config: ml_collections.ConfigDic
     """A built-in model; Keras rejecting a value of our `model` config is a config mistake."""
     try:
         return builder(spec, config)
+    except UserError:
+        raise  # already one line naming the field
     except (ValueError, TypeError) as e:
         raise UserError(
             f"`model.name` '{config.name}' could not be built from the `model` config: "
