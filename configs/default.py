@@ -212,7 +212,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.sidecar_timeout = 600.0  # evaluator task: seconds to wait for a new checkpoint
 
     c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.name = "adam"  # sgd | momentum | adam | adamw
+    c.optimizer.name = "adam"  # sgd | momentum | adam | adamw | adagrad | ftrl
     c.optimizer.learning_rate = 1e-3  # peak learning rate
     c.optimizer.momentum = 0.9  # momentum: the momentum coefficient
     c.optimizer.weight_decay = 1e-4  # adamw: decoupled weight decay
