@@ -413,9 +413,9 @@ def _actions(
         actions.rates(config.train.global_batch_size, lambda: float(job.optimizer.learning_rate)),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
-        actions.Action(actions.Preemption(member.watch_preemption(), checkpointer.save, say)),
+        actions.preemption(member.watch_preemption(), checkpointer.save, say),
         # A single process has no other task to lose; the watchdog then never reports.
-        actions.Action(actions.Watchdog(faults.Watchdog(member.lost_tasks, say))),
+        actions.watchdog(faults.Watchdog(member.lost_tasks, say)),
     ]
     if config.train.profile_steps:  # on every task: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
