@@ -357,17 +357,19 @@ def _train(
     if checkpointer.latest is None:
         checkpointer.save(step)  # a good state to fall back to if the loss blows up
     gb = config.train.global_batch_size
-    train_step = steps.make_train_step(
-        job.model,
-        job.optimizer,
-        job.task,
-        gb,
-        config.optimizer.clip_global_norm,
-        config.train.jit_compile,
-        job.custom_step,
-        config.train.accumulation_steps,
-        strategy.gradient_transfer,
-    )
+    if job.custom_step is not None:  # a task's own step, which applies its own gradients
+        train_step = steps.CustomTrainStep(job.custom_step, job.model, job.optimizer, job.task, gb)
+    else:
+        train_step = steps.TrainStep(
+            job.model,
+            job.optimizer,
+            job.task,
+            gb,
+            config.optimizer.clip_global_norm,
+            config.train.jit_compile,
+            config.train.accumulation_steps,
+            strategy.gradient_transfer,
+        )
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
 
     def run_block(n: int) -> dict:
