@@ -22,7 +22,9 @@ by the layers of `trainer.layers` under the sharding policy of the options
 (`InputContext(num_workers, worker index)`) and applies its updates as it
 goes: there is no synchronisation between workers (asynchronous training).
 
-Two options change how updates meet (`config.strategy.parameter_server`):
+Two options change how updates meet (`config.strategy.parameter_server`);
+the plugin chooses its update mode once, at start, as one small runner
+(`updates`: `run`, `report`, `describe`):
 
 - `sync_replicas = k` (0: asynchronous): synchronous training with spare
   replicas; each update averages the first k of the n workers' gradients,
@@ -68,26 +70,37 @@ class ParameterServer(Strategy):
         )
         self._cluster = self.membership.cluster  # the plugin reads it often
         self._check_update_options()
-        self.coordinator = None
-        self._sync: ps_sync.SyncReplicas | None = None
-        self._updates = None  # async: the cluster's update counter, on a ps task
         self._block_steps = 0
         timeout = self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S)
         setting = "strategy.parameter_server.startup_timeout_seconds"
         if self.membership.role != "evaluate":  # the evaluator is not part of the training cluster
             cluster_lib.start_up(self._cluster, timeout, setting)
-        if self.membership.role != "train":  # servers and the evaluator: no cluster-wide strategy
-            return tf.distribute.get_strategy()
+        strategy, self.coordinator = tf.distribute.get_strategy(), None
+        if self.membership.role == "train":  # servers and the evaluator: no cluster-wide strategy
+            with tf_start.bounded(timeout, setting, self._cluster.task_name):
+                strategy = self._coordinated_strategy()
+            self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        # The update mode, chosen once: synchronous with spare replicas, or asynchronous.
+        workers = self._cluster.num_workers
+        if self.sync_replicas:
+            self.updates = ps_sync.SyncUpdates(
+                strategy, self.coordinator, self.sync_replicas, workers
+            )
+        else:
+            self.updates = ps_staleness.AsyncUpdates(
+                strategy, self.coordinator, self.staleness, self.warmup_steps, workers
+            )
+        return strategy
+
+    def _coordinated_strategy(self) -> tf.distribute.ParameterServerStrategy:
+        """The chief's strategy over the training cluster (the evaluator has no server)."""
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(self._cluster.as_dict()),  # no evaluator: it has no server
+            tf.train.ClusterSpec(self._cluster.as_dict()),
             task_type="chief",
             task_id=0,
             rpc_layer=self._cluster.rpc_layer,
         )
-        with tf_start.bounded(timeout, setting, self._cluster.task_name):
-            strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=None)
-        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        return strategy
+        return tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=None)
 
     def _check_update_options(self) -> None:
         """Reads `sync_replicas`, `staleness`, `warmup_steps`, `test_straggler`; one line if bad."""
@@ -121,7 +134,7 @@ class ParameterServer(Strategy):
 
     @property
     def splits_steps(self) -> bool:
-        return bool(self.sync_replicas) or self.staleness.mode != "none"
+        return self.updates.splits_steps
 
     @property
     def compute_devices(self) -> list[str]:
@@ -141,22 +154,8 @@ class ParameterServer(Strategy):
             placement = (
                 f"round-robin, big ones sharded by the {self.policy.partitioner} partitioner"
             )
-        workers = self._cluster.num_workers
         where = f"variables on {self._cluster.num_ps} ps task(s) ({placement}); "
-        if self.sync_replicas:
-            return where + (
-                f"synchronous with {workers - self.sync_replicas} spare worker(s): each step "
-                f"all {workers} workers push their gradients to accumulators on the ps tasks, "
-                f"and one update averages the first {self.sync_replicas}; late ones are dropped"
-            )
-        how = [
-            f"{workers} workers each pull the variables and push their gradients "
-            "asynchronously, scheduled by the chief; staleness recorded",
-            self.staleness.describe(),
-        ]
-        if self.warmup_steps:
-            how.append(f"the first {self.warmup_steps} steps on one worker")
-        return where + ", ".join(filter(None, how))
+        return where + self.updates.describe()
 
     def describe(self, variables=()) -> dict:
         return {
@@ -201,51 +200,14 @@ class ParameterServer(Strategy):
         return self.coordinator.create_per_worker_dataset(per_worker_dataset)
 
     def run_steps(self, step_fn: TrainStepProtocol, iterator, n: int) -> dict[str, float]:
-        """Runs `n` steps: synchronous ones (`sync_replicas`), or split over the workers.
-
-        Asynchronously, each closure runs its share of the steps in one
-        `tf.function`, each step applying its own update; a closure that a
-        failed worker did not finish runs again on another worker. The first
-        `warmup_steps` steps of the job run on one worker alone.
-        """
+        """Runs `n` steps in the update mode the options chose (`updates`)."""
         self._block_steps = n
-        if self.sync_replicas:
-            if self._sync is None:
-                self._sync = ps_sync.SyncReplicas(
-                    self.tf_strategy,
-                    self.coordinator,
-                    step_fn,
-                    self.sync_replicas,
-                    self._cluster.num_workers,
-                )
-            return _to_floats(self._sync.run(iterator, n))
-        if self._updates is None:
-            with self.tf_strategy.scope():  # on a ps task; counts this run's updates
-                self._updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates")
-        loop = self._compile(
-            "train",
-            step_fn,
-            lambda fn: ps_staleness.make_loop(self.tf_strategy, fn, self.staleness, self._updates),
-        )
-        alone = min(n, max(0, self.warmup_steps - _steps_done(step_fn, self._updates)))
-        results = []
-        if alone:  # warm-up: one worker, no staleness; the others join after it
-            results.append(self.coordinator.schedule(loop, args=(iterator, _int64(alone))))
-            self.coordinator.join()
-        workers, rest = self._cluster.num_workers, n - alone
-        shares = [len(range(i, rest, workers)) for i in range(min(rest, workers))]
-        results += [self.coordinator.schedule(loop, args=(iterator, _int64(s))) for s in shares]
-        self.coordinator.join()
-        sums = [result.fetch() for result in results]
-        return _to_floats(tf.nest.map_structure(lambda *parts: tf.add_n(parts), *sums))
+        return _to_floats(self.updates.run(step_fn, iterator, n))
 
     def report(self, sums: dict) -> tuple[dict, dict, dict]:
         """Synchronous: gradients averaged and dropped per update; async: staleness."""
-        own = ps_sync.SUMS if self.sync_replicas else ps_staleness.SUMS
-        task_sums = {k: v for k, v in sums.items() if k not in own}
-        if self.sync_replicas:
-            return task_sums, *ps_sync.report(sums, self._block_steps)
-        return task_sums, *ps_staleness.report(sums, self._block_steps, self.staleness)
+        task_sums = {k: v for k, v in sums.items() if k not in self.updates.own_sums}
+        return task_sums, *self.updates.report(sums, self._block_steps)
 
     def evaluate(self, step_fn: StepFn, dataset_fn: DatasetFn) -> dict[str, float]:
         """One pass over the eval data on the chief, reading the variables from the ps tasks."""
@@ -265,15 +227,6 @@ def _parameter_server_cluster(cluster: cluster_lib.ClusterSpec | None) -> cluste
             "--strategy=parameter_server`."
         )
     return cluster
-
-
-def _int64(value: int) -> tf.Tensor:
-    return tf.constant(value, tf.int64)
-
-
-def _steps_done(step_fn: TrainStepProtocol, updates: tf.Variable) -> int:
-    """The job's step: the optimizer's counter, else the updates this run counted."""
-    return int((step_fn.iterations if step_fn.has_halves else updates).numpy())
 
 
 def _straggler(text: str, workers: int) -> tuple[int, float] | None:

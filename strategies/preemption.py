@@ -11,7 +11,7 @@ and calls `check(save)` after every loop:
   through the coordination service which loop to stop after; every worker
   saves at that same step (the save is collective) and raises `Preempted`.
 
-The command line turns `Preempted` into exit status `PREEMPTED_EXIT_CODE`
+The command line turns `Preempted` into exit status `errors.PREEMPTED_EXIT_CODE`
 (143 = 128 + SIGTERM), which schedulers treat as "restart me" (a TFJob's
 `ExitCode` restart policy retries 128-255). The restarted job resumes from
 that checkpoint and loses no steps. This module imports TensorFlow only
@@ -32,7 +32,6 @@ from strategies import scratch
 if TYPE_CHECKING:
     import tensorflow as tf
 
-PREEMPTED_EXIT_CODE = 143
 TEARDOWN_S = 10.0  # the longest a healthy cluster takes to stop the handler's watchers
 Save = Callable[[], object]
 

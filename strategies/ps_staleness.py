@@ -22,7 +22,8 @@ block reports a histogram of it and its mean (TensorBoard: `staleness`,
   see it, and the step counter does not move).
 
 `strategy.parameter_server.warmup_steps` runs the job's first steps on one
-worker alone (no staleness) before the others join.
+worker alone (no staleness) before the others join. `AsyncUpdates` is the
+plugin's runner for this mode (`ps_sync.SyncUpdates` is the other one).
 """
 
 from __future__ import annotations
@@ -74,6 +75,80 @@ class Staleness:
         if self.mode == "drop_above":
             return f"updates staler than {self.limit} dropped"
         return ""
+
+
+class AsyncUpdates:
+    """`parameter_server`'s asynchronous mode: each worker applies its own updates as it goes.
+
+    A block's steps are split over the workers, one closure each; each runs
+    its share in one `tf.function`, each step applying its own update, and a
+    closure that a failed worker did not finish runs again on another worker.
+    The first `warmup_steps` steps of the job run on one worker alone. Every
+    update's staleness is recorded (and acted on, as `policy` says).
+
+    Args:
+      strategy: the chief's `tf.distribute.ParameterServerStrategy`.
+      coordinator: its `ClusterCoordinator`.
+      policy: what to do with a stale update.
+      warmup_steps: the job's first steps, run on one worker alone.
+      workers: the worker tasks.
+    """
+
+    own_sums = SUMS
+
+    def __init__(self, strategy, coordinator, policy: Staleness, warmup_steps: int, workers: int):
+        self.strategy, self.coordinator = strategy, coordinator
+        self.policy, self.warmup_steps, self.workers = policy, warmup_steps, workers
+        self._updates = None  # the cluster's update counter, on a ps task; made on first use
+        self._loops: dict = {}  # train step -> its traced loop
+
+    @property
+    def splits_steps(self) -> bool:
+        """Whether the step's halves run apart (any policy but `none`)."""
+        return self.policy.mode != "none"
+
+    def describe(self) -> str:
+        """How updates meet, for the start-up line."""
+        how = [
+            f"{self.workers} workers each pull the variables and push their gradients "
+            "asynchronously, scheduled by the chief; staleness recorded",
+            self.policy.describe(),
+        ]
+        if self.warmup_steps:
+            how.append(f"the first {self.warmup_steps} steps on one worker")
+        return ", ".join(filter(None, how))
+
+    def run(self, step: TrainStepProtocol, iterator, n: int) -> dict:
+        """Runs `n` steps split over the workers; returns their sums and the staleness records."""
+        if self._updates is None:
+            with self.strategy.scope():  # on a ps task; counts this run's updates
+                self._updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates")
+        if step not in self._loops:
+            self._loops[step] = make_loop(self.strategy, step, self.policy, self._updates)
+        loop = self._loops[step]
+        alone = min(n, max(0, self.warmup_steps - self._steps_done(step)))
+        results = []
+        if alone:  # warm-up: one worker, no staleness; the others join after it
+            results.append(self.coordinator.schedule(loop, args=(iterator, _int64(alone))))
+            self.coordinator.join()
+        rest = n - alone
+        shares = [len(range(i, rest, self.workers)) for i in range(min(rest, self.workers))]
+        results += [self.coordinator.schedule(loop, args=(iterator, _int64(s))) for s in shares]
+        self.coordinator.join()
+        sums = [result.fetch() for result in results]
+        return tf.nest.map_structure(lambda *parts: tf.add_n(parts), *sums)
+
+    def report(self, sums: dict, steps: int) -> tuple[dict, dict]:
+        """The block's staleness (see `report`)."""
+        return report(sums, steps, self.policy)
+
+    def _steps_done(self, step: TrainStepProtocol) -> int:
+        """The job's step: the optimizer's counter, else the updates this run counted."""
+        return int((step.iterations if step.has_halves else self._updates).numpy())
+
+
+def _int64(value: int) -> tf.Tensor:
+    return tf.constant(value, tf.int64)
 
 
 def make_loop(

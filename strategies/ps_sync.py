@@ -252,6 +252,43 @@ class SyncReplicas:
         }
 
 
+class SyncUpdates:
+    """`parameter_server`'s synchronous mode with spare replicas (`sync_replicas` = k > 0).
+
+    Builds its `SyncReplicas` (accumulators and queues on the ps tasks) for
+    the train step it is first given; the step's halves always run apart.
+    """
+
+    own_sums = SUMS
+    splits_steps = True
+
+    def __init__(self, strategy, coordinator, replicas: int, workers: int):
+        self.strategy, self.coordinator = strategy, coordinator
+        self.replicas, self.workers = replicas, workers
+        self._sync: SyncReplicas | None = None
+
+    def describe(self) -> str:
+        """How updates meet, for the start-up line."""
+        k, n = self.replicas, self.workers
+        return (
+            f"synchronous with {n - k} spare worker(s): each step all {n} workers push their "
+            f"gradients to accumulators on the ps tasks, and one update averages the first "
+            f"{k}; late ones are dropped"
+        )
+
+    def run(self, step: TrainStepProtocol, iterator, n: int) -> dict:
+        """Runs `n` synchronous steps; returns the workers' sums and the block's records."""
+        if self._sync is None:
+            self._sync = SyncReplicas(
+                self.strategy, self.coordinator, step, self.replicas, self.workers
+            )
+        return self._sync.run(iterator, n)
+
+    def report(self, sums: dict, steps: int) -> tuple[dict, dict]:
+        """The block's synchronous figures (see `report`)."""
+        return report(sums, steps)
+
+
 def report(sums: dict, steps: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """The block's synchronous figures: scalars for the metrics, per-worker histograms.
 

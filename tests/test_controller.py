@@ -1,5 +1,7 @@
 """The controller: block lengths from the actions' schedules, action order, stop and skip."""
 
+import contextlib
+
 from trainer import controller
 from trainer.controller import Action, Controller, Output
 from trainer.loop_length import LoopLength
@@ -81,32 +83,46 @@ def test_skip_block_drops_the_rest_of_its_actions():
     assert seen == [10, 20, 30]
 
 
-def test_actions_as_context_managers_wrap_the_loop_and_each_block():
+def test_an_actions_hooks_wrap_the_loop_and_each_block():
     counter, events = Counter(), []
 
-    class Watch:
-        def __enter__(self):
-            events.append("enter")
+    @contextlib.contextmanager
+    def around(what):
+        events.append(f"enter {what}")
+        yield
+        events.append(f"exit {what}")
 
-        def __exit__(self, *exc):
-            events.append("exit")
+    action = Action(
+        lambda output: events.append(f"after {output.step}"),
+        loop=lambda: around("loop"),
+        block=lambda step: around(f"block {step}"),
+    )
+    make(counter, 20, [action], steps_per_loop=10).train()
+    assert events == [
+        "enter loop",
+        "enter block 0",
+        "exit block 0",
+        "after 10",
+        "enter block 10",
+        "exit block 10",
+        "after 20",
+        "exit loop",
+    ]
 
-        def block(self, step):
-            events.append(f"block {step}")
-            return Watch.Nothing()
 
-        def __call__(self, output):
-            events.append(f"after {output.step}")
+def test_an_action_of_hooks_only_is_never_called_but_still_ends_blocks():
+    counter, blocks = Counter(), []
 
-        class Nothing:
-            def __enter__(self):
-                pass
+    def stop(output: Output) -> None:
+        raise controller.StopTraining("enough")
 
-            def __exit__(self, *exc):
-                pass
+    def block(step: int) -> contextlib.AbstractContextManager:
+        blocks.append(step)
+        return contextlib.nullcontext()
 
-    make(counter, 20, [Action(Watch())], steps_per_loop=10).train()
-    assert events == ["enter", "block 0", "after 10", "block 10", "after 20", "exit"]
+    hooks_only = Action(None, every=0, at_end=True, at_steps=(3,), block=block)
+    make(counter, 20, [hooks_only, Action(stop, every=7)], steps_per_loop=10).train()
+    assert counter.blocks == [3, 4] and blocks == [0, 3]
 
 
 def test_steps_until_next_event_never_passes_the_end():

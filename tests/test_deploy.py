@@ -17,8 +17,8 @@ import yaml
 from absl import flags
 
 from strategies import cluster, discovery
-from strategies.preemption import PREEMPTED_EXIT_CODE
-from trainer import cli, faults
+from strategies.errors import PREEMPTED_EXIT_CODE, TASK_LOST_EXIT_CODE
+from trainer import cli
 
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
 MANIFESTS = {
@@ -152,7 +152,7 @@ def test_only_preemption_and_a_lost_task_restart_the_jobset(name):
     assert policy["maxRestarts"] >= 1
     (rule,) = policy["rules"]  # and by default: restart
     assert (rule["action"], rule["onJobFailureReasons"]) == ("FailJobSet", ["PodFailurePolicy"])
-    retried = sorted([PREEMPTED_EXIT_CODE, faults.TASK_LOST_EXIT_CODE])
+    retried = sorted([PREEMPTED_EXIT_CODE, TASK_LOST_EXIT_CODE])
     for replicated in jobset["spec"]["replicatedJobs"]:
         job = replicated["template"]["spec"]
         assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from strategies import cluster
+from strategies import cluster, errors
 from tests.helpers import run_cli, start_cli, tiny_config
 from trainer import faults, lock, train
 
@@ -60,7 +60,7 @@ def test_divergence_is_one_line_and_exit_code_3(tmp_path):
         "--model_dir=run",
         cwd=str(tmp_path),
     )
-    assert result.returncode == faults.DIVERGED_EXIT_CODE
+    assert result.returncode == errors.DIVERGED_EXIT_CODE
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "last good checkpoint" in lines[0], result.stderr
     assert _all_checkpoints_finite(tmp_path / "run")
@@ -96,7 +96,7 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
                 proc.send_signal(signal.SIGTERM)
                 break
         out = proc.stdout.read()
-        assert proc.wait(timeout=120) == faults.PREEMPTED_EXIT_CODE
+        assert proc.wait(timeout=120) == errors.PREEMPTED_EXIT_CODE
     finally:
         proc.kill()
         proc.wait()

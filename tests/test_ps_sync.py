@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import configs.default
 import strategies
-from strategies import cluster
+from strategies import cluster, ps_staleness, ps_sync
 from strategies.errors import UserError
 from tests.helpers import launch, launch_and_signal, one_line_error, run_cli, tiny_config
 from trainer import train
@@ -290,6 +290,23 @@ def test_the_defaults_are_asynchronous_and_say_so(monkeypatch):
     assert (plugin.sync_replicas, plugin.staleness.mode, plugin.warmup_steps) == (0, "none", 0)
     assert not plugin.splits_steps
     assert "asynchronously" in plugin.communication
+
+
+@pytest.mark.parametrize(
+    "options, mode, splits, says",
+    [
+        ({"sync_replicas": 2}, ps_sync.SyncUpdates, True, "averages the first 2"),
+        ({"staleness": "scale"}, ps_staleness.AsyncUpdates, True, "divided by 1 + staleness"),
+        ({"warmup_steps": 3}, ps_staleness.AsyncUpdates, False, "first 3 steps on one worker"),
+    ],
+)
+def test_the_update_mode_is_chosen_once_from_the_options(monkeypatch, options, mode, splits, says):
+    monkeypatch.setenv("TF_CONFIG", cluster.make_tf_config(PS_CLUSTER, "evaluator", 0))
+    config = configs.default.get_config().strategy.parameter_server
+    config.update(options)
+    plugin = strategies.get("parameter_server", config)
+    assert type(plugin.updates) is mode
+    assert plugin.splits_steps is splits and says in plugin.communication
 
 
 def test_a_bad_option_on_the_command_line_exits_2_and_writes_nothing(monkeypatch, tmp_path):

@@ -41,7 +41,7 @@ def _train_step(tmp_path, name: str):
     config = tiny_config(**{"strategy.name": "mirrored", "optimizer.clip_global_norm": 1.0})
     job = train.build(config, str(tmp_path / name))
     gb = config.train.global_batch_size
-    step = steps.make_train_step(job.model, job.optimizer, job.task, gb, clip_global_norm=1.0)
+    step = steps.TrainStep(job.model, job.optimizer, job.task, gb, clip_global_norm=1.0)
     iterator = iter(job.strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, 0)))
     return job, step, iterator
 
@@ -72,8 +72,8 @@ def test_a_tasks_own_train_step_declares_it_has_no_halves(tmp_path):
     def own(model, optimizer, x, y, weights, replica_loss):
         raise AssertionError("not run")
 
-    step = steps.make_train_step(job.model, job.optimizer, job.task, 64, custom_step=own)
-    assert isinstance(step, steps.CustomTrainStep) and not step.has_halves
+    step = steps.CustomTrainStep(own, job.model, job.optimizer, job.task, 64)
+    assert not step.has_halves
     assert step.iterations is job.optimizer.iterations
     with pytest.raises(TypeError, match="no gradient half"):
         step.gradients(None)

@@ -3,6 +3,7 @@
 import threading
 import time
 
+from strategies import errors
 from trainer import faults
 
 
@@ -44,6 +45,6 @@ def test_the_message_names_the_task_and_how_to_resume(capfd, monkeypatch):
     monkeypatch.setattr(faults.os, "_exit", codes.append)
     faults.exit_task_lost(["chief (127.0.0.1:5)"], 21.4)
     err = capfd.readouterr().err
-    assert codes == [faults.TASK_LOST_EXIT_CODE]
+    assert codes == [errors.TASK_LOST_EXIT_CODE]
     assert err.startswith("error: chief (127.0.0.1:5) stopped answering (no reply to the ")
     assert "for 21 s" in err and "--restarts=N" in err and err.count("\n") == 1

@@ -1,8 +1,9 @@
 """The loop's built-in actions, and the user's own from `train.actions`.
 
 Each function here returns a `controller.Action`: a plain callable on a
-block's `Output` with its schedule. `Preemption`, `Watchdog` and `Profile` are
-callables that are also context managers around the whole loop. `trainer.train` puts them in order:
+block's `Output` with its schedule, and the hooks it needs (`loop()` around
+the whole loop for the preemption watch, the watchdog and the profiler;
+`block(step)` around each block for the last two). `trainer.train` puts them in order:
 blow-up recovery first (it may roll the step back and skip the rest), then
 rates, summaries, the progress line, checkpoints, preemption, evaluation,
 and the user's actions last, so they see the eval metrics of their block.
@@ -18,10 +19,10 @@ from collections.abc import Callable, Iterator
 import ml_collections
 import tensorflow as tf
 
-from strategies.errors import UserError
-from strategies.preemption import PREEMPTED_EXIT_CODE, Preempted
+from strategies.errors import PREEMPTED_EXIT_CODE, UserError
+from strategies.preemption import Preempted
 from strategies.registry import resolve
-from trainer import calls
+from trainer import calls, faults
 from trainer.controller import Action, Output, SkipBlock, StopTraining
 
 __all__ = ["Action", "Output", "SkipBlock", "StopTraining"]
@@ -111,41 +112,25 @@ def _as_action(made: object, name: str) -> Action:
     return Action(made, name=name)
 
 
-class _Around:
-    """An action entered for the whole loop: it enters and exits the context it wraps."""
-
-    def __init__(self, context):
-        self._context = context
-
-    def __enter__(self):
-        self._context.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._context.__exit__(*exc)
-
-
-class Preemption(_Around):
+def preemption(watch, save: Callable[[int], None], say: Callable[[str], None]) -> Action:
     """Watches for SIGTERM around the loop; after each block, saves and stops if it came.
 
-    `watch` is the strategy's (`Membership.watch_preemption()`): on one process
-    the signal itself, on a `multi_worker` cluster one step agreed by all.
+    `watch` is the membership's (`Membership.watch_preemption()`), a context
+    manager with `check(save)`: on one process the signal itself, on a
+    `multi_worker` cluster one step agreed by all.
     """
 
-    def __init__(self, watch, save: Callable[[int], None], say: Callable[[str], None]):
-        super().__init__(watch)
-        self._save = save
-        self._say = say
-
-    def __call__(self, output: Output) -> None:
+    def act(output: Output) -> None:
         try:
-            self._context.check(lambda: self._save(output.step))
+            watch.check(lambda: save(output.step))
         except Preempted as e:
-            self._say(
+            say(
                 f"preempted ({e}) at step {output.step}: checkpoint saved; exiting with "
                 f"{PREEMPTED_EXIT_CODE} so the scheduler restarts the job"
             )
             raise
+
+    return Action(act, name="preemption", loop=lambda: watch)
 
 
 class Profile:
@@ -202,9 +187,6 @@ class Profile:
             f"{self.logdir}/plugins/profile (TensorBoard's Profile tab)"
         )
 
-    def __call__(self, output: Output) -> None:
-        """Nothing to do between blocks."""
-
 
 def profile(
     steps: tuple[int, int],
@@ -215,20 +197,21 @@ def profile(
 ) -> Action:
     """The `Profile` of `steps` (start, stop); blocks end at both, profiled where `enabled`."""
     start, stop = steps
+    profiler = Profile(start, stop, logdir, current_step, say, enabled)
     return Action(
-        Profile(start, stop, logdir, current_step, say, enabled),
+        None,  # nothing between blocks: it starts and stops around them
         every=0,
         at_steps=(start, stop),
         name="profile",
+        loop=lambda: profiler,
+        block=profiler.block,
     )
 
 
-class Watchdog(_Around):
-    """Says which tasks of the cluster do not answer while a block runs long."""
+def watchdog(dog: faults.Watchdog) -> Action:
+    """Says which tasks of the cluster do not answer while a block runs long.
 
-    def block(self, step: int):
-        """Marks the block that starts at `step`."""
-        return self._context.loop(step)
-
-    def __call__(self, output: Output) -> None:
-        """Nothing to do between blocks."""
+    Nothing to do between blocks: the watchdog runs around the loop and marks
+    each block.
+    """
+    return Action(None, name="watchdog", loop=lambda: dog, block=dog.loop)

@@ -35,9 +35,8 @@ import keras
 import tensorflow as tf
 
 from strategies import scratch
-from strategies.errors import UserError
+from strategies.errors import UserError, one_line
 
-NO_SPACE_EXIT_CODE = 4  # `python -m trainer`'s exit status when a checkpoint does not fit
 _STATE_FILE = "checkpoint"  # the name TensorFlow's `latest_checkpoint` reads
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
@@ -128,7 +127,7 @@ class Checkpointer:
                 if path:
                     raise
                 print(
-                    f"warning: checkpoint {candidate} is unreadable ({_first_line(e)}); "
+                    f"warning: checkpoint {candidate} is unreadable ({one_line(e)}); "
                     "trying the one before",
                     file=sys.stderr,
                     flush=True,
@@ -136,7 +135,7 @@ class Checkpointer:
             except (AssertionError, ValueError) as e:
                 raise UserError(
                     f"`model_dir` holds checkpoint '{candidate}' of a different model or "
-                    f"optimizer ({_first_line(e)[:200]}); use a new `--model_dir`, or the "
+                    f"optimizer ({one_line(e)[:200]}); use a new `--model_dir`, or the "
                     "config that wrote it."
                 ) from None
         return None
@@ -323,7 +322,3 @@ def _let_keras_variables_save_asynchronously() -> None:
         object_map[variable] = object_map[variable.value]
 
     keras.Variable._copy_trackable_to_cpu = copy_to_cpu
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip() or type(error).__name__).splitlines()[0]

@@ -19,7 +19,6 @@ import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
-EXIT_USER_ERROR = 2
 # towerflow's own configs, found from this file, never by `import configs`: a user's
 # project often has a `configs` package of its own.
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -203,14 +202,11 @@ def default_model_dir(config_path: str, strategy: str) -> str:
 
 def fail(message: str) -> None:
     """Prints one line for a user mistake and exits with status 2."""
+    # Imported here: this module must not import `strategies` before `own_packages_first`.
+    from strategies.errors import USER_ERROR_EXIT_CODE
+
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_USER_ERROR)
-
-
-def one_line(error: BaseException) -> str:
-    """The first line of an error's message."""
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
+    sys.exit(USER_ERROR_EXIT_CODE)
 
 
 def flag_error(error: BaseException, argv: list[str]) -> str:
@@ -257,30 +253,31 @@ def guarded(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
             # Importing `strategies` imports TensorFlow, whose runtime logs start-up
             # chatter to stderr; the device probe starts its CUDA layer, which does too.
             from strategies import devices
-            from strategies.errors import UserError
 
             devices.physical()
+        from strategies import errors
+        from strategies.errors import UserError
         from trainer import faults
-        from trainer.checkpoints import NO_SPACE_EXIT_CODE, NoSpace
+        from trainer.checkpoints import NoSpace
 
         try:
             main(argv)
         except UserError as e:
-            fail(one_line(e))
+            fail(errors.one_line(e))
         except faults.Preempted:
-            sys.exit(faults.PREEMPTED_EXIT_CODE)
+            sys.exit(errors.PREEMPTED_EXIT_CODE)
         except faults.Diverged as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(faults.DIVERGED_EXIT_CODE)
+            sys.exit(errors.DIVERGED_EXIT_CODE)
         except NoSpace as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(NO_SPACE_EXIT_CODE)
+            sys.exit(errors.NO_SPACE_EXIT_CODE)
         except faults.TaskLost as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             # No interpreter teardown: TensorFlow's would log connection errors to the
             # lost task for a while, or wait on it.
-            os._exit(faults.TASK_LOST_EXIT_CODE)
+            os._exit(errors.TASK_LOST_EXIT_CODE)
 
     return wrapper
 

@@ -18,9 +18,10 @@ the watchdog are actions (`trainer.actions`); so are a user's own, given as
 A block ends where the next scheduled action is due, so an action that runs
 every 500 steps sees steps 500, 1000, ...
 
-An action may also be a context manager (entered for the whole loop) and may
-define `block(step)`, a context manager around each block (the watchdog
-times blocks this way).
+An action may also declare hooks: `loop()`, a context manager entered around
+the whole loop (a preemption watch, a watchdog thread), and `block(step)`, a
+context manager around each block (the watchdog times blocks this way, the
+profiler starts and stops there). An action with hooks only has no `fn`.
 """
 
 from __future__ import annotations
@@ -72,25 +73,32 @@ class Output:
 
 @dataclasses.dataclass
 class Action:
-    """A callable on each block's `Output`, with its schedule.
+    """A callable on each block's `Output`, with its schedule and optional hooks.
 
     Attributes:
-      fn: `fn(output)`; its return value is ignored.
+      fn: `fn(output)`; its return value is ignored. None: nothing to do after
+        a block (an action of hooks only).
       every: run when the step is a multiple of `every` (0: never on a schedule);
         None: after every block.
       at_end: also run after the last block.
       name: for messages.
       at_steps: also run when the step is one of these (blocks end there too).
+      loop: `loop()` makes a context manager entered around the whole loop.
+      block: `block(step)` makes a context manager around the block starting at `step`.
     """
 
-    fn: Callable[[Output], Any]
+    fn: Callable[[Output], Any] | None
     every: int | None = None
     at_end: bool = False
     name: str = ""
     at_steps: tuple[int, ...] = ()
+    loop: Callable[[], contextlib.AbstractContextManager] | None = None
+    block: Callable[[int], contextlib.AbstractContextManager] | None = None
 
     def due(self, output: Output) -> bool:
         """Whether the action runs after the block that produced `output`."""
+        if self.fn is None:
+            return False
         if self.every is None or (output.is_last and self.at_end) or output.step in self.at_steps:
             return True
         return self.every > 0 and output.step % self.every == 0
@@ -140,8 +148,8 @@ class Controller:
         output = None
         with contextlib.ExitStack() as stack:
             for action in self.actions:
-                if hasattr(action.fn, "__enter__"):
-                    stack.enter_context(action.fn)
+                if action.loop is not None:
+                    stack.enter_context(action.loop())
             step = self._current_step()
             while step < self.total_steps:
                 output = self._block(step)
@@ -158,8 +166,8 @@ class Controller:
         n = steps_until_next_event(step, self.total_steps, self.actions, longest)
         with contextlib.ExitStack() as stack:
             for action in self.actions:
-                if hasattr(action.fn, "block"):
-                    stack.enter_context(action.fn.block(step))
+                if action.block is not None:
+                    stack.enter_context(action.block(step))
             tic = time.perf_counter()
             metrics = self._run_block(n)
             seconds = time.perf_counter() - tic
@@ -180,5 +188,5 @@ class Controller:
             ran.add(i)
         if output.stopped:  # the end-of-run actions that were not due before the stop
             for i, action in enumerate(self.actions):
-                if i not in ran and action.at_end:
+                if i not in ran and action.at_end and action.fn is not None:
                     action.fn(output)

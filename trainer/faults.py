@@ -30,13 +30,10 @@ from contextlib import contextmanager
 
 import tensorflow as tf
 
-from strategies.errors import TaskLost
-from strategies.preemption import PREEMPTED_EXIT_CODE, Preempted
+from strategies.errors import TASK_LOST_EXIT_CODE, TaskLost
+from strategies.preemption import Preempted
 
-__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "TaskLost"]
-
-DIVERGED_EXIT_CODE = 3
-TASK_LOST_EXIT_CODE = 144
+__all__ = ["Preempted", "TaskLost"]
 WATCHDOG_AFTER_S = 10.0  # a loop running this long makes the watchdog look at the other tasks
 # A task not answering the watchdog's probes this long, while the loop waits on it, ends
 # the process: nothing else would (a collective has no timeout by default).

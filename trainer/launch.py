@@ -51,8 +51,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from strategies import cluster
-from strategies.errors import UserError
-from strategies.preemption import PREEMPTED_EXIT_CODE
+from strategies.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, one_line
 from trainer import cli
 from trainer.processes import (
     Console,
@@ -434,7 +433,7 @@ def launch(
             tasks, command, console, grace_s, report_s=report_s, interrupt=interrupt
         )
         code = attempt_cluster.run()
-        if code in (0, cli.EXIT_USER_ERROR) or interrupt.signal is not None:
+        if code in (0, USER_ERROR_EXIT_CODE) or interrupt.signal is not None:
             break
     return code
 
@@ -456,7 +455,7 @@ def main(argv: list[str]) -> None:
                 interrupt=interrupt,
             )
     except UserError as e:
-        cli.fail(cli.one_line(e))
+        cli.fail(one_line(e))
     sys.exit(code)
 
 

@@ -34,8 +34,8 @@ import sys
 
 import tensorflow as tf
 
-from strategies.errors import UserError
-from trainer import cli, storage
+from strategies.errors import UserError, one_line
+from trainer import storage
 
 LOCK_FILE = "towerflow.lock"
 
@@ -113,7 +113,7 @@ def _take_remote(model_dir: str, path: str) -> ModelDirLock:
         storage.write_text(path, f"{_holder()}\n")
     except tf.errors.PermissionDeniedError as e:
         raise UserError(
-            f"`--model_dir` '{model_dir}' is not writable ({cli.one_line(e)}); "
+            f"`--model_dir` '{model_dir}' is not writable ({one_line(e)}); "
             "give a directory you can write to."
         ) from None
     return ModelDirLock(path, None)

@@ -21,6 +21,7 @@ from typing import IO
 
 from absl import flags
 
+from strategies.errors import one_line
 from trainer import cli
 
 POLL_S = 0.1
@@ -35,9 +36,9 @@ def parse_own_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.UnrecognizedFlagError as e:
-        cli.fail(f"{cli.one_line(e)}; put the trainer's flags after `--`.")
+        cli.fail(f"{one_line(e)}; put the trainer's flags after `--`.")
     except flags.Error as e:
-        cli.fail(cli.one_line(e))
+        cli.fail(one_line(e))
 
 
 class Console:

@@ -134,19 +134,10 @@ class CustomTrainStep:
 
     has_halves = False
 
-    def __init__(
-        self,
-        model: keras.Model,
-        optimizer: keras.optimizers.Optimizer,
-        task,
-        global_batch_size: int,
-        custom_step: Callable,
-    ):
+    def __init__(self, custom_step: Callable, model: keras.Model, optimizer, task, batch: int):
+        self.custom_step, self.global_batch_size = custom_step, batch
         self.model, self.optimizer, self.task = model, optimizer, task
-        self.global_batch_size = global_batch_size
-        self.custom_step = custom_step
-        self.variables = model.trainable_variables
-        self.iterations = optimizer.iterations
+        self.variables, self.iterations = model.trainable_variables, optimizer.iterations
 
     def __call__(self, batch) -> dict:
         x, y, weights = unpack(batch)
@@ -164,32 +155,6 @@ class CustomTrainStep:
     def _replica_loss(self, x, y, weights) -> Callable:
         model, task, batch = self.model, self.task, self.global_batch_size
         return lambda outputs: task.train_sums(model, x, y, outputs, weights, batch)
-
-
-def make_train_step(
-    model: keras.Model,
-    optimizer: keras.optimizers.Optimizer,
-    task,
-    global_batch_size: int,
-    clip_global_norm: float = 0.0,
-    jit_compile: bool = False,
-    custom_step: Callable | None = None,
-    accumulation_steps: int = 1,
-    transfer: GradientTransfer | None = None,
-) -> TrainStep | CustomTrainStep:
-    """The train step: ours (`TrainStep`), or a task's own `custom_step` (`CustomTrainStep`)."""
-    if custom_step is not None:
-        return CustomTrainStep(model, optimizer, task, global_batch_size, custom_step)
-    return TrainStep(
-        model,
-        optimizer,
-        task,
-        global_batch_size,
-        clip_global_norm,
-        jit_compile,
-        accumulation_steps,
-        transfer,
-    )
 
 
 def check_custom_step(

@@ -43,8 +43,7 @@ from collections.abc import Iterator, Sequence
 
 from absl import app, flags
 
-from strategies.errors import UserError
-from strategies.preemption import PREEMPTED_EXIT_CODE
+from strategies.errors import PREEMPTED_EXIT_CODE, UserError, one_line
 from trainer import cli, processes, storage, sweep_plan, sweep_results
 from trainer.sweep_plan import Slot, Trial
 from trainer.sweep_results import FAILED, FINISHED, INTERRUPTED, Row
@@ -299,7 +298,7 @@ def main(argv: list[str]) -> None:
         with processes.Interrupt().catching() as interrupt:
             code = sweep(argv[1:], console, interrupt)
     except UserError as e:
-        cli.fail(cli.one_line(e))
+        cli.fail(one_line(e))
     sys.exit(code)
 
 
@@ -363,7 +362,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         rest, sweeps = sweep_plan.split_sweep_args(argv)
     except UserError as e:
-        cli.fail(cli.one_line(e))
+        cli.fail(one_line(e))
     _SWEEP_VALUES.update(sweeps)
     return processes.parse_own_flags(rest)
 

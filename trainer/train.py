@@ -376,17 +376,19 @@ def _train(
     if checkpointer.latest is None:
         checkpointer.save(step)  # a good state to fall back to if the loss blows up
     gb = config.train.global_batch_size
-    train_step = steps.make_train_step(
-        job.model,
-        job.optimizer,
-        job.task,
-        gb,
-        config.optimizer.clip_global_norm,
-        config.train.jit_compile,
-        job.custom_step,
-        config.train.accumulation_steps,
-        strategy.gradient_transfer,
-    )
+    if job.custom_step is not None:  # a task's own step, which applies its own gradients
+        train_step = steps.CustomTrainStep(job.custom_step, job.model, job.optimizer, job.task, gb)
+    else:
+        train_step = steps.TrainStep(
+            job.model,
+            job.optimizer,
+            job.task,
+            gb,
+            config.optimizer.clip_global_norm,
+            config.train.jit_compile,
+            config.train.accumulation_steps,
+            strategy.gradient_transfer,
+        )
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
 
     def run_block(n: int) -> dict:
@@ -432,9 +434,9 @@ def _actions(
         actions.rates(config.train.global_batch_size, lambda: float(job.optimizer.learning_rate)),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
-        actions.Action(actions.Preemption(member.watch_preemption(), checkpointer.save, say)),
+        actions.preemption(member.watch_preemption(), checkpointer.save, say),
         # A single process has no other task to lose; the watchdog then never reports.
-        actions.Action(actions.Watchdog(faults.Watchdog(member.lost_tasks, say))),
+        actions.watchdog(faults.Watchdog(member.lost_tasks, say)),
     ]
     if config.train.profile_steps:  # on every task: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"

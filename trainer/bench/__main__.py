@@ -8,6 +8,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ star
 
 from absl import app, flags  # noqa: E402
 
+from strategies.errors import one_line  # noqa: E402
 from trainer import cli  # noqa: E402
 from trainer.bench import harness  # noqa: E402
 from trainer.bench.sizes import CASES  # noqa: E402
@@ -49,7 +50,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
-        cli.fail(cli.one_line(e))
+        cli.fail(one_line(e))
 
 
 if __name__ == "__main__":

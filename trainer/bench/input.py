@@ -104,7 +104,7 @@ def input_wait(config: ml_collections.ConfigDict, strategy, dataset, steps: int)
     with strategy.scope():
         optimizer.build(model.trainable_variables)
     task = tasks.for_spec(dataset.spec.num_classes)
-    train_step = steps_lib.make_train_step(model, optimizer, task, batch)
+    train_step = steps_lib.TrainStep(model, optimizer, task, batch)
 
     def step(inputs):
         train_step(inputs)
