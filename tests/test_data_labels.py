@@ -342,3 +342,35 @@ def test_a_vocabulary_for_a_numeric_tfrecord_label_is_one_line(tmp_path):
         "reads `data.label` 'species' as class names", data.get, _tfrecord(tmp_path, examples)
     )
     assert "holds it as float32" in message and "`--config.data.label_vocabulary=`" in message
+
+
+def test_resuming_with_other_class_names_is_one_line(tmp_path):
+    config = tiny_config(
+        **{
+            "data.name": "csv",
+            "data.train_files": str(tmp_path / "train.csv"),
+            "data.eval_files": str(tmp_path / "eval.csv"),
+            "data.label": "species",
+            "data.features": "size:float32",
+            "data.label_vocabulary": "auto",
+            "model.name": "tests.test_data_labels:size_model",
+            "train.global_batch_size": 4,
+            "eval.global_batch_size": 4,
+            "train.steps": 2,
+        }
+    )
+    _csv(tmp_path, ROWS)
+    model_dir = str(tmp_path / "model")
+    train.train_and_evaluate(config, model_dir)
+    _csv(tmp_path, [*ROWS, "1.0,red,2,Emperor"])  # `auto` now finds a fourth class
+    message = one_line_error(
+        "was trained with the classes", train.train_and_evaluate, config, model_dir
+    )
+    assert "Adelie,Chinstrap,Gentoo (its config.json)" in message
+    assert "`--config.data.label_vocabulary=Adelie,Chinstrap,Gentoo`" in message
+
+
+def size_model(spec, config):
+    inputs = {"size": keras.Input((), name="size")}
+    outputs = keras.layers.Dense(spec.num_classes)(keras.layers.Reshape((1,))(inputs["size"]))
+    return keras.Model(inputs, outputs)
