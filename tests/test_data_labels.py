@@ -374,3 +374,27 @@ def size_model(spec, config):
     inputs = {"size": keras.Input((), name="size")}
     outputs = keras.layers.Dense(spec.num_classes)(keras.layers.Reshape((1,))(inputs["size"]))
     return keras.Model(inputs, outputs)
+
+
+def test_a_tfrecord_string_label_trains_and_the_export_names_the_classes(tmp_path):
+    examples = [PENGUINS[i % 3] for i in range(48)]
+    config = tiny_config(
+        **{
+            "strategy.name": "one_device",
+            "model.name": "tests.test_data_labels:size_model",
+            "train.global_batch_size": 16,
+            "eval.global_batch_size": 16,
+            "train.steps": 60,
+            "train.export": True,
+            "optimizer.learning_rate": 0.05,
+        }
+    )
+    config.data.update(_tfrecord(tmp_path, examples))
+    results = train.train_and_evaluate(config, str(tmp_path / "model"))
+    assert results["class_names"] == ["Adelie", "Chinstrap", "Gentoo"]
+    assert results["eval"]["examples"] == 48
+    serve = tf.saved_model.load(str(tmp_path / "model" / "export")).signatures["serving_default"]
+    outputs = serve(size=tf.constant([0.5, 2.5]))
+    assert outputs["class_names"].dtype == tf.string and outputs["class_names"].shape == (2,)
+    names = [outputs["class_names"].numpy()[i].decode() for i in range(2)]
+    assert names == [results["class_names"][c] for c in outputs["classes"].numpy()]
