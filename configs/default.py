@@ -121,6 +121,20 @@ def get_config() -> ml_collections.ConfigDict:
     # How workers' input pipelines split the data: auto | file | data | off
     # (digits / synthetic / ctr are split by example under auto, file and data).
     c.data.sharding = "auto"
+    # Where the training input runs (trainer/data/service.py): "" = in the trainer's process;
+    # "local:N" = TensorFlow's tf.data service on a dispatcher and N data workers started
+    # beside the trainer; "grpc://host:port" = a dispatcher elsewhere (`python -m
+    # trainer.data_service`). Evaluation always reads in the trainer (exactly once).
+    c.data.service = ""
+    # How data workers share the stream: auto | off (parallel_epochs: one worker runs each
+    # trainer pipeline whole; exact order, exactly-once, exact resume) | dynamic
+    # (distributed_epoch: the dispatcher hands out the source's elements to the workers;
+    # at-most-once if one dies). auto = off, or dynamic under parameter_server.
+    c.data.service_sharding = "auto"
+    c.data.service_timeout_s = 60.0  # seconds for the dispatcher and a worker to answer at start
+    # Trainers naming the same job with identical pipelines read one stream, each every batch
+    # (a sweep's `--share_input`); "" = each its own.
+    c.data.service_job = ""
     c.data.autotune_ram_budget_mb = 0  # tf.data autotuning memory budget, MiB (0 = half the RAM)
     c.data.eval_fraction = 0.2  # digits / synthetic / ctr: share of examples held out for eval
     # synthetic: a deterministic, learnable problem of any size.
@@ -198,7 +212,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.sidecar_timeout = 600.0  # evaluator task: seconds to wait for a new checkpoint
 
     c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.name = "adam"  # sgd | momentum | adam | adamw
+    c.optimizer.name = "adam"  # sgd | momentum | adam | adamw | adagrad | ftrl
     c.optimizer.learning_rate = 1e-3  # peak learning rate
     c.optimizer.momentum = 0.9  # momentum: the momentum coefficient
     c.optimizer.weight_decay = 1e-4  # adamw: decoupled weight decay

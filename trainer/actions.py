@@ -128,7 +128,7 @@ class _Around:
 class Preemption(_Around):
     """Watches for SIGTERM around the loop; after each block, saves and stops if it came.
 
-    `watch` is the strategy's (`Strategy.watch_preemption()`): on one process
+    `watch` is the strategy's (`Membership.watch_preemption()`): on one process
     the signal itself, on a `multi_worker` cluster one step agreed by all.
     """
 

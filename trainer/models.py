@@ -21,7 +21,7 @@ from strategies.errors import UserError
 from strategies.registry import Registry
 from trainer import calls, compiled
 from trainer.data import DataSpec
-from trainer.layers import Dropout, ShardedEmbedding
+from trainer.layers import Dropout, DynamicEmbedding, ShardedEmbedding
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
 BUILDER = calls.Signature("build", ("spec", "config"), "keras.Model")
@@ -93,6 +93,8 @@ def _built_in(builder: Builder, spec: DataSpec, config: ml_collections.ConfigDic
     """A built-in model; Keras rejecting a value of our `model` config is a config mistake."""
     try:
         return builder(spec, config)
+    except UserError:
+        raise  # already one line naming the field
     except (ValueError, TypeError) as e:
         raise UserError(
             f"`model.name` '{config.name}' could not be built from the `model` config: "
@@ -201,20 +203,43 @@ def resnet(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     return keras.Model(inputs, _head(x, spec, config), name="resnet")
 
 
+EMBEDDINGS = ("hashed", "dynamic")
+
+
 @builder("ctr")
 def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
-    """Click-through model: ids -> one `ShardedEmbedding` table -> `hidden_units` ReLU -> logits.
+    """Click-through model: ids -> one embedding table -> `hidden_units` ReLU -> logits.
 
-    The table has `model.vocab_size` rows of `model.embedding_dim` (configs/ctr.py
-    sets both); under `parameter_server` with a partitioner it is split over the ps tasks.
+    `model.embedding` "hashed": a `ShardedEmbedding` of `model.vocab_size` rows
+    (under `parameter_server` with a partitioner, split over the ps tasks);
+    "dynamic": a `DynamicEmbedding` of the raw ids, at most `model.capacity`
+    rows, admitting ids seen `model.min_count` times, freeing those unseen for
+    `model.ttl_steps` steps. Both are `model.embedding_dim` wide (configs/ctr.py
+    sets the fields).
     """
     vocab, width = config.get("vocab_size"), config.get("embedding_dim")
     if not vocab or not width:
         raise ValueError(
             "it needs `model.vocab_size` and `model.embedding_dim`; use `--config=configs/ctr.py`"
         )
+    kind = config.get("embedding", "hashed")
+    if kind not in EMBEDDINGS:
+        raise UserError(
+            f"`model.embedding` '{kind}' is not a table kind; use one of {', '.join(EMBEDDINGS)}."
+        )
     inputs = keras.Input(spec.input_shape)
-    x = ShardedEmbedding(vocab, width, name="embedding")(inputs)
+    if kind == "dynamic":
+        table = DynamicEmbedding(
+            width,
+            capacity=config.capacity or vocab,
+            min_count=config.min_count,
+            ttl_steps=config.ttl_steps,
+            seed=config.table_seed,
+            name="embedding",
+        )
+        x = table(keras.ops.cast(inputs, "int64"))
+    else:
+        x = ShardedEmbedding(vocab, width, name="embedding")(inputs)
     x = keras.layers.Flatten()(x)
     for units in config.hidden_units:
         x = keras.layers.Dense(units, activation="relu", kernel_regularizer=_regularizer(config))(x)

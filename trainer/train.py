@@ -39,6 +39,7 @@ from trainer import (
 from trainer import lock as model_dir_lock
 from trainer.checkpoints import Checkpointer
 from trainer.data import labels
+from trainer.data import service as data_service
 from trainer.export import export
 from trainer.summaries import Summaries
 
@@ -85,14 +86,17 @@ def train_and_evaluate(
     if mode not in MODES:
         raise UserError(f"Unknown `--mode` '{mode}'; known: {', '.join(MODES)}.")
     strategy = make_strategy(config)
-    if strategy.role == "serve":  # a ps or worker task of a parameter-server cluster
+    member = strategy.membership
+    if member.role == "serve":  # a ps or worker task of a parameter-server cluster
         say(f"serving as a {strategy.name} task until the chief ends the job")
-        strategy.serve()
+        member.serve()
         return {}
-    job = build(config, model_dir, strategy)
-    if strategy.role == "evaluate":
-        return sidecar_evaluate(job)
-    return run(job, mode, extra_actions)
+    if member.role == "evaluate":
+        return sidecar_evaluate(build(config, model_dir, strategy))
+    if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service`)
+        return run(build(config, model_dir, strategy), mode, extra_actions)
+    with data_service.started(config.data, strategy.ordered_input, say) as service:
+        return run(build(config, model_dir, strategy, service), mode, extra_actions)
 
 
 def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
@@ -131,9 +135,15 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
 
 
 def build(
-    config: ml_collections.ConfigDict, model_dir: str, strategy: strategies.Strategy | None = None
+    config: ml_collections.ConfigDict,
+    model_dir: str,
+    strategy: strategies.Strategy | None = None,
+    service: data_service.Service | None = None,
 ) -> Job:
-    """Builds strategy, data, model and optimizer and checks them; writes nothing."""
+    """Builds strategy, data, model and optimizer and checks them; writes nothing.
+
+    With a `service` (`data_service.started`), the training input runs on it.
+    """
     strategy = strategy or make_strategy(config)
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
@@ -154,12 +164,13 @@ def build(
     else:
         dataset = data.from_function(config.data, user_task.dataset_fn, config.task.name)
     total_steps = checks.total_steps(config, dataset.spec)
-    if strategy.is_chief:
+    if strategy.membership.is_chief:
         checks.check_model_dir(model_dir)
     else:  # every task reads model_dir; the chief alone checks that it can be written
         storage.check_scheme(model_dir, "--model_dir")
     _check_class_names(model_dir, dataset.spec.class_names)
     data.check(dataset)
+    dataset = data_service.wrap(dataset, service, model_dir)
     keras.utils.set_random_seed(config.seed)
     with strategy.scope(), precision.policy(config.train.precision):
         if user_task is None:
@@ -250,23 +261,23 @@ def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections
 def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
     """Trains and/or evaluates a built `job`; the only function that writes `model_dir`."""
     start = time.time()
-    strategy, config = job.strategy, job.config
+    strategy, member, config = job.strategy, job.strategy.membership, job.config
     say(f"model_dir: {job.model_dir}")
     # One trainer at a time writes model_dir (the chief); `--mode=eval` only reads it.
-    lock = model_dir_lock.take(job.model_dir) if strategy.is_chief and mode != "eval" else None
-    if strategy.is_chief:
+    lock = model_dir_lock.take(job.model_dir) if member.is_chief and mode != "eval" else None
+    if member.is_chief:
         tf.io.gfile.makedirs(job.model_dir)
     checkpointer = Checkpointer(
         job.model_dir,
-        strategy.is_chief,
+        member.is_chief,
         config.train.max_checkpoints,
         async_save=config.train.async_checkpoint,
         **checkpointed(job),
     )
-    summaries = Summaries(job.model_dir, strategy.is_chief)
+    summaries = Summaries(job.model_dir, member.is_chief)
     try:
         restored = checkpointer.restore()
-        strategy.check_restored(_step(job), job.model_dir)  # every worker, the same step
+        member.check_restored(_step(job), job.model_dir)  # every worker, the same step
         if restored:
             say(f"restored {restored} at step {_step(job)}")
         elif mode == "eval":
@@ -279,7 +290,7 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         train_metrics = {}
         evaluate = (
             mode != "train"
-            and strategy.evaluates_inline
+            and member.evaluates_inline
             and not discovery.sidecar_evaluator(config.get("cluster"))
         )
         if mode != "eval":
@@ -291,18 +302,19 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
             "eval": eval_metrics,
             "wall_time_s": round(time.time() - start, 3),
             "placement": placement,
+            "input": {k: v for k, v in data_service.describe(job.dataset).items() if k != "line"},
         }
         if job.dataset.spec.class_names:  # what each class index of the metrics and export is
             results["class_names"] = list(job.dataset.spec.class_names)
         if mode != "eval" and config.train.export:
             _export(job)
-        if strategy.is_chief:
+        if member.is_chief:
             storage.write_json(os.path.join(job.model_dir, "results.json"), results)
         return results
     except tf.errors.OpError as e:
         with contextlib.suppress(Exception):  # a save under way may need the lost task
             checkpointer.sync()
-        lost = faults.lost_task_error(e, strategy.lost_tasks(), checkpointer.directory)
+        lost = faults.lost_task_error(e, member.lost_tasks(), checkpointer.directory)
         if lost is None:
             raise
         raise lost from None
@@ -318,7 +330,7 @@ def _export(job: Job) -> None:
     spec = job.dataset.spec
     raw = isinstance(job.task, compiled.CompiledTask)  # the user's outputs, as compiled
     args = (spec.input_shape, spec.num_classes, raw, spec.class_names)
-    if job.strategy.is_chief:
+    if job.strategy.membership.is_chief:
         path = os.path.join(job.model_dir, "export")
         export(job.model, path, *args)
         say(f"exported SavedModel to {path}")
@@ -409,7 +421,7 @@ def _train(
         job.total_steps,
         [*_actions(job, checkpointer, summaries, evaluate), *extra_actions],
         loop_length.LoopLength(config.train.steps_per_loop),
-        agree=strategy.agree,
+        agree=strategy.membership.agree,
     )
     last = loop.train()
     if last and last.stopped:
@@ -421,7 +433,7 @@ def _actions(
     job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool
 ) -> list[actions.Action]:
     """The loop's actions, in the order they run after a block."""
-    config, strategy = job.config, job.strategy
+    config, member = job.config, job.strategy.membership
     recoveries = []
 
     def recover(step: int, loss: float) -> None:
@@ -439,14 +451,14 @@ def _actions(
         actions.rates(config.train.global_batch_size, lambda: float(job.optimizer.learning_rate)),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
-        actions.Action(actions.Preemption(strategy.watch_preemption(), checkpointer.save, say)),
+        actions.Action(actions.Preemption(member.watch_preemption(), checkpointer.save, say)),
         # A single process has no other task to lose; the watchdog then never reports.
-        actions.Action(actions.Watchdog(faults.Watchdog(strategy.lost_tasks, say))),
+        actions.Action(actions.Watchdog(faults.Watchdog(member.lost_tasks, say))),
     ]
     if config.train.profile_steps:  # on every task: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
         profile_steps, step = config.train.profile_steps, lambda: _step(job)
-        built_in.append(actions.profile(profile_steps, logdir, step, say, strategy.is_chief))
+        built_in.append(actions.profile(profile_steps, logdir, step, say, member.is_chief))
     if evaluate:
         built_in.append(actions.evaluation(lambda: _evaluate(job, summaries), config.eval.every))
     return built_in + job.user_actions
@@ -502,7 +514,8 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     _tell(job, f"{_what(job)} | steps: {job.total_steps} | global batch: {batch}{micro_batches}")
     for note in job.dataset.notes:
         _tell(job, note)
-    if strategy.is_chief:
+    _tell(job, data_service.describe(job.dataset)["line"])
+    if strategy.membership.is_chief:
         config_json = _recorded(job).to_json_best_effort(indent=2, sort_keys=True)
         storage.write_text(os.path.join(job.model_dir, "config.json"), config_json + "\n")
         summaries.text("config", f"```\n{config_json}\n```")
@@ -546,7 +559,8 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
 
 def _tell(job: Job, line: str) -> None:
     """Progress from the chief (and a sidecar evaluator); other workers stay quiet."""
-    if job.strategy.is_chief or job.strategy.role != "train":
+    member = job.strategy.membership
+    if member.is_chief or member.role != "train":
         say(line)
 
 

@@ -1,0 +1,291 @@
+"""Input on the tf.data service (`data.service`): the same training, its servers, its failures.
+
+One dispatcher and one data worker, started once for this module with
+`python -m trainer.data_service`, serve the in-process runs, which must train
+to the weights of in-process input for every kind of source under `one_device`
+and `mirrored`, and resume exactly. `local:N` (servers started by the trainer)
+runs through the command line; so do the failures: a killed data worker or
+dispatcher ends the run with one line and exit 144, never a hang; bad
+addresses and counts are one line, bounded, with `model_dir` untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import (
+    REPO,
+    TIMEOUT_S,
+    checkpoint_values,
+    kill,
+    one_line_error,
+    run_cli,
+    spawn,
+    start_cli,
+    tiny_config,
+)
+from trainer import data_service as command
+from trainer import launch, train
+from trainer.data import service
+
+STEPS = 10
+USER_EXAMPLES = 96
+
+
+def pipeline(input_context, split, global_batch_size):
+    """A user's `dataset_fn`: seeded, sharded by the input context."""
+    x = tf.random.stateless_normal([USER_EXAMPLES, 6], seed=[1, 2])
+    y = tf.cast(x[:, 0] + x[:, 1] > 0, tf.int32)
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    examples = examples.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+    if split == "train":
+        examples = examples.shuffle(USER_EXAMPLES, seed=3)
+    batch = input_context.get_per_replica_batch_size(global_batch_size)
+    return examples.batch(batch, drop_remainder=split == "train")
+
+
+def _write_csv(directory) -> dict:
+    rng = np.random.RandomState(0)
+    for name, rows in (("train", 80), ("eval", 24)):
+        x = rng.normal(size=(rows, 4))
+        table = np.column_stack([x, (x[:, 0] > 0).astype(int)])
+        np.savetxt(
+            directory / f"{name}.csv",
+            table,
+            delimiter=",",
+            fmt="%.6g",
+            header="a,b,c,d,label",
+            comments="",
+        )
+    return {
+        "data.name": "csv",
+        "data.train_files": str(directory / "train.csv"),
+        "data.eval_files": str(directory / "eval.csv"),
+        "data.input_shape": (4,),
+        "data.num_classes": 2,
+    }
+
+
+SOURCES = {
+    "digits": lambda directory: {},
+    "csv": _write_csv,
+    "user": lambda directory: {"data.name": f"{__name__}:pipeline", "data.num_classes": 2},
+    "task": lambda directory: {"task.name": "tests.user_tasks:DictTask"},
+}
+
+
+@pytest.fixture(scope="module")
+def dispatcher():
+    """A dispatcher and one data worker, as a user runs them: `python -m trainer.data_service`."""
+    ports = launch.pick_ports(2)
+    module = [sys.executable, "-m", "trainer.data_service"]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    spawn([*module, "--role=dispatcher", f"--port={ports[0]}"], env=env, cwd=REPO)
+    spawn(
+        [*module, "--role=worker", f"--port={ports[1]}", f"--dispatcher=127.0.0.1:{ports[0]}"],
+        env=env,
+        cwd=REPO,
+    )
+    address = f"grpc://127.0.0.1:{ports[0]}"
+    assert service.wait_until_served(address, None, timeout_s=120) == 1
+    return address
+
+
+def _run(model_dir, fields: dict, steps: int = STEPS) -> dict:
+    config = tiny_config(**{"train.steps": steps, "train.global_batch_size": 16, **fields})
+    return train.train_and_evaluate(config, str(model_dir), mode="train")
+
+
+def _assert_same_weights(a, b) -> None:
+    first, second = checkpoint_values(a), checkpoint_values(b)
+    assert first.keys() == second.keys()
+    for name in first:
+        np.testing.assert_allclose(second[name], first[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "source, strategy",
+    [(s, "one_device") for s in SOURCES] + [("digits", "mirrored"), ("user", "mirrored")],
+)
+def test_each_source_trains_as_in_process_input(tmp_path, dispatcher, source, strategy):
+    fields = {"strategy.name": strategy, **SOURCES[source](tmp_path)}
+    _run(tmp_path / "in_process", fields)
+    results = _run(tmp_path / "service", {**fields, "data.service": dispatcher})
+    _assert_same_weights(tmp_path / "in_process", tmp_path / "service")
+    assert results["input"]["address"] == dispatcher
+    assert results["input"]["processing_mode"] == "parallel_epochs"
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, dispatcher):
+    fields = {"strategy.name": "one_device", "data.service": dispatcher}
+    _run(tmp_path / "straight", fields, steps=2 * STEPS)
+    _run(tmp_path / "resumed", fields, steps=STEPS)
+    _run(tmp_path / "resumed", fields, steps=2 * STEPS)
+    _assert_same_weights(tmp_path / "straight", tmp_path / "resumed")
+
+
+def test_dynamic_sharding_sends_every_batch_once(dispatcher):
+    config = tiny_config(**{"data.service": dispatcher, "data.service_sharding": "dynamic"})
+    with service.started(config.data, True, print) as running:
+        dataset = service.wrap(_digits(config), running, "run")
+        context = tf.distribute.InputContext(2, 1, 2)  # one of two trainers' pipelines
+        whole = tf.distribute.InputContext(1, 0, 2)  # the one stream, for 2 replicas
+        fresh = list(_digits(config).train_fn(16, seed=0)(whole).take(6))
+        served = list(dataset.train_fn(16, seed=0)(context).take(6))
+    for (x, y), (want_x, want_y) in zip(served, fresh, strict=True):
+        np.testing.assert_array_equal(y, want_y)  # one worker: the one stream, in order
+        np.testing.assert_allclose(x, want_x)
+
+
+def _digits(config):
+    from trainer import data
+
+    return data.get(config.data)
+
+
+# --- the command line: local servers, start-up line, results, failures ------------------
+
+
+def _long_run(tmp_path, *flags: str) -> list[str]:
+    return [
+        "--strategy=one_device",
+        f"--model_dir={tmp_path / 'run'}",
+        "--config.train.steps=100000",
+        "--config.train.steps_per_loop=20",
+        "--config.train.checkpoint_every=100",
+        *flags,
+    ]
+
+
+def _run_and_kill(tmp_path, server: str, *flags: str) -> tuple[int, str, float]:
+    """Starts a long `local:` run, kills `server` once it trains; its code, output, and time."""
+    proc = start_cli(*_long_run(tmp_path, *flags), cwd=tmp_path)
+    lines, pids, killed_at = [], {}, None
+    timer = threading.Timer(TIMEOUT_S, kill, args=(proc,))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if found := re.match(r"\[(data:\S+)\] .* serving at .*\(pid (\d+)\)", line):
+                pids[found.group(1)] = int(found.group(2))
+            if killed_at is None and line.startswith("train | step: 100/"):
+                os.kill(pids[server], signal.SIGKILL)
+                killed_at = time.monotonic()
+        code = proc.wait()
+    finally:
+        timer.cancel()
+    assert killed_at is not None, "\n".join(lines[-30:])
+    return code, "\n".join(lines), time.monotonic() - killed_at
+
+
+@pytest.mark.parametrize("server", ["data:worker:0", "data:dispatcher"])
+def test_a_killed_server_ends_the_run_with_one_line_and_exit_144(tmp_path, server):
+    code, output, seconds = _run_and_kill(tmp_path, server, "--config.data.service=local:1")
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert code == 144, output[-3000:]
+    assert len(errors) == 1 and f"{server} (127.0.0.1:" in errors[0], output[-3000:]
+    assert "resumes from its newest checkpoint" in errors[0]
+    assert seconds < 30  # noticed in about a second; never a hang
+
+
+def test_under_dynamic_sharding_the_other_worker_takes_over(tmp_path):
+    flags = ("--config.data.service=local:2", "--config.data.service_sharding=dynamic")
+    code, output, _ = _run_and_kill(tmp_path, "data:worker:1", *flags, "--config.train.steps=400")
+    assert code == 0, output[-3000:]
+    assert "data:worker:1 (127.0.0.1:" in output and "take over its work" in output
+    assert "train | step: 400/400" in output
+    assert "input: tf.data service at grpc://127.0.0.1:" in output
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["input"]["processing_mode"] == "distributed_epoch"
+    assert results["input"]["workers"] == 2 and results["input"]["local"]
+
+
+# --- bad input: one line, bounded, model_dir untouched -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"data.service": "local:0"}, r"'local:0' starts 0 data workers.*at least 1"),
+        ({"data.service": "host:5050"}, r"'host:5050' is not a tf.data service address"),
+        ({"data.service": "local:2"}, r"2 data workers.*'off'.*send every batch again"),
+        ({"data.service": "local:1", "data.service_sharding": "some"}, r"Unknown.*'some'"),
+    ],
+)
+def test_a_bad_address_or_count_is_one_line(fields, match):
+    config = tiny_config(**fields)
+    one_line_error(match, lambda: service.started(config.data, True, print).__enter__())
+
+
+def test_nothing_listening_is_one_line_within_the_timeout():
+    (port,) = launch.pick_ports(1)
+    config = tiny_config(**{"data.service": f"grpc://127.0.0.1:{port}"})
+    config.data.service_timeout_s = 1.0
+    start = time.monotonic()
+    one_line_error(
+        r"nothing answers at grpc://127.0.0.1:\d+ within 1 s; start a dispatcher",
+        lambda: service.started(config.data, True, print).__enter__(),
+    )
+    assert time.monotonic() - start < 10
+
+
+def test_a_dispatcher_that_never_answers_is_one_line_and_exit_2(tmp_path):
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections, says nothing
+    port = silent.getsockname()[1]
+    with silent:
+        result = run_cli(
+            f"--model_dir={tmp_path / 'run'}",
+            f"--config.data.service=grpc://127.0.0.1:{port}",
+            "--config.data.service_timeout_s=3",
+            cwd=tmp_path,
+            timeout=120,
+        )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("error: `data.service` 'grpc://")
+    assert "sent no data within 3 s" in result.stderr
+    assert not (tmp_path / "run").exists()  # model_dir untouched
+
+
+# --- python -m trainer.data_service: its server from the flags or TF_CONFIG ---------------
+
+DATA_CLUSTER = {"dispatcher": ["host0:5050"], "data_worker": ["host1:5051", "host2:5052"]}
+
+
+def _tf_config(task_type: str, index: int) -> str:
+    return json.dumps({"cluster": DATA_CLUSTER, "task": {"type": task_type, "index": index}})
+
+
+def test_the_server_comes_from_tf_config_as_for_the_trainer():
+    worker = command.plan(None, None, None, tf_config=_tf_config("data_worker", 1))
+    assert (worker.role, worker.port, worker.dispatcher) == ("worker", 5052, "host0:5050")
+    dispatcher = command.plan(None, None, None, "/jobs/d", tf_config=_tf_config("dispatcher", 0))
+    assert (dispatcher.role, dispatcher.port, dispatcher.work_dir) == (
+        "dispatcher",
+        5050,
+        "/jobs/d",
+    )
+    flags = command.plan("worker", 7000, "grpc://h:1", tf_config=None)
+    assert (flags.port, flags.dispatcher) == (7000, "h:1")
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((None, 1, None), r"`--role` is not given"),
+        (("worker", 1, None), r"`--dispatcher` \(None\) must be"),
+        (("dispatcher", None, None), r"`--port` \(None\) must be a port number"),
+    ],
+)
+def test_a_server_without_role_port_or_dispatcher_is_one_line(args, match):
+    one_line_error(match, command.plan, *args)

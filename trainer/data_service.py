@@ -1,0 +1,176 @@
+"""`python -m trainer.data_service`: one server of TensorFlow's tf.data service.
+
+    python -m trainer.data_service --role=dispatcher --port=5050 [--work_dir=/shared/dispatcher]
+    python -m trainer.data_service --role=worker --port=5051 --dispatcher=host0:5050
+
+Trainers started with `--config.data.service=grpc://host0:5050` then run their
+input pipelines on the workers (see `trainer.data.service`). Without flags, the
+role, the port and the dispatcher come from `TF_CONFIG`, as for the trainer,
+from a cluster with a `dispatcher` job and a `data_worker` job:
+
+    {"cluster": {"dispatcher": ["host0:5050"], "data_worker": ["host1:5051", "host2:5051"]},
+     "task": {"type": "data_worker", "index": 0}}
+
+A dispatcher with `--work_dir` journals its state there; started again with the
+same directory, it carries on with the jobs it had (TensorFlow's fault-tolerant
+mode). The server runs until the process is stopped (SIGTERM or SIGINT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ chatter quiet
+
+from absl import app, flags  # noqa: E402
+
+from strategies.errors import UserError  # noqa: E402
+from trainer import cli  # noqa: E402
+
+ROLES = ("dispatcher", "worker")
+JOBS = {"dispatcher": "dispatcher", "worker": "data_worker"}  # role -> its `TF_CONFIG` job
+HEARTBEAT_MS = 1_000  # a worker's heartbeat to the dispatcher
+WORKER_TIMEOUT_MS = 5_000  # a worker silent this long is dropped; its clients read the others
+DISPATCHER_TIMEOUT_MS = 60_000  # a worker gives up on a dispatcher that never answers
+
+_ROLE = flags.DEFINE_enum("role", None, ROLES, "Which server to run; default from `TF_CONFIG`.")
+_PORT = flags.DEFINE_integer("port", None, "Port to serve on; default from `TF_CONFIG`.")
+_DISPATCHER = flags.DEFINE_string(
+    "dispatcher", None, "worker: the dispatcher's host:port; default from `TF_CONFIG`."
+)
+_WORK_DIR = flags.DEFINE_string(
+    "work_dir", "", "dispatcher: a directory for its journal, so a restart recovers its jobs."
+)
+_HOST = flags.DEFINE_string(
+    "host", "localhost", "worker: the host name trainers reach this worker at."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Server:
+    """What one process serves: its role, its port and (a worker) its dispatcher."""
+
+    role: str
+    port: int
+    dispatcher: str = ""  # "host:port"
+    work_dir: str = ""
+    host: str = "localhost"
+
+
+def plan(
+    role: str | None,
+    port: int | None,
+    dispatcher: str | None,
+    work_dir: str = "",
+    host: str = "localhost",
+    tf_config: str | None = None,
+) -> Server:
+    """The server to run: from the flags, with what they leave out taken from `TF_CONFIG`.
+
+    Raises:
+      UserError: no role, no port, or a worker without a dispatcher, saying which flag to give.
+    """
+    jobs, own_type, own_index = _tf_config(tf_config)
+    if role is None:
+        role = {job: r for r, job in JOBS.items()}.get(own_type)
+    if role is None:
+        raise UserError(
+            "`--role` is not given and `TF_CONFIG` names no `dispatcher` or `data_worker` task; "
+            "pass `--role=dispatcher` or `--role=worker`."
+        )
+    if port is None and own_type == JOBS[role]:
+        port = int(jobs[own_type][own_index].rpartition(":")[2])
+    if port is None or not 0 < port < 65536:
+        raise UserError(f"`--port` ({port}) must be a port number, 1-65535; pass one.")
+    if role == "worker":
+        if dispatcher is None and jobs.get("dispatcher"):
+            dispatcher = jobs["dispatcher"][0]
+        if not dispatcher or ":" not in dispatcher:
+            raise UserError(
+                f"`--dispatcher` ({dispatcher!r}) must be the dispatcher's host:port; "
+                "pass e.g. `--dispatcher=host0:5050`, or a `dispatcher` job in `TF_CONFIG`."
+            )
+        dispatcher = dispatcher.removeprefix("grpc://")
+    return Server(role, port, dispatcher or "", work_dir, host)
+
+
+def _tf_config(text: str | None) -> tuple[dict[str, list[str]], str, int]:
+    """`TF_CONFIG`'s jobs, and this task's type and index ("" and 0 when it names none)."""
+    if not text:
+        return {}, "", 0
+    try:
+        loaded = json.loads(text)
+        jobs = {job: list(addresses) for job, addresses in loaded.get("cluster", {}).items()}
+        task = loaded.get("task", {})
+        own_type, own_index = task.get("type", ""), int(task.get("index", 0))
+        if own_type in JOBS.values():
+            int(jobs[own_type][own_index].rpartition(":")[2])  # its own address has a port
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+        raise UserError(
+            f"`TF_CONFIG` is not a cluster with `dispatcher` and `data_worker` jobs ({e}); "
+            'write it as {"cluster": {"dispatcher": ["host:port"], "data_worker": [...]}, '
+            '"task": {"type": "data_worker", "index": 0}}.'
+        ) from None
+    return jobs, own_type, own_index
+
+
+def serve(server: Server, stop: threading.Event) -> None:
+    """Runs `server` until `stop` is set; says where it serves."""
+    with cli.native_stderr_silenced():  # TensorFlow's C++ start-up chatter
+        import tensorflow as tf
+
+    service = tf.data.experimental.service
+    if server.role == "dispatcher":
+        config = service.DispatcherConfig(
+            port=server.port,
+            work_dir=server.work_dir or None,
+            fault_tolerant_mode=bool(server.work_dir),
+            worker_timeout_ms=WORKER_TIMEOUT_MS,
+        )
+        running = service.DispatchServer(config)
+        journal = f", journal in {server.work_dir}" if server.work_dir else ""
+        print(f"dispatcher serving at {running.target}{journal} (pid {os.getpid()})", flush=True)
+    else:
+        config = service.WorkerConfig(
+            dispatcher_address=server.dispatcher,
+            worker_address=f"{server.host}:%port%",
+            port=server.port,
+            heartbeat_interval_ms=HEARTBEAT_MS,
+            dispatcher_timeout_ms=DISPATCHER_TIMEOUT_MS,
+        )
+        running = service.WorkerServer(config)
+        print(
+            f"data worker serving at {server.host}:{server.port} for the dispatcher at "
+            f"{server.dispatcher} (pid {os.getpid()})",
+            flush=True,
+        )
+    stop.wait()
+    running.stop()
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server = plan(
+            _ROLE.value,
+            _PORT.value,
+            _DISPATCHER.value,
+            _WORK_DIR.value,
+            _HOST.value,
+            os.environ.get("TF_CONFIG"),
+        )
+    except UserError as e:
+        cli.fail(cli.one_line(e))
+    serve(server, stop)
+
+
+if __name__ == "__main__":
+    app.run(main, argv=sys.argv)
