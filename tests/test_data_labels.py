@@ -348,19 +348,13 @@ def test_a_vocabulary_for_a_numeric_tfrecord_label_is_one_line(tmp_path):
 def test_resuming_with_other_class_names_is_one_line(tmp_path):
     config = tiny_config(
         **{
-            "data.name": "csv",
-            "data.train_files": str(tmp_path / "train.csv"),
-            "data.eval_files": str(tmp_path / "eval.csv"),
-            "data.label": "species",
-            "data.features": "size:float32",
-            "data.label_vocabulary": "auto",
             "model.name": "tests.test_data_labels:size_model",
             "train.global_batch_size": 4,
             "eval.global_batch_size": 4,
             "train.steps": 2,
         }
     )
-    _csv(tmp_path, ROWS)
+    config.data.update(_csv(tmp_path, ROWS, features="size:float32"))
     model_dir = str(tmp_path / "model")
     train.train_and_evaluate(config, model_dir)
     _csv(tmp_path, [*ROWS, "1.0,red,2,Emperor"])  # `auto` now finds a fourth class
