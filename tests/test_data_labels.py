@@ -402,3 +402,18 @@ def test_what_start_up_found_is_told_with_the_input_on_the_tf_data_service(tmp_p
     served = service.ServiceDataset(dataset, where, "run")
     assert served.notes == dataset.notes and "dropped 1 of 5 rows" in served.notes[0]
     assert served.spec.class_names == ("Adelie", "Chinstrap", "Gentoo")
+
+
+def test_a_numeric_csv_of_unnamed_columns_takes_class_names_and_drops_gaps(tmp_path):
+    lines = ["a,b,label", "1,2,cat", "3,,dog", "5,6,dog", "7,8,cat"]
+    (tmp_path / "all.csv").write_text("\n".join(lines) + "\n")
+    config = default.get_config().data
+    path = str(tmp_path / "all.csv")
+    config.update({"name": "csv", "train_files": path, "eval_files": path, "input_shape": (2,)})
+    config.label_vocabulary = "auto"
+    message = one_line_error("line 3, column `b` is missing", data.get, config)
+    assert "name the columns in `data.features` with defaults ('b:float32=0', ...)" in message
+    config.incomplete = "drop"
+    x, labels = _eval(data.get(config))
+    np.testing.assert_array_equal(x, [[1, 2], [5, 6], [7, 8]])
+    np.testing.assert_array_equal(labels, [0, 1, 0])
