@@ -29,6 +29,7 @@ from tests.helpers import (
     train_on_cluster,
 )
 from trainer import data, models, train
+from trainer.data import service
 
 
 def binary(input_context, split, global_batch_size):
@@ -342,3 +343,77 @@ def test_a_vocabulary_for_a_numeric_tfrecord_label_is_one_line(tmp_path):
         "reads `data.label` 'species' as class names", data.get, _tfrecord(tmp_path, examples)
     )
     assert "holds it as float32" in message and "`--config.data.label_vocabulary=`" in message
+
+
+def test_resuming_with_other_class_names_is_one_line(tmp_path):
+    config = tiny_config(
+        **{
+            "model.name": "tests.test_data_labels:size_model",
+            "train.global_batch_size": 4,
+            "eval.global_batch_size": 4,
+            "train.steps": 2,
+        }
+    )
+    config.data.update(_csv(tmp_path, ROWS, features="size:float32"))
+    model_dir = str(tmp_path / "model")
+    train.train_and_evaluate(config, model_dir)
+    _csv(tmp_path, [*ROWS, "1.0,red,2,Emperor"])  # `auto` now finds a fourth class
+    message = one_line_error(
+        "was trained with the classes", train.train_and_evaluate, config, model_dir
+    )
+    assert "Adelie,Chinstrap,Gentoo (its config.json)" in message
+    assert "`--config.data.label_vocabulary=Adelie,Chinstrap,Gentoo`" in message
+
+
+def size_model(spec, config):
+    inputs = {"size": keras.Input((), name="size")}
+    outputs = keras.layers.Dense(spec.num_classes)(keras.layers.Reshape((1,))(inputs["size"]))
+    return keras.Model(inputs, outputs)
+
+
+def test_a_tfrecord_string_label_trains_and_the_export_names_the_classes(tmp_path):
+    examples = [PENGUINS[i % 3] for i in range(48)]
+    config = tiny_config(
+        **{
+            "strategy.name": "one_device",
+            "model.name": "tests.test_data_labels:size_model",
+            "train.global_batch_size": 16,
+            "eval.global_batch_size": 16,
+            "train.steps": 60,
+            "train.export": True,
+            "optimizer.learning_rate": 0.05,
+        }
+    )
+    config.data.update(_tfrecord(tmp_path, examples))
+    results = train.train_and_evaluate(config, str(tmp_path / "model"))
+    assert results["class_names"] == ["Adelie", "Chinstrap", "Gentoo"]
+    assert results["eval"]["examples"] == 48
+    serve = tf.saved_model.load(str(tmp_path / "model" / "export")).signatures["serving_default"]
+    outputs = serve(size=tf.constant([0.5, 2.5]))
+    assert outputs["class_names"].dtype == tf.string and outputs["class_names"].shape == (2,)
+    names = [outputs["class_names"].numpy()[i].decode() for i in range(2)]
+    assert names == [results["class_names"][c] for c in outputs["classes"].numpy()]
+
+
+def test_what_start_up_found_is_told_with_the_input_on_the_tf_data_service(tmp_path):
+    rows = [*ROWS, "NA,red,2,Gentoo"]
+    dataset = data.get(_csv(tmp_path, rows, ROWS, incomplete="drop"))
+    where = service.Service("grpc://127.0.0.1:1", 1, local=False, sharding="off")
+    served = service.ServiceDataset(dataset, where, "run")
+    assert served.notes == dataset.notes and "dropped 1 of 5 rows" in served.notes[0]
+    assert served.spec.class_names == ("Adelie", "Chinstrap", "Gentoo")
+
+
+def test_a_numeric_csv_of_unnamed_columns_takes_class_names_and_drops_gaps(tmp_path):
+    lines = ["a,b,label", "1,2,cat", "3,,dog", "5,6,dog", "7,8,cat"]
+    (tmp_path / "all.csv").write_text("\n".join(lines) + "\n")
+    config = default.get_config().data
+    path = str(tmp_path / "all.csv")
+    config.update({"name": "csv", "train_files": path, "eval_files": path, "input_shape": (2,)})
+    config.label_vocabulary = "auto"
+    message = one_line_error("line 3, column `b` is missing", data.get, config)
+    assert "name the columns in `data.features` with defaults ('b:float32=0', ...)" in message
+    config.incomplete = "drop"
+    x, labels = _eval(data.get(config))
+    np.testing.assert_array_equal(x, [[1, 2], [5, 6], [7, 8]])
+    np.testing.assert_array_equal(labels, [0, 1, 0])

@@ -168,6 +168,7 @@ def build(
         checks.check_model_dir(model_dir)
     else:  # every task reads model_dir; the chief alone checks that it can be written
         storage.check_scheme(model_dir, "--model_dir")
+    _check_class_names(model_dir, dataset.spec.class_names)
     data.check(dataset)
     dataset = data_service.wrap(dataset, service, model_dir)
     keras.utils.set_random_seed(config.seed)
@@ -193,6 +194,24 @@ def build(
         optimizer,
         user_actions,
         custom_step,
+    )
+
+
+def _check_class_names(model_dir: str, names: tuple[str, ...]) -> None:
+    """A run that resumes in `model_dir` must give each class index the name it had.
+
+    Raises:
+      UserError: `config.json` of an earlier run in `model_dir` records other class
+        names (e.g. `label_vocabulary=auto` found another class in changed files).
+    """
+    recorded = storage.read_json(os.path.join(model_dir, "config.json")) or {}
+    before = recorded.get("data", {}).get("label_vocabulary", "")
+    if not names or not before or before == labels.AUTO or before == ",".join(names):
+        return
+    raise UserError(
+        f"`--model_dir` '{model_dir}' was trained with the classes {before} (its config.json), "
+        f"and `data.label_vocabulary` now gives {','.join(names)}; resume with "
+        f"`--config.data.label_vocabulary={before}`, or train into a new `--model_dir`."
     )
 
 

@@ -76,7 +76,9 @@ def _csv(config: ml_collections.ConfigDict) -> Dataset:
                 f"'{config.label}', but `data.input_shape` {shape} needs {math.prod(shape)}; "
                 "make them agree."
             )
-    rows = _Rows(tuple(columns), tuple(features), config.label, missing(config), names)
+    rows = _Rows(
+        tuple(columns), tuple(features), config.label, missing(config), names, bool(config.features)
+    )
     # Every value is checked here, with the ops training parses with, so a bad one
     # is named by its file and line instead of failing a shuffled batch mid-run.
     scans = {field: [rows.scan(path) for path in files[field]] for field in files}
@@ -170,6 +172,7 @@ class _Rows:
       missing: which values are missing, and whether a row with one is dropped.
       names: the class names of a string label; `labels.AUTO` while start-up finds
         them; None or () for numeric labels.
+      named: whether `data.features` names the features (else every other column is one).
     """
 
     columns: tuple[str, ...]
@@ -177,6 +180,7 @@ class _Rows:
     label: str
     missing: Missing
     names: tuple[str, ...] | str | None
+    named: bool = True  # the features come from `data.features` (else: every other column)
 
     def parse(self, lines: tf.Tensor, every_column: bool = False) -> _Parsed:
         """The features and labels of a batch of lines (every column checked if asked)."""
@@ -256,14 +260,17 @@ class _Rows:
         """The error for row `at` of a batch, which has a missing value and no default."""
         column = next(name for name, gap in parsed.gaps.items() if bool(gap[at]))
         where = f"CSV file '{path}' line {first_line + at}, column `{column}`"
+        drop = "set `--config.data.incomplete=drop` to leave such rows out"
         if column == self.label:
-            fix = "a label has no default: set `--config.data.incomplete=drop` to leave such rows"
-            fix += " out"
+            fix = f"a label has no default: {drop}"
+        elif not self.named:
+            named = f"'{column}:float32=0'"
+            fix = f"{drop}, or name the columns in `data.features` with defaults ({named}, ...)"
         else:
             dtype = next(f.dtype.name for f in self.features if f.name == column)
             fix = (
                 f"give `{column}` a default in `data.features` (e.g. '{column}:{dtype}=0'), or "
-                "set `--config.data.incomplete=drop` to leave such rows out"
+                f"{drop}"
             )
         return UserError(f"{where} is missing (`data.na_values`); {fix}.")
 

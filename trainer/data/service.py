@@ -140,6 +140,11 @@ class ServiceDataset:
         """The source's spec."""
         return self.inner.spec
 
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What the source's start-up found (e.g. rows dropped)."""
+        return self.inner.notes
+
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The source's training stream, made by the data workers (see the module docstring)."""
         source = self.inner.train_fn(global_batch_size, seed, start_step)
