@@ -78,7 +78,9 @@ SHARDING = {
 }
 _LOCAL = re.compile(r"local:(-?\d+)$")
 _REMOTE = re.compile(r"grpc://([^:/\s]+):(\d+)$")
+TIMEOUT_S = 60.0  # default `data.service_timeout_s`
 _POLL_S = 0.5
+_LOOPBACK = "127.0.0.1"
 _DISPATCHER = "data:dispatcher"  # how a local dispatcher's output lines are prefixed
 _STOP_S = 5.0  # how long a local server may take to exit after SIGTERM
 
@@ -189,7 +191,7 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise UserError(
             f"Unknown `data.service_sharding` '{sharding}'; known: {', '.join(SHARDING)}."
         )
-    timeout = config.get("service_timeout_s", 60.0)
+    timeout = config.get("service_timeout_s", TIMEOUT_S)
     if timeout <= 0:
         raise UserError(f"`data.service_timeout_s` ({timeout}) must be > 0 seconds; set e.g. 60.")
 
@@ -255,11 +257,13 @@ def started(
     mode = sharding(config, ordered_input)
     if workers is not None:
         _check_count(config.service, workers, mode)
-    timeout_s = config.get("service_timeout_s", 60.0)
+    timeout_s = config.get("service_timeout_s", TIMEOUT_S)
     with contextlib.ExitStack() as stack:
         local = None
         if workers is not None:
-            local = stack.enter_context(LocalService(workers))
+            from trainer.launch import pick_ports  # (the launcher itself imports this module)
+
+            local = stack.enter_context(LocalService(pick_ports(workers + 1)))
             address = local.address
         counted = wait_until_served(address, local, timeout_s)
         answering = workers if local is not None else counted  # local ones may still register
@@ -284,14 +288,14 @@ def _check_count(text: str, workers: int, mode: str) -> None:
 class LocalService:
     """A dispatcher and N data workers as child processes on 127.0.0.1 (`local:N`)."""
 
-    def __init__(self, workers: int, console: processes.Console | None = None):
-        """Plans the servers on free ports; `console` gets their prefixed output."""
-        from trainer import launch  # the launcher starts a `LocalService` too
+    def __init__(self, ports: list[int], console: processes.Console | None = None):
+        """Plans the dispatcher on `ports[0]` and a worker on each other port of 127.0.0.1.
 
+        `console` gets their output, prefixed.
+        """
         self._console = console or processes.Console()
-        ports = launch.pick_ports(workers + 1)
-        self.address = f"grpc://{launch.LOOPBACK}:{ports[0]}"
-        dispatcher = f"{launch.LOOPBACK}:{ports[0]}"
+        self.address = f"grpc://{_LOOPBACK}:{ports[0]}"
+        dispatcher = f"{_LOOPBACK}:{ports[0]}"
         module = [sys.executable, "-m", "trainer.data_service"]
         self.commands = {
             _DISPATCHER: [*module, "--role=dispatcher", f"--port={ports[0]}"],
@@ -301,7 +305,7 @@ class LocalService:
                     "--role=worker",
                     f"--port={port}",
                     f"--dispatcher={dispatcher}",
-                    f"--host={launch.LOOPBACK}",
+                    f"--host={_LOOPBACK}",
                 ]
                 for i, port in enumerate(ports[1:])
             },
@@ -342,7 +346,7 @@ class LocalService:
 
     def describe(self, name: str) -> str:
         """E.g. "data:worker:1 (127.0.0.1:4242, pid 99)"."""
-        return f"{name} (127.0.0.1:{self.ports[name]}, pid {self.procs[name].pid})"
+        return f"{name} ({_LOOPBACK}:{self.ports[name]}, pid {self.procs[name].pid})"
 
 
 def _host_port(address: str) -> tuple[str, int]:
