@@ -319,3 +319,26 @@ def test_a_local_cluster_trains_on_the_launchers_data_workers(tmp_path, topology
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["input"]["processing_mode"] == mode
     assert results["eval"]["accuracy"] > 0.95  # as in-process input reaches (0.98)
+
+
+def test_the_readme_command_trains_on_local_servers_and_stops_them(tmp_path):
+    result = run_cli(
+        "--strategy=one_device",
+        "--config.data.service=local:1",
+        f"--model_dir={tmp_path / 'run'}",
+        "--config.train.steps=200",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert re.search(r"^\[data:worker:0\] data worker serving at 127\.0\.0\.1:\d+", out, re.M)
+    assert re.search(
+        r"^input: tf\.data service at grpc://127\.0\.0\.1:\d+, 1 worker beside the trainer, "
+        r"sharding off \(parallel_epochs\); eval in the trainer$",
+        out,
+        re.M,
+    )
+    pids = [int(p) for p in re.findall(r"serving at .*\(pid (\d+)\)", out)]
+    assert len(pids) == 2 and not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["eval"]["accuracy"] > 0.95
