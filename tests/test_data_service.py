@@ -342,3 +342,41 @@ def test_the_readme_command_trains_on_local_servers_and_stops_them(tmp_path):
     assert len(pids) == 2 and not any(os.path.exists(f"/proc/{pid}") for pid in pids)
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["eval"]["accuracy"] > 0.95
+
+
+# --- how long steps wait for input ---------------------------------------------------------
+
+
+def slow_pipeline(input_context, split, global_batch_size):
+    """`pipeline`, each batch after 2 GFLOP of busy work (tens of ms): input-bound training."""
+
+    def slowly(x, y):
+        m = tf.random.stateless_normal([256, 256], seed=[0, 0])
+        m = tf.foldl(lambda a, _: tf.linalg.normalize(a @ m)[0], tf.range(60), initializer=m)
+        return x + 0 * tf.reduce_sum(m), y  # made to depend on the busy work
+
+    return pipeline(input_context, split, global_batch_size).map(slowly)
+
+
+@pytest.mark.parametrize("where", ["trainer", "service"])
+def test_the_time_steps_wait_for_input_is_reported(tmp_path, dispatcher, where):
+    fields = {"strategy.name": "one_device", "data.num_classes": 2}
+    if where == "service":
+        fields["data.service"] = dispatcher
+    waits = {}
+    for name in ("pipeline", "slow_pipeline"):
+        _run(tmp_path / name, {**fields, "data.name": f"{__name__}:{name}"}, steps=40)
+        waits[name] = np.median(_tensorboard(tmp_path / name, "input_wait_ms"))
+    assert waits["slow_pipeline"] > 5  # about all of each step
+    assert waits["pipeline"] < waits["slow_pipeline"] / 2
+
+
+def _tensorboard(model_dir, tag: str) -> list[float]:
+    """The values of `tag` in TensorBoard's "train" run of `model_dir`, one per block."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    events = event_accumulator.EventAccumulator(
+        str(model_dir / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    events.Reload()
+    return [float(tf.make_ndarray(e.tensor_proto)) for e in events.Tensors(tag)]

@@ -38,6 +38,7 @@ from trainer import (
 from trainer import lock as model_dir_lock
 from trainer.checkpoints import Checkpointer
 from trainer.data import service as data_service
+from trainer.data import wait
 from trainer.export import export
 from trainer.summaries import Summaries
 
@@ -59,6 +60,7 @@ class Job:
     optimizer: keras.optimizers.Optimizer
     user_actions: list[actions.Action] = dataclasses.field(default_factory=list)
     custom_step: Callable | None = None  # a user task's own `train_step`
+    input_wait: wait.InputWait | None = None  # seconds the training stream kept steps waiting
 
 
 def train_and_evaluate(
@@ -164,6 +166,9 @@ def build(
         storage.check_scheme(model_dir, "--model_dir")
     data.check(dataset)
     dataset = data_service.wrap(dataset, service, model_dir)
+    input_wait = wait.InputWait() if strategy.ordered_input else None
+    if input_wait is not None:
+        dataset = wait.TimedDataset(dataset, input_wait)
     keras.utils.set_random_seed(config.seed)
     with strategy.scope(), precision.policy(config.train.precision):
         if user_task is None:
@@ -187,6 +192,7 @@ def build(
         optimizer,
         user_actions,
         custom_step,
+        input_wait,
     )
 
 
@@ -412,6 +418,10 @@ def _actions(
         recoveries.append(step)
         _recover(job, checkpointer, step, loss, len(recoveries))
 
+    def input_wait(output: controller.Output) -> None:
+        # How long each step waited for its batches, on average over the block.
+        output.metrics["input_wait_ms"] = 1000 * job.input_wait.take() / output.steps
+
     def log(output: controller.Output) -> None:
         summaries.scalars("train", output.step, output.metrics)
         _tell(job, progress_line("train", output.step, output.metrics, output.total_steps))
@@ -421,6 +431,7 @@ def _actions(
             lambda loss: faults.loss_blew_up(loss, config.train.loss_upper_bound), recover
         ),
         actions.rates(config.train.global_batch_size, lambda: float(job.optimizer.learning_rate)),
+        *([actions.every_block(input_wait, "input wait")] if job.input_wait else []),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
         actions.Action(actions.Preemption(strategy.watch_preemption(), checkpointer.save, say)),

@@ -69,6 +69,7 @@ import tensorflow as tf
 
 from strategies.errors import UserError
 from trainer import faults, processes
+from trainer.data import wait
 from trainer.data.base import Dataset, DatasetFn, DataSpec
 
 SHARDING = {
@@ -120,7 +121,7 @@ class Service:
         return {"where": "tf.data service", **dataclasses.asdict(self), "processing_mode": mode}
 
 
-IN_PROCESS = {"where": "trainer", "line": "input: in the trainer's process (tf.data)"}
+IN_PROCESS = {"where": "trainer", "line": "input: in the trainers' own processes (tf.data)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,6 +467,8 @@ def wrap(dataset: Dataset, service: Service | None, model_dir: str) -> Dataset:
 
 def describe(dataset: Dataset) -> dict:
     """Where `dataset`'s input runs, for the start-up line and `results.json`."""
+    if isinstance(dataset, wait.TimedDataset):
+        dataset = dataset.inner
     if isinstance(dataset, ServiceDataset):
         return {**dataset.service.as_dict(), "line": dataset.service.line()}
     return IN_PROCESS
