@@ -380,3 +380,31 @@ def _tensorboard(model_dir, tag: str) -> list[float]:
     )
     events.Reload()
     return [float(tf.make_ndarray(e.tensor_proto)) for e in events.Tensors(tag)]
+
+
+# --- sweeps: python -m trainer.sweep --share_input -----------------------------------------
+
+
+def test_sweep_trials_with_one_pipeline_share_one_stream(tmp_path):
+    result = run_cli(
+        "--sweep.optimizer.learning_rate=1e-3,3e-3",
+        "--parallel=2",
+        "--share_input",
+        f"--sweep_dir={tmp_path / 'sweep'}",
+        "--",
+        "--strategy=one_device",
+        "--config.train.steps=100",
+        "--config.train.export=False",
+        cwd=tmp_path,
+        module="trainer.sweep",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert re.search(r"^\[sweep\] trials 00, 01: one shared input stream", result.stdout, re.M)
+    inputs = [
+        json.loads(path.read_text())["input"]
+        for path in sorted((tmp_path / "sweep").glob("*/results.json"))
+    ]
+    assert len(inputs) == 2 and inputs[0]["job"] == inputs[1]["job"] != ""
+    assert inputs[0]["address"] == inputs[1]["address"]
+    rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert "data.service" not in json.dumps(rows)  # a setting, not a swept value

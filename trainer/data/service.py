@@ -162,7 +162,8 @@ class ServiceDataset:
             cache = tf.data.experimental.service.CrossTrainerCache(self.name.encode())
 
         def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
-            job = f"{service.job}-{context.input_pipeline_id}" if service.job else None
+            # Trials resumed at another step make other batches: a stream of their own.
+            job = f"{service.job}-{start_step}-{context.input_pipeline_id}" if service.job else None
             return source(context).apply(
                 tf.data.experimental.service.distribute(
                     "parallel_epochs", service.address, job_name=job, cross_trainer_cache=cache
