@@ -70,7 +70,7 @@ import tensorflow as tf
 from strategies.errors import UserError
 from trainer import faults, processes
 from trainer.data import wait
-from trainer.data.base import Dataset, DatasetFn, DataSpec
+from trainer.data.base import Dataset, DatasetFn, TrainStreamWrapper
 
 SHARDING = {
     "auto": "off, or dynamic under a strategy whose workers take steps as they come",
@@ -125,23 +125,20 @@ IN_PROCESS = {"where": "trainer", "line": "input: in the trainers' own processes
 
 
 @dataclasses.dataclass(frozen=True)
-class ServiceDataset:
+class ServiceDataset(TrainStreamWrapper):
     """A source's `Dataset` whose training stream comes from the tf.data service.
+
+    Evaluation reads in the trainer: one pass, exactly once (see the module docstring).
 
     Attributes:
       inner: the source's own `Dataset`, whose pipelines the data workers run.
       service: where, and how the workers share the stream.
-      name: this run's name for dynamic jobs, the same on every trainer of a cluster.
+      name: this run's name for dynamic jobs and the cross-trainer cache, the same
+        on every trainer of a cluster.
     """
 
-    inner: Dataset
     service: Service
     name: str
-
-    @property
-    def spec(self) -> DataSpec:
-        """The source's spec."""
-        return self.inner.spec
 
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The source's training stream, made by the data workers (see the module docstring)."""
@@ -171,14 +168,6 @@ class ServiceDataset:
             )
 
         return per_pipeline
-
-    def eval_fn(self, global_batch_size: int) -> DatasetFn:
-        """The eval pass, in the trainer: read exactly once."""
-        return self.inner.eval_fn(global_batch_size)
-
-    def check(self) -> None:
-        """Checks the source in the trainer, before any data worker runs it."""
-        self.inner.check()
 
 
 def check(config: ml_collections.ConfigDict) -> None:

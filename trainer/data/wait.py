@@ -22,7 +22,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from trainer.data.base import Dataset, DatasetFn, DataSpec
+from trainer.data.base import DatasetFn, TrainStreamWrapper
 
 
 class InputWait:
@@ -54,26 +54,12 @@ class InputWait:
 
 
 @dataclasses.dataclass(frozen=True)
-class TimedDataset:
+class TimedDataset(TrainStreamWrapper):
     """`inner`, whose training stream adds its waits to `wait`."""
 
-    inner: Dataset
     wait: InputWait
-
-    @property
-    def spec(self) -> DataSpec:
-        """The source's spec."""
-        return self.inner.spec
 
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The inner training stream, each read timed."""
         source = self.inner.train_fn(global_batch_size, seed, start_step)
         return lambda context: self.wait.timed(source(context))
-
-    def eval_fn(self, global_batch_size: int) -> DatasetFn:
-        """The inner eval pass, untimed."""
-        return self.inner.eval_fn(global_batch_size)
-
-    def check(self) -> None:
-        """The inner source's check."""
-        self.inner.check()
