@@ -166,7 +166,9 @@ def build(
         storage.check_scheme(model_dir, "--model_dir")
     data.check(dataset)
     dataset = data_service.wrap(dataset, service, model_dir)
-    input_wait = wait.InputWait() if strategy.ordered_input else None
+    # TensorFlow refuses clocks under op determinism (`train.deterministic`).
+    timed = strategy.ordered_input and not config.train.deterministic
+    input_wait = wait.InputWait() if timed else None
     if input_wait is not None:
         dataset = wait.TimedDataset(dataset, input_wait)
     keras.utils.set_random_seed(config.seed)

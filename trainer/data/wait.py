@@ -13,7 +13,8 @@ The loop reports the waits of each block as milliseconds per step (the
 progress line, TensorBoard's `train/input_wait_ms`, `results.json`), whether
 the input runs in the trainer or on the tf.data service. Not under
 `parameter_server`: its pipelines run on the workers, which would add to the
-chief's variable with a remote call per batch.
+chief's variable with a remote call per batch; nor with `train.deterministic`,
+under which TensorFlow refuses to read a clock.
 """
 
 from __future__ import annotations
