@@ -42,6 +42,13 @@ def get_config() -> ml_collections.ConfigDict:
     # Rows of the table: follows `data.ctr.vocab_size` unless overridden.
     c.model.vocab_size = c.data.ctr.get_ref("vocab_size")
     c.model.embedding_dim = 32  # width of each id's embedding
+    # hashed: a `ShardedEmbedding` of `vocab_size` rows; dynamic: a `DynamicEmbedding` (a row
+    # per admitted raw id, `trainer.tables`) with the options below.
+    c.model.embedding = "hashed"
+    c.model.capacity = 0  # dynamic: most rows held (0: `vocab_size`); LRU-evicts when full
+    c.model.min_count = 1  # dynamic: lookups an id needs before it gets its own row
+    c.model.ttl_steps = 0  # dynamic: free the rows of ids unseen this many steps (0: never)
+    c.model.table_seed = 0  # dynamic: keys each id's initial row
     c.model.hidden_units = (64, 32)
     c.model.dropout = 0.0
 

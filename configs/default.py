@@ -154,16 +154,28 @@ def get_config() -> ml_collections.ConfigDict:
     # tfrecord / csv: the user's files.
     c.data.train_files = ""  # glob of training files
     c.data.eval_files = ""  # glob of eval files
-    # tfrecord / csv: the features to read, "name:dtype[:shape|:var],..." with dtype float32 |
-    # int64 | string, a shape like 64 or 8x8x1 (none: one value), var: any length (tfrecord,
-    # a ragged tensor); e.g. "age:float32,country:string,ids:int64:var,img:float32:8x8x1".
+    # tfrecord / csv: the features to read, "name:dtype[:shape|:var][=default],..." with dtype
+    # float32 | int64 | string, a shape like 64 or 8x8x1 (none: one value), var: any length
+    # (tfrecord, a ragged tensor), and the value a missing one takes (csv: one of `na_values`;
+    # tfrecord: an example without it); e.g. "age:float32=0,country:string=unknown,ids:int64:var".
     # The model gets a dict of them by name, or one tensor of `input_shape` for "" (tfrecord:
     # the float feature `x`; csv: every column but the label) or one float32 feature with a
     # shape. csv reads only the columns named (each one value) and ignores the others.
     c.data.features = ""
     c.data.label = "label"  # tfrecord: label feature name; csv: label column name
     c.data.label_dtype = "int64"  # tfrecord: int64 for classification, float32 for regression
-    # tfrecord / csv / your own pipeline: classes of the label (0 = regression).
+    # tfrecord / csv: a label of class names: the names in index order, comma-separated
+    # (e.g. "Adelie,Chinstrap,Gentoo"), or "auto" (the sorted distinct values of the files,
+    # found at start-up and written to config.json); its length is then the class count.
+    # "" = the label is a number (a class index, or a value for regression).
+    c.data.label_vocabulary = ""
+    # csv: the values that mean missing, comma-separated (an empty value always does).
+    c.data.na_values = "NA,N/A,NaN,nan,null"
+    # tfrecord / csv: a row with a missing value and no default (in `features`): error (one
+    # line naming file, line and column) | drop (left out; the count is told at start-up).
+    c.data.incomplete = "error"
+    # tfrecord / csv / your own pipeline: classes of the label (0 = regression); unused with
+    # `label_vocabulary` and by a model compiled with its own loss.
     c.data.num_classes = 10
     c.data.input_shape = (64,)  # tfrecord / csv: shape of one example, when one tensor
 
@@ -200,7 +212,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.sidecar_timeout = 600.0  # evaluator task: seconds to wait for a new checkpoint
 
     c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.name = "adam"  # sgd | momentum | adam | adamw
+    c.optimizer.name = "adam"  # sgd | momentum | adam | adamw | adagrad | ftrl
     c.optimizer.learning_rate = 1e-3  # peak learning rate
     c.optimizer.momentum = 0.9  # momentum: the momentum coefficient
     c.optimizer.weight_decay = 1e-4  # adamw: decoupled weight decay

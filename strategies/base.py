@@ -12,6 +12,17 @@ Glossary (the classic distributed-TensorFlow terms, as `tf.distribute` uses them
 - *sync* vs *async*: synchronous plugins average every replica's gradients
   into one update per step; the asynchronous `parameter_server` plugin lets
   each worker apply its own updates as it goes.
+- *membership* (`strategy.membership`, `strategies.membership.Membership`):
+  who this process is in its cluster (role, chief) and whether the others
+  are alive (lost tasks, agreement, preemption, restored steps). It is not
+  part of distributing a step, so it is not part of this interface; a
+  plugin of several processes builds it from its cluster in `_build()`.
+
+The interface the loop uses: `scope()`, `distribute_dataset(dataset_fn)`,
+`call_for_each_replica(fn, args)`, `reduce(op, value)`, `local_results(value)`,
+`num_replicas_in_sync`, `run_steps(step_fn, iterator, n)`,
+`evaluate(step_fn, dataset_fn)`, `describe(variables)` and
+`place_model(model)`.
 
 A plugin wraps one real `tf.distribute.Strategy` (`tf_strategy`) and adds only
 what differs for it. A short example, the whole contract in use::
@@ -31,37 +42,45 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import keras
 import ml_collections
 import tensorflow as tf
 
-from strategies import preemption, transfer
+from strategies import membership, transfer
 
 StepFn = Callable[[Any], dict]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 
 
-@dataclasses.dataclass(frozen=True)
-class StepHalves:
-    """A train step's two halves, for a plugin that runs them apart.
+class TrainStepProtocol(Protocol):
+    """The train step as a plugin sees it (`trainer.steps.TrainStep` implements it).
 
-    The trainer's step (`step_fn(batch)`) is `apply(gradients(batch)[0])`; it
-    carries its halves as `step_fn.halves` (None for a task's own
-    `train_step`, which applies its own gradients). Synchronous
-    `parameter_server` with spare replicas computes gradients on the workers
-    and applies their average on the ps; staleness-aware async looks at the
-    update between the two.
+    `step(batch)` runs one optimizer step in replica context and returns the
+    task's sums; it is `step.apply(step.gradients(batch)[0])`. A plugin that
+    runs the halves apart uses them by name: synchronous `parameter_server`
+    with spare replicas computes gradients on the workers and applies their
+    average on the ps; staleness-aware async looks at the update between the
+    two. A task's own `train_step` applies its own gradients: it says
+    `has_halves = False`, and a plugin that `splits_steps` refuses it.
     """
 
-    gradients: Callable[[Any], tuple[list, dict]]  # batch -> (gradients of `variables`, sums)
-    apply: Callable[[list], None]  # gradients -> one optimizer update (in replica context)
+    has_halves: bool  # False: `gradients` and `apply` cannot be called
     variables: list  # the trainable variables, in the order of the gradients
     iterations: tf.Variable  # the optimizer's update counter (the step)
+
+    def __call__(self, batch) -> dict: ...
+
+    def gradients(self, batch) -> tuple[list, dict]:
+        """This replica's gradients of `variables` on `batch`, and the task's sums."""
+        ...
+
+    def apply(self, grads: list) -> None:
+        """One optimizer update from `grads` (in replica context)."""
+        ...
 
 
 # tf.data warns about reading dataset options while a distributed loop is traced; harmless.
@@ -84,10 +103,12 @@ class Strategy(abc.ABC):
     # sets `gradient_transfer` from its options (see `strategies.transfer`).
     supports_gradient_transfer: bool = False
     gradient_transfer = transfer.GradientTransfer()
-    cluster = None  # the parsed `TF_CONFIG` (`cluster.ClusterSpec`) of a multi-process plugin
 
     def __init__(self, options: ml_collections.ConfigDict | None = None):
         self.options = options if options is not None else ml_collections.ConfigDict()
+        # One process until `_build` says otherwise: a plugin of several processes sets
+        # its own from the cluster (`membership.Membership(cluster, ...)`).
+        self.membership = membership.Membership()
         self.tf_strategy: tf.distribute.Strategy = self._build()
         self._compiled: dict[tuple[str, StepFn], Callable] = {}
 
@@ -146,58 +167,9 @@ class Strategy(abc.ABC):
         return self.tf_strategy.num_replicas_in_sync
 
     @property
-    def is_chief(self) -> bool:
-        """Whether this task writes checkpoints, summaries and exports."""
-        return True
-
-    @property
-    def role(self) -> str:
-        """What this task does: "train", "serve" (a server for others) or "evaluate".
-
-        Every task of a cluster runs the same program; the role says which part.
-        A "serve" task calls `serve()`, an "evaluate" task evaluates checkpoints
-        as they appear (sidecar evaluation), and "train" tasks run the loop.
-        """
-        return "train"
-
-    @property
-    def evaluates_inline(self) -> bool:
-        """Whether the training tasks evaluate (False when a sidecar evaluator does)."""
-        return True
-
-    def serve(self) -> None:
-        """Runs this task's server until the job is over (for role "serve")."""
-        raise NotImplementedError(f"`{self.name}` tasks have no server to run.")
-
-    @property
     def compute_devices(self) -> list[str]:
         """The devices that run replicas."""
         return list(self.tf_strategy.extended.worker_devices)
-
-    def watch_preemption(self) -> contextlib.AbstractContextManager:
-        """A watch for SIGTERM, as a context manager around the training loop.
-
-        The loop calls its `check(save)` after every loop (on every task); it
-        saves and raises `preemption.Preempted` once the job is to stop. One
-        process watches its own signal; a plugin whose tasks must agree on the
-        step overrides this.
-        """
-        return preemption.SignalWatch()
-
-    def lost_tasks(self) -> list[str]:
-        """The other tasks of this job's cluster that no longer answer, e.g. "ps:0 (host:port)".
-
-        Empty for a single process. Asked after a step fails, to say which
-        task to blame, and by the loop's watchdog while a step takes long.
-        """
-        return self.cluster.unreachable() if self.cluster else []
-
-    def agree(self, value: int) -> int:
-        """One task's `value` on every task: for choices (loop lengths) that must not differ.
-
-        A plugin whose workers run collectives in step overrides this.
-        """
-        return value
 
     def place_model(self, model: keras.Model) -> None:
         """Lays out `model`, just built inside `scope()`, before its optimizer is built.
@@ -210,14 +182,6 @@ class Strategy(abc.ABC):
           UserError: a model this plugin cannot lay out, in one line.
         """
         del model  # `scope()` placed every variable
-
-    def check_restored(self, step: int, model_dir: str) -> None:
-        """Checks that every task restored the same `step` from `model_dir`; after a restore.
-
-        A no-op for one process. A plugin whose workers each restore the
-        model compares their steps and raises `UserError` when they differ.
-        """
-        del step, model_dir  # one process restored what it restored
 
     def run_steps(self, step_fn: StepFn, iterator, n: int) -> dict[str, float]:
         """Runs `n` steps of `step_fn` inside one `tf.function`.
@@ -258,7 +222,7 @@ class Strategy(abc.ABC):
 
     @property
     def splits_steps(self) -> bool:
-        """Whether `run_steps` runs the step's halves apart (`step_fn.halves`).
+        """Whether `run_steps` runs the step's halves apart (`TrainStepProtocol`).
 
         A task's own `train_step` has no halves, so it cannot run under such
         a plugin (e.g. synchronous `parameter_server` with spare replicas).

@@ -264,7 +264,8 @@ def start_up(
       interval_s: seconds between tries.
 
     Raises:
-      UserError: `timeout_s` is not a positive number, or this task's port is taken.
+      UserError: `timeout_s` is not a positive number, this task's own host does
+        not resolve (TensorFlow would wait for itself for good), or its port is taken.
       TaskLost: a task did not answer within `timeout_s`.
       Preempted: SIGTERM arrived while waiting.
     """
@@ -272,9 +273,10 @@ def start_up(
         raise UserError(
             f"`{setting}` ({timeout_s}) must be a positive number of seconds; e.g. 120."
         )
-    warning = keep_off_proxies(spec)
-    if warning:
-        report(warning)
+    check_own_host(spec)
+    for warning in (_not_this_machine(spec), keep_off_proxies(spec)):
+        if warning:
+            report(warning)
     deadline = time.monotonic() + timeout_s
     with _own_port_held(spec), _sigterm_stops_start_up(report):
         missing = dict(spec.peers())
@@ -299,6 +301,44 @@ def start_up(
                     f"`http_proxy`/`grpc_proxy` applies; `{setting}` sets this wait."
                 )
             time.sleep(interval_s)
+
+
+def check_own_host(spec: ClusterSpec) -> None:
+    """Raises a one-line `UserError` when this task's own host does not resolve here.
+
+    TensorFlow's server and its coordination service then wait for this very
+    task for good: such a config can never work, whatever the wait.
+    """
+    if spec.address is None:  # an evaluator outside `cluster` has no address
+        return
+    host, _, port = spec.address.rpartition(":")
+    problem = _resolve_problem(host, int(port))
+    if problem:
+        raise UserError(
+            f"`TF_CONFIG` gives this task ({spec.task_name}) the address "
+            f"{_show(spec.address)}, but its host does not resolve here ({problem}); give "
+            "each task the name or address of its own machine (e.g. `hostname -f`)."
+        )
+
+
+def _not_this_machine(spec: ClusterSpec) -> str | None:
+    """A warning when this task's own host resolves to no address of this machine.
+
+    TensorFlow then waits for this task at another machine, until the start-up
+    bound ends it; behind a NAT (a service address) it may still work.
+    """
+    if spec.address is None:
+        return None
+    host, _, port = spec.address.rpartition(":")
+    found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    for family, kind, _, _, address in found:
+        with contextlib.suppress(OSError), socket.socket(family, kind) as probe:
+            probe.bind((address[0], 0))
+            return None
+    return (
+        f"warning: this task's host `{host}` ({found[0][4][0]}) is no address of this machine; "
+        "TensorFlow will wait for this task there, and this start-up ends at its bound."
+    )
 
 
 def keep_off_proxies(
@@ -386,11 +426,21 @@ def _sigterm_stops_start_up(report: Callable[[str], None]) -> Iterator[None]:
 def _connect_problem(address: str, timeout_s: float) -> str | None:
     """None when `address` accepts a TCP connection; else what the user is told while waiting."""
     host, _, port = address.rpartition(":")
-    try:
-        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return f" (`{host}` does not resolve here: check its name and DNS)"
+    if _resolve_problem(host, int(port)):
+        shown = host if len(host) <= 60 else host[:57] + "..."
+        return f" (`{shown}` does not resolve here: check its name and DNS)"
     return None if _answers(host, int(port), timeout_s) else ""
+
+
+def _resolve_problem(host: str, port: int) -> str | None:
+    """None when `host` resolves; else why not (a name too long never resolves)."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return e.strerror
+    except UnicodeError:  # a label longer than 63 characters, refused before any lookup
+        return "a part of the name is longer than 63 characters"
+    return None
 
 
 def _serves(address: str, timeout_s: float) -> bool:

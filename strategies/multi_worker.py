@@ -13,13 +13,12 @@ for whom) until the other tasks of `TF_CONFIG` answer (`cluster.start_up`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
-from strategies import preemption, transfer
+from strategies import membership, preemption, tf_start, transfer
 from strategies.base import Strategy
 from strategies.errors import UserError
 from strategies.registry import register
@@ -36,38 +35,47 @@ class MultiWorker(Strategy):
     """Synchronous replicas in every worker of a `TF_CONFIG` cluster, gradients all-reduced."""
 
     supports_gradient_transfer = True
+    _gather_fn = None  # the traced all-reduce of `_gather`, made on first use
 
     def _build(self) -> tf.distribute.Strategy:
-        self.cluster = cluster_lib.from_env()
-        if self.role == "evaluate":  # the sidecar evaluator is not part of the collective
+        cluster = cluster_lib.from_env()
+        self.membership = membership.Membership(
+            cluster,
+            gather=self._gather if cluster else None,
+            watch=self._coordinated_watch if cluster else None,
+        )
+        if self.membership.role == "evaluate":  # the sidecar evaluator is not in the collective
             return tf.distribute.get_strategy()
-        if self.cluster and self.cluster.num_ps:
+        if cluster and cluster.num_ps:
             raise UserError(
-                f"`TF_CONFIG` lists {self.cluster.num_ps} ps tasks, which `multi_worker` does "
+                f"`TF_CONFIG` lists {cluster.num_ps} ps tasks, which `multi_worker` does "
                 "not use; use `--strategy=parameter_server`, or drop the ps job."
             )
         # Checked first: a bad option fails at once.
         self.gradient_transfer = transfer.from_options(self.options, "multi_worker")
         options = self._communication_options()
-        if self.cluster:
-            cluster_lib.start_up(
-                self.cluster,
-                self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S),
-                "strategy.multi_worker.startup_timeout_seconds",
+        if not cluster:
+            return tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=self._resolver(), communication_options=options
             )
-        return tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=self._resolver(), communication_options=options
-        )
+        timeout = self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S)
+        setting = "strategy.multi_worker.startup_timeout_seconds"
+        cluster_lib.start_up(cluster, timeout, setting)
+        with tf_start.bounded(timeout, setting, cluster.task_name):
+            return tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=self._resolver(), communication_options=options
+            )
 
     def _resolver(self):
         """The training cluster without the evaluator, which is not part of the collective."""
-        if not self.cluster:  # one local worker; TensorFlow's own reading would fail on a blank one
+        cluster = self.membership.cluster
+        if not cluster:  # one local worker; TensorFlow's own reading would fail on a blank one
             return tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(self.cluster.as_dict()),
-            task_type=self.cluster.task_type,
-            task_id=self.cluster.task_index,
-            rpc_layer=self.cluster.rpc_layer,
+            tf.train.ClusterSpec(cluster.as_dict()),
+            task_type=cluster.task_type,
+            task_id=cluster.task_index,
+            rpc_layer=cluster.rpc_layer,
         )
 
     def _communication_options(self) -> tf.distribute.experimental.CommunicationOptions:
@@ -93,72 +101,33 @@ class MultiWorker(Strategy):
             implementation=IMPLEMENTATIONS[name],
         )
 
-    def watch_preemption(self) -> contextlib.AbstractContextManager:
+    def _coordinated_watch(self) -> preemption.CoordinatedWatch:
         """Every worker saves at the same step when any of them gets SIGTERM."""
-        if not self.cluster:
-            return super().watch_preemption()
         return preemption.CoordinatedWatch(self.tf_strategy.cluster_resolver)
 
-    def agree(self, value: int) -> int:
-        """Replica 0's `value` on every worker (one small all-reduce)."""
+    def _gather(self, value: int) -> list[int]:
+        """Every replica's `value`, in replica order (the chief's first): one all-reduce.
 
-        def first_replicas(v):
-            first = tf.distribute.get_replica_context().replica_id_in_sync_group == 0
-            return tf.where(first, v, tf.zeros_like(v))
-
-        values = self.tf_strategy.run(first_replicas, args=(tf.constant(value, tf.int64),))
-        return int(self.reduce("sum", values))
-
-    def check_restored(self, step: int, model_dir: str) -> None:
-        """Every worker restored the same step, or a `UserError` says `model_dir` is not shared.
-
-        Each replica puts its worker's step at its own place in a vector that
-        one all-reduce sums, so every worker sees every worker's step.
+        Each replica puts its worker's value at its own place in a vector that
+        the all-reduce sums, so every worker sees every worker's value.
         """
-        if not self.cluster or self.role != "train":
-            return
-        replicas = self.num_replicas_in_sync
+        if self._gather_fn is None:
+            replicas = self.num_replicas_in_sync
 
-        def place(value):
-            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-            return tf.one_hot(replica, replicas, dtype=tf.int64) * value
+            def place(v):
+                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+                return tf.one_hot(replica, replicas, dtype=tf.int64) * v
 
-        @tf.function  # one collective; run eagerly, TensorFlow warns of its overhead
-        def gather(value):
-            return self.reduce("sum", self.tf_strategy.run(place, args=(value,)), axis=None)
+            @tf.function  # one collective; run eagerly, TensorFlow warns of its overhead
+            def gather(v):
+                return self.reduce("sum", self.tf_strategy.run(place, args=(v,)), axis=None)
 
-        steps = [int(s) for s in gather(tf.constant(step, tf.int64))]
-        if len(set(steps)) > 1:
-            # Replicas are numbered worker by worker, in TensorFlow's order: the chief first.
-            jobs = self.cluster.as_dict()
-            names = ["chief"] * len(jobs.get("chief", ())) + [
-                f"worker:{index}" for index in range(len(jobs.get("worker", ())))
-            ]
-            per_worker = replicas // len(names)
-            found = ", ".join(
-                f"{name} step {steps[i * per_worker]}" for i, name in enumerate(names)
-            )
-            raise UserError(
-                f"the workers restored different steps from `model_dir` {model_dir} ({found}): "
-                "it is not shared between them; give every worker the same `--model_dir` on a "
-                "file system they all see (NFS, GCS), or start from an empty one."
-            )
-
-    @property
-    def role(self) -> str:
-        return "evaluate" if self.cluster and self.cluster.task_type == "evaluator" else "train"
-
-    @property
-    def evaluates_inline(self) -> bool:
-        return not (self.cluster and self.cluster.has_evaluator)
-
-    @property
-    def is_chief(self) -> bool:
-        return self.cluster.is_chief if self.cluster else True
+            self._gather_fn = gather
+        return [int(v) for v in self._gather_fn(tf.constant(value, tf.int64))]
 
     @property
     def communication(self) -> str:
-        if self.role == "evaluate":
+        if self.membership.role == "evaluate":
             return "none: a sidecar evaluator reads checkpoints from model_dir"
         workers = self.tf_strategy.extended._num_workers  # what TF_CONFIG resolved to
         return (

@@ -44,13 +44,10 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
-from strategies import ps_staleness, ps_sync, sharding
-from strategies.base import DatasetFn, StepFn, Strategy, _to_floats
-from strategies.errors import TaskLost, UserError
+from strategies import membership, ps_staleness, ps_sync, sharding, tf_start
+from strategies.base import DatasetFn, StepFn, Strategy, TrainStepProtocol, _to_floats
+from strategies.errors import UserError
 from strategies.registry import register
-
-STARTUP_S = 600.0  # how long ps and worker servers wait for the chief to come up
-_ROLES = {"chief": "train", "worker": "serve", "ps": "serve", "evaluator": "evaluate"}
 
 
 @register("parameter_server")
@@ -66,33 +63,35 @@ class ParameterServer(Strategy):
             max_shard_bytes=self.options.get("max_shard_bytes", 0),
             num_ps=max(1, cluster.num_ps if cluster else 1),
         )
-        self.cluster = _parameter_server_cluster(cluster)
+        self.membership = membership.Membership(
+            _parameter_server_cluster(cluster), serving_jobs=("ps", "worker")
+        )
+        self._cluster = self.membership.cluster  # the plugin reads it often
         self._check_update_options()
         self.coordinator = None
         self._sync: ps_sync.SyncReplicas | None = None
         self._updates = None  # async: the cluster's update counter, on a ps task
         self._block_steps = 0
-        if self.role != "evaluate":  # the evaluator is not part of the training cluster
-            cluster_lib.start_up(
-                self.cluster,
-                self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S),
-                "strategy.parameter_server.startup_timeout_seconds",
-            )
-        if self.role != "train":  # servers and the evaluator hold no cluster-wide strategy
+        timeout = self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S)
+        setting = "strategy.parameter_server.startup_timeout_seconds"
+        if self.membership.role != "evaluate":  # the evaluator is not part of the training cluster
+            cluster_lib.start_up(self._cluster, timeout, setting)
+        if self.membership.role != "train":  # servers and the evaluator: no cluster-wide strategy
             return tf.distribute.get_strategy()
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(self.cluster.as_dict()),  # without the evaluator: it has no server
+            tf.train.ClusterSpec(self._cluster.as_dict()),  # no evaluator: it has no server
             task_type="chief",
             task_id=0,
-            rpc_layer=self.cluster.rpc_layer,
+            rpc_layer=self._cluster.rpc_layer,
         )
-        strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=None)
+        with tf_start.bounded(timeout, setting, self._cluster.task_name):
+            strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=None)
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         return strategy
 
     def _check_update_options(self) -> None:
         """Reads `sync_replicas`, `staleness`, `warmup_steps`, `test_straggler`; one line if bad."""
-        workers = self.cluster.num_workers
+        workers = self._cluster.num_workers
         self.sync_replicas = self.options.get("sync_replicas", 0)
         self.staleness = ps_staleness.Staleness.parse(self.options.get("staleness", "none"))
         self.warmup_steps = self.options.get("warmup_steps", 0)
@@ -125,25 +124,13 @@ class ParameterServer(Strategy):
         return bool(self.sync_replicas) or self.staleness.mode != "none"
 
     @property
-    def role(self) -> str:
-        return _ROLES[self.cluster.task_type]
-
-    @property
-    def is_chief(self) -> bool:
-        return self.cluster.task_type == "chief"
-
-    @property
-    def evaluates_inline(self) -> bool:
-        return not self.cluster.has_evaluator
-
-    @property
     def compute_devices(self) -> list[str]:
-        if self.role != "train":
+        if self.membership.role != "train":
             return ["/device:CPU:0"]
         local = self.tf_strategy.extended.worker_devices  # the same on every worker
         return [
             f"/job:worker/replica:0/task:{task}{device}"
-            for task in range(self.cluster.num_workers)
+            for task in range(self._cluster.num_workers)
             for device in local
         ]
 
@@ -154,8 +141,8 @@ class ParameterServer(Strategy):
             placement = (
                 f"round-robin, big ones sharded by the {self.policy.partitioner} partitioner"
             )
-        workers = self.cluster.num_workers
-        where = f"variables on {self.cluster.num_ps} ps task(s) ({placement}); "
+        workers = self._cluster.num_workers
+        where = f"variables on {self._cluster.num_ps} ps task(s) ({placement}); "
         if self.sync_replicas:
             return where + (
                 f"synchronous with {workers - self.sync_replicas} spare worker(s): each step "
@@ -185,28 +172,6 @@ class ParameterServer(Strategy):
         with self.tf_strategy.scope(), sharding.policy(self.policy):
             yield
 
-    def serve(self) -> None:
-        """Runs this ps or worker task's server until the chief is gone."""
-        config = tf.compat.v1.ConfigProto(
-            # Fewer inter-op threads than workers + 1 deadlock a worker or ps under load.
-            inter_op_parallelism_threads=max(4, self.cluster.num_workers + 2)
-        )
-        server = tf.distribute.Server(
-            tf.train.ClusterSpec(self.cluster.as_dict()),
-            job_name=self.cluster.task_type,
-            task_index=self.cluster.task_index,
-            protocol=self.cluster.rpc_layer,
-            config=config,
-            start=True,
-        )
-        chief = self.cluster.jobs["chief"][0]
-        if not cluster_lib.wait_until_gone(chief, startup_s=STARTUP_S):
-            raise TaskLost(
-                f"the chief at {chief} did not come up within {STARTUP_S:g} s; start it with "
-                "the same `TF_CONFIG` cluster."
-            )
-        del server  # the process ends, and the server with it
-
     def distribute_dataset(self, dataset_fn: DatasetFn):
         """One input pipeline per worker: `dataset_fn` for that worker's `InputContext`.
 
@@ -217,12 +182,12 @@ class ParameterServer(Strategy):
             functools.partial(
                 dataset_fn,
                 tf.distribute.InputContext(
-                    num_input_pipelines=self.cluster.num_workers,
+                    num_input_pipelines=self._cluster.num_workers,
                     input_pipeline_id=index,
                     num_replicas_in_sync=self.num_replicas_in_sync,
                 ),
             )
-            for index in range(self.cluster.num_workers)
+            for index in range(self._cluster.num_workers)
         ]
 
         if self.straggler:
@@ -235,7 +200,7 @@ class ParameterServer(Strategy):
 
         return self.coordinator.create_per_worker_dataset(per_worker_dataset)
 
-    def run_steps(self, step_fn: StepFn, iterator, n: int) -> dict[str, float]:
+    def run_steps(self, step_fn: TrainStepProtocol, iterator, n: int) -> dict[str, float]:
         """Runs `n` steps: synchronous ones (`sync_replicas`), or split over the workers.
 
         Asynchronously, each closure runs its share of the steps in one
@@ -249,9 +214,9 @@ class ParameterServer(Strategy):
                 self._sync = ps_sync.SyncReplicas(
                     self.tf_strategy,
                     self.coordinator,
-                    step_fn.halves,
+                    step_fn,
                     self.sync_replicas,
-                    self.cluster.num_workers,
+                    self._cluster.num_workers,
                 )
             return _to_floats(self._sync.run(iterator, n))
         if self._updates is None:
@@ -267,7 +232,7 @@ class ParameterServer(Strategy):
         if alone:  # warm-up: one worker, no staleness; the others join after it
             results.append(self.coordinator.schedule(loop, args=(iterator, _int64(alone))))
             self.coordinator.join()
-        workers, rest = self.cluster.num_workers, n - alone
+        workers, rest = self._cluster.num_workers, n - alone
         shares = [len(range(i, rest, workers)) for i in range(min(rest, workers))]
         results += [self.coordinator.schedule(loop, args=(iterator, _int64(s))) for s in shares]
         self.coordinator.join()
@@ -306,10 +271,9 @@ def _int64(value: int) -> tf.Tensor:
     return tf.constant(value, tf.int64)
 
 
-def _steps_done(step_fn: StepFn, updates: tf.Variable) -> int:
+def _steps_done(step_fn: TrainStepProtocol, updates: tf.Variable) -> int:
     """The job's step: the optimizer's counter, else the updates this run counted."""
-    halves = getattr(step_fn, "halves", None)
-    return int((halves.iterations if halves else updates).numpy())
+    return int((step_fn.iterations if step_fn.has_halves else updates).numpy())
 
 
 def _straggler(text: str, workers: int) -> tuple[int, float] | None:

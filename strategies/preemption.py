@@ -1,7 +1,7 @@
 """Preemption: on SIGTERM every task saves at one agreed step, then exits to be restarted.
 
 Schedulers (Kubernetes, Slurm, spot-instance reclaimers) send SIGTERM before
-they stop a task. The loop asks its strategy for a watch (`Strategy.watch_preemption()`)
+they stop a task. The loop asks its strategy for a watch (`strategy.membership.watch_preemption()`)
 and calls `check(save)` after every loop:
 
 - `SignalWatch` (one process): SIGTERM sets a flag; the next `check` saves

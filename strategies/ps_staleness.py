@@ -32,7 +32,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from strategies.base import StepFn
+from strategies.base import TrainStepProtocol
 from strategies.errors import UserError
 
 BUCKETS = 32  # staleness 0, 1, ..., 30, and 31 or more
@@ -76,7 +76,9 @@ class Staleness:
         return ""
 
 
-def make_loop(strategy: tf.distribute.Strategy, step_fn: StepFn, policy: Staleness, updates):
+def make_loop(
+    strategy: tf.distribute.Strategy, step_fn: TrainStepProtocol, policy: Staleness, updates
+):
     """A worker's loop of n asynchronous steps that records each update's staleness.
 
     `updates` is the cluster's update counter (an int64 variable on a ps
@@ -85,7 +87,6 @@ def make_loop(strategy: tf.distribute.Strategy, step_fn: StepFn, policy: Stalene
     policy between them. Returns the steps' sums plus `staleness_histogram`,
     `staleness_sum` and `stale_dropped`.
     """
-    halves = getattr(step_fn, "halves", None)  # a task's own step: refused at start-up
 
     def whole_step(batch) -> tuple[dict, tf.Tensor, tf.Tensor]:
         read = updates.read_value()
@@ -98,7 +99,7 @@ def make_loop(strategy: tf.distribute.Strategy, step_fn: StepFn, policy: Stalene
     def split_step(batch) -> tuple[dict, tf.Tensor, tf.Tensor]:
         read = updates.read_value()
         with tf.control_dependencies([read]):
-            grads, sums = strategy.run(halves.gradients, args=(batch,))
+            grads, sums = strategy.run(step_fn.gradients, args=(batch,))
         present = [t for t in tf.nest.flatten(grads, expand_composites=True) if t is not None]
         with tf.control_dependencies(present):
             stale = updates.read_value() - read
@@ -106,7 +107,7 @@ def make_loop(strategy: tf.distribute.Strategy, step_fn: StepFn, policy: Stalene
 
         def scaled_apply(grads: list, factor) -> None:
             # Scaled inside the replica, where the strategy's reduction finds the device.
-            halves.apply([_scaled(g, factor) for g in grads])
+            step_fn.apply([_scaled(g, factor) for g in grads])
 
         def apply() -> tf.Tensor:
             with tf.control_dependencies([updates.assign_add(1)]):

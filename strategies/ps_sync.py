@@ -52,7 +52,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from strategies.base import StepHalves
+from strategies.base import TrainStepProtocol
 
 # The sums each synchronous step adds to the task's (the task's metrics leave them out).
 SUMS = (
@@ -71,7 +71,7 @@ class _Group:
     """The variables of one ps task, and the accumulator beside them."""
 
     device: str
-    indices: list[int]  # positions in `StepHalves.variables`
+    indices: list[int]  # positions in `TrainStepProtocol.variables`
     shapes: list[tf.TensorShape]
     accumulator: tf.Tensor = None
 
@@ -86,17 +86,17 @@ class SyncReplicas:
     Args:
       strategy: the chief's `tf.distribute.ParameterServerStrategy`.
       coordinator: its `ClusterCoordinator`.
-      halves: the train step's halves (`step_fn.halves`).
+      step: the train step, whose halves run apart (`TrainStepProtocol`).
       replicas: k, the gradients averaged per update.
       workers: n, the worker tasks.
     """
 
-    def __init__(self, strategy, coordinator, halves: StepHalves, replicas: int, workers: int):
-        self.strategy, self.coordinator, self.halves = strategy, coordinator, halves
+    def __init__(self, strategy, coordinator, step: TrainStepProtocol, replicas: int, workers: int):
+        self.strategy, self.coordinator, self.train_step = strategy, coordinator, step
         self.replicas, self.workers = replicas, workers
         self.step = 0  # steps taken so far by this process's accumulators
         name = f"towerflow_sync_{uuid.uuid4().hex}"  # fresh resources on the ps tasks per run
-        self.groups = _groups(halves.variables)
+        self.groups = _groups(step.variables)
         for i, group in enumerate(self.groups):
             with tf.device(group.device):
                 group.accumulator = tf.raw_ops.ResourceConditionalAccumulator(
@@ -163,7 +163,7 @@ class SyncReplicas:
         With `only_if` (a boolean tensor), they are pushed only where it holds.
         """
         with tf.control_dependencies([step]):  # the variables are read once `step` is announced
-            grads, sums = self.strategy.run(self.halves.gradients, args=(next(iterator),))
+            grads, sums = self.strategy.run(self.train_step.gradients, args=(next(iterator),))
         marks = tf.concat(
             [
                 [1.0, tf.cast(step - start, tf.float32)],
@@ -209,7 +209,7 @@ class SyncReplicas:
 
     def _coordinate_fn(self, start, n) -> dict:
         """The block's steps: take k pushes per accumulator, apply their average, announce."""
-        variables = [_tf_variable(v) for v in self.halves.variables]
+        variables = [_tf_variable(v) for v in self.train_step.variables]
         averaged = tf.TensorArray(tf.float32, size=tf.cast(n, tf.int32))
         wrong_step = tf.constant(0.0)
         most_by_one = tf.constant(0.0)
@@ -234,7 +234,7 @@ class SyncReplicas:
                 most_by_one = tf.maximum(most_by_one, tf.reduce_max(whose))
                 if group is self.groups[0]:
                     applied_by_worker += whose
-            self.strategy.run(self.halves.apply, args=(grads,))
+            self.strategy.run(self.train_step.apply, args=(grads,))
             # The next step is announced once the update is in every variable.
             updated = [v.read_value() for v in variables]
             with tf.control_dependencies(updated):

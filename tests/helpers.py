@@ -163,6 +163,21 @@ def launch(*args: str, cwd: str, timeout: float = TIMEOUT_S) -> subprocess.Compl
     return run_cli(*args, cwd=cwd, timeout=timeout, module="trainer.launch")
 
 
+def train_on_cluster(
+    tmp_path: pathlib.Path, *trainer_flags: str, workers: int = 2, ps: int = 1
+) -> dict:
+    """Trains on a local cluster into `tmp_path / "model"`; returns its results.json.
+
+    `trainer_flags` go to every task (e.g. `--strategy=parameter_server`); the
+    cluster must succeed.
+    """
+    model_dir = tmp_path / "model"
+    cluster = [f"--workers={workers}"] + ([f"--ps={ps}"] if ps else [])
+    result = launch(*cluster, "--", f"--model_dir={model_dir}", *trainer_flags, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return json.loads((model_dir / "results.json").read_text())
+
+
 def spawn(command: list[str], *, env: dict[str, str], **popen_args) -> subprocess.Popen:
     """`subprocess.Popen(command)` (text mode) in a session of its own, tagged for `kill`."""
     tag = f"{os.getpid()}.{next(_serial)}"

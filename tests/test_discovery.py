@@ -204,7 +204,7 @@ def test_a_config_without_a_cluster_section_is_one_process(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     config = tiny_config(**{"strategy.name": "multi_worker"})
     del config["cluster"]  # a user's config file from before the section existed
-    assert train.make_strategy(config).cluster is None
+    assert train.make_strategy(config).membership.cluster is None
     assert not discovery.sidecar_evaluator(config.get("cluster"))
 
 

@@ -147,7 +147,8 @@ def test_the_evaluator_builds_sharded_layers_as_the_training_tasks_do(monkeypatc
     The real clusters above show those roles (`serving as a parameter_server task`).
     """
     strategy = _plugin(monkeypatch, "evaluator")
-    assert (strategy.role, strategy.is_chief, strategy.evaluates_inline) == (
+    member = strategy.membership
+    assert (member.role, member.is_chief, member.evaluates_inline) == (
         "evaluate",
         False,
         False,

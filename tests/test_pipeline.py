@@ -234,7 +234,7 @@ def test_the_strategy_contract_holds_without_a_model():
     with strategy.scope():
         made = tf.Variable(tf.ones([3]))  # on the host until `place_model` moves it
     assert variable_devices(made) == ["/job:localhost/replica:0/task:0/device:CPU:0"]
-    assert strategy.num_replicas_in_sync == 1 and strategy.is_chief
+    assert strategy.num_replicas_in_sync == 1 and strategy.membership.is_chief
 
     def step(batch):
         return {"examples": tf.cast(tf.size(batch), tf.float32), "total": tf.reduce_sum(batch)}

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import tiny_config
-from trainer import train
+from trainer import steps, train
 
 
 def _weights(tmp_path, strategy: str, jit_compile: bool, dropout: float = 0.0) -> list[np.ndarray]:
@@ -35,3 +35,47 @@ def test_jit_compile_with_dropout_is_the_same_under_any_split(tmp_path):
     mirrored = _weights(tmp_path, "mirrored", jit_compile=True, dropout=0.1)
     for a, b in zip(one, mirrored):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _train_step(tmp_path, name: str):
+    config = tiny_config(**{"strategy.name": "mirrored", "optimizer.clip_global_norm": 1.0})
+    job = train.build(config, str(tmp_path / name))
+    gb = config.train.global_batch_size
+    step = steps.make_train_step(job.model, job.optimizer, job.task, gb, clip_global_norm=1.0)
+    iterator = iter(job.strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, 0)))
+    return job, step, iterator
+
+
+def test_the_train_steps_halves_make_the_whole_step(tmp_path):
+    whole_job, whole, iterator = _train_step(tmp_path, "whole")
+    whole_sums = whole_job.strategy.run_steps(whole, iterator, 3)
+    halves_job, step, iterator = _train_step(tmp_path, "halves")
+
+    def by_halves(batch):
+        grads, sums = step.gradients(batch)
+        step.apply(grads)
+        return sums
+
+    halves_sums = halves_job.strategy.run_steps(by_halves, iterator, 3)
+    assert step.has_halves and int(step.iterations.numpy()) == 3
+    assert [v.name for v in step.variables] == [
+        v.name for v in halves_job.model.trainable_variables
+    ]
+    assert halves_sums == pytest.approx(whole_sums)
+    for a, b in zip(whole_job.model.weights, halves_job.model.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+
+
+def test_a_tasks_own_train_step_declares_it_has_no_halves(tmp_path):
+    job = train.build(tiny_config(), str(tmp_path / "own"))
+
+    def own(model, optimizer, x, y, weights, replica_loss):
+        raise AssertionError("not run")
+
+    step = steps.make_train_step(job.model, job.optimizer, job.task, 64, custom_step=own)
+    assert isinstance(step, steps.CustomTrainStep) and not step.has_halves
+    assert step.iterations is job.optimizer.iterations
+    with pytest.raises(TypeError, match="no gradient half"):
+        step.gradients(None)
+    with pytest.raises(TypeError, match="no update half"):
+        step.apply([])

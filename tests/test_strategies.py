@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import strategies
-from strategies import registry
+from strategies import cluster, registry
 from strategies.base import variable_devices
 from tests.conftest import LOGICAL_CPUS
 
@@ -44,7 +44,7 @@ def test_replica_counts(strategy):
         "central_storage": LOGICAL_CPUS,
     }
     assert strategy.num_replicas_in_sync == expected[strategy.name]
-    assert strategy.is_chief
+    assert strategy.membership.is_chief
 
 
 def test_variables_follow_placement(strategy):
@@ -179,5 +179,8 @@ def test_entry_point_plugins_are_discovered(monkeypatch):
     monkeypatch.setattr(registry, "_entry_points_loaded", False)
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     assert registry.available()["toy"] == "A third-party plugin, for the registry test."
+    tf_config = cluster.make_tf_config({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "worker", 1)
+    monkeypatch.setenv("TF_CONFIG", tf_config)
     plugin = registry.get("toy")
     assert plugin.name == "toy" and plugin.num_replicas_in_sync == 1
+    assert (plugin.membership.role, plugin.membership.is_chief) == ("train", False)

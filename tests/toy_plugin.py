@@ -2,13 +2,17 @@
 
 import tensorflow as tf
 
+from strategies import cluster
 from strategies.base import Strategy
+from strategies.membership import Membership
 
 
 class Toy(Strategy):
     """A third-party plugin, for the registry test."""
 
     def _build(self) -> tf.distribute.Strategy:
+        # Who this process is comes from its cluster, not from the plugin's own code.
+        self.membership = Membership(cluster.from_env())
         return tf.distribute.OneDeviceStrategy("/cpu:0")
 
     @property

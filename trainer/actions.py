@@ -11,6 +11,8 @@ and the user's actions last, so they see the eval metrics of their block.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 from collections.abc import Callable, Iterator
 
 import ml_collections
@@ -19,6 +21,7 @@ import tensorflow as tf
 from strategies.errors import UserError
 from strategies.preemption import PREEMPTED_EXIT_CODE, Preempted
 from strategies.registry import resolve
+from trainer import calls
 from trainer.controller import Action, Output, SkipBlock, StopTraining
 
 __all__ = ["Action", "Output", "SkipBlock", "StopTraining"]
@@ -72,29 +75,39 @@ def user_actions(names: tuple[str, ...] | str, config: ml_collections.ConfigDict
 
     The function is called with the config and returns the action: a callable
     on `Output` (run after every block) or an `Action` with its own schedule.
+    Both get their parameter by name (`config`, `output`) or in order (`trainer.calls`).
 
     Raises:
-      UserError: a name that does not import or is not a function.
+      UserError: a name that does not import or is not a function, or a function
+        that cannot be called with the config (or its action with the output).
     """
     if isinstance(names, str):
-        names = tuple(n for n in names.split(",") if n.strip())
-    return [
-        _as_action(
-            resolve("train.actions", name.strip(), "a function of the config")(config),
-            name.strip(),
-        )
-        for name in names
-    ]
+        names = tuple(n.strip() for n in names.split(",") if n.strip())
+    made = []
+    for name in names:
+        origin = f"`train.actions` '{name}'"
+        factory = resolve("train.actions", name, "a function of the config")
+        made.append(_as_action(calls.adapt(factory, MAKE_ACTION, origin)(config), name))
+    return made
+
+
+MAKE_ACTION = calls.Signature("make_action", ("config",), "a callable on the loop's output")
+ACTION = calls.Signature("action", ("output",))
 
 
 def _as_action(made: object, name: str) -> Action:
+    origin = f"`train.actions` '{name}'"
     if isinstance(made, Action):
+        if inspect.isroutine(made.fn):  # not an object the loop also enters
+            made = dataclasses.replace(made, fn=calls.adapt(made.fn, ACTION, origin))
         return made
     if not callable(made):
         raise UserError(
-            f"`train.actions` '{name}' returned {type(made).__name__}; it must return a "
+            f"{origin} returned {type(made).__name__}; it must return a "
             "callable on the loop's output, or a `trainer.actions.Action`."
         )
+    if inspect.isroutine(made):
+        made = calls.adapt(made, ACTION, f"the action {origin} returned")
     return Action(made, name=name)
 
 
@@ -115,7 +128,7 @@ class _Around:
 class Preemption(_Around):
     """Watches for SIGTERM around the loop; after each block, saves and stops if it came.
 
-    `watch` is the strategy's (`Strategy.watch_preemption()`): on one process
+    `watch` is the strategy's (`Membership.watch_preemption()`): on one process
     the signal itself, on a `multi_worker` cluster one step agreed by all.
     """
 

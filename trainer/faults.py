@@ -60,7 +60,7 @@ def lost_task_error(
 
     Args:
       error: what the failed step raised.
-      lost: the tasks that do not answer now (`Strategy.lost_tasks()`).
+      lost: the tasks that do not answer now (`Membership.lost_tasks()`).
       checkpoint_dir: where the restarted job will resume from.
     """
     if not lost:  # none refuses a connection: fall back to the tasks TensorFlow names
@@ -99,7 +99,7 @@ class Watchdog:
     """Says which tasks do not answer while a loop runs longer than `after_s`.
 
     A context manager around training; `loop(step)` marks each loop. One
-    thread probes the cluster (`probe()`, e.g. `Strategy.lost_tasks`) every
+    thread probes the cluster (`probe()`, e.g. `Membership.lost_tasks`) every
     `after_s` seconds while a loop is overdue, and reports what it finds.
     When the probes have found tasks not answering for `give_up_s`, it calls
     `give_up(lost, seconds)`, by default `exit_task_lost`.

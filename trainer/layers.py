@@ -21,6 +21,9 @@ the layers behave like `keras.layers.Embedding` and `keras.layers.Dense`.
 
 Checkpoints and SavedModels hold each shard as its own variable, so restoring
 needs the same number of shards: pass `num_shards` to pin it.
+
+`DynamicEmbedding` looks raw ids (int64 or strings) up in a table that grows
+as ids arrive (`trainer.tables`): no vocabulary size, no collisions.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import keras
 import tensorflow as tf
 
 from strategies import sharding
+from strategies.errors import UserError
+from trainer import tables
 
 
 class _RowSlice(keras.initializers.Initializer):
@@ -296,3 +301,219 @@ class Dropout(keras.layers.Layer):
 
     def get_config(self) -> dict:
         return {**super().get_config(), "rate": self.rate, "seed": self.seed}
+
+
+COMBINERS = (None, "sum", "mean", "sqrtn")
+KEY_DTYPES = {"int64": tf.int64, "string": tf.string}
+
+
+def _check_dynamic(
+    key_dtype: str, combiner, min_count: int, ttl_steps: int, capacity: int, eviction
+) -> None:
+    """Raises `UserError` naming the first bad `DynamicEmbedding` argument."""
+    where = "`DynamicEmbedding`"
+    rules = [
+        (key_dtype in KEY_DTYPES, f"`key_dtype` '{key_dtype}' must be one of int64, string"),
+        (combiner in COMBINERS, f"`combiner` '{combiner}' must be one of None, sum, mean, sqrtn"),
+        (min_count >= 1, f"`min_count` ({min_count}) must be >= 1; 1 admits every id at once"),
+        (ttl_steps >= 0, f"`ttl_steps` ({ttl_steps}) must be >= 0; 0 keeps ids until evicted"),
+        (
+            capacity >= 1,
+            f"`capacity` ({capacity}) must be >= 1 row; e.g. {tables.DEFAULT_CAPACITY}",
+        ),
+        (eviction in tables.EVICTIONS, f"`eviction` '{eviction}' must be 'lru' or None"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise UserError(f"{where} {message}.")
+
+
+@keras.saving.register_keras_serializable(package="towerflow")
+class DynamicEmbedding(keras.layers.Layer):
+    """An embedding of raw ids with a row per admitted id, called as `keras.layers.Embedding`.
+
+    Ids are int64 over the whole 64-bit range (`key_dtype="int64"`; integer
+    inputs of other widths are cast) or strings (`key_dtype="string"`), of any
+    shape, or a `tf.RaggedTensor` of lists per example. No vocabulary size: a
+    table (`trainer.tables.DynamicTable`) gives each admitted id its own row,
+    created with a value that depends only on (`seed`, id). Training lookups
+    count ids and admit them; eval and serving lookups change nothing, and an
+    id without a row reads the default row.
+
+        layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
+        layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)  # [2, 16]
+
+    Args:
+      output_dim: the embedding width.
+      key_dtype: "int64" or "string".
+      combiner: None (a vector per id), or "sum", "mean", "sqrtn" over the last
+        axis (the list of each example), leaving out `mask_id`.
+      min_count: training lookups an id needs before it gets a row; until then
+        it reads a shared trainable default row (initially zeros).
+      ttl_steps: free the row of an id not seen for this many steps (0: never).
+      capacity: the most rows held (the memory bound, with the optimizer's
+        slots beside them); default `trainer.tables.DEFAULT_CAPACITY`.
+      eviction: "lru": a full table evicts the least recently seen id; None:
+        it refuses new ids (they read the default row; `refused` counts them).
+      mask_id: an id that means "no id" (padding): it reads zeros, is never
+        admitted, and combiners leave it out.
+      seed: keys the initial rows.
+    """
+
+    def __init__(
+        self,
+        output_dim: int,
+        key_dtype: str = "int64",
+        combiner: str | None = None,
+        min_count: int = 1,
+        ttl_steps: int = 0,
+        capacity: int = tables.DEFAULT_CAPACITY,
+        eviction: str | None = "lru",
+        mask_id=None,
+        seed: int = 0,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        _check_dynamic(key_dtype, combiner, min_count, ttl_steps, capacity, eviction)
+        self.output_dim = int(output_dim)
+        self.key_dtype = key_dtype
+        self.combiner = combiner
+        self.min_count = int(min_count)
+        self.ttl_steps = int(ttl_steps)
+        self.capacity = int(capacity)
+        self.eviction = eviction
+        self.mask_id = mask_id
+        self.seed = int(seed)
+        self.table = tables.DynamicTable(capacity, min_count, ttl_steps, eviction, name=self.name)
+
+    def build(self, input_shape=None):
+        self.rows = self.add_weight((self.capacity, self.output_dim), "zeros", name="rows")
+        # Which admission each row's values belong to (see `trainer.tables`); every
+        # copy sets its own in the optimizer's update.
+        self.row_stamps = self.add_weight(
+            (self.capacity,),
+            keras.initializers.Constant(-1),
+            dtype="int64",
+            trainable=False,
+            aggregation="none",
+            name="row_stamps",
+        )
+        self.default_row = self.add_weight((self.output_dim,), "zeros", name="default_row")
+        tables.register_rows(self.rows, self)
+
+    def initial_rows(self, slots: tf.Tensor) -> tf.Tensor:
+        """The initial values of the rows of `slots` for the ids they hold now."""
+        return tables.initial_rows(self.seed, self.table.keys_of(slots), self.output_dim)
+
+    def call(self, inputs, training=False):
+        ragged = isinstance(inputs, tf.RaggedTensor)
+        ids = inputs.flat_values if ragged else tf.convert_to_tensor(inputs)
+        if ids.dtype != tf.string:
+            ids = tf.cast(ids, tf.int64)
+        flat = tf.reshape(ids, [-1])
+        valid = tf.ones_like(flat, tf.bool)
+        if self.mask_id is not None:
+            valid = tf.not_equal(flat, tf.constant(self.mask_id, flat.dtype))
+        vectors = self._vectors(tables.key64(tf.boolean_mask(flat, valid)), training)
+        vectors = tf.scatter_nd(
+            tf.where(valid), vectors, tf.stack([tf.size(flat, out_type=tf.int64), self.output_dim])
+        )
+        if self.combiner is None:
+            vectors = tf.reshape(vectors, tf.concat([tf.shape(ids), [self.output_dim]], 0))
+            return inputs.with_flat_values(vectors) if ragged else vectors
+        if ragged:
+            segments, groups = inputs.value_rowids(), inputs.nrows()
+            shape = tf.stack([groups, self.output_dim])
+        else:
+            width = tf.shape(ids, out_type=tf.int64)[-1]
+            segments = tf.range(tf.size(flat, out_type=tf.int64)) // width
+            groups = tf.size(flat, out_type=tf.int64) // width
+            shape = tf.concat([tf.shape(ids)[:-1], [self.output_dim]], 0)
+        total = tf.math.unsorted_segment_sum(vectors, segments, groups)
+        count = tf.math.unsorted_segment_sum(tf.cast(valid, tf.float32), segments, groups)
+        count = tf.maximum(count, 1.0)[:, None]
+        if self.combiner == "mean":
+            total /= count
+        elif self.combiner == "sqrtn":
+            total /= tf.sqrt(count)
+        return tf.reshape(total, shape)
+
+    def __call__(self, inputs, *args, **kwargs):
+        # Checked before Keras's `__call__`, which adds lines about the call to any error.
+        if isinstance(
+            tf.distribute.get_strategy(), tf.distribute.experimental.ParameterServerStrategy
+        ):
+            raise UserError(
+                f"`DynamicEmbedding` '{self.name}' cannot be split over parameter servers yet "
+                "(its table would sit on the coordinator); train it under `mirrored`, "
+                "`one_device`, `central_storage` or `multi_worker`, or use a `ShardedEmbedding` "
+                "(ctr: `--config.model.embedding=hashed`)."
+            )
+        dtype = keras.backend.standardize_dtype(inputs.dtype)
+        strings = dtype == "string"
+        if strings != (self.key_dtype == "string") or dtype.startswith(("float", "bool")):
+            other = "int64" if self.key_dtype == "string" else "string"
+            raise UserError(
+                f"`DynamicEmbedding` '{self.name}' has `key_dtype` {self.key_dtype} but got "
+                f"{dtype} ids; pass {self.key_dtype} ids, or build it with "
+                f'`key_dtype="{other}"`.'
+            )
+        return super().__call__(inputs, *args, **kwargs)
+
+    def _vectors(self, keys: tf.Tensor, training) -> tf.Tensor:
+        """The embedding of each of `keys` (1-D int64): its row, or the default row."""
+        if training:
+            slots, stamps = self.table.find(keys, self.table.now())
+            with tf.control_dependencies([slots]):  # ids admitted now are found next step
+                self._admit(keys)
+        else:
+            slots, stamps = self.table.find(keys)
+        hit = slots >= 0
+        where = tf.where(hit)
+        slots = tf.boolean_mask(slots, hit)
+        rows = tf.gather(self.rows.value, slots)
+        # A new id, or a reused slot, reads the id's initial value; the gradient
+        # still reaches the row, which the optimizer resets before applying it.
+        stale = tf.not_equal(tf.gather(self.row_stamps.value, slots), tf.boolean_mask(stamps, hit))
+        initial = tables.initial_rows(self.seed, tf.boolean_mask(keys, hit), self.output_dim)
+        rows += tf.stop_gradient(tf.where(stale[:, None], initial - rows, tf.zeros_like(rows)))
+        shape = tf.stack([tf.size(keys, out_type=tf.int64), self.output_dim])
+        found = tf.scatter_nd(where, rows, shape)
+        default = tf.cast(~hit, tf.float32)[:, None] * self.default_row.value[None, :]
+        return found + default
+
+    def _admit(self, keys: tf.Tensor):
+        """Admits the ids of the whole global batch, once per process.
+
+        Each replica gathers every replica's ids, and the first replica of each
+        worker admits them all: the same ids in the same step under any split,
+        and every worker's table the same.
+        """
+        replica = tf.distribute.get_replica_context()
+        if replica is None or replica.num_replicas_in_sync == 1:
+            return self.table.admit(keys)
+        everyone = replica.all_gather(keys, 0)
+        local = len(tf.distribute.get_strategy().extended.worker_devices)
+        first = tf.equal(replica.replica_id_in_sync_group % local, 0)
+        if tf.get_static_value(first) is not None:
+            return self.table.admit(everyone) if tf.get_static_value(first) else None
+        return tf.cond(first, lambda: self.table.admit(everyone), lambda: tf.constant(False))
+
+    def compute_output_shape(self, input_shape):
+        if self.combiner is None:
+            return (*input_shape, self.output_dim)
+        return (*input_shape[:-1], self.output_dim)
+
+    def get_config(self) -> dict:
+        return {
+            **super().get_config(),
+            "output_dim": self.output_dim,
+            "key_dtype": self.key_dtype,
+            "combiner": self.combiner,
+            "min_count": self.min_count,
+            "ttl_steps": self.ttl_steps,
+            "capacity": self.capacity,
+            "eviction": self.eviction,
+            "mask_id": self.mask_id,
+            "seed": self.seed,
+        }

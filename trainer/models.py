@@ -1,7 +1,8 @@
 """Model builders by name, or the user's own as "module.path:function".
 
 A builder is `fn(spec: DataSpec, config: ConfigDict) -> keras.Model`; it gets
-the data's shape and class count and `config.model`. A classifier outputs
+the data's shape and class count and `config.model` (by name when its
+parameters are named so, in any order; else in that order: `trainer.calls`). A classifier outputs
 `num_classes` logits, or probabilities when its output layer ends in a softmax
 (or, for two classes, one sigmoid unit), as Keras Applications models do:
 `output_kind` tells which, and the loss and the export follow. A regression
@@ -18,10 +19,12 @@ import ml_collections
 
 from strategies.errors import UserError
 from strategies.registry import Registry
+from trainer import calls, compiled
 from trainer.data import DataSpec
-from trainer.layers import Dropout, ShardedEmbedding
+from trainer.layers import Dropout, DynamicEmbedding, ShardedEmbedding
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
+BUILDER = calls.Signature("build", ("spec", "config"), "keras.Model")
 _BUILDERS = Registry("Model")
 builder = _BUILDERS.register  # `@builder("name")` registers a built-in model builder
 
@@ -50,7 +53,7 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
     """
     builder = resolve(config.name)
     if config.name not in _BUILDERS:
-        model = builder(spec, config)
+        model = calls.adapt(builder, BUILDER, f"`model.name` '{config.name}'")(spec, config)
     elif spec.input_shape is None:
         raise UserError(
             f"`model.name` '{config.name}' takes one input tensor, and the data's features "
@@ -63,21 +66,35 @@ def build(config: ml_collections.ConfigDict, spec: DataSpec) -> keras.Model:
         raise UserError(
             f"`model.name` '{config.name}' returned {type(model).__name__}, not a keras.Model."
         )
-    if spec.num_classes > 0 and output_kind(model) == "sigmoid":
-        units = model.outputs[0].shape[-1]
-        if spec.num_classes != 2 or units != 1:
-            raise UserError(
-                f"`model.name` '{config.name}' ends in a sigmoid over {units} outputs, and the "
-                f"data has {spec.num_classes} classes; end it in `num_classes` logits or a "
-                "softmax (a sigmoid only as one unit for two classes)."
-            )
+    _check_sigmoid(model, spec, config.name)
     return model
+
+
+def _check_sigmoid(model: keras.Model, spec: DataSpec, name: str) -> None:
+    """A sigmoid output is one unit for two classes, unless the model brings its own loss.
+
+    A model the user compiled is trained with its own loss (e.g. one sigmoid
+    unit and `binary_crossentropy`), which says what its outputs mean: the
+    class count is not asked of the data then.
+    """
+    if spec.num_classes <= 0 or output_kind(model) != "sigmoid" or compiled.is_compiled(model):
+        return
+    units = model.outputs[0].shape[-1]
+    if spec.num_classes != 2 or units != 1:
+        raise UserError(
+            f"`model.name` '{name}' ends in a sigmoid over {units} outputs, and the data has "
+            f"{spec.num_classes} classes (`data.num_classes`); for two classes set "
+            "`--config.data.num_classes=2` and end the model in one sigmoid unit, else end it "
+            "in `data.num_classes` logits or a softmax (or compile it with its own loss)."
+        )
 
 
 def _built_in(builder: Builder, spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     """A built-in model; Keras rejecting a value of our `model` config is a config mistake."""
     try:
         return builder(spec, config)
+    except UserError:
+        raise  # already one line naming the field
     except (ValueError, TypeError) as e:
         raise UserError(
             f"`model.name` '{config.name}' could not be built from the `model` config: "
@@ -186,20 +203,43 @@ def resnet(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     return keras.Model(inputs, _head(x, spec, config), name="resnet")
 
 
+EMBEDDINGS = ("hashed", "dynamic")
+
+
 @builder("ctr")
 def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
-    """Click-through model: ids -> one `ShardedEmbedding` table -> `hidden_units` ReLU -> logits.
+    """Click-through model: ids -> one embedding table -> `hidden_units` ReLU -> logits.
 
-    The table has `model.vocab_size` rows of `model.embedding_dim` (configs/ctr.py
-    sets both); under `parameter_server` with a partitioner it is split over the ps tasks.
+    `model.embedding` "hashed": a `ShardedEmbedding` of `model.vocab_size` rows
+    (under `parameter_server` with a partitioner, split over the ps tasks);
+    "dynamic": a `DynamicEmbedding` of the raw ids, at most `model.capacity`
+    rows, admitting ids seen `model.min_count` times, freeing those unseen for
+    `model.ttl_steps` steps. Both are `model.embedding_dim` wide (configs/ctr.py
+    sets the fields).
     """
     vocab, width = config.get("vocab_size"), config.get("embedding_dim")
     if not vocab or not width:
         raise ValueError(
             "it needs `model.vocab_size` and `model.embedding_dim`; use `--config=configs/ctr.py`"
         )
+    kind = config.get("embedding", "hashed")
+    if kind not in EMBEDDINGS:
+        raise UserError(
+            f"`model.embedding` '{kind}' is not a table kind; use one of {', '.join(EMBEDDINGS)}."
+        )
     inputs = keras.Input(spec.input_shape)
-    x = ShardedEmbedding(vocab, width, name="embedding")(inputs)
+    if kind == "dynamic":
+        table = DynamicEmbedding(
+            width,
+            capacity=config.capacity or vocab,
+            min_count=config.min_count,
+            ttl_steps=config.ttl_steps,
+            seed=config.table_seed,
+            name="embedding",
+        )
+        x = table(keras.ops.cast(inputs, "int64"))
+    else:
+        x = ShardedEmbedding(vocab, width, name="embedding")(inputs)
     x = keras.layers.Flatten()(x)
     for units in config.hidden_units:
         x = keras.layers.Dense(units, activation="relu", kernel_regularizer=_regularizer(config))(x)

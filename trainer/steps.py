@@ -24,10 +24,146 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from strategies.base import StepHalves
 from strategies.errors import UserError
 from strategies.transfer import GradientTransfer
 from trainer import optim
+
+
+class TrainStep:
+    """One optimizer step on one replica's batch `(x, y)`, in two halves a plugin can run apart.
+
+    `step(batch)` is `step.apply(step.gradients(batch)[0])` and returns the
+    task's sums. A plugin that runs the halves apart (synchronous
+    `parameter_server` applies on the ps tasks; staleness-aware async looks at
+    the update between them) calls `gradients` and `apply` by name; see
+    `strategies.base.TrainStepProtocol`, which this class implements.
+
+    Args:
+      model, optimizer: what is trained (built inside the strategy's scope).
+      task: gives this replica's share of the loss and the step's sums (`train_sums`).
+      global_batch_size: the loss is scaled by it, so replicas' gradients add up
+        to the global-batch mean.
+      clip_global_norm: clip the summed gradient to this norm (0: no clipping).
+      jit_compile: XLA compiles the forward and backward pass; the update stays
+        outside, where the strategy aggregates gradients across replicas (which
+        one XLA computation on one device cannot do). XLA also needs the
+        variables on the device that computes, which rules out `central_storage`.
+      accumulation_steps: k > 1 runs the replica's batch as k micro-batches whose
+        gradients and sums are added up before the one update (see the module
+        docstring); the replica's batch must divide by k.
+      transfer: a transfer that sums in the step (bfloat16 or packs,
+        `strategies.transfer`) sums the gradients over replicas here; the
+        optimizer applies the sum as given.
+    """
+
+    has_halves = True
+
+    def __init__(
+        self,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer,
+        task,
+        global_batch_size: int,
+        clip_global_norm: float = 0.0,
+        jit_compile: bool = False,
+        accumulation_steps: int = 1,
+        transfer: GradientTransfer | None = None,
+    ):
+        self.model, self.optimizer, self.task = model, optimizer, task
+        self.clip_global_norm = clip_global_norm
+        self.accumulation_steps = accumulation_steps
+        self.transfer = transfer
+        self.micro_global_batch = global_batch_size // accumulation_steps
+        self.variables = model.trainable_variables  # in the order of the gradients
+        self.iterations = optimizer.iterations  # the optimizer's update counter (the step)
+        self._micro_gradients = self._forward_backward
+        if jit_compile:
+            self._micro_gradients = tf.function(self._forward_backward, jit_compile=True)
+
+    def __call__(self, batch) -> dict:
+        # Train batches are always full (endless streams, remainders dropped), so
+        # unlike eval there is no empty batch to pad, and padding would skew the
+        # batch statistics of layers such as BatchNormalization.
+        grads, sums = self.gradients(batch)
+        self.apply(grads)
+        return sums
+
+    def gradients(self, batch) -> tuple[list, dict]:
+        """The gradients of `variables` on this replica's `batch`, and the task's sums."""
+        x, y, weights = unpack(batch)
+        batch = (x, y, _weights(weights, y))
+        return _accumulated(self._micro_gradients, batch, self.accumulation_steps)
+
+    def apply(self, grads: list) -> None:
+        """One optimizer update from this replica's `grads` (in replica context)."""
+        optimizer, variables = self.optimizer, self.variables
+        # Loss-scaled gradients are clipped at the scaled norm.
+        norm = self.clip_global_norm * optimizer.scale_loss(tf.constant(1.0))
+        if self.transfer is None or not self.transfer.summed_by_step:
+            if self.clip_global_norm:
+                grads = _clip_summed(grads, norm, tf.distribute.get_replica_context())
+            optimizer.apply_gradients(zip(grads, variables))
+            return
+        grads = self.transfer.all_reduce(grads)
+        if self.clip_global_norm:
+            grads, _ = tf.clip_by_global_norm(grads, norm)
+        with optim.summed_by_caller(optimizer):
+            optimizer.apply_gradients(zip(grads, variables))
+
+    def _forward_backward(self, x, y, weights) -> tuple:
+        model, k = self.model, self.accumulation_steps
+        with tf.GradientTape() as tape:
+            outputs = model(x, training=True)
+            loss, sums = self.task.train_sums(
+                model, x, y, outputs, weights, self.micro_global_batch
+            )
+            if k > 1:
+                loss /= k  # the micro-batches' gradients add up to the mean of k steps
+            scaled = self.optimizer.scale_loss(loss)  # the loss itself, unless float16 scaling
+        return tape.gradient(scaled, model.trainable_variables), sums
+
+
+class CustomTrainStep:
+    """A user task's own `train_step`, which applies its own gradients: it has no halves.
+
+    `custom_step(model, optimizer, features, labels, weights, replica_loss)`,
+    where `replica_loss(outputs)` is the task's `(loss share, sums)`, returns
+    the sums. Nothing of ours comes between its gradients and its update, so a
+    plugin that runs a step's halves apart refuses it at start-up.
+    """
+
+    has_halves = False
+
+    def __init__(
+        self,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer,
+        task,
+        global_batch_size: int,
+        custom_step: Callable,
+    ):
+        self.model, self.optimizer, self.task = model, optimizer, task
+        self.global_batch_size = global_batch_size
+        self.custom_step = custom_step
+        self.variables = model.trainable_variables
+        self.iterations = optimizer.iterations
+
+    def __call__(self, batch) -> dict:
+        x, y, weights = unpack(batch)
+        weights = _weights(weights, y)
+        return self.custom_step(
+            self.model, self.optimizer, x, y, weights, self._replica_loss(x, y, weights)
+        )
+
+    def gradients(self, batch) -> tuple[list, dict]:
+        raise TypeError("a task's own `train_step` has no gradient half (`has_halves` is False)")
+
+    def apply(self, grads: list) -> None:
+        raise TypeError("a task's own `train_step` has no update half (`has_halves` is False)")
+
+    def _replica_loss(self, x, y, weights) -> Callable:
+        model, task, batch = self.model, self.task, self.global_batch_size
+        return lambda outputs: task.train_sums(model, x, y, outputs, weights, batch)
 
 
 def make_train_step(
@@ -40,80 +176,20 @@ def make_train_step(
     custom_step: Callable | None = None,
     accumulation_steps: int = 1,
     transfer: GradientTransfer | None = None,
-) -> Callable:
-    """One optimizer step on one replica's batch `(x, y)`; returns the task's sums.
-
-    `task` gives this replica's share of the loss and the step's sums
-    (`train_sums`). A user's task may bring its own step instead,
-    `custom_step(model, optimizer, features, labels, weights, replica_loss)`,
-    where `replica_loss(outputs)` is the task's `(loss share, sums)`; it applies
-    its own gradients and returns the sums.
-
-    With `accumulation_steps` k > 1, the replica's batch runs as k micro-batches
-    whose gradients and sums are added up before the one update (see the
-    module docstring); the replica's batch must divide by k.
-
-    A `transfer` that sums in the step (bfloat16 or packs, `strategies.transfer`)
-    sums the gradients over replicas here; the optimizer applies the sum as given.
-
-    With `jit_compile`, XLA compiles the forward and backward pass; the update
-    stays outside, where the strategy aggregates gradients across replicas
-    (which one XLA computation on one device cannot do). XLA also needs the
-    variables on the device that computes, which rules out `central_storage`.
-    """
-    k = accumulation_steps
-    micro_global_batch = global_batch_size // k
-
-    def gradients(x, y, weights) -> tuple:
-        with tf.GradientTape() as tape:
-            outputs = model(x, training=True)
-            loss, sums = task.train_sums(model, x, y, outputs, weights, micro_global_batch)
-            if k > 1:
-                loss /= k  # the micro-batches' gradients add up to the mean of k steps
-            scaled = optimizer.scale_loss(loss)  # the loss itself, unless float16 loss scaling
-        return tape.gradient(scaled, model.trainable_variables), sums
-
-    if jit_compile:
-        gradients = tf.function(gradients, jit_compile=True)
-
-    def step(batch) -> dict:
-        # Train batches are always full (endless streams, remainders dropped), so
-        # unlike eval there is no empty batch to pad, and padding would skew the
-        # batch statistics of layers such as BatchNormalization.
-        if custom_step is not None:
-            x, y, weights = unpack(batch)
-            weights = _weights(weights, y)
-            return custom_step(model, optimizer, x, y, weights, replica_loss(x, y, weights))
-        grads, sums = compute(batch)
-        apply(grads)
-        return sums
-
-    def compute(batch) -> tuple:
-        x, y, weights = unpack(batch)
-        return _accumulated(gradients, (x, y, _weights(weights, y)), k)
-
-    def apply(grads: list) -> None:
-        # Loss-scaled gradients are clipped at the scaled norm.
-        norm = clip_global_norm * optimizer.scale_loss(tf.constant(1.0))
-        if transfer is None or not transfer.summed_by_step:
-            if clip_global_norm:
-                grads = _clip_summed(grads, norm, tf.distribute.get_replica_context())
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return
-        grads = transfer.all_reduce(grads)
-        if clip_global_norm:
-            grads, _ = tf.clip_by_global_norm(grads, norm)
-        with optim.summed_by_caller(optimizer):
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
-    def replica_loss(x, y, weights) -> Callable:
-        return lambda outputs: task.train_sums(model, x, y, outputs, weights, global_batch_size)
-
-    # A plugin may run the halves apart (sync `parameter_server` applies on the ps).
-    step.halves = None
-    if custom_step is None:
-        step.halves = StepHalves(compute, apply, model.trainable_variables, optimizer.iterations)
-    return step
+) -> TrainStep | CustomTrainStep:
+    """The train step: ours (`TrainStep`), or a task's own `custom_step` (`CustomTrainStep`)."""
+    if custom_step is not None:
+        return CustomTrainStep(model, optimizer, task, global_batch_size, custom_step)
+    return TrainStep(
+        model,
+        optimizer,
+        task,
+        global_batch_size,
+        clip_global_norm,
+        jit_compile,
+        accumulation_steps,
+        transfer,
+    )
 
 
 def check_custom_step(
@@ -251,8 +327,26 @@ def _weights(weights, labels) -> tf.Tensor:
     return tf.reshape(tf.cast(weights, tf.float32), [-1])
 
 
-def _pad_to(tensor, rows: tf.Tensor) -> tf.Tensor:
-    """`tensor` with zero rows appended up to `rows` (its static inner shape kept)."""
+def _pad_to(tensor, rows: tf.Tensor):
+    """`tensor` with zero rows appended up to `rows` (its static inner shape kept).
+
+    A ragged tensor gets rows of one zero value each (an empty row would make
+    e.g. a mean over its values NaN, and NaN times weight 0 is still NaN); a
+    sparse one gets a taller dense shape (rows without values).
+    """
+    if isinstance(tensor, tf.RaggedTensor):
+        splits_dtype = tensor.row_splits.dtype
+        missing = tf.maximum(tf.cast(rows, splits_dtype) - tensor.nrows(splits_dtype), 0)
+        inner = tensor.flat_values.shape[1:]
+        zeros = tf.zeros([missing, *[1] * tensor.ragged_rank, *inner], tensor.dtype)
+        padding = tf.RaggedTensor.from_tensor(
+            zeros, ragged_rank=tensor.ragged_rank, row_splits_dtype=splits_dtype
+        )
+        return tf.concat([tensor, padding], axis=0)
+    if isinstance(tensor, tf.SparseTensor):
+        shape = tensor.dense_shape
+        taller = tf.maximum(tf.cast(rows, shape.dtype), shape[0])
+        return tf.SparseTensor(tensor.indices, tensor.values, tf.concat([[taller], shape[1:]], 0))
     tensor = tf.convert_to_tensor(tensor)
     missing = tf.maximum(rows - tf.shape(tensor, out_type=tf.int32)[0], 0)
     paddings = [[0, missing]] + [[0, 0]] * (tensor.shape.rank - 1)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from trainer import calls
+
 AUC_BUCKETS = 200  # resolution of the binary AUC's score histogram
 OUTPUT_KINDS = ("logits", "probabilities", "sigmoid")  # see `models.output_kind`
 _EPSILON = 1e-7  # probabilities are clipped to [eps, 1] before the log, as Keras does
@@ -79,15 +81,20 @@ class Classification(_Task):
       num_classes: classes of the label.
       outputs: "logits", "probabilities" (a softmax over the classes) or
         "sigmoid" (one probability of class 1, for two classes).
+      class_names: the classes' names, where the labels have names: the
+        metrics then add each class's accuracy (its recall), `accuracy/<name>`.
     """
 
     name = "classification"
 
-    def __init__(self, num_classes: int, outputs: str = "logits"):
+    def __init__(
+        self, num_classes: int, outputs: str = "logits", class_names: tuple[str, ...] = ()
+    ):
         if outputs not in OUTPUT_KINDS:
             raise ValueError(f"`outputs` {outputs!r} must be one of {', '.join(OUTPUT_KINDS)}.")
         self.num_classes = num_classes
         self.outputs = outputs
+        self.class_names = tuple(class_names)
 
     def probabilities(self, outputs: tf.Tensor) -> tf.Tensor:
         """The model's outputs as class probabilities, [batch, num_classes]."""
@@ -114,6 +121,10 @@ class Classification(_Task):
         predicted = tf.argmax(probabilities, axis=-1, output_type=tf.int32)
         correct = tf.cast(tf.equal(predicted, labels), tf.float32)
         sums = {"correct": tf.reduce_sum(weights * correct)}
+        if self.class_names:  # per class: the weight of its examples, and of those right
+            classes = len(self.class_names)
+            sums["class_weight"] = tf.math.unsorted_segment_sum(weights, labels, classes)
+            sums["class_correct"] = tf.math.unsorted_segment_sum(weights * correct, labels, classes)
         if self.num_classes == 2:
             sums.update(_score_histograms(labels, probabilities, weights))
         return sums
@@ -124,6 +135,10 @@ class Classification(_Task):
         metrics = {"loss": sums["loss"] / n, "accuracy": sums["correct"] / n}
         if "positives" in sums:
             metrics["auc"] = auc(sums["positives"], sums["negatives"])
+        for i, name in enumerate(self.class_names):  # classes with examples in these sums
+            if sums["class_weight"][i] > 0:
+                right = sums["class_correct"][i] / sums["class_weight"][i]
+                metrics[f"accuracy/{name}"] = float(right)
         return metrics
 
 
@@ -147,12 +162,17 @@ class Regression(_Task):
         return {"loss": sums["loss"] / n, "mae": sums["abs_error"] / n}
 
 
-def for_spec(num_classes: int, outputs: str = "logits") -> Classification | Regression:
+def for_spec(
+    num_classes: int, outputs: str = "logits", class_names: tuple[str, ...] = ()
+) -> Classification | Regression:
     """The task for data with `num_classes` classes (0 = regression).
 
-    `outputs` is what a classification model outputs (see `OUTPUT_KINDS`).
+    `outputs` is what a classification model outputs (see `OUTPUT_KINDS`);
+    `class_names` name the classes, where the labels have names.
     """
-    return Classification(num_classes, outputs) if num_classes > 0 else Regression()
+    if num_classes > 0:
+        return Classification(num_classes, outputs, class_names)
+    return Regression()
 
 
 def _total_weight(sums: dict) -> float:
@@ -190,6 +210,12 @@ def auc(positives, negatives) -> float:
 # --- the user's own task ---------------------------------------------------------
 
 BUILT_IN = ("auto", "classification", "regression")  # `task.name` values of the built-in tasks
+# How towerflow calls a user's task and its methods (by these names, or in this order).
+MAKE_TASK = calls.Signature("Task", ("config",))
+BUILD_MODEL = calls.Signature("build_model", (), "keras.Model")
+TRAIN_STEP = calls.Signature(
+    "train_step", ("model", "optimizer", "features", "labels", "weights", "replica_loss")
+)
 
 
 class Task:
@@ -218,6 +244,9 @@ class Task:
         loss. `replica_loss(outputs)` gives the task's `(loss share, sums)`:
         the replica's share of the global batch's loss, and the sums the loop
         reports. The step applies its own gradients and returns the sums.
+
+    Each function gets its parameters by name when it names them as above (in
+    any order), else in the order above (see `trainer.calls`).
     """
 
     loss = None
@@ -252,7 +281,8 @@ def user_task(config) -> Task | None:
             f"Unknown `task.name` '{name}'; built-in tasks: {', '.join(BUILT_IN)}, or give "
             "your own as 'module.path:TaskClass'."
         )
-    made = resolve("task.name", name, "a Task class, or a function of the config")(config)
+    made = resolve("task.name", name, "a Task class, or a function of the config")
+    made = calls.adapt(made, MAKE_TASK, f"`task.name` '{name}'")(config)
     missing = [m for m in ("build_model", "dataset_fn") if not callable(getattr(made, m, None))]
     if missing:
         raise UserError(

@@ -22,6 +22,7 @@ from strategies import devices, discovery, scratch, transfer
 from strategies.errors import UserError
 from trainer import (
     actions,
+    calls,
     checks,
     compiled,
     controller,
@@ -37,6 +38,7 @@ from trainer import (
 )
 from trainer import lock as model_dir_lock
 from trainer.checkpoints import Checkpointer
+from trainer.data import labels
 from trainer.data import service as data_service
 from trainer.data import wait
 from trainer.export import export
@@ -86,11 +88,12 @@ def train_and_evaluate(
     if mode not in MODES:
         raise UserError(f"Unknown `--mode` '{mode}'; known: {', '.join(MODES)}.")
     strategy = make_strategy(config)
-    if strategy.role == "serve":  # a ps or worker task of a parameter-server cluster
+    member = strategy.membership
+    if member.role == "serve":  # a ps or worker task of a parameter-server cluster
         say(f"serving as a {strategy.name} task until the chief ends the job")
-        strategy.serve()
+        member.serve()
         return {}
-    if strategy.role == "evaluate":
+    if member.role == "evaluate":
         return sidecar_evaluate(build(config, model_dir, strategy))
     if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service`)
         return run(build(config, model_dir, strategy), mode, extra_actions)
@@ -147,6 +150,9 @@ def build(
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
     custom_step = getattr(user_task, "train_step", None)
+    if custom_step is not None:
+        origin = f"`task.name` '{config.task.name}' `train_step`"
+        custom_step = calls.adapt(custom_step, tasks.TRAIN_STEP, origin)
     steps.check_custom_step(custom_step, config, strategy.gradient_transfer)
     if custom_step is not None and strategy.splits_steps:
         raise UserError(
@@ -160,7 +166,7 @@ def build(
     else:
         dataset = data.from_function(config.data, user_task.dataset_fn, config.task.name)
     total_steps = checks.total_steps(config, dataset.spec)
-    if strategy.is_chief:
+    if strategy.membership.is_chief:
         checks.check_model_dir(model_dir)
     else:  # every task reads model_dir; the chief alone checks that it can be written
         storage.check_scheme(model_dir, "--model_dir")
@@ -200,7 +206,7 @@ def build(
 
 def _task_model(task: tasks.Task, name: str) -> keras.Model:
     """The user task's model, compiled with the task's `loss` if it came uncompiled."""
-    model = task.build_model()
+    model = calls.adapt(task.build_model, tasks.BUILD_MODEL, f"`task.name` '{name}'")()
     if not isinstance(model, keras.Model):
         raise UserError(
             f"`task.name` '{name}': `build_model()` returned {type(model).__name__}, "
@@ -238,29 +244,29 @@ def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections
             f"`task.name` '{task_name}' does not fit the data's `num_classes` ({classes}); "
             "use `task.name=auto`, or set the data's class count."
         )
-    return tasks.for_spec(classes, models.output_kind(model))
+    return tasks.for_spec(classes, models.output_kind(model), dataset.spec.class_names)
 
 
 def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
     """Trains and/or evaluates a built `job`; the only function that writes `model_dir`."""
     start = time.time()
-    strategy, config = job.strategy, job.config
+    strategy, member, config = job.strategy, job.strategy.membership, job.config
     say(f"model_dir: {job.model_dir}")
     # One trainer at a time writes model_dir (the chief); `--mode=eval` only reads it.
-    lock = model_dir_lock.take(job.model_dir) if strategy.is_chief and mode != "eval" else None
-    if strategy.is_chief:
+    lock = model_dir_lock.take(job.model_dir) if member.is_chief and mode != "eval" else None
+    if member.is_chief:
         tf.io.gfile.makedirs(job.model_dir)
     checkpointer = Checkpointer(
         job.model_dir,
-        strategy.is_chief,
+        member.is_chief,
         config.train.max_checkpoints,
         async_save=config.train.async_checkpoint,
         **checkpointed(job),
     )
-    summaries = Summaries(job.model_dir, strategy.is_chief)
+    summaries = Summaries(job.model_dir, member.is_chief)
     try:
         restored = checkpointer.restore()
-        strategy.check_restored(_step(job), job.model_dir)  # every worker, the same step
+        member.check_restored(_step(job), job.model_dir)  # every worker, the same step
         if restored:
             say(f"restored {restored} at step {_step(job)}")
         elif mode == "eval":
@@ -273,7 +279,7 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         train_metrics = {}
         evaluate = (
             mode != "train"
-            and strategy.evaluates_inline
+            and member.evaluates_inline
             and not discovery.sidecar_evaluator(config.get("cluster"))
         )
         if mode != "eval":
@@ -287,15 +293,17 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
             "placement": placement,
             "input": {k: v for k, v in data_service.describe(job.dataset).items() if k != "line"},
         }
+        if job.dataset.spec.class_names:  # what each class index of the metrics and export is
+            results["class_names"] = list(job.dataset.spec.class_names)
         if mode != "eval" and config.train.export:
             _export(job)
-        if strategy.is_chief:
+        if member.is_chief:
             storage.write_json(os.path.join(job.model_dir, "results.json"), results)
         return results
     except tf.errors.OpError as e:
         with contextlib.suppress(Exception):  # a save under way may need the lost task
             checkpointer.sync()
-        lost = faults.lost_task_error(e, strategy.lost_tasks(), checkpointer.directory)
+        lost = faults.lost_task_error(e, member.lost_tasks(), checkpointer.directory)
         if lost is None:
             raise
         raise lost from None
@@ -310,13 +318,14 @@ def _export(job: Job) -> None:
     """Every task exports (some strategies save collectively); only the chief's is kept."""
     spec = job.dataset.spec
     raw = isinstance(job.task, compiled.CompiledTask)  # the user's outputs, as compiled
-    if job.strategy.is_chief:
+    args = (spec.input_shape, spec.num_classes, raw, spec.class_names)
+    if job.strategy.membership.is_chief:
         path = os.path.join(job.model_dir, "export")
-        export(job.model, path, spec.input_shape, spec.num_classes, raw)
+        export(job.model, path, *args)
         say(f"exported SavedModel to {path}")
         return
     with scratch.directory("export") as private:  # in memory: nothing left on any exit
-        export(job.model, os.path.join(private, "export"), spec.input_shape, spec.num_classes, raw)
+        export(job.model, os.path.join(private, "export"), *args)
 
 
 def sidecar_evaluate(job: Job) -> dict:
@@ -401,7 +410,7 @@ def _train(
         job.total_steps,
         [*_actions(job, checkpointer, summaries, evaluate), *extra_actions],
         loop_length.LoopLength(config.train.steps_per_loop),
-        agree=strategy.agree,
+        agree=strategy.membership.agree,
     )
     last = loop.train()
     if last and last.stopped:
@@ -413,7 +422,7 @@ def _actions(
     job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool
 ) -> list[actions.Action]:
     """The loop's actions, in the order they run after a block."""
-    config, strategy = job.config, job.strategy
+    config, member = job.config, job.strategy.membership
     recoveries = []
 
     def recover(step: int, loss: float) -> None:
@@ -436,14 +445,14 @@ def _actions(
         *([actions.every_block(input_wait, "input wait")] if job.input_wait else []),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
-        actions.Action(actions.Preemption(strategy.watch_preemption(), checkpointer.save, say)),
+        actions.Action(actions.Preemption(member.watch_preemption(), checkpointer.save, say)),
         # A single process has no other task to lose; the watchdog then never reports.
-        actions.Action(actions.Watchdog(faults.Watchdog(strategy.lost_tasks, say))),
+        actions.Action(actions.Watchdog(faults.Watchdog(member.lost_tasks, say))),
     ]
     if config.train.profile_steps:  # on every task: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
         profile_steps, step = config.train.profile_steps, lambda: _step(job)
-        built_in.append(actions.profile(profile_steps, logdir, step, say, strategy.is_chief))
+        built_in.append(actions.profile(profile_steps, logdir, step, say, member.is_chief))
     if evaluate:
         built_in.append(actions.evaluation(lambda: _evaluate(job, summaries), config.eval.every))
     return built_in + job.user_actions
@@ -497,12 +506,24 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     batch, micro = job.config.train.global_batch_size, job.config.train.accumulation_steps
     micro_batches = f" ({micro} micro-batches of {batch // micro})" if micro > 1 else ""
     _tell(job, f"{_what(job)} | steps: {job.total_steps} | global batch: {batch}{micro_batches}")
+    for note in job.dataset.notes:
+        _tell(job, note)
     _tell(job, data_service.describe(job.dataset)["line"])
-    if strategy.is_chief:
-        config_json = job.config.to_json_best_effort(indent=2, sort_keys=True)
+    if strategy.membership.is_chief:
+        config_json = _recorded(job).to_json_best_effort(indent=2, sort_keys=True)
         storage.write_text(os.path.join(job.model_dir, "config.json"), config_json + "\n")
         summaries.text("config", f"```\n{config_json}\n```")
         summaries.hparams(job.config, os.path.basename(os.path.abspath(job.model_dir)))
+
+
+def _recorded(job: Job) -> ml_collections.ConfigDict:
+    """The config as run, with what start-up found: the class names of `label_vocabulary=auto`."""
+    config = job.config
+    names = job.dataset.spec.class_names
+    if names and config.data.get("label_vocabulary", "") == labels.AUTO:
+        config = config.copy_and_resolve_references()
+        config.data.label_vocabulary = ",".join(names)
+    return config
 
 
 def _what(job: Job) -> str:
@@ -517,6 +538,8 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
     """One fixed-width line: `train | step: 1200/1500 | loss: 0.3100 | ...`."""
     parts = [f"{split:<5}", f"step: {step}/{total}" if total else f"step: {step}"]
     for name, value in metrics.items():
+        if "/" in name:  # per class (TensorBoard and results.json): too many for one line
+            continue
         if name == "learning_rate":
             parts.append(f"lr: {value:.2e}")
         elif name.endswith("_per_sec"):
@@ -530,7 +553,8 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
 
 def _tell(job: Job, line: str) -> None:
     """Progress from the chief (and a sidecar evaluator); other workers stay quiet."""
-    if job.strategy.is_chief or job.strategy.role != "train":
+    member = job.strategy.membership
+    if member.is_chief or member.role != "train":
         say(line)
 
 

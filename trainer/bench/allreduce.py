@@ -63,7 +63,7 @@ def main(out: str, shapes: str, reps: str) -> None:
         options = ml_collections.ConfigDict({"gradient_dtype": dtype, "bytes_per_pack": pack})
         transfer = transfer_lib.from_options(options, "multi_worker")
         figures[name] = seconds_per_all_reduce(strategy, transfer, json.loads(shapes), int(reps))
-    if strategy.is_chief:
+    if strategy.membership.is_chief:
         with open(out, "w") as f:
             json.dump(figures, f)
 

@@ -24,8 +24,11 @@ Sources, one module each, behind that one interface (`base.Dataset`):
 - files (`tfrecord`, `csv`): records are read in order and shuffled with a
   `data.shuffle_buffer`-sized buffer; resuming skips records before they are
   parsed. `data.features` names the features to read, of mixed dtypes and
-  shapes (`features.py`). CSV files are parsed once at start-up, which finds a
-  bad value's line and gives the split sizes;
+  shapes, and the defaults of missing values (`features.py`); a label of
+  class names goes through `data.label_vocabulary` (`labels.py`). CSV files
+  are parsed once at start-up, which finds a bad value's line and gives the
+  split sizes; every TFRecord is looked at once too (its features' presence,
+  its label);
 - the user's own `dataset_fn` (`data.name=module.path:function`, `user.py`):
   resuming skips the batches already trained on, exact for a deterministic
   pipeline.
@@ -68,9 +71,10 @@ def from_function(config: ml_collections.ConfigDict, fn: user.PipelineFn, name: 
     Args:
       config: the `data` part of a config (its memory budget, sharding and class count).
       fn: `fn(input_context, split, global_batch_size) -> tf.data.Dataset`.
-      name: how messages name it (e.g. the task's `task.name`).
+      name: how messages name it: the task's `task.name`.
     """
     checked = settings(config)
     named = config.copy_and_resolve_references()
     named.name = name
-    return _with_settings(user.dataset(named, fn), checked)
+    origin = f"`task.name` '{name}' `dataset_fn`"
+    return _with_settings(user.dataset(named, fn, origin), checked)

@@ -43,12 +43,15 @@ class DataSpec:
       num_classes: classes of the label; 0 means regression.
       train_size: examples in the train split, or None if unknown (files).
       eval_size: examples in the eval split, or None if unknown (files).
+      class_names: the classes' names in index order, where the labels are
+        names (`data.label_vocabulary`); () otherwise.
     """
 
     input_shape: tuple[int, ...] | None
     num_classes: int
     train_size: int | None
     eval_size: int | None
+    class_names: tuple[str, ...] = ()
 
     @property
     def task(self) -> str:
@@ -69,6 +72,7 @@ class Dataset(Protocol):
     """
 
     spec: DataSpec
+    notes: tuple[str, ...]  # what start-up found worth telling (e.g. rows dropped)
 
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The endless training stream; `start_step=k` begins with the batches of step `k`."""
@@ -245,6 +249,7 @@ class SplitDataset:
       eval_split: where eval examples come from.
       layout: how records are read, for error messages.
       settings: the memory budget and the sharding.
+      notes: what start-up found worth telling (e.g. rows dropped), one line each.
     """
 
     spec: DataSpec
@@ -252,6 +257,7 @@ class SplitDataset:
     eval_split: _Split
     layout: str
     settings: Settings = Settings()
+    notes: tuple[str, ...] = ()
 
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The endless, shuffled training stream, as a `dataset_fn` for `tf.distribute`.
@@ -429,14 +435,20 @@ def file_dataset(
     classes: int,
     layout: str,
     sizes: Sequence[int | None] = (None, None),
+    class_names: tuple[str, ...] = (),
+    notes: tuple[str, ...] = (),
 ) -> Dataset:
-    """A dataset read from the `files` of each split, of the `sizes` (train, eval) if known."""
+    """A dataset read from the `files` of each split, of the `sizes` (train, eval) if known.
+
+    `class_names` name the classes of string labels; `notes` are told at start-up.
+    """
     buffer = check_positive("data.shuffle_buffer", config.shuffle_buffer)
     train, evaluation = (
         _FileSplit(tuple(files[field]), read, decode, f"`data.{field}` '{config[field]}'", buffer)
         for field in ("train_files", "eval_files")
     )
-    return SplitDataset(DataSpec(shape, classes, *sizes), train, evaluation, layout)
+    spec = DataSpec(shape, classes, *sizes, class_names=class_names)
+    return SplitDataset(spec, train, evaluation, layout, notes=notes)
 
 
 def glob_files(config: ml_collections.ConfigDict, kind: str) -> dict[str, list[str]]:

@@ -12,9 +12,11 @@ batch size added::
             records = records.shuffle(10_000, seed=0)
         return records.batch(batch, drop_remainder=split == "train")
 
-`split` is "train" or "eval". It yields batches of `(features, labels)` or
-`(features, labels, sample_weights)`, features a tensor, a tuple or a dict of
-named tensors, batched to the per-replica size and sharded by
+Its parameters are passed by name when they carry these names (in any order,
+e.g. `def dataset(split, input_context, global_batch_size)`), else in this
+order (see `trainer.calls`). `split` is "train" or "eval". It yields batches
+of `(features, labels)` or `(features, labels, sample_weights)`, features a
+tensor, a tuple or a dict of named tensors, batched to the per-replica size and sharded by
 `input_pipeline_id` (each pipeline reads its own part). towerflow makes of it
 the same `Dataset` the built-in sources give:
 
@@ -46,6 +48,7 @@ import ml_collections
 import tensorflow as tf
 
 from strategies.errors import UserError
+from trainer import calls
 from trainer.data.base import (
     DatasetFn,
     DataSpec,
@@ -55,7 +58,10 @@ from trainer.data.base import (
     listed,
 )
 
-EXPECTED = "a function (input_context, split, global_batch_size) -> tf.data.Dataset"
+SIGNATURE = calls.Signature(
+    "dataset_fn", ("input_context", "split", "global_batch_size"), "tf.data.Dataset"
+)
+EXPECTED = f"a function {SIGNATURE}"
 _PROBE_BATCH = 2  # the global batch of the calls made to read the structure at start-up
 _TENSORS = (tf.TensorSpec, tf.RaggedTensorSpec, tf.SparseTensorSpec)
 _STRUCTURE = (
@@ -82,6 +88,7 @@ class PipelineDataset:
     fn: PipelineFn
     name: str
     settings: Settings = Settings()
+    notes: tuple[str, ...] = ()
 
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The function's train stream, endless, from the batches of step `start_step`.
@@ -139,17 +146,20 @@ class PipelineDataset:
         return dataset
 
 
-def dataset(config: ml_collections.ConfigDict, fn: PipelineFn) -> PipelineDataset:
+def dataset(config: ml_collections.ConfigDict, fn: PipelineFn, origin: str = "") -> PipelineDataset:
     """The `Dataset` of the user's `fn`, named by `data.name`.
 
     Calls `fn` once (train split, a context of one pipeline) to read the
-    structure of its batches; iterates nothing.
+    structure of its batches; iterates nothing. `fn` takes its parameters by
+    name or in order (`trainer.calls`).
 
     Raises:
-      UserError: `data.num_classes` is not a class count, or `fn` returns no
-        tf.data.Dataset of batches of `(features, labels[, sample_weights])`.
+      UserError: `data.num_classes` is not a class count, `fn` cannot be called
+        as `SIGNATURE`, or it returns no tf.data.Dataset of batches of
+        `(features, labels[, sample_weights])`.
     """
     classes = check_classes("data.num_classes", config.num_classes)
+    fn = calls.adapt(fn, SIGNATURE, origin or f"`data.name` '{config.name}'")
     batches = fn(tf.distribute.InputContext(), "train", _PROBE_BATCH)
     _check_structure(config.name, "train", batches)
     features = batches.element_spec[0]

@@ -1,0 +1,251 @@
+"""`DynamicEmbedding`: lookups of raw ids, combiners, bad arguments, sparse optimizer updates."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from strategies.errors import UserError
+from tests.helpers import checkpoint_values, launch
+from tests.test_models import tiny_ctr_config
+from trainer import optim, tables, train
+from trainer.layers import DynamicEmbedding
+
+WIDTH = 4
+
+
+def _rows_of(layer: DynamicEmbedding, ids) -> np.ndarray:
+    """The vectors `layer` gives `ids` now, changing nothing."""
+    return layer(tf.constant(ids, tf.int64), training=False).numpy()
+
+
+def test_an_admitted_id_reads_its_initial_row_from_the_next_step_and_others_the_default_row():
+    layer = DynamicEmbedding(WIDTH, min_count=2, seed=5)
+    ids = tf.constant([[2**63 - 1, 7], [7, -3]], tf.int64)
+    out = layer(ids, training=True).numpy()  # 7 seen twice: admitted, found from the next step
+    assert out.shape == (2, 2, WIDTH)
+    np.testing.assert_array_equal(out, np.zeros_like(out))  # the default row starts at 0
+    out = layer(ids, training=True).numpy()
+    initial = tables.initial_rows(5, tf.constant([7], tf.int64), WIDTH).numpy()[0]
+    np.testing.assert_array_equal(out[0, 1], initial)
+    np.testing.assert_array_equal(out[1, 0], initial)
+    np.testing.assert_array_equal(out[0, 0], np.zeros(WIDTH))
+    np.testing.assert_array_equal(_rows_of(layer, [12345]), np.zeros((1, WIDTH)))
+
+
+def test_eval_lookups_admit_nothing():
+    layer = DynamicEmbedding(WIDTH)
+    layer(tf.constant([1, 2], tf.int64), training=False)
+    assert int(layer.table.size()) == 0 and int(layer.table.counter("admitted")) == 0
+
+
+@pytest.mark.parametrize("combiner, divisor", [("sum", 1.0), ("mean", 2.0), ("sqrtn", 2**0.5)])
+def test_combiners_reduce_each_list_leaving_out_the_mask_id(combiner, divisor):
+    layer = DynamicEmbedding(1, key_dtype="string", combiner=combiner, mask_id="")
+    ragged = tf.ragged.constant([["a", "b"], ["a"]])
+    layer(ragged, training=True)
+    a, b = (tables.initial_rows(0, tf.constant([k]), 1).numpy()[0, 0] for k in "ab")
+    want = np.array([(a + b) / divisor, a])
+    np.testing.assert_allclose(layer(ragged).numpy()[:, 0], want, rtol=1e-6)
+    padded = tf.constant([["a", "b", ""], ["a", "", ""]])
+    np.testing.assert_allclose(layer(padded).numpy()[:, 0], want, rtol=1e-6)
+
+
+def test_without_a_combiner_ragged_ids_give_ragged_vectors_and_the_mask_id_zeros():
+    layer = DynamicEmbedding(WIDTH, mask_id=0)
+    out = layer(tf.ragged.constant([[3, 0], [4]], tf.int64), training=True)
+    assert isinstance(out, tf.RaggedTensor) and out.row_lengths().numpy().tolist() == [2, 1]
+    np.testing.assert_array_equal(out[0][1].numpy(), np.zeros(WIDTH))
+    assert int(layer.table.size()) == 2, "the mask id is never admitted"
+
+
+@pytest.mark.parametrize(
+    "argument, match",
+    [
+        ({"capacity": 0}, r"`capacity` \(0\) must be >= 1"),
+        ({"ttl_steps": -1}, r"`ttl_steps` \(-1\) must be >= 0"),
+        ({"min_count": 0}, r"`min_count` \(0\) must be >= 1"),
+        ({"combiner": "max"}, r"`combiner` 'max' must be one of None, sum, mean, sqrtn"),
+        ({"key_dtype": "int32"}, r"`key_dtype` 'int32' must be one of int64, string"),
+        ({"eviction": "lfu"}, r"`eviction` 'lfu' must be 'lru' or None"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argument, match):
+    with pytest.raises(UserError, match=match) as error:
+        DynamicEmbedding(WIDTH, **argument)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "key_dtype, ids", [("int64", tf.constant(["a"])), ("string", tf.constant([1], tf.int64))]
+)
+def test_ids_of_the_other_kind_are_a_one_line_error(key_dtype, ids):
+    layer = DynamicEmbedding(WIDTH, key_dtype=key_dtype, name="users")
+    with pytest.raises(UserError, match=f"'users' has `key_dtype` {key_dtype} but got") as error:
+        layer(ids, training=True)
+    assert "\n" not in str(error.value)
+
+
+def test_a_model_of_string_ids_trains_from_keras_inputs():
+    inputs = keras.Input(shape=(None,), dtype="string")
+    x = DynamicEmbedding(WIDTH, key_dtype="string", combiner="mean", mask_id="")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    assert model.output_shape == (None, 1)
+    optimizer = optim.OPTIMIZERS["adagrad"](0.1, None)
+    ids = tf.constant([["x", "y"], ["z", ""]])
+    for _ in range(2):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(ids, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    assert int(model.layers[1].table.size()) == 3
+
+
+# Sparse updates: rows looked up, and only they, change as Keras's dense update changes them.
+
+ROWS = 6
+FIRST, SECOND = [0, 2, 2], [3, 4]
+
+
+def _step(optimizer, variable, rows: list, dense: bool) -> None:
+    with tf.GradientTape() as tape:
+        out = tf.gather(variable.value, tf.constant(rows))
+        loss = tf.reduce_sum(out * tf.range(1.0, WIDTH + 1.0))
+    (grad,) = tape.gradient(loss, [variable])
+    assert isinstance(grad, tf.IndexedSlices)
+    optimizer.apply_gradients([(tf.convert_to_tensor(grad) if dense else grad, variable)])
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adagrad", "ftrl"])
+def test_a_sparse_update_changes_only_the_rows_looked_up_as_keras_would(name):
+    config = type("Options", (), {"momentum": 0.9, "weight_decay": 0.0})
+    start = np.random.RandomState(0).normal(size=(ROWS, WIDTH)).astype(np.float32)
+    sparse, dense = keras.Variable(start), keras.Variable(start)
+    ours = optim.OPTIMIZERS[name](0.1, config)
+    theirs = optim.KERAS_OPTIMIZERS[name](0.1, config)
+    _step(ours, sparse, FIRST, dense=False)
+    _step(theirs, dense, FIRST, dense=True)
+    np.testing.assert_allclose(sparse.numpy()[[0, 2]], dense.numpy()[[0, 2]], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(sparse.numpy()[[1, 3, 4, 5]], start[[1, 3, 4, 5]])
+    after_first = sparse.numpy()
+    _step(ours, sparse, SECOND, dense=False)  # lazy: rows 0 and 2 stay as they are
+    np.testing.assert_array_equal(sparse.numpy()[[0, 1, 2, 5]], after_first[[0, 1, 2, 5]])
+    for slot in ours.variables[2:]:  # slots of rows never looked up keep their initial value
+        untouched = slot.numpy()[[1, 5]]
+        np.testing.assert_array_equal(untouched, np.full_like(untouched, untouched[0, 0]))
+
+
+def test_a_new_id_in_a_reused_slot_starts_from_its_initial_row_and_fresh_slots():
+    layer = DynamicEmbedding(WIDTH, capacity=1, seed=3)
+    optimizer = optim.OPTIMIZERS["adam"](0.5, None)
+    optimizer.build(layer.trainable_variables if layer.built else _built(layer))
+
+    def train(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(tf.constant(ids, tf.int64), training=True))
+        grads = tape.gradient(loss, layer.trainable_variables)
+        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+
+    train([1])  # step 0: 1 admitted
+    train([1])  # step 1: 1 read and trained
+    trained = _rows_of(layer, [1])[0]
+    assert not np.allclose(trained, tables.initial_rows(3, tf.constant([1], tf.int64), WIDTH)[0])
+    train([2])  # step 2: evicts 1, admits 2 into its slot
+    train([2])  # step 3: the slot's row and moments start again for 2
+    fresh = keras.Variable(tables.initial_rows(3, tf.constant([2], tf.int64), WIDTH))
+    reference = optim.OPTIMIZERS["adam"](0.5, None)
+    _one_row_step(reference, fresh, at_step=3)
+    np.testing.assert_allclose(_rows_of(layer, [2])[0], fresh.numpy()[0], rtol=1e-6)
+    assert optimizer.iterations.numpy() == 4 and int(layer.table.counter("evicted")) == 1
+
+
+def _built(layer: DynamicEmbedding) -> list:
+    layer.build()
+    return layer.trainable_variables
+
+
+def _one_row_step(optimizer, variable, at_step: int) -> None:
+    """What the layer's step does to a new id's row: gradient 1 in every column."""
+    optimizer.iterations.assign(at_step)
+    grad = tf.IndexedSlices(tf.ones([1, WIDTH]), tf.constant([0]), tf.constant([1, WIDTH]))
+    optimizer.apply_gradients([(grad, variable)])
+
+
+# Under the trainer: strategies agree, and a resumed run equals an uninterrupted one.
+
+
+def _ctr_config(strategy: str, steps: int, **model):
+    config = tiny_ctr_config(
+        **{"strategy.name": strategy, "train.steps": steps, "train.deterministic": True}
+    )
+    config.model.update({"embedding": "dynamic", "min_count": 2, **model})
+    return config
+
+
+def _rows_by_id(config, model_dir) -> dict[int, np.ndarray]:
+    """The row of every id the table of `model_dir`'s newest checkpoint holds."""
+    job = train.build(config, str(model_dir))
+    path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    tf.train.Checkpoint(model=job.model).restore(path).expect_partial()
+    layer = job.model.get_layer("embedding")
+    keys, values = layer.table.index.export()
+    ids = tf.boolean_mask(keys, values >= 0)
+    return dict(zip(ids.numpy().tolist(), layer(ids).numpy(), strict=True))
+
+
+def test_one_device_and_mirrored_admit_the_same_ids_with_the_same_rows(tmp_path):
+    tables_by_strategy = []
+    for strategy in ("one_device", "mirrored"):
+        config = _ctr_config(strategy, 20)
+        results = train.train_and_evaluate(config, str(tmp_path / strategy))
+        assert results["step"] == 20
+        tables_by_strategy.append(_rows_by_id(config, tmp_path / strategy))
+    one, mirrored = tables_by_strategy
+    assert len(one) > 100 and sorted(one) == sorted(mirrored)
+    for key, row in one.items():
+        np.testing.assert_allclose(mirrored[key], row, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_path):
+    options = {"capacity": 300, "ttl_steps": 8}  # evictions and sweeps on the way
+    straight = _ctr_config("one_device", 20, **options)
+    train.train_and_evaluate(straight, str(tmp_path / "straight"))
+    train.train_and_evaluate(_ctr_config("one_device", 10, **options), str(tmp_path / "resumed"))
+    results = train.train_and_evaluate(straight, str(tmp_path / "resumed"))
+    assert results["step"] == 20
+    a, b = (checkpoint_values(tmp_path / run) for run in ("straight", "resumed"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    rows, resumed_rows = (_rows_by_id(straight, tmp_path / run) for run in ("straight", "resumed"))
+    assert sorted(rows) == sorted(resumed_rows)
+    for key, row in rows.items():
+        np.testing.assert_array_equal(resumed_rows[key], row)
+    reader = tf.train.load_checkpoint(str(tmp_path / "straight" / "checkpoints"))
+    (keys,) = [
+        n for n in reader.get_variable_to_shape_map() if "counters/.ATTRIBUTES/table-keys" in n
+    ]
+    counters = dict(zip(reader.get_tensor(keys), reader.get_tensor(keys.replace("keys", "values"))))
+    assert counters[tables.COUNTERS.index("evicted")] > 0, "rows were evicted on the way"
+
+
+def test_under_parameter_server_it_is_one_line_and_exit_2(tmp_path):
+    result = launch(
+        "--workers=1",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        "--config=configs/ctr.py",
+        "--config.model.embedding=dynamic",
+        "--model_dir=run",
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stdout.splitlines() if "error:" in line]
+    assert errors == [
+        "[chief] error: `DynamicEmbedding` 'embedding' cannot be split over parameter servers "
+        "yet (its table would sit on the coordinator); train it under `mirrored`, `one_device`, "
+        "`central_storage` or `multi_worker`, or use a `ShardedEmbedding` (ctr: "
+        "`--config.model.embedding=hashed`)."
+    ], result.stdout[-3000:]
+    assert not (tmp_path / "run").exists()

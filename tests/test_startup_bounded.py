@@ -1,0 +1,133 @@
+"""Every start-up of a cluster task ends: an own host that cannot work, TensorFlow's join, SIGTERM.
+
+Bad input of the cluster kind, run as a user runs it (a task of its own with
+its `TF_CONFIG`): an own host that does not resolve is one line and exit 2
+before TensorFlow starts; TensorFlow's own join of the cluster (here: this
+task's address is another machine's, so it waits for itself there) ends at
+the start-up bound with one line and exit 144, and SIGTERM during it exits 143
+at once.
+"""
+
+import signal
+import time
+
+import pytest
+
+from strategies import cluster
+from strategies.errors import UserError
+from tests.helpers import kill, start_task
+from trainer.launch import pick_ports
+
+BOUND_S = 90  # far above each case's own bound: TensorFlow's import on a loaded machine
+UNROUTED = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never an address of this machine
+LONG_HOST = "x" * 300
+
+
+def _tf_config(host: str, strategy: str) -> str:
+    ports = pick_ports(3)
+    if strategy == "parameter_server":
+        jobs = {
+            "chief": [f"{host}:{ports[0]}"],
+            "worker": [f"127.0.0.1:{ports[1]}"],
+            "ps": [f"127.0.0.1:{ports[2]}"],
+        }
+        return cluster.make_tf_config(jobs, "chief", 0)
+    return cluster.make_tf_config({"worker": [f"{host}:{ports[0]}"]}, "worker", 0)
+
+
+def _finish(proc) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=BOUND_S)
+    finally:
+        kill(proc)
+    return out, err, time.monotonic() - start
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "host,strategy",
+    [
+        ("nosuchhost.invalid", "multi_worker"),
+        (LONG_HOST, "multi_worker"),
+        ("nosuchhost.invalid", "parameter_server"),
+    ],
+    ids=["unknown-host", "long-garbage-host", "unknown-chief-host-ps"],
+)
+def test_an_own_host_that_does_not_resolve_is_one_line_and_exit_2(tmp_path, host, strategy):
+    proc = start_task(
+        _tf_config(host, strategy), f"--strategy={strategy}", "--model_dir=run", cwd=tmp_path
+    )
+    _, err, took = _finish(proc)
+    assert proc.returncode == 2, err
+    line = _one_line(err)
+    assert line.startswith("error: `TF_CONFIG` gives this task"), line
+    assert "its host does not resolve here" in line and "its own machine" in line, line
+    assert len(line) < 400, "a long host is shortened"
+    assert not (tmp_path / "run").exists()
+    assert took < BOUND_S
+
+
+def test_tensorflows_own_join_of_the_cluster_ends_at_the_bound_with_exit_144(tmp_path):
+    proc = start_task(
+        _tf_config(UNROUTED, "multi_worker"),
+        "--strategy=multi_worker",
+        "--model_dir=run",
+        "--config.strategy.multi_worker.startup_timeout_seconds=3",
+        cwd=tmp_path,
+    )
+    out, err, took = _finish(proc)
+    assert proc.returncode == 144, out + err
+    line = _one_line(err)
+    assert line.startswith("error: TensorFlow did not join the cluster within 3 s as worker:0"), (
+        line
+    )
+    assert "`strategy.multi_worker.startup_timeout_seconds` sets this wait" in line
+    assert f"this task's host `{UNROUTED}`" in out and "no address of this machine" in out, out
+    assert "waiting for TensorFlow to join the cluster as worker:0 (at most 3 s)" in out, out
+    assert not (tmp_path / "run").exists()
+    assert took < BOUND_S
+
+
+def test_sigterm_while_tensorflow_joins_the_cluster_exits_143_at_once(tmp_path):
+    proc = start_task(
+        _tf_config(UNROUTED, "multi_worker"),  # the default bound: 120 s
+        "--strategy=multi_worker",
+        "--model_dir=run",
+        cwd=tmp_path,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("waiting for TensorFlow to join the cluster"):
+                break
+        time.sleep(1)  # well inside TensorFlow's call, its own SIGTERM handler installed
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=BOUND_S)
+        took = time.monotonic() - sent
+        out = proc.stdout.read()
+    finally:
+        kill(proc)
+    assert proc.returncode == 143
+    assert "SIGTERM while TensorFlow joined the cluster: stopping" in out
+    assert took < 10, "stops at the signal, not at the end of the bound"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("host", ["nosuchhost.invalid", LONG_HOST, "a..b"])
+def test_check_own_host_refuses_a_host_that_cannot_resolve(host):
+    spec = cluster.parse(cluster.make_tf_config({"worker": [f"{host}:2222"]}, "worker", 0))
+    with pytest.raises(UserError, match="does not resolve here"):
+        cluster.check_own_host(spec)
+
+
+def test_check_own_host_takes_this_machine():
+    spec = cluster.parse(cluster.make_tf_config({"worker": ["localhost:2222"]}, "worker", 0))
+    cluster.check_own_host(spec)
+    assert cluster._not_this_machine(spec) is None

@@ -1,0 +1,135 @@
+"""Dynamic tables (`trainer.tables`): initial rows, admission, eviction, without a model."""
+
+import numpy as np
+import tensorflow as tf
+
+from trainer import tables
+
+EXTREMES = [0, 1, -1, 2**63 - 1, -(2**63), 123456789012345]
+
+
+def _table(**options) -> tables.DynamicTable:
+    options = {"capacity": 4, "min_count": 1, "ttl_steps": 0, "eviction": "lru", **options}
+    return tables.DynamicTable(**options)
+
+
+def _admit(table: tables.DynamicTable, ids: list) -> None:
+    """One step's lookups of `ids` (the table counts steps by its calls)."""
+    table.admit(tf.constant(ids, tf.int64))
+
+
+def _held(table: tables.DynamicTable, ids: list) -> list[bool]:
+    slots, _ = table.find(tf.constant(ids, tf.int64))
+    return (slots.numpy() >= 0).tolist()
+
+
+def test_initial_rows_depend_only_on_seed_and_id():
+    ids = tf.constant(EXTREMES, tf.int64)
+    rows = tables.initial_rows(7, ids, 8).numpy()
+    reversed_rows = tables.initial_rows(7, tf.reverse(ids, [0]), 8).numpy()[::-1]
+    np.testing.assert_array_equal(rows, reversed_rows)
+    assert np.all(np.abs(rows) <= tables.ROW_SCALE)
+    assert len({tuple(row) for row in rows}) == len(EXTREMES), "every id its own row"
+    assert not np.allclose(rows, tables.initial_rows(8, ids, 8).numpy()), "the seed matters"
+    # Columns are not copies of one number, and the values spread over the range.
+    many = tables.initial_rows(0, tf.range(2000, dtype=tf.int64), 16).numpy()
+    assert abs(many.mean()) < 0.002 and many.std() > 0.025
+
+
+def test_string_ids_get_rows_by_their_fingerprint():
+    keys = tf.constant(["user:1", "user:2", ""])
+    rows = tables.initial_rows(1, keys, 4).numpy()
+    assert len({tuple(row) for row in rows}) == 3
+    np.testing.assert_array_equal(rows[:1], tables.initial_rows(1, keys[:1], 4).numpy())
+
+
+def test_an_id_gets_a_row_once_seen_min_count_times():
+    table = _table(min_count=3)
+    _admit(table, [5, 5, 6])  # 5 seen twice, 6 once
+    assert _held(table, [5, 6]) == [False, False]
+    _admit(table, [5, 6])  # 5: three times, admitted; 6: twice
+    assert _held(table, [5, 6]) == [True, False]
+    slot = table.find(tf.constant([5], tf.int64))[0].numpy()[0]
+    _admit(table, [5])
+    assert table.find(tf.constant([5], tf.int64))[0].numpy()[0] == slot, "it keeps its slot"
+    assert int(table.counter("admitted")) == 1 and int(table.size()) == 1
+
+
+def test_an_id_admitted_at_a_step_is_found_from_the_next_step():
+    table = _table()
+    _admit(table, [1])  # step 0
+    slots, stamps = table.find(tf.constant([1, 2], tf.int64), step=tf.constant(0, tf.int64))
+    assert slots.numpy().tolist() == [-1, -1] and stamps.numpy()[0] == 0 * 4 + 0
+    slots, _ = table.find(tf.constant([1], tf.int64), step=tf.constant(1, tf.int64))
+    assert slots.numpy().tolist() == [0]
+
+
+def test_admission_does_not_depend_on_the_order_within_a_batch():
+    one, other = _table(min_count=2), _table(min_count=2)
+    _admit(one, [1, 2, 2, 3, 1])
+    _admit(other, [3, 1, 2, 1, 2])
+    assert _held(one, [1, 2, 3]) == _held(other, [1, 2, 3]) == [True, True, False]
+
+
+def test_a_full_table_evicts_the_least_recently_seen_id():
+    table = _table(capacity=3)
+    _admit(table, [1, 2, 3])  # step 0
+    _admit(table, [1, 3])  # step 1: 2 is now the oldest
+    _admit(table, [4, 1])  # step 2
+    assert _held(table, [1, 2, 3, 4]) == [True, False, True, True]
+    assert int(table.counter("evicted")) == 1
+    assert int(table.size()) == 3, "never more rows than the capacity"
+
+
+def test_eviction_among_ids_seen_at_one_step_goes_by_id():
+    table = _table(capacity=3)
+    _admit(table, [30, 10, 20])
+    _admit(table, [7, 5])  # evicts the two smallest ids of those seen at step 0
+    assert _held(table, [10, 20, 30, 5, 7]) == [False, False, True, True, True]
+
+
+def test_ids_seen_this_step_are_never_evicted():
+    table = _table(capacity=2)
+    _admit(table, [1, 2, 3])  # a third id waits: both rows are taken now
+    assert _held(table, [1, 2, 3]) == [True, True, False]
+    assert int(table.counter("refused")) == 1
+
+
+def test_without_eviction_a_full_table_refuses_new_ids_and_counts_them():
+    table = _table(capacity=2, eviction=None)
+    _admit(table, [1, 2])
+    _admit(table, [3, 4, 1])
+    assert int(table.counter("refused")) == 2 and _held(table, [1, 2, 3]) == [True, True, False]
+
+
+def test_ttl_frees_the_rows_of_ids_not_seen_for_ttl_steps():
+    table = _table(capacity=8, ttl_steps=2)  # sweeps every step
+    _admit(table, [1, 2])  # step 0
+    _admit(table, [1])  # step 1
+    _admit(table, [1])  # step 2: 2 last seen at step 0, expired
+    assert _held(table, [1, 2]) == [True, False]
+    assert int(table.counter("evicted")) == 1 and int(table.counter("free")) == 1
+    _admit(table, [9])  # the freed slot is reused first
+    assert int(table.counter("free")) == 0 and int(table.counter("fresh")) == 2
+
+
+def test_a_reused_slot_gets_a_new_stamp():
+    table = _table(capacity=1)
+    _admit(table, [1])
+    _admit(table, [2])
+    slots, stamps = table.find(tf.constant([2], tf.int64))
+    assert slots.numpy().tolist() == [0] and stamps.numpy().tolist() == [1 * 1 + 0]
+    assert table.keys_of(tf.constant([0], tf.int64)).numpy().tolist() == [2]
+
+
+def test_concurrent_admissions_in_one_function_do_not_race():
+    table = _table(capacity=64)
+
+    @tf.function
+    def both(a, b):
+        table.admit(a)
+        table.admit(b)
+
+    both(tf.range(0, 40, dtype=tf.int64), tf.range(20, 60, dtype=tf.int64))
+    slots, _ = table.find(tf.range(60, dtype=tf.int64))
+    assert sorted(slots.numpy().tolist()) == list(range(60)), "no slot given twice"

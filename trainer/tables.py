@@ -1,0 +1,316 @@
+"""Dynamic embedding tables: a row per admitted id, created on admission, freed on eviction.
+
+A table maps raw ids (int64 over the whole 64-bit range; strings by their
+64-bit fingerprint, `key64`) to rows of a `[capacity, dim]` variable. It has
+two halves:
+
+* The *index*, on the host and shared by every replica of the process: hash
+  tables (`tf.lookup.experimental.MutableHashTable`) from id to row slot, from
+  slot to id, and from slot to (stamp, last-seen step), a stack of freed slots
+  and a few counters. A value below 0 in the id -> slot table is the count of
+  an id not admitted yet (`-count - 1`), so admission needs no second table.
+  Every change to the index runs inside one `tf.CriticalSection`, so callers
+  admitting ids at once (asynchronous workers) cannot race. The index is made
+  of lookup tables, not variables, because a variable created under a
+  strategy's scope is copied per replica, and the replicas must share one.
+* The *rows* (`DynamicEmbedding.rows`), an ordinary trainable variable that
+  the strategy places like any other (mirrored copies, the host), read with
+  `tf.gather`: its gradient is a `tf.IndexedSlices` of the rows looked up,
+  which the optimizers of `trainer.optim` apply sparsely to those rows and
+  their slots only. A per-copy `row_stamps` variable says which admission a
+  row's values belong to.
+
+A row's initial value depends only on (seed, id): `initial_rows` hashes
+(seed, id, column) with SplitMix64 in TF's uint64 arithmetic. Rows are not
+written when an id is admitted (a replica cannot write a mirrored variable
+alone); a lookup reads the initial value wherever the slot's stamp in the
+index differs from the row's stamp (a new id, or a reused slot), and the
+optimizer's update first resets such rows (and their optimizer slots) to the
+initial value, then applies the gradient.
+
+Admission is decided once a step on the ids of the whole global batch (the
+layer gathers them from every replica), and an id admitted at step t reads
+its row from step t + 1 on (at step t it still reads the default row). So
+what a step reads does not depend on how its batch is split over replicas or
+in what order replicas reach the table: the same ids are admitted and every
+id gets the same row under one device, several replicas or several workers.
+An id counts once per lookup; after `min_count` lookups it is admitted.
+
+Eviction is least-recently used: when the table is full, a new id takes the
+slot of the id seen longest ago (ties broken by id, never an id seen at the
+current step). With `ttl_steps`, a sweep every `ceil(ttl_steps / 8)` steps
+frees ids not seen for `ttl_steps` steps. With eviction off (`eviction=None`)
+a full table refuses new ids: they read the default row and are counted
+(`refused`); which of a step's new ids are refused then follows their order.
+
+The step is the optimizer's `iterations` once `trainer.optim` has built for
+the rows (`use_clock`); a table used on its own counts its admission calls.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import tensorflow as tf
+
+DEFAULT_CAPACITY = 2**18  # rows per table: 32 MB of float32 rows at width 32
+ROW_SCALE = 0.05  # initial rows are uniform in [-ROW_SCALE, ROW_SCALE), as Keras's "uniform"
+EVICTIONS = ("lru", None)
+COUNTERS = ("fresh", "free", "calls", "swept", "admitted", "evicted", "refused")
+_C = {name: index for index, name in enumerate(COUNTERS)}
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def _u64(value: int) -> tf.Tensor:
+    return tf.constant(value, tf.uint64)
+
+
+def _splitmix64(x: tf.Tensor) -> tf.Tensor:
+    """SplitMix64's finaliser on uint64 (multiplication wraps modulo 2**64)."""
+    shift = tf.bitwise.right_shift
+    x = (x ^ shift(x, _u64(30))) * _u64(_MIX[0])
+    x = (x ^ shift(x, _u64(27))) * _u64(_MIX[1])
+    return x ^ shift(x, _u64(31))
+
+
+def key64(keys: tf.Tensor) -> tf.Tensor:
+    """Ids as int64: int ids as they are, strings by their 64-bit fingerprint."""
+    if keys.dtype == tf.string:
+        return tf.strings.to_hash_bucket_fast(keys, 2**63 - 1)
+    return tf.cast(keys, tf.int64)
+
+
+def initial_rows(seed: int, keys: tf.Tensor, dim: int) -> tf.Tensor:
+    """The initial rows `[n, dim]` of ids `keys`: uniform in [-ROW_SCALE, ROW_SCALE).
+
+    A function of (seed, id, column) only: the same on every device, shard and run.
+    """
+    ids = tf.bitcast(key64(keys), tf.uint64)[:, None]
+    columns = tf.range(dim, dtype=tf.int64)
+    base = _splitmix64(_u64(seed % 2**64) ^ _splitmix64(ids * _u64(_GOLDEN)))
+    bits = _splitmix64(base + tf.bitcast(columns, tf.uint64)[None, :] * _u64(_GOLDEN))
+    top = tf.cast(tf.bitwise.right_shift(bits, _u64(40)), tf.float32)  # 24 bits: exact
+    return (top / 2.0**24 * 2.0 - 1.0) * ROW_SCALE
+
+
+class DynamicTable(tf.Module):
+    """The index of one dynamic table: int64 ids -> row slots, admission and eviction.
+
+    Args:
+      capacity: the most rows (slots) the table holds.
+      min_count: lookups an id needs before it gets a row.
+      ttl_steps: free the rows of ids not seen for this many steps (0: never).
+      eviction: "lru" (a full table evicts the least recently seen id) or None
+        (a full table refuses new ids).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        min_count: int = 1,
+        ttl_steps: int = 0,
+        eviction: str | None = "lru",
+        name: str = "table",
+    ):
+        super().__init__(name=name)
+        self.capacity = int(capacity)
+        self.min_count = int(min_count)
+        self.ttl_steps = int(ttl_steps)
+        self.eviction = eviction
+        self.sweep_every = max(1, math.ceil(self.ttl_steps / 8))
+        with tf.device("/cpu:0"):
+            self.index = self._hash_table(-1)
+            self.slot_keys = self._hash_table(0)
+            self.slot_info = self._hash_table(tf.constant([-1, -1], tf.int64))
+            self.free = self._hash_table(-1)
+            self.counters = self._hash_table(0)
+        self._lock = tf.CriticalSection(name=f"{name}_lock")
+        self._clock = None
+
+    @staticmethod
+    def _hash_table(default) -> tf.lookup.experimental.MutableHashTable:
+        return tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, default)
+
+    def use_clock(self, step: tf.Variable) -> None:
+        """Takes the step from `step` (the optimizer's `iterations`) instead of counting calls."""
+        self._clock = step
+
+    def now(self) -> tf.Tensor:
+        """The current step."""
+        if self._clock is not None:
+            return tf.cast(tf.convert_to_tensor(self._clock), tf.int64)
+        return self.counter("calls")
+
+    # Counters.
+
+    def counter(self, name: str) -> tf.Tensor:
+        """The counter `name` (one of `COUNTERS`)."""
+        return tf.reshape(self.counters.lookup(tf.constant([_C[name]], tf.int64)), [])
+
+    def _set(self, name: str, value: tf.Tensor):
+        return self.counters.insert(tf.constant([_C[name]], tf.int64), tf.reshape(value, [1]))
+
+    def _add(self, name: str, amount: tf.Tensor):
+        return self._set(name, self.counter(name) + tf.cast(amount, tf.int64))
+
+    def size(self) -> tf.Tensor:
+        """Ids holding a row."""
+        return self.slot_info.size()
+
+    # Lookups.
+
+    def find(self, keys: tf.Tensor, step: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+        """Slots and stamps of int64 `keys` (1-D); changes nothing.
+
+        The slot is -1 where an id holds no row, or (given `step`) was admitted
+        at `step` or later.
+        """
+        slots = tf.reshape(self.index.lookup(keys), [-1])
+        slots = tf.where(slots >= 0, slots, -1)
+        stamps = self.stamps(slots)
+        if step is not None:
+            slots = tf.where(stamps // self.capacity < step, slots, -1)
+        return slots, stamps
+
+    def stamps(self, slots: tf.Tensor) -> tf.Tensor:
+        """The stamp of each slot's current id: `capacity * admission step + slot` (-1: free)."""
+        return tf.reshape(self.slot_info.lookup(slots), [-1, 2])[:, 0]
+
+    def keys_of(self, slots: tf.Tensor) -> tf.Tensor:
+        """The id each slot holds."""
+        return tf.reshape(self.slot_keys.lookup(slots), [-1])
+
+    def admit(self, keys: tf.Tensor) -> tf.Operation:
+        """Counts int64 `keys` (1-D, a step's), admits those seen `min_count` times.
+
+        Every key's last-seen step becomes the current step; ids admitted now
+        are found from the next step on. Then, if due, the TTL sweep.
+        """
+        return self._lock.execute(lambda: self._admit(keys))
+
+    def _admit(self, keys: tf.Tensor) -> tf.Tensor:
+        step = self.now()
+        unique, position = tf.unique(keys)
+        seen = tf.math.unsorted_segment_sum(
+            tf.ones_like(position, tf.int64), position, tf.size(unique)
+        )
+        value = tf.reshape(self.index.lookup(unique), [-1])
+        held = value >= 0
+        touched = self._touch(tf.boolean_mask(value, held), step)
+        counts = tf.where(held, tf.zeros_like(value), -value - 1) + seen
+        with tf.control_dependencies([touched]):
+            wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
+            new_slots = self._allocate(tf.size(wanted, out_type=tf.int64), step)
+        granted = wanted[: tf.size(new_slots)]
+        new_keys = tf.gather(unique, granted)
+        new_stamps = step * self.capacity + new_slots
+        admitted = tf.scatter_nd(
+            granted[:, None], tf.ones_like(granted, tf.bool), tf.shape(held, out_type=tf.int64)
+        )
+        waiting = ~held & ~admitted
+        updates = [
+            self.index.insert(new_keys, new_slots),
+            self.slot_keys.insert(new_slots, new_keys),
+            self.slot_info.insert(
+                new_slots, tf.stack([new_stamps, tf.fill(tf.shape(new_stamps), step)], 1)
+            ),
+            self._add("admitted", tf.size(new_slots)),
+            self._add("refused", tf.size(wanted) - tf.size(new_slots)),
+            self.index.insert(
+                tf.boolean_mask(unique, waiting), -tf.boolean_mask(counts, waiting) - 1
+            ),
+        ]
+        if self._clock is None:
+            updates.append(self._set("calls", step + 1))
+        with tf.control_dependencies(updates):
+            if self.ttl_steps:  # after the touch: an id seen now is never swept now
+                return self._maybe_sweep(step)
+            return tf.constant(True)
+
+    def _touch(self, slots: tf.Tensor, step: tf.Tensor):
+        """Marks `slots` seen at `step`."""
+        seen = tf.stack([self.stamps(slots), tf.fill(tf.shape(slots), step)], 1)
+        return self.slot_info.insert(slots, seen)
+
+    # Allocation and eviction.
+
+    def _allocate(self, wanted: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Up to `wanted` free slots: freed ones, then never used, then (LRU) evicted."""
+        free = self.counter("free")
+        reused = tf.minimum(wanted, free)
+        popped = tf.reshape(self.free.lookup(tf.range(free - reused, free)), [-1])
+        fresh = self.counter("fresh")
+        more = tf.minimum(wanted - reused, self.capacity - fresh)
+        updates = [self._set("free", free - reused), self._set("fresh", fresh + more)]
+        with tf.control_dependencies(updates):
+            slots = [popped, tf.range(fresh, fresh + more)]
+            if self.eviction == "lru":
+                slots.append(self._evict(wanted - reused - more, step))
+            return tf.concat(slots, 0)
+
+    def _evict(self, count: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Frees up to `count` slots of the ids seen longest ago (before `step`)."""
+
+        def evict():
+            slots, info = self._export()
+            older = info[:, 1] < step
+            slots, last_seen = tf.boolean_mask(slots, older), tf.boolean_mask(info[:, 1], older)
+            # Oldest first, ties by id: the choice depends on neither slots nor export order.
+            order = tf.argsort(self.keys_of(slots), stable=True)
+            order = tf.gather(order, tf.argsort(tf.gather(last_seen, order), stable=True))
+            chosen = tf.gather(slots, order[:count])
+            with tf.control_dependencies([self._release(chosen, "evicted")]):
+                return tf.identity(chosen)
+
+        return tf.cond(count > 0, evict, lambda: tf.zeros([0], tf.int64))
+
+    def _export(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """Every held slot and its (stamp, last-seen step)."""
+        slots, info = self.slot_info.export()
+        return tf.reshape(slots, [-1]), tf.reshape(info, [-1, 2])
+
+    def _release(self, slots: tf.Tensor, counter: str):
+        """Forgets the ids of `slots` (they are counted from zero if they come back)."""
+        return tf.group(
+            self.index.remove(self.keys_of(slots)),
+            self.slot_keys.remove(slots),
+            self.slot_info.remove(slots),
+            self._add(counter, tf.size(slots)),
+        )
+
+    def _maybe_sweep(self, step: tf.Tensor) -> tf.Tensor:
+        """Every `sweep_every` steps (once a step), frees the rows of ids older than the TTL."""
+        due = tf.equal(step % self.sweep_every, 0) & tf.not_equal(self.counter("swept"), step + 1)
+
+        def sweep():
+            slots, info = self._export()
+            expired = tf.boolean_mask(slots, info[:, 1] <= step - self.ttl_steps)
+            free = self.counter("free")
+            count = tf.size(expired, out_type=tf.int64)
+            with tf.control_dependencies([self._release(expired, "evicted")]):
+                done = tf.group(
+                    self.free.insert(tf.range(free, free + count), expired),
+                    self._set("free", free + count),
+                    self._set("swept", step + 1),
+                )
+            with tf.control_dependencies([done]):
+                return tf.constant(True)
+
+        return tf.cond(due, sweep, lambda: tf.constant(False))
+
+
+_ROWS: dict[int, weakref.ref] = {}
+
+
+def register_rows(rows, owner) -> None:
+    """Records that the variable `rows` holds the rows of `owner` (a `DynamicEmbedding`)."""
+    _ROWS[id(rows)] = weakref.ref(owner)
+
+
+def owner_of(rows):
+    """The `DynamicEmbedding` whose rows `rows` holds, or None."""
+    ref = _ROWS.get(id(rows))
+    return ref() if ref is not None else None
