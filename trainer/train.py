@@ -38,9 +38,8 @@ from trainer import (
 )
 from trainer import lock as model_dir_lock
 from trainer.checkpoints import Checkpointer
-from trainer.data import labels
+from trainer.data import labels, wait
 from trainer.data import service as data_service
-from trainer.data import wait
 from trainer.export import export
 from trainer.summaries import Summaries
 

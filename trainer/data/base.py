@@ -102,6 +102,11 @@ class TrainStreamWrapper:
         """The inner source's spec."""
         return self.inner.spec
 
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """The inner source's start-up notes."""
+        return self.inner.notes
+
     def eval_fn(self, global_batch_size: int) -> DatasetFn:
         """The inner source's eval pass, unchanged."""
         return self.inner.eval_fn(global_batch_size)
