@@ -171,7 +171,10 @@ def _long_run(tmp_path, *flags: str) -> list[str]:
 
 
 def _run_and_kill(tmp_path, server: str, *flags: str) -> tuple[int, str, float]:
-    """Starts a long `local:` run, kills `server` once it trains; its code, output, and time."""
+    """Starts a long `local:` run, kills `server` once it trains; its code, output, and time.
+
+    Every server it started is gone once it has exited.
+    """
     proc = start_cli(*_long_run(tmp_path, *flags), cwd=tmp_path)
     lines, pids, killed_at = [], {}, None
     timer = threading.Timer(TIMEOUT_S, kill, args=(proc,))
@@ -188,12 +191,20 @@ def _run_and_kill(tmp_path, server: str, *flags: str) -> tuple[int, str, float]:
     finally:
         timer.cancel()
     assert killed_at is not None, "\n".join(lines[-30:])
+    assert not [pid for pid in pids.values() if os.path.exists(f"/proc/{pid}")]
     return code, "\n".join(lines), time.monotonic() - killed_at
 
 
 @pytest.mark.parametrize("server", ["data:worker:0", "data:dispatcher"])
 def test_a_killed_server_ends_the_run_with_one_line_and_exit_144(tmp_path, server):
+    # The README's command: `python -m trainer --strategy=one_device --config.data.service=local:1`
     code, output, seconds = _run_and_kill(tmp_path, server, "--config.data.service=local:1")
+    assert re.search(
+        r"^input: tf\.data service at grpc://127\.0\.0\.1:\d+, 1 worker beside the trainer, "
+        r"sharding off \(parallel_epochs\); eval in the trainer$",
+        output,
+        re.M,
+    )
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert code == 144, output[-3000:]
     assert len(errors) == 1 and f"{server} (127.0.0.1:" in errors[0], output[-3000:]
@@ -319,29 +330,6 @@ def test_a_local_cluster_trains_on_the_launchers_data_workers(tmp_path, topology
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["input"]["processing_mode"] == mode
     assert results["eval"]["accuracy"] > 0.95  # as in-process input reaches (0.98)
-
-
-def test_the_readme_command_trains_on_local_servers_and_stops_them(tmp_path):
-    result = run_cli(
-        "--strategy=one_device",
-        "--config.data.service=local:1",
-        f"--model_dir={tmp_path / 'run'}",
-        "--config.train.steps=200",
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
-    assert re.search(r"^\[data:worker:0\] data worker serving at 127\.0\.0\.1:\d+", out, re.M)
-    assert re.search(
-        r"^input: tf\.data service at grpc://127\.0\.0\.1:\d+, 1 worker beside the trainer, "
-        r"sharding off \(parallel_epochs\); eval in the trainer$",
-        out,
-        re.M,
-    )
-    pids = [int(p) for p in re.findall(r"serving at .*\(pid (\d+)\)", out)]
-    assert len(pids) == 2 and not any(os.path.exists(f"/proc/{pid}") for pid in pids)
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["eval"]["accuracy"] > 0.95
 
 
 # --- how long steps wait for input ---------------------------------------------------------
