@@ -29,6 +29,7 @@ from tests.helpers import (
     TIMEOUT_S,
     checkpoint_values,
     kill,
+    launch,
     one_line_error,
     run_cli,
     spawn,
@@ -36,8 +37,9 @@ from tests.helpers import (
     tiny_config,
 )
 from trainer import data_service as command
-from trainer import launch, train
+from trainer import train
 from trainer.data import service
+from trainer.launch import pick_ports
 
 STEPS = 10
 USER_EXAMPLES = 96
@@ -88,7 +90,7 @@ SOURCES = {
 @pytest.fixture(scope="module")
 def dispatcher():
     """A dispatcher and one data worker, as a user runs them: `python -m trainer.data_service`."""
-    ports = launch.pick_ports(2)
+    ports = pick_ports(2)
     module = [sys.executable, "-m", "trainer.data_service"]
     env = {**os.environ, "PYTHONPATH": REPO}
     spawn([*module, "--role=dispatcher", f"--port={ports[0]}"], env=env, cwd=REPO)
@@ -116,7 +118,7 @@ def _assert_same_weights(a, b) -> None:
 
 @pytest.mark.parametrize(
     "source, strategy",
-    [(s, "one_device") for s in SOURCES] + [("digits", "mirrored"), ("user", "mirrored")],
+    [(s, "one_device") for s in SOURCES] + [("user", "mirrored")],
 )
 def test_each_source_trains_as_in_process_input(tmp_path, dispatcher, source, strategy):
     fields = {"strategy.name": strategy, **SOURCES[source](tmp_path)}
@@ -169,7 +171,10 @@ def _long_run(tmp_path, *flags: str) -> list[str]:
 
 
 def _run_and_kill(tmp_path, server: str, *flags: str) -> tuple[int, str, float]:
-    """Starts a long `local:` run, kills `server` once it trains; its code, output, and time."""
+    """Starts a long `local:` run, kills `server` once it trains; its code, output, and time.
+
+    Every server it started is gone once it has exited.
+    """
     proc = start_cli(*_long_run(tmp_path, *flags), cwd=tmp_path)
     lines, pids, killed_at = [], {}, None
     timer = threading.Timer(TIMEOUT_S, kill, args=(proc,))
@@ -186,12 +191,20 @@ def _run_and_kill(tmp_path, server: str, *flags: str) -> tuple[int, str, float]:
     finally:
         timer.cancel()
     assert killed_at is not None, "\n".join(lines[-30:])
+    assert not [pid for pid in pids.values() if os.path.exists(f"/proc/{pid}")]
     return code, "\n".join(lines), time.monotonic() - killed_at
 
 
 @pytest.mark.parametrize("server", ["data:worker:0", "data:dispatcher"])
 def test_a_killed_server_ends_the_run_with_one_line_and_exit_144(tmp_path, server):
+    # The README's command: `python -m trainer --strategy=one_device --config.data.service=local:1`
     code, output, seconds = _run_and_kill(tmp_path, server, "--config.data.service=local:1")
+    assert re.search(
+        r"^input: tf\.data service at grpc://127\.0\.0\.1:\d+, 1 worker beside the trainer, "
+        r"sharding off \(parallel_epochs\); eval in the trainer$",
+        output,
+        re.M,
+    )
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert code == 144, output[-3000:]
     assert len(errors) == 1 and f"{server} (127.0.0.1:" in errors[0], output[-3000:]
@@ -229,7 +242,7 @@ def test_a_bad_address_or_count_is_one_line(fields, match):
 
 
 def test_nothing_listening_is_one_line_within_the_timeout():
-    (port,) = launch.pick_ports(1)
+    (port,) = pick_ports(1)
     config = tiny_config(**{"data.service": f"grpc://127.0.0.1:{port}"})
     config.data.service_timeout_s = 1.0
     start = time.monotonic()
@@ -289,3 +302,97 @@ def test_the_server_comes_from_tf_config_as_for_the_trainer():
 )
 def test_a_server_without_role_port_or_dispatcher_is_one_line(args, match):
     one_line_error(match, command.plan, *args)
+
+
+# --- local clusters: python -m trainer.launch --data_workers=N ----------------------------
+
+
+@pytest.mark.parametrize(
+    "topology, strategy, mode",
+    [
+        (["--workers=2", "--data_workers=1"], "multi_worker", "parallel_epochs"),
+        (["--workers=2", "--ps=1", "--data_workers=2"], "parameter_server", "distributed_epoch"),
+    ],
+)
+def test_a_local_cluster_trains_on_the_launchers_data_workers(tmp_path, topology, strategy, mode):
+    result = launch(
+        *topology,
+        "--",
+        f"--strategy={strategy}",
+        f"--model_dir={tmp_path / 'run'}",
+        "--config.train.steps=300",
+        "--config.eval.every=0",
+        "--config.train.export=False",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[data:dispatcher] dispatcher serving at" in result.stdout
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["input"]["processing_mode"] == mode
+    assert results["eval"]["accuracy"] > 0.95  # as in-process input reaches (0.98)
+
+
+# --- how long steps wait for input ---------------------------------------------------------
+
+
+def slow_pipeline(input_context, split, global_batch_size):
+    """`pipeline`, each batch after 2 GFLOP of busy work (tens of ms): input-bound training."""
+
+    def slowly(x, y):
+        m = tf.random.stateless_normal([256, 256], seed=[0, 0])
+        m = tf.foldl(lambda a, _: tf.linalg.normalize(a @ m)[0], tf.range(60), initializer=m)
+        return x + 0 * tf.reduce_sum(m), y  # made to depend on the busy work
+
+    return pipeline(input_context, split, global_batch_size).map(slowly)
+
+
+@pytest.mark.parametrize("where", ["trainer", "service"])
+def test_the_time_steps_wait_for_input_is_reported(tmp_path, dispatcher, where):
+    fields = {"strategy.name": "one_device", "data.num_classes": 2}
+    if where == "service":
+        fields["data.service"] = dispatcher
+    waits = {}
+    for name in ("pipeline", "slow_pipeline"):
+        _run(tmp_path / name, {**fields, "data.name": f"{__name__}:{name}"}, steps=40)
+        waits[name] = np.median(_tensorboard(tmp_path / name, "input_wait_ms"))
+    assert waits["slow_pipeline"] > 5  # about all of each step
+    assert waits["pipeline"] < waits["slow_pipeline"] / 2
+
+
+def _tensorboard(model_dir, tag: str) -> list[float]:
+    """The values of `tag` in TensorBoard's "train" run of `model_dir`, one per block."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    events = event_accumulator.EventAccumulator(
+        str(model_dir / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    events.Reload()
+    return [float(tf.make_ndarray(e.tensor_proto)) for e in events.Tensors(tag)]
+
+
+# --- sweeps: python -m trainer.sweep --share_input -----------------------------------------
+
+
+def test_sweep_trials_with_one_pipeline_share_one_stream(tmp_path):
+    result = run_cli(
+        "--sweep.optimizer.learning_rate=1e-3,3e-3",
+        "--parallel=2",
+        "--share_input",
+        f"--sweep_dir={tmp_path / 'sweep'}",
+        "--",
+        "--strategy=one_device",
+        "--config.train.steps=100",
+        "--config.train.export=False",
+        cwd=tmp_path,
+        module="trainer.sweep",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert re.search(r"^\[sweep\] trials 00, 01: one shared input stream", result.stdout, re.M)
+    inputs = [
+        json.loads(path.read_text())["input"]
+        for path in sorted((tmp_path / "sweep").glob("*/results.json"))
+    ]
+    assert len(inputs) == 2 and inputs[0]["job"] == inputs[1]["job"] != ""
+    assert inputs[0]["address"] == inputs[1]["address"]
+    rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert "data.service" not in json.dumps(rows)  # a setting, not a swept value

@@ -87,6 +87,12 @@ _GRACE_S = flags.DEFINE_float(
     "Seconds the other tasks may run after the chief ends, before SIGTERM; also how long "
     "tasks may take to save and exit when the launcher is interrupted.",
 )
+_DATA_WORKERS = flags.DEFINE_integer(
+    "data_workers",
+    0,
+    "Start a tf.data service dispatcher and this many data workers, and run every "
+    "trainer's input on them (`--config.data.service=grpc://...`); 0 = input in the trainers.",
+)
 _MODULE = flags.DEFINE_string(
     "module", "trainer", "Module each task runs with `python -m` (for testing and advanced use)."
 )
@@ -398,6 +404,7 @@ def launch(
     console: Console | None = None,
     report_s: float = REPORT_S,
     interrupt: Interrupt | None = None,
+    data_workers: int = 0,
 ) -> int:
     """Runs a local cluster, starting it again after a failure up to `restarts` times.
 
@@ -410,6 +417,9 @@ def launch(
       console: where the prefixed output goes (default: stdout).
       report_s: how long the chief may take to report a failed task before the stop.
       interrupt: a signal recorded here stops the cluster, with no restart.
+      data_workers: more than 0 starts a tf.data service (a dispatcher and this many
+        workers, prefixed `[data:...]`) for the whole run, restarts included, and
+        points every task's input at it.
 
     Returns:
       The exit status of the last attempt: the chief's, that of the task that failed,
@@ -422,8 +432,47 @@ def launch(
         raise UserError(f"`--restarts` ({restarts}) must be 0 or more; pass 0 for no restarts.")
     if grace_s < 0:
         raise UserError(f"`--grace_s` ({grace_s}) must be 0 or more seconds; pass e.g. 15.")
+    if data_workers < 0:
+        raise UserError(
+            f"`--data_workers` ({data_workers}) must be 0 (input in the trainers) or more."
+        )
     console = console or Console()
     interrupt = interrupt or Interrupt()
+    with contextlib.ExitStack() as stack:
+        if data_workers:
+            address = _start_data_service(data_workers, console, stack)
+            command = [*command, f"--config.data.service={address}"]
+        return _attempts(
+            command, workers, ps, chief, evaluator, restarts, port_base, grace_s, console,
+            report_s, interrupt,
+        )  # fmt: skip
+
+
+def _start_data_service(workers: int, console: Console, stack: contextlib.ExitStack) -> str:
+    """A dispatcher and `workers` data workers, stopped with `stack`; the dispatcher's address."""
+    with cli.native_stderr_silenced():  # it imports TensorFlow: only when asked for
+        from trainer.data import service
+
+    servers = stack.enter_context(service.LocalService(pick_ports(workers + 1), console))
+    service.wait_until_served(servers.address, servers, service.TIMEOUT_S)
+    console.log(f"tf.data service at {servers.address}, data workers: {workers}")
+    return servers.address
+
+
+def _attempts(
+    command: Sequence[str],
+    workers: int,
+    ps: int,
+    chief: bool,
+    evaluator: bool,
+    restarts: int,
+    port_base: int,
+    grace_s: float,
+    console: Console,
+    report_s: float,
+    interrupt: Interrupt,
+) -> int:
+    """Runs the cluster up to `restarts` + 1 times, while it fails; the last exit status."""
     attempts = restarts + 1
     for attempt in range(1, attempts + 1):
         if attempt > 1:
@@ -453,6 +502,7 @@ def main(argv: list[str]) -> None:
                 grace_s=_GRACE_S.value,
                 console=console,
                 interrupt=interrupt,
+                data_workers=_DATA_WORKERS.value,
             )
     except UserError as e:
         cli.fail(one_line(e))

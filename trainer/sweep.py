@@ -78,6 +78,12 @@ _GRACE_S = flags.DEFINE_float(
     "Seconds interrupted trials get to save a checkpoint and exit.",
     allow_override=True,
 )
+_SHARE_INPUT = flags.DEFINE_bool(
+    "share_input",
+    False,
+    "Run the trials' input on one tf.data service (a dispatcher and a data worker the sweep "
+    "starts); trials with identical pipelines read one shared stream, made once.",
+)
 _SWEEP_VALUES: dict[str, str] = {}  # `--sweep.<field>=<values>`, taken out before absl parses
 
 
@@ -328,9 +334,12 @@ def sweep(
         f"{len(trials)} trial(s) in {sweep_dir}, {len(slots)} at a time "
         f"({'; '.join(s.describe() for s in slots)})"
     )
-    rows = run_sweep(
-        trials, trainer_args, config_path, sweep_dir, slots, console, interrupt, _GRACE_S.value
-    )
+    with contextlib.ExitStack() as stack:
+        if _SHARE_INPUT.value:
+            trials = _sharing_input(trials, stack, console)
+        rows = run_sweep(
+            trials, trainer_args, config_path, sweep_dir, slots, console, interrupt, _GRACE_S.value
+        )
     rows = sweep_results.ranked(rows, _METRIC.value, mode)
     sweep_results.write(sweep_dir, rows, _METRIC.value, mode)
     print(sweep_results.table(rows, _METRIC.value), flush=True)
@@ -342,6 +351,48 @@ def sweep(
     if interrupt.signal is not None:
         return interrupt.code
     return 0 if all(r.status == FINISHED for r in rows) else 1
+
+
+def _sharing_input(
+    trials: Sequence[Trial], stack: contextlib.ExitStack, console: processes.Console
+) -> list[Trial]:
+    """`trials` reading their input from one tf.data service, started here until `stack` ends.
+
+    Trials whose pipelines are identical (the same `data` config, seed, global
+    batch and task) name the same `data.service_job`, so the data worker makes
+    their batches once and each of them reads every batch (TF's cross-trainer
+    cache). A trial joins the stream where it is when it starts: trials that run
+    side by side read the same batches; one started later reads on from there.
+    """
+    from trainer.data import service  # TensorFlow, only when asked for
+    from trainer.launch import pick_ports
+
+    servers = stack.enter_context(service.LocalService(pick_ports(2), console))
+    service.wait_until_served(servers.address, servers, service.TIMEOUT_S)
+    groups: dict[str, list[Trial]] = {}
+    for trial in trials:
+        groups.setdefault(_pipeline_key(trial.config), []).append(trial)
+    shared = []
+    for key, members in groups.items():
+        job = f"input-{key}" if len(members) > 1 else ""
+        names = ", ".join(f"{t.index:02d}" for t in members)
+        console.log(
+            f"trials {names}: one shared input stream ({job})"
+            if job
+            else f"trial {names}: an input stream of its own"
+        )
+        extra = (("data.service", servers.address), ("data.service_job", job))
+        shared += [dataclasses.replace(t, settings=(*t.settings, *extra)) for t in members]
+    console.log(f"input on the tf.data service at {servers.address}")
+    return sorted(shared, key=lambda t: t.index)
+
+
+def _pipeline_key(config) -> str:
+    """The same for trials whose training input pipelines are identical."""
+    import hashlib
+
+    parts = (config.data, config.seed, config.train.global_batch_size, config.task.name)
+    return hashlib.sha1(repr([str(p) for p in parts]).encode()).hexdigest()[:10]
 
 
 def check_sweep_dir(sweep_dir: str) -> None:

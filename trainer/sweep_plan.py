@@ -39,17 +39,20 @@ class Trial:
       name: its directory under the sweep's, from its index and values.
       overrides: `(field, value as typed)` pairs, each passed as `--config.<field>=<value>`.
       config: its resolved config (the config file, the trainer flags, its overrides).
+      settings: more `(field, value)` overrides that are not swept values (e.g. where
+        its input runs, `--share_input`).
     """
 
     index: int
     name: str
     overrides: tuple[tuple[str, str], ...]
     config: ml_collections.ConfigDict = dataclasses.field(compare=False, repr=False)
+    settings: tuple[tuple[str, str], ...] = ()
 
     @property
     def flags(self) -> list[str]:
-        """Its overrides as trainer flags."""
-        return [f"--config.{field}={value}" for field, value in self.overrides]
+        """Its overrides and settings as trainer flags."""
+        return [f"--config.{field}={value}" for field, value in self.overrides + self.settings]
 
 
 @dataclasses.dataclass(frozen=True)

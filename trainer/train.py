@@ -38,7 +38,7 @@ from trainer import (
 )
 from trainer import lock as model_dir_lock
 from trainer.checkpoints import Checkpointer
-from trainer.data import labels
+from trainer.data import labels, wait
 from trainer.data import service as data_service
 from trainer.export import export
 from trainer.summaries import Summaries
@@ -61,6 +61,7 @@ class Job:
     optimizer: keras.optimizers.Optimizer
     user_actions: list[actions.Action] = dataclasses.field(default_factory=list)
     custom_step: Callable | None = None  # a user task's own `train_step`
+    input_wait: wait.InputWait | None = None  # seconds the training stream kept steps waiting
 
 
 def train_and_evaluate(
@@ -171,6 +172,11 @@ def build(
     _check_class_names(model_dir, dataset.spec.class_names)
     data.check(dataset)
     dataset = data_service.wrap(dataset, service, model_dir)
+    # TensorFlow refuses clocks under op determinism (`train.deterministic`).
+    timed = strategy.ordered_input and not config.train.deterministic
+    input_wait = wait.InputWait() if timed else None
+    if input_wait is not None:
+        dataset = wait.TimedDataset(dataset, input_wait)
     keras.utils.set_random_seed(config.seed)
     with strategy.scope(), precision.policy(config.train.precision):
         if user_task is None:
@@ -194,6 +200,7 @@ def build(
         optimizer,
         user_actions,
         custom_step,
+        input_wait,
     )
 
 
@@ -442,6 +449,10 @@ def _actions(
         recoveries.append(step)
         _recover(job, checkpointer, step, loss, len(recoveries))
 
+    def input_wait(output: controller.Output) -> None:
+        # How long each step waited for its batches, on average over the block.
+        output.metrics["input_wait_ms"] = 1000 * job.input_wait.take() / output.steps
+
     def log(output: controller.Output) -> None:
         summaries.scalars("train", output.step, output.metrics)
         _tell(job, progress_line("train", output.step, output.metrics, output.total_steps))
@@ -451,6 +462,7 @@ def _actions(
             lambda loss: faults.loss_blew_up(loss, config.train.loss_upper_bound), recover
         ),
         actions.rates(config.train.global_batch_size, lambda: float(job.optimizer.learning_rate)),
+        *([actions.every_block(input_wait, "input wait")] if job.input_wait else []),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
         actions.preemption(member.watch_preemption(), checkpointer.save, say),

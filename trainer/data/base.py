@@ -88,6 +88,35 @@ class Dataset(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainStreamWrapper:
+    """A `Dataset` that changes only `inner`'s training stream (where or how it is read).
+
+    Subclasses add their fields and define `train_fn`; the spec, the eval pass
+    and the check are `inner`'s.
+    """
+
+    inner: Dataset
+
+    @property
+    def spec(self) -> DataSpec:
+        """The inner source's spec."""
+        return self.inner.spec
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """The inner source's start-up notes."""
+        return self.inner.notes
+
+    def eval_fn(self, global_batch_size: int) -> DatasetFn:
+        """The inner source's eval pass, unchanged."""
+        return self.inner.eval_fn(global_batch_size)
+
+    def check(self) -> None:
+        """The inner source's check."""
+        self.inner.check()
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """How any source's pipelines run: `data.autotune_ram_budget_mb` and `data.sharding`.
 

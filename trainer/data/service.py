@@ -69,7 +69,8 @@ import tensorflow as tf
 
 from strategies.errors import UserError
 from trainer import faults, processes
-from trainer.data.base import Dataset, DatasetFn, DataSpec
+from trainer.data import wait
+from trainer.data.base import Dataset, DatasetFn, TrainStreamWrapper
 
 SHARDING = {
     "auto": "off, or dynamic under a strategy whose workers take steps as they come",
@@ -78,7 +79,9 @@ SHARDING = {
 }
 _LOCAL = re.compile(r"local:(-?\d+)$")
 _REMOTE = re.compile(r"grpc://([^:/\s]+):(\d+)$")
+TIMEOUT_S = 60.0  # default `data.service_timeout_s`
 _POLL_S = 0.5
+_LOOPBACK = "127.0.0.1"
 _DISPATCHER = "data:dispatcher"  # how a local dispatcher's output lines are prefixed
 _STOP_S = 5.0  # how long a local server may take to exit after SIGTERM
 
@@ -118,32 +121,24 @@ class Service:
         return {"where": "tf.data service", **dataclasses.asdict(self), "processing_mode": mode}
 
 
-IN_PROCESS = {"where": "trainer", "line": "input: in the trainer's process (tf.data)"}
+IN_PROCESS = {"where": "trainer", "line": "input: in the trainers' own processes (tf.data)"}
 
 
 @dataclasses.dataclass(frozen=True)
-class ServiceDataset:
+class ServiceDataset(TrainStreamWrapper):
     """A source's `Dataset` whose training stream comes from the tf.data service.
+
+    Evaluation reads in the trainer: one pass, exactly once (see the module docstring).
 
     Attributes:
       inner: the source's own `Dataset`, whose pipelines the data workers run.
       service: where, and how the workers share the stream.
-      name: this run's name for dynamic jobs, the same on every trainer of a cluster.
+      name: this run's name for dynamic jobs and the cross-trainer cache, the same
+        on every trainer of a cluster.
     """
 
-    inner: Dataset
     service: Service
     name: str
-
-    @property
-    def spec(self) -> DataSpec:
-        """The source's spec."""
-        return self.inner.spec
-
-    @property
-    def notes(self) -> tuple[str, ...]:
-        """What the source's start-up found (e.g. rows dropped)."""
-        return self.inner.notes
 
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The source's training stream, made by the data workers (see the module docstring)."""
@@ -164,7 +159,8 @@ class ServiceDataset:
             cache = tf.data.experimental.service.CrossTrainerCache(self.name.encode())
 
         def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
-            job = f"{service.job}-{context.input_pipeline_id}" if service.job else None
+            # Trials resumed at another step make other batches: a stream of their own.
+            job = f"{service.job}-{start_step}-{context.input_pipeline_id}" if service.job else None
             return source(context).apply(
                 tf.data.experimental.service.distribute(
                     "parallel_epochs", service.address, job_name=job, cross_trainer_cache=cache
@@ -172,14 +168,6 @@ class ServiceDataset:
             )
 
         return per_pipeline
-
-    def eval_fn(self, global_batch_size: int) -> DatasetFn:
-        """The eval pass, in the trainer: read exactly once."""
-        return self.inner.eval_fn(global_batch_size)
-
-    def check(self) -> None:
-        """Checks the source in the trainer, before any data worker runs it."""
-        self.inner.check()
 
 
 def check(config: ml_collections.ConfigDict) -> None:
@@ -194,7 +182,7 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise UserError(
             f"Unknown `data.service_sharding` '{sharding}'; known: {', '.join(SHARDING)}."
         )
-    timeout = config.get("service_timeout_s", 60.0)
+    timeout = config.get("service_timeout_s", TIMEOUT_S)
     if timeout <= 0:
         raise UserError(f"`data.service_timeout_s` ({timeout}) must be > 0 seconds; set e.g. 60.")
 
@@ -260,11 +248,13 @@ def started(
     mode = sharding(config, ordered_input)
     if workers is not None:
         _check_count(config.service, workers, mode)
-    timeout_s = config.get("service_timeout_s", 60.0)
+    timeout_s = config.get("service_timeout_s", TIMEOUT_S)
     with contextlib.ExitStack() as stack:
         local = None
         if workers is not None:
-            local = stack.enter_context(LocalService(workers))
+            from trainer.launch import pick_ports  # (the launcher itself imports this module)
+
+            local = stack.enter_context(LocalService(pick_ports(workers + 1)))
             address = local.address
         counted = wait_until_served(address, local, timeout_s)
         answering = workers if local is not None else counted  # local ones may still register
@@ -289,14 +279,14 @@ def _check_count(text: str, workers: int, mode: str) -> None:
 class LocalService:
     """A dispatcher and N data workers as child processes on 127.0.0.1 (`local:N`)."""
 
-    def __init__(self, workers: int, console: processes.Console | None = None):
-        """Plans the servers on free ports; `console` gets their prefixed output."""
-        from trainer import launch  # the launcher starts a `LocalService` too
+    def __init__(self, ports: list[int], console: processes.Console | None = None):
+        """Plans the dispatcher on `ports[0]` and a worker on each other port of 127.0.0.1.
 
+        `console` gets their output, prefixed.
+        """
         self._console = console or processes.Console()
-        ports = launch.pick_ports(workers + 1)
-        self.address = f"grpc://{launch.LOOPBACK}:{ports[0]}"
-        dispatcher = f"{launch.LOOPBACK}:{ports[0]}"
+        self.address = f"grpc://{_LOOPBACK}:{ports[0]}"
+        dispatcher = f"{_LOOPBACK}:{ports[0]}"
         module = [sys.executable, "-m", "trainer.data_service"]
         self.commands = {
             _DISPATCHER: [*module, "--role=dispatcher", f"--port={ports[0]}"],
@@ -306,7 +296,7 @@ class LocalService:
                     "--role=worker",
                     f"--port={port}",
                     f"--dispatcher={dispatcher}",
-                    f"--host={launch.LOOPBACK}",
+                    f"--host={_LOOPBACK}",
                 ]
                 for i, port in enumerate(ports[1:])
             },
@@ -347,7 +337,7 @@ class LocalService:
 
     def describe(self, name: str) -> str:
         """E.g. "data:worker:1 (127.0.0.1:4242, pid 99)"."""
-        return f"{name} (127.0.0.1:{self.ports[name]}, pid {self.procs[name].pid})"
+        return f"{name} ({_LOOPBACK}:{self.ports[name]}, pid {self.procs[name].pid})"
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -467,6 +457,8 @@ def wrap(dataset: Dataset, service: Service | None, model_dir: str) -> Dataset:
 
 def describe(dataset: Dataset) -> dict:
     """Where `dataset`'s input runs, for the start-up line and `results.json`."""
+    if isinstance(dataset, wait.TimedDataset):
+        dataset = dataset.inner
     if isinstance(dataset, ServiceDataset):
         return {**dataset.service.as_dict(), "line": dataset.service.line()}
     return IN_PROCESS
