@@ -1,0 +1,23 @@
+"""Model builders for `tests/test_check.py`: one whose replicas drift, one that agrees."""
+
+import keras
+
+from trainer.layers import Dropout
+
+
+def keras_dropout(spec, config):
+    """An MLP with Keras's own `Dropout`: the same mask on every replica."""
+    inputs = keras.Input(spec.input_shape)
+    x = keras.layers.Flatten()(inputs)
+    x = keras.layers.Dense(32, activation="relu")(x)
+    x = keras.layers.Dropout(0.5, seed=1)(x)
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
+
+
+def towerflow_dropout(spec, config):
+    """The same MLP with `trainer.layers.Dropout`: masks that do not depend on the replicas."""
+    inputs = keras.Input(spec.input_shape)
+    x = keras.layers.Flatten()(inputs)
+    x = keras.layers.Dense(32, activation="relu")(x)
+    x = Dropout(0.5, seed=1)(x)
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
