@@ -19,7 +19,7 @@ import math
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
-from strategies import preemption, tf_start, transfer
+from strategies import mirrored, preemption, tf_start, transfer
 from strategies.base import Strategy
 from strategies.errors import UserError
 from strategies.registry import register
@@ -94,6 +94,10 @@ class MultiWorker(Strategy):
             timeout_seconds=float(timeout) or None,
             implementation=IMPLEMENTATIONS[name],
         )
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The strategy's scope, where layer state updated in a step is averaged over replicas."""
+        return mirrored.replica_state_averaged(self.tf_strategy)
 
     def watch_preemption(self) -> contextlib.AbstractContextManager:
         """Every worker saves at the same step when any of them gets SIGTERM."""

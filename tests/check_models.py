@@ -21,3 +21,12 @@ def towerflow_dropout(spec, config):
     x = keras.layers.Dense(32, activation="relu")(x)
     x = Dropout(0.5, seed=1)(x)
     return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
+
+
+def plain_batchnorm(spec, config):
+    """A conv net with Keras's `BatchNormalization` as a user writes it (not synchronized)."""
+    inputs = keras.Input(spec.input_shape)
+    x = keras.layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
