@@ -41,6 +41,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 
+import keras
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
@@ -178,6 +179,18 @@ class ParameterServer(Strategy):
         """Variables go to the ps tasks; sharded layers follow the sharding policy."""
         with self.tf_strategy.scope(), sharding.policy(self.policy):
             yield
+
+    def place_model(self, model) -> None:
+        """Its BatchNorm layers update their moving statistics as deltas on the ps.
+
+        Keras's `BatchNormalization` assigns `momentum * read + (1 - momentum) *
+        batch`: between asynchronous workers, an update made after another
+        worker's read is overwritten and lost. `AtomicBatchNormalization` adds
+        `(1 - momentum) * (batch - read)` instead, one atomic op on the ps.
+        """
+        for layer in model._flatten_layers(include_self=False):
+            if type(layer) is keras.layers.BatchNormalization and not layer.renorm:
+                layer.__class__ = AtomicBatchNormalization
 
     def serve(self) -> None:
         """Runs this ps or worker task's server until the chief is gone."""
@@ -342,3 +355,29 @@ def _sleeping(dataset_fn, seconds: float):
         return tf.data.experimental.from_variant(variant, spec)
 
     return sleeping
+
+
+class AtomicBatchNormalization(keras.layers.BatchNormalization):
+    """`BatchNormalization` whose moving statistics take each step's update as an atomic delta.
+
+    The statistic `s` moves by `(1 - momentum) * (batch - s)`, `s` as this step
+    read it, applied with the TensorFlow variable's `assign_add`: concurrent
+    steps of several workers all count, as under one worker in turn. A masked
+    call keeps Keras's own update.
+    """
+
+    def call(self, inputs, training=None, mask=None):
+        if not (training and self.trainable) or mask is not None:
+            return super().call(inputs, training=training, mask=mask)
+        dtype = tf.float64 if inputs.dtype == tf.float64 else tf.float32  # as Keras's own
+        inputs = tf.cast(inputs, dtype)
+        mean, variance = self._moments(inputs, None)
+        for statistic, batch in ((self.moving_mean, mean), (self.moving_variance, variance)):
+            delta = (batch - tf.cast(statistic.value, dtype)) * (1.0 - self.momentum)
+            statistic.value.assign_add(tf.cast(delta, statistic.dtype))
+        gamma = tf.cast(self.gamma, dtype) if self.scale else None
+        beta = tf.cast(self.beta, dtype) if self.center else None
+        outputs = keras.ops.batch_normalization(
+            inputs, mean, variance, self.axis, offset=beta, scale=gamma, epsilon=self.epsilon
+        )
+        return tf.cast(outputs, self.compute_dtype)

@@ -30,3 +30,16 @@ def plain_batchnorm(spec, config):
     x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
     x = keras.layers.GlobalAveragePooling2D()(x)
     return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
+
+
+def bn_dropout(spec, config):
+    """Conv, BatchNorm and `trainer.layers.Dropout`: layer state updated in every step."""
+    inputs = keras.Input(spec.input_shape)
+    x = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization(momentum=0.9)(x))
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Conv2D(32, 3, padding="same", use_bias=False)(x)
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization(momentum=0.9)(x))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = Dropout(0.2, seed=3, name="dropout")(x)
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
