@@ -43,3 +43,41 @@ def bn_dropout(spec, config):
     x = keras.layers.GlobalAveragePooling2D()(x)
     x = Dropout(0.2, seed=3, name="dropout")(x)
     return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
+
+
+WORDS = ["red", "green", "blue"]
+
+
+def vocabulary_dataset(input_context, split, global_batch_size):
+    """`vocabulary_layers`' features, raw strings and ints; the class is the colour's index."""
+    import tensorflow as tf
+
+    ids = tf.range(480) % 3
+    colour = tf.gather(tf.constant(WORDS), ids)
+    features = {
+        "colour": colour,
+        "code": tf.gather(tf.constant([10, 20, 30], tf.int64), ids),
+        "text": tf.strings.join([colour, " sky"]),
+    }
+    data = tf.data.Dataset.from_tensor_slices((features, ids))
+    data = data.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+    batch = input_context.get_per_replica_batch_size(global_batch_size)
+    return data.batch(batch, drop_remainder=split == "train")
+
+
+def vocabulary_layers(spec, config):
+    """`StringLookup`, `IntegerLookup` and `TextVectorization`, each with a fixed vocabulary."""
+    colour = keras.Input((), name="colour", dtype="string")
+    code = keras.Input((), name="code", dtype="int64")
+    text = keras.Input((), name="text", dtype="string")
+    parts = [
+        keras.layers.CategoryEncoding(4, output_mode="one_hot")(
+            keras.layers.StringLookup(vocabulary=WORDS)(colour)
+        ),
+        keras.layers.CategoryEncoding(4, output_mode="one_hot")(
+            keras.layers.IntegerLookup(vocabulary=[10, 20, 30])(code)
+        ),
+        keras.layers.TextVectorization(vocabulary=[*WORDS, "sky"], output_mode="multi_hot")(text),
+    ]
+    x = keras.layers.Concatenate()(parts)
+    return keras.Model({"colour": colour, "code": code, "text": text}, keras.layers.Dense(3)(x))
