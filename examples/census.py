@@ -5,10 +5,11 @@
 Census-like rows (`examples/data/census-*.csv`, written by
 `examples/make_census.py`): age and hours per week (numbers), education,
 occupation and region (strings), and whether income is over 50K (the
-label). The string columns reach the model as strings and become ids in Keras
-`Hashing` layers inside it (hash buckets, as the classic wide-and-deep
-recipe does: no vocabulary table, so it runs under every strategy,
-`parameter_server` included), and the export serves raw rows too.
+label). The string columns reach the model as strings and become ids inside
+it: education and occupation in Keras `Hashing` layers (hash buckets, as the
+classic wide-and-deep recipe does), region in a `StringLookup` of its fixed
+vocabulary (a table, which under `parameter_server` every worker holds a
+copy of); it runs under every strategy, and the export serves raw rows too.
 The wide part sees one-hot columns and the education x occupation cross;
 the deep part, embeddings. The model is compiled here with its loss and
 metrics (AUC, accuracy); towerflow trains it under any strategy. 1,000
@@ -65,7 +66,13 @@ def build(spec, config) -> keras.Model:
     ids = {
         name: keras.layers.Hashing(sizes[name], name=f"{name}_ids")(inputs[name])
         for name in VOCABULARY
+        if name != "region"
     }
+    # A fixed vocabulary: index 0 for a value not in it, then one per value.
+    sizes["region"] = len(VOCABULARY["region"]) + 1
+    ids["region"] = keras.layers.StringLookup(vocabulary=VOCABULARY["region"], name="region_ids")(
+        inputs["region"]
+    )
     crossed = keras.layers.HashedCrossing(num_bins=sizes["education"] * sizes["occupation"])(
         (inputs["education"], inputs["occupation"])
     )

@@ -1,5 +1,8 @@
 """`mirrored`: synchronous replicas on the local devices, gradients all-reduced."""
 
+import contextlib
+from collections.abc import Iterator
+
 import tensorflow as tf
 
 from strategies import devices, transfer
@@ -25,6 +28,10 @@ class Mirrored(Strategy):
     def local_replicas(cls, options, logical_cpus: int) -> int:
         return devices.one_per_device(options, logical_cpus)
 
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The strategy's scope, where layer state updated in a step is averaged over replicas."""
+        return replica_state_averaged(self.tf_strategy)
+
     def _build(self) -> tf.distribute.Strategy:
         names = devices.parse_devices(self.options.get("devices", ""), "strategy.mirrored.devices")
         self.gradient_transfer = transfer.from_options(self.options, "mirrored")
@@ -40,6 +47,35 @@ class Mirrored(Strategy):
             f"gradients all-reduced across {self.num_replicas_in_sync} replicas each step "
             f"({self._reduction}: {ops}); every device keeps a full copy of the variables"
         )
+
+
+@contextlib.contextmanager
+def replica_state_averaged(strategy: tf.distribute.Strategy) -> Iterator[None]:
+    """`strategy.scope()`, where floating-point layer state is averaged over the replicas.
+
+    Keras creates the state its layers update in a step (`BatchNormalization`'s
+    moving statistics) with aggregation "none", which to `tf.distribute` means
+    that each replica updates its own copy from its own part of the batch: the
+    copies drift apart, and the one checkpointed and exported is replica 0's.
+    Created here, such a variable gets aggregation "mean": a replica's update
+    is averaged over the replicas and every copy gets the same value.
+    Integer state (a seed generator's, `trainer.layers.Dropout`'s step), which
+    every replica advances alike, is left as it is.
+    """
+
+    def averaged(next_creator, **kwargs):
+        aggregation = kwargs.get("aggregation") or tf.VariableAggregation.NONE
+        dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
+        if (
+            kwargs.get("trainable") is False
+            and aggregation == tf.VariableAggregation.NONE
+            and dtype.is_floating
+        ):
+            kwargs["aggregation"] = tf.VariableAggregation.MEAN
+        return next_creator(**kwargs)
+
+    with strategy.scope(), tf.variable_creator_scope(averaged):
+        yield
 
 
 def _cross_device_ops(name: str, names: list[str]):

@@ -13,12 +13,13 @@ for whom) until the other tasks of `TF_CONFIG` answer (`cluster.start_up`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
-from strategies import membership, preemption, tf_start, transfer
+from strategies import membership, mirrored, preemption, tf_start, transfer
 from strategies.base import Strategy
 from strategies.errors import UserError
 from strategies.registry import register
@@ -100,6 +101,10 @@ class MultiWorker(Strategy):
             timeout_seconds=float(timeout) or None,
             implementation=IMPLEMENTATIONS[name],
         )
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The strategy's scope, where layer state updated in a step is averaged over replicas."""
+        return mirrored.replica_state_averaged(self.tf_strategy)
 
     def _coordinated_watch(self) -> preemption.CoordinatedWatch:
         """Every worker saves at the same step when any of them gets SIGTERM."""

@@ -43,6 +43,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 
+import keras
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
@@ -100,7 +101,9 @@ class ParameterServer(Strategy):
             task_id=0,
             rpc_layer=self._cluster.rpc_layer,
         )
-        return tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=None)
+        strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=None)
+        _tables_reach_workers_from_loops()
+        return strategy
 
     def _check_update_options(self) -> None:
         """Reads `sync_replicas`, `staleness`, `warmup_steps`, `test_straggler`; one line if bad."""
@@ -170,6 +173,18 @@ class ParameterServer(Strategy):
         """Variables go to the ps tasks; sharded layers follow the sharding policy."""
         with self.tf_strategy.scope(), sharding.policy(self.policy):
             yield
+
+    def place_model(self, model) -> None:
+        """Its BatchNorm layers update their moving statistics as deltas on the ps.
+
+        Keras's `BatchNormalization` assigns `momentum * read + (1 - momentum) *
+        batch`: between asynchronous workers, an update made after another
+        worker's read is overwritten and lost. `AtomicBatchNormalization` adds
+        `(1 - momentum) * (batch - read)` instead, one atomic op on the ps.
+        """
+        for layer in model._flatten_layers(include_self=False):
+            if type(layer) is keras.layers.BatchNormalization and not layer.renorm:
+                layer.__class__ = AtomicBatchNormalization
 
     def distribute_dataset(self, dataset_fn: DatasetFn):
         """One input pipeline per worker: `dataset_fn` for that worker's `InputContext`.
@@ -265,3 +280,70 @@ def _sleeping(dataset_fn, seconds: float):
         return tf.data.experimental.from_variant(variant, spec)
 
     return sleeping
+
+
+class AtomicBatchNormalization(keras.layers.BatchNormalization):
+    """`BatchNormalization` whose moving statistics take each step's update as an atomic delta.
+
+    The statistic `s` moves by `(1 - momentum) * (batch - s)`, `s` as this step
+    read it, applied with the TensorFlow variable's `assign_add`: concurrent
+    steps of several workers all count, as under one worker in turn. A masked
+    call keeps Keras's own update.
+    """
+
+    def call(self, inputs, training=None, mask=None):
+        if not (training and self.trainable) or mask is not None:
+            return super().call(inputs, training=training, mask=mask)
+        dtype = tf.float64 if inputs.dtype == tf.float64 else tf.float32  # as Keras's own
+        inputs = tf.cast(inputs, dtype)
+        mean, variance = self._moments(inputs, None)
+        for statistic, batch in ((self.moving_mean, mean), (self.moving_variance, variance)):
+            delta = (batch - tf.cast(statistic.value, dtype)) * (1.0 - self.momentum)
+            statistic.value.assign_add(tf.cast(delta, statistic.dtype))
+        gamma = tf.cast(self.gamma, dtype) if self.scale else None
+        beta = tf.cast(self.beta, dtype) if self.center else None
+        outputs = keras.ops.batch_normalization(
+            inputs, mean, variance, self.axis, offset=beta, scale=gamma, epsilon=self.epsilon
+        )
+        return tf.cast(outputs, self.compute_dtype)
+
+
+def _tables_reach_workers_from_loops() -> None:
+    """A vocabulary table (`StringLookup`, ...) used inside a loop reaches each worker's copy.
+
+    Created under the strategy's scope, a lookup table is a `DistributedTable`:
+    a copy on every worker, whose handle a scheduled function receives at call
+    time (`capture_call_time_value`). TensorFlow captures it in the graph
+    where the lookup is traced; inside the body of the loop of steps that is a
+    nested graph, whose call-time captures nobody feeds ("You must feed a value
+    for placeholder tensor ... Lookup/Placeholder"). Here the handle is captured
+    once in the outermost function graph, which the call feeds, and the nested
+    graph captures that tensor as any other.
+    """
+    from tensorflow.python.distribute import ps_values  # noqa: PLC0415
+    from tensorflow.python.framework import func_graph  # noqa: PLC0415
+
+    table = ps_values.DistributedTable
+    if getattr(table, "_towerflow_outermost_capture", False):
+        return
+    per_graph = table.resource_handle.fget
+
+    def resource_handle(self):
+        graph = tf.compat.v1.get_default_graph()
+        outermost = graph
+        while isinstance(getattr(outermost, "outer_graph", None), func_graph.FuncGraph):
+            outermost = outermost.outer_graph
+        if outermost is graph or tf.executing_eagerly():
+            return per_graph(self)
+        with outermost.as_default():
+            self._maybe_build_distributed_table()
+            closure, spec = self.resource_handle_call_time_value()
+            return outermost.capture_call_time_value(
+                closure,
+                spec,
+                key=("towerflow-table", id(self)),
+                default_value=self._coordinator_instance.resource_handle,
+            )
+
+    table.resource_handle = property(resource_handle)
+    table._towerflow_outermost_capture = True

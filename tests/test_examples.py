@@ -7,6 +7,7 @@ image model, whose cluster path is the others').
 """
 
 import json
+import sys
 
 import pytest
 
@@ -83,6 +84,32 @@ def test_each_example_under_mirrored_and_on_a_parameter_server_cluster(example, 
     results = _check(run, model_dir, example)
     assert results["step"] >= 10
     assert results["placement"]["replicas_in_sync"] == (2 if where == "mirrored" else 1)
+    if example == "census" and where == "parameter_server":  # its StringLookup, served
+        _serves_raw_rows(model_dir / "export")
+
+
+# Two census rows as a client sends them, the second with a region the vocabulary lacks.
+SERVE_CENSUS = """
+import sys
+import tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+out = serve(
+    age=tf.constant([39.0, 51.0]), hours_per_week=tf.constant([29.0, 41.0]),
+    education=tf.constant(["Masters", "Some-college"]),
+    occupation=tf.constant(["Tech-support", "Protective"]), region=tf.constant(["North", "Mars"]),
+)
+print("SERVED", sorted(out), sorted({int(value.shape[0]) for value in out.values()}))
+"""
+
+
+def _serves_raw_rows(export_dir) -> None:
+    """The export, loaded in a fresh process, takes raw strings (an unknown region too)."""
+    served = helpers.run_command(
+        [sys.executable, "-c", SERVE_CENSUS, str(export_dir)], cwd=str(export_dir)
+    )
+    assert served.returncode == 0, served.stderr[-3000:]
+    line = next(x for x in served.stdout.splitlines() if x.startswith("SERVED"))
+    assert line.endswith("[2]"), line  # every output: one row per row sent
 
 
 def test_the_compiled_model_example_needs_no_task_code(tmp_path):

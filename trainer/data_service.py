@@ -29,6 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ chat
 
 from absl import app, flags  # noqa: E402
 
+from strategies import errors  # noqa: E402
 from strategies.errors import UserError  # noqa: E402
 from trainer import cli  # noqa: E402
 
@@ -168,7 +169,7 @@ def main(argv: list[str]) -> None:
             os.environ.get("TF_CONFIG"),
         )
     except UserError as e:
-        cli.fail(cli.one_line(e))
+        cli.fail(errors.one_line(e))
     serve(server, stop)
 
 

@@ -292,7 +292,9 @@ class Dropout(keras.layers.Layer):
         # though as independent of the replicas.
         uniform = tf.random.stateless_uniform(shape, seed, alg="philox")
         keep = uniform[first : first + rows] >= self.rate
-        self.step.assign_add(1)
+        # On the TensorFlow variable: Keras's `assign_add` reads, adds and assigns, and
+        # between asynchronous workers of a parameter-server cluster steps were lost.
+        self.step.value.assign_add(1)
         scale = tf.cast(1.0 / (1.0 - self.rate), inputs.dtype)
         return tf.where(keep, inputs * scale, tf.zeros_like(inputs))
 

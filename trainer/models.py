@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import keras
 import ml_collections
+import tensorflow as tf
 
 from strategies.errors import UserError
 from strategies.registry import Registry
@@ -171,20 +172,32 @@ def cnn(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     return keras.Model(inputs, _head(x, spec, config), name="cnn")
 
 
+def _batch_norm() -> keras.layers.BatchNormalization:
+    """Batch normalization over the global batch: the same statistics under any replicas.
+
+    With more than one replica in sync (built under `mirrored`, `multi_worker`,
+    ...), each replica's batch statistics are summed over the replicas in the
+    step (Keras's `synchronized`), so the replicas normalize, and update the
+    moving statistics, as one device would with the whole batch.
+    """
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return keras.layers.BatchNormalization(synchronized=replicas > 1)
+
+
 def _residual_block(x, filters: int, stride: int, config: ml_collections.ConfigDict):
     shortcut = x
     y = keras.layers.Conv2D(
         filters, 3, stride, padding="same", use_bias=False, kernel_regularizer=_regularizer(config)
     )(x)
-    y = keras.layers.BatchNormalization()(y)
+    y = _batch_norm()(y)
     y = keras.layers.ReLU()(y)
     y = keras.layers.Conv2D(
         filters, 3, padding="same", use_bias=False, kernel_regularizer=_regularizer(config)
     )(y)
-    y = keras.layers.BatchNormalization()(y)
+    y = _batch_norm()(y)
     if stride != 1 or shortcut.shape[-1] != filters:
         shortcut = keras.layers.Conv2D(filters, 1, stride, use_bias=False)(shortcut)
-        shortcut = keras.layers.BatchNormalization()(shortcut)
+        shortcut = _batch_norm()(shortcut)
     return keras.layers.ReLU()(keras.layers.Add()([y, shortcut]))
 
 
@@ -194,7 +207,7 @@ def resnet(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     _require_image(spec, "resnet")
     inputs = keras.Input(spec.input_shape)
     x = keras.layers.Conv2D(config.filters, 3, padding="same", use_bias=False)(inputs)
-    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+    x = keras.layers.ReLU()(_batch_norm()(x))
     for stage, filters in enumerate((config.filters, 2 * config.filters)):
         for block in range(config.blocks):
             stride = 2 if stage > 0 and block == 0 else 1

@@ -67,8 +67,9 @@ from collections.abc import Callable, Iterator
 import ml_collections
 import tensorflow as tf
 
+from strategies import errors
 from strategies.errors import UserError
-from trainer import faults, processes
+from trainer import processes
 from trainer.data import wait
 from trainer.data.base import Dataset, DatasetFn, TrainStreamWrapper
 
@@ -417,7 +418,7 @@ def _watched(
             flush=True,
         )
         sys.stdout.flush()
-        os._exit(faults.TASK_LOST_EXIT_CODE)  # the main thread waits in TF's client for ever
+        os._exit(errors.TASK_LOST_EXIT_CODE)  # the main thread waits in TF's client for ever
 
     def watch() -> None:
         silent_since = None

@@ -1,0 +1,72 @@
+"""No layer-state update is lost between the asynchronous workers of a parameter-server cluster.
+
+Keras's layers update their state by reading, computing and assigning; two
+workers that read the same value lose one update. `trainer.layers.Dropout`'s
+step counter adds on the ps, and under `parameter_server` BatchNorm's moving
+statistics move by atomic deltas (`AtomicBatchNormalization`).
+"""
+
+import json
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from strategies.parameter_server import AtomicBatchNormalization
+from tests.helpers import checkpoint_values, launch, tiny_config
+from trainer import train
+
+STEPS = 60  # one_device reaches about 0.9
+JOB = {
+    "model.name": "tests.check_models:bn_dropout",
+    "train.steps": STEPS,
+    "train.steps_per_loop": 20,
+    "train.checkpoint_every": STEPS,
+    "train.global_batch_size": 64,
+    "optimizer.learning_rate": 0.02,
+    "optimizer.schedule": "constant",
+    "optimizer.warmup_steps": 0,
+}
+
+
+def test_atomic_batchnorm_computes_what_keras_does():
+    inputs = tf.random.stateless_normal((16, 3, 3, 4), seed=(1, 2)) * 3.0 + 1.0
+    keras_bn, atomic = keras.layers.BatchNormalization(), keras.layers.BatchNormalization()
+    keras_bn.build(inputs.shape)
+    atomic.build(inputs.shape)
+    atomic.__class__ = AtomicBatchNormalization
+    for _ in range(3):
+        want, got = keras_bn(inputs, training=True), atomic(inputs, training=True)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for name in ("moving_mean", "moving_variance"):
+        np.testing.assert_allclose(
+            getattr(atomic, name).numpy(), getattr(keras_bn, name).numpy(), rtol=1e-5
+        )
+    assert not np.allclose(atomic.moving_mean.numpy(), 0.0), "the statistics moved"
+    np.testing.assert_allclose(atomic(inputs), keras_bn(inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_no_update_is_lost_under_parameter_servers(tmp_path):
+    one = train.train_and_evaluate(
+        tiny_config(**JOB, **{"strategy.name": "one_device"}), str(tmp_path / "one")
+    )
+    result = launch(
+        "--workers=2",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        "--model_dir=run",
+        "--config.devices.logical_cpus=1",
+        "--config.eval.every=0",
+        "--config.train.export=False",
+        *[f"--config.{k}={v}" for k, v in JOB.items()],
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ps = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert ps["step"] == STEPS
+    values = checkpoint_values(tmp_path / "run")
+    # The model's variables are checkpointed as a list; its one scalar is the Dropout's step.
+    (counter,) = [v for k, v in values.items() if k.startswith("variables/") and v.ndim == 0]
+    assert int(counter) == STEPS
+    assert abs(ps["eval"]["accuracy"] - one["eval"]["accuracy"]) <= 0.05, (ps["eval"], one["eval"])
