@@ -11,7 +11,12 @@ steps of 256 take about 75 s on 2 CPU cores, start-up included, and reach
 eval AUC 0.82 and accuracy 0.77 on 20,000 held-out examples (always "no
 click" scores 0.65; the hidden model itself about 0.86 AUC). The same config
 runs under other strategies (`--strategy=mirrored`: one unsharded table,
-about 2.5 minutes, as every step updates the whole table on every replica).
+about 42 s, each step updating only the rows it looked up).
+
+`--config.model.embedding=dynamic` trains a `DynamicEmbedding` instead (a row
+per admitted id, no vocabulary size; `model.capacity`, `model.min_count`,
+`model.ttl_steps`): under `mirrored`, 600 steps in about 57 s, eval AUC 0.81.
+It does not run under `parameter_server` yet.
 """
 
 import importlib.util
