@@ -1,12 +1,15 @@
 """`DynamicEmbedding`: lookups of raw ids, combiners, bad arguments, sparse optimizer updates."""
 
+import json
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from strategies.errors import UserError
-from tests.helpers import checkpoint_values, launch
+from tests.helpers import checkpoint_values, launch, run_command
 from tests.test_models import tiny_ctr_config
 from trainer import optim, tables, train
 from trainer.layers import DynamicEmbedding
@@ -182,12 +185,17 @@ def _ctr_config(strategy: str, steps: int, **model):
     return config
 
 
-def _rows_by_id(config, model_dir) -> dict[int, np.ndarray]:
-    """The row of every id the table of `model_dir`'s newest checkpoint holds."""
+def _restored(config, model_dir) -> keras.Model:
+    """The model of `config` with the weights and table of `model_dir`'s newest checkpoint."""
     job = train.build(config, str(model_dir))
     path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
     tf.train.Checkpoint(model=job.model).restore(path).expect_partial()
-    layer = job.model.get_layer("embedding")
+    return job.model
+
+
+def _rows_by_id(model: keras.Model) -> dict[int, np.ndarray]:
+    """The row of every id the table of `model` holds."""
+    layer = model.get_layer("embedding")
     keys, values = layer.table.index.export()
     ids = tf.boolean_mask(keys, values >= 0)
     return dict(zip(ids.numpy().tolist(), layer(ids).numpy(), strict=True))
@@ -199,7 +207,7 @@ def test_one_device_and_mirrored_admit_the_same_ids_with_the_same_rows(tmp_path)
         config = _ctr_config(strategy, 20)
         results = train.train_and_evaluate(config, str(tmp_path / strategy))
         assert results["step"] == 20
-        tables_by_strategy.append(_rows_by_id(config, tmp_path / strategy))
+        tables_by_strategy.append(_rows_by_id(_restored(config, tmp_path / strategy)))
     one, mirrored = tables_by_strategy
     assert len(one) > 100 and sorted(one) == sorted(mirrored)
     for key, row in one.items():
@@ -217,7 +225,9 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_pat
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-    rows, resumed_rows = (_rows_by_id(straight, tmp_path / run) for run in ("straight", "resumed"))
+    rows, resumed_rows = (
+        _rows_by_id(_restored(straight, tmp_path / run)) for run in ("straight", "resumed")
+    )
     assert sorted(rows) == sorted(resumed_rows)
     for key, row in rows.items():
         np.testing.assert_array_equal(resumed_rows[key], row)
@@ -249,3 +259,31 @@ def test_under_parameter_server_it_is_one_line_and_exit_2(tmp_path):
         "`--config.model.embedding=hashed`)."
     ], result.stdout[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+_SERVE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+(name,) = serve.structured_input_signature[1]
+outputs = serve(**{name: tf.constant(json.loads(sys.argv[2]), tf.float32)})
+print(json.dumps(outputs["logits"].numpy().tolist()))
+"""
+
+
+def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):
+    config = _ctr_config("one_device", 10)
+    config.train.export = True
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+    model = _restored(config, tmp_path / "run")
+    held = sorted(_rows_by_id(model))
+    ids = np.array([held[:8], held[8:15] + [2**23]], np.float32)  # 2**23: never seen
+    expected = model(ids, training=False).numpy()
+    served = run_command(
+        [sys.executable, "-c", _SERVE, str(tmp_path / "run" / "export"), json.dumps(ids.tolist())],
+        str(tmp_path),
+    )
+    assert served.returncode == 0, served.stderr[-3000:]
+    logits = np.array(json.loads(served.stdout.strip().splitlines()[-1]))
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
