@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import configs.ctr
 from strategies.errors import UserError
-from tests.helpers import checkpoint_values, launch, run_command
+from tests.helpers import checkpoint_values, config_flags, launch, run_command
 from tests.test_models import tiny_ctr_config
 from trainer import optim, tables, train
 from trainer.layers import DynamicEmbedding
@@ -287,3 +288,39 @@ def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):
     assert served.returncode == 0, served.stderr[-3000:]
     logits = np.array(json.loads(served.stdout.strip().splitlines()[-1]))
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+SMALL_CTR = {  # configs/ctr.py made small, as flags and as overrides
+    "data.ctr.num_examples": 2000,
+    "data.ctr.ids_per_field": 100,
+    "data.ctr.vocab_size": 1000,
+    "model.embedding": "dynamic",
+    "model.min_count": 2,
+    "train.steps": 20,
+    "train.steps_per_loop": 5,
+    "train.checkpoint_every": 10,
+    "train.export": False,
+    "train.deterministic": True,
+    "eval.every": 0,
+}
+
+
+def test_multi_worker_workers_end_with_the_rows_of_one_device(tmp_path):
+    config = configs.ctr.get_config()
+    config.update_from_flattened_dict({**SMALL_CTR, "strategy.name": "one_device"})
+    train.train_and_evaluate(config, str(tmp_path / "one"))
+    result = launch(
+        "--workers=2",
+        "--",
+        "--strategy=multi_worker",
+        "--config=configs/ctr.py",
+        *config_flags(config, tuple(SMALL_CTR)),
+        f"--model_dir={tmp_path / 'workers'}",
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    one = _rows_by_id(_restored(config, tmp_path / "one"))
+    workers = _rows_by_id(_restored(config, tmp_path / "workers"))  # restored on one device
+    assert len(one) > 100 and sorted(one) == sorted(workers)
+    for key, row in one.items():
+        np.testing.assert_allclose(workers[key], row, rtol=1e-5, atol=1e-6)
