@@ -37,6 +37,12 @@ def test_an_admitted_id_reads_its_initial_row_from_the_next_step_and_others_the_
     np.testing.assert_array_equal(_rows_of(layer, [12345]), np.zeros((1, WIDTH)))
 
 
+def test_the_docstring_example_gives_a_vector_per_list():
+    layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
+    out = layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)
+    assert out.shape == (2, 16)
+
+
 def test_eval_lookups_admit_nothing():
     layer = DynamicEmbedding(WIDTH)
     layer(tf.constant([1, 2], tf.int64), training=False)

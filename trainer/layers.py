@@ -337,8 +337,12 @@ class DynamicEmbedding(keras.layers.Layer):
     shape, or a `tf.RaggedTensor` of lists per example. No vocabulary size: a
     table (`trainer.tables.DynamicTable`) gives each admitted id its own row,
     created with a value that depends only on (`seed`, id). Training lookups
-    count ids and admit them; eval and serving lookups change nothing, and an
-    id without a row reads the default row.
+    count ids and admit them (an id admitted at a step reads its row from the
+    next step on); eval and serving lookups change nothing, and an id without
+    a row reads the default row. Under a synchronous strategy the replicas
+    (and the workers of `multi_worker`) agree on the ids admitted each step,
+    so every replica and worker holds the same table. Under `multi_worker`,
+    feed every worker ids of one shape (ragged lists padded with `mask_id`).
 
         layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
         layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)  # [2, 16]
@@ -351,8 +355,9 @@ class DynamicEmbedding(keras.layers.Layer):
       min_count: training lookups an id needs before it gets a row; until then
         it reads a shared trainable default row (initially zeros).
       ttl_steps: free the row of an id not seen for this many steps (0: never).
-      capacity: the most rows held (the memory bound, with the optimizer's
-        slots beside them); default `trainer.tables.DEFAULT_CAPACITY`.
+      capacity: the most rows held (the memory bound: `capacity + 1` rows of
+        the variable and of each optimizer slot, the last one spare); default
+        `trainer.tables.DEFAULT_CAPACITY`.
       eviction: "lru": a full table evicts the least recently seen id; None:
         it refuses new ids (they read the default row; `refused` counts them).
       mask_id: an id that means "no id" (padding): it reads zeros, is never
