@@ -487,9 +487,10 @@ class DynamicEmbedding(keras.layers.Layer):
         rows = tf.gather(self.rows.value, slots)
         # A new id, or a reused slot, reads the id's initial value; the gradient
         # still reaches the row, which the optimizer resets before applying it.
-        stale = tf.not_equal(tf.gather(self.row_stamps.value, slots), stamps)
-        initial = tables.initial_rows(self.seed, keys, self.output_dim)
-        rows += tf.stop_gradient(tf.where(stale[:, None], initial - rows, tf.zeros_like(rows)))
+        stale = tf.where(tf.not_equal(tf.gather(self.row_stamps.value, slots), stamps))
+        initial = tables.initial_rows(self.seed, tf.gather_nd(keys, stale), self.output_dim)
+        fresh = tf.scatter_nd(stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64))
+        rows += tf.stop_gradient(fresh)
         default = tf.where(valid[:, None], self.default_row.value[None, :], 0.0)
         return tf.where(hit[:, None], rows, default)
 
