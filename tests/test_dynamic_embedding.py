@@ -74,7 +74,7 @@ def test_without_a_combiner_ragged_ids_give_ragged_vectors_and_the_mask_id_zeros
     [
         ({"capacity": 0}, r"`capacity` \(0\) must be >= 1"),
         ({"ttl_steps": -1}, r"`ttl_steps` \(-1\) must be >= 0"),
-        ({"min_count": 0}, r"`min_count` \(0\) must be >= 1"),
+        ({"min_count": 0}, r"`min_count` \(0\) must be in \[1, 65535\]"),
         ({"combiner": "max"}, r"`combiner` 'max' must be one of None, sum, mean, sqrtn"),
         ({"key_dtype": "int32"}, r"`key_dtype` 'int32' must be one of int64, string"),
         ({"eviction": "lfu"}, r"`eviction` 'lfu' must be 'lru' or None"),

@@ -315,7 +315,11 @@ def _check_dynamic(
     rules = [
         (key_dtype in KEY_DTYPES, f"`key_dtype` '{key_dtype}' must be one of int64, string"),
         (combiner in COMBINERS, f"`combiner` '{combiner}' must be one of None, sum, mean, sqrtn"),
-        (min_count >= 1, f"`min_count` ({min_count}) must be >= 1; 1 admits every id at once"),
+        (
+            1 <= min_count < tables.COUNT_LIMIT,
+            f"`min_count` ({min_count}) must be in [1, {tables.COUNT_LIMIT - 1}]; 1 admits "
+            "every id at once",
+        ),
         (ttl_steps >= 0, f"`ttl_steps` ({ttl_steps}) must be >= 0; 0 keeps ids until evicted"),
         (
             capacity >= 1,
