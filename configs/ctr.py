@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.embedding = "hashed"
     c.model.capacity = 0  # dynamic: most rows held (0: `vocab_size`); LRU-evicts when full
     c.model.min_count = 1  # dynamic: lookups an id needs before it gets its own row
-    c.model.ttl_steps = 0  # dynamic: free the rows of ids unseen this many steps (0: never)
+    c.model.ttl_steps = 0  # dynamic: free rows (and forget counts) of ids unseen this long; 0: keep
     c.model.table_seed = 0  # dynamic: keys each id's initial row
     c.model.hidden_units = (64, 32)
     c.model.dropout = 0.0
