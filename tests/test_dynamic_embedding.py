@@ -1,12 +1,16 @@
 """`DynamicEmbedding`: lookups of raw ids, combiners, bad arguments, sparse optimizer updates."""
 
+import json
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import configs.ctr
 from strategies.errors import UserError
-from tests.helpers import checkpoint_values, launch
+from tests.helpers import checkpoint_values, config_flags, launch, run_command
 from tests.test_models import tiny_ctr_config
 from trainer import optim, tables, train
 from trainer.layers import DynamicEmbedding
@@ -31,6 +35,12 @@ def test_an_admitted_id_reads_its_initial_row_from_the_next_step_and_others_the_
     np.testing.assert_array_equal(out[1, 0], initial)
     np.testing.assert_array_equal(out[0, 0], np.zeros(WIDTH))
     np.testing.assert_array_equal(_rows_of(layer, [12345]), np.zeros((1, WIDTH)))
+
+
+def test_the_docstring_example_gives_a_vector_per_list():
+    layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
+    out = layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)
+    assert out.shape == (2, 16)
 
 
 def test_eval_lookups_admit_nothing():
@@ -64,7 +74,7 @@ def test_without_a_combiner_ragged_ids_give_ragged_vectors_and_the_mask_id_zeros
     [
         ({"capacity": 0}, r"`capacity` \(0\) must be >= 1"),
         ({"ttl_steps": -1}, r"`ttl_steps` \(-1\) must be >= 0"),
-        ({"min_count": 0}, r"`min_count` \(0\) must be >= 1"),
+        ({"min_count": 0}, r"`min_count` \(0\) must be in \[1, 65535\]"),
         ({"combiner": "max"}, r"`combiner` 'max' must be one of None, sum, mean, sqrtn"),
         ({"key_dtype": "int32"}, r"`key_dtype` 'int32' must be one of int64, string"),
         ({"eviction": "lfu"}, r"`eviction` 'lfu' must be 'lru' or None"),
@@ -182,12 +192,17 @@ def _ctr_config(strategy: str, steps: int, **model):
     return config
 
 
-def _rows_by_id(config, model_dir) -> dict[int, np.ndarray]:
-    """The row of every id the table of `model_dir`'s newest checkpoint holds."""
+def _restored(config, model_dir) -> keras.Model:
+    """The model of `config` with the weights and table of `model_dir`'s newest checkpoint."""
     job = train.build(config, str(model_dir))
     path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
     tf.train.Checkpoint(model=job.model).restore(path).expect_partial()
-    layer = job.model.get_layer("embedding")
+    return job.model
+
+
+def _rows_by_id(model: keras.Model) -> dict[int, np.ndarray]:
+    """The row of every id the table of `model` holds."""
+    layer = model.get_layer("embedding")
     keys, values = layer.table.index.export()
     ids = tf.boolean_mask(keys, values >= 0)
     return dict(zip(ids.numpy().tolist(), layer(ids).numpy(), strict=True))
@@ -199,7 +214,7 @@ def test_one_device_and_mirrored_admit_the_same_ids_with_the_same_rows(tmp_path)
         config = _ctr_config(strategy, 20)
         results = train.train_and_evaluate(config, str(tmp_path / strategy))
         assert results["step"] == 20
-        tables_by_strategy.append(_rows_by_id(config, tmp_path / strategy))
+        tables_by_strategy.append(_rows_by_id(_restored(config, tmp_path / strategy)))
     one, mirrored = tables_by_strategy
     assert len(one) > 100 and sorted(one) == sorted(mirrored)
     for key, row in one.items():
@@ -217,7 +232,9 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_pat
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-    rows, resumed_rows = (_rows_by_id(straight, tmp_path / run) for run in ("straight", "resumed"))
+    rows, resumed_rows = (
+        _rows_by_id(_restored(straight, tmp_path / run)) for run in ("straight", "resumed")
+    )
     assert sorted(rows) == sorted(resumed_rows)
     for key, row in rows.items():
         np.testing.assert_array_equal(resumed_rows[key], row)
@@ -249,3 +266,67 @@ def test_under_parameter_server_it_is_one_line_and_exit_2(tmp_path):
         "`--config.model.embedding=hashed`)."
     ], result.stdout[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+_SERVE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+(name,) = serve.structured_input_signature[1]
+outputs = serve(**{name: tf.constant(json.loads(sys.argv[2]), tf.float32)})
+print(json.dumps(outputs["logits"].numpy().tolist()))
+"""
+
+
+def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):
+    config = _ctr_config("one_device", 10)
+    config.train.export = True
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+    model = _restored(config, tmp_path / "run")
+    held = sorted(_rows_by_id(model))
+    ids = np.array([held[:8], held[8:15] + [2**23]], np.float32)  # 2**23: never seen
+    expected = model(ids, training=False).numpy()
+    served = run_command(
+        [sys.executable, "-c", _SERVE, str(tmp_path / "run" / "export"), json.dumps(ids.tolist())],
+        str(tmp_path),
+    )
+    assert served.returncode == 0, served.stderr[-3000:]
+    logits = np.array(json.loads(served.stdout.strip().splitlines()[-1]))
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+SMALL_CTR = {  # configs/ctr.py made small, as flags and as overrides
+    "data.ctr.num_examples": 2000,
+    "data.ctr.ids_per_field": 100,
+    "data.ctr.vocab_size": 1000,
+    "model.embedding": "dynamic",
+    "model.min_count": 2,
+    "train.steps": 20,
+    "train.steps_per_loop": 5,
+    "train.checkpoint_every": 10,
+    "train.export": False,
+    "train.deterministic": True,
+    "eval.every": 0,
+}
+
+
+def test_multi_worker_workers_end_with_the_rows_of_one_device(tmp_path):
+    config = configs.ctr.get_config()
+    config.update_from_flattened_dict({**SMALL_CTR, "strategy.name": "one_device"})
+    train.train_and_evaluate(config, str(tmp_path / "one"))
+    result = launch(
+        "--workers=2",
+        "--",
+        "--strategy=multi_worker",
+        "--config=configs/ctr.py",
+        *config_flags(config, tuple(SMALL_CTR)),
+        f"--model_dir={tmp_path / 'workers'}",
+        cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    one = _rows_by_id(_restored(config, tmp_path / "one"))
+    workers = _rows_by_id(_restored(config, tmp_path / "workers"))  # restored on one device
+    assert len(one) > 100 and sorted(one) == sorted(workers)
+    for key, row in one.items():
+        np.testing.assert_allclose(workers[key], row, rtol=1e-5, atol=1e-6)

@@ -2,7 +2,7 @@
 
 The commands are read from README.md itself, so this test follows the README:
 every command of the ```sh blocks at the top, in "A short tour" (with its
-subsections) and in "Clusters". Each runs as written, under the default
+subsections), in "Clusters" and in "Recommendation models". Each runs as written, under the default
 strategy unless it names one, with this repository importable (as from a
 clone's top directory, where `examples/` lives): the single-process commands
 all in one working directory, in README order, as a user types the tour (so
@@ -30,7 +30,7 @@ import configs.default
 import strategies
 from tests.helpers import REPO, run_command
 
-SECTIONS = ("", "A short tour", "Clusters")  # "": the text above the first section
+SECTIONS = ("", "A short tour", "Clusters", "Recommendation models")  # "": above the first
 SKIPPED = (("pip", "install"), ("python", "-m", "pytest"))
 PLACEHOLDER = "my_pkg"  # the user's own package in the README's templates
 DEFAULTS = configs.default.get_config()

@@ -113,6 +113,26 @@ def test_ttl_frees_the_rows_of_ids_not_seen_for_ttl_steps():
     assert int(table.counter("free")) == 0 and int(table.counter("fresh")) == 2
 
 
+def test_ttl_forgets_the_counts_of_ids_not_seen_for_ttl_steps():
+    table = _table(min_count=3, ttl_steps=2)
+    _admit(table, [5, 5])  # step 0: 5 counted twice
+    _admit(table, [1])  # step 1
+    assert int(table.index.size()) == 2
+    _admit(table, [1])  # step 2: the count of 5, last seen at step 0, is forgotten
+    assert int(table.index.size()) == 1
+    _admit(table, [5])  # counted from zero again: not admitted
+    assert _held(table, [5]) == [False]
+
+
+def test_a_count_kept_across_steps_admits_at_min_count():
+    table = _table(min_count=3, ttl_steps=100)
+    for _ in range(2):
+        _admit(table, [5])
+        assert _held(table, [5]) == [False]
+    _admit(table, [5])
+    assert _held(table, [5]) == [True]
+
+
 def test_a_reused_slot_gets_a_new_stamp():
     table = _table(capacity=1)
     _admit(table, [1])

@@ -317,7 +317,11 @@ def _check_dynamic(
     rules = [
         (key_dtype in KEY_DTYPES, f"`key_dtype` '{key_dtype}' must be one of int64, string"),
         (combiner in COMBINERS, f"`combiner` '{combiner}' must be one of None, sum, mean, sqrtn"),
-        (min_count >= 1, f"`min_count` ({min_count}) must be >= 1; 1 admits every id at once"),
+        (
+            1 <= min_count < tables.COUNT_LIMIT,
+            f"`min_count` ({min_count}) must be in [1, {tables.COUNT_LIMIT - 1}]; 1 admits "
+            "every id at once",
+        ),
         (ttl_steps >= 0, f"`ttl_steps` ({ttl_steps}) must be >= 0; 0 keeps ids until evicted"),
         (
             capacity >= 1,
@@ -339,8 +343,12 @@ class DynamicEmbedding(keras.layers.Layer):
     shape, or a `tf.RaggedTensor` of lists per example. No vocabulary size: a
     table (`trainer.tables.DynamicTable`) gives each admitted id its own row,
     created with a value that depends only on (`seed`, id). Training lookups
-    count ids and admit them; eval and serving lookups change nothing, and an
-    id without a row reads the default row.
+    count ids and admit them (an id admitted at a step reads its row from the
+    next step on); eval and serving lookups change nothing, and an id without
+    a row reads the default row. Under a synchronous strategy the replicas
+    (and the workers of `multi_worker`) agree on the ids admitted each step,
+    so every replica and worker holds the same table. Under `multi_worker`,
+    feed every worker ids of one shape (ragged lists padded with `mask_id`).
 
         layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
         layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)  # [2, 16]
@@ -353,8 +361,9 @@ class DynamicEmbedding(keras.layers.Layer):
       min_count: training lookups an id needs before it gets a row; until then
         it reads a shared trainable default row (initially zeros).
       ttl_steps: free the row of an id not seen for this many steps (0: never).
-      capacity: the most rows held (the memory bound, with the optimizer's
-        slots beside them); default `trainer.tables.DEFAULT_CAPACITY`.
+      capacity: the most rows held (the memory bound: `capacity + 1` rows of
+        the variable and of each optimizer slot, the last one spare); default
+        `trainer.tables.DEFAULT_CAPACITY`.
       eviction: "lru": a full table evicts the least recently seen id; None:
         it refuses new ids (they read the default row; `refused` counts them).
       mask_id: an id that means "no id" (padding): it reads zeros, is never
@@ -389,11 +398,15 @@ class DynamicEmbedding(keras.layers.Layer):
         self.table = tables.DynamicTable(capacity, min_count, ttl_steps, eviction, name=self.name)
 
     def build(self, input_shape=None):
-        self.rows = self.add_weight((self.capacity, self.output_dim), "zeros", name="rows")
+        # One row past the capacity, which no id holds, is read by every lookup (with
+        # no effect) so that the rows' gradient is never empty: an empty sparse
+        # gradient crashes the cross-worker all-reduce of `multi_worker` (TF 2.21).
+        rows = self.capacity + 1
+        self.rows = self.add_weight((rows, self.output_dim), "zeros", name="rows")
         # Which admission each row's values belong to (see `trainer.tables`); every
         # copy sets its own in the optimizer's update.
         self.row_stamps = self.add_weight(
-            (self.capacity,),
+            (rows,),
             keras.initializers.Constant(-1),
             dtype="int64",
             trainable=False,
@@ -416,10 +429,7 @@ class DynamicEmbedding(keras.layers.Layer):
         valid = tf.ones_like(flat, tf.bool)
         if self.mask_id is not None:
             valid = tf.not_equal(flat, tf.constant(self.mask_id, flat.dtype))
-        vectors = self._vectors(tables.key64(tf.boolean_mask(flat, valid)), training)
-        vectors = tf.scatter_nd(
-            tf.where(valid), vectors, tf.stack([tf.size(flat, out_type=tf.int64), self.output_dim])
-        )
+        vectors = self._vectors(tables.key64(flat), valid, training)
         if self.combiner is None:
             vectors = tf.reshape(vectors, tf.concat([tf.shape(ids), [self.output_dim]], 0))
             return inputs.with_flat_values(vectors) if ragged else vectors
@@ -462,30 +472,36 @@ class DynamicEmbedding(keras.layers.Layer):
             )
         return super().__call__(inputs, *args, **kwargs)
 
-    def _vectors(self, keys: tf.Tensor, training) -> tf.Tensor:
-        """The embedding of each of `keys` (1-D int64): its row, or the default row."""
+    def _vectors(self, keys: tf.Tensor, valid: tf.Tensor, training) -> tf.Tensor:
+        """The vector of each of `keys` (1-D int64): its row, the default row, or 0 if not `valid`.
+
+        Every key reads a row, a missing one the spare row past the capacity
+        (no id holds it), and its vector is then replaced: the rows' sparse
+        gradient has a row per key, so it has the same length on every worker
+        for inputs of one shape, and is never empty (an empty one, or ones of
+        different lengths, break the cross-worker all-reduce of `multi_worker`
+        in TF 2.21).
+        """
         if training:
             slots, stamps = self.table.find(keys, self.table.now())
             with tf.control_dependencies([slots]):  # ids admitted now are found next step
-                self._admit(keys)
+                self._admit(keys, valid)
         else:
             slots, stamps = self.table.find(keys)
-        hit = slots >= 0
-        where = tf.where(hit)
-        slots = tf.boolean_mask(slots, hit)
+        hit = (slots >= 0) & valid
+        slots = tf.where(hit, slots, self.capacity)
         rows = tf.gather(self.rows.value, slots)
         # A new id, or a reused slot, reads the id's initial value; the gradient
         # still reaches the row, which the optimizer resets before applying it.
-        stale = tf.not_equal(tf.gather(self.row_stamps.value, slots), tf.boolean_mask(stamps, hit))
-        initial = tables.initial_rows(self.seed, tf.boolean_mask(keys, hit), self.output_dim)
-        rows += tf.stop_gradient(tf.where(stale[:, None], initial - rows, tf.zeros_like(rows)))
-        shape = tf.stack([tf.size(keys, out_type=tf.int64), self.output_dim])
-        found = tf.scatter_nd(where, rows, shape)
-        default = tf.cast(~hit, tf.float32)[:, None] * self.default_row.value[None, :]
-        return found + default
+        stale = tf.where(tf.not_equal(tf.gather(self.row_stamps.value, slots), stamps))
+        initial = tables.initial_rows(self.seed, tf.gather_nd(keys, stale), self.output_dim)
+        fresh = tf.scatter_nd(stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64))
+        rows += tf.stop_gradient(fresh)
+        default = tf.where(valid[:, None], self.default_row.value[None, :], 0.0)
+        return tf.where(hit[:, None], rows, default)
 
-    def _admit(self, keys: tf.Tensor):
-        """Admits the ids of the whole global batch, once per process.
+    def _admit(self, keys: tf.Tensor, valid: tf.Tensor):
+        """Admits the `valid` ids of the whole global batch, once per process.
 
         Each replica gathers every replica's ids, and the first replica of each
         worker admits them all: the same ids in the same step under any split,
@@ -493,8 +509,9 @@ class DynamicEmbedding(keras.layers.Layer):
         """
         replica = tf.distribute.get_replica_context()
         if replica is None or replica.num_replicas_in_sync == 1:
-            return self.table.admit(keys)
-        everyone = replica.all_gather(keys, 0)
+            return self.table.admit(tf.boolean_mask(keys, valid))
+        keys, valid = replica.all_gather([keys, tf.cast(valid, tf.int64)], 0)
+        everyone = tf.boolean_mask(keys, tf.cast(valid, tf.bool))
         local = len(tf.distribute.get_strategy().extended.worker_devices)
         first = tf.equal(replica.replica_id_in_sync_group % local, 0)
         if tf.get_static_value(first) is not None:

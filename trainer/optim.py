@@ -85,7 +85,7 @@ class _SparseRows:
         slots = tf.boolean_mask(indices, stale)
         _put(variable, slots, owner.initial_rows(slots))
         for slot, initial in self._slots_of(index):
-            shape = tf.concat([tf.shape(slots), tf.shape(slot)[1:]], 0)
+            shape = tf.concat([tf.shape(slots), slot.shape[1:]], 0)  # not reading `slot`
             _put(slot, slots, tf.fill(shape, tf.cast(initial, slot.dtype)))
         _put(owner.row_stamps, slots, tf.boolean_mask(stamps, stale))
 

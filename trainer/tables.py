@@ -8,7 +8,8 @@ two halves:
   tables (`tf.lookup.experimental.MutableHashTable`) from id to row slot, from
   slot to id, and from slot to (stamp, last-seen step), a stack of freed slots
   and a few counters. A value below 0 in the id -> slot table is the count of
-  an id not admitted yet (`-count - 1`), so admission needs no second table.
+  an id not admitted yet (`-1 - (count + last-seen step * COUNT_LIMIT)`), so
+  admission needs no second table.
   Every change to the index runs inside one `tf.CriticalSection`, so callers
   admitting ids at once (asynchronous workers) cannot race. The index is made
   of lookup tables, not variables, because a variable created under a
@@ -39,9 +40,12 @@ An id counts once per lookup; after `min_count` lookups it is admitted.
 Eviction is least-recently used: when the table is full, a new id takes the
 slot of the id seen longest ago (ties broken by id, never an id seen at the
 current step). With `ttl_steps`, a sweep every `ceil(ttl_steps / 8)` steps
-frees ids not seen for `ttl_steps` steps. With eviction off (`eviction=None`)
-a full table refuses new ids: they read the default row and are counted
-(`refused`); which of a step's new ids are refused then follows their order.
+frees ids not seen for `ttl_steps` steps, and forgets the counts of ids
+not admitted that were not seen for as long (without a TTL, those counts
+are kept: with `min_count` > 1 the index grows with the distinct ids seen).
+With eviction off (`eviction=None`) a full table refuses new ids: they read
+the default row and are counted (`refused`); which of a step's new ids are
+refused then follows their order.
 
 The step is the optimizer's `iterations` once `trainer.optim` has built for
 the rows (`use_clock`); a table used on its own counts its admission calls.
@@ -57,6 +61,7 @@ import tensorflow as tf
 DEFAULT_CAPACITY = 2**18  # rows per table: 32 MB of float32 rows at width 32
 ROW_SCALE = 0.05  # initial rows are uniform in [-ROW_SCALE, ROW_SCALE), as Keras's "uniform"
 EVICTIONS = ("lru", None)
+COUNT_LIMIT = 2**16  # counts of ids not admitted yet stop at COUNT_LIMIT - 1
 COUNTERS = ("fresh", "free", "calls", "swept", "admitted", "evicted", "refused")
 _C = {name: index for index, name in enumerate(COUNTERS)}
 
@@ -200,7 +205,8 @@ class DynamicTable(tf.Module):
         value = tf.reshape(self.index.lookup(unique), [-1])
         held = value >= 0
         touched = self._touch(tf.boolean_mask(value, held), step)
-        counts = tf.where(held, tf.zeros_like(value), -value - 1) + seen
+        counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
+        counts = tf.minimum(counts, COUNT_LIMIT - 1)
         with tf.control_dependencies([touched]):
             wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
             new_slots = self._allocate(tf.size(wanted, out_type=tf.int64), step)
@@ -219,8 +225,9 @@ class DynamicTable(tf.Module):
             ),
             self._add("admitted", tf.size(new_slots)),
             self._add("refused", tf.size(wanted) - tf.size(new_slots)),
-            self.index.insert(
-                tf.boolean_mask(unique, waiting), -tf.boolean_mask(counts, waiting) - 1
+            self.index.insert(  # the count, and the step it was last seen at
+                tf.boolean_mask(unique, waiting),
+                -1 - (tf.boolean_mask(counts, waiting) + step * COUNT_LIMIT),
             ),
         ]
         if self._clock is None:
@@ -286,12 +293,17 @@ class DynamicTable(tf.Module):
         due = tf.equal(step % self.sweep_every, 0) & tf.not_equal(self.counter("swept"), step + 1)
 
         def sweep():
+            keys, values = self.index.export()
+            keys, values = tf.reshape(keys, [-1]), tf.reshape(values, [-1])
+            counted_until = (-values - 1) // COUNT_LIMIT
+            forgotten = (values < 0) & (counted_until <= step - self.ttl_steps)
             slots, info = self._export()
             expired = tf.boolean_mask(slots, info[:, 1] <= step - self.ttl_steps)
             free = self.counter("free")
             count = tf.size(expired, out_type=tf.int64)
             with tf.control_dependencies([self._release(expired, "evicted")]):
                 done = tf.group(
+                    self.index.remove(tf.boolean_mask(keys, forgotten)),
                     self.free.insert(tf.range(free, free + count), expired),
                     self._set("free", free + count),
                     self._set("swept", step + 1),
