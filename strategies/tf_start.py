@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import errors
 
-from strategies.errors import TaskLost
-from strategies.preemption import PREEMPTED_EXIT_CODE, Preempted
+from strategies.errors import PREEMPTED_EXIT_CODE, TaskLost
+from strategies.preemption import Preempted
 
 POLL_S = 0.02  # how often the waiting thread looks at the clock and re-asserts its handler
 SAY_AFTER_S = 1.0  # a call still running after this long is named once

@@ -30,7 +30,7 @@ from strategies import cluster, slurm
 from strategies.errors import UserError
 from tests import slurm_cluster
 from tests.helpers import REPO, TIMEOUT_S, one_line_error
-from trainer.launch import pick_ports
+from trainer.processes import pick_ports
 
 PORT = 2222
 # hostlist -> the hosts `scontrol show hostnames` prints for it (checked below where it exists).

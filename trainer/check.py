@@ -41,7 +41,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ star
 
 from absl import app, flags  # noqa: E402
 
-from trainer import cli, processes  # noqa: E402
+from trainer import cli  # noqa: E402
 
 cli.own_packages_first()  # before anything imports `strategies`
 
@@ -277,4 +277,4 @@ def _relative(got: float, want: float) -> float:
 
 
 if __name__ == "__main__":
-    app.run(cli.guarded(main), argv=sys.argv, flags_parser=processes.parse_own_flags)
+    app.run(cli.guarded(main), argv=sys.argv, flags_parser=cli.parse_own_flags)

@@ -200,6 +200,22 @@ def default_model_dir(config_path: str, strategy: str) -> str:
     return os.path.join("runs", f"{name}-{strategy}")
 
 
+def parse_own_flags(argv: list[str]) -> list[str]:
+    """absl parsing of a command that passes the flags after `--` to its children.
+
+    A mistake is one line and exit status 2; an unknown flag is most likely a
+    trainer flag put before the `--`.
+    """
+    from strategies import errors  # after `own_packages_first`, as everywhere here
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.UnrecognizedFlagError as e:
+        fail(f"{errors.one_line(e)}; put the trainer's flags after `--`.")
+    except flags.Error as e:
+        fail(errors.one_line(e))
+
+
 def fail(message: str) -> None:
     """Prints one line for a user mistake and exits with status 2."""
     # Imported here: this module must not import `strategies` before `own_packages_first`.

@@ -37,11 +37,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import errno
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -54,15 +52,15 @@ from strategies import cluster
 from strategies.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, one_line
 from trainer import cli
 from trainer.processes import (
+    LOOPBACK,
     Console,
     Interrupt,
-    parse_own_flags,
+    pick_ports,
     signal_group,
     start_process,
     terminate,
 )
 
-LOOPBACK = "127.0.0.1"
 GRACE_S = 15.0  # how long the other tasks may run on after the chief is done
 KILL_AFTER_S = 5.0  # how long a task may take to exit after SIGTERM before SIGKILL
 REPORT_S = 10.0  # how long the chief may take to report a failed task before the cluster stops
@@ -161,52 +159,6 @@ def plan_cluster(
     if evaluator:
         tasks.append(Task("evaluator", 0, None, cluster.make_tf_config(jobs, "evaluator", 0)))
     return tasks
-
-
-def pick_ports(count: int, base: int = 0) -> list[int]:
-    """`count` ports on 127.0.0.1 that are free now.
-
-    Args:
-      count: how many ports.
-      base: 0 lets the OS pick free ones; otherwise `base`, `base + 1`, ..., each checked.
-
-    Raises:
-      UserError: a port from `base` on is out of range or in use.
-    """
-    if not base:
-        with contextlib.ExitStack() as stack:  # held open together, so no port repeats
-            sockets = [stack.enter_context(_bind(0)) for _ in range(count)]
-            return [s.getsockname()[1] for s in sockets]
-    if not 1 <= base <= 65536 - count:
-        raise UserError(
-            f"`--port_base` ({base}) must leave room for {count} ports from 1 to 65535; "
-            "pass a smaller one, or 0 to pick free ports."
-        )
-    for port in range(base, base + count):
-        try:
-            _bind(port).close()
-        except OSError as e:
-            problem = (
-                "is already in use"
-                if e.errno == errno.EADDRINUSE
-                else f"cannot be used ({e.strerror})"
-            )
-            raise UserError(
-                f"port {port} on {LOOPBACK} {problem}; pass another `--port_base`, "
-                "or 0 to pick free ports."
-            ) from None
-    return list(range(base, base + count))
-
-
-def _bind(port: int) -> socket.socket:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are free
-        s.bind((LOOPBACK, port))
-    except OSError:
-        s.close()
-        raise
-    return s
 
 
 class Cluster:
@@ -510,4 +462,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, argv=sys.argv, flags_parser=parse_own_flags)
+    app.run(main, argv=sys.argv, flags_parser=cli.parse_own_flags)

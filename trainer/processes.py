@@ -10,8 +10,10 @@ recorded (`Interrupt`) and acted on by the parent's wait loop.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,26 +21,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
-from absl import flags
-
-from strategies.errors import one_line
-from trainer import cli
+from strategies.errors import UserError
 
 POLL_S = 0.1
-
-
-def parse_own_flags(argv: list[str]) -> list[str]:
-    """absl parsing of a command that passes the flags after `--` to its children.
-
-    A mistake is one line and exit status 2; an unknown flag is most likely a
-    trainer flag put before the `--`.
-    """
-    try:
-        return flags.FLAGS(argv)
-    except flags.UnrecognizedFlagError as e:
-        cli.fail(f"{one_line(e)}; put the trainer's flags after `--`.")
-    except flags.Error as e:
-        cli.fail(one_line(e))
+LOOPBACK = "127.0.0.1"  # local clusters and servers listen here only
 
 
 class Console:
@@ -146,3 +132,49 @@ class Interrupt:
         finally:
             for s, h in previous.items():  # after a signal, more (a second Ctrl-C) are ignored
                 signal.signal(s, h if self.signal is None else signal.SIG_IGN)
+
+
+def pick_ports(count: int, base: int = 0) -> list[int]:
+    """`count` ports on 127.0.0.1 that are free now.
+
+    Args:
+      count: how many ports.
+      base: 0 lets the OS pick free ones; otherwise `base`, `base + 1`, ..., each checked.
+
+    Raises:
+      UserError: a port from `base` on is out of range or in use.
+    """
+    if not base:
+        with contextlib.ExitStack() as stack:  # held open together, so no port repeats
+            sockets = [stack.enter_context(_bind(0)) for _ in range(count)]
+            return [s.getsockname()[1] for s in sockets]
+    if not 1 <= base <= 65536 - count:
+        raise UserError(
+            f"`--port_base` ({base}) must leave room for {count} ports from 1 to 65535; "
+            "pass a smaller one, or 0 to pick free ports."
+        )
+    for port in range(base, base + count):
+        try:
+            _bind(port).close()
+        except OSError as e:
+            problem = (
+                "is already in use"
+                if e.errno == errno.EADDRINUSE
+                else f"cannot be used ({e.strerror})"
+            )
+            raise UserError(
+                f"port {port} on {LOOPBACK} {problem}; pass another `--port_base`, "
+                "or 0 to pick free ports."
+            ) from None
+    return list(range(base, base + count))
+
+
+def _bind(port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are free
+        s.bind((LOOPBACK, port))
+    except OSError:
+        s.close()
+        raise
+    return s

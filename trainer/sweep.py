@@ -365,7 +365,7 @@ def _sharing_input(
     side by side read the same batches; one started later reads on from there.
     """
     from trainer.data import service  # TensorFlow, only when asked for
-    from trainer.launch import pick_ports
+    from trainer.processes import pick_ports
 
     servers = stack.enter_context(service.LocalService(pick_ports(2), console))
     service.wait_until_served(servers.address, servers, service.TIMEOUT_S)
@@ -415,7 +415,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except UserError as e:
         cli.fail(one_line(e))
     _SWEEP_VALUES.update(sweeps)
-    return processes.parse_own_flags(rest)
+    return cli.parse_own_flags(rest)
 
 
 if __name__ == "__main__":

@@ -253,7 +253,7 @@ def started(
     with contextlib.ExitStack() as stack:
         local = None
         if workers is not None:
-            from trainer.launch import pick_ports  # (the launcher itself imports this module)
+            from trainer.processes import pick_ports  # (the launcher itself imports this module)
 
             local = stack.enter_context(LocalService(pick_ports(workers + 1)))
             address = local.address
