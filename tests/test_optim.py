@@ -32,6 +32,8 @@ STOCK = {
     "adamw": lambda: keras.optimizers.AdamW(0.05, weight_decay=0.01),
     "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "sgd": lambda: keras.optimizers.SGD(0.05),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.05),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.05),
 }
 
 
@@ -135,6 +137,6 @@ def test_sparse_gradients_update_the_rows_looked_up_as_dense_ones_do(name, keras
 
 
 def test_fused_optimizers_are_keras_optimizers():
-    for name in ("adam", "adamw", "momentum", "sgd"):
+    for name in ("adam", "adamw", "momentum", "sgd", "adagrad", "ftrl"):
         optimizer = optim.build(_config(name), total_steps=100)
         assert isinstance(optimizer, type(STOCK[name]()))
