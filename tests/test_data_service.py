@@ -396,3 +396,52 @@ def test_sweep_trials_with_one_pipeline_share_one_stream(tmp_path):
     assert inputs[0]["address"] == inputs[1]["address"]
     rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     assert "data.service" not in json.dumps(rows)  # a setting, not a swept value
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_remote_dispatcher_may_restart_within_the_timeout_else_exit_144(tmp_path, restart):
+    ports = pick_ports(2)
+    module = [sys.executable, "-m", "trainer.data_service"]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    journal = f"--work_dir={tmp_path / 'journal'}"
+
+    def dispatcher():
+        return spawn(
+            [*module, "--role=dispatcher", f"--port={ports[0]}", journal], env=env, cwd=REPO
+        )
+
+    first = dispatcher()
+    spawn(
+        [*module, "--role=worker", f"--port={ports[1]}", f"--dispatcher=127.0.0.1:{ports[0]}"],
+        env=env,
+        cwd=REPO,
+    )
+    flags = _long_run(
+        tmp_path,
+        f"--config.data.service=grpc://127.0.0.1:{ports[0]}",
+        f"--config.data.service_timeout_s={120 if restart else 5}",
+        f"--config.train.steps={400 if restart else 100000}",
+    )
+    proc = start_cli(*flags, cwd=tmp_path)
+    lines, killed = [], False
+    timer = threading.Timer(TIMEOUT_S, kill, args=(proc,))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if not killed and line.startswith("train | step: 100/"):
+                kill(first)
+                killed = True
+                if restart:
+                    dispatcher()  # the same port, the same journal
+        code = proc.wait()
+    finally:
+        timer.cancel()
+    output = "\n".join(lines)
+    assert killed, output[-3000:]
+    if restart:  # meanwhile the trainer reads on from its data worker
+        assert code == 0 and "train | step: 400/400" in output, output[-3000:]
+    else:
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert code == 144, output[-3000:]
+        assert len(errors) == 1 and "stopped answering for 5 s" in errors[0], output[-3000:]
