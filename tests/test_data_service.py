@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -445,3 +446,47 @@ def test_a_remote_dispatcher_may_restart_within_the_timeout_else_exit_144(tmp_pa
         errors = [line for line in output.splitlines() if line.startswith("error:")]
         assert code == 144, output[-3000:]
         assert len(errors) == 1 and "stopped answering for 5 s" in errors[0], output[-3000:]
+
+
+# --- across hosts: the trainer on one simulated host, the data service on another ----------
+
+
+def test_a_trainer_reads_from_a_data_worker_on_another_host(tmp_path):
+    from trainer.bench import hosts as hosts_lib
+
+    reason = hosts_lib.available()
+    if reason:  # as tests/test_multihost.py: needs root and iproute2
+        (pytest.fail if os.environ.get("TOWERFLOW_CI") else pytest.skip)(
+            f"simulated hosts cannot be made here: {reason}"
+        )
+    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
+    module = [sys.executable, "-m", "trainer.data_service"]
+    with hosts_lib.Hosts(2) as hosts:
+        data_host = hosts.address(1)
+        with open(tmp_path / "data.log", "w") as log:
+            for role in ("--role=dispatcher", "--role=worker"):
+                port = 5050 if role == "--role=dispatcher" else 5051
+                hosts.start(
+                    1,
+                    [*module, role, f"--port={port}", f"--dispatcher={data_host}:5050",
+                     f"--host={data_host}"],
+                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+        trainer = hosts.start_trainer(
+            0,
+            [
+                "--strategy=one_device",
+                f"--model_dir={tmp_path / 'run'}",
+                f"--config.data.service=grpc://{data_host}:5050",
+                "--config.train.steps=200",
+                "--config.train.export=False",
+            ],
+            log=str(tmp_path / "trainer.log"),
+            cwd=str(tmp_path),
+        )
+        code = trainer.wait(timeout=TIMEOUT_S)
+    logs = (tmp_path / "trainer.log").read_text()[-3000:] + (tmp_path / "data.log").read_text()
+    assert code == 0, logs
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["input"]["address"] == f"grpc://{data_host}:5050"
+    assert results["eval"]["accuracy"] > 0.95, logs
