@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -396,3 +397,96 @@ def test_sweep_trials_with_one_pipeline_share_one_stream(tmp_path):
     assert inputs[0]["address"] == inputs[1]["address"]
     rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     assert "data.service" not in json.dumps(rows)  # a setting, not a swept value
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_remote_dispatcher_may_restart_within_the_timeout_else_exit_144(tmp_path, restart):
+    ports = pick_ports(2)
+    module = [sys.executable, "-m", "trainer.data_service"]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    journal = f"--work_dir={tmp_path / 'journal'}"
+
+    def dispatcher():
+        return spawn(
+            [*module, "--role=dispatcher", f"--port={ports[0]}", journal], env=env, cwd=REPO
+        )
+
+    first = dispatcher()
+    spawn(
+        [*module, "--role=worker", f"--port={ports[1]}", f"--dispatcher=127.0.0.1:{ports[0]}"],
+        env=env,
+        cwd=REPO,
+    )
+    flags = _long_run(
+        tmp_path,
+        f"--config.data.service=grpc://127.0.0.1:{ports[0]}",
+        f"--config.data.service_timeout_s={120 if restart else 5}",
+        f"--config.train.steps={400 if restart else 100000}",
+    )
+    proc = start_cli(*flags, cwd=tmp_path)
+    lines, killed = [], False
+    timer = threading.Timer(TIMEOUT_S, kill, args=(proc,))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if not killed and line.startswith("train | step: 100/"):
+                kill(first)
+                killed = True
+                if restart:
+                    dispatcher()  # the same port, the same journal
+        code = proc.wait()
+    finally:
+        timer.cancel()
+    output = "\n".join(lines)
+    assert killed, output[-3000:]
+    if restart:  # meanwhile the trainer reads on from its data worker
+        assert code == 0 and "train | step: 400/400" in output, output[-3000:]
+    else:
+        errors = [line for line in output.splitlines() if line.startswith("error:")]
+        assert code == 144, output[-3000:]
+        assert len(errors) == 1 and "stopped answering for 5 s" in errors[0], output[-3000:]
+
+
+# --- across hosts: the trainer on one simulated host, the data service on another ----------
+
+
+def test_a_trainer_reads_from_a_data_worker_on_another_host(tmp_path):
+    from trainer.bench import hosts as hosts_lib
+
+    reason = hosts_lib.available()
+    if reason:  # as tests/test_multihost.py: needs root and iproute2
+        (pytest.fail if os.environ.get("TOWERFLOW_CI") else pytest.skip)(
+            f"simulated hosts cannot be made here: {reason}"
+        )
+    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
+    module = [sys.executable, "-m", "trainer.data_service"]
+    with hosts_lib.Hosts(2) as hosts:
+        data_host = hosts.address(1)
+        with open(tmp_path / "data.log", "w") as log:
+            for role in ("--role=dispatcher", "--role=worker"):
+                port = 5050 if role == "--role=dispatcher" else 5051
+                hosts.start(
+                    1,
+                    [*module, role, f"--port={port}", f"--dispatcher={data_host}:5050",
+                     f"--host={data_host}"],
+                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+        trainer = hosts.start_trainer(
+            0,
+            [
+                "--strategy=one_device",
+                f"--model_dir={tmp_path / 'run'}",
+                f"--config.data.service=grpc://{data_host}:5050",
+                "--config.train.steps=200",
+                "--config.train.export=False",
+            ],
+            log=str(tmp_path / "trainer.log"),
+            cwd=str(tmp_path),
+        )
+        code = trainer.wait(timeout=TIMEOUT_S)
+    logs = (tmp_path / "trainer.log").read_text()[-3000:] + (tmp_path / "data.log").read_text()
+    assert code == 0, logs
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["input"]["address"] == f"grpc://{data_host}:5050"
+    assert results["eval"]["accuracy"] > 0.95, logs

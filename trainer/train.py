@@ -103,6 +103,7 @@ def train_and_evaluate(
 def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
     """Checks the config, sets up devices and builds the strategy plugin."""
     checks.check_config(config)
+    data_service.check(config.data)  # before a cluster is joined
     # The cluster becomes this process's `TF_CONFIG` before any plugin reads it.
     cluster_line = discovery.resolve(config.get("cluster"), config.strategy.name).line()
     if cluster_line:

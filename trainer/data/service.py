@@ -231,11 +231,12 @@ def started(
 
     `local:N` starts the dispatcher and the N workers here and stops them on the
     way out. Either way the dispatcher and a data worker must answer within
-    `data.service_timeout_s`. While the block runs, a local server or a remote
-    dispatcher that stops ends this process with one line and exit status 144,
-    which schedulers retry (the run resumes from its checkpoint): TensorFlow's
-    client would otherwise wait for it without end. Under `dynamic` sharding a
-    lost data worker of several is only reported: the others take over its work.
+    `data.service_timeout_s`. While the block runs, a local server that stops,
+    or a remote dispatcher silent for `data.service_timeout_s`, ends this process
+    with one line and exit status 144, which schedulers retry (the run resumes
+    from its checkpoint): TensorFlow's client would otherwise wait for it without
+    end. Under `dynamic` sharding a lost local data worker of several is only
+    reported: the others take over its work.
 
     Raises:
       UserError: a bad address or count, or nothing answers in time.
@@ -262,7 +263,7 @@ def started(
         _check_count(config.service, answering, mode)
         job = config.get("service_job", "")
         service = Service(address, answering, local is not None, mode, job)
-        stack.enter_context(_watched(service, local, say))
+        stack.enter_context(_watched(service, local, say, timeout_s))
         yield service
 
 
@@ -401,9 +402,13 @@ def wait_until_served(address: str, local: LocalService | None, timeout_s: float
 
 @contextlib.contextmanager
 def _watched(
-    service: Service, local: LocalService | None, say: Callable[[str], None]
+    service: Service, local: LocalService | None, say: Callable[[str], None], timeout_s: float
 ) -> Iterator[None]:
-    """Ends the process (exit 144) when a server the input needs stops, while the block runs."""
+    """Ends the process (exit 144) when a server the input needs stops, while the block runs.
+
+    A remote dispatcher may be gone for up to `timeout_s`: one restarted with its
+    `--work_dir` in that time carries on with the jobs, and so does training.
+    """
     done = threading.Event()
     reported: set[str] = set()
 
@@ -437,8 +442,11 @@ def _watched(
                 silent_since = None
             else:
                 silent_since = silent_since or time.monotonic()
-                if time.monotonic() - silent_since > 10 * _POLL_S:
-                    lost(f"the tf.data dispatcher at {service.address} stopped answering")
+                if time.monotonic() - silent_since > timeout_s:
+                    lost(
+                        f"the tf.data dispatcher at {service.address} stopped answering for "
+                        f"{timeout_s:g} s (`data.service_timeout_s`)"
+                    )
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
