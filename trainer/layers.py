@@ -294,7 +294,13 @@ class Dropout(keras.layers.Layer):
         keep = uniform[first : first + rows] >= self.rate
         # On the TensorFlow variable: Keras's `assign_add` reads, adds and assigns, and
         # between asynchronous workers of a parameter-server cluster steps were lost.
-        self.step.value.assign_add(1)
+        # In a stateless call (the stages of `pipeline`) the value is a tensor that
+        # Keras's own `assign_add` records as the new state.
+        value = self.step.value
+        if isinstance(value, tf.Variable):
+            value.assign_add(1)
+        else:
+            self.step.assign_add(1)
         scale = tf.cast(1.0 / (1.0 - self.rate), inputs.dtype)
         return tf.where(keep, inputs * scale, tf.zeros_like(inputs))
 
