@@ -306,4 +306,3 @@ class AtomicBatchNormalization(keras.layers.BatchNormalization):
             inputs, mean, variance, self.axis, offset=beta, scale=gamma, epsilon=self.epsilon
         )
         return tf.cast(outputs, self.compute_dtype)
-

@@ -110,4 +110,3 @@ def _capture(run: Callable[[], None], outcome: list) -> None:
         outcome.append(None)
     except BaseException as e:  # handed to the waiting thread
         outcome.append(e)
-

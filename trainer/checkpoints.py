@@ -304,4 +304,3 @@ def _take_async_error(checkpoint: tf.train.Checkpoint) -> Exception | None:
     if error is not None:
         helper._async_error = None
     return error
-

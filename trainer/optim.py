@@ -398,4 +398,3 @@ def build(
     optimizer = kinds[config.name](schedule(config, total_steps), config)
     tf_patches.count_steps_atomically(optimizer)
     return optimizer
-
