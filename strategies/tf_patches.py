@@ -18,6 +18,8 @@ it).
 - `replace_call`: one live model's `call` (`pipeline`'s stages).
 - `start_calls_unlocked`: TF's cluster start-up bindings (`pywrap_tfe`) run
   through `ctypes`, without the interpreter lock (`strategies.tf_start`).
+- `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
+  threads forgotten, so its `__del__` waits on nothing (`strategies.preemption`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ PATCHES = {
     ),
     "replace_call": Patch(
         "keras", ("3.15",), "Layer.__call__ runs self.call, an instance attribute first"
+    ),
+    "disarm_preemption_handler": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "PreemptionCheckpointHandler.__del__ joins its watcher threads (no public close)",
     ),
     "start_calls_unlocked": Patch(
         "tensorflow",
@@ -205,6 +212,23 @@ def tables_reach_workers_from_loops() -> None:
     table._towerflow_upstream_resource_handle = per_graph
     table.resource_handle = property(resource_handle)
     table._towerflow_outermost_capture = True
+
+
+def disarm_preemption_handler(handler) -> None:
+    """A `PreemptionCheckpointHandler`'s `__del__` will wait on nothing.
+
+    It has no public close; its `__del__` joins its watcher threads, one of
+    which waits on the coordination service's leader (an RPC without
+    deadline) and never returns when that task is gone. Its local signal
+    poller is told to stop, and both threads (daemons, ending with the
+    process) are forgotten.
+    """
+    targeted("disarm_preemption_handler")
+    stop = getattr(handler, "_poll_termination_signal_thread_should_stop", None)
+    if stop is not None:
+        stop.set()  # the local signal poller ends on its own; no peer is involved
+    handler._cluster_wise_termination_watcher_thread = None
+    handler._poll_termination_signal_thread = None
 
 
 # Binding name -> the C function's argument types between the context and the status,

@@ -8,6 +8,7 @@ what it says.
 import ctypes
 import inspect
 import logging
+import threading
 from unittest import mock
 
 import keras
@@ -138,3 +139,24 @@ def test_tf_start_bindings_are_c_functions_and_the_patch_puts_them_back():
         pywrap_tfe.TFE_EnableCollectiveOps(eager._handle, b"")  # `run` not called here
     assert calls == ["TFE_EnableCollectiveOps"]
     assert {name: getattr(pywrap_tfe, name) for name in tf_patches.BLOCKING} == originals
+
+
+def test_a_preemption_handler_joins_its_threads_on_del_until_disarmed():
+    from tensorflow.python.distribute.failure_handling import failure_handling  # noqa: PLC0415
+
+    handler = object.__new__(tf.distribute.experimental.PreemptionCheckpointHandler)
+    thread, stop = mock.Mock(), threading.Event()
+    handler._poll_termination_signal_thread_should_stop = stop
+    handler._poll_termination_signal_thread = thread
+    handler._cluster_wise_termination_watcher_thread = None
+    handler.__del__()
+    thread.join.assert_called_once()  # upstream: `__del__` waits for its threads
+    handler._poll_termination_signal_thread = thread
+    handler._cluster_wise_termination_watcher_thread = mock.Mock()
+    stop.clear()
+    tf_patches.disarm_preemption_handler(handler)
+    assert stop.is_set()
+    with mock.patch.object(failure_handling.context, "context") as eager:
+        handler.__del__()
+    eager.assert_not_called()  # no RPC to the leader
+    thread.join.assert_called_once()  # and no second join
