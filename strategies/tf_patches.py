@@ -18,6 +18,8 @@ it).
 - `replace_call`: one live model's `call` (`pipeline`'s stages).
 - `start_calls_unlocked`: TF's cluster start-up bindings (`pywrap_tfe`) run
   through `ctypes`, without the interpreter lock (`strategies.tf_start`).
+- `take_async_checkpoint_error`: the error of a failed background checkpoint
+  write, taken from TF's private field and cleared (`trainer.checkpoints`).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.preemption`).
 """
@@ -67,6 +69,11 @@ PATCHES = {
     ),
     "replace_call": Patch(
         "keras", ("3.15",), "Layer.__call__ runs self.call, an instance attribute first"
+    ),
+    "take_async_checkpoint_error": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "an async checkpoint's write error is kept in a private field and raised at exit",
     ),
     "disarm_preemption_handler": Patch(
         "tensorflow",
@@ -212,6 +219,22 @@ def tables_reach_workers_from_loops() -> None:
     table._towerflow_upstream_resource_handle = per_graph
     table.resource_handle = property(resource_handle)
     table._towerflow_outermost_capture = True
+
+
+def take_async_checkpoint_error(checkpoint: tf.train.Checkpoint) -> Exception | None:
+    """The error of the last failed background write, cleared so TF does not raise it again.
+
+    TensorFlow (2.20, 2.21) keeps it in a private field and raises it only from
+    an `atexit` hook, as a traceback after the process has reported; no public
+    API returns it. Without that field (another version), None: the missing
+    index file then tells a failed write apart.
+    """
+    helper = getattr(checkpoint, "_async_checkpointer_impl", None)
+    error = getattr(helper, "_async_error", None)
+    if error is not None:
+        targeted("take_async_checkpoint_error")
+        helper._async_error = None
+    return error
 
 
 def disarm_preemption_handler(handler) -> None:

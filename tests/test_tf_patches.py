@@ -160,3 +160,15 @@ def test_a_preemption_handler_joins_its_threads_on_del_until_disarmed():
         handler.__del__()
     eager.assert_not_called()  # no RPC to the leader
     thread.join.assert_called_once()  # and no second join
+
+
+def test_an_async_checkpoint_keeps_its_write_error_in_a_private_field(tmp_path):
+    checkpoint = tf.train.Checkpoint(v=tf.Variable(1.0))
+    checkpoint.save(str(tmp_path / "ckpt"), options=tf.train.CheckpointOptions(enable_async=True))
+    checkpoint.sync()
+    helper = checkpoint._async_checkpointer_impl
+    assert helper._async_error is None  # the field upstream keeps the error in
+    assert tf_patches.take_async_checkpoint_error(checkpoint) is None
+    helper._async_error = OSError("disk full")
+    assert str(tf_patches.take_async_checkpoint_error(checkpoint)) == "disk full"
+    assert helper._async_error is None, "cleared: TF does not raise it again at exit"

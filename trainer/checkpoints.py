@@ -198,7 +198,7 @@ class Checkpointer:
             return
         (step, path), self._pending = self._pending, None
         self.checkpoint.sync()
-        error = _take_async_error(self.checkpoint)
+        error = tf_patches.take_async_checkpoint_error(self.checkpoint)
         if error is None and not tf.io.gfile.exists(path + ".index"):
             error = tf.errors.DataLossError(None, None, f"{path}.index was not written")
         if error is not None:
@@ -289,18 +289,3 @@ def _total_bytes(trackables: list) -> int:
             seen.add(id(variable))
             total += math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
     return total
-
-
-def _take_async_error(checkpoint: tf.train.Checkpoint) -> Exception | None:
-    """The error of the last failed background write, cleared so TF does not raise it again.
-
-    TensorFlow (2.20, 2.21) keeps it in a private field and raises it only from
-    an `atexit` hook, as a traceback after the process has reported; no public
-    API returns it. Without that field (another version), None: the missing
-    index file then tells a failed write apart.
-    """
-    helper = getattr(checkpoint, "_async_checkpointer_impl", None)
-    error = getattr(helper, "_async_error", None)
-    if error is not None:
-        helper._async_error = None
-    return error
