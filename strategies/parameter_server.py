@@ -47,7 +47,7 @@ import keras
 import tensorflow as tf
 
 from strategies import cluster as cluster_lib
-from strategies import membership, ps_staleness, ps_sync, sharding, tf_start
+from strategies import membership, ps_staleness, ps_sync, sharding, tf_patches, tf_start
 from strategies.base import DatasetFn, StepFn, Strategy, TrainStepProtocol, _to_floats
 from strategies.errors import UserError
 from strategies.registry import register
@@ -102,7 +102,7 @@ class ParameterServer(Strategy):
             rpc_layer=self._cluster.rpc_layer,
         )
         strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=None)
-        _tables_reach_workers_from_loops()
+        tf_patches.tables_reach_workers_from_loops()
         return strategy
 
     def _check_update_options(self) -> None:
@@ -184,7 +184,7 @@ class ParameterServer(Strategy):
         """
         for layer in model._flatten_layers(include_self=False):
             if type(layer) is keras.layers.BatchNormalization and not layer.renorm:
-                layer.__class__ = AtomicBatchNormalization
+                tf_patches.swap_class(layer, AtomicBatchNormalization)
 
     def distribute_dataset(self, dataset_fn: DatasetFn):
         """One input pipeline per worker: `dataset_fn` for that worker's `InputContext`.
@@ -306,44 +306,3 @@ class AtomicBatchNormalization(keras.layers.BatchNormalization):
             inputs, mean, variance, self.axis, offset=beta, scale=gamma, epsilon=self.epsilon
         )
         return tf.cast(outputs, self.compute_dtype)
-
-
-def _tables_reach_workers_from_loops() -> None:
-    """A vocabulary table (`StringLookup`, ...) used inside a loop reaches each worker's copy.
-
-    Created under the strategy's scope, a lookup table is a `DistributedTable`:
-    a copy on every worker, whose handle a scheduled function receives at call
-    time (`capture_call_time_value`). TensorFlow captures it in the graph
-    where the lookup is traced; inside the body of the loop of steps that is a
-    nested graph, whose call-time captures nobody feeds ("You must feed a value
-    for placeholder tensor ... Lookup/Placeholder"). Here the handle is captured
-    once in the outermost function graph, which the call feeds, and the nested
-    graph captures that tensor as any other.
-    """
-    from tensorflow.python.distribute import ps_values  # noqa: PLC0415
-    from tensorflow.python.framework import func_graph  # noqa: PLC0415
-
-    table = ps_values.DistributedTable
-    if getattr(table, "_towerflow_outermost_capture", False):
-        return
-    per_graph = table.resource_handle.fget
-
-    def resource_handle(self):
-        graph = tf.compat.v1.get_default_graph()
-        outermost = graph
-        while isinstance(getattr(outermost, "outer_graph", None), func_graph.FuncGraph):
-            outermost = outermost.outer_graph
-        if outermost is graph or tf.executing_eagerly():
-            return per_graph(self)
-        with outermost.as_default():
-            self._maybe_build_distributed_table()
-            closure, spec = self.resource_handle_call_time_value()
-            return outermost.capture_call_time_value(
-                closure,
-                spec,
-                key=("towerflow-table", id(self)),
-                default_value=self._coordinator_instance.resource_handle,
-            )
-
-    table.resource_handle = property(resource_handle)
-    table._towerflow_outermost_capture = True

@@ -41,7 +41,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from strategies import devices
+from strategies import devices, tf_patches
 from strategies.base import DatasetFn, StepFn, Strategy
 from strategies.errors import UserError
 from strategies.registry import register
@@ -127,9 +127,7 @@ class Pipeline(Strategy):
             micro = self.micro_batches if training else 1
             return run_by_stages(self.stages, inputs, micro, training)
 
-        # An attribute of this one model (not its class): Keras's `__call__` then
-        # runs it with the usual `training` handling.
-        object.__setattr__(model, "call", call)
+        tf_patches.replace_call(model, call)
 
     @contextlib.contextmanager
     def _by_stages(self) -> Iterator[None]:

@@ -149,11 +149,9 @@ def _close_within(
         )
         closer.start()
         closer.join(timeout_s)
-    stop = getattr(handler, "_poll_termination_signal_thread_should_stop", None)
-    if stop is not None:
-        stop.set()  # the local signal poller ends on its own; no peer is involved
-    handler._cluster_wise_termination_watcher_thread = None
-    handler._poll_termination_signal_thread = None
+    from strategies import tf_patches  # noqa: PLC0415 (TensorFlow: only once a handler exists)
+
+    tf_patches.disarm_preemption_handler(handler)
 
 
 @contextlib.contextmanager

@@ -8,19 +8,19 @@ the wait has no end of its own (a leader that never answers), so no Python
 code runs: no watchdog, no signal handler. Worse, TensorFlow installs a
 SIGTERM handler of its own there, which only records the signal.
 
-`bounded` runs those calls through `ctypes`, which releases the lock, in a
-thread of their own; this thread meanwhile waits in Python: after
-`timeout_s` it raises `TaskLost` (one line, exit 144), and SIGTERM raises
-exit 143 (the handler is put back every few milliseconds, so TensorFlow's
-own cannot keep it). The call left running is abandoned with the process,
-which exits without interpreter teardown (the command's `TaskLost` path
-does the same), as the teardown would crash under it.
+`bounded` runs those calls through `ctypes`, which releases the lock
+(`tf_patches.start_calls_unlocked`), in a thread of their own; this thread
+meanwhile waits in Python: after `timeout_s` it raises `TaskLost` (one
+line, exit 144), and SIGTERM raises exit 143 (the handler is put back every
+few milliseconds, so TensorFlow's own cannot keep it). The call left running
+is abandoned with the process, which exits without interpreter teardown (the
+command's `TaskLost` path does the same), as the teardown would crash under
+it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -28,24 +28,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from tensorflow.python import pywrap_tfe
-from tensorflow.python.framework import errors
-
+from strategies import tf_patches
 from strategies.errors import PREEMPTED_EXIT_CODE, TaskLost
 from strategies.preemption import Preempted
 
 POLL_S = 0.02  # how often the waiting thread looks at the clock and re-asserts its handler
 SAY_AFTER_S = 1.0  # a call still running after this long is named once
-# Binding name -> the C function's argument types between the context and the status,
-# and the values it takes after the status (the binding passes none).
-_BLOCKING = {
-    "TFE_EnableCollectiveOps": ((ctypes.c_char_p, ctypes.c_size_t), ()),
-    "TFE_ContextSetServerDef": ((ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t), ()),
-    "TFE_ContextSetServerDefWithTimeoutAndRetries": (
-        (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int),
-        (False,),  # clear_existing_contexts
-    ),
-}
 
 
 @contextlib.contextmanager
@@ -108,15 +96,11 @@ def bounded(
         if outcome[0] is not None:
             raise outcome[0]
 
-    originals = {name: getattr(pywrap_tfe, name) for name in _BLOCKING}
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        for name, (types, tail) in _BLOCKING.items():
-            setattr(pywrap_tfe, name, _unlocked(name, types, tail, call))
-        yield
+        with tf_patches.start_calls_unlocked(call):
+            yield
     finally:
-        for name, original in originals.items():
-            setattr(pywrap_tfe, name, original)
         signal.signal(signal.SIGTERM, previous)
 
 
@@ -126,69 +110,3 @@ def _capture(run: Callable[[], None], outcome: list) -> None:
         outcome.append(None)
     except BaseException as e:  # handed to the waiting thread
         outcome.append(e)
-
-
-def _unlocked(name: str, types: tuple, tail: tuple, call: Callable) -> Callable:
-    """The binding `name` as a C call through `ctypes` (no interpreter lock held), run by `call`."""
-    function = getattr(_library("libtensorflow_cc.so.2"), name)
-    function.argtypes = (ctypes.c_void_p, *types, ctypes.c_void_p, *(ctypes.c_bool for _ in tail))
-    function.restype = None
-
-    def binding(context, *args):
-        pointer = _context_pointer(context)
-        args = tuple(_c_args(args))
-
-        def run():
-            status = _STATUS.TF_NewStatus()
-            try:
-                function(pointer, *args, status, *tail)
-                code = _STATUS.TF_GetCode(status)
-                if code:
-                    message = _STATUS.TF_Message(status).decode(errors="replace")
-                    raise errors.exception_type_from_error_code(code)(None, None, message)
-            finally:
-                _STATUS.TF_DeleteStatus(status)
-
-        call(name, run)
-
-    return binding
-
-
-def _c_args(args) -> Iterator:
-    """A binding's arguments after the context, as the C function takes them."""
-    for arg in args:
-        if isinstance(arg, bytes):  # a serialized `ServerDef`, then its length
-            yield arg
-            yield len(arg)
-        else:
-            yield arg
-
-
-def _context_pointer(context) -> int:
-    """The `TFE_Context*` inside the binding's capsule."""
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.argtypes = (ctypes.py_object, ctypes.c_char_p)
-    get.restype = ctypes.c_void_p
-    return get(context, None)
-
-
-def _library(filename: str) -> ctypes.CDLL:
-    import tensorflow as tf  # noqa: PLC0415 (where its libraries are)
-
-    return ctypes.CDLL(os.path.join(os.path.dirname(tf.__file__), filename))
-
-
-def _status_library() -> ctypes.CDLL:
-    library = _library("libtensorflow_framework.so.2")
-    library.TF_NewStatus.restype = ctypes.c_void_p
-    library.TF_NewStatus.argtypes = ()
-    library.TF_GetCode.restype = ctypes.c_int
-    library.TF_GetCode.argtypes = (ctypes.c_void_p,)
-    library.TF_Message.restype = ctypes.c_char_p
-    library.TF_Message.argtypes = (ctypes.c_void_p,)
-    library.TF_DeleteStatus.restype = None
-    library.TF_DeleteStatus.argtypes = (ctypes.c_void_p,)
-    return library
-
-
-_STATUS = _status_library()

@@ -163,6 +163,24 @@ def launch(*args: str, cwd: str, timeout: float = TIMEOUT_S) -> subprocess.Compl
     return run_cli(*args, cwd=cwd, timeout=timeout, module="trainer.launch")
 
 
+def assert_exit(result: subprocess.CompletedProcess, code: int = 0) -> None:
+    """`result` (a finished command) exited with `code`; else the tail of its output is shown."""
+    assert result.returncode == code, (
+        f"exit {result.returncode}, expected {code}:\n"
+        + (result.stdout or "")[-4000:]
+        + (result.stderr or "")[-3000:]
+    )
+
+
+def launched(
+    *args: str, cwd, timeout: float = TIMEOUT_S, code: int = 0
+) -> subprocess.CompletedProcess:
+    """`launch(ARGS)` on a local cluster, asserted to exit with `code` (output tail if not)."""
+    result = launch(*args, cwd=str(cwd), timeout=timeout)
+    assert_exit(result, code)
+    return result
+
+
 def train_on_cluster(
     tmp_path: pathlib.Path, *trainer_flags: str, workers: int = 2, ps: int = 1
 ) -> dict:
@@ -173,8 +191,7 @@ def train_on_cluster(
     """
     model_dir = tmp_path / "model"
     cluster = [f"--workers={workers}"] + ([f"--ps={ps}"] if ps else [])
-    result = launch(*cluster, "--", f"--model_dir={model_dir}", *trainer_flags, cwd=str(tmp_path))
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    launched(*cluster, "--", f"--model_dir={model_dir}", *trainer_flags, cwd=tmp_path)
     return json.loads((model_dir / "results.json").read_text())
 
 

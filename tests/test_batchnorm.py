@@ -10,7 +10,7 @@ statistics are averaged over the replicas, so every copy holds the same value.
 import numpy as np
 import pytest
 
-from tests.helpers import checkpoint_values, launch, tiny_config
+from tests.helpers import checkpoint_values, launched, tiny_config
 from trainer import train
 
 SMALL = {
@@ -52,7 +52,7 @@ def test_builtin_resnet_under_four_mirrored_replicas_matches_one_device(one_devi
 
 def test_builtin_resnet_under_two_workers_matches_one_device(one_device, tmp_path):
     flags = [f"--config.{k}={v}" for k, v in SMALL.items()]
-    result = launch(
+    result = launched(
         "--workers=2",
         "--",
         "--strategy=multi_worker",
@@ -65,7 +65,6 @@ def test_builtin_resnet_under_two_workers_matches_one_device(one_device, tmp_pat
         *flags,
         cwd=str(tmp_path),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "replicas: 2" in result.stdout
     _assert_same(checkpoint_values(tmp_path / "run"), one_device)
 

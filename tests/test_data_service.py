@@ -25,12 +25,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import helpers
 from tests.helpers import (
     REPO,
     TIMEOUT_S,
     checkpoint_values,
     kill,
-    launch,
+    launched,
     one_line_error,
     run_cli,
     spawn,
@@ -316,7 +317,7 @@ def test_a_server_without_role_port_or_dispatcher_is_one_line(args, match):
     ],
 )
 def test_a_local_cluster_trains_on_the_launchers_data_workers(tmp_path, topology, strategy, mode):
-    result = launch(
+    result = launched(
         *topology,
         "--",
         f"--strategy={strategy}",
@@ -326,7 +327,6 @@ def test_a_local_cluster_trains_on_the_launchers_data_workers(tmp_path, topology
         "--config.train.export=False",
         cwd=tmp_path,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[data:dispatcher] dispatcher serving at" in result.stdout
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["input"]["processing_mode"] == mode
@@ -387,7 +387,7 @@ def test_sweep_trials_with_one_pipeline_share_one_stream(tmp_path):
         cwd=tmp_path,
         module="trainer.sweep",
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    helpers.assert_exit(result)
     assert re.search(r"^\[sweep\] trials 00, 01: one shared input stream", result.stdout, re.M)
     inputs = [
         json.loads(path.read_text())["input"]

@@ -37,7 +37,7 @@ def _results(model_dir) -> dict:
 
 
 def _check(run, model_dir, example: str) -> dict:
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    helpers.assert_exit(run)
     results = _results(model_dir)
     reported, _ = EXAMPLES[example]
     assert set(reported) <= set(results["eval"]), results["eval"]
@@ -120,6 +120,6 @@ def test_the_compiled_model_example_needs_no_task_code(tmp_path):
         f"--model_dir={model_dir}",
         cwd=helpers.REPO,
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    helpers.assert_exit(run)
     results = _results(model_dir)
     assert results["eval"]["accuracy"] > 0.95 and results["eval"]["top3"] > 0.98

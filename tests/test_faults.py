@@ -5,7 +5,6 @@ import re
 import signal
 import socket
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -119,13 +118,19 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
 
 def test_the_watchdog_names_tasks_that_do_not_answer_while_a_loop_is_overdue():
     reports = []
+    said = threading.Event()
+
+    def report(line):
+        reports.append(line)
+        said.set()
+
     probe = lambda: ["worker:1 (127.0.0.1:9)"]  # noqa: E731
-    with faults.Watchdog(probe, reports.append, after_s=0.05) as watchdog:
+    with faults.Watchdog(probe, report, after_s=0.05) as watchdog:
         with watchdog.loop(40):
             pass  # a quick loop: nothing to say
         assert reports == []
         with watchdog.loop(60):
-            time.sleep(0.3)
+            assert said.wait(timeout=60), "an overdue loop is reported"
     assert reports and "loop from step 60" in reports[0]
     assert "not answering: worker:1 (127.0.0.1:9)" in reports[0]
 

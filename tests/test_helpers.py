@@ -95,3 +95,13 @@ def test_a_failed_test_leaves_no_cluster_behind(tmp_path):
     assert len(pids) == 4, pids
     assert launcher.returncode is not None
     assert not [pid for pid in [launcher.pid, *pids] if _alive(pid)], "processes left behind"
+
+
+def test_assert_exit_shows_the_tail_of_the_output_when_the_code_differs():
+    done = subprocess.CompletedProcess(["x"], 3, "early\n" + "o" * 5000 + "LAST OUT", "ERR TAIL")
+    helpers.assert_exit(done, 3)
+    with pytest.raises(AssertionError) as caught:
+        helpers.assert_exit(done)
+    message = str(caught.value)
+    assert "exit 3, expected 0" in message and "LAST OUT" in message and "ERR TAIL" in message
+    assert "early" not in message, "only the tail"

@@ -280,6 +280,23 @@ def _launcher(*args, **kwargs):
     )
 
 
+def _read_until(proc: subprocess.Popen, text: str) -> str:
+    """The launcher's output up to and including the first line holding `text` (asserted)."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            return "".join(lines)
+    raise AssertionError(f"{text!r} never printed:\n" + "".join(lines)[-3000:])
+
+
+def _rest(proc: subprocess.Popen) -> str:
+    """The launcher's output after `_read_until` (its buffer included), once it has exited."""
+    rest = proc.stdout.read()
+    proc.wait(timeout=TIMEOUT_S)
+    return rest
+
+
 def test_command_line_passes_the_trainer_flags_through(tmp_path):
     proc = _launcher("--workers=2", "--grace_s=5", "--", "--sleep=1", "--exit=worker:0=0@0.5", "x")
     try:
@@ -300,9 +317,9 @@ def test_a_signal_to_the_launcher_stops_every_task(tmp_path, sig):
             time.sleep(0.1)
         assert len(_pids(tmp_path)) == 8, "4 tasks and their children started"
         proc.send_signal(sig)
-        time.sleep(0.05)
+        got = _read_until(proc, f"[launch] got {sig.name}")
         proc.send_signal(sig)  # pressed twice: the cleanup still runs to the end
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
+        out = got + _rest(proc)
     finally:
         proc.kill()
     assert proc.returncode == 128 + sig
@@ -321,10 +338,11 @@ def test_an_interrupted_cluster_may_save_once_and_is_killed_on_the_second(tmp_pa
         while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         start = time.monotonic()
-        for _ in range(times):
+        proc.send_signal(signal.SIGTERM)
+        out = _read_until(proc, "to save and exit (signal again to kill them now)")
+        if times == 2:
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
+        out += _rest(proc)
         took = time.monotonic() - start
     finally:
         proc.kill()

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import TIMEOUT_S, kill, launch, one_line_error, start_cli, tiny_config
+from tests.helpers import TIMEOUT_S, kill, launched, one_line_error, start_cli, tiny_config
 from trainer import actions, train
 
 
@@ -88,7 +88,7 @@ def test_bad_profile_steps_are_one_line(steps, tmp_path):
 
 def test_two_workers_end_blocks_together_and_only_the_chief_profiles(tmp_path):
     """A block that ended on the chief alone would leave the workers' collectives unmatched."""
-    result = launch(
+    result = launched(
         "--workers=2",
         "--",
         "--strategy=multi_worker",
@@ -100,7 +100,6 @@ def test_two_workers_end_blocks_together_and_only_the_chief_profiles(tmp_path):
         "--config.eval.every=0",
         cwd=str(tmp_path),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "profile of steps 3 to 6 written" in result.stdout
     traces = list((tmp_path / "mw" / "train" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1

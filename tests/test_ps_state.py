@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from strategies.parameter_server import AtomicBatchNormalization
-from tests.helpers import checkpoint_values, launch, tiny_config
+from tests.helpers import checkpoint_values, launched, tiny_config
 from trainer import train
 
 STEPS = 60  # one_device reaches about 0.9
@@ -50,7 +50,7 @@ def test_no_update_is_lost_under_parameter_servers(tmp_path):
     one = train.train_and_evaluate(
         tiny_config(**JOB, **{"strategy.name": "one_device"}), str(tmp_path / "one")
     )
-    result = launch(
+    launched(
         "--workers=2",
         "--ps=1",
         "--",
@@ -62,7 +62,6 @@ def test_no_update_is_lost_under_parameter_servers(tmp_path):
         *[f"--config.{k}={v}" for k, v in JOB.items()],
         cwd=str(tmp_path),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ps = json.loads((tmp_path / "run" / "results.json").read_text())
     assert ps["step"] == STEPS
     values = checkpoint_values(tmp_path / "run")

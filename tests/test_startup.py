@@ -12,7 +12,7 @@ import pytest
 
 from strategies import cluster
 from strategies.errors import TaskLost, UserError
-from tests.helpers import TIMEOUT_S, kill, launch, start_task, tiny_config
+from tests.helpers import TIMEOUT_S, kill, launched, start_task, tiny_config
 from trainer import train
 from trainer.launch import pick_ports
 
@@ -182,7 +182,7 @@ def test_a_cluster_trains_with_proxy_variables_set(tmp_path, monkeypatch):
     monkeypatch.setenv("grpc_proxy", "http://127.0.0.1:9")
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("no_grpc_proxy", raising=False)
-    result = launch(
+    result = launched(
         "--workers=2",
         "--",
         "--strategy=multi_worker",
@@ -193,6 +193,5 @@ def test_a_cluster_trains_with_proxy_variables_set(tmp_path, monkeypatch):
         "--config.train.export=False",
         cwd=str(tmp_path),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[worker:0] warning: `grpc_proxy`, `http_proxy` set;" in result.stdout
     assert json.loads((tmp_path / "run" / "results.json").read_text())["step"] == 20

@@ -1,6 +1,9 @@
 """The strategy contract, checked for every registered plugin."""
 
+import contextlib
 import importlib.metadata
+from collections.abc import Iterator
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -11,39 +14,69 @@ from strategies import cluster, registry
 from strategies.base import variable_devices
 from tests.conftest import LOGICAL_CPUS
 
-NAMES = sorted(strategies.available())
-SINGLE_PROCESS = [n for n in NAMES if n in ("default", "one_device", "mirrored", "central_storage")]
 GLOBAL_BATCH = 8
+# A third-party plugin, installed as another package would install it (an entry point).
+TOY = importlib.metadata.EntryPoint(
+    name="toy", value="tests.toy_plugin:Toy", group=registry.ENTRY_POINT_GROUP
+)
+
+
+@contextlib.contextmanager
+def _toy_installed() -> Iterator[None]:
+    """The registry as it reads with `TOY` installed too; the real one afterwards."""
+    real = importlib.metadata.entry_points
+
+    def entry_points(**kwargs):
+        found = list(real(**kwargs))
+        return [*found, TOY] if kwargs.get("group") == registry.ENTRY_POINT_GROUP else found
+
+    registry.available()  # the built-in plugins registered in the real registry
+    copy = registry.Registry("Strategy", origin=registry._origin)
+    copy.update(registry._REGISTRY)
+    with (
+        mock.patch.object(importlib.metadata, "entry_points", entry_points),
+        mock.patch.object(registry, "_entry_points_loaded", False),
+        mock.patch.object(registry, "_REGISTRY", copy),
+        mock.patch.object(registry, "_from_packages", set()),
+    ):
+        yield
+
+
+with _toy_installed():
+    PLUGINS = sorted(registry.available())  # every registered plugin, the toy among them
 
 
 def _expected_placement(name: str) -> list[str]:
     cpus = [f"CPU:{i}" for i in range(LOGICAL_CPUS)]
     return {
-        "default": ["CPU:0"],
-        "one_device": ["CPU:0"],
         "mirrored": cpus,  # a copy on every replica's device
         "central_storage": ["CPU:0"],  # one copy, on the host
-    }[name]
+    }.get(name, ["CPU:0"])  # the others: one copy, on the first device (or the host)
 
 
-@pytest.fixture(params=SINGLE_PROCESS)
+@pytest.fixture(params=PLUGINS)
 def strategy(request):
-    return strategies.get(request.param)
+    """Each registered plugin, built in this process; one that needs a cluster says so."""
+    with _toy_installed():
+        try:
+            return registry.get(request.param)
+        except strategies.UserError as e:
+            assert "\n" not in str(e) and "TF_CONFIG" in str(e) and "trainer.launch" in str(e)
+            pytest.skip(f"{request.param} needs a cluster: its contract runs in its cluster tests")
 
 
-def test_builtins_are_registered():
-    assert {"default", "one_device", "mirrored", "central_storage"} <= set(NAMES)
+def test_builtins_and_third_party_plugins_are_registered():
+    assert {"default", "one_device", "mirrored", "central_storage", "toy"} <= set(PLUGINS)
+    assert "toy" not in strategies.available(), "the registry is the real one again"
     assert all(strategies.available().values()), "every plugin has a description"
 
 
 def test_replica_counts(strategy):
-    expected = {
-        "default": 1,
-        "one_device": 1,
-        "mirrored": LOGICAL_CPUS,
-        "central_storage": LOGICAL_CPUS,
-    }
-    assert strategy.num_replicas_in_sync == expected[strategy.name]
+    # One per logical CPU for the replicating built-ins; a plugin with other rules has as
+    # many as it runs the function of a step on.
+    ran = len(strategy.local_results(strategy.call_for_each_replica(lambda: tf.constant(0))))
+    expected = {"mirrored": LOGICAL_CPUS, "central_storage": LOGICAL_CPUS}.get(strategy.name, ran)
+    assert strategy.num_replicas_in_sync == expected == ran
     assert strategy.membership.is_chief
 
 

@@ -1,7 +1,7 @@
 """The watchdog ends a loop that waits on a task which stopped answering."""
 
+import itertools
 import threading
-import time
 
 from strategies import errors
 from trainer import faults
@@ -26,17 +26,25 @@ def test_a_task_silent_for_the_bound_makes_the_watchdog_give_up():
 
 
 def test_a_task_that_answers_again_restarts_the_count():
-    answers = iter([["worker:1 (h:1)"], [], ["worker:1 (h:1)"], []] * 100)
+    answers = itertools.cycle([["worker:1 (h:1)"], [], ["worker:1 (h:1)"], []])
+    probes = itertools.count(1)
+    probed_enough = threading.Event()  # well past `give_up_s` of silences, had they added up
+
+    def probe():
+        if next(probes) >= 40:
+            probed_enough.set()
+        return next(answers)
+
     given_up = []
     watchdog = faults.Watchdog(
-        lambda: next(answers),
+        probe,
         lambda _: None,
         after_s=0.02,
         give_up_s=0.1,
         give_up=lambda lost, s: given_up.append(lost),
     )
     with watchdog, watchdog.loop(0):
-        time.sleep(1.0)
+        assert probed_enough.wait(timeout=60), "the watchdog did not probe"
     assert given_up == []
 
 

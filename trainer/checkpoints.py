@@ -31,10 +31,9 @@ import re
 import shutil
 import sys
 
-import keras
 import tensorflow as tf
 
-from strategies import scratch
+from strategies import scratch, tf_patches
 from strategies.errors import UserError, one_line
 
 _STATE_FILE = "checkpoint"  # the name TensorFlow's `latest_checkpoint` reads
@@ -87,7 +86,7 @@ class Checkpointer:
         async_save = async_save and _all_on_task(variables, self._save_counter.device)
         self._options = tf.train.CheckpointOptions(enable_async=async_save)
         if async_save:
-            _let_keras_variables_save_asynchronously()
+            tf_patches.keras_variables_save_asynchronously()
         self._max_to_keep = max_to_keep if is_chief else 1  # scratch holds memory: no more
         self._temp_dir = None if is_chief else scratch.make("ckpt")
         self._write_dir = self._temp_dir or self.directory
@@ -199,7 +198,7 @@ class Checkpointer:
             return
         (step, path), self._pending = self._pending, None
         self.checkpoint.sync()
-        error = _take_async_error(self.checkpoint)
+        error = tf_patches.take_async_checkpoint_error(self.checkpoint)
         if error is None and not tf.io.gfile.exists(path + ".index"):
             error = tf.errors.DataLossError(None, None, f"{path}.index was not written")
         if error is not None:
@@ -290,35 +289,3 @@ def _total_bytes(trackables: list) -> int:
             seen.add(id(variable))
             total += math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
     return total
-
-
-def _take_async_error(checkpoint: tf.train.Checkpoint) -> Exception | None:
-    """The error of the last failed background write, cleared so TF does not raise it again.
-
-    TensorFlow (2.20, 2.21) keeps it in a private field and raises it only from
-    an `atexit` hook, as a traceback after the process has reported; no public
-    API returns it. Without that field (another version), None: the missing
-    index file then tells a failed write apart.
-    """
-    helper = getattr(checkpoint, "_async_checkpointer_impl", None)
-    error = getattr(helper, "_async_error", None)
-    if error is not None:
-        helper._async_error = None
-    return error
-
-
-def _let_keras_variables_save_asynchronously() -> None:
-    """Lets TF's asynchronous saver copy Keras variables more than once.
-
-    Keras 3's `Variable._copy_trackable_to_cpu` makes a new `tf.Variable` each
-    time, and TF calls it inside a `tf.function`, where only the first trace may
-    create variables: the second asynchronous save fails. TF already keeps a
-    host copy of the wrapped `tf.Variable` up to date, and the Keras variable
-    saves exactly that value, so it can share that copy.
-    """
-
-    def copy_to_cpu(variable, object_map):
-        variable.value._copy_trackable_to_cpu(object_map)
-        object_map[variable] = object_map[variable.value]
-
-    keras.Variable._copy_trackable_to_cpu = copy_to_cpu

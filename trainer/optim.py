@@ -28,6 +28,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
+from strategies import tf_patches
 from strategies.errors import UserError
 from trainer import tables
 
@@ -402,17 +403,5 @@ def build(
         )
     kinds = OPTIMIZERS if fused else KERAS_OPTIMIZERS
     optimizer = kinds[config.name](schedule(config, total_steps), config)
-    _count_steps_atomically(optimizer)
+    tf_patches.count_steps_atomically(optimizer)
     return optimizer
-
-
-def _count_steps_atomically(optimizer: keras.optimizers.Optimizer) -> None:
-    """Makes `optimizer.iterations` count every step when workers step at once.
-
-    Keras adds to its step counter by reading the value and assigning the sum;
-    asynchronous parameter-server workers then lose counts, so the job runs
-    past `train.steps` and its schedule lags. The TF variable's own
-    `assign_add` is atomic.
-    """
-    counter = optimizer.iterations
-    counter.assign_add = lambda value: counter.value.assign_add(tf.cast(value, counter.dtype))

@@ -1,0 +1,351 @@
+"""Every change towerflow makes to TensorFlow's or Keras's own objects, in one place.
+
+Each patch below works around one upstream behaviour, names it, and targets
+the versions in its `Patch` (`PATCHES`). A patch applies only where what it
+replaces is still there; on a version it does not target it applies the same
+and logs one warning, so an upgrade is checked (`tests/test_tf_patches.py`
+asserts each upstream behaviour still holds, and fails when upstream changes
+it).
+
+- `keras_variables_save_asynchronously`: Keras 3 variables copied to the host
+  more than once by TF's asynchronous checkpoint (process-wide).
+- `count_steps_atomically`: an optimizer's step counter counts with an
+  atomic add (one live optimizer's `iterations.assign_add`).
+- `tables_reach_workers_from_loops`: a `DistributedTable` captured in the
+  outermost function graph (process-wide, `parameter_server`).
+- `swap_class`: a documented subclass swap (`layer.__class__`) of a layer
+  built by the user's model (`parameter_server`'s BatchNorm).
+- `replace_call`: one live model's `call` (`pipeline`'s stages).
+- `start_calls_unlocked`: TF's cluster start-up bindings (`pywrap_tfe`) run
+  through `ctypes`, without the interpreter lock (`strategies.tf_start`).
+- `take_async_checkpoint_error`: the error of a failed background checkpoint
+  write, taken from TF's private field and cleared (`trainer.checkpoints`).
+- `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
+  threads forgotten, so its `__del__` waits on nothing (`strategies.preemption`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Iterator
+
+import keras
+import tensorflow as tf
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.framework import errors
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One workaround: the library it changes, the versions it targets, the upstream behaviour."""
+
+    library: str  # "tensorflow" | "keras"
+    versions: tuple[str, ...]  # version prefixes it was written and tested for
+    upstream: str  # the behaviour it works around
+
+
+PATCHES = {
+    "keras_variables_save_asynchronously": Patch(
+        "keras",
+        ("3.15",),
+        "keras.Variable._copy_trackable_to_cpu makes a new tf.Variable on every call",
+    ),
+    "count_steps_atomically": Patch(
+        "keras", ("3.15",), "keras.Variable.assign_add reads the value, then assigns the sum"
+    ),
+    "tables_reach_workers_from_loops": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "DistributedTable.resource_handle captures its call-time value in the current graph",
+    ),
+    "swap_class": Patch(
+        "keras",
+        ("3.15",),
+        "BatchNormalization assigns momentum * read + (1 - momentum) * batch (not atomic)",
+    ),
+    "replace_call": Patch(
+        "keras", ("3.15",), "Layer.__call__ runs self.call, an instance attribute first"
+    ),
+    "take_async_checkpoint_error": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "an async checkpoint's write error is kept in a private field and raised at exit",
+    ),
+    "disarm_preemption_handler": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "PreemptionCheckpointHandler.__del__ joins its watcher threads (no public close)",
+    ),
+    "start_calls_unlocked": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "pywrap_tfe's cluster start-up bindings hold the interpreter lock until they return",
+    ),
+}
+_VERSIONS = {"tensorflow": tf.__version__, "keras": keras.__version__}
+_warned: set[str] = set()
+
+
+def targeted(name: str) -> bool:
+    """Whether the installed library is a version patch `name` targets (else one warning)."""
+    patch = PATCHES[name]
+    version = _VERSIONS[patch.library]
+    if version.startswith(patch.versions):
+        return True
+    if name not in _warned:
+        _warned.add(name)
+        logging.warning(
+            "towerflow's patch %s targets %s %s, found %s: check that upstream still %s.",
+            name,
+            patch.library,
+            " / ".join(patch.versions),
+            version,
+            patch.upstream,
+        )
+    return False
+
+
+# Keras (process-wide) -------------------------------------------------------------------
+
+_KERAS_COPY_TO_CPU = getattr(keras.Variable, "_copy_trackable_to_cpu", None)  # upstream's
+
+
+def keras_variables_save_asynchronously() -> None:
+    """Lets TF's asynchronous saver copy Keras variables more than once.
+
+    Keras 3's `Variable._copy_trackable_to_cpu` makes a new `tf.Variable` each
+    time, and TF calls it inside a `tf.function`, where only the first trace may
+    create variables: the second asynchronous save fails. TF already keeps a
+    host copy of the wrapped `tf.Variable` up to date, and the Keras variable
+    saves exactly that value, so it can share that copy.
+    """
+    if _KERAS_COPY_TO_CPU is None:
+        return  # upstream no longer copies Keras variables itself
+    targeted("keras_variables_save_asynchronously")
+
+    def copy_to_cpu(variable, object_map):
+        variable.value._copy_trackable_to_cpu(object_map)
+        object_map[variable] = object_map[variable.value]
+
+    keras.Variable._copy_trackable_to_cpu = copy_to_cpu
+
+
+# Live objects -----------------------------------------------------------------------------
+
+
+def count_steps_atomically(optimizer: keras.optimizers.Optimizer) -> None:
+    """Makes `optimizer.iterations` count every step when workers step at once.
+
+    Keras adds to its step counter by reading the value and assigning the sum;
+    asynchronous parameter-server workers then lose counts, so the job runs
+    past `train.steps` and its schedule lags. The TF variable's own
+    `assign_add` is atomic. Only this optimizer's counter changes.
+    """
+    targeted("count_steps_atomically")
+    counter = optimizer.iterations
+    counter.assign_add = lambda value: counter.value.assign_add(tf.cast(value, counter.dtype))
+
+
+def swap_class(layer: keras.layers.Layer, new: type) -> None:
+    """`layer`, built by the user's model, becomes an instance of `new`, a subclass of its class.
+
+    A documented subclass swap: `new` has the same variables and config and
+    differs only in `call`, so a model towerflow does not build runs it.
+
+    Raises:
+      TypeError: `new` is not a subclass of the layer's class.
+    """
+    targeted("swap_class")
+    if not issubclass(new, type(layer)):
+        raise TypeError(f"{new.__name__} is not a subclass of {type(layer).__name__}.")
+    layer.__class__ = new
+
+
+def replace_call(model, call: Callable) -> None:
+    """`model.call` becomes `call` for this one model (not its class).
+
+    Keras's `__call__` runs `self.call`, so the usual `training` and mask
+    handling wraps the new one.
+    """
+    targeted("replace_call")
+    object.__setattr__(model, "call", call)
+
+
+# TensorFlow distribution (process-wide) ---------------------------------------------------
+
+
+def tables_reach_workers_from_loops() -> None:
+    """A vocabulary table (`StringLookup`, ...) used inside a loop reaches each worker's copy.
+
+    Created under the strategy's scope, a lookup table is a `DistributedTable`:
+    a copy on every worker, whose handle a scheduled function receives at call
+    time (`capture_call_time_value`). TensorFlow captures it in the graph
+    where the lookup is traced; inside the body of the loop of steps that is a
+    nested graph, whose call-time captures nobody feeds ("You must feed a value
+    for placeholder tensor ... Lookup/Placeholder"). Here the handle is captured
+    once in the outermost function graph, which the call feeds, and the nested
+    graph captures that tensor as any other.
+    """
+    from tensorflow.python.distribute import ps_values  # noqa: PLC0415
+    from tensorflow.python.framework import func_graph  # noqa: PLC0415
+
+    table = ps_values.DistributedTable
+    if getattr(table, "_towerflow_outermost_capture", False):
+        return
+    targeted("tables_reach_workers_from_loops")
+    per_graph = table.resource_handle.fget
+
+    def resource_handle(self):
+        graph = tf.compat.v1.get_default_graph()
+        outermost = graph
+        while isinstance(getattr(outermost, "outer_graph", None), func_graph.FuncGraph):
+            outermost = outermost.outer_graph
+        if outermost is graph or tf.executing_eagerly():
+            return per_graph(self)
+        with outermost.as_default():
+            self._maybe_build_distributed_table()
+            closure, spec = self.resource_handle_call_time_value()
+            return outermost.capture_call_time_value(
+                closure,
+                spec,
+                key=("towerflow-table", id(self)),
+                default_value=self._coordinator_instance.resource_handle,
+            )
+
+    table._towerflow_upstream_resource_handle = per_graph
+    table.resource_handle = property(resource_handle)
+    table._towerflow_outermost_capture = True
+
+
+def take_async_checkpoint_error(checkpoint: tf.train.Checkpoint) -> Exception | None:
+    """The error of the last failed background write, cleared so TF does not raise it again.
+
+    TensorFlow (2.20, 2.21) keeps it in a private field and raises it only from
+    an `atexit` hook, as a traceback after the process has reported; no public
+    API returns it. Without that field (another version), None: the missing
+    index file then tells a failed write apart.
+    """
+    helper = getattr(checkpoint, "_async_checkpointer_impl", None)
+    error = getattr(helper, "_async_error", None)
+    if error is not None:
+        targeted("take_async_checkpoint_error")
+        helper._async_error = None
+    return error
+
+
+def disarm_preemption_handler(handler) -> None:
+    """A `PreemptionCheckpointHandler`'s `__del__` will wait on nothing.
+
+    It has no public close; its `__del__` joins its watcher threads, one of
+    which waits on the coordination service's leader (an RPC without
+    deadline) and never returns when that task is gone. Its local signal
+    poller is told to stop, and both threads (daemons, ending with the
+    process) are forgotten.
+    """
+    targeted("disarm_preemption_handler")
+    stop = getattr(handler, "_poll_termination_signal_thread_should_stop", None)
+    if stop is not None:
+        stop.set()  # the local signal poller ends on its own; no peer is involved
+    handler._cluster_wise_termination_watcher_thread = None
+    handler._poll_termination_signal_thread = None
+
+
+# Binding name -> the C function's argument types between the context and the status,
+# and the values it takes after the status (the binding passes none).
+BLOCKING = {
+    "TFE_EnableCollectiveOps": ((ctypes.c_char_p, ctypes.c_size_t), ()),
+    "TFE_ContextSetServerDef": ((ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t), ()),
+    "TFE_ContextSetServerDefWithTimeoutAndRetries": (
+        (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int),
+        (False,),  # clear_existing_contexts
+    ),
+}
+
+
+@contextlib.contextmanager
+def start_calls_unlocked(call: Callable[[str, Callable[[], None]], None]) -> Iterator[None]:
+    """Inside the block, TF's cluster start-up bindings (`BLOCKING`) run through `ctypes`.
+
+    `pywrap_tfe`'s bindings hold the interpreter lock until TensorFlow has
+    joined the cluster; the same C functions called through `ctypes` release
+    it. Each call becomes `call(name, run)`, `run` making the C call (which
+    raises TensorFlow's error for a failed status). The bindings are put back
+    on leaving.
+    """
+    targeted("start_calls_unlocked")
+    originals = {name: getattr(pywrap_tfe, name) for name in BLOCKING}
+    try:
+        for name, (types, tail) in BLOCKING.items():
+            setattr(pywrap_tfe, name, unlocked(name, types, tail, call))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(pywrap_tfe, name, original)
+
+
+def unlocked(name: str, types: tuple, tail: tuple, call: Callable) -> Callable:
+    """The binding `name` as a C call through `ctypes` (no interpreter lock held), run by `call`."""
+    function = getattr(_library("libtensorflow_cc.so.2"), name)
+    function.argtypes = (ctypes.c_void_p, *types, ctypes.c_void_p, *(ctypes.c_bool for _ in tail))
+    function.restype = None
+
+    def binding(context, *args):
+        pointer = _context_pointer(context)
+        args = tuple(_c_args(args))
+
+        def run():
+            status = _STATUS.TF_NewStatus()
+            try:
+                function(pointer, *args, status, *tail)
+                code = _STATUS.TF_GetCode(status)
+                if code:
+                    message = _STATUS.TF_Message(status).decode(errors="replace")
+                    raise errors.exception_type_from_error_code(code)(None, None, message)
+            finally:
+                _STATUS.TF_DeleteStatus(status)
+
+        call(name, run)
+
+    return binding
+
+
+def _c_args(args) -> Iterator:
+    """A binding's arguments after the context, as the C function takes them."""
+    for arg in args:
+        if isinstance(arg, bytes):  # a serialized `ServerDef`, then its length
+            yield arg
+            yield len(arg)
+        else:
+            yield arg
+
+
+def _context_pointer(context) -> int:
+    """The `TFE_Context*` inside the binding's capsule."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.argtypes = (ctypes.py_object, ctypes.c_char_p)
+    get.restype = ctypes.c_void_p
+    return get(context, None)
+
+
+def _library(filename: str) -> ctypes.CDLL:
+    return ctypes.CDLL(os.path.join(os.path.dirname(tf.__file__), filename))
+
+
+def _status_library() -> ctypes.CDLL:
+    library = _library("libtensorflow_framework.so.2")
+    library.TF_NewStatus.restype = ctypes.c_void_p
+    library.TF_NewStatus.argtypes = ()
+    library.TF_GetCode.restype = ctypes.c_int
+    library.TF_GetCode.argtypes = (ctypes.c_void_p,)
+    library.TF_Message.restype = ctypes.c_char_p
+    library.TF_Message.argtypes = (ctypes.c_void_p,)
+    library.TF_DeleteStatus.restype = None
+    library.TF_DeleteStatus.argtypes = (ctypes.c_void_p,)
+    return library
+
+
+_STATUS = _status_library()

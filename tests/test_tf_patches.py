@@ -1,0 +1,174 @@
+"""`strategies.tf_patches`: each upstream behaviour it works around still holds.
+
+Each test asserts the unpatched TensorFlow/Keras behaviour, so it fails when
+upstream changes it (the patch may then be dropped), and that the patch does
+what it says.
+"""
+
+import ctypes
+import inspect
+import logging
+import threading
+from unittest import mock
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.util import object_identity
+
+from strategies import tf_patches
+
+
+def test_installed_versions_are_the_ones_every_patch_targets():
+    for name in tf_patches.PATCHES:
+        assert tf_patches.targeted(name), name
+
+
+def test_an_untargeted_version_logs_one_warning_naming_the_upstream_behaviour(caplog):
+    patch = tf_patches.Patch("keras", ("0.1",), "does something")
+    with (
+        mock.patch.dict(tf_patches.PATCHES, {"old": patch}),
+        caplog.at_level(logging.WARNING),
+    ):
+        assert not tf_patches.targeted("old")
+        assert not tf_patches.targeted("old")
+    tf_patches._warned.discard("old")
+    warnings = [r.getMessage() for r in caplog.records if "old" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "targets keras 0.1, found" in warnings[0] and "does something" in warnings[0]
+
+
+def test_keras_copies_a_variable_to_the_host_as_a_new_tf_variable_each_time():
+    variable = keras.Variable(np.ones(3, np.float32))
+    copies = []
+    for _ in range(2):
+        object_map = object_identity.ObjectIdentityDictionary()
+        tf_patches._KERAS_COPY_TO_CPU(variable, object_map)
+        assert isinstance(object_map[variable], tf.Variable)
+        assert object_map[variable] is not object_map[variable.value]
+        copies.append(object_map[variable])
+    assert copies[0] is not copies[1]
+
+
+def test_patched_keras_variables_share_the_host_copy_of_their_tf_variable():
+    with mock.patch.object(keras.Variable, "_copy_trackable_to_cpu", tf_patches._KERAS_COPY_TO_CPU):
+        tf_patches.keras_variables_save_asynchronously()
+        variable = keras.Variable(np.ones(3, np.float32))
+        object_map = object_identity.ObjectIdentityDictionary()
+        variable._copy_trackable_to_cpu(object_map)
+        assert object_map[variable] is object_map[variable.value]
+
+
+def test_keras_assign_add_reads_then_assigns_and_the_patched_counter_adds_atomically():
+    optimizer = keras.optimizers.SGD(0.1)
+    counter = optimizer.iterations
+    with mock.patch.object(type(counter), "assign", autospec=True) as assign:
+        counter.assign_add(1)
+    assign.assert_called_once()  # upstream: value read, then the sum assigned
+    tf_patches.count_steps_atomically(optimizer)
+    with mock.patch.object(type(counter), "assign", autospec=True) as assign:
+        counter.assign_add(2)
+    assign.assert_not_called()
+    assert int(counter.numpy()) == 2
+    assert "assign_add" not in vars(keras.optimizers.SGD(0.1).iterations)  # one optimizer only
+
+
+def test_keras_batch_normalization_assigns_its_moving_statistics():
+    layer = keras.layers.BatchNormalization()
+    layer.build((None, 2))
+    with mock.patch.object(type(layer.moving_mean), "assign", autospec=True) as assign:
+        layer(np.ones((4, 2), np.float32), training=True)
+    assert assign.call_count == 2  # mean and variance: read, then assigned (not atomic)
+
+
+def test_swap_class_takes_a_subclass_only():
+    class Atomic(keras.layers.BatchNormalization):
+        pass
+
+    layer = keras.layers.BatchNormalization()
+    tf_patches.swap_class(layer, Atomic)
+    assert type(layer) is Atomic
+    with pytest.raises(TypeError, match="Dense is not a subclass of Atomic"):
+        tf_patches.swap_class(layer, keras.layers.Dense)
+
+
+def test_keras_call_runs_a_call_set_on_the_instance():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    seen = []
+
+    def call(inputs, training=None, mask=None, **kwargs):
+        seen.append(training)
+        return inputs * 0.0
+
+    tf_patches.replace_call(model, call)
+    out = model(np.ones((1, 2), np.float32), training=True)
+    assert seen == [True] and float(np.sum(out)) == 0.0
+    assert keras.Sequential.call is not call  # the class keeps its own
+
+
+def test_distributed_table_captures_its_handle_in_the_current_graph():
+    from tensorflow.python.distribute import ps_values  # noqa: PLC0415
+
+    table = ps_values.DistributedTable
+    upstream = getattr(table, "_towerflow_upstream_resource_handle", table.resource_handle.fget)
+    source = inspect.getsource(upstream)
+    assert "capture_call_time_value" in source and "outer_graph" not in source
+    tf_patches.tables_reach_workers_from_loops()
+    assert "outer_graph" in inspect.getsource(table.resource_handle.fget)
+    tf_patches.tables_reach_workers_from_loops()  # once only
+    assert table._towerflow_upstream_resource_handle is upstream
+
+
+def test_tf_start_bindings_are_c_functions_and_the_patch_puts_them_back():
+    from tensorflow.python import pywrap_tfe  # noqa: PLC0415
+    from tensorflow.python.eager import context  # noqa: PLC0415
+
+    originals = {name: getattr(pywrap_tfe, name) for name in tf_patches.BLOCKING}
+    for name, original in originals.items():
+        assert inspect.isbuiltin(original), name  # a binding: holds the interpreter lock
+    library = ctypes.CDLL(tf_patches._library("libtensorflow_cc.so.2")._name)
+    for name in tf_patches.BLOCKING:
+        assert getattr(library, name)  # the C function the patch calls instead
+    calls = []
+    with tf_patches.start_calls_unlocked(lambda name, run: calls.append(name)):
+        for name in tf_patches.BLOCKING:
+            assert getattr(pywrap_tfe, name) is not originals[name]
+        eager = context.context()
+        eager.ensure_initialized()
+        pywrap_tfe.TFE_EnableCollectiveOps(eager._handle, b"")  # `run` not called here
+    assert calls == ["TFE_EnableCollectiveOps"]
+    assert {name: getattr(pywrap_tfe, name) for name in tf_patches.BLOCKING} == originals
+
+
+def test_a_preemption_handler_joins_its_threads_on_del_until_disarmed():
+    from tensorflow.python.distribute.failure_handling import failure_handling  # noqa: PLC0415
+
+    handler = object.__new__(tf.distribute.experimental.PreemptionCheckpointHandler)
+    thread, stop = mock.Mock(), threading.Event()
+    handler._poll_termination_signal_thread_should_stop = stop
+    handler._poll_termination_signal_thread = thread
+    handler._cluster_wise_termination_watcher_thread = None
+    handler.__del__()
+    thread.join.assert_called_once()  # upstream: `__del__` waits for its threads
+    handler._poll_termination_signal_thread = thread
+    handler._cluster_wise_termination_watcher_thread = mock.Mock()
+    stop.clear()
+    tf_patches.disarm_preemption_handler(handler)
+    assert stop.is_set()
+    with mock.patch.object(failure_handling.context, "context") as eager:
+        handler.__del__()
+    eager.assert_not_called()  # no RPC to the leader
+    thread.join.assert_called_once()  # and no second join
+
+
+def test_an_async_checkpoint_keeps_its_write_error_in_a_private_field(tmp_path):
+    checkpoint = tf.train.Checkpoint(v=tf.Variable(1.0))
+    checkpoint.save(str(tmp_path / "ckpt"), options=tf.train.CheckpointOptions(enable_async=True))
+    checkpoint.sync()
+    helper = checkpoint._async_checkpointer_impl
+    assert helper._async_error is None  # the field upstream keeps the error in
+    assert tf_patches.take_async_checkpoint_error(checkpoint) is None
+    helper._async_error = OSError("disk full")
+    assert str(tf_patches.take_async_checkpoint_error(checkpoint)) == "disk full"
+    assert helper._async_error is None, "cleared: TF does not raise it again at exit"
