@@ -46,9 +46,16 @@ def _gather(variable, indices: tf.Tensor) -> tf.Tensor:
 
 
 def _put(variable, indices: tf.Tensor, rows: tf.Tensor) -> None:
-    """Writes `rows` into rows `indices` of `variable` (this device's copy, in an update)."""
-    variable = variable.value if isinstance(variable, keras.Variable) else variable
-    variable.scatter_update(tf.IndexedSlices(tf.cast(rows, variable.dtype), indices))
+    """Writes `rows` into rows `indices` of `variable` (this device's copy, in an update).
+
+    Through the copy's handle, as the fused updates write: a distributed
+    variable's own `scatter_update` refuses any aggregation but "none", and
+    optimizer slots under `mirrored` and `multi_worker` have "mean" (see
+    `strategies.mirrored.replica_state_averaged`).
+    """
+    tf.raw_ops.ResourceScatterUpdate(
+        resource=_handle(variable), indices=indices, updates=tf.cast(rows, variable.dtype)
+    )
 
 
 class _SparseRows:
