@@ -257,11 +257,17 @@ def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(
         "--config.train.steps=100",
         "--config.train.steps_per_loop=50",
         "--config.train.checkpoint_every=0",
-        "--config.train.export=False",
         "--model_dir=run",
         cwd=str(tmp_path),
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    # The export (tables from both ps tasks) serves raw ids in a fresh process with no ps.
+    ids = [[1, 2, 3, 4, 5, 6, 7, 8], [2**40, 2**41, 3, 4, 5, 6, 7, 9]]
+    export = str(tmp_path / "run" / "export")
+    served = run_command([sys.executable, "-c", _SERVE, export, json.dumps(ids)], cwd=tmp_path)
+    assert served.returncode == 0, served.stderr[-3000:]
+    logits = np.array(json.loads(served.stdout.splitlines()[-1]))
+    assert logits.shape == (2, 2) and np.isfinite(logits).all()
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     table = results["tables"]["embedding"]
     ps = [f"/job:ps/replica:0/task:{task}/device:CPU:0" for task in (0, 1)]

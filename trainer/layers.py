@@ -23,7 +23,8 @@ Checkpoints and SavedModels hold each shard as its own variable, so restoring
 needs the same number of shards: pass `num_shards` to pin it.
 
 `DynamicEmbedding` looks raw ids (int64 or strings) up in a table that grows
-as ids arrive (`trainer.tables`): no vocabulary size, no collisions.
+as ids arrive (`trainer.tables`): no vocabulary size, no collisions. Under
+`parameter_server` its table is split by id over the ps tasks.
 """
 
 from __future__ import annotations
@@ -350,6 +351,10 @@ class DynamicEmbedding(keras.layers.Layer):
     (and the workers of `multi_worker`) agree on the ids admitted each step,
     so every replica and worker holds the same table. Under `multi_worker`,
     feed every worker ids of one shape (ragged lists padded with `mask_id`).
+    Under `parameter_server` the table is split by id (`tables.part_of`) into
+    one part per ps task, each part's index, lock and variables on its task
+    (`capacity` split evenly); the workers hold no table (`describe()` says
+    where each part is).
 
         layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
         layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)  # [2, 16]
@@ -580,7 +585,13 @@ class _TablePart:
             setattr(layer, f"table{self.suffix}", self.table)  # tracked: saved in checkpoints
 
     def _on_device(self):
-        return tf.device(self.device) if self.device else contextlib.nullcontext()
+        """On this part's ps task, while the strategy that placed it is the current one.
+
+        Not in a traced export: a SavedModel keeps explicit devices, and the
+        process that loads it has no ps tasks.
+        """
+        placed = self.device and _ps_devices() != [None]
+        return tf.device(self.device) if placed else contextlib.nullcontext()
 
     def build(self) -> None:
         placed = contextlib.nullcontext()
@@ -604,6 +615,9 @@ class _TablePart:
                 aggregation="none",
                 name="row_stamps" + self.suffix,
             )
+        if self.index:  # tracked as attributes of the layer: exported with it
+            setattr(self.layer, f"rows{self.suffix}", self.rows)
+            setattr(self.layer, f"row_stamps{self.suffix}", self.row_stamps)
         tables.register_rows(self.rows, self)
 
     def initial_rows(self, slots: tf.Tensor) -> tf.Tensor:
