@@ -17,7 +17,8 @@ about 42 s, each step updating only the rows it looked up).
 per admitted id, no vocabulary size; `model.capacity`, `model.min_count`,
 `model.ttl_steps`): under `mirrored`, eval AUC 0.81 in 600 steps, at about
 0.85 times the hashed table's steps/s (README, "Recommendation models").
-It does not run under `parameter_server` yet.
+Under `parameter_server` its table is split by id over the ps tasks (2
+workers and 2 ps: eval AUC 0.74 in 100 steps).
 """
 
 import importlib.util

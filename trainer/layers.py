@@ -23,11 +23,13 @@ Checkpoints and SavedModels hold each shard as its own variable, so restoring
 needs the same number of shards: pass `num_shards` to pin it.
 
 `DynamicEmbedding` looks raw ids (int64 or strings) up in a table that grows
-as ids arrive (`trainer.tables`): no vocabulary size, no collisions.
+as ids arrive (`trainer.tables`): no vocabulary size, no collisions. Under
+`parameter_server` its table is split by id over the ps tasks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import keras
@@ -355,6 +357,10 @@ class DynamicEmbedding(keras.layers.Layer):
     (and the workers of `multi_worker`) agree on the ids admitted each step,
     so every replica and worker holds the same table. Under `multi_worker`,
     feed every worker ids of one shape (ragged lists padded with `mask_id`).
+    Under `parameter_server` the table is split by id (`tables.part_of`) into
+    one part per ps task, each part's index, lock and variables on its task
+    (`capacity` split evenly); the workers hold no table (`describe()` says
+    where each part is).
 
         layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
         layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)  # [2, 16]
@@ -401,30 +407,53 @@ class DynamicEmbedding(keras.layers.Layer):
         self.eviction = eviction
         self.mask_id = mask_id
         self.seed = int(seed)
-        self.table = tables.DynamicTable(capacity, min_count, ttl_steps, eviction, name=self.name)
+        # One part per ps task under `parameter_server` (ids split by `tables.part_of`),
+        # each with its index, lock, rows and row stamps on that task; else one, here.
+        devices = _ps_devices()
+        capacities = sharding.split_rows(self.capacity, len(devices))
+        self.parts = [
+            _TablePart(self, index, device, part_capacity)
+            for index, (device, part_capacity) in enumerate(zip(devices, capacities, strict=True))
+        ]
+        self.table = self.parts[0].table
 
     def build(self, input_shape=None):
-        # One row past the capacity, which no id holds, is read by every lookup (with
-        # no effect) so that the rows' gradient is never empty: an empty sparse
-        # gradient crashes the cross-worker all-reduce of `multi_worker` (TF 2.21).
-        rows = self.capacity + 1
-        self.rows = self.add_weight((rows, self.output_dim), "zeros", name="rows")
-        # Which admission each row's values belong to (see `trainer.tables`); every
-        # copy sets its own in the optimizer's update.
-        self.row_stamps = self.add_weight(
-            (rows,),
-            keras.initializers.Constant(-1),
-            dtype="int64",
-            trainable=False,
-            aggregation="none",
-            name="row_stamps",
-        )
+        for part in self.parts:
+            part.build()
+        self.rows, self.row_stamps = self.parts[0].rows, self.parts[0].row_stamps
         self.default_row = self.add_weight((self.output_dim,), "zeros", name="default_row")
-        tables.register_rows(self.rows, self)
 
-    def initial_rows(self, slots: tf.Tensor) -> tf.Tensor:
-        """The initial values of the rows of `slots` for the ids they hold now."""
-        return tables.initial_rows(self.seed, self.table.keys_of(slots), self.output_dim)
+    def describe(self) -> dict:
+        """The table's policy, its parts (where each is, its bound, the ids it holds), a line."""
+        parts = [
+            {
+                "part": part.index,
+                "device": part.table.index.resource_handle.device,  # where the index is
+                "lock": part.table.lock_device(),
+                "capacity": part.capacity,
+                "ids_held": int(part.table.size()),
+            }
+            for part in self.parts
+        ]
+        policy = {
+            "key_dtype": self.key_dtype,
+            "width": self.output_dim,
+            "capacity": self.capacity,
+            "min_count": self.min_count,
+            "ttl_steps": self.ttl_steps,
+            "eviction": self.eviction,
+        }
+        where = ", ".join(
+            f"part {p['part']} on {p['device']} ({p['capacity']} rows)" for p in parts
+        )
+        split = f"split by id hash over {len(parts)} parts: " if len(parts) > 1 else ""
+        line = (
+            f"table {self.name}: dynamic {self.key_dtype} ids, {self.output_dim} wide, at most "
+            f"{self.capacity} rows (eviction {self.eviction}), min_count {self.min_count}, "
+            f"ttl_steps {self.ttl_steps}; {split}{where}"
+        )
+        held = sum(p["ids_held"] for p in parts)
+        return {**policy, "ids_held": held, "parts": parts, "line": line}
 
     def call(self, inputs, training=False):
         ragged = isinstance(inputs, tf.RaggedTensor)
@@ -458,15 +487,6 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def __call__(self, inputs, *args, **kwargs):
         # Checked before Keras's `__call__`, which adds lines about the call to any error.
-        if isinstance(
-            tf.distribute.get_strategy(), tf.distribute.experimental.ParameterServerStrategy
-        ):
-            raise UserError(
-                f"`DynamicEmbedding` '{self.name}' cannot be split over parameter servers yet "
-                "(its table would sit on the coordinator); train it under `mirrored`, "
-                "`one_device`, `central_storage` or `multi_worker`, or use a `ShardedEmbedding` "
-                "(ctr: `--config.model.embedding=hashed`)."
-            )
         dtype = keras.backend.standardize_dtype(inputs.dtype)
         strings = dtype == "string"
         if strings != (self.key_dtype == "string") or dtype.startswith(("float", "bool")):
@@ -481,6 +501,139 @@ class DynamicEmbedding(keras.layers.Layer):
     def _vectors(self, keys: tf.Tensor, valid: tf.Tensor, training) -> tf.Tensor:
         """The vector of each of `keys` (1-D int64): its row, the default row, or 0 if not `valid`.
 
+        With several parts, each part looks up (and admits) its own ids on its device.
+        """
+        if len(self.parts) == 1:
+            return self.parts[0].vectors(keys, valid, training)
+        parts = tables.part_of(keys, len(self.parts))
+        positions = tf.dynamic_partition(tf.range(tf.size(keys)), parts, len(self.parts))
+        keys_by_part = tf.dynamic_partition(keys, parts, len(self.parts))
+        valid_by_part = tf.dynamic_partition(valid, parts, len(self.parts))
+        vectors = [
+            part.vectors(part_keys, part_valid, training)
+            for part, part_keys, part_valid in zip(
+                self.parts, keys_by_part, valid_by_part, strict=True
+            )
+        ]
+        return tf.dynamic_stitch(positions, vectors)
+
+    def compute_output_shape(self, input_shape):
+        if self.combiner is None:
+            return (*input_shape, self.output_dim)
+        return (*input_shape[:-1], self.output_dim)
+
+    def get_config(self) -> dict:
+        return {
+            **super().get_config(),
+            "output_dim": self.output_dim,
+            "key_dtype": self.key_dtype,
+            "combiner": self.combiner,
+            "min_count": self.min_count,
+            "ttl_steps": self.ttl_steps,
+            "capacity": self.capacity,
+            "eviction": self.eviction,
+            "mask_id": self.mask_id,
+            "seed": self.seed,
+        }
+
+
+def _ps_devices() -> list[str | None]:
+    """One device per ps task under `parameter_server`; else [None] (the strategy's own)."""
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        return [None]
+    policy = sharding.current()  # the plugin's scope says how many ps tasks there are
+    num_ps = policy.num_ps if policy else strategy.extended._num_ps
+    return [f"/job:ps/task:{task}/device:CPU:0" for task in range(num_ps)]
+
+
+class _Place:
+    """Where to put a variable under `parameter_server`: the `colocate_with` of its creator.
+
+    `ParameterServerStrategy` places a variable created `colocate_with`
+    something on that thing's device (otherwise round-robin over the ps tasks,
+    whatever the device scope); it reads the thing's `name` and `device`.
+    """
+
+    def __init__(self, name: str, device: str):
+        self.name, self.device = name, device
+
+    def scope(self):
+        """Variables created inside go to `device`."""
+
+        def creator(next_creator, **kwargs):
+            return next_creator(**kwargs, use_resource=True, colocate_with=self)
+
+        return tf.variable_creator_scope(creator)
+
+
+class _TablePart:
+    """One part of a `DynamicEmbedding`'s table: its index, rows and row stamps, on one device.
+
+    Under `parameter_server` a part sits on one ps task: its index and lock are
+    created there, its variables placed there, and its lookups, admissions and
+    updates run there (inside the workers' scheduled steps). The optimizers of
+    `trainer.optim` find a part from its rows (`tables.owner_of`).
+    """
+
+    def __init__(self, layer: DynamicEmbedding, index: int, device: str | None, capacity: int):
+        self.layer, self.index, self.device, self.capacity = layer, index, device, capacity
+        self.suffix = "" if index == 0 else f"_{index}"
+        with self._on_device():
+            self.table = tables.DynamicTable(
+                capacity,
+                layer.min_count,
+                layer.ttl_steps,
+                layer.eviction,
+                name=layer.name + self.suffix,
+            )
+        if index:
+            setattr(layer, f"table{self.suffix}", self.table)  # tracked: saved in checkpoints
+
+    def _on_device(self):
+        """On this part's ps task, while the strategy that placed it is the current one.
+
+        Not in a traced export: a SavedModel keeps explicit devices, and the
+        process that loads it has no ps tasks.
+        """
+        placed = self.device and _ps_devices() != [None]
+        return tf.device(self.device) if placed else contextlib.nullcontext()
+
+    def build(self) -> None:
+        placed = contextlib.nullcontext()
+        if self.device:
+            placed = _Place(self.table.name, self.device).scope()
+        # One row past the capacity, which no id holds, is read by every lookup (with
+        # no effect) so that the rows' gradient is never empty: an empty sparse
+        # gradient crashes the cross-worker all-reduce of `multi_worker` (TF 2.21).
+        rows = self.capacity + 1
+        with placed:
+            self.rows = self.layer.add_weight(
+                (rows, self.layer.output_dim), "zeros", name="rows" + self.suffix
+            )
+            # Which admission each row's values belong to (see `trainer.tables`); every
+            # copy sets its own in the optimizer's update.
+            self.row_stamps = self.layer.add_weight(
+                (rows,),
+                keras.initializers.Constant(-1),
+                dtype="int64",
+                trainable=False,
+                aggregation="none",
+                name="row_stamps" + self.suffix,
+            )
+        if self.index:  # tracked as attributes of the layer: exported with it
+            setattr(self.layer, f"rows{self.suffix}", self.rows)
+            setattr(self.layer, f"row_stamps{self.suffix}", self.row_stamps)
+        tables.register_rows(self.rows, self)
+
+    def initial_rows(self, slots: tf.Tensor) -> tf.Tensor:
+        """The initial values of the rows of `slots` for the ids they hold now."""
+        layer = self.layer
+        return tables.initial_rows(layer.seed, self.table.keys_of(slots), layer.output_dim)
+
+    def vectors(self, keys: tf.Tensor, valid: tf.Tensor, training) -> tf.Tensor:
+        """The vector of each of `keys` (this part's ids): its row, the default row, or 0.
+
         Every key reads a row, a missing one the spare row past the capacity
         (no id holds it), and its vector is then replaced: the rows' sparse
         gradient has a row per key, so it has the same length on every worker
@@ -488,22 +641,26 @@ class DynamicEmbedding(keras.layers.Layer):
         different lengths, break the cross-worker all-reduce of `multi_worker`
         in TF 2.21).
         """
-        if training:
-            slots, stamps = self.table.find(keys, self.table.now())
-            with tf.control_dependencies([slots]):  # ids admitted now are found next step
-                self._admit(keys, valid)
-        else:
-            slots, stamps = self.table.find(keys)
-        hit = (slots >= 0) & valid
-        slots = tf.where(hit, slots, self.capacity)
-        rows = tf.gather(self.rows.value, slots)
-        # A new id, or a reused slot, reads the id's initial value; the gradient
-        # still reaches the row, which the optimizer resets before applying it.
-        stale = tf.where(tf.not_equal(tf.gather(self.row_stamps.value, slots), stamps))
-        initial = tables.initial_rows(self.seed, tf.gather_nd(keys, stale), self.output_dim)
-        fresh = tf.scatter_nd(stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64))
+        seed, width = self.layer.seed, self.layer.output_dim
+        with self._on_device():
+            if training:
+                slots, stamps = self.table.find(keys, self.table.now())
+                with tf.control_dependencies([slots]):  # ids admitted now are found next step
+                    self._admit(keys, valid)
+            else:
+                slots, stamps = self.table.find(keys)
+            hit = (slots >= 0) & valid
+            slots = tf.where(hit, slots, self.capacity)
+            rows = tf.gather(self.rows.value, slots)
+            # A new id, or a reused slot, reads the id's initial value; the gradient
+            # still reaches the row, which the optimizer resets before applying it.
+            stale = tf.where(tf.not_equal(tf.gather(self.row_stamps.value, slots), stamps))
+            initial = tables.initial_rows(seed, tf.gather_nd(keys, stale), width)
+            fresh = tf.scatter_nd(
+                stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64)
+            )
         rows += tf.stop_gradient(fresh)
-        default = tf.where(valid[:, None], self.default_row.value[None, :], 0.0)
+        default = tf.where(valid[:, None], self.layer.default_row.value[None, :], 0.0)
         return tf.where(hit[:, None], rows, default)
 
     def _admit(self, keys: tf.Tensor, valid: tf.Tensor):
@@ -524,21 +681,11 @@ class DynamicEmbedding(keras.layers.Layer):
             return self.table.admit(everyone) if tf.get_static_value(first) else None
         return tf.cond(first, lambda: self.table.admit(everyone), lambda: tf.constant(False))
 
-    def compute_output_shape(self, input_shape):
-        if self.combiner is None:
-            return (*input_shape, self.output_dim)
-        return (*input_shape[:-1], self.output_dim)
 
-    def get_config(self) -> dict:
-        return {
-            **super().get_config(),
-            "output_dim": self.output_dim,
-            "key_dtype": self.key_dtype,
-            "combiner": self.combiner,
-            "min_count": self.min_count,
-            "ttl_steps": self.ttl_steps,
-            "capacity": self.capacity,
-            "eviction": self.eviction,
-            "mask_id": self.mask_id,
-            "seed": self.seed,
-        }
+def describe_tables(model: keras.Model) -> dict[str, dict]:
+    """`DynamicEmbedding.describe()` of each dynamic table in `model`, by layer name."""
+    return {
+        layer.name: layer.describe()
+        for layer in model._flatten_layers()
+        if isinstance(layer, DynamicEmbedding)
+    }

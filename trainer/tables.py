@@ -101,6 +101,15 @@ def initial_rows(seed: int, keys: tf.Tensor, dim: int) -> tf.Tensor:
     return (top / 2.0**24 * 2.0 - 1.0) * ROW_SCALE
 
 
+def part_of(keys: tf.Tensor, parts: int) -> tf.Tensor:
+    """Which of `parts` parts of a split table holds each of int64 `keys` (int32).
+
+    By a hash of the id, so that consecutive ids spread evenly.
+    """
+    mixed = _splitmix64(tf.bitcast(keys, tf.uint64))
+    return tf.cast(mixed % _u64(parts), tf.int32)
+
+
 class DynamicTable(tf.Module):
     """The index of one dynamic table: int64 ids -> row slots, admission and eviction.
 
@@ -138,6 +147,10 @@ class DynamicTable(tf.Module):
     @staticmethod
     def _hash_table(default) -> tf.lookup.experimental.MutableHashTable:
         return tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, default)
+
+    def lock_device(self) -> str:
+        """The device of the lock that every change to the index takes."""
+        return self._lock._handle.device
 
     def use_clock(self, step: tf.Variable) -> None:
         """Takes the step from `step` (the optimizer's `iterations`) instead of counting calls."""
@@ -194,10 +207,13 @@ class DynamicTable(tf.Module):
         Every key's last-seen step becomes the current step; ids admitted now
         are found from the next step on. Then, if due, the TTL sweep.
         """
-        return self._lock.execute(lambda: self._admit(keys))
+        # The clock is read outside the lock: the parts of a split table share it,
+        # and a lock claims every resource read inside it for itself alone.
+        clock = None if self._clock is None else self.now()
+        return self._lock.execute(lambda: self._admit(keys, clock))
 
-    def _admit(self, keys: tf.Tensor) -> tf.Tensor:
-        step = self.now()
+    def _admit(self, keys: tf.Tensor, clock: tf.Tensor | None) -> tf.Tensor:
+        step = self.now() if clock is None else clock
         unique, position = tf.unique(keys)
         seen = tf.math.unsorted_segment_sum(
             tf.ones_like(position, tf.int64), position, tf.size(unique)

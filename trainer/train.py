@@ -28,6 +28,7 @@ from trainer import (
     controller,
     data,
     faults,
+    layers,
     loop_length,
     models,
     optim,
@@ -312,6 +313,11 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
             "placement": placement,
             "input": {k: v for k, v in data_service.describe(job.dataset).items() if k != "line"},
         }
+        tables = layers.describe_tables(job.model)
+        if tables:  # each dynamic table's policy, where its parts are, the ids they hold
+            results["tables"] = {
+                name: {k: v for k, v in t.items() if k != "line"} for name, t in tables.items()
+            }
         if job.dataset.spec.class_names:  # what each class index of the metrics and export is
             results["class_names"] = list(job.dataset.spec.class_names)
         if mode != "eval" and config.train.export:
@@ -530,6 +536,8 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     for note in job.dataset.notes:
         _tell(job, note)
     _tell(job, data_service.describe(job.dataset)["line"])
+    for table in layers.describe_tables(job.model).values():
+        _tell(job, table["line"])
     if strategy.membership.is_chief:
         config_json = _recorded(job).to_json_best_effort(indent=2, sort_keys=True)
         storage.write_text(os.path.join(job.model_dir, "config.json"), config_json + "\n")
