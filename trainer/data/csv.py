@@ -153,15 +153,6 @@ class _Parsed:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Scan:
-    """What start-up found in one file: rows kept, rows dropped, label values (for `auto`)."""
-
-    rows: int
-    dropped: int
-    labels: frozenset[str]
-
-
-@dataclasses.dataclass(frozen=True)
 class _Rows:
     """How the lines of the CSV files are parsed, as text, then converted column by column.
 
@@ -224,7 +215,7 @@ class _Rows:
         """The lines of a batch without a missing value that has no default."""
         return tf.boolean_mask(lines, self.parse(lines).complete)
 
-    def scan(self, path: str) -> _Scan:
+    def scan(self, path: str) -> labels.Scan:
         """Parses every line of a CSV file as training will.
 
         Raises:
@@ -254,7 +245,7 @@ class _Rows:
                 seen.update(v.decode() for v in tf.unique(kept).y.numpy())
             rows += int(complete.sum())
             dropped += int((~complete).sum())
-        return _Scan(rows, dropped, frozenset(seen))
+        return labels.Scan(rows, dropped, frozenset(seen))
 
     def _gap_error(self, path: str, first_line: int, parsed: _Parsed, at: int) -> UserError:
         """The error for row `at` of a batch, which has a missing value and no default."""

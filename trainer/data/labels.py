@@ -15,6 +15,8 @@ input pipeline, a parameter-server worker's included.
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 import tensorflow as tf
 
@@ -22,6 +24,15 @@ from strategies.errors import UserError
 from trainer.data.base import listed
 
 AUTO = "auto"  # the vocabulary is the sorted distinct label values of the files
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """What start-up found in one file: rows (records) kept and dropped, label values seen."""
+
+    rows: int
+    dropped: int
+    labels: frozenset[str]
 
 
 def vocabulary(config: ml_collections.ConfigDict) -> tuple[str, ...] | str | None:

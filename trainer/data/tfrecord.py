@@ -130,15 +130,6 @@ def _parsed_as(feature: Feature) -> tf.io.FixedLenFeature | tf.io.RaggedFeature:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Scan:
-    """What start-up found in one file: records kept, records dropped, label values (`auto`)."""
-
-    rows: int
-    dropped: int
-    labels: frozenset[str]
-
-
-@dataclasses.dataclass(frozen=True)
 class _Records:
     """Which records are complete, and their labels: what start-up checks of every record.
 
@@ -191,7 +182,7 @@ class _Records:
         held, _ = self.presence(serialized)
         return tf.boolean_mask(serialized, tf.reduce_all(held, axis=0))
 
-    def scan(self, path: str) -> _Scan:
+    def scan(self, path: str) -> labels.Scan:
         """Looks at every record of a file: what it holds, and its label.
 
         A file that is not TFRecords of Examples is left to `Dataset.check`, which names it.
@@ -225,7 +216,7 @@ class _Records:
                 dropped += int((~complete).sum())
         except (tf.errors.DataLossError, tf.errors.InvalidArgumentError):
             pass  # not TFRecords of Examples (or a feature of another kind): `check` names it
-        return _Scan(rows, dropped, frozenset(seen))
+        return labels.Scan(rows, dropped, frozenset(seen))
 
     def _lack_error(self, path: str, record: int, name: str) -> UserError:
         where = f"TFRecord file '{path}' record {record} lacks `{name}`"
