@@ -56,6 +56,11 @@ module each, named after the case:
    spare replicas (k = 2 of 3 against 3: seconds per step, accuracy) and
    asynchronous staleness (its histogram; `scale` against `none`: steps to
    the synchronous accuracy).
+10. `data_service`: the small MLP with its input in the trainer against its input on the
+   tf.data service (a dispatcher and a data worker, `data.service`), the
+   trainer on one core and the data worker on another: compute-bound
+   (synthetic data; the service's overhead) and input-bound (a pipeline of busy
+   work per batch); examples/s and the ratios beside the targets (1.6 and 0.95).
 """
 
 from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes

@@ -15,16 +15,19 @@ from trainer.bench import clock
 from trainer.bench.harness import Run, paired, timed
 
 
-def towerflow(config: ml_collections.ConfigDict, strategy, model_dir: str, steps: int) -> Run:
+def towerflow(
+    config: ml_collections.ConfigDict, strategy, model_dir: str, steps: int, service=None
+) -> Run:
     """`train.run` for `steps` more steps; examples/s over whole loops after the first.
 
     A `Clock` action notes when each block is done. One more step runs after
     the timed ones, untimed: the end-of-run checkpoint comes after it. The
     trainer's printed lines go nowhere (stdout holds the benchmark's table).
+    With a `service` (`trainer.data.service.Service`) the input runs on it.
     """
     from trainer import actions, train
 
-    job = train.build(config, model_dir, strategy)
+    job = train.build(config, model_dir, strategy, service)
     batch = config.train.global_batch_size
 
     def run() -> float:

@@ -16,6 +16,7 @@ CASES = (
     "multi_host",
     "gradients",
     "stragglers",
+    "data_service",
 )
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
