@@ -20,6 +20,8 @@ it).
   through `ctypes`, without the interpreter lock (`strategies.tf_start`).
 - `take_async_checkpoint_error`: the error of a failed background checkpoint
   write, taken from TF's private field and cleared (`trainer.checkpoints`).
+- `op_determinism`: op determinism set to a run's own setting, off included
+  (process-wide; TensorFlow's public API can only turn it on).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.preemption`).
 """
@@ -80,6 +82,11 @@ PATCHES = {
         ("2.20", "2.21"),
         "PreemptionCheckpointHandler.__del__ joins its watcher threads (no public close)",
     ),
+    "op_determinism": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "tf.config.experimental has enable_op_determinism and no way to turn it off",
+    ),
     "start_calls_unlocked": Patch(
         "tensorflow",
         ("2.20", "2.21"),
@@ -107,6 +114,26 @@ def targeted(name: str) -> bool:
             patch.upstream,
         )
     return False
+
+
+# TensorFlow (process-wide) ----------------------------------------------------------------
+
+
+def op_determinism(enabled: bool) -> None:
+    """Op determinism on or off for what this process runs next, as one run's config says.
+
+    A run with `train.deterministic` turns it on for the whole process, and
+    TensorFlow offers no public way back; a later run in the same process
+    (`trainer.check`, a test, a notebook) without it would inherit the
+    refusals (unseeded random ops, clocks in the step).
+    """
+    from tensorflow.python.framework import config  # noqa: PLC0415
+
+    if enabled:
+        tf.config.experimental.enable_op_determinism()
+    elif config.is_op_determinism_enabled():
+        targeted("op_determinism")
+        config.disable_op_determinism()
 
 
 # Keras (process-wide) -------------------------------------------------------------------

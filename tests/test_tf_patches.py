@@ -172,3 +172,14 @@ def test_an_async_checkpoint_keeps_its_write_error_in_a_private_field(tmp_path):
     helper._async_error = OSError("disk full")
     assert str(tf_patches.take_async_checkpoint_error(checkpoint)) == "disk full"
     assert helper._async_error is None, "cleared: TF does not raise it again at exit"
+
+
+def test_op_determinism_goes_back_off_which_tensorflow_alone_cannot_do():
+    assert not hasattr(tf.config.experimental, "disable_op_determinism")  # upstream: on only
+    try:
+        tf_patches.op_determinism(True)
+        with pytest.raises(Exception, match="seed"):  # TF refuses unseeded random ops then
+            tf.random.uniform([2])
+    finally:
+        tf_patches.op_determinism(False)
+    assert tf.random.uniform([2]).shape == (2,)

@@ -18,7 +18,7 @@ import ml_collections
 import tensorflow as tf
 
 import strategies
-from strategies import devices, discovery, scratch, transfer
+from strategies import devices, discovery, scratch, tf_patches, transfer
 from strategies.errors import UserError
 from trainer import (
     actions,
@@ -109,8 +109,8 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
     cluster_line = discovery.resolve(config.get("cluster"), config.strategy.name).line()
     if cluster_line:
         say(cluster_line)
-    if config.train.deterministic:
-        tf.config.experimental.enable_op_determinism()  # same inputs, same bits, every run
+    # Same inputs, same bits, every run; off again for a later run in this process without it.
+    tf_patches.op_determinism(config.train.deterministic)
     name = config.strategy.name
     plugin, options = strategies.plugin(name), config.strategy.get(name)
     if config.train.jit_compile and not plugin.supports_jit_compile:
