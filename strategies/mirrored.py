@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-from strategies import devices, transfer
+from strategies import devices, tf_patches, transfer
 from strategies.base import Strategy
 from strategies.errors import UserError
 from strategies.registry import register
@@ -60,7 +60,7 @@ def replica_state_averaged(strategy: tf.distribute.Strategy) -> Iterator[None]:
     Created here, such a variable gets aggregation "mean": a replica's update
     is averaged over the replicas and every copy gets the same value.
     Integer state (a seed generator's, `trainer.layers.Dropout`'s step), which
-    every replica advances alike, is left as it is.
+    every replica advances alike, and an optimizer's own state are left as they are.
     """
 
     def averaged(next_creator, **kwargs):
@@ -70,6 +70,9 @@ def replica_state_averaged(strategy: tf.distribute.Strategy) -> Iterator[None]:
             kwargs.get("trainable") is False
             and aggregation == tf.VariableAggregation.NONE
             and dtype.is_floating
+            # An optimizer's state (slots, a loss scale) is updated in cross-replica
+            # context, or assigned in a branch where "mean" could not merge.
+            and not tf_patches.made_by_keras_optimizer()
         ):
             kwargs["aggregation"] = tf.VariableAggregation.MEAN
         return next_creator(**kwargs)

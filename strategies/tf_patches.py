@@ -20,6 +20,9 @@ it).
   through `ctypes`, without the interpreter lock (`strategies.tf_start`).
 - `take_async_checkpoint_error`: the error of a failed background checkpoint
   write, taken from TF's private field and cleared (`trainer.checkpoints`).
+- `made_by_keras_optimizer`: whether Keras is creating a variable for an
+  optimizer (read from Keras's private name-scope stack; `mirrored`'s
+  averaged layer state must leave optimizer state alone).
 - `op_determinism`: op determinism set to a run's own setting, off included
   (process-wide; TensorFlow's public API can only turn it on).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
@@ -82,6 +85,12 @@ PATCHES = {
         ("2.20", "2.21"),
         "PreemptionCheckpointHandler.__del__ joins its watcher threads (no public close)",
     ),
+    "made_by_keras_optimizer": Patch(
+        "keras",
+        ("3.15",),
+        "an optimizer creates its variables inside name_scope(caller=optimizer), kept in "
+        "global_state's name_scope_stack",
+    ),
     "op_determinism": Patch(
         "tensorflow",
         ("2.20", "2.21"),
@@ -134,6 +143,23 @@ def op_determinism(enabled: bool) -> None:
     elif config.is_op_determinism_enabled():
         targeted("op_determinism")
         config.disable_op_determinism()
+
+
+# Keras ----------------------------------------------------------------------------------
+
+
+def made_by_keras_optimizer() -> bool:
+    """Whether the variable being created belongs to a Keras optimizer (a slot, a loss scale).
+
+    Keras creates an optimizer's variables inside `name_scope(..., caller=optimizer)`
+    and keeps the open scopes in its private global state; there is no public
+    way to ask which object a variable is being made for.
+    """
+    from keras.src.backend.common import global_state  # noqa: PLC0415
+
+    targeted("made_by_keras_optimizer")
+    stack = global_state.get_global_attribute("name_scope_stack", default=None) or []
+    return any(isinstance(scope.caller, keras.optimizers.Optimizer) for scope in stack)
 
 
 # Keras (process-wide) -------------------------------------------------------------------

@@ -183,3 +183,19 @@ def test_op_determinism_goes_back_off_which_tensorflow_alone_cannot_do():
     finally:
         tf_patches.op_determinism(False)
     assert tf.random.uniform([2]).shape == (2,)
+
+
+def test_keras_names_the_optimizer_as_the_caller_of_its_variables_scope():
+    seen = []
+
+    def creator(next_creator, **kwargs):
+        seen.append((kwargs.get("name"), tf_patches.made_by_keras_optimizer()))
+        return next_creator(**kwargs)
+
+    layer = keras.layers.BatchNormalization()
+    with tf.variable_creator_scope(creator):
+        layer.build((None, 2))
+        keras.optimizers.SGD(momentum=0.9).build(layer.trainable_variables)
+    made = dict(seen)
+    assert not made["moving_mean"] and not made["gamma"]
+    assert made["iteration"] and any(made[n] for n in made if "momentum" in n), seen
