@@ -33,3 +33,16 @@ def _no_process_outlives_its_test():
     """Whatever a test started ends with it: passed, failed, timed out or interrupted."""
     with helpers.killed_when_done():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _op_determinism_off_after_each_test():
+    """A test that trained with `train.deterministic` leaves no refusals to the next one.
+
+    Op determinism is process-wide (see `strategies.tf_patches.op_determinism`);
+    a test that builds steps without a run would otherwise inherit it.
+    """
+    yield
+    from strategies import tf_patches
+
+    tf_patches.op_determinism(False)
