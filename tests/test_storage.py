@@ -245,7 +245,7 @@ def test_a_non_chief_task_names_an_unknown_scheme_in_one_line(monkeypatch):
     """Only the chief checks that model_dir can be written; every task checks its scheme."""
     config = tiny_config(**{"strategy.name": "one_device"})
     strategy = train.make_strategy(config)
-    monkeypatch.setattr(type(strategy), "is_chief", property(lambda self: False))
+    monkeypatch.setattr(type(strategy.membership), "is_chief", property(lambda self: False))
     one_line_error(
         "no file system for `nosuchfs://`", train.build, config, "nosuchfs://b/run", strategy
     )
