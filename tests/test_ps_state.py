@@ -16,14 +16,14 @@ from strategies.parameter_server import AtomicBatchNormalization
 from tests.helpers import checkpoint_values, launch, tiny_config
 from trainer import train
 
-STEPS = 60  # one_device reaches about 0.9
+STEPS = 200  # one_device reaches about 0.97
 JOB = {
     "model.name": "tests.check_models:bn_dropout",
     "train.steps": STEPS,
-    "train.steps_per_loop": 20,
+    "train.steps_per_loop": 50,
     "train.checkpoint_every": STEPS,
     "train.global_batch_size": 64,
-    "optimizer.learning_rate": 0.02,
+    "optimizer.learning_rate": 0.01,
     "optimizer.schedule": "constant",
     "optimizer.warmup_steps": 0,
 }
@@ -69,4 +69,6 @@ def test_no_update_is_lost_under_parameter_servers(tmp_path):
     # The model's variables are checkpointed as a list; its one scalar is the Dropout's step.
     (counter,) = [v for k, v in values.items() if k.startswith("variables/") and v.ndim == 0]
     assert int(counter) == STEPS
-    assert abs(ps["eval"]["accuracy"] - one["eval"]["accuracy"]) <= 0.05, (ps["eval"], one["eval"])
+    # Lost updates left eval 0.2-0.5 below one_device's; asynchronous training itself
+    # varies by up to about 0.07 from run to run here (0.05 was met in most runs, not all).
+    assert abs(ps["eval"]["accuracy"] - one["eval"]["accuracy"]) <= 0.1, (ps, one["eval"])
