@@ -68,4 +68,6 @@ def test_no_update_is_lost_under_parameter_servers(tmp_path):
     # The model's variables are checkpointed as a list; its one scalar is the Dropout's step.
     (counter,) = [v for k, v in values.items() if k.startswith("variables/") and v.ndim == 0]
     assert int(counter) == STEPS
-    assert abs(ps["eval"]["accuracy"] - one["eval"]["accuracy"]) <= 0.05, (ps["eval"], one["eval"])
+    # Lost updates left eval 0.2-0.5 below one_device's; asynchronous training itself
+    # varies by up to about 0.07 from run to run here (0.05 was met in most runs, not all).
+    assert abs(ps["eval"]["accuracy"] - one["eval"]["accuracy"]) <= 0.1, (ps, one["eval"])
