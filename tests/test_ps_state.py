@@ -6,14 +6,12 @@ step counter adds on the ps, and under `parameter_server` BatchNorm's moving
 statistics move by atomic deltas (`AtomicBatchNormalization`).
 """
 
-import json
-
 import keras
 import numpy as np
 import tensorflow as tf
 
 from strategies.parameter_server import AtomicBatchNormalization
-from tests.helpers import checkpoint_values, launched, tiny_config
+from tests.helpers import checkpoint_values, tiny_config, train_on_cluster
 from trainer import train
 
 STEPS = 160  # both near their plateau (about 0.95), where async staleness costs little
@@ -50,21 +48,16 @@ def test_no_update_is_lost_under_parameter_servers(tmp_path):
     one = train.train_and_evaluate(
         tiny_config(**JOB, **{"strategy.name": "one_device"}), str(tmp_path / "one")
     )
-    launched(
-        "--workers=2",
-        "--ps=1",
-        "--",
+    ps = train_on_cluster(
+        tmp_path,
         "--strategy=parameter_server",
-        "--model_dir=run",
         "--config.devices.logical_cpus=1",
         "--config.eval.every=0",
         "--config.train.export=False",
         *[f"--config.{k}={v}" for k, v in JOB.items()],
-        cwd=str(tmp_path),
     )
-    ps = json.loads((tmp_path / "run" / "results.json").read_text())
     assert ps["step"] == STEPS
-    values = checkpoint_values(tmp_path / "run")
+    values = checkpoint_values(tmp_path / "model")
     # The model's variables are checkpointed as a list; its one scalar is the Dropout's step.
     (counter,) = [v for k, v in values.items() if k.startswith("variables/") and v.ndim == 0]
     assert int(counter) == STEPS

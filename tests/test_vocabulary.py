@@ -9,7 +9,7 @@ fresh process, serves raw strings.
 import json
 import sys
 
-from tests.helpers import launched, run_command
+from tests.helpers import run_command, train_on_cluster
 
 SERVE = """
 import sys
@@ -25,12 +25,9 @@ print("CLASSES", out["classes"].numpy().tolist())
 
 
 def test_vocabulary_layers_train_and_serve_strings_under_parameter_servers(tmp_path):
-    launched(
-        "--workers=2",
-        "--ps=1",
-        "--",
+    results = train_on_cluster(
+        tmp_path,
         "--strategy=parameter_server",
-        "--model_dir=run",
         "--config.data.name=tests.check_models:vocabulary_dataset",
         "--config.data.num_classes=3",
         "--config.model.name=tests.check_models:vocabulary_layers",
@@ -40,13 +37,11 @@ def test_vocabulary_layers_train_and_serve_strings_under_parameter_servers(tmp_p
         "--config.optimizer.learning_rate=0.05",
         "--config.optimizer.warmup_steps=0",
         "--config.eval.every=0",
-        cwd=str(tmp_path),
     )
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["step"] == 60
     assert results["eval"]["accuracy"] == 1.0, results["eval"]
     served = run_command(
-        [sys.executable, "-c", SERVE, str(tmp_path / "run" / "export")], cwd=str(tmp_path)
+        [sys.executable, "-c", SERVE, str(tmp_path / "model" / "export")], cwd=str(tmp_path)
     )
     assert served.returncode == 0, served.stderr[-3000:]
     line = next(x for x in served.stdout.splitlines() if x.startswith("CLASSES"))
