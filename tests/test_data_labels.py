@@ -93,14 +93,19 @@ def _csv(tmp_path, train: list[str], evaluation: list[str] | None = None, **fiel
     """CSV files of `size` (float), `colour` (string), `weight` (int) and `species` (names)."""
     for split, lines in (("train", train), ("eval", evaluation or train)):
         (tmp_path / f"{split}.csv").write_text("\n".join([HEADER, *lines]) + "\n")
+    return _data_config(tmp_path, "csv", "size:float32,colour:string,weight:int64", fields)
+
+
+def _data_config(tmp_path, source: str, features: str, fields: dict):
+    """The data config reading `train.<source>` and `eval.<source>`, labels `species` by name."""
     config = default.get_config().data
     config.update(
         {
-            "name": "csv",
-            "train_files": str(tmp_path / "train.csv"),
-            "eval_files": str(tmp_path / "eval.csv"),
+            "name": source,
+            "train_files": str(tmp_path / f"train.{source}"),
+            "eval_files": str(tmp_path / f"eval.{source}"),
             "label": "species",
-            "features": "size:float32,colour:string,weight:int64",
+            "features": features,
             "label_vocabulary": "auto",
             **fields,
         }
@@ -222,19 +227,7 @@ def _tfrecord(tmp_path, examples: list[dict], **fields):
                         )
                 proto = tf.train.Example(features=tf.train.Features(feature=feature))
                 writer.write(proto.SerializeToString())
-    config = default.get_config().data
-    config.update(
-        {
-            "name": "tfrecord",
-            "train_files": str(tmp_path / "train.tfrecord"),
-            "eval_files": str(tmp_path / "eval.tfrecord"),
-            "label": "species",
-            "features": "size:float32",
-            "label_vocabulary": "auto",
-            **fields,
-        }
-    )
-    return config
+    return _data_config(tmp_path, "tfrecord", "size:float32", fields)
 
 
 PENGUINS = [
