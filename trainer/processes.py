@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -25,6 +27,8 @@ from strategies.errors import UserError
 
 POLL_S = 0.1
 LOOPBACK = "127.0.0.1"  # local clusters and servers listen here only
+PICKED_FROM = 20000  # picked ports: from here to the kernel's ephemeral range
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 class Console:
@@ -137,17 +141,19 @@ class Interrupt:
 def pick_ports(count: int, base: int = 0) -> list[int]:
     """`count` ports on 127.0.0.1 that are free now.
 
+    Picked ports lie below the kernel's ephemeral range: a port the OS would hand
+    out as the source of an outgoing connection (any task's gRPC channel) can be
+    taken by one between this check and the server's bind.
+
     Args:
       count: how many ports.
-      base: 0 lets the OS pick free ones; otherwise `base`, `base + 1`, ..., each checked.
+      base: 0 picks free ones at random; otherwise `base`, `base + 1`, ..., each checked.
 
     Raises:
       UserError: a port from `base` on is out of range or in use.
     """
     if not base:
-        with contextlib.ExitStack() as stack:  # held open together, so no port repeats
-            sockets = [stack.enter_context(_bind(0)) for _ in range(count)]
-            return [s.getsockname()[1] for s in sockets]
+        return _free_ports(count)
     if not 1 <= base <= 65536 - count:
         raise UserError(
             f"`--port_base` ({base}) must leave room for {count} ports from 1 to 65535; "
@@ -167,6 +173,33 @@ def pick_ports(count: int, base: int = 0) -> list[int]:
                 "or 0 to pick free ports."
             ) from None
     return list(range(base, base + count))
+
+
+def _free_ports(count: int) -> list[int]:
+    low = min(_ephemeral_start(), 65536)
+    if low - PICKED_FROM < 1000:  # a kernel that hands out nearly every port: let it pick
+        with contextlib.ExitStack() as stack:
+            return [stack.enter_context(_bind(0)).getsockname()[1] for _ in range(count)]
+    candidates = random.sample(range(PICKED_FROM, low), k=min(low - PICKED_FROM, 4 * count + 64))
+    with contextlib.ExitStack() as stack:  # held open together, so no port repeats
+        ports = []
+        for port in candidates:
+            try:
+                stack.enter_context(_bind(port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise UserError(f"found no {count} free ports on {LOOPBACK} from {PICKED_FROM} to {low - 1}.")
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's range for outgoing connections (32768 where unknown)."""
+    try:
+        return int(pathlib.Path(EPHEMERAL_RANGE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _bind(port: int) -> socket.socket:
