@@ -330,3 +330,19 @@ def launch_and_signal(
     assert not expired.is_set(), f"the cluster ran over {timeout} s:\n{output}"
     assert sent is not None, output
     return code, lines, sent
+
+
+def tensorboard_scalars(model_dir, prefix: str, split: str = "train") -> dict:
+    """`{tag: {step: value}}` of the scalars whose tag starts with `prefix` in a TensorBoard run."""
+    import tensorflow as tf
+    from tensorboard.backend.event_processing import event_accumulator
+
+    events = event_accumulator.EventAccumulator(
+        os.path.join(str(model_dir), split), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    events.Reload()
+    return {
+        tag: {e.step: float(tf.make_ndarray(e.tensor_proto)) for e in events.Tensors(tag)}
+        for tag in events.Tags()["tensors"]
+        if tag.startswith(prefix)
+    }

@@ -1,5 +1,7 @@
 """`DynamicEmbedding`: lookups of raw ids, combiners, bad arguments, sparse optimizer updates."""
 
+import contextlib
+import io
 import json
 import sys
 
@@ -10,7 +12,13 @@ import tensorflow as tf
 
 import configs.ctr
 from strategies.errors import UserError
-from tests.helpers import checkpoint_values, config_flags, launched, run_command
+from tests.helpers import (
+    checkpoint_values,
+    config_flags,
+    launched,
+    run_command,
+    tensorboard_scalars,
+)
 from tests.test_models import tiny_ctr_config
 from trainer import optim, tables, train
 from trainer.layers import DynamicEmbedding
@@ -208,17 +216,58 @@ def _rows_by_id(model: keras.Model) -> dict[int, np.ndarray]:
     return dict(zip(ids.numpy().tolist(), layer(ids).numpy(), strict=True))
 
 
-def test_one_device_and_mirrored_admit_the_same_ids_with_the_same_rows(tmp_path):
-    tables_by_strategy = []
+@pytest.fixture(scope="module")
+def one_device_and_mirrored(tmp_path_factory) -> dict:
+    """The ctr model with a dynamic table, 20 steps in blocks of 5 under each strategy.
+
+    By strategy: its config, model_dir, results and printed lines.
+    """
+    runs = {}
     for strategy in ("one_device", "mirrored"):
-        config = _ctr_config(strategy, 20)
-        results = train.train_and_evaluate(config, str(tmp_path / strategy))
+        config, model_dir = _ctr_config(strategy, 20), tmp_path_factory.mktemp(strategy)
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            results = train.train_and_evaluate(config, str(model_dir))
+        runs[strategy] = config, model_dir, results, printed.getvalue()
+    return runs
+
+
+def test_one_device_and_mirrored_admit_the_same_ids_with_the_same_rows(one_device_and_mirrored):
+    tables_by_strategy = []
+    for config, model_dir, results, _ in one_device_and_mirrored.values():
         assert results["step"] == 20
-        tables_by_strategy.append(_rows_by_id(_restored(config, tmp_path / strategy)))
+        tables_by_strategy.append(_rows_by_id(_restored(config, model_dir)))
     one, mirrored = tables_by_strategy
     assert len(one) > 100 and sorted(one) == sorted(mirrored)
     for key, row in one.items():
         np.testing.assert_allclose(mirrored[key], row, rtol=1e-5, atol=1e-6)
+
+
+def test_tensorboard_shows_each_blocks_ids_admissions_default_row_share_and_bytes(
+    one_device_and_mirrored,
+):
+    figures = {}
+    for strategy, (config, model_dir, results, printed) in one_device_and_mirrored.items():
+        scalars = tensorboard_scalars(model_dir, "tables/embedding/")
+        figures[strategy] = {tag.rsplit("/", 1)[1]: values for tag, values in scalars.items()}
+        table = results["tables"]["embedding"]
+        held = figures[strategy]["ids_held"]
+        assert sorted(held) == [5, 10, 15, 20] and held[20] == table["ids_held"] > 100
+        assert tensorboard_scalars(model_dir, "ids_held") == {"ids_held": held}
+        for step, ids in held.items():  # the progress line says it too
+            assert f"step: {step}/20 | " in printed and f" | ids: {int(ids)}" in printed
+        # Nothing evicted: the block's admissions add up to the ids held.
+        assert sum(figures[strategy]["admitted"].values()) == held[20]
+        assert set(figures[strategy]["evicted"].values()) == {0}
+        share = figures[strategy]["default_row_share"]
+        assert 1 >= share[5] > share[20] > 0, "ids admitted as they come back: fewer defaults"
+        # Rows and two Adam moments of 32 float32 and a stamp, for capacity + 1 rows; the index.
+        rows_bytes = (config.data.ctr.vocab_size + 1) * (32 * 4 * 3 + 8)
+        index_bytes = table["bytes_held"] - rows_bytes
+        per_id = 2 * tables.ENTRY_BYTES + tables.PAIR_ENTRY_BYTES
+        assert figures[strategy]["bytes_held"][20] == table["bytes_held"]
+        assert held[20] * per_id <= index_bytes <= held[20] * per_id * 1.2
+    # The replicas of `mirrored` admit the ids of the whole global batch, as one device does.
+    assert figures["mirrored"] == figures["one_device"]
 
 
 def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_path):

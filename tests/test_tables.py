@@ -153,3 +153,17 @@ def test_concurrent_admissions_in_one_function_do_not_race():
     both(tf.range(0, 40, dtype=tf.int64), tf.range(20, 60, dtype=tf.int64))
     slots, _ = table.find(tf.range(60, dtype=tf.int64))
     assert sorted(slots.numpy().tolist()) == list(range(60)), "no slot given twice"
+
+
+def test_lookups_and_those_that_read_the_default_row_are_counted_per_step():
+    table = _table(capacity=2, min_count=2)
+    _admit(table, [7, 7, 8])  # step 0: nothing held; 7 admitted, read from step 1
+    assert [int(table.counter(name)) for name in ("lookups", "defaults")] == [3, 3]
+    _admit(table, [7, 8, 8, 9])  # step 1: 7 reads its row; 8 admitted now, the rest default
+    assert [int(table.counter(name)) for name in ("lookups", "defaults")] == [7, 6]
+    _admit(table, [8, 7, 9])  # step 2: 7 and 8 read rows; 9 is due, but the table is full
+    figures = table.figures()
+    assert (figures["lookups"], figures["defaults"]) == (10, 7)
+    assert (figures["ids_held"], figures["admitted"], figures["refused"]) == (2, 2, 1)
+    # Index entries: 7, 8, 9 (id -> slot or count), 2 slots -> id; 2 slots -> (stamp, step).
+    assert figures["index_bytes"] == 5 * tables.ENTRY_BYTES + 2 * tables.PAIR_ENTRY_BYTES

@@ -56,6 +56,68 @@ def every_block(fn: Callable[[Output], object], name: str) -> Action:
     return Action(fn, name=name)
 
 
+TableFigures = dict[str, list[dict[str, int]]]  # per dynamic table, per part: counters, sizes
+
+
+def tables(read: Callable[[], TableFigures]) -> Action:
+    """Adds each dynamic table's figures in the block to its metrics (`block_table_metrics`).
+
+    `read()` gives every table's counters and sizes now (`layers.table_figures`);
+    the counters count from the table's start, so the reading before each
+    block is kept, and read again when a block does not start where the last
+    one ended (a recovery rolled the step back, and the tables with it).
+    """
+    before: dict = {}
+
+    @contextlib.contextmanager
+    def block(step: int) -> Iterator[None]:
+        if before.get("step") != step:
+            before.update(step=step, figures=read())
+        yield
+
+    def act(output: Output) -> None:
+        now = read()
+        output.metrics.update(block_table_metrics(before["figures"], now))
+        before.update(step=output.step, figures=now)
+
+    return Action(act, name="tables", block=block)
+
+
+def block_table_metrics(before: TableFigures, now: TableFigures) -> dict[str, float]:
+    """Each table's figures in a block, from the readings `before` and `now` it.
+
+    `tables/<layer>/<figure>` for each table, `tables/<layer>/part_<i>/<figure>`
+    for each part of a table split over ps tasks, and `ids_held` over all
+    tables (the progress line's `ids`). Figures: `ids_held` and `bytes_held`
+    now; `admitted` and `evicted` in the block, and `default_row_share`, the
+    share of the block's training lookups that read the default row.
+    """
+    metrics = {}
+    for layer, parts in now.items():
+        in_block = [_in_block(*pair) for pair in zip(before[layer], parts, strict=True)]
+        whole = {name: sum(part[name] for part in in_block) for name in in_block[0]}
+        named = [(f"tables/{layer}", whole)]
+        if len(parts) > 1:
+            named += [(f"tables/{layer}/part_{i}", part) for i, part in enumerate(in_block)]
+        for prefix, figures in named:
+            for name in ("ids_held", "admitted", "evicted", "bytes_held"):
+                metrics[f"{prefix}/{name}"] = float(figures[name])
+            lookups = figures["lookups"]
+            metrics[f"{prefix}/default_row_share"] = (
+                figures["defaults"] / lookups if lookups else 0.0
+            )
+    metrics["ids_held"] = float(sum(part["ids_held"] for parts in now.values() for part in parts))
+    return metrics
+
+
+def _in_block(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
+    """One part's sizes `now`, and its counters' growth since `before`."""
+    grown = {
+        name: now[name] - before[name] for name in ("admitted", "evicted", "lookups", "defaults")
+    }
+    return {"ids_held": now["ids_held"], "bytes_held": now["bytes_held"], **grown}
+
+
 def checkpoint(save: Callable[[int], None], every: int) -> Action:
     """`save(step)` every `every` steps and at the end."""
     return Action(lambda output: save(output.step), every=every, at_end=True, name="checkpoint")

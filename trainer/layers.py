@@ -424,17 +424,20 @@ class DynamicEmbedding(keras.layers.Layer):
         self.default_row = self.add_weight((self.output_dim,), "zeros", name="default_row")
 
     def describe(self) -> dict:
-        """The table's policy, its parts (where each is, its bound, the ids it holds), a line."""
-        parts = [
-            {
-                "part": part.index,
-                "device": part.table.index.resource_handle.device,  # where the index is
-                "lock": part.table.lock_device(),
-                "capacity": part.capacity,
-                "ids_held": int(part.table.size()),
-            }
-            for part in self.parts
-        ]
+        """The table's policy, its parts (where each is, its bound, ids and bytes held), a line."""
+        parts = []
+        for part in self.parts:
+            figures = part.figures()
+            parts.append(
+                {
+                    "part": part.index,
+                    "device": part.table.index.resource_handle.device,  # where the index is
+                    "lock": part.table.lock_device(),
+                    "capacity": part.capacity,
+                    "ids_held": figures["ids_held"],
+                    "bytes_held": figures["bytes_held"],
+                }
+            )
         policy = {
             "key_dtype": self.key_dtype,
             "width": self.output_dim,
@@ -453,7 +456,12 @@ class DynamicEmbedding(keras.layers.Layer):
             f"ttl_steps {self.ttl_steps}; {split}{where}"
         )
         held = sum(p["ids_held"] for p in parts)
-        return {**policy, "ids_held": held, "parts": parts, "line": line}
+        size = sum(p["bytes_held"] for p in parts)
+        return {**policy, "ids_held": held, "bytes_held": size, "parts": parts, "line": line}
+
+    def figures(self) -> list[dict[str, int]]:
+        """Each part's counters, ids held and bytes held (`_TablePart.figures`), read now."""
+        return [part.figures() for part in self.parts]
 
     def call(self, inputs, training=False):
         ragged = isinstance(inputs, tf.RaggedTensor)
@@ -579,6 +587,7 @@ class _TablePart:
     def __init__(self, layer: DynamicEmbedding, index: int, device: str | None, capacity: int):
         self.layer, self.index, self.device, self.capacity = layer, index, device, capacity
         self.suffix = "" if index == 0 else f"_{index}"
+        self.optimizer_slots = 0  # slot variables beside the rows (`trained_by`)
         with self._on_device():
             self.table = tables.DynamicTable(
                 capacity,
@@ -625,6 +634,26 @@ class _TablePart:
             setattr(self.layer, f"rows{self.suffix}", self.rows)
             setattr(self.layer, f"row_stamps{self.suffix}", self.row_stamps)
         tables.register_rows(self.rows, self)
+
+    def trained_by(self, step: tf.Variable, optimizer_slots: int) -> None:
+        """Called by the optimizer that trains the rows: its step, and its slots per row."""
+        self.table.use_clock(step)
+        self.optimizer_slots = optimizer_slots
+
+    def figures(self) -> dict[str, int]:
+        """The table's counters and ids held (`DynamicTable.figures`), and `bytes_held`.
+
+        `bytes_held` is the memory of one copy of the part (the replicas of
+        `mirrored` each hold one): its rows, their optimizer slots and row
+        stamps, allocated whole for `capacity + 1` rows up front, and its
+        index, which grows with the ids held and counted (an estimate, see
+        `trainer.tables.ENTRY_BYTES`).
+        """
+        figures = self.table.figures()
+        width, itemsize = self.layer.output_dim, tf.as_dtype(self.rows.dtype).size
+        row_bytes = width * itemsize * (1 + self.optimizer_slots) + 8  # + its int64 stamp
+        figures["bytes_held"] = (self.capacity + 1) * row_bytes + figures.pop("index_bytes")
+        return figures
 
     def initial_rows(self, slots: tf.Tensor) -> tf.Tensor:
         """The initial values of the rows of `slots` for the ids they hold now."""
@@ -682,10 +711,16 @@ class _TablePart:
         return tf.cond(first, lambda: self.table.admit(everyone), lambda: tf.constant(False))
 
 
+def dynamic_tables(model: keras.Model) -> list[DynamicEmbedding]:
+    """Every `DynamicEmbedding` in `model`, nested ones (`DynamicEmbeddings`) included."""
+    return [layer for layer in model._flatten_layers() if isinstance(layer, DynamicEmbedding)]
+
+
+def table_figures(model: keras.Model) -> dict[str, list[dict[str, int]]]:
+    """`DynamicEmbedding.figures()` of each dynamic table in `model`, by layer name."""
+    return {layer.name: layer.figures() for layer in dynamic_tables(model)}
+
+
 def describe_tables(model: keras.Model) -> dict[str, dict]:
     """`DynamicEmbedding.describe()` of each dynamic table in `model`, by layer name."""
-    return {
-        layer.name: layer.describe()
-        for layer in model._flatten_layers()
-        if isinstance(layer, DynamicEmbedding)
-    }
+    return {layer.name: layer.describe() for layer in dynamic_tables(model)}

@@ -71,7 +71,8 @@ class _SparseRows:
         for variable in var_list:
             owner = tables.owner_of(variable)
             if owner is not None:
-                owner.table.use_clock(self.iterations)
+                slots = self._slots_of(self._get_variable_index(variable))
+                owner.trained_by(self.iterations, len(slots))
 
     def update_step(self, gradient, variable, learning_rate):
         if _dense(gradient):

@@ -451,6 +451,7 @@ def _actions(
     """The loop's actions, in the order they run after a block."""
     config, member = job.config, job.strategy.membership
     recoveries = []
+    tables = layers.dynamic_tables(job.model)
 
     def recover(step: int, loss: float) -> None:
         recoveries.append(step)
@@ -470,6 +471,8 @@ def _actions(
         ),
         actions.rates(config.train.global_batch_size, lambda: float(job.optimizer.learning_rate)),
         *([actions.every_block(input_wait, "input wait")] if job.input_wait else []),
+        # Dynamic tables' ids, admissions, evictions, default-row share and bytes, per block.
+        *([actions.tables(lambda: layers.table_figures(job.model))] if tables else []),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
         actions.preemption(member.watch_preemption(), checkpointer.save, say),
@@ -575,6 +578,8 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
             parts.append(f"{name.removesuffix('_per_sec')}/s: {value:.1f}")
         elif name == "examples":
             parts.append(f"examples: {int(value)}")
+        elif name == "ids_held":  # in the dynamic tables
+            parts.append(f"ids: {int(value)}")
         else:
             parts.append(f"{name}: {value:.4f}")
     return " | ".join(parts)
