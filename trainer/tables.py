@@ -266,11 +266,13 @@ class DynamicTable(tf.Module):
         )
         value = tf.reshape(self.index.lookup(unique), [-1])
         held = value >= 0
-        stamps = self.stamps(tf.where(held, value, -1))
-        touched = self._touch(tf.boolean_mask(value, held), tf.boolean_mask(stamps, held), step)
+        held_slots = tf.boolean_mask(value, held)
+        held_stamps = self.stamps(held_slots)
+        touched = self._touch(held_slots, held_stamps, step)
         # What the step's lookups read (`find` at `step`): a row where the id held
         # one admitted before `step`, else the default row.
-        read_rows = tf.reduce_sum(tf.boolean_mask(seen, held & (stamps // self.capacity < step)))
+        found = held_stamps // self.capacity < step
+        read_rows = tf.reduce_sum(tf.boolean_mask(tf.boolean_mask(seen, held), found))
         counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
         counts = tf.minimum(counts, COUNT_LIMIT - 1)
         with tf.control_dependencies([touched]):
