@@ -63,6 +63,7 @@ sizes of the index, for the per-block summaries of `trainer.actions.tables`.
 from __future__ import annotations
 
 import math
+import uuid
 import weakref
 
 import tensorflow as tf
@@ -166,7 +167,12 @@ class DynamicTable(tf.Module):
             self.slot_info = self._hash_table(tf.constant([-1, -1], tf.int64))
             self.free = self._hash_table(-1)
             self.counters = self._hash_table(0)
-        self._lock = tf.CriticalSection(name=f"{name}_lock")
+        # A shared name of its own: the CriticalSections a process creates eagerly
+        # without one are all one mutex (TF 2.21), and two tables admitting in one
+        # step then wait on each other forever.
+        self._lock = tf.CriticalSection(
+            name=f"{name}_lock", shared_name=f"{name}_lock_{uuid.uuid4().hex}"
+        )
         self._clock = None
 
     @staticmethod
