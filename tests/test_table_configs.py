@@ -2,7 +2,11 @@
 `DynamicEmbeddings`."""
 
 import contextlib
+import inspect
 import io
+import pathlib
+import re
+import textwrap
 import threading
 
 import keras
@@ -11,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from strategies.errors import UserError
-from tests.helpers import tiny_config
+from tests.helpers import REPO, tiny_config
 from trainer import tables, train
 from trainer.layers import DynamicEmbeddings, FeatureConfig, TableConfig
 from trainer.tasks import Task
@@ -154,3 +158,21 @@ def test_two_tables_train_in_one_step_without_waiting_on_each_other():
     threading.Thread(target=lambda: (step(IDS), step(IDS), done.set()), daemon=True).start()
     assert done.wait(timeout=60), "the step did not end: the tables wait on each other"
     assert [int(table.table.size()) for table in layer.tables.values()] == [3, 2]
+
+
+def test_the_readme_and_docstring_examples_run():
+    readme = pathlib.Path(REPO, "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+    (example,) = [block for block in blocks if "DynamicEmbeddings(" in block]
+    names = {}
+    exec(example, names)
+    assert {key: tuple(v.shape) for key, v in names["vectors"].items()} == {
+        "buyer": (2, 16),
+        "seller": (2, 16),
+        "basket": (2, 16),
+    }
+    doc = inspect.cleandoc(DynamicEmbeddings.__doc__)
+    (example,) = re.findall(r"\n\n((?:    .*\n)+)\n", doc)
+    names = {"tf": tf, "TableConfig": TableConfig, "FeatureConfig": FeatureConfig}
+    exec(textwrap.dedent(example), {**names, "DynamicEmbeddings": DynamicEmbeddings}, names)
+    assert [tuple(v.shape) for v in names["vectors"].values()] == [(2, 16), (2, 16)]

@@ -25,6 +25,8 @@ needs the same number of shards: pass `num_shards` to pin it.
 `DynamicEmbedding` looks raw ids (int64 or strings) up in a table that grows
 as ids arrive (`trainer.tables`): no vocabulary size, no collisions. Under
 `parameter_server` its table is split by id over the ps tasks.
+`DynamicEmbeddings` speaks Keras-RS's words (`TableConfig`, `FeatureConfig`):
+a dict of features, several of which may share one table.
 """
 
 from __future__ import annotations
@@ -893,13 +895,14 @@ class DynamicEmbeddings(keras.layers.Layer):
 
         users = TableConfig("users", embedding_dim=16, min_count=2)
         embed = DynamicEmbeddings({
-            "buyer": FeatureConfig("buyer", users),
-            "seller": FeatureConfig("seller", users, combiner="sum"),
+            "buyer": FeatureConfig("buyer", users),  # one id an example
+            "seller": FeatureConfig("seller", users, combiner="sum"),  # a list, summed
         })
-        vectors = embed({"buyer": buyer_ids, "seller": seller_ids})  # two [batch, 16]
+        vectors = embed({"buyer": tf.constant([1, 2]), "seller": tf.constant([[2, 3], [1, 1]])})
 
-    Unlike Keras-RS, the tables need no vocabulary size and take raw ids of
-    any value; there are no per-id `weights`.
+    `vectors` holds two `[2, 16]` tensors. Unlike Keras-RS, the tables need
+    no vocabulary size and take raw ids of any value; there are no per-id
+    `weights`.
 
     Args:
       feature_configs: `FeatureConfig`s by the key of their input (and output).
