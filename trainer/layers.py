@@ -818,6 +818,13 @@ class TableConfig:
         """The `DynamicEmbedding` `capacity`: `vocabulary_size`, or the default."""
         return tables.DEFAULT_CAPACITY if self.vocabulary_size is None else self.vocabulary_size
 
+    def layer(self) -> DynamicEmbedding:
+        """The `DynamicEmbedding` that holds the table, named after it."""
+        names = ("key_dtype", "combiner", "min_count", "ttl_steps", "eviction", "mask_id", "seed")
+        options = {name: getattr(self, name) for name in names}
+        width, capacity = self.embedding_dim, self.capacity
+        return DynamicEmbedding(width, capacity=capacity, name=self.name, **options)
+
     def get_config(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -924,21 +931,7 @@ class DynamicEmbeddings(keras.layers.Layer):
                     f"`DynamicEmbeddings` feature '{key}': two different `TableConfig`s are "
                     f"named '{table.name}'; give each table its own name, or share one object."
                 )
-        self.tables = {
-            name: DynamicEmbedding(
-                table.embedding_dim,
-                key_dtype=table.key_dtype,
-                combiner=table.combiner,
-                min_count=table.min_count,
-                ttl_steps=table.ttl_steps,
-                capacity=table.capacity,
-                eviction=table.eviction,
-                mask_id=table.mask_id,
-                seed=table.seed,
-                name=name,
-            )
-            for name, table in configs.items()
-        }
+        self.tables = {name: table.layer() for name, table in configs.items()}
         for name, table in self.tables.items():  # TF checkpoints track attributes, not dicts
             setattr(self, f"table_{name}", table)
 
