@@ -277,8 +277,8 @@ class DynamicTable(tf.Module):
         touched = self._touch(held_slots, held_stamps, step)
         # What the step's lookups read (`find` at `step`): a row where the id held
         # one admitted before `step`, else the default row.
-        found = held_stamps // self.capacity < step
-        read_rows = tf.reduce_sum(tf.boolean_mask(tf.boolean_mask(seen, held), found))
+        found = tf.cast(held_stamps // self.capacity < step, tf.int64)
+        read_rows = tf.reduce_sum(tf.boolean_mask(seen, held) * found)
         counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
         counts = tf.minimum(counts, COUNT_LIMIT - 1)
         with tf.control_dependencies([touched]):
