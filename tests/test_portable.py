@@ -1,5 +1,6 @@
 """Checkpoints restore under any split of tables and sharded layers (`trainer.portable`)."""
 
+import json
 import types
 
 import keras
@@ -7,8 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import configs.ctr
 from strategies import sharding
 from strategies.errors import UserError
+from tests.helpers import config_flags, launched, train_on_cluster
 from trainer import optim, tables, train
 from trainer.checkpoints import Checkpointer
 from trainer.layers import DynamicEmbedding, ShardedDense, ShardedEmbedding
@@ -193,3 +196,54 @@ def test_a_real_shape_difference_is_still_a_one_line_error(tmp_path):
     ) as error:
         _checkpointer(tmp_path, other, _adam(other)).restore()
     assert "\n" not in str(error.value)
+
+
+# A parameter-server cluster's checkpoint, under one_device and on fewer ps tasks.
+
+CTR = {
+    "data.ctr.num_examples": 2000,
+    "data.ctr.ids_per_field": 100,
+    "data.ctr.vocab_size": 1000,
+    "model.embedding": "dynamic",
+    "model.min_count": 2,
+    "train.steps": 20,
+    "train.steps_per_loop": 5,
+    "train.checkpoint_every": 10,
+    "train.export": False,
+    "eval.every": 0,
+}
+
+
+def test_a_table_trained_on_2_ps_evaluates_exports_on_one_device_and_resumes_on_1_ps(
+    tmp_path, capsys
+):
+    config = configs.ctr.get_config()
+    config.update_from_flattened_dict(CTR)
+    flags = ["--config=configs/ctr.py", *config_flags(config, tuple(CTR))]
+    on_cluster = train_on_cluster(tmp_path, "--strategy=parameter_server", *flags, ps=2)
+    assert [p["ids_held"] > 0 for p in on_cluster["tables"]["embedding"]["parts"]] == [True] * 2
+
+    config.update_from_flattened_dict({"strategy.name": "one_device", "train.export": True})
+    here = train.train_and_evaluate(config, str(tmp_path / "model"))  # trains no further
+    said = capsys.readouterr().out
+    assert "restored ckpt-20 written with embedding in 2 parts into 1" in said, said
+    assert here["step"] == 20 and here["tables"]["embedding"]["ids_held"] == sum(
+        p["ids_held"] for p in on_cluster["tables"]["embedding"]["parts"]
+    )
+    for name in ("loss", "auc"):  # the chief evaluated the same weights and table
+        assert here["eval"][name] == pytest.approx(on_cluster["eval"][name], rel=1e-5), name
+    assert (tmp_path / "model" / "export" / "saved_model.pb").exists()
+
+    resumed = launched(
+        "--workers=1",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        *flags,
+        "--config.train.steps=25",
+        f"--model_dir={tmp_path / 'model'}",
+        cwd=tmp_path,
+    )
+    assert "restored ckpt-20 written with embedding in 2 parts into 1" in resumed.stdout
+    results = json.loads((tmp_path / "model" / "results.json").read_text())
+    assert results["step"] == 25 and len(results["tables"]["embedding"]["parts"]) == 1
