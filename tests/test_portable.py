@@ -102,6 +102,15 @@ def test_a_table_in_2_parts_restores_into_1_and_3_parts_and_back_exactly(tmp_pat
         restored[parts] = again, again_optimizer
     assert "warning" not in capsys.readouterr().err
 
+    # Under `mirrored`, every replica's copy of the rows gets them.
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        mirrored = _dynamic_model(1)
+        mirrored_optimizer = _adam(mirrored)
+    _checkpointer(tmp_path / "two", mirrored, mirrored_optimizer).restore()
+    _assert_same(_logical(mirrored, mirrored_optimizer), want)
+    first, second = mirrored.get_layer("embedding").rows.value.values
+    np.testing.assert_array_equal(second.numpy(), first.numpy())
+
     # Training goes on as it would have: the same step from the one part as from the two.
     next_batches = _batches(2, seed=2)
     one, one_optimizer = restored[1]
