@@ -466,7 +466,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     Under `parameter_server` the table is split by id (`tables.part_of`) into
     one part per ps task, each part's index, lock and variables on its task
     (`capacity` split evenly); the workers hold no table (`describe()` says
-    where each part is).
+    where each part is). A checkpoint restores into any number of parts
+    (`Portable`; an id goes to its part by the same hash).
 
         layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
         layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)  # [2, 16]
