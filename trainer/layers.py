@@ -30,6 +30,7 @@ as ids arrive (`trainer.tables`): no vocabulary size, no collisions. Under
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import random
 from collections.abc import Callable
@@ -95,7 +96,7 @@ def _check_shards(layer: str, num_shards: int | None) -> None:
 Slots = Callable[[keras.Variable], list[tuple]]
 
 
-class Portable:
+class Portable(abc.ABC):
     """A layer whose variables are split into parts, restorable under any other split.
 
     The layer's *logical* content (a whole table, kernel, or the rows of every
@@ -105,23 +106,26 @@ class Portable:
     moving `export_logical()` of the twin into `import_logical()` of the layer.
     """
 
-    num_parts: int
+    @property
+    @abc.abstractmethod
+    def num_parts(self) -> int:
+        """How many parts the layer's variables are split into."""
 
+    @abc.abstractmethod
     def split_shapes(self, parts: int) -> list[tuple[int, ...]] | None:
         """The shapes of `self.variables` when split into `parts`; None if it cannot be."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def twin(self, parts: int) -> keras.layers.Layer:
         """A built copy of this layer split into `parts`, its variables zeros on this host."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def export_logical(self, slots: Slots) -> dict[str, np.ndarray]:
         """The content of this layer and of its optimizer `slots`, whatever its split."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def import_logical(self, content: dict[str, np.ndarray], slots: Slots) -> list[str]:
         """Sets this layer and its `slots` to `content` (another split's export); warnings."""
-        raise NotImplementedError
 
     def indexes(self) -> list[tf.Module]:
         """The lookup tables this layer checkpoints beside its variables."""
@@ -131,9 +135,9 @@ class Portable:
 class _ShardedRows(Portable):
     """`Portable` for layers whose variables are shards of rows (`_add_shards`)."""
 
+    @abc.abstractmethod
     def _sharded(self) -> dict[str, list[keras.Variable]]:
         """Each logical variable by name, as its shards in order (an unsplit one, one)."""
-        raise NotImplementedError
 
     @property
     def num_parts(self) -> int:
