@@ -49,13 +49,14 @@ def _batches(steps: int, seed: int) -> list[tf.Tensor]:
     return [tf.constant(draw.choice(POOL, size=(4, 3)), tf.int64) for _ in range(steps)]
 
 
-def _dynamic_model(parts: int, capacity: int = CAPACITY) -> keras.Model:
+def _dynamic_model(parts: int, capacity: int = CAPACITY, units: int = 1) -> keras.Model:
     with sharding.policy("none", num_ps=parts):  # a part per ps task, here on this host
         inputs = keras.Input((3,), dtype="int64")
         table = DynamicEmbedding(
             WIDTH, combiner="sum", min_count=2, capacity=capacity, seed=1, name="embedding"
         )
-        dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))
+        init = keras.initializers.GlorotUniform(seed=2)
+        dense = keras.layers.Dense(units, kernel_initializer=init, name="dense")
         model = keras.Model(inputs, dense(table(inputs)))
     assert table.num_parts == parts
     return model
@@ -206,6 +207,15 @@ def test_a_real_shape_difference_is_still_a_one_line_error(tmp_path):
     ) as error:
         _checkpointer(tmp_path, other, _adam(other)).restore()
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("other", [{"capacity": CAPACITY + 2}, {"units": 2}])
+def test_a_table_split_otherwise_and_another_difference_is_refused(tmp_path, other):
+    model = _dynamic_model(2)
+    _checkpointer(tmp_path, model, _adam(model)).save(0)
+    again = _dynamic_model(1, **other)
+    with pytest.raises(UserError, match=r"of a different model or optimizer \(`embedding/rows`"):
+        _checkpointer(tmp_path, again, _adam(again)).restore()
 
 
 # A parameter-server cluster's checkpoint, under one_device and on fewer ps tasks.
