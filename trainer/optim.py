@@ -298,7 +298,7 @@ class SGD(_SparseRows, _SummedByCaller, keras.optimizers.SGD):
 def slots_of(optimizer: keras.optimizers.Optimizer, variable) -> list[tuple]:
     """`(slot variable, initial value)` of each slot `optimizer` keeps for `variable`.
 
-    None for a variable that is not trainable; `optimizer` (or the one a
+    No slots for a variable that is not trainable. `optimizer` (or the one a
     loss-scale optimizer wraps) is one of this module's, built for `variable`.
     """
     if not variable.trainable:

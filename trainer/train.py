@@ -289,8 +289,8 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         member.check_restored(_step(job), job.model_dir)  # every worker, the same step
         if restored:
             say(f"restored {restored} at step {_step(job)}")
-        if checkpointer.resplit:  # written with other table parts or shards
-            say(checkpointer.resplit)
+            if checkpointer.resplit:  # written with other table parts or shards
+                say(checkpointer.resplit)
         elif mode == "eval":
             raise UserError(
                 f"`--mode=eval` needs a checkpoint, and `{job.model_dir}` has none; "
