@@ -233,15 +233,16 @@ def test_a_table_trained_on_2_ps_evaluates_exports_on_one_device_and_resumes_on_
     on_cluster = train_on_cluster(tmp_path, "--strategy=parameter_server", *flags, ps=2)
     assert [p["ids_held"] > 0 for p in on_cluster["tables"]["embedding"]["parts"]] == [True] * 2
 
-    config.update_from_flattened_dict({"strategy.name": "one_device", "train.export": True})
-    here = train.train_and_evaluate(config, str(tmp_path / "model"))  # trains no further
+    config.strategy.name = "one_device"
+    here = train.train_and_evaluate(config, str(tmp_path / "model"), mode="eval")
     said = capsys.readouterr().out
     assert "restored ckpt-20 written with embedding in 2 parts into 1" in said, said
-    assert here["step"] == 20 and here["tables"]["embedding"]["ids_held"] == sum(
-        p["ids_held"] for p in on_cluster["tables"]["embedding"]["parts"]
-    )
+    held = sum(p["ids_held"] for p in on_cluster["tables"]["embedding"]["parts"])
+    assert here["step"] == 20 and here["tables"]["embedding"]["ids_held"] == held
     for name in ("loss", "auc"):  # the chief evaluated the same weights and table
         assert here["eval"][name] == pytest.approx(on_cluster["eval"][name], rel=1e-5), name
+    config.train.export = True
+    train.train_and_evaluate(config, str(tmp_path / "model"), mode="train")  # at step 20 already
     assert (tmp_path / "model" / "export" / "saved_model.pb").exists()
 
     resumed = launched(
