@@ -86,29 +86,30 @@ def test_a_table_in_2_parts_restores_into_1_and_3_parts_and_back_exactly(tmp_pat
     want = _logical(model, optimizer)
     assert len(want["keys"]) > 8 and len(want["waiting"]) > 0, "ids on both sides of min_count"
     assert want["fresh"].any() and not want["fresh"].all(), "rows trained and rows not yet"
-    _checkpointer(tmp_path / "two", model, optimizer).save(6)
+    paths = {2: tmp_path / "2"}  # a checkpoint written with each number of parts
+    _checkpointer(paths[2], model, optimizer).save(6)
 
     restored = {}
-    for parts, source in ((1, "two"), (3, "two"), (2, "three")):
-        again = _dynamic_model(parts)
+    for there, here in ((2, 1), (2, 3), (3, 2), (1, 2)):  # N -> M, and back
+        again = _dynamic_model(here)
         again_optimizer = _adam(again)
-        checkpointer = _checkpointer(tmp_path / source, again, again_optimizer)
+        checkpointer = _checkpointer(paths[there], again, again_optimizer)
         assert checkpointer.restore().endswith("ckpt-6")
-        there = {"two": 2, "three": 3}[source]
-        want_line = f"restored ckpt-6 written with embedding in {there} parts into {parts}"
-        assert checkpointer.resplit == (want_line if there != parts else None)
+        line = f"restored ckpt-6 written with embedding in {there} parts into {here}"
+        assert checkpointer.resplit == line
         _assert_same(_logical(again, again_optimizer), want)
         assert int(again_optimizer.iterations) == 6
-        if parts == 3:
-            _checkpointer(tmp_path / "three", again, again_optimizer).save(6)
-        restored[parts] = again, again_optimizer
+        if here not in paths:
+            paths[here] = tmp_path / str(here)
+            _checkpointer(paths[here], again, again_optimizer).save(6)
+        restored.setdefault(here, (again, again_optimizer))
     assert "warning" not in capsys.readouterr().err
 
     # Under `mirrored`, every replica's copy of the rows gets them.
     with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
         mirrored = _dynamic_model(1)
         mirrored_optimizer = _adam(mirrored)
-    _checkpointer(tmp_path / "two", mirrored, mirrored_optimizer).restore()
+    _checkpointer(paths[2], mirrored, mirrored_optimizer).restore()
     _assert_same(_logical(mirrored, mirrored_optimizer), want)
     first, second = mirrored.get_layer("embedding").rows.value.values
     np.testing.assert_array_equal(second.numpy(), first.numpy())
