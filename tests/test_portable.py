@@ -180,18 +180,30 @@ def test_sharded_layers_restore_into_any_shard_count_with_their_adam_slots(tmp_p
     want = _whole(model, optimizer)
     names = ("embeddings", "kernel", "bias")
     assert sorted(want) == sorted(f"{n}{slot}" for n in names for slot in ("", "/slot0", "/slot1"))
-    _checkpointer(tmp_path / "three", model, optimizer).save(2)
-    for shards, source in ((1, "three"), (2, "three"), (3, "two")):
-        again = _sharded_model(shards)
+    paths = {3: tmp_path / "3"}
+    _checkpointer(paths[3], model, optimizer).save(2)
+    restored = {}
+    for there, here in ((3, 1), (3, 2), (2, 3)):  # N -> M, and back
+        again = _sharded_model(here)
         again_optimizer = _adam(again)
-        checkpointer = _checkpointer(tmp_path / source, again, again_optimizer)
+        checkpointer = _checkpointer(paths[there], again, again_optimizer)
         checkpointer.restore()
+        assert checkpointer.resplit == (
+            f"restored ckpt-2 written with table in {there} parts into {here}, "
+            f"wide in {there} parts into {here}"
+        )
         _assert_same(_whole(again, again_optimizer), want)
-        if shards == 2:
-            _checkpointer(tmp_path / "two", again, again_optimizer).save(2)
-    _train(model, optimizer, ids[:1])
-    _train(again, again_optimizer, ids[:1])  # back in 3 shards, from 2
-    _assert_same(_whole(again, again_optimizer), _whole(model, optimizer))
+        paths[here] = tmp_path / str(here)
+        _checkpointer(paths[here], again, again_optimizer).save(2)
+        restored[here] = again, again_optimizer
+
+    # The next step: the same as the three shards' (the one-shard kernel's sums in another order).
+    for net, net_optimizer in (model, optimizer), *restored.values():
+        _train(net, net_optimizer, ids[:1])
+    want = _whole(model, optimizer)
+    _assert_same(_whole(*restored[3]), want)
+    for name, value in _whole(*restored[1]).items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 def test_a_real_shape_difference_is_still_a_one_line_error(tmp_path):

@@ -160,9 +160,10 @@ class _ShardedRows(Portable):
     def import_logical(self, content: dict[str, np.ndarray], slots: Slots) -> list[str]:
         for name, shards in self._sharded().items():
             bounds = np.cumsum([shard.shape[0] for shard in shards])[:-1]
-            for index, shard in enumerate(shards):
-                for key, variable, _ in _with_slots(shard, slots, name):
-                    variable.assign(np.split(content[key], bounds)[index])
+            per_shard = [_with_slots(shard, slots, name) for shard in shards]
+            for column in zip(*per_shard, strict=True):  # the value's shards, then each slot's
+                for (_, variable, _), rows in zip(column, np.split(content[column[0][0]], bounds)):
+                    variable.assign(rows)
         return []
 
 

@@ -18,7 +18,10 @@ layer's split in the checkpoint, and `restore`:
    slots into the model's optimizer.
 
 Any other difference (an ordinary layer's shape, a table's capacity) finds no
-plan, and the checkpoint is refused as one of another model.
+plan, and the checkpoint is refused as one of another model. While it runs,
+the host holds a second copy of the model and its optimizer slots.
+Checkpoints written before tables were listed in them (`tables`) restore
+into the same split only.
 """
 
 from __future__ import annotations
