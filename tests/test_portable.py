@@ -86,6 +86,7 @@ def test_a_table_in_2_parts_restores_into_1_and_3_parts_and_back_exactly(tmp_pat
     want = _logical(model, optimizer)
     assert len(want["keys"]) > 8 and len(want["waiting"]) > 0, "ids on both sides of min_count"
     assert want["fresh"].any() and not want["fresh"].all(), "rows trained and rows not yet"
+    every_id = tf.constant(POOL.reshape(8, 3))
     paths = {2: tmp_path / "2"}  # a checkpoint written with each number of parts
     _checkpointer(paths[2], model, optimizer).save(6)
 
@@ -99,6 +100,7 @@ def test_a_table_in_2_parts_restores_into_1_and_3_parts_and_back_exactly(tmp_pat
         assert checkpointer.resplit == line
         _assert_same(_logical(again, again_optimizer), want)
         assert int(again_optimizer.iterations) == 6
+        np.testing.assert_array_equal(again(every_id).numpy(), model(every_id).numpy())
         if here not in paths:
             paths[here] = tmp_path / str(here)
             _checkpointer(paths[here], again, again_optimizer).save(6)
