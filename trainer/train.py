@@ -289,6 +289,8 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         member.check_restored(_step(job), job.model_dir)  # every worker, the same step
         if restored:
             say(f"restored {restored} at step {_step(job)}")
+            if checkpointer.resplit:  # written with other table parts or shards
+                say(checkpointer.resplit)
         elif mode == "eval":
             raise UserError(
                 f"`--mode=eval` needs a checkpoint, and `{job.model_dir}` has none; "
@@ -385,6 +387,9 @@ def checkpointed(job: Job) -> dict:
         # checkpoint (e.g. dropout's seed state), and exact resume needs them all;
         # their shapes also tell a checkpoint of another model apart.
         "variables": list(job.model.variables),
+        # Listed too: a checkpoint written with other table parts restores into
+        # these through the same structure (`trainer.portable`).
+        "tables": layers.table_indexes(job.model),
     }
 
 
