@@ -147,6 +147,7 @@ def test_multi_output_sums_over_replicas_equal_keras_evaluate():
         assert ours[name] == pytest.approx(value, rel=1e-5), name
 
 
+@pytest.mark.slow  # a cluster; the examples' census one runs in the default tier
 def test_the_compiled_example_on_a_parameter_server_cluster(tmp_path):
     """The README's example model under `parameter_server`: 2 workers and 1 ps, as processes."""
     helpers.launched(

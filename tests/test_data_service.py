@@ -197,7 +197,9 @@ def _run_and_kill(tmp_path, server: str, *flags: str) -> tuple[int, str, float]:
     return code, "\n".join(lines), time.monotonic() - killed_at
 
 
-@pytest.mark.parametrize("server", ["data:worker:0", "data:dispatcher"])
+@pytest.mark.parametrize(
+    "server", ["data:worker:0", pytest.param("data:dispatcher", marks=pytest.mark.slow)]
+)
 def test_a_killed_server_ends_the_run_with_one_line_and_exit_144(tmp_path, server):
     # The README's command: `python -m trainer --strategy=one_device --config.data.service=local:1`
     code, output, seconds = _run_and_kill(tmp_path, server, "--config.data.service=local:1")
@@ -214,6 +216,7 @@ def test_a_killed_server_ends_the_run_with_one_line_and_exit_144(tmp_path, serve
     assert seconds < 30  # noticed in about a second; never a hang
 
 
+@pytest.mark.slow  # a kill mid-run
 def test_under_dynamic_sharding_the_other_worker_takes_over(tmp_path):
     flags = ("--config.data.service=local:2", "--config.data.service_sharding=dynamic")
     code, output, _ = _run_and_kill(tmp_path, "data:worker:1", *flags, "--config.train.steps=400")
@@ -312,7 +315,12 @@ def test_a_server_without_role_port_or_dispatcher_is_one_line(args, match):
 @pytest.mark.parametrize(
     "topology, strategy, mode",
     [
-        (["--workers=2", "--data_workers=1"], "multi_worker", "parallel_epochs"),
+        pytest.param(
+            ["--workers=2", "--data_workers=1"],
+            "multi_worker",
+            "parallel_epochs",
+            marks=pytest.mark.slow,
+        ),
         (["--workers=2", "--ps=1", "--data_workers=2"], "parameter_server", "distributed_epoch"),
     ],
 )
@@ -374,6 +382,7 @@ def _tensorboard(model_dir, tag: str) -> list[float]:
 # --- sweeps: python -m trainer.sweep --share_input -----------------------------------------
 
 
+@pytest.mark.slow  # a whole sweep
 def test_sweep_trials_with_one_pipeline_share_one_stream(tmp_path):
     result = run_cli(
         "--sweep.optimizer.learning_rate=1e-3,3e-3",
@@ -399,6 +408,7 @@ def test_sweep_trials_with_one_pipeline_share_one_stream(tmp_path):
     assert "data.service" not in json.dumps(rows)  # a setting, not a swept value
 
 
+@pytest.mark.slow  # waits out the timeout
 @pytest.mark.parametrize("restart", [True, False])
 def test_a_remote_dispatcher_may_restart_within_the_timeout_else_exit_144(tmp_path, restart):
     ports = pick_ports(2)
@@ -451,6 +461,7 @@ def test_a_remote_dispatcher_may_restart_within_the_timeout_else_exit_144(tmp_pa
 # --- across hosts: the trainer on one simulated host, the data service on another ----------
 
 
+@pytest.mark.slow  # network namespaces
 def test_a_trainer_reads_from_a_data_worker_on_another_host(tmp_path):
     from trainer.bench import hosts as hosts_lib
 

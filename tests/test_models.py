@@ -168,7 +168,9 @@ def mobilenet(spec, config) -> keras.Model:
     )
 
 
-@pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
+@pytest.mark.parametrize(
+    "strategy", ["mirrored", pytest.param("central_storage", marks=pytest.mark.slow)]
+)
 def test_a_keras_applications_model_evaluates_a_partial_last_batch(strategy, tmp_path):
     def job(name: str):
         config = tiny_config(

@@ -239,6 +239,7 @@ def test_a_table_split_otherwise_and_another_difference_is_refused(tmp_path, oth
 CTR = {k: v for k, v in SMALL_CTR.items() if k != "train.deterministic"}
 
 
+@pytest.mark.slow  # a cluster, then three runs
 def test_a_table_trained_on_2_ps_evaluates_exports_on_one_device_and_resumes_on_1_ps(
     tmp_path, capsys
 ):

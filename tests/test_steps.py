@@ -25,6 +25,7 @@ def test_jit_compile_gives_the_same_weights(strategy, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # XLA-compiles three times
 def test_jit_compile_with_dropout_is_the_same_under_any_split(tmp_path):
     """Dropout's step counter updates without a cross-replica exchange, which XLA cannot hold.
 
