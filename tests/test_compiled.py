@@ -120,7 +120,7 @@ def test_multi_output_sums_over_replicas_equal_keras_evaluate():
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = multi_output()
-        task = compiled.CompiledTask(
+        task = compiled.CompiledObjective(
             model, {k: v[:2] for k, v in x.items()}, {k: v[:2] for k, v in y.items()}
         )
 
