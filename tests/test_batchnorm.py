@@ -50,7 +50,6 @@ def test_builtin_resnet_under_four_mirrored_replicas_matches_one_device(one_devi
     _assert_same(checkpoint_values(tmp_path), one_device)
 
 
-@pytest.mark.slow  # a cluster; mirrored runs in the default tier
 def test_builtin_resnet_under_two_workers_matches_one_device(one_device, tmp_path):
     flags = [f"--config.{k}={v}" for k, v in SMALL.items()]
     result = launched(

@@ -312,9 +312,7 @@ def _tensorboard_tags(logdir: pathlib.Path) -> set[str]:
     }
 
 
-@pytest.mark.parametrize(
-    "strategy", ["one_device", pytest.param("mirrored", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 def test_the_readme_penguins_command_trains_to_090(tmp_path, strategy):
     flags = _penguins_data(tmp_path)
     model_dir = tmp_path / "model"
@@ -326,7 +324,6 @@ def test_the_readme_penguins_command_trains_to_090(tmp_path, strategy):
     _check_penguins(model_dir, json.loads((model_dir / "results.json").read_text()))
 
 
-@pytest.mark.slow  # a cluster; one_device runs in the default tier
 def test_the_readme_penguins_command_trains_to_090_on_a_parameter_server_cluster(tmp_path):
     flags = _penguins_data(tmp_path)
     results = train_on_cluster(tmp_path, *flags, "--strategy=parameter_server")

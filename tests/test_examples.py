@@ -68,11 +68,11 @@ def test_each_example_as_the_readme_runs_it(example, tmp_path):
 
 
 # On a parameter-server cluster, the other examples' tasks (their own pipelines, losses,
-# steps) stand for the image model. In the default tier: census on a cluster (its
-# vocabulary layer, served); the rest in the slow tier.
+# steps) stand for the image model. In the default tier: census (its vocabulary layer,
+# served) under both; the rest in the slow tier.
 PLACES = [
     (example, where)
-    if (example, where) == ("census", "parameter_server")
+    if example == "census"
     else pytest.param(example, where, marks=pytest.mark.slow)
     for example in sorted(EXAMPLES)
     for where in ("mirrored", "parameter_server")

@@ -132,7 +132,7 @@ def test_a_tfrecord_var_feature_trains_evaluates_and_serves_under_mirrored(tmp_p
     _check(results, tmp_path / "model")
 
 
-@pytest.mark.parametrize("source", ["dataset_fn", pytest.param("tfrecord", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("source", ["dataset_fn", "tfrecord"])
 def test_a_ragged_feature_trains_evaluates_and_serves_on_a_parameter_server_cluster(
     tmp_path, source
 ):
