@@ -197,9 +197,7 @@ def _run_and_kill(tmp_path, server: str, *flags: str) -> tuple[int, str, float]:
     return code, "\n".join(lines), time.monotonic() - killed_at
 
 
-@pytest.mark.parametrize(
-    "server", ["data:worker:0", pytest.param("data:dispatcher", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("server", ["data:worker:0", "data:dispatcher"])
 def test_a_killed_server_ends_the_run_with_one_line_and_exit_144(tmp_path, server):
     # The README's command: `python -m trainer --strategy=one_device --config.data.service=local:1`
     code, output, seconds = _run_and_kill(tmp_path, server, "--config.data.service=local:1")
@@ -315,12 +313,7 @@ def test_a_server_without_role_port_or_dispatcher_is_one_line(args, match):
 @pytest.mark.parametrize(
     "topology, strategy, mode",
     [
-        pytest.param(
-            ["--workers=2", "--data_workers=1"],
-            "multi_worker",
-            "parallel_epochs",
-            marks=pytest.mark.slow,
-        ),
+        (["--workers=2", "--data_workers=1"], "multi_worker", "parallel_epochs"),
         (["--workers=2", "--ps=1", "--data_workers=2"], "parameter_server", "distributed_epoch"),
     ],
 )
@@ -382,7 +375,6 @@ def _tensorboard(model_dir, tag: str) -> list[float]:
 # --- sweeps: python -m trainer.sweep --share_input -----------------------------------------
 
 
-@pytest.mark.slow  # a whole sweep
 def test_sweep_trials_with_one_pipeline_share_one_stream(tmp_path):
     result = run_cli(
         "--sweep.optimizer.learning_rate=1e-3,3e-3",
@@ -461,7 +453,6 @@ def test_a_remote_dispatcher_may_restart_within_the_timeout_else_exit_144(tmp_pa
 # --- across hosts: the trainer on one simulated host, the data service on another ----------
 
 
-@pytest.mark.slow  # network namespaces
 def test_a_trainer_reads_from_a_data_worker_on_another_host(tmp_path):
     from trainer.bench import hosts as hosts_lib
 
