@@ -198,6 +198,7 @@ def test_two_workers_accumulate_then_all_reduce_once(one_batch, tmp_path):
     assert json.loads((tmp_path / "mw" / "results.json").read_text())["step"] == STEPS
 
 
+@pytest.mark.slow  # a cluster
 def test_async_parameter_server_updates_once_per_step(tmp_path):
     """2 workers and 1 ps: each step runs 4 micro-batches on a worker and pushes one update."""
     launched(

@@ -52,28 +52,46 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "bench.json"
-    done = run_cli("--quick", f"--json={path}", cwd=str(path.parent), module="trainer.bench")
+def _bench(path, *flags) -> dict:
+    done = run_cli(
+        "--quick", f"--json={path}", *flags, cwd=str(path.parent), module="trainer.bench"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "### small_mlp" in done.stdout
     return json.loads(path.read_text())
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _bench(tmp_path_factory.mktemp("bench") / "bench.json")
+
+
+def _check_figures(results, case: str) -> None:
+    result = results["cases"][case]
+    for name in EXPECTED[case]:
+        if name.endswith(KERAS_MULTI_STEP) and not name.startswith("one_device"):
+            if name in result["failed"]:  # the Keras bug above, reported
+                continue
+        assert _positive(result["figures"].get(name)), f"{case}: {name}"
+    assert all(_positive(v) for v in result["figures"].values()), case
+    assert result["ratios"] and all(_positive(v) for v in result["ratios"].values()), case
+
+
+def test_the_quick_one_process_case_reports_its_figures(tmp_path):
+    """The default tier's smoke run: one case; every case runs in the slow tier."""
+    results = _bench(tmp_path / "bench.json", "--cases=small_mlp")
+    assert list(results["cases"]) == ["small_mlp"]
+    _check_figures(results, "small_mlp")
+
+
+@pytest.mark.slow  # every case, clusters included: about 3 minutes
 def test_every_case_reports_every_figure(results):
     assert list(results["cases"]) == list(bench.CASES)
-    for case, names in EXPECTED.items():
-        result = results["cases"][case]
-        for name in names:
-            if name.endswith(KERAS_MULTI_STEP) and not name.startswith("one_device"):
-                if name in result["failed"]:  # the Keras bug above, reported
-                    continue
-            assert _positive(result["figures"].get(name)), f"{case}: {name}"
-        assert all(_positive(v) for v in result["figures"].values()), case
-        assert result["ratios"] and all(_positive(v) for v in result["ratios"].values()), case
+    for case in EXPECTED:
+        _check_figures(results, case)
 
 
+@pytest.mark.slow
 def test_case_details(results):
     cases = results["cases"]
     assert _positive(cases["dense_large"]["matmul_peak_gflops"])

@@ -120,7 +120,7 @@ def test_multi_output_sums_over_replicas_equal_keras_evaluate():
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = multi_output()
-        task = compiled.CompiledTask(
+        task = compiled.CompiledObjective(
             model, {k: v[:2] for k, v in x.items()}, {k: v[:2] for k, v in y.items()}
         )
 
@@ -147,6 +147,7 @@ def test_multi_output_sums_over_replicas_equal_keras_evaluate():
         assert ours[name] == pytest.approx(value, rel=1e-5), name
 
 
+@pytest.mark.slow  # a cluster; the examples' census one runs in the default tier
 def test_the_compiled_example_on_a_parameter_server_cluster(tmp_path):
     """The README's example model under `parameter_server`: 2 workers and 1 ps, as processes."""
     helpers.launched(

@@ -214,6 +214,7 @@ def test_a_killed_server_ends_the_run_with_one_line_and_exit_144(tmp_path, serve
     assert seconds < 30  # noticed in about a second; never a hang
 
 
+@pytest.mark.slow  # a kill mid-run
 def test_under_dynamic_sharding_the_other_worker_takes_over(tmp_path):
     flags = ("--config.data.service=local:2", "--config.data.service_sharding=dynamic")
     code, output, _ = _run_and_kill(tmp_path, "data:worker:1", *flags, "--config.train.steps=400")
@@ -399,6 +400,7 @@ def test_sweep_trials_with_one_pipeline_share_one_stream(tmp_path):
     assert "data.service" not in json.dumps(rows)  # a setting, not a swept value
 
 
+@pytest.mark.slow  # waits out the timeout
 @pytest.mark.parametrize("restart", [True, False])
 def test_a_remote_dispatcher_may_restart_within_the_timeout_else_exit_144(tmp_path, restart):
     ports = pick_ports(2)

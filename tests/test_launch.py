@@ -153,6 +153,7 @@ def test_free_ports_differ_and_lie_below_the_ephemeral_range():
     # there could be taken between the pick and the server's bind.
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     assert len(set(ports)) == 20 and all(0 < p < low for p in ports), (ports, low)
+    assert launch.pick_ports(0) == []
 
 
 # Running clusters.

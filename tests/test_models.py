@@ -52,9 +52,9 @@ def test_every_builtin_model_trains_and_evaluates(name, tmp_path):
 def _eval(job) -> dict:
     """One eval pass of `job`'s model at a global batch of 256 (the last one partial)."""
     sums = job.strategy.evaluate(
-        steps.make_eval_step(job.model, job.task), job.dataset.eval_fn(256)
+        steps.make_eval_step(job.model, job.objective), job.dataset.eval_fn(256)
     )
-    return {**job.task.metrics(sums), "examples": sums["examples"]}
+    return {**job.objective.metrics(sums), "examples": sums["examples"]}
 
 
 @pytest.fixture(scope="module", params=["cnn", "resnet"])
@@ -82,7 +82,7 @@ def test_partial_last_eval_batch_counts_exactly(trained, strategy, tmp_path):
 def test_sample_weights_weigh_the_sums(tmp_path):
     """A dataset may yield `(features, labels, weights)`: weight 0 is no example's loss."""
     job = train.build(_image_config(**{"strategy.name": "mirrored"}), str(tmp_path))
-    eval_step = steps.make_eval_step(job.model, job.task)
+    eval_step = steps.make_eval_step(job.model, job.objective)
 
     def dataset_fn(weights):
         def fn(context):
@@ -168,7 +168,9 @@ def mobilenet(spec, config) -> keras.Model:
     )
 
 
-@pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
+@pytest.mark.parametrize(
+    "strategy", ["mirrored", pytest.param("central_storage", marks=pytest.mark.slow)]
+)
 def test_a_keras_applications_model_evaluates_a_partial_last_batch(strategy, tmp_path):
     def job(name: str):
         config = tiny_config(

@@ -172,6 +172,7 @@ def test_sigterm_to_one_worker_saves_all_at_one_step_and_the_restart_loses_none(
     )
 
 
+@pytest.mark.slow  # waits out the timeout, then a rerun
 def test_a_killed_peer_is_named_within_the_timeout_and_the_cluster_resumes(tmp_path):
     lines, sent, output = _fault_run(tmp_path, signal.SIGKILL)
     seconds, line = _named(lines, "worker:0", "worker:1")
@@ -188,6 +189,7 @@ def _threads(pid: int) -> int | None:
         return None
 
 
+@pytest.mark.slow  # a 600-step soak
 def test_each_workers_thread_count_stays_flat_over_many_steps(tmp_path):
     # Any per-collective timeout made TensorFlow keep one sleeping thread per
     # collective op: about 8 more threads per step, until the process aborted.
@@ -233,6 +235,7 @@ def test_each_workers_thread_count_stays_flat_over_many_steps(tmp_path):
         assert most - first <= 16, f"worker:{worker} threads grew from {first} to {most}: {seen}"
 
 
+@pytest.mark.slow  # waits out the hang bound
 def test_a_hung_chief_is_named_and_its_peer_exits(tmp_path):
     # A stopped process still accepts TCP connections (the kernel does), but its
     # server replies to nothing; the coordination service's leader is the chief.

@@ -123,6 +123,7 @@ def _until(condition, procs, tmp_path) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # waits out the bound
 def test_a_cut_link_is_named_on_both_sides_within_the_bound_and_the_rerun_resumes(
     make_hosts, tmp_path
 ):
@@ -163,6 +164,7 @@ def test_a_cut_link_is_named_on_both_sides_within_the_bound_and_the_rerun_resume
     assert json.loads((run / "results.json").read_text())["step"] == 600
 
 
+@pytest.mark.slow  # a shaped, lossy link
 def test_a_lossy_rate_limited_link_still_trains_to_the_end(make_hosts, tmp_path):
     hosts = make_hosts(2)
     try:

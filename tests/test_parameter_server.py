@@ -71,6 +71,7 @@ def _tasks(devices: list[str]) -> set[str]:
 # Real clusters.
 
 
+@pytest.mark.slow  # the README's launcher command runs this job in the default tier
 def test_digits_on_two_workers_and_two_ps(tmp_path):
     results, out = _run_cluster(
         tmp_path, "--config.train.steps=150", "--config.train.steps_per_loop=50"
@@ -106,6 +107,7 @@ def test_digits_on_two_workers_and_two_ps(tmp_path):
     assert accuracy == pytest.approx(results["eval"]["accuracy"], abs=1e-6)
 
 
+@pytest.mark.slow  # the README's ctr command runs this job in the default tier
 def test_ctr_shards_the_table_over_both_ps_and_learns(tmp_path):
     results, _ = _run_cluster(
         tmp_path,
@@ -256,6 +258,7 @@ def _signalled_cluster(tmp_path, topology, task, trigger, *trainer_flags) -> str
     return output
 
 
+@pytest.mark.slow  # a kill and a restart
 def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path):
     """SIGKILL one worker mid-run: the launcher starts it again and every step is done."""
     output = _signalled_cluster(
@@ -272,6 +275,7 @@ def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path):
     assert "[chief] train | step: " in output and "/400" in output
 
 
+@pytest.mark.slow  # a kill and a restart
 def test_a_lost_ps_is_named_by_the_chief_and_the_cluster_restarts_from_its_checkpoint(tmp_path):
     """SIGKILL a ps 20 steps after an asynchronous checkpoint started: it is not lost.
 

@@ -182,6 +182,7 @@ def spare(tmp_path_factory):
     return model_dir, lines, killed_at
 
 
+@pytest.mark.slow  # a 4-task cluster with a spare
 def test_no_gradient_is_applied_twice_or_at_another_step(spare):
     model_dir, _, _ = spare
     blocks = _scalars(model_dir, "wrong_step_pushes")
@@ -194,6 +195,7 @@ def test_no_gradient_is_applied_twice_or_at_another_step(spare):
     assert sum(_scalars(model_dir, "late_dropped").values()) > 0, "the straggler's were dropped"
 
 
+@pytest.mark.slow  # a 4-task cluster with a spare
 def test_a_killed_worker_does_not_stop_training_with_a_spare(spare):
     model_dir, lines, killed_at = spare
     restarted = next(
@@ -236,6 +238,7 @@ def _histograms(model_dir, tag: str) -> dict[int, np.ndarray]:
     return {step: rows[:, 2] for step, rows in _events(model_dir, tag).items()}
 
 
+@pytest.mark.slow  # a cluster with a straggler
 def test_async_staleness_is_recorded_and_the_stalest_updates_dropped(asynchronous):
     model_dir, results = asynchronous
     assert results["step"] == 120, "dropped updates are not steps: the job ran until 120"

@@ -52,6 +52,7 @@ def _scratch_left(temp_dir) -> list[str]:
     return [name for name in os.listdir(temp_dir) if name.startswith("towerflow-")]
 
 
+@pytest.mark.slow  # a cluster killed, then run to the end
 def test_a_non_chief_leaves_no_scratch_when_killed_or_at_the_end(tmp_path, temp_dir):
     # Worker 1 writes its share of every checkpoint (every 20 steps) and runs the
     # preemption handler; it is killed after several saves, with no chance to clean up.

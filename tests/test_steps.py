@@ -25,6 +25,7 @@ def test_jit_compile_gives_the_same_weights(strategy, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # XLA-compiles three times
 def test_jit_compile_with_dropout_is_the_same_under_any_split(tmp_path):
     """Dropout's step counter updates without a cross-replica exchange, which XLA cannot hold.
 
@@ -41,7 +42,7 @@ def _train_step(tmp_path, name: str):
     config = tiny_config(**{"strategy.name": "mirrored", "optimizer.clip_global_norm": 1.0})
     job = train.build(config, str(tmp_path / name))
     gb = config.train.global_batch_size
-    step = steps.TrainStep(job.model, job.optimizer, job.task, gb, clip_global_norm=1.0)
+    step = steps.TrainStep(job.model, job.optimizer, job.objective, gb, clip_global_norm=1.0)
     iterator = iter(job.strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, 0)))
     return job, step, iterator
 
@@ -72,7 +73,7 @@ def test_a_tasks_own_train_step_declares_it_has_no_halves(tmp_path):
     def own(model, optimizer, x, y, weights, replica_loss):
         raise AssertionError("not run")
 
-    step = steps.CustomTrainStep(own, job.model, job.optimizer, job.task, 64)
+    step = steps.CustomTrainStep(own, job.model, job.optimizer, job.objective, 64)
     assert not step.has_halves
     assert step.iterations is job.optimizer.iterations
     with pytest.raises(TypeError, match="no gradient half"):

@@ -236,6 +236,7 @@ def _trial_processes(sweep_dir: pathlib.Path) -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # a sweep interrupted, then rerun
 def test_ctrl_c_saves_every_trial_and_a_rerun_resumes_them(tmp_path):
     sweep_dir = tmp_path / "sw"
     args = [

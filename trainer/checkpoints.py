@@ -19,6 +19,9 @@ committed. So a write that fails, because the disk is full or because a task
 holding the variables was lost mid-write, costs at most that one checkpoint:
 the state file still names the one before. A full disk stops training with
 `NoSpace`, one line naming `model_dir` and the space a checkpoint needs.
+
+A checkpoint written with other splits of the tables and sharded layers
+(another number of ps tasks, or none) restores through `trainer.portable`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import tensorflow as tf
 
 from strategies import scratch, tf_patches
 from strategies.errors import UserError, one_line
+from trainer import portable
 
 _STATE_FILE = "checkpoint"  # the name TensorFlow's `latest_checkpoint` reads
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -65,9 +69,12 @@ class Checkpointer:
         max_to_keep: how many checkpoints to keep.
         variables: every model variable; saved as a list and checked by shape on restore.
         async_save: write checkpoint files in the background.
-        **objects: other trackables to save (model, optimizer, ...).
+        **objects: other trackables to save (model, optimizer, ...); with `model`
+          and `optimizer`, a checkpoint of other splits restores (`trainer.portable`).
         """
         self.model_dir = model_dir
+        self._model, self._optimizer = objects.get("model"), objects.get("optimizer")
+        self.resplit: str | None = None  # the line saying what the last restore re-split
         self.directory = os.path.join(model_dir, "checkpoints")
         self._shapes = {  # checkpoint key -> (variable name, shape)
             f"variables/{i}/.ATTRIBUTES/VARIABLE_VALUE": (
@@ -114,10 +121,18 @@ class Checkpointer:
           UserError: the checkpoint belongs to a different model or optimizer.
         """
         self.sync()
+        self.resplit = None
         for candidate in [path] if path else self._newest_first():
             try:
-                self._check_shapes(candidate)
-                self.checkpoint.restore(candidate).assert_existing_objects_matched()
+                resplit = self._check_shapes(candidate)
+                if resplit is None:
+                    self.checkpoint.restore(candidate).assert_existing_objects_matched()
+                    return candidate
+                self.resplit, warnings = portable.restore(
+                    candidate, resplit, self._optimizer, self._save_counter
+                )
+                for warning in warnings:
+                    print(f"warning: {warning}", file=sys.stderr, flush=True)
                 return candidate
             except (
                 tf.errors.OpError,  # data loss, missing or unreadable shards
@@ -139,23 +154,36 @@ class Checkpointer:
                 ) from None
         return None
 
-    def _check_shapes(self, path: str) -> None:
+    def _check_shapes(self, path: str) -> portable.Plan | None:
         """Refuses a checkpoint whose variable list or shapes differ from `shapes`.
 
         TensorFlow does not always refuse one itself (a mirrored variable can
-        skip a mismatched value silently), so compare before restoring.
+        skip a mismatched value silently), so compare before restoring. Where
+        they differ only by the split of tables and sharded layers, returns the
+        plan to restore it by.
         """
         # Not `tf.train.load_checkpoint`, which reads a path that is a directory as
         # "the newest checkpoint in it": on `ram://` (whose directories are name
         # prefixes) the prefix `ckpt-20` of `ckpt-20.index` is such a path.
         found = tf.compat.v1.train.NewCheckpointReader(path).get_variable_to_shape_map()
+        saved = [k for k in found if k.startswith("variables/")]
+        differs = None
         for key, (name, shape) in self._shapes.items():
             if key not in found or tuple(found[key]) != tuple(shape):
                 there = tuple(found[key]) if key in found else "absent"
-                raise ValueError(f"`{name}` is {there} there and {tuple(shape)} here")
-        saved = [k for k in found if k.startswith("variables/")]
-        if len(saved) > len(self._shapes):
-            raise ValueError(f"it has {len(saved)} model variables, this model {len(self._shapes)}")
+                differs = f"`{name}` is {there} there and {tuple(shape)} here"
+                break
+        if differs is None and len(saved) > len(self._shapes):
+            differs = f"it has {len(saved)} model variables, this model {len(self._shapes)}"
+        if differs is None:
+            return None
+        if self._model is not None and self._optimizer is not None:
+            keys = [f"variables/{i}/.ATTRIBUTES/VARIABLE_VALUE" for i in range(len(saved))]
+            if all(key in found for key in keys):
+                resplit = portable.plan(self._model, [found[key] for key in keys])
+                if resplit is not None:
+                    return resplit
+        raise ValueError(differs)
 
     def _newest_first(self, directory: str | None = None) -> list[str]:
         """Committed checkpoints in `directory` (default `model_dir`'s), newest first."""

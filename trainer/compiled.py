@@ -33,7 +33,7 @@ def is_compiled(model: keras.Model) -> bool:
     return bool(getattr(model, "compiled", False)) and getattr(model, "loss", None) is not None
 
 
-class CompiledTask:
+class CompiledObjective:
     """The loss and metrics of `model.compile(...)`.
 
     Args:

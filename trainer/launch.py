@@ -97,8 +97,8 @@ _MODULE = flags.DEFINE_string(
 
 
 @dataclasses.dataclass(frozen=True)
-class Task:
-    """One process of a local cluster.
+class Member:
+    """One member of a local cluster: a process (a TF_CONFIG "task").
 
     Attributes:
       type: "chief", "worker", "ps" or "evaluator".
@@ -125,7 +125,7 @@ class Task:
 
 def plan_cluster(
     workers: int, ps: int = 0, chief: bool = False, evaluator: bool = False, port_base: int = 0
-) -> list[Task]:
+) -> list[Member]:
     """The tasks of a local cluster, each with its address and `TF_CONFIG`.
 
     Args:
@@ -153,11 +153,11 @@ def plan_cluster(
     if evaluator:
         jobs["evaluator"] = [addresses[-1]]
     tasks = [
-        Task(task_type, index, address, cluster.make_tf_config(jobs, task_type, index))
+        Member(task_type, index, address, cluster.make_tf_config(jobs, task_type, index))
         for (task_type, index), address in zip(servers, addresses, strict=False)
     ]
     if evaluator:
-        tasks.append(Task("evaluator", 0, None, cluster.make_tf_config(jobs, "evaluator", 0)))
+        tasks.append(Member("evaluator", 0, None, cluster.make_tf_config(jobs, "evaluator", 0)))
     return tasks
 
 
@@ -169,7 +169,7 @@ class Cluster:
 
     def __init__(
         self,
-        tasks: Sequence[Task],
+        tasks: Sequence[Member],
         command: Sequence[str],
         console: Console | None = None,
         grace_s: float = GRACE_S,
@@ -196,9 +196,9 @@ class Cluster:
         self.report_s = report_s
         self.interrupt = interrupt or Interrupt()
         self.max_task_restarts = MAX_TASK_RESTARTS
-        self._procs: dict[Task, subprocess.Popen] = {}
+        self._procs: dict[Member, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
-        self._task_restarts: dict[Task, int] = {}
+        self._task_restarts: dict[Member, int] = {}
 
     def run(self) -> int:
         """Starts every task and waits; returns the chief's exit status, or the failed task's.
@@ -250,13 +250,13 @@ class Cluster:
         self._pumps.clear()
         atexit.unregister(self.stop)
 
-    def _servers(self) -> set[Task]:
+    def _servers(self) -> set[Member]:
         """The tasks that only serve the chief: the ps and workers of a parameter-server cluster."""
         if not any(task.type == "ps" for task in self.tasks):
             return set()
         return {task for task in self.tasks if task.type in ("ps", "worker")}
 
-    def _start(self, task: Task) -> None:
+    def _start(self, task: Member) -> None:
         env = {**os.environ, "TF_CONFIG": task.tf_config}
         proc, pump = start_process(
             self.command, env, functools.partial(self.console.write, task.name)
@@ -264,7 +264,7 @@ class Cluster:
         self._procs[task] = proc
         self._pumps.append(pump)
 
-    def _restartable(self, task: Task) -> bool:
+    def _restartable(self, task: Member) -> bool:
         """A parameter-server cluster tolerates a lost worker: start it again, a few times."""
         has_ps = any(t.type == "ps" for t in self.tasks)
         if task.type != "worker" or not has_ps:
@@ -309,7 +309,7 @@ class Cluster:
         self.console.log(f"got {signal.Signals(self.interrupt.signal).name}")
         return True
 
-    def _after_failure(self, task: Task, code: int, chief: Task) -> int:
+    def _after_failure(self, task: Member, code: int, chief: Member) -> int:
         """A task other than the chief failed: let the chief end on its own first, briefly.
 
         A preempted task (exit 143) is saving with the others at one agreed step:

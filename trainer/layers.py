@@ -19,8 +19,9 @@ the layers behave like `keras.layers.Embedding` and `keras.layers.Dense`.
     with strategy.scope():  # parameter_server, partitioner "fixed", num_shards=2
         table = ShardedEmbedding(200_000, 32)  # two 100,000-row variables
 
-Checkpoints and SavedModels hold each shard as its own variable, so restoring
-needs the same number of shards: pass `num_shards` to pin it.
+Checkpoints and SavedModels hold each shard as its own variable; a checkpoint
+written with another number of shards restores all the same (the three layers
+here are `Portable`: `trainer.portable` re-splits their logical content).
 
 `DynamicEmbedding` looks raw ids (int64 or strings) up in a table that grows
 as ids arrive (`trainer.tables`): no vocabulary size, no collisions. Under
@@ -31,12 +32,14 @@ a dict of features, several of which may share one table.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from strategies import sharding
@@ -92,8 +95,89 @@ def _check_shards(layer: str, num_shards: int | None) -> None:
         raise ValueError(f"`{layer}` `num_shards` ({num_shards}) must be None or >= 1.")
 
 
+# A trainable variable -> its optimizer slots, as `(slot variable, initial value)`.
+Slots = Callable[[keras.Variable], list[tuple]]
+
+
+class Portable(abc.ABC):
+    """A layer whose variables are split into parts, restorable under any other split.
+
+    The layer's *logical* content (a whole table, kernel, or the rows of every
+    id, with their optimizer slots) does not depend on how many parts hold it.
+    `trainer.portable` restores a checkpoint written with another split by
+    building a `twin` with that split, restoring the checkpoint into it, and
+    moving `export_logical()` of the twin into `import_logical()` of the layer.
+    """
+
+    @property
+    @abc.abstractmethod
+    def num_parts(self) -> int:
+        """How many parts the layer's variables are split into."""
+
+    @abc.abstractmethod
+    def split_shapes(self, parts: int) -> list[tuple[int, ...]] | None:
+        """The shapes of `self.variables` when split into `parts`; None if it cannot be."""
+
+    @abc.abstractmethod
+    def twin(self, parts: int) -> keras.layers.Layer:
+        """A built copy of this layer split into `parts`, its variables zeros on this host."""
+
+    @abc.abstractmethod
+    def export_logical(self, slots: Slots) -> dict[str, np.ndarray]:
+        """The content of this layer and of its optimizer `slots`, whatever its split."""
+
+    @abc.abstractmethod
+    def import_logical(self, content: dict[str, np.ndarray], slots: Slots) -> list[str]:
+        """Sets this layer and its `slots` to `content` (another split's export); warnings."""
+
+    def indexes(self) -> list[tf.Module]:
+        """The lookup tables this layer checkpoints beside its variables."""
+        return []
+
+
+class _ShardedRows(Portable):
+    """`Portable` for layers whose variables are shards of rows (`_add_shards`)."""
+
+    @abc.abstractmethod
+    def _sharded(self) -> dict[str, list[keras.Variable]]:
+        """Each logical variable by name, as its shards in order (an unsplit one, one)."""
+
+    @property
+    def num_parts(self) -> int:
+        return self.num_shards
+
+    def _twin(self, parts: int, input_shape, **zeros) -> keras.layers.Layer:
+        """A copy split into `parts`, built for `input_shape`, with the initializers `zeros`."""
+        twin = type(self).from_config({**self.get_config(), "num_shards": parts, **zeros})
+        twin.build(input_shape)
+        return twin
+
+    def export_logical(self, slots: Slots) -> dict[str, np.ndarray]:
+        content = {}
+        for name, shards in self._sharded().items():
+            per_shard = [_with_slots(shard, slots, name) for shard in shards]
+            for column in zip(*per_shard, strict=True):  # the value's shards, then each slot's
+                content[column[0][0]] = np.concatenate([v.numpy() for _, v, _ in column])
+        return content
+
+    def import_logical(self, content: dict[str, np.ndarray], slots: Slots) -> list[str]:
+        for name, shards in self._sharded().items():
+            bounds = np.cumsum([shard.shape[0] for shard in shards])[:-1]
+            per_shard = [_with_slots(shard, slots, name) for shard in shards]
+            for column in zip(*per_shard, strict=True):  # the value's shards, then each slot's
+                for (_, variable, _), rows in zip(column, np.split(content[column[0][0]], bounds)):
+                    variable.assign(rows)
+        return []
+
+
+def _with_slots(variable: keras.Variable, slots: Slots, name: str) -> list[tuple]:
+    """`(name, variable, 0.0)`, then `(f"{name}/slot{k}", slot, initial)` for each of its slots."""
+    found = enumerate(slots(variable))
+    return [(name, variable, 0.0), *((f"{name}/slot{k}", s, init) for k, (s, init) in found)]
+
+
 @keras.saving.register_keras_serializable(package="towerflow")
-class ShardedEmbedding(keras.layers.Layer):
+class ShardedEmbedding(_ShardedRows, keras.layers.Layer):
     """`keras.layers.Embedding` with its table split into row blocks ("div" partitioning).
 
     Shard `i` holds a contiguous range of ids, the first shards one row more
@@ -138,6 +222,17 @@ class ShardedEmbedding(keras.layers.Layer):
         )
         self.num_shards = len(self.shards)
 
+    def _sharded(self) -> dict[str, list[keras.Variable]]:
+        return {"embeddings": self.shards}
+
+    def split_shapes(self, parts: int) -> list[tuple[int, ...]] | None:
+        if parts > self.input_dim:
+            return None
+        return [(rows, self.output_dim) for rows in sharding.split_rows(self.input_dim, parts)]
+
+    def twin(self, parts: int) -> keras.layers.Layer:
+        return self._twin(parts, None, embeddings_initializer="zeros")
+
     def call(self, inputs):
         ids = tf.cast(inputs, tf.int64)  # float ids are exact up to 2**24
         return tf.nn.embedding_lookup([shard.value for shard in self.shards], ids)
@@ -157,7 +252,7 @@ class ShardedEmbedding(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="towerflow")
-class ShardedDense(keras.layers.Layer):
+class ShardedDense(_ShardedRows, keras.layers.Layer):
     """`keras.layers.Dense` with its kernel split by input rows.
 
     With kernel shards `K_i` holding rows `r_i` of the kernel, the output is
@@ -209,6 +304,21 @@ class ShardedDense(keras.layers.Layer):
         self.num_shards = len(self.kernels)
         if self.use_bias:
             self.bias = self.add_weight((self.units,), self.bias_initializer, name="bias")
+
+    def _sharded(self) -> dict[str, list[keras.Variable]]:
+        return {"kernel": self.kernels, **({"bias": [self.bias]} if self.use_bias else {})}
+
+    def split_shapes(self, parts: int) -> list[tuple[int, ...]] | None:
+        rows = sum(kernel.shape[0] for kernel in self.kernels)
+        if parts > rows:
+            return None
+        kernels = [(r, self.units) for r in sharding.split_rows(rows, parts)]
+        return kernels + ([(self.units,)] if self.use_bias else [])
+
+    def twin(self, parts: int) -> keras.layers.Layer:
+        rows = sum(kernel.shape[0] for kernel in self.kernels)
+        zeros = {"kernel_initializer": "zeros", "bias_initializer": "zeros"}
+        return self._twin(parts, (None, rows), **zeros)
 
     def call(self, inputs):
         outputs, start = None, 0
@@ -352,7 +462,7 @@ def _check_dynamic(
 
 
 @keras.saving.register_keras_serializable(package="towerflow")
-class DynamicEmbedding(keras.layers.Layer):
+class DynamicEmbedding(Portable, keras.layers.Layer):
     """An embedding of raw ids with a row per admitted id, called as `keras.layers.Embedding`.
 
     Ids are int64 over the whole 64-bit range (`key_dtype="int64"`; integer
@@ -369,7 +479,8 @@ class DynamicEmbedding(keras.layers.Layer):
     Under `parameter_server` the table is split by id (`tables.part_of`) into
     one part per ps task, each part's index, lock and variables on its task
     (`capacity` split evenly); the workers hold no table (`describe()` says
-    where each part is).
+    where each part is). A checkpoint restores into any number of parts
+    (`Portable`; an id goes to its part by the same hash).
 
         layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
         layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)  # [2, 16]
@@ -418,7 +529,7 @@ class DynamicEmbedding(keras.layers.Layer):
         self.seed = int(seed)
         # One part per ps task under `parameter_server` (ids split by `tables.part_of`),
         # each with its index, lock, rows and row stamps on that task; else one, here.
-        devices = _ps_devices()
+        devices = _part_devices()
         capacities = sharding.split_rows(self.capacity, len(devices))
         self.parts = [
             _TablePart(self, index, device, part_capacity)
@@ -431,6 +542,90 @@ class DynamicEmbedding(keras.layers.Layer):
             part.build()
         self.rows, self.row_stamps = self.parts[0].rows, self.parts[0].row_stamps
         self.default_row = self.add_weight((self.output_dim,), "zeros", name="default_row")
+
+    # `Portable`: the rows of every id, whatever the number of parts.
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.parts)
+
+    def indexes(self) -> list[tf.Module]:
+        return [part.table for part in self.parts]
+
+    def split_shapes(self, parts: int) -> list[tuple[int, ...]] | None:
+        if parts > self.capacity:
+            return None
+        rows = [capacity + 1 for capacity in sharding.split_rows(self.capacity, parts)]
+        width = self.output_dim
+        return [(r, width) for r in rows] + [(width,)] + [(r,) for r in rows]
+
+    def twin(self, parts: int) -> keras.layers.Layer:
+        with sharding.policy("none", num_ps=parts):
+            twin = type(self).from_config(self.get_config())
+        twin.build()
+        return twin
+
+    def export_logical(self, slots: Slots) -> dict[str, np.ndarray]:
+        """Every id's row, optimizer slots, admission and last-seen step; counts; counters.
+
+        `fresh` marks rows not written since their id was admitted (they read
+        the id's initial row). `spare/...` is the spare row past the capacity.
+        """
+        parts = []
+        for part in self.parts:
+            content = part.table.contents()
+            held = content.pop("slots")
+            stamps = content.pop("stamps")
+            content["fresh"] = part.row_stamps.numpy()[held] != stamps
+            for name, variable, _ in _with_slots(part.rows, slots, "rows"):
+                value = variable.numpy()
+                content[name], content[f"spare/{name}"] = value[held], value[-1:]
+            parts.append(content)
+        counters = tables.merged_counters([content.pop("counters") for content in parts])
+        merged = {name: np.concatenate([c[name] for c in parts]) for name in parts[0]}
+        for name, variable, _ in _with_slots(self.default_row, slots, "default"):
+            merged[name] = variable.numpy()
+        return {**merged, "counters": counters}
+
+    def import_logical(self, content: dict[str, np.ndarray], slots: Slots) -> list[str]:
+        """Each id goes to its part (`tables.part_of`); a part over its capacity evicts LRU."""
+        keys, last_seen = content["keys"], content["last_seen"]
+        owners = tables.part_of(tf.constant(keys, tf.int64), len(self.parts)).numpy()
+        waiting = content["waiting"]
+        waiting_owners = tables.part_of(tf.constant(waiting, tf.int64), len(self.parts)).numpy()
+        counters = tables.split_counters(content["counters"], len(self.parts))
+        warnings = []
+        for part in self.parts:
+            mine = np.flatnonzero(owners == part.index)
+            evicted = max(0, len(mine) - part.capacity)
+            if evicted:  # the least recently seen first, ties by id, as the table evicts
+                mine = mine[np.lexsort((keys[mine], last_seen[mine]))[evicted:]]
+                warnings.append(
+                    f"table {self.name} part {part.index} holds {part.capacity} rows and the "
+                    f"checkpoint {len(mine) + evicted} of its ids: evicted the {evicted} least "
+                    "recently seen"
+                )
+            mine = mine[np.argsort(keys[mine], kind="stable")]
+            waits = waiting_owners == part.index
+            stamps = part.table.load(
+                keys[mine],
+                content["admitted"][mine],
+                last_seen[mine],
+                waiting[waits],
+                content["waiting_values"][waits],
+                counters[part.index],
+                evicted,
+            )
+            row_stamps = np.full(part.row_stamps.shape, -1, np.int64)
+            row_stamps[: len(mine)] = np.where(content["fresh"][mine], -1, stamps)
+            part.row_stamps.assign(row_stamps)
+            for name, variable, initial in _with_slots(part.rows, slots, "rows"):
+                value = np.full(variable.shape, initial, variable.dtype)
+                value[: len(mine)], value[-1] = content[name][mine], content[f"spare/{name}"][0]
+                variable.assign(value)
+        for name, variable, _ in _with_slots(self.default_row, slots, "default"):
+            variable.assign(content[name])
+        return warnings
 
     def describe(self) -> dict:
         """The table's policy, its parts (where each is, its bound, ids and bytes held), a line."""
@@ -568,13 +763,21 @@ class DynamicEmbedding(keras.layers.Layer):
         }
 
 
-def _ps_devices() -> list[str | None]:
-    """One device per ps task under `parameter_server`; else [None] (the strategy's own)."""
+def _under_parameter_server() -> bool:
     strategy = tf.distribute.get_strategy()
-    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-        return [None]
+    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+
+
+def _part_devices() -> list[str | None]:
+    """The device of each part of a table: one per ps task under `parameter_server`.
+
+    Elsewhere a part per ps task of the active sharding policy (one outside
+    a policy), all on the strategy's own devices (None).
+    """
     policy = sharding.current()  # the plugin's scope says how many ps tasks there are
-    num_ps = policy.num_ps if policy else strategy.extended._num_ps
+    if not _under_parameter_server():
+        return [None] * (policy.num_ps if policy else 1)
+    num_ps = policy.num_ps if policy else tf.distribute.get_strategy().extended._num_ps
     return [f"/job:ps/task:{task}/device:CPU:0" for task in range(num_ps)]
 
 
@@ -628,7 +831,7 @@ class _TablePart:
         Not in a traced export: a SavedModel keeps explicit devices, and the
         process that loads it has no ps tasks.
         """
-        placed = self.device and _ps_devices() != [None]
+        placed = self.device and _under_parameter_server()
         return tf.device(self.device) if placed else contextlib.nullcontext()
 
     def build(self) -> None:
@@ -1006,6 +1209,16 @@ def dynamic_tables(model: keras.Model) -> list[DynamicEmbedding]:
 def table_figures(model: keras.Model) -> dict[str, list[dict[str, int]]]:
     """`DynamicEmbedding.figures()` of each dynamic table in `model`, by layer name."""
     return {layer.name: layer.figures() for layer in dynamic_tables(model)}
+
+
+def portable_layers(model: keras.Model) -> list[Portable]:
+    """The layers of `model` whose variables are split into parts, in order."""
+    return [layer for layer in model._flatten_layers() if isinstance(layer, Portable)]
+
+
+def table_indexes(model: keras.Model) -> list[tf.Module]:
+    """The index of each part of each dynamic table in `model`, in order."""
+    return [index for layer in portable_layers(model) for index in layer.indexes()]
 
 
 def describe_tables(model: keras.Model) -> dict[str, dict]:

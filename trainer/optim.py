@@ -296,6 +296,43 @@ class SGD(_SparseRows, _SummedByCaller, keras.optimizers.SGD):
         )
 
 
+def slots_of(optimizer: keras.optimizers.Optimizer, variable) -> list[tuple]:
+    """`(slot variable, initial value)` of each slot `optimizer` keeps for `variable`.
+
+    No slots for a variable that is not trainable. `optimizer` (or the one a
+    loss-scale optimizer wraps) is one of this module's, built for `variable`.
+    """
+    if not variable.trainable:
+        return []
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return inner._slots_of(inner._get_variable_index(variable))
+
+
+def own_variables(optimizer: keras.optimizers.Optimizer) -> list:
+    """The variables of `optimizer` that are no variable's slot (its step, a loss scale, ...)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    slots = {
+        id(slot) for variable in inner._trainable_variables for slot, _ in slots_of(inner, variable)
+    }
+    return [v for v in optimizer.variables if id(v) not in slots]
+
+
+def like(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """A new optimizer of the kind and options of `optimizer`, not built."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        config = optimizer.get_config()
+        return keras.optimizers.LossScaleOptimizer(
+            like(optimizer.inner_optimizer),
+            initial_scale=config["initial_scale"],
+            dynamic_growth_steps=config["dynamic_growth_steps"],
+        )
+    config = optimizer.get_config()
+    rate = optimizer._learning_rate
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        config["learning_rate"] = rate  # `get_config` gives its config, which Keras cannot rebuild
+    return type(optimizer).from_config(config)
+
+
 def _by_name(sgd: type, adam: type, adamw: type, adagrad: type, ftrl: type) -> dict:
     return {
         "sgd": lambda rate, c: sgd(rate),

@@ -176,6 +176,8 @@ def pick_ports(count: int, base: int = 0) -> list[int]:
 
 
 def _free_ports(count: int) -> list[int]:
+    if count == 0:
+        return []
     low = min(_ephemeral_start(), 65536)
     if low - PICKED_FROM < 1000:  # a kernel that hands out nearly every port: let it pick
         with contextlib.ExitStack() as stack:

@@ -33,14 +33,14 @@ class TrainStep:
     """One optimizer step on one replica's batch `(x, y)`, in two halves a plugin can run apart.
 
     `step(batch)` is `step.apply(step.gradients(batch)[0])` and returns the
-    task's sums. A plugin that runs the halves apart (synchronous
+    objective's sums. A plugin that runs the halves apart (synchronous
     `parameter_server` applies on the ps tasks; staleness-aware async looks at
     the update between them) calls `gradients` and `apply` by name; see
     `strategies.base.TrainStepProtocol`, which this class implements.
 
     Args:
       model, optimizer: what is trained (built inside the strategy's scope).
-      task: gives this replica's share of the loss and the step's sums (`train_sums`).
+      objective: gives this replica's share of the loss and the step's sums (`train_sums`).
       global_batch_size: the loss is scaled by it, so replicas' gradients add up
         to the global-batch mean.
       clip_global_norm: clip the summed gradient to this norm (0: no clipping).
@@ -62,14 +62,14 @@ class TrainStep:
         self,
         model: keras.Model,
         optimizer: keras.optimizers.Optimizer,
-        task,
+        objective,
         global_batch_size: int,
         clip_global_norm: float = 0.0,
         jit_compile: bool = False,
         accumulation_steps: int = 1,
         transfer: GradientTransfer | None = None,
     ):
-        self.model, self.optimizer, self.task = model, optimizer, task
+        self.model, self.optimizer, self.objective = model, optimizer, objective
         self.clip_global_norm = clip_global_norm
         self.accumulation_steps = accumulation_steps
         self.transfer = transfer
@@ -89,7 +89,7 @@ class TrainStep:
         return sums
 
     def gradients(self, batch) -> tuple[list, dict]:
-        """The gradients of `variables` on this replica's `batch`, and the task's sums."""
+        """The gradients of `variables` on this replica's `batch`, and the objective's sums."""
         x, y, weights = unpack(batch)
         batch = (x, y, _weights(weights, y))
         return _accumulated(self._micro_gradients, batch, self.accumulation_steps)
@@ -114,7 +114,7 @@ class TrainStep:
         model, k = self.model, self.accumulation_steps
         with tf.GradientTape() as tape:
             outputs = model(x, training=True)
-            loss, sums = self.task.train_sums(
+            loss, sums = self.objective.train_sums(
                 model, x, y, outputs, weights, self.micro_global_batch
             )
             if k > 1:
@@ -127,16 +127,16 @@ class CustomTrainStep:
     """A user task's own `train_step`, which applies its own gradients: it has no halves.
 
     `custom_step(model, optimizer, features, labels, weights, replica_loss)`,
-    where `replica_loss(outputs)` is the task's `(loss share, sums)`, returns
+    where `replica_loss(outputs)` is the objective's `(loss share, sums)`, returns
     the sums. Nothing of ours comes between its gradients and its update, so a
     plugin that runs a step's halves apart refuses it at start-up.
     """
 
     has_halves = False
 
-    def __init__(self, custom_step: Callable, model: keras.Model, optimizer, task, batch: int):
+    def __init__(self, custom_step: Callable, model: keras.Model, optimizer, objective, batch: int):
         self.custom_step, self.global_batch_size = custom_step, batch
-        self.model, self.optimizer, self.task = model, optimizer, task
+        self.model, self.optimizer, self.objective = model, optimizer, objective
         self.variables, self.iterations = model.trainable_variables, optimizer.iterations
 
     def __call__(self, batch) -> dict:
@@ -153,8 +153,8 @@ class CustomTrainStep:
         raise TypeError("a task's own `train_step` has no update half (`has_halves` is False)")
 
     def _replica_loss(self, x, y, weights) -> Callable:
-        model, task, batch = self.model, self.task, self.global_batch_size
-        return lambda outputs: task.train_sums(model, x, y, outputs, weights, batch)
+        model, objective, batch = self.model, self.objective, self.global_batch_size
+        return lambda outputs: objective.train_sums(model, x, y, outputs, weights, batch)
 
 
 def check_custom_step(
@@ -247,8 +247,8 @@ def _clip_summed(grads: list, clip_norm: float, replica) -> list:
     return [g / replica.num_replicas_in_sync for g in clipped]
 
 
-def make_eval_step(model: keras.Model, task) -> Callable:
-    """Forward pass on one replica's batch; returns the task's sums.
+def make_eval_step(model: keras.Model, objective) -> Callable:
+    """Forward pass on one replica's batch; returns the objective's sums.
 
     The last batch of an eval pass is short, and a replica may get no examples
     at all. Some kernels return wrong shapes for an empty batch (TF's oneDNN
@@ -265,7 +265,7 @@ def make_eval_step(model: keras.Model, task) -> Callable:
         )
         weights *= tf.cast(tf.range(real) < examples, weights.dtype)  # the padding weighs 0
         outputs = model(x, training=False)
-        return task.eval_sums(x, y, outputs, weights, examples)
+        return objective.eval_sums(x, y, outputs, weights, examples)
 
     return step
 

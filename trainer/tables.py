@@ -58,6 +58,11 @@ step's global batch, leaving out the mask id), how many there were
 or admitted at this step). They are counted in the admission the step
 already makes, so they cost no extra pass. `figures()` reads them with the
 sizes of the index, for the per-block summaries of `trainer.actions.tables`.
+
+`contents()` and `load()` give and set what a table holds in a form that
+does not depend on its slots or capacity (ids, admission and last-seen
+steps, counts), so a split table restores into another split
+(`trainer.portable`).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ import math
 import uuid
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
 DEFAULT_CAPACITY = 2**18  # rows per table: 32 MB of float32 rows at width 32
@@ -84,6 +90,7 @@ COUNTERS = (
     "defaults",
 )
 _C = {name: index for index, name in enumerate(COUNTERS)}
+_TOTALS = ("admitted", "evicted", "refused", "lookups", "defaults")  # add up over a table's parts
 
 # Memory of one entry of the index's hash tables (TF's `MutableHashTable` is a
 # `std::unordered_map`: a node, and a bucket pointer), measured on TF 2.21,
@@ -229,6 +236,65 @@ class DynamicTable(tf.Module):
             "ids_held": held,
             "index_bytes": entries * ENTRY_BYTES + held * PAIR_ENTRY_BYTES,
         }
+
+    # Contents, whatever the slots and capacity.
+
+    def contents(self) -> dict[str, np.ndarray]:
+        """What the table holds, read to the host.
+
+        `keys` (the ids holding a row), their `slots`, `stamps`, `admitted`
+        (the step each was admitted at) and `last_seen` steps; `waiting` (ids
+        counted, not admitted) and `waiting_values` (their count and last-seen
+        step, as the index holds them); `counters` (by `COUNTERS` position).
+        """
+        keys, values = (tensor.numpy() for tensor in self.index.export())
+        held = values >= 0
+        slots = values[held]
+        info = tf.reshape(self.slot_info.lookup(tf.constant(slots, tf.int64)), [-1, 2]).numpy()
+        names, counts = (tensor.numpy() for tensor in self.counters.export())
+        counters = np.zeros(len(COUNTERS), np.int64)
+        counters[names] = counts
+        return {
+            "keys": keys[held],
+            "slots": slots,
+            "stamps": info[:, 0],
+            "admitted": info[:, 0] // self.capacity,
+            "last_seen": info[:, 1],
+            "waiting": keys[~held],
+            "waiting_values": values[~held],
+            "counters": counters,
+        }
+
+    def load(
+        self,
+        keys: np.ndarray,
+        admitted: np.ndarray,
+        last_seen: np.ndarray,
+        waiting: np.ndarray,
+        waiting_values: np.ndarray,
+        counters: np.ndarray,
+        evicted: int = 0,
+    ) -> np.ndarray:
+        """Replaces what the table holds; `keys` get slots 0, 1, ...; returns their stamps.
+
+        The arguments are those of `contents()` (at most `capacity` keys), and
+        `evicted`: ids left out for want of room, added to the counter. The
+        counters of the slots in use are set for the new slots.
+        """
+        for table in (self.index, self.slot_keys, self.slot_info, self.free, self.counters):
+            table.remove(table.export()[0])
+        slots = np.arange(len(keys), dtype=np.int64)
+        stamps = admitted * self.capacity + slots
+        self.index.insert(tf.constant(keys, tf.int64), slots)
+        self.index.insert(tf.constant(waiting, tf.int64), tf.constant(waiting_values, tf.int64))
+        self.slot_keys.insert(slots, tf.constant(keys, tf.int64))
+        info = np.stack([stamps, last_seen], 1).reshape([-1, 2]).astype(np.int64)
+        self.slot_info.insert(slots, info)
+        counters = np.array(counters, np.int64)
+        counters[_C["fresh"]], counters[_C["free"]] = len(keys), 0
+        counters[_C["evicted"]] += evicted
+        self.counters.insert(np.arange(len(COUNTERS), dtype=np.int64), counters)
+        return stamps
 
     # Lookups.
 
@@ -390,6 +456,26 @@ class DynamicTable(tf.Module):
                 return tf.constant(True)
 
         return tf.cond(due, sweep, lambda: tf.constant(False))
+
+
+def merged_counters(counters: list[np.ndarray]) -> np.ndarray:
+    """The counters of a table's parts as one table's: totals, and the latest step.
+
+    The slots' own (`fresh`, `free`) are 0: they belong to a split, not to the content.
+    """
+    merged = np.max(counters, axis=0)
+    merged[[_C["fresh"], _C["free"]]] = 0
+    for name in _TOTALS:
+        merged[_C[name]] = sum(c[_C[name]] for c in counters)
+    return merged
+
+
+def split_counters(counters: np.ndarray, parts: int) -> list[np.ndarray]:
+    """`counters` of one table for each of `parts` parts: the totals kept by the first."""
+    split = [np.array(counters, np.int64) for _ in range(parts)]
+    for part in split[1:]:
+        part[[_C[name] for name in _TOTALS]] = 0
+    return split
 
 
 _ROWS: dict[int, weakref.ref] = {}

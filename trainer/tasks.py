@@ -1,4 +1,9 @@
-"""Losses and metrics per task: classification and regression.
+"""The built-in tasks' objectives (losses and metrics): classification and regression.
+
+An objective is the loss and metrics of a task (`task.name=classification`
+or `regression`; a user's compiled model brings its own,
+`trainer.compiled.CompiledObjective`). The user's whole task, when a model
+builder is not enough, is a `Task` (model, data and maybe loss and step).
 
 Steps return sums (loss, correct predictions, example counts) so that any
 number of replicas, steps and partial batches add up exactly; `metrics`
@@ -26,8 +31,8 @@ OUTPUT_KINDS = ("logits", "probabilities", "sigmoid")  # see `models.output_kind
 _EPSILON = 1e-7  # probabilities are clipped to [eps, 1] before the log, as Keras does
 
 
-class _Task:
-    """What every task shares: weighted sums of the loss, the weight and the examples."""
+class _Objective:
+    """What every objective shares: weighted sums of the loss, the weight and the examples."""
 
     def train_sums(self, model, features, labels, outputs, weights, global_batch_size: int):
         """This replica's share of the global batch's loss, and the step's sums.
@@ -74,7 +79,7 @@ class _Task:
         raise NotImplementedError
 
 
-class Classification(_Task):
+class Classification(_Objective):
     """Cross-entropy on logits or probabilities; accuracy, and AUC for two classes.
 
     Args:
@@ -142,7 +147,7 @@ class Classification(_Task):
         return metrics
 
 
-class Regression(_Task):
+class Regression(_Objective):
     """Mean squared error; mean absolute error."""
 
     name = "regression"

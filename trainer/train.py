@@ -56,7 +56,7 @@ class Job:
     model_dir: str
     strategy: strategies.Strategy
     dataset: data.Dataset
-    task: tasks.Classification | tasks.Regression | compiled.CompiledTask
+    objective: tasks.Classification | tasks.Regression | compiled.CompiledObjective
     total_steps: int
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
@@ -189,14 +189,14 @@ def build(
         optimizer = optim.build(config.optimizer, total_steps)
         optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
         optimizer.build(model.trainable_variables)
-        task = _objective(model, dataset, config)
+        objective = _objective(model, dataset, config)
     user_actions = actions.user_actions(config.train.get("actions", ""), config)
     return Job(
         config,
         model_dir,
         strategy,
         dataset,
-        task,
+        objective,
         total_steps,
         model,
         optimizer,
@@ -256,7 +256,7 @@ def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections
             origin = f"`model.name` '{config.model.name}'"
         else:
             origin = f"`task.name` '{task_name}'"
-        return compiled.CompiledTask(model, features, labels, origin)
+        return compiled.CompiledObjective(model, features, labels, origin)
     classes = dataset.spec.num_classes
     wanted = {"classification": classes > 0, "regression": classes == 0}.get(task_name, True)
     if not wanted:
@@ -289,6 +289,8 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         member.check_restored(_step(job), job.model_dir)  # every worker, the same step
         if restored:
             say(f"restored {restored} at step {_step(job)}")
+            if checkpointer.resplit:  # written with other table parts or shards
+                say(checkpointer.resplit)
         elif mode == "eval":
             raise UserError(
                 f"`--mode=eval` needs a checkpoint, and `{job.model_dir}` has none; "
@@ -342,7 +344,7 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
 def _export(job: Job) -> None:
     """Every task exports (some strategies save collectively); only the chief's is kept."""
     spec = job.dataset.spec
-    raw = isinstance(job.task, compiled.CompiledTask)  # the user's outputs, as compiled
+    raw = isinstance(job.objective, compiled.CompiledObjective)  # the user's outputs, as compiled
     args = (spec.input_shape, spec.num_classes, raw, spec.class_names)
     if job.strategy.membership.is_chief:
         path = os.path.join(job.model_dir, "export")
@@ -385,6 +387,9 @@ def checkpointed(job: Job) -> dict:
         # checkpoint (e.g. dropout's seed state), and exact resume needs them all;
         # their shapes also tell a checkpoint of another model apart.
         "variables": list(job.model.variables),
+        # Listed too: a checkpoint written with other table parts restores into
+        # these through the same structure (`trainer.portable`).
+        "tables": layers.table_indexes(job.model),
     }
 
 
@@ -410,12 +415,14 @@ def _train(
         checkpointer.save(step)  # a good state to fall back to if the loss blows up
     gb = config.train.global_batch_size
     if job.custom_step is not None:  # a task's own step, which applies its own gradients
-        train_step = steps.CustomTrainStep(job.custom_step, job.model, job.optimizer, job.task, gb)
+        train_step = steps.CustomTrainStep(
+            job.custom_step, job.model, job.optimizer, job.objective, gb
+        )
     else:
         train_step = steps.TrainStep(
             job.model,
             job.optimizer,
-            job.task,
+            job.objective,
             gb,
             config.optimizer.clip_global_norm,
             config.train.jit_compile,
@@ -429,7 +436,7 @@ def _train(
         # The task's sums, and the plugin's own figures (e.g. staleness).
         sums, scalars, histograms = strategy.report(sums)
         summaries.histograms("train", _step(job), histograms)
-        return {**job.task.metrics(sums), **scalars}
+        return {**job.objective.metrics(sums), **scalars}
 
     loop = controller.Controller(
         run_block,
@@ -508,9 +515,9 @@ def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attem
 
 def _evaluate(job: Job, summaries: Summaries) -> dict:
     """One pass over the eval split; logs and returns its metrics."""
-    eval_step = steps.make_eval_step(job.model, job.task)
+    eval_step = steps.make_eval_step(job.model, job.objective)
     sums = job.strategy.evaluate(eval_step, job.dataset.eval_fn(job.config.eval.global_batch_size))
-    metrics = job.task.metrics(sums)
+    metrics = job.objective.metrics(sums)
     metrics["examples"] = sums.get("examples", 0.0)
     step = _step(job)
     summaries.scalars("eval", step, metrics)

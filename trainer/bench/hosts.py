@@ -60,8 +60,8 @@ class Unavailable(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Task:
-    """One task of a cluster laid out on the hosts.
+class Member:
+    """One member of a cluster laid out on the hosts (a TF_CONFIG "task").
 
     Attributes:
       type: the task type ("chief", "worker", "ps").
@@ -209,7 +209,7 @@ class Hosts:
         """How other hosts reach `host`: its name (when given and `by_name`), else its address."""
         return self.names[host] if self.names and by_name else self.address(host)
 
-    def cluster(self, layout: Mapping[str, Sequence[int]], by_name: bool = False) -> list[Task]:
+    def cluster(self, layout: Mapping[str, Sequence[int]], by_name: bool = False) -> list[Member]:
         """A cluster's tasks laid out on the hosts, each with its `TF_CONFIG`.
 
         Args:
@@ -225,7 +225,7 @@ class Hosts:
             for job, hosts in layout.items()
         }
         return [
-            Task(job, index, host, cluster.make_tf_config(jobs, job, index))
+            Member(job, index, host, cluster.make_tf_config(jobs, job, index))
             for job, hosts in layout.items()
             for index, host in enumerate(hosts)
         ]
@@ -256,7 +256,7 @@ class Hosts:
 
     def start_trainer(
         self,
-        task: Task | int,
+        task: Member | int,
         args: Sequence[str],
         log: str,
         cwd: str | None = None,
@@ -278,11 +278,11 @@ class Hosts:
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, environ.get("PYTHONPATH")]))
         environ.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **(env or {}))
-        if isinstance(task, Task):
+        if isinstance(task, Member):
             environ["TF_CONFIG"] = task.tf_config
         with open(log, "w") as output:
             return self.start(
-                task.host if isinstance(task, Task) else task,
+                task.host if isinstance(task, Member) else task,
                 [sys.executable, "-m", "trainer", *args],
                 env=environ,
                 cpu=cpu,

@@ -1,0 +1,276 @@
+"""Checkpoints restore under any split of tables and sharded layers (`trainer.portable`)."""
+
+import json
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import configs.ctr
+from strategies import sharding
+from strategies.errors import UserError
+from tests.helpers import config_flags, launched, train_on_cluster
+from tests.test_dynamic_embedding import SMALL_CTR
+from trainer import optim, tables, train
+from trainer.checkpoints import Checkpointer
+from trainer.layers import DynamicEmbedding, ShardedDense, ShardedEmbedding
+
+WIDTH, CAPACITY = 3, 48
+
+
+def _checkpointer(model_dir, model, optimizer) -> Checkpointer:
+    job = types.SimpleNamespace(model=model, optimizer=optimizer)
+    return Checkpointer(str(model_dir), True, 3, **train.checkpointed(job))
+
+
+def _train(model, optimizer, batches) -> None:
+    for ids in batches:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(ids, training=True) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def _adam(model):
+    optimizer = optim.OPTIMIZERS["adam"](0.05, None)
+    optimizer.build(model.trainable_variables)
+    return optimizer
+
+
+# DynamicEmbedding: every id keeps its row, slots, counts and last-seen step.
+
+POOL = np.random.RandomState(0).randint(-(2**62), 2**62, size=24, dtype=np.int64)
+
+
+def _batches(steps: int, seed: int) -> list[tf.Tensor]:
+    draw = np.random.RandomState(seed)
+    return [tf.constant(draw.choice(POOL, size=(4, 3)), tf.int64) for _ in range(steps)]
+
+
+def _dynamic_model(parts: int, capacity: int = CAPACITY, units: int = 1) -> keras.Model:
+    with sharding.policy("none", num_ps=parts):  # a part per ps task, here on this host
+        inputs = keras.Input((3,), dtype="int64")
+        table = DynamicEmbedding(
+            WIDTH, combiner="sum", min_count=2, capacity=capacity, seed=1, name="embedding"
+        )
+        init = keras.initializers.GlorotUniform(seed=2)
+        dense = keras.layers.Dense(units, kernel_initializer=init, name="dense")
+        model = keras.Model(inputs, dense(table(inputs)))
+    assert table.num_parts == parts
+    return model
+
+
+def _logical(model, optimizer) -> dict[str, np.ndarray]:
+    """The table's content by id (rows, Adam's moments, steps), its counts and counters."""
+    content = model.get_layer("embedding").export_logical(lambda v: optim.slots_of(optimizer, v))
+    held, waiting = np.argsort(content["keys"]), np.argsort(content["waiting"])
+    per_id = ("keys", "admitted", "last_seen", "fresh", "rows")
+    by_id = {k: content[k][held] for k in content if k.startswith(per_id)}
+    by_id.update(waiting=content["waiting"][waiting], counts=content["waiting_values"][waiting])
+    by_id.update({k: v for k, v in content.items() if k.startswith(("default", "counters"))})
+    return by_id
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_a_table_in_2_parts_restores_into_1_and_3_parts_and_back_exactly(tmp_path, capsys):
+    model = _dynamic_model(2)
+    optimizer = _adam(model)
+    _train(model, optimizer, _batches(6, seed=1))
+    want = _logical(model, optimizer)
+    assert len(want["keys"]) > 8 and len(want["waiting"]) > 0, "ids on both sides of min_count"
+    assert want["fresh"].any() and not want["fresh"].all(), "rows trained and rows not yet"
+    every_id = tf.constant(POOL.reshape(8, 3))
+    paths = {2: tmp_path / "2"}  # a checkpoint written with each number of parts
+    _checkpointer(paths[2], model, optimizer).save(6)
+
+    restored = {}
+    for there, here in ((2, 1), (2, 3), (3, 2), (1, 2)):  # N -> M, and back
+        again = _dynamic_model(here)
+        again_optimizer = _adam(again)
+        checkpointer = _checkpointer(paths[there], again, again_optimizer)
+        assert checkpointer.restore().endswith("ckpt-6")
+        line = f"restored ckpt-6 written with embedding in {there} parts into {here}"
+        assert checkpointer.resplit == line
+        _assert_same(_logical(again, again_optimizer), want)
+        assert int(again_optimizer.iterations) == 6
+        np.testing.assert_array_equal(again(every_id).numpy(), model(every_id).numpy())
+        if here not in paths:
+            paths[here] = tmp_path / str(here)
+            _checkpointer(paths[here], again, again_optimizer).save(6)
+        restored.setdefault(here, (again, again_optimizer))
+    assert "warning" not in capsys.readouterr().err
+
+    # Under `mirrored`, every replica's copy of the rows gets them.
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        mirrored = _dynamic_model(1)
+        mirrored_optimizer = _adam(mirrored)
+    _checkpointer(paths[2], mirrored, mirrored_optimizer).restore()
+    _assert_same(_logical(mirrored, mirrored_optimizer), want)
+    first, second = mirrored.get_layer("embedding").rows.value.values
+    np.testing.assert_array_equal(second.numpy(), first.numpy())
+
+    # Training goes on as it would have: the same step from the one part as from the two.
+    next_batches = _batches(2, seed=2)
+    one, one_optimizer = restored[1]
+    _train(model, optimizer, next_batches)
+    _train(one, one_optimizer, next_batches)
+    got, want = _logical(one, one_optimizer), _logical(model, optimizer)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    np.testing.assert_allclose(
+        one(tf.constant(POOL[:15].reshape(5, 3))), model(POOL[:15].reshape(5, 3)), rtol=1e-6
+    )
+
+
+def test_a_part_over_its_share_of_capacity_evicts_the_least_recently_seen_ids(tmp_path):
+    owners = tables.part_of(tf.constant(POOL), 2).numpy()
+    ids = np.concatenate([POOL[owners == 0][:5], POOL[owners == 1][:3]])  # 5 and 3 of 8 rows
+    model = _dynamic_model(1, capacity=8)
+    optimizer = _adam(model)
+    for seen in ids:  # one id a step: the first seen is the least recent
+        _train(model, optimizer, [tf.constant([[seen] * 3], tf.int64)])
+    _checkpointer(tmp_path, model, optimizer).save(8)
+
+    split = _dynamic_model(2, capacity=8)
+    split_optimizer = _adam(split)
+    checkpointer = _checkpointer(tmp_path, split, split_optimizer)
+    checkpointer.restore()
+    assert checkpointer.resplit == "restored ckpt-8 written with embedding in 1 parts into 2"
+    got, want = _logical(split, split_optimizer), _logical(model, optimizer)
+    kept = np.isin(want["keys"], ids[1:])
+    assert sorted(got["keys"]) == sorted(ids[1:]), "the first seen of part 0's five is evicted"
+    for name in ("rows", "rows/slot0", "rows/slot1", "last_seen", "admitted"):
+        np.testing.assert_array_equal(got[name], want[name][kept], err_msg=name)
+    evicted = tables.COUNTERS.index("evicted")
+    assert got["counters"][evicted] == want["counters"][evicted] + 1
+
+
+# ShardedEmbedding and ShardedDense: the whole table and kernel, and their slots.
+
+VOCAB = 10
+
+
+def _sharded_model(shards: int) -> keras.Model:
+    with sharding.policy("fixed", num_shards=shards, num_ps=shards):
+        inputs = keras.Input((3,))
+        init = keras.initializers.RandomNormal(seed=4)
+        x = ShardedEmbedding(VOCAB, WIDTH, embeddings_initializer=init, name="table")(inputs)
+        x = keras.layers.Flatten()(x)
+        init = keras.initializers.GlorotUniform(seed=5)
+        outputs = ShardedDense(2, kernel_initializer=init, name="wide")(x)
+        return keras.Model(inputs, outputs)
+
+
+def _whole(model, optimizer) -> dict[str, np.ndarray]:
+    slots = lambda v: optim.slots_of(optimizer, v)  # noqa: E731
+    table, wide = model.get_layer("table"), model.get_layer("wide")
+    return {**table.export_logical(slots), **wide.export_logical(slots)}
+
+
+def test_sharded_layers_restore_into_any_shard_count_with_their_adam_slots(tmp_path):
+    ids = [tf.constant([[0.0, 3.0, 9.0], [4.0, 4.0, 7.0]]), tf.constant([[1.0, 2.0, 9.0]] * 2)]
+    model = _sharded_model(3)
+    optimizer = _adam(model)
+    _train(model, optimizer, ids)
+    want = _whole(model, optimizer)
+    names = ("embeddings", "kernel", "bias")
+    assert sorted(want) == sorted(f"{n}{slot}" for n in names for slot in ("", "/slot0", "/slot1"))
+    paths = {3: tmp_path / "3"}
+    _checkpointer(paths[3], model, optimizer).save(2)
+    restored = {}
+    for there, here in ((3, 1), (3, 2), (2, 3)):  # N -> M, and back
+        again = _sharded_model(here)
+        again_optimizer = _adam(again)
+        checkpointer = _checkpointer(paths[there], again, again_optimizer)
+        checkpointer.restore()
+        assert checkpointer.resplit == (
+            f"restored ckpt-2 written with table in {there} parts into {here}, "
+            f"wide in {there} parts into {here}"
+        )
+        _assert_same(_whole(again, again_optimizer), want)
+        paths[here] = tmp_path / str(here)
+        _checkpointer(paths[here], again, again_optimizer).save(2)
+        restored[here] = again, again_optimizer
+
+    # The next step: the same as the three shards' (the one-shard kernel's sums in another order).
+    for net, net_optimizer in (model, optimizer), *restored.values():
+        _train(net, net_optimizer, ids[:1])
+    want = _whole(model, optimizer)
+    _assert_same(_whole(*restored[3]), want)
+    for name, value in _whole(*restored[1]).items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_a_real_shape_difference_is_still_a_one_line_error(tmp_path):
+    model = _sharded_model(2)
+    _checkpointer(tmp_path, model, _adam(model)).save(0)
+    with sharding.policy("fixed", num_shards=2):
+        inputs = keras.Input((3,))
+        x = keras.layers.Flatten()(ShardedEmbedding(VOCAB + 1, WIDTH, name="table")(inputs))
+        other = keras.Model(inputs, ShardedDense(2, name="wide")(x))
+    with pytest.raises(
+        UserError,
+        match=r"of a different model or optimizer \(`table/embeddings_0` "
+        r"is \(5, 3\) there and \(6, 3\) here\)",
+    ) as error:
+        _checkpointer(tmp_path, other, _adam(other)).restore()
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("other", [{"capacity": CAPACITY + 2}, {"units": 2}])
+def test_a_table_split_otherwise_and_another_difference_is_refused(tmp_path, other):
+    model = _dynamic_model(2)
+    _checkpointer(tmp_path, model, _adam(model)).save(0)
+    again = _dynamic_model(1, **other)
+    with pytest.raises(UserError, match=r"of a different model or optimizer \(`embedding/rows`"):
+        _checkpointer(tmp_path, again, _adam(again)).restore()
+
+
+# A parameter-server cluster's checkpoint, under one_device and on fewer ps tasks.
+
+# The small ctr job of the equivalence tests; op determinism is of no use to async workers.
+CTR = {k: v for k, v in SMALL_CTR.items() if k != "train.deterministic"}
+
+
+@pytest.mark.slow  # a cluster, then three runs
+def test_a_table_trained_on_2_ps_evaluates_exports_on_one_device_and_resumes_on_1_ps(
+    tmp_path, capsys
+):
+    config = configs.ctr.get_config()
+    config.update_from_flattened_dict(CTR)
+    flags = ["--config=configs/ctr.py", *config_flags(config, tuple(CTR))]
+    on_cluster = train_on_cluster(tmp_path, "--strategy=parameter_server", *flags, ps=2)
+    assert [p["ids_held"] > 0 for p in on_cluster["tables"]["embedding"]["parts"]] == [True] * 2
+
+    config.strategy.name = "one_device"
+    here = train.train_and_evaluate(config, str(tmp_path / "model"), mode="eval")
+    said = capsys.readouterr().out
+    assert "restored ckpt-20 written with embedding in 2 parts into 1" in said, said
+    held = sum(p["ids_held"] for p in on_cluster["tables"]["embedding"]["parts"])
+    assert here["step"] == 20 and here["tables"]["embedding"]["ids_held"] == held
+    for name in ("loss", "auc"):  # the chief evaluated the same weights and table
+        assert here["eval"][name] == pytest.approx(on_cluster["eval"][name], rel=1e-5), name
+    config.train.export = True
+    train.train_and_evaluate(config, str(tmp_path / "model"), mode="train")  # at step 20 already
+    assert (tmp_path / "model" / "export" / "saved_model.pb").exists()
+
+    resumed = launched(
+        "--workers=1",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        *flags,
+        "--config.train.steps=25",
+        f"--model_dir={tmp_path / 'model'}",
+        cwd=tmp_path,
+    )
+    assert "restored ckpt-20 written with embedding in 2 parts into 1" in resumed.stdout
+    results = json.loads((tmp_path / "model" / "results.json").read_text())
+    assert results["step"] == 25 and len(results["tables"]["embedding"]["parts"]) == 1
