@@ -176,3 +176,12 @@ def test_the_readme_and_docstring_examples_run():
     names = {"tf": tf, "TableConfig": TableConfig, "FeatureConfig": FeatureConfig}
     exec(textwrap.dedent(example), {**names, "DynamicEmbeddings": DynamicEmbeddings}, names)
     assert [tuple(v.shape) for v in names["vectors"].values()] == [(2, 16), (2, 16)]
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 3)])
+def test_keras_inputs_get_the_shape_of_the_lookups(shape):
+    table = TableConfig("users", embedding_dim=4)
+    layer = DynamicEmbeddings({"buyer": FeatureConfig("buyer", table)})
+    symbolic = layer({"buyer": keras.Input(shape, dtype="int64", name="buyer")})["buyer"]
+    looked_up = layer({"buyer": tf.zeros((5, *shape), tf.int64)})["buyer"]
+    assert symbolic.shape == (None, *shape[:-1], 4) and looked_up.shape == (5, *shape[:-1], 4)

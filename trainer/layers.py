@@ -1174,10 +1174,12 @@ class DynamicEmbeddings(keras.layers.Layer):
         return {key: outputs[key] for key in self.feature_configs}
 
     def compute_output_shape(self, input_shape):
-        return {
-            key: (shape[0], self.feature_configs[key].table.embedding_dim)
-            for key, shape in input_shape.items()
-        }
+        # A list per example is reduced; one id per example (`[batch]`) is a list of one.
+        shapes = {}
+        for key, shape in input_shape.items():
+            width = self.feature_configs[key].table.embedding_dim
+            shapes[key] = (*(shape[:-1] if len(shape) > 1 else shape), width)
+        return shapes
 
     def get_config(self) -> dict:
         features = {key: f.get_config() for key, f in self.feature_configs.items()}
