@@ -69,8 +69,6 @@ def get_config() -> ml_collections.ConfigDict:
     # divided by 1 + staleness) | drop_above=N (updates staler than N discarded).
     c.strategy.parameter_server.staleness = "none"
     c.strategy.parameter_server.warmup_steps = 0  # asynchronous: first steps on one worker alone
-    # Tests and benchmarks only: "WORKER:SECONDS" makes that worker sleep before each batch.
-    c.strategy.parameter_server.test_straggler = ""
     # Workers push float32 gradients to the ps; nothing is all-reduced (float32 only).
     c.strategy.parameter_server.gradient_dtype = "float32"
 

@@ -33,8 +33,6 @@ the plugin chooses its update mode once, at start, as one small runner
   asynchronous update does about the updates applied since its worker read
   the variables; each block records their histogram (`strategies.ps_staleness`).
 
-`test_straggler = "WORKER:SECONDS"` (tests and benchmarks only) makes one
-worker sleep that long before each of its batches.
 """
 
 from __future__ import annotations
@@ -106,12 +104,11 @@ class ParameterServer(Strategy):
         return strategy
 
     def _check_update_options(self) -> None:
-        """Reads `sync_replicas`, `staleness`, `warmup_steps`, `test_straggler`; one line if bad."""
+        """Reads `sync_replicas`, `staleness`, `warmup_steps`; one line if bad."""
         workers = self._cluster.num_workers
         self.sync_replicas = self.options.get("sync_replicas", 0)
         self.staleness = ps_staleness.Staleness.parse(self.options.get("staleness", "none"))
         self.warmup_steps = self.options.get("warmup_steps", 0)
-        self.straggler = _straggler(self.options.get("test_straggler", ""), workers)
         option = "`strategy.parameter_server.sync_replicas`"
         if not 0 <= self.sync_replicas <= workers:
             raise UserError(
@@ -204,10 +201,6 @@ class ParameterServer(Strategy):
             for index in range(self._cluster.num_workers)
         ]
 
-        if self.straggler:
-            worker, seconds = self.straggler
-            branches[worker] = _sleeping(branches[worker], seconds)
-
         def per_worker_dataset() -> tf.data.Dataset:
             index = tf.distribute.coordinator.experimental_get_current_worker_index()
             return tf.switch_case(tf.cast(index, tf.int32), branches)
@@ -242,44 +235,6 @@ def _parameter_server_cluster(cluster: cluster_lib.ClusterSpec | None) -> cluste
             "--strategy=parameter_server`."
         )
     return cluster
-
-
-def _straggler(text: str, workers: int) -> tuple[int, float] | None:
-    """`test_straggler` "WORKER:SECONDS" as (worker, seconds); None for "".
-
-    Raises:
-      UserError: not of that form, or no such worker.
-    """
-    if not str(text).strip():
-        return None
-    worker, _, seconds = str(text).partition(":")
-    try:
-        parsed = int(worker), float(seconds)
-    except ValueError:
-        parsed = None
-    if parsed is None or not 0 <= parsed[0] < workers or parsed[1] < 0:
-        raise UserError(
-            f"`strategy.parameter_server.test_straggler` ('{text}') must be 'WORKER:SECONDS' "
-            f"with WORKER one of 0..{workers - 1} and SECONDS >= 0, e.g. '2:0.2', or ''."
-        )
-    return parsed
-
-
-def _sleeping(dataset_fn, seconds: float):
-    """`dataset_fn` whose dataset sleeps `seconds` before each batch (a straggling worker)."""
-
-    def sleeping() -> tf.data.Dataset:
-        dataset = dataset_fn()
-        spec = dataset.element_spec
-        variant = tf.raw_ops.SleepDataset(
-            input_dataset=tf.data.experimental.to_variant(dataset),
-            sleep_microseconds=tf.constant(round(seconds * 1e6), tf.int64),
-            output_types=[s.dtype for s in tf.nest.flatten(spec)],
-            output_shapes=[s.shape for s in tf.nest.flatten(spec)],
-        )
-        return tf.data.experimental.from_variant(variant, spec)
-
-    return sleeping
 
 
 class AtomicBatchNormalization(keras.layers.BatchNormalization):

@@ -8,11 +8,12 @@ import math
 import time
 
 import pytest
+import tensorflow as tf
 
 import strategies
 from tests.helpers import run_cli, tiny_config
 from trainer import bench, controller, train
-from trainer.bench import clock, hosts
+from trainer.bench import clock, hosts, straggling
 
 # Keras 3 `fit` with `steps_per_execution` > 1 fails under MirroredStrategy
 # (keras-team/keras#19246): the benchmark reports it in `failed` instead.
@@ -168,3 +169,19 @@ def test_only_the_chief_of_a_cluster_writes_marks(tmp_path, monkeypatch):
     assert [step for step, _ in clock.read(marks_file)] == [5]
     with pytest.raises(RuntimeError, match="need two blocks"):
         clock.rate(clock.read(marks_file), per_step=1)
+
+
+def test_the_straggling_pipeline_alone_sleeps_before_each_training_batch(monkeypatch):
+    monkeypatch.setenv(straggling.VARIABLE, "1:0.2")
+    context = tf.distribute.InputContext(2, 1, num_replicas_in_sync=2)
+    batches = iter(straggling.digits(context, "train", 32))
+    next(batches)
+    started = time.monotonic()
+    features, labels = next(batches)
+    assert time.monotonic() - started >= 0.2
+    assert features.shape[0] == labels.shape[0] == 16  # its share of the global batch
+    eval_batches = straggling.digits(context, "eval", 32)
+    assert eval_batches.element_spec[0].shape[1:] == features.shape[1:]
+    monkeypatch.setenv(straggling.VARIABLE, "two:1")
+    with pytest.raises(ValueError, match=r"TOWERFLOW_STRAGGLER \('two:1'\) must be"):
+        straggling.straggler()

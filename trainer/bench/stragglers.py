@@ -2,7 +2,7 @@
 
 Local clusters of 3 workers and 1 ps (`python -m trainer.launch`) train the
 default digits job; worker 2 sleeps `Sizes.straggler_s` before each batch
-(`strategy.parameter_server.test_straggler`):
+(its input is `trainer.bench.straggling`'s):
 
 - synchronous, k = 2 of 3 (one spare) against k = 3: seconds per step (the
   chief's clock marks) and final eval accuracy;
@@ -21,7 +21,7 @@ import tempfile
 
 import numpy as np
 
-from trainer.bench import clock
+from trainer.bench import clock, straggling
 from trainer.bench.harness import child, note, result, tail
 from trainer.bench.sizes import Sizes
 
@@ -80,7 +80,7 @@ def cluster_run(sizes: Sizes, options: dict, workdir: str) -> tuple[dict, dict]:
     """
     model_dir = tempfile.mkdtemp(prefix="stragglers-", dir=workdir)
     flags = {
-        "strategy.parameter_server.test_straggler": f"2:{sizes.straggler_s}",
+        **straggling.CONFIG,
         "train.steps": sizes.straggler_steps,
         "train.steps_per_loop": sizes.straggler_loop,
         # Async runs evaluate every loop (steps to an accuracy); sync runs time steps alone.
@@ -102,7 +102,8 @@ def cluster_run(sizes: Sizes, options: dict, workdir: str) -> tuple[dict, dict]:
         *(f"--config.{k}={v}" for k, v in flags.items()),
     ]
     marks, log = model_dir + ".clock", model_dir + ".log"
-    with child(command, log, marks) as process:
+    slow = {straggling.VARIABLE: f"2:{sizes.straggler_s}"}
+    with child(command, log, marks, env=slow) as process:
         process.wait()
     if process.returncode:
         raise RuntimeError(f"cluster exited with {process.returncode}: {tail(log)}")
