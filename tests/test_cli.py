@@ -106,6 +106,7 @@ def test_rerun_with_more_steps_resumes(mirrored_run, tmp_path):
     assert "step: 100/" not in result.stdout
 
 
+@pytest.mark.slow  # two runs; tests/test_resume.py restarts at every moment
 def test_resume_matches_a_straight_run(tmp_path):
     # A constant schedule: a cosine one depends on `train.steps`, which the rerun changes.
     common = [

@@ -155,6 +155,7 @@ def _named(lines: list[tuple[float, str]], by: str, lost: str) -> tuple[float, s
     return named[0]
 
 
+@pytest.mark.slow  # a cluster stopped, then rerun
 def test_sigterm_to_one_worker_saves_all_at_one_step_and_the_restart_loses_none(tmp_path):
     _, _, output = _fault_run(tmp_path, signal.SIGTERM)
     steps = {

@@ -304,6 +304,7 @@ def test_a_lost_ps_is_named_by_the_chief_and_the_cluster_restarts_from_its_check
     assert json.loads((tmp_path / "run" / "results.json").read_text())["step"] == 200
 
 
+@pytest.mark.slow  # a cluster stopped, then rerun; test_faults shows SIGTERM in one process
 def test_sigterm_to_the_launcher_saves_the_step_reached_and_a_rerun_resumes_there(tmp_path):
     """The chief's final save needs the ps and workers: the launcher stops them after it."""
     model_dir = tmp_path / "run"

@@ -43,7 +43,16 @@ def one_device(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("one_device"), "one_device", **{"train.export": True})
 
 
-@pytest.mark.parametrize("stages,micro_batches", [(2, 1), (2, 4), (4, 1), (4, 4)])
+# Two of the four splits in the slow tier: (2, 4) and (4, 1) take every path between them.
+@pytest.mark.parametrize(
+    "stages,micro_batches",
+    [
+        pytest.param(2, 1, marks=pytest.mark.slow),
+        (2, 4),
+        (4, 1),
+        pytest.param(4, 4, marks=pytest.mark.slow),
+    ],
+)
 def test_same_weights_as_one_device(one_device, tmp_path, stages, micro_batches):
     job = _train(
         tmp_path,

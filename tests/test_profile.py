@@ -86,6 +86,7 @@ def test_bad_profile_steps_are_one_line(steps, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # a cluster
 def test_two_workers_end_blocks_together_and_only_the_chief_profiles(tmp_path):
     """A block that ended on the chief alone would leave the workers' collectives unmatched."""
     result = launched(
