@@ -166,3 +166,32 @@ def test_the_compiled_example_on_a_parameter_server_cluster(tmp_path):
     assert (
         results["eval"]["accuracy"] > 0.9 and results["eval"]["top3"] > results["eval"]["accuracy"]
     )
+
+
+def sequential(spec, config, with_input: bool = False) -> keras.Model:
+    """A compiled `keras.Sequential`: with no `keras.Input`, it has no variables until called."""
+    first = [keras.Input(spec.input_shape)] if with_input else []
+    model = keras.Sequential(
+        [*first, keras.layers.Flatten(), keras.layers.Dense(spec.num_classes, name="logits")]
+    )
+    model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
+    return model
+
+
+def sequential_with_input(spec, config) -> keras.Model:
+    return sequential(spec, config, with_input=True)
+
+
+@pytest.mark.parametrize("builder", ["sequential", "sequential_with_input"])
+def test_a_compiled_sequential_model_trains_and_serves_under_mirrored(builder, tmp_path):
+    config = _config(
+        "mirrored", **{"model.name": f"tests.test_compiled:{builder}", "train.export": True}
+    )
+    config.optimizer.learning_rate = 0.1
+    results = train.train_and_evaluate(config, str(tmp_path), "train")
+    assert results["step"] == 20 and results["train"]["accuracy"] > 0.3
+    serve = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+    out = serve(inputs=tf.zeros((3, *data.get(config.data).spec.input_shape)))
+    assert {int(v.shape[0]) for v in out.values()} == {3}

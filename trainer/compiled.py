@@ -126,12 +126,19 @@ def _scope(model: keras.Model, mapping: list) -> keras.StatelessScope:
     return keras.StatelessScope(state_mapping=own + mapping)
 
 
+def takes_named_inputs(model: keras.Model) -> bool:
+    """Whether `model` takes a dict of named inputs (a functional model built on such a dict)."""
+    try:  # a `Sequential` model not yet called has `inputs` but no `input`
+        return bool(getattr(model, "inputs", None)) and isinstance(model.input, dict)
+    except AttributeError:
+        return False
+
+
 def _check_inputs(model: keras.Model, features, origin: str) -> None:
     """A model with named inputs must find each of them among the data's features."""
     from strategies.errors import UserError
 
-    inputs = getattr(model, "inputs", None)
-    if not inputs or not isinstance(model.input, dict):
+    if not takes_named_inputs(model):
         return
     wanted = sorted(model.input)
     if not isinstance(features, dict):

@@ -19,7 +19,7 @@ import os
 import keras
 import tensorflow as tf
 
-from trainer import models, storage, tasks
+from trainer import compiled, models, storage, tasks
 
 
 def export(
@@ -55,7 +55,7 @@ def export(
 
     @tf.function
     def serve(**features):
-        if _takes_dict(model):
+        if compiled.takes_named_inputs(model):
             inputs = features
         elif len(features) == 1:
             inputs = features["inputs"]
@@ -102,7 +102,7 @@ def _input_specs(model: keras.Model, input_shape: tuple[int, ...] | None) -> dic
     inputs = getattr(model, "inputs", None)
     if not inputs:
         return {"inputs": tf.TensorSpec((None, *input_shape), tf.float32, name="inputs")}
-    if _takes_dict(model):
+    if compiled.takes_named_inputs(model):
         named = model.input.items()
     elif len(inputs) == 1:
         named = [("inputs", inputs[0])]
@@ -164,10 +164,6 @@ def _joined(specs: dict[str, tf.TypeSpec], flat: dict) -> dict:
 
 def _row_lengths(name: str, spec: tf.RaggedTensorSpec) -> list[str]:
     return [f"{name}_row_lengths" + (f"_{i + 1}" if i else "") for i in range(spec.ragged_rank)]
-
-
-def _takes_dict(model: keras.Model) -> bool:
-    return bool(getattr(model, "inputs", None)) and isinstance(model.input, dict)
 
 
 def _names(tensors) -> list[str]:

@@ -185,6 +185,7 @@ def build(
             model = models.build(config.model, dataset.spec)
         else:
             model = _task_model(user_task, config.task.name)
+        _build_on_data(model, dataset)
         strategy.place_model(model)  # a model-parallel plugin moves layers to their devices
         optimizer = optim.build(config.optimizer, total_steps)
         optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
@@ -245,6 +246,18 @@ def _task_model(task: tasks.Task, name: str) -> keras.Model:
         metrics=getattr(task, "metrics", None),
     )
     return model
+
+
+def _build_on_data(model: keras.Model, dataset: data.Dataset) -> None:
+    """Creates the variables of a model built without its input shape, on one batch of the data.
+
+    A `keras.Sequential` without `keras.Input` (or a subclassed model) has no
+    variables until it is first called; the optimizer and the checkpoint need them.
+    """
+    if model.built and model.variables:
+        return
+    features, _, _ = steps.unpack(next(iter(dataset.eval_fn(2)(_ONE_PIPELINE))))
+    model(features, training=False)
 
 
 def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections.ConfigDict):
