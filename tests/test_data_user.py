@@ -63,6 +63,12 @@ def model(spec, config):
     return keras.Model({"numbers": numbers, "colour": colour, "ids": ids}, logits)
 
 
+def numbers_only(spec, config):
+    """A model of one of the data's three features: the other two are not its inputs."""
+    numbers = keras.Input((2,), name="numbers")
+    return keras.Model({"numbers": numbers}, keras.layers.Dense(spec.num_classes)(numbers))
+
+
 def one_tensor(input_context, split, global_batch_size):
     x = tf.random.stateless_uniform([16, 3], seed=[0, 1])
     return tf.data.Dataset.from_tensor_slices((x, tf.range(16) % 2)).batch(4)
@@ -143,6 +149,18 @@ def test_a_user_pipeline_of_named_features_and_weights_trains(tmp_path, strategy
     assert results["eval"]["examples"] == 64  # one pass, every example once
     assert np.isfinite(results["eval"]["loss"])
     assert 0.0 <= results["eval"]["accuracy"] <= 1.0
+
+
+def test_features_the_model_does_not_take_are_left_out_and_the_export_asks_for_its_own(tmp_path):
+    config = _config(
+        **{"model.name": f"{MODULE}:numbers_only", "strategy.name": "mirrored"},
+        **{"train.global_batch_size": 8, "eval.global_batch_size": 8, "train.export": True},
+    )
+    results = train.train_and_evaluate(config, str(tmp_path))
+    assert results["step"] == 20 and results["eval"]["examples"] == 64
+    serve = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+    assert set(serve.structured_input_signature[1]) == {"numbers"}
+    assert serve(numbers=tf.zeros((3, 2)))["classes"].shape == (3,)
 
 
 def test_spec_and_batches_of_a_user_pipeline():

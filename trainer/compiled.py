@@ -52,7 +52,7 @@ class CompiledObjective:
     def __init__(self, model: keras.Model, features, labels, origin: str = "the model"):
         self.model = model
         _check_inputs(model, features, origin)
-        outputs = model(features, training=False)
+        outputs = model(model_inputs(model, features), training=False)
         _check_losses(model, labels, outputs, origin)
         with _scope(model, []):  # creates the metrics' variables, assigns nothing
             model.compute_loss(features, labels, outputs, training=False)
@@ -132,6 +132,17 @@ def takes_named_inputs(model: keras.Model) -> bool:
         return bool(getattr(model, "inputs", None)) and isinstance(model.input, dict)
     except AttributeError:
         return False
+
+
+def model_inputs(model: keras.Model, features):
+    """`features` as `model` takes them: a dict cut to the model's named inputs.
+
+    The data may carry features the model does not use (more CSV columns, an id
+    kept for analysis); Keras refuses a dict with keys its functional model lacks.
+    """
+    if not isinstance(features, dict) or not takes_named_inputs(model):
+        return features
+    return {name: features[name] for name in model.input if name in features}
 
 
 def _check_inputs(model: keras.Model, features, origin: str) -> None:

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from strategies.errors import UserError
 from strategies.transfer import GradientTransfer
-from trainer import optim
+from trainer import compiled, optim
 
 
 class TrainStep:
@@ -113,7 +113,7 @@ class TrainStep:
     def _forward_backward(self, x, y, weights) -> tuple:
         model, k = self.model, self.accumulation_steps
         with tf.GradientTape() as tape:
-            outputs = model(x, training=True)
+            outputs = model(compiled.model_inputs(model, x), training=True)
             loss, sums = self.objective.train_sums(
                 model, x, y, outputs, weights, self.micro_global_batch
             )
@@ -264,7 +264,7 @@ def make_eval_step(model: keras.Model, objective) -> Callable:
             lambda t: _pad_to(t, real), (x, y, _weights(weights, y))
         )
         weights *= tf.cast(tf.range(real) < examples, weights.dtype)  # the padding weighs 0
-        outputs = model(x, training=False)
+        outputs = model(compiled.model_inputs(model, x), training=False)
         return objective.eval_sums(x, y, outputs, weights, examples)
 
     return step

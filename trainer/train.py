@@ -257,7 +257,7 @@ def _build_on_data(model: keras.Model, dataset: data.Dataset) -> None:
     if model.built and model.variables:
         return
     features, _, _ = steps.unpack(next(iter(dataset.eval_fn(2)(_ONE_PIPELINE))))
-    model(features, training=False)
+    model(compiled.model_inputs(model, features), training=False)
 
 
 def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections.ConfigDict):
