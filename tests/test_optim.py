@@ -140,3 +140,22 @@ def test_fused_optimizers_are_keras_optimizers():
     for name in ("adam", "adamw", "momentum", "sgd", "adagrad", "ftrl"):
         optimizer = optim.build(_config(name), total_steps=100)
         assert isinstance(optimizer, type(STOCK[name]()))
+
+
+def test_adamw_decays_only_the_rows_looked_up():
+    # Every step looks up the same rows: those end as Keras's dense AdamW leaves them
+    # (decay included); the others keep their initial values (Keras would decay them).
+    initial, ours = _train(
+        "mirrored", lambda: optim.build(_config("adamw"), total_steps=100), embedding=True
+    )
+    _, theirs = _train(
+        "mirrored", lambda: _densified(keras.optimizers.AdamW, weight_decay=0.01), embedding=True
+    )
+    looked_up = np.unique(np.random.RandomState(1).randint(0, 50, (16, 3)))
+    others = np.setdiff1d(np.arange(50), looked_up)
+    assert len(others) > 0
+    np.testing.assert_allclose(ours[0][looked_up], theirs[0][looked_up], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ours[0][others], initial[0][others])
+    assert not np.allclose(theirs[0][others], initial[0][others]), "Keras decays them all"
+    for a, b in zip(ours[1:], theirs[1:], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

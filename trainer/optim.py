@@ -212,11 +212,52 @@ class Adam(_LazyAdamRows, _SparseRows, _FusedAdamUpdate, _SummedByCaller, keras.
     """Keras's Adam; each dense update is one fused kernel, sparse ones lazy."""
 
 
-class AdamW(_LazyAdamRows, _SparseRows, _FusedAdamUpdate, _SummedByCaller, keras.optimizers.AdamW):
-    """Keras's AdamW; each dense update is one fused kernel, sparse ones lazy.
+class _RowDecay:
+    """Decoupled weight decay of the rows a sparse gradient names, not of the whole table.
 
-    Keras applies the weight decay to every row of a table each step.
+    Keras decays every variable before its update, a table's every row
+    included, each step; here a variable updated sparsely decays only in the
+    rows looked up (as the rest of a lazy update), so a step touches only those.
     """
+
+    _sparse_now: frozenset = frozenset()
+
+    def apply(self, grads, trainable_variables=None):
+        variables = (
+            self._trainable_variables if trainable_variables is None else trainable_variables
+        )
+        sparse = [v for g, v in zip(grads, variables) if isinstance(g, tf.IndexedSlices)]
+        self._sparse_now = frozenset(self._var_key(v) for v in sparse)
+        try:
+            return super().apply(grads, trainable_variables)
+        finally:
+            self._sparse_now = frozenset()
+
+    def _use_weight_decay(self, variable):
+        """Keras asks this of each variable before its decay: not here for a sparse one."""
+        return self._var_key(variable) not in self._sparse_now and self._decays(variable)
+
+    def _decays(self, variable) -> bool:
+        return super()._use_weight_decay(variable)
+
+    def update_step(self, gradient, variable, learning_rate):
+        if self.weight_decay and not _dense(gradient) and self._decays(variable):
+            indices, _ = tf.unique(gradient.indices)
+            rows = _gather(variable, indices)
+            decay = tf.cast(self.weight_decay, variable.dtype)
+            _put(variable, indices, rows - rows * decay * tf.cast(learning_rate, variable.dtype))
+        return super().update_step(gradient, variable, learning_rate)
+
+
+class AdamW(
+    _RowDecay,
+    _LazyAdamRows,
+    _SparseRows,
+    _FusedAdamUpdate,
+    _SummedByCaller,
+    keras.optimizers.AdamW,
+):
+    """Keras's AdamW; each dense update is one fused kernel, sparse ones lazy (decay too)."""
 
 
 class Adagrad(_SparseRows, _SummedByCaller, keras.optimizers.Adagrad):
