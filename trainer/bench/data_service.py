@@ -2,14 +2,14 @@
 
 Four figures side by side:
 
-1. and 2. Two jobs, each trained with its input in the trainer and on a
-   dispatcher and one data worker (`data.service`), as `towerflow`
-   contenders: the small MLP on synthetic data (compute-bound: the service's
-   overhead) and the small MLP on a pipeline that does busy work for every
-   batch (input-bound). The case's process (the trainer) runs on one core and
-   the data worker on another, so the service's gain is at most one more
-   core: the issue's targets are a ratio of at least 1.6 for the input-bound
-   job and at least 0.95 for the compute-bound one.
+1. `compute/` and 2. `input/`: two jobs, each trained with its input in the
+   trainer and on a dispatcher and one data worker (`data.service`), as
+   `towerflow` contenders: the small MLP on synthetic data (compute-bound:
+   the service's overhead) and the small MLP on a pipeline that does busy
+   work for every batch (input-bound). The case's process (the trainer) runs
+   on one core and the data worker on another, so the service's gain is at
+   most one more core: the issue's targets are a ratio of at least 1.6 for
+   the input-bound job and at least 0.95 for the compute-bound one.
 3. `sweep/`: `python -m trainer.sweep` of 2 trials with the same `busy`
    pipeline, side by side (`--parallel=2`), with `--share_input` (one data
    worker, one shared stream) and without (each trial on a service of its
