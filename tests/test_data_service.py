@@ -332,23 +332,26 @@ SLURM_STEP = {  # `srun -n3 python -m trainer.data_service --cluster=slurm` on 2
 )  # fmt: skip
 def test_a_slurm_step_is_a_dispatcher_and_data_workers(rank, role, port, dispatcher, host):
     environ = {**SLURM_STEP, "SLURM_PROCID": str(rank)}
-    for source in ("slurm", "auto"):
-        server = command.plan(None, None, None, tf_config=command.discover(source, None, environ))
+    for source, first_port in (("slurm", None), ("auto", 5050)):  # `--port`: the node's first
+        server = command.server(source, None, first_port, None, environ=environ)
         assert (server.role, server.port, server.dispatcher, server.host) == (
             role,
             port,
             dispatcher,
             host,
         )
+    on_7000 = command.server("slurm", None, 7000, None, environ=environ)
+    assert on_7000.port == port + 7000 - 5050
 
 
 def test_the_cluster_source_is_chosen_as_the_trainers():
     text = _tf_config("dispatcher", 0)
-    assert command.discover("auto", None, {"TF_CONFIG": text}) == text
-    assert command.discover("local", None, {"TF_CONFIG": text}) is None  # the flags alone
-    assert (
-        command.discover("auto", None, {"SM_HOSTS": '["a", "b"]', "SM_CURRENT_HOST": "a"}) is None
-    )
+    assert command.discover("auto", None, {"TF_CONFIG": text}).tf_config == text
+    local = command.discover("local", None, {"TF_CONFIG": text})
+    assert local.tf_config is None  # the flags alone
+    sagemaker = {"SM_HOSTS": '["a", "b"]', "SM_CURRENT_HOST": "a"}
+    assert command.discover("auto", None, sagemaker).tf_config is None
+    assert command.server("tf_config", None, 6000, None, environ={"TF_CONFIG": text}).port == 6000
     one_line_error(r"`--cluster=tf_config`, but `TF_CONFIG` is not set", command.discover,
                    "tf_config", None, {})  # fmt: skip
     one_line_error(r"`SLURM_PROCID` is not set", command.discover, "slurm", None, {})

@@ -176,15 +176,14 @@ def _server(pod: Pod) -> data_service.Server:
     assert pod.command[:3] == ["python", "-m", "trainer.data_service"], pod.command
     given = dict(arg.removeprefix("--").split("=", 1) for arg in pod.command[3:])
     assert set(given) <= set(data_service.flags.FLAGS), given  # flags the command defines
-    port = int(given["port"]) if "port" in given else None
-    text = data_service.discover(given.get("cluster", "auto"), port, pod.environ)
-    return data_service.plan(
+    return data_service.server(
+        given.get("cluster", "auto"),
         given.get("role"),
-        port,
+        int(given["port"]) if "port" in given else None,
         given.get("dispatcher"),
         given.get("work_dir", ""),
         given.get("host"),
-        text,
+        pod.environ,
     )
 
 

@@ -133,14 +133,42 @@ def plan(
     return Server(role, port, dispatcher or "", work_dir, host or "localhost")
 
 
-def discover(source: str, port: int | None, environ: Mapping[str, str] = os.environ) -> str | None:
-    """The data service's cluster as `TF_CONFIG` JSON from `source` (`--cluster`); None: none.
+def server(
+    source: str,
+    role: str | None,
+    port: int | None,
+    dispatcher: str | None,
+    work_dir: str = "",
+    host: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> Server:
+    """The server to run: `plan` of the flags and the cluster `discover` finds.
+
+    In a Slurm step or a JobSet, `--port` is the cluster's port (a Slurm
+    node's first), and each server's own port is its address in the cluster.
+
+    Raises:
+      UserError: as `plan` and `discover`.
+    """
+    found = discover(source, port, environ)
+    if found.source in ("slurm", "jobset"):
+        port = None
+    return plan(role, port, dispatcher, work_dir, host, found.tf_config)
+
+
+def discover(
+    source: str, port: int | None, environ: Mapping[str, str] = os.environ
+) -> discovery.Found:
+    """The data service's cluster from `source` (`--cluster`), as `TF_CONFIG` JSON.
 
     Args:
       source: one of `SOURCES`; `auto` picks as the trainer's discovery does.
-      port: `--port`: every server's port in a Slurm step (the first on each
-        node) or a JobSet; None for `DEFAULT_PORT`.
+      port: `--port`: every server's port in a JobSet, the first on each node
+        of a Slurm step; None for `DEFAULT_PORT`.
       environ: the process's environment.
+
+    Returns:
+      The source found and the cluster (`tf_config` None for `local`: the flags alone).
 
     Raises:
       UserError: the source's environment is missing or describes no data service.
@@ -150,14 +178,14 @@ def discover(source: str, port: int | None, environ: Mapping[str, str] = os.envi
         source = source if source in SOURCES else "local"  # SageMaker runs no data service
     port = DEFAULT_PORT if port is None else port
     if source == "local":
-        return None
+        return discovery.Found("local", None)
     if source == "tf_config":
         if not environ.get("TF_CONFIG", "").strip():
             raise UserError(
                 "`--cluster=tf_config`, but `TF_CONFIG` is not set (or blank); set it to the "
                 "data service's cluster, or pass `--role`, `--port` and `--dispatcher`."
             )
-        return environ["TF_CONFIG"]
+        return discovery.Found("tf_config", environ["TF_CONFIG"])
     if source == "jobset":
         hosts, own_type, index = discovery.jobset_pods(
             environ, ("dispatcher", *JOBS.values(), *ALIASES)
@@ -174,7 +202,8 @@ def discover(source: str, port: int | None, environ: Mapping[str, str] = os.envi
             )
         jobs = {"dispatcher": addresses[:1], "data_worker": addresses[1:]}
         own_type, index = ("dispatcher", 0) if rank == 0 else ("data_worker", rank - 1)
-    return json.dumps({"cluster": jobs, "task": {"type": own_type, "index": index}})
+    text = json.dumps({"cluster": jobs, "task": {"type": own_type, "index": index}})
+    return discovery.Found(source, text)
 
 
 def _tf_config(text: str | None) -> tuple[dict[str, list[str]], str, int]:
@@ -241,17 +270,17 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        server = plan(
+        planned = server(
+            _CLUSTER.value,
             _ROLE.value,
             _PORT.value,
             _DISPATCHER.value,
             _WORK_DIR.value,
             _HOST.value,
-            discover(_CLUSTER.value, _PORT.value),
         )
     except UserError as e:
         cli.fail(errors.one_line(e))
-    serve(server, stop)
+    serve(planned, stop)
 
 
 if __name__ == "__main__":
