@@ -24,7 +24,9 @@ cannot hold `_`):
   pod on `--port` (default 5050);
 - `local`: the flags alone (a `TF_CONFIG` is ignored);
 - `auto` (the default): `TF_CONFIG` when set, else a Slurm step of several
-  tasks, else a JobSet pod, else the flags alone.
+  tasks, else a JobSet pod, else the flags alone; with `--role` given,
+  `TF_CONFIG` or the flags alone (the servers `local:N` starts beside a
+  trainer in a Slurm step or a JobSet pod are not that cluster's).
 
 Flags given win over what the cluster says.
 
@@ -144,12 +146,17 @@ def server(
 ) -> Server:
     """The server to run: `plan` of the flags and the cluster `discover` finds.
 
-    In a Slurm step or a JobSet, `--port` is the cluster's port (a Slurm
-    node's first), and each server's own port is its address in the cluster.
+    With `--role` given, `auto` reads only `TF_CONFIG` (as before `--cluster`
+    existed): the servers `local:N` starts beside a trainer in a Slurm step or
+    a JobSet pod are not that cluster's. In a Slurm step or a JobSet, `--port`
+    is the cluster's port (a Slurm node's first), and each server's own port
+    is its address in the cluster.
 
     Raises:
       UserError: as `plan` and `discover`.
     """
+    if source == "auto" and role is not None:
+        source = "tf_config" if environ.get("TF_CONFIG", "").strip() else "local"
     found = discover(source, port, environ)
     if found.source in ("slurm", "jobset"):
         port = None
