@@ -6,6 +6,9 @@ completion index its Indexed Job adds, its DNS hostname), the command it
 runs, and the `TF_CONFIG` `--cluster=jobset` derives from them, for every
 pod of every replicated job. Every pod must see the same cluster, name a
 different task, and find each task at the DNS name of the pod that runs it.
+The tf.data service's JobSet likewise: each pod's role, port, dispatcher and
+the host name trainers reach it at, from `python -m trainer.data_service`'s
+own derivation.
 """
 
 import dataclasses
