@@ -185,11 +185,28 @@ def jobset_tf_config(environ: Mapping[str, str], port: int) -> str:
     Raises:
       UserError: a variable is missing or does not fit the others; one line with the fix.
     """
+    hosts, own_type, index = jobset_pods(environ, cluster.TASK_TYPES)
+    jobs = {task_type: [f"{host}:{port}" for host in names] for task_type, names in hosts.items()}
+    return cluster.make_tf_config(jobs, own_type, index)
+
+
+def jobset_pods(
+    environ: Mapping[str, str], task_types: tuple[str, ...]
+) -> tuple[dict[str, list[str]], str, int]:
+    """A JobSet's pods as `jobset_tf_config` finds them, for replicated jobs named `task_types`.
+
+    Returns:
+      Each replicated job's pods' DNS names (`<jobset>-<job>-0-<i>.<subdomain>`),
+      in `JOBSET_TASKS` order; this pod's replicated job and completion index.
+
+    Raises:
+      UserError: as `jobset_tf_config`, or a replicated job not named in `task_types`.
+    """
     _require(
         "jobset", environ, JOBSET_VARIABLES, "set them as deploy/jobset-multi-worker.yaml does"
     )
     jobset, own_type = environ["JOBSET_NAME"], environ["REPLICATED_JOB_NAME"]
-    counts = _jobset_tasks(environ["JOBSET_TASKS"])
+    counts = _jobset_tasks(environ["JOBSET_TASKS"], task_types)
     if own_type not in counts:
         raise UserError(
             f"`REPLICATED_JOB_NAME` ({own_type}) is not in `JOBSET_TASKS` "
@@ -215,11 +232,11 @@ def jobset_tf_config(environ: Mapping[str, str], port: int) -> str:
             "`REPLICATED_JOB_NAME` from its labels."
         )
     subdomain = environ.get("JOBSET_SUBDOMAIN") or jobset
-    jobs = {
-        task_type: [f"{jobset}-{task_type}-0-{i}.{subdomain}:{port}" for i in range(count)]
+    hosts = {
+        task_type: [f"{jobset}-{task_type}-0-{i}.{subdomain}" for i in range(count)]
         for task_type, count in counts.items()
     }
-    return cluster.make_tf_config(jobs, own_type, index)
+    return hosts, own_type, index
 
 
 def _from_tf_config(environ: Mapping[str, str], strategy: str, chosen: dict) -> Found:
@@ -304,16 +321,17 @@ def _sagemaker_hosts(environ: Mapping[str, str]) -> list[str]:
     return sorted(hosts)
 
 
-def _jobset_tasks(text: str) -> dict[str, int]:
+def _jobset_tasks(text: str, task_types: tuple[str, ...]) -> dict[str, int]:
     """`JOBSET_TASKS`, "chief=1,worker=2,ps=1", as task type -> pod count."""
     counts: dict[str, int] = {}
     for part in text.split(","):
         task_type, _, count = part.strip().partition("=")
-        if task_type not in cluster.TASK_TYPES or not count.isdigit() or int(count) < 1:
+        if task_type not in task_types or not count.isdigit() or int(count) < 1:
+            example = ",".join(f"{t}={n}" for t, n in zip(task_types, (1, 2, 1)))
             raise UserError(
                 f"`JOBSET_TASKS` ({text}) must list each replicated job as `type=pods`, the type "
-                f"one of {', '.join(f'`{t}`' for t in cluster.TASK_TYPES)}, e.g. "
-                "`chief=1,worker=2,ps=1`; name the replicated jobs after their task types."
+                f"one of {', '.join(f'`{t}`' for t in task_types)}, e.g. "
+                f"`{example}`; name the replicated jobs after their task types."
             )
         counts[task_type] = int(count)
     return counts

@@ -60,14 +60,23 @@ def tf_config(environ: Mapping[str, str], strategy: str, ps_tasks: int, port: in
       UserError: the environment is not a Slurm task's, describes a layout this
         cannot place, or has too few tasks for `strategy`; one line with the fix.
     """
+    addresses, rank = step_addresses(environ, port)
+    jobs = _jobs(strategy, ps_tasks, addresses)
+    task_type, task_index = _task_of(jobs, rank)
+    return cluster.make_tf_config(jobs, task_type, task_index)
+
+
+def step_addresses(environ: Mapping[str, str], port: int) -> tuple[list[str], int]:
+    """Every task's "host:port" in rank order, and this task's rank (`tf_config`'s layout).
+
+    Raises:
+      UserError: as `tf_config`, for the environment and the port.
+    """
     nodes, counts, rank = _step(environ)
     places = _places(nodes, counts, _distribution(environ))
     _check_own_place(environ, places, rank)
     _check_ports(port, max(counts))
-    addresses = [f"{node}:{port + local}" for node, local in places]
-    jobs = _jobs(strategy, ps_tasks, addresses)
-    task_type, task_index = _task_of(jobs, rank)
-    return cluster.make_tf_config(jobs, task_type, task_index)
+    return [f"{node}:{port + local}" for node, local in places], rank
 
 
 def expand_hostlist(hostlist: str) -> list[str]:

@@ -5,6 +5,9 @@ The clock action the benchmark times the loop with is tested in-process.
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +16,7 @@ import tensorflow as tf
 import strategies
 from tests.helpers import run_cli, tiny_config
 from trainer import bench, controller, train
-from trainer.bench import clock, hosts, straggling
+from trainer.bench import clock, data_service, hosts, straggling
 
 # Keras 3 `fit` with `steps_per_execution` > 1 fails under MirroredStrategy
 # (keras-team/keras#19246): the benchmark reports it in `failed` instead.
@@ -45,6 +48,14 @@ EXPECTED = {
         "async_save_blocks_s",
         "async_save_completes_s",
         "restore_s",
+    ),
+    "data_service": (  # and hosts/one_host, hosts/two_hosts where namespaces can be made
+        "compute/trainer",
+        "compute/service",
+        "input/trainer",
+        "input/service",
+        "sweep/shared_input_cpu_s_per_trial",
+        "sweep/own_input_cpu_s_per_trial",
     ),
 }
 
@@ -103,6 +114,10 @@ def test_case_details(results):
     assert results["machine"]["cpu_cores"] >= 1
     if hosts.available() is None:  # as root: 2 simulated hosts over a 1 Gbit/s link
         assert _positive(cases["multi_host"]["ratios"]["default/1gbit/one_host"])
+        assert _positive(cases["data_service"]["ratios"]["hosts/two_hosts_over_one_host"])
+    else:
+        assert cases["data_service"]["notes"] == [f"hosts/ not run: {hosts.available()}"]
+    assert _positive(cases["data_service"]["ratios"]["sweep/shared_over_own"])
     clusters = cases["strategies"]["figures"]
     assert bench.QUICK.clusters, "--quick times at least one local cluster"
     for name in bench.QUICK.clusters:
@@ -185,3 +200,27 @@ def test_the_straggling_pipeline_alone_sleeps_before_each_training_batch(monkeyp
     monkeypatch.setenv(straggling.VARIABLE, "two:1")
     with pytest.raises(ValueError, match=r"TOWERFLOW_STRAGGLER \('two:1'\) must be"):
         straggling.straggler()
+
+
+def test_the_data_workers_cpu_time_is_read_from_proc():
+    """The `data_service` case's sweep figure: CPU seconds of a process tree's data workers."""
+    spin = (  # 0.3 s of CPU, then idle long enough to be read at that
+        "import time\nend = time.process_time() + 0.3\n"
+        "while time.process_time() < end: pass\ntime.sleep(0.5)"
+    )
+    worker = [sys.executable, "-c", spin, "trainer.data_service", "--role=worker"]
+    other = [sys.executable, "-c", spin, "trainer.data_service", "--role=dispatcher"]
+    procs = [subprocess.Popen(worker), subprocess.Popen(other)]
+    try:
+        deadline = time.monotonic() + 30
+        seconds = {}
+        while procs[0].poll() is None and time.monotonic() < deadline:
+            seconds.update(data_service.data_workers_cpu_s(os.getpid()))
+            time.sleep(0.05)
+        assert list(seconds) == [procs[0].pid], "the worker only, not the dispatcher"
+        assert 0.3 <= seconds[procs[0].pid] < 5
+        assert data_service.data_workers_cpu_s(procs[1].pid) == {}, "not its descendant"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

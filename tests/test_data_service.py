@@ -295,6 +295,78 @@ def test_the_server_comes_from_tf_config_as_for_the_trainer():
     assert (flags.port, flags.dispatcher) == (7000, "h:1")
 
 
+def test_a_worker_is_reached_at_its_address_in_the_cluster():
+    worker = command.plan(None, None, None, tf_config=_tf_config("data_worker", 1))
+    assert worker.host == "host2"
+    assert (
+        command.plan(None, None, None, host="h9", tf_config=_tf_config("data_worker", 1)).host
+        == "h9"
+    )
+    assert command.plan("worker", 1, "h:1").host == "localhost"
+
+
+def test_a_kubernetes_name_data_worker_is_a_data_worker():
+    cluster = {"dispatcher": ["d:5050"], "data-worker": ["w0:5050", "w1:5050"]}
+    text = json.dumps({"cluster": cluster, "task": {"type": "data-worker", "index": 1}})
+    worker = command.plan(None, None, None, tf_config=text)
+    assert (worker.role, worker.port, worker.dispatcher, worker.host) == (
+        "worker",
+        5050,
+        "d:5050",
+        "w1",
+    )
+
+
+SLURM_STEP = {  # `srun -n3 python -m trainer.data_service --cluster=slurm` on 2 nodes
+    "SLURM_JOB_ID": "42",
+    "SLURM_STEP_NUM_TASKS": "3",
+    "SLURM_STEP_NODELIST": "n[1-2]",
+    "SLURM_STEP_TASKS_PER_NODE": "2,1",
+}
+
+
+@pytest.mark.parametrize(
+    "rank, role, port, dispatcher, host",
+    [(0, "dispatcher", 5050, "", "localhost"), (1, "worker", 5051, "n1:5050", "n1"),
+     (2, "worker", 5050, "n1:5050", "n2")],
+)  # fmt: skip
+def test_a_slurm_step_is_a_dispatcher_and_data_workers(rank, role, port, dispatcher, host):
+    environ = {**SLURM_STEP, "SLURM_PROCID": str(rank)}
+    for source, first_port in (("slurm", None), ("auto", 5050)):  # `--port`: the node's first
+        server = command.server(source, None, first_port, None, environ=environ)
+        assert (server.role, server.port, server.dispatcher, server.host) == (
+            role,
+            port,
+            dispatcher,
+            host,
+        )
+    on_7000 = command.server("slurm", None, 7000, None, environ=environ)
+    assert on_7000.port == port + 7000 - 5050
+
+
+def test_the_cluster_source_is_chosen_as_the_trainers():
+    text = _tf_config("dispatcher", 0)
+    assert command.discover("auto", None, {"TF_CONFIG": text}).tf_config == text
+    local = command.discover("local", None, {"TF_CONFIG": text})
+    assert local.tf_config is None  # the flags alone
+    sagemaker = {"SM_HOSTS": '["a", "b"]', "SM_CURRENT_HOST": "a"}
+    assert command.discover("auto", None, sagemaker).tf_config is None
+    assert command.server("tf_config", None, 6000, None, environ={"TF_CONFIG": text}).port == 6000
+    # `local:N`'s servers, started with `--role` in a trainer's Slurm step or JobSet pod.
+    pod = {"JOBSET_NAME": "j", "REPLICATED_JOB_NAME": "worker", "JOBSET_TASKS": "worker=2"}
+    for environ in ({**SLURM_STEP, "SLURM_PROCID": "1"}, pod):
+        beside = command.server("auto", "worker", 4242, "127.0.0.1:4241", "", "127.0.0.1", environ)
+        assert (beside.port, beside.dispatcher) == (4242, "127.0.0.1:4241")
+    one_line_error(r"`--cluster=tf_config`, but `TF_CONFIG` is not set", command.discover,
+                   "tf_config", None, {})  # fmt: skip
+    one_line_error(r"`SLURM_PROCID` is not set", command.discover, "slurm", None, {})
+    one_task = {**SLURM_STEP, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1",
+                "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "1"}  # fmt: skip
+    one_line_error(r"a Slurm step of 1 task runs no data service", command.discover, "slurm",
+                   None, one_task)  # fmt: skip
+    one_line_error(r"the `jobset` cluster source needs", command.discover, "jobset", None, {})
+
+
 @pytest.mark.parametrize(
     "args, match",
     [

@@ -6,6 +6,9 @@ completion index its Indexed Job adds, its DNS hostname), the command it
 runs, and the `TF_CONFIG` `--cluster=jobset` derives from them, for every
 pod of every replicated job. Every pod must see the same cluster, name a
 different task, and find each task at the DNS name of the pod that runs it.
+The tf.data service's JobSet likewise: each pod's role, port, dispatcher and
+the host name trainers reach it at, from `python -m trainer.data_service`'s
+own derivation.
 """
 
 import dataclasses
@@ -18,7 +21,7 @@ from absl import flags
 
 from strategies import cluster, discovery
 from strategies.errors import PREEMPTED_EXIT_CODE, TASK_LOST_EXIT_CODE
-from trainer import cli
+from trainer import cli, data_service
 
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
 MANIFESTS = {
@@ -164,3 +167,65 @@ def test_only_preemption_and_a_lost_task_restart_the_jobset(name):
         assert sorted(other_codes["onExitCodes"]["values"]) == retried
         container = job["template"]["spec"]["containers"][0]["name"]
         assert other_codes["onExitCodes"]["containerName"] == container
+
+
+# --- deploy/jobset-data-service.yaml: python -m trainer.data_service --cluster=jobset -------
+
+DATA_SERVICE = "jobset-data-service.yaml"
+
+
+def _server(pod: Pod) -> data_service.Server:
+    """What `python -m trainer.data_service` serves in `pod`: its flags, then discovery."""
+    assert pod.command[:3] == ["python", "-m", "trainer.data_service"], pod.command
+    given = dict(arg.removeprefix("--").split("=", 1) for arg in pod.command[3:])
+    assert set(given) <= set(data_service.flags.FLAGS), given  # flags the command defines
+    return data_service.server(
+        given.get("cluster", "auto"),
+        given.get("role"),
+        int(given["port"]) if "port" in given else None,
+        given.get("dispatcher"),
+        given.get("work_dir", ""),
+        given.get("host"),
+        pod.environ,
+    )
+
+
+def test_each_data_service_pod_derives_its_role_port_and_dispatcher():
+    jobset = _jobset(DATA_SERVICE)
+    name = jobset["metadata"]["name"]
+    pods = _pods(jobset)
+    servers = [_server(pod) for pod in pods]
+    assert [pod.replicated_job for pod in pods] == ["dispatcher", "data-worker", "data-worker"]
+    (dispatcher,) = [s for s in servers if s.role == "dispatcher"]
+    dispatcher_pod = pods[servers.index(dispatcher)]
+    address = f"{dispatcher_pod.hostname}.{name}:{dispatcher.port}"
+    assert address == f"{name}-dispatcher-0-0.{name}:5050"
+    for pod, server in zip(pods, servers):
+        container = pod.spec["template"]["spec"]["containers"][0]
+        assert server.port == container["ports"][0]["containerPort"]
+        if server.role == "worker":
+            assert server.host == f"{pod.hostname}.{name}", "trainers reach it by its DNS name"
+            assert server.dispatcher == address
+    # The address trainers are told to use (manifest, deploy/README.md, README.md).
+    trainer_flag = f"--config.data.service=grpc://{address}"
+    for text in (
+        (DEPLOY / DATA_SERVICE).read_text(),
+        (DEPLOY / "README.md").read_text(),
+        (DEPLOY.parent / "README.md").read_text(),
+    ):
+        assert trainer_flag in text
+
+
+def test_the_dispatcher_journals_on_the_shared_volume():
+    pods = _pods(_jobset(DATA_SERVICE))
+    (claim,) = [d for d in yaml.safe_load_all((DEPLOY / "volume.yaml").read_text()) if d]
+    (pod,) = [p for p in pods if p.replicated_job == "dispatcher"]
+    pod_spec = pod.spec["template"]["spec"]
+    (volume,) = pod_spec["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    (mount,) = pod_spec["containers"][0]["volumeMounts"]
+    assert mount["name"] == volume["name"]
+    assert _server(pod).work_dir.startswith(mount["mountPath"] + "/")
+    for pod in pods:  # a crashed server restarts in place, at its DNS name
+        assert pod.spec["template"]["spec"]["restartPolicy"] == "OnFailure"
+        assert pod.spec["backoffLimit"] >= 1

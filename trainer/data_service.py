@@ -5,11 +5,30 @@
 
 Trainers started with `--config.data.service=grpc://host0:5050` then run their
 input pipelines on the workers (see `trainer.data.service`). Without flags, the
-role, the port and the dispatcher come from `TF_CONFIG`, as for the trainer,
-from a cluster with a `dispatcher` job and a `data_worker` job:
+role, the port, the dispatcher and a worker's host come from the cluster, found
+as the trainer finds its own (`--cluster`, `strategies.discovery`), with a
+`dispatcher` job and a `data_worker` job (or `data-worker`: Kubernetes names
+cannot hold `_`):
 
-    {"cluster": {"dispatcher": ["host0:5050"], "data_worker": ["host1:5051", "host2:5051"]},
-     "task": {"type": "data_worker", "index": 0}}
+- `tf_config`: `TF_CONFIG`, e.g.
+
+      {"cluster": {"dispatcher": ["host0:5050"], "data_worker": ["host1:5051", "host2:5051"]},
+       "task": {"type": "data_worker", "index": 0}}
+
+- `slurm`: a Slurm step (`srun -n3 python -m trainer.data_service --cluster=slurm`):
+  rank 0 is the dispatcher, the others data workers, at the addresses the
+  trainer's Slurm tasks get (`strategies.slurm`: the node, and `--port` plus the
+  task's index on its node; default port 5050);
+- `jobset`: a JobSet pod (deploy/jobset-data-service.yaml): the replicated jobs
+  `dispatcher` and `data-worker`, pod i at `<jobset>-<job>-0-<i>.<jobset>`, every
+  pod on `--port` (default 5050);
+- `local`: the flags alone (a `TF_CONFIG` is ignored);
+- `auto` (the default): `TF_CONFIG` when set, else a Slurm step of several
+  tasks, else a JobSet pod, else the flags alone; with `--role` given,
+  `TF_CONFIG` or the flags alone (the servers `local:N` starts beside a
+  trainer in a Slurm step or a JobSet pod are not that cluster's).
+
+Flags given win over what the cluster says.
 
 A dispatcher with `--work_dir` journals its state there; started again with the
 same directory, it carries on with the jobs it had (TensorFlow's fault-tolerant
@@ -24,17 +43,21 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ chatter quiet
 
 from absl import app, flags  # noqa: E402
 
-from strategies import errors  # noqa: E402
+from strategies import discovery, errors  # noqa: E402
 from strategies.errors import UserError  # noqa: E402
 from trainer import cli  # noqa: E402
 
 ROLES = ("dispatcher", "worker")
 JOBS = {"dispatcher": "dispatcher", "worker": "data_worker"}  # role -> its `TF_CONFIG` job
+ALIASES = {"data-worker": "data_worker"}  # a JobSet's replicated job (no `_` in Kubernetes)
+SOURCES = ("auto", "tf_config", "slurm", "jobset", "local")  # `--cluster`
+DEFAULT_PORT = 5050  # every server's port in a Slurm step or a JobSet without `--port`
 HEARTBEAT_MS = 1_000  # a worker's heartbeat to the dispatcher
 WORKER_TIMEOUT_MS = 5_000  # a worker silent this long is dropped; its clients read the others
 DISPATCHER_TIMEOUT_MS = 60_000  # a worker gives up on a dispatcher that never answers
@@ -48,7 +71,17 @@ _WORK_DIR = flags.DEFINE_string(
     "work_dir", "", "dispatcher: a directory for its journal, so a restart recovers its jobs."
 )
 _HOST = flags.DEFINE_string(
-    "host", "localhost", "worker: the host name trainers reach this worker at."
+    "host",
+    None,
+    "worker: the host name trainers reach this worker at; default its address in the "
+    "cluster, else localhost.",
+)
+_CLUSTER = flags.DEFINE_enum(
+    "cluster",
+    "auto",
+    list(SOURCES),
+    "Where the dispatcher and data workers come from (auto: TF_CONFIG, else a Slurm step "
+    "of several tasks, else a JobSet pod, else the flags alone).",
 )
 
 
@@ -68,7 +101,7 @@ def plan(
     port: int | None,
     dispatcher: str | None,
     work_dir: str = "",
-    host: str = "localhost",
+    host: str | None = None,
     tf_config: str | None = None,
 ) -> Server:
     """The server to run: from the flags, with what they leave out taken from `TF_CONFIG`.
@@ -77,6 +110,8 @@ def plan(
       UserError: no role, no port, or a worker without a dispatcher, saying which flag to give.
     """
     jobs, own_type, own_index = _tf_config(tf_config)
+    if host is None and own_type == JOBS["worker"] and role in (None, "worker"):
+        host = jobs[own_type][own_index].rpartition(":")[0]
     if role is None:
         role = {job: r for r, job in JOBS.items()}.get(own_type)
     if role is None:
@@ -97,7 +132,85 @@ def plan(
                 "pass e.g. `--dispatcher=host0:5050`, or a `dispatcher` job in `TF_CONFIG`."
             )
         dispatcher = dispatcher.removeprefix("grpc://")
-    return Server(role, port, dispatcher or "", work_dir, host)
+    return Server(role, port, dispatcher or "", work_dir, host or "localhost")
+
+
+def server(
+    source: str,
+    role: str | None,
+    port: int | None,
+    dispatcher: str | None,
+    work_dir: str = "",
+    host: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> Server:
+    """The server to run: `plan` of the flags and the cluster `discover` finds.
+
+    With `--role` given, `auto` reads only `TF_CONFIG` (as before `--cluster`
+    existed): the servers `local:N` starts beside a trainer in a Slurm step or
+    a JobSet pod are not that cluster's. In a Slurm step or a JobSet, `--port`
+    is the cluster's port (a Slurm node's first), and each server's own port
+    is its address in the cluster.
+
+    Raises:
+      UserError: as `plan` and `discover`.
+    """
+    if source == "auto" and role is not None:
+        source = "tf_config" if environ.get("TF_CONFIG", "").strip() else "local"
+    found = discover(source, port, environ)
+    if found.source in ("slurm", "jobset"):
+        port = None
+    return plan(role, port, dispatcher, work_dir, host, found.tf_config)
+
+
+def discover(
+    source: str, port: int | None, environ: Mapping[str, str] = os.environ
+) -> discovery.Found:
+    """The data service's cluster from `source` (`--cluster`), as `TF_CONFIG` JSON.
+
+    Args:
+      source: one of `SOURCES`; `auto` picks as the trainer's discovery does.
+      port: `--port`: every server's port in a JobSet, the first on each node
+        of a Slurm step; None for `DEFAULT_PORT`.
+      environ: the process's environment.
+
+    Returns:
+      The source found and the cluster (`tf_config` None for `local`: the flags alone).
+
+    Raises:
+      UserError: the source's environment is missing or describes no data service.
+    """
+    if source == "auto":
+        source = discovery.detect(environ)
+        source = source if source in SOURCES else "local"  # SageMaker runs no data service
+    port = DEFAULT_PORT if port is None else port
+    if source == "local":
+        return discovery.Found("local", None)
+    if source == "tf_config":
+        if not environ.get("TF_CONFIG", "").strip():
+            raise UserError(
+                "`--cluster=tf_config`, but `TF_CONFIG` is not set (or blank); set it to the "
+                "data service's cluster, or pass `--role`, `--port` and `--dispatcher`."
+            )
+        return discovery.Found("tf_config", environ["TF_CONFIG"])
+    if source == "jobset":
+        hosts, own_type, index = discovery.jobset_pods(
+            environ, ("dispatcher", *JOBS.values(), *ALIASES)
+        )
+        jobs = {job: [f"{host}:{port}" for host in names] for job, names in hosts.items()}
+    else:
+        from strategies import slurm  # only a Slurm task needs it
+
+        addresses, rank = slurm.step_addresses(environ, port)
+        if len(addresses) < 2:
+            raise UserError(
+                f"a Slurm step of {len(addresses)} task runs no data service: task 0 is the "
+                "dispatcher and the others data workers; ask for 2 or more (`srun -n3`)."
+            )
+        jobs = {"dispatcher": addresses[:1], "data_worker": addresses[1:]}
+        own_type, index = ("dispatcher", 0) if rank == 0 else ("data_worker", rank - 1)
+    text = json.dumps({"cluster": jobs, "task": {"type": own_type, "index": index}})
+    return discovery.Found(source, text)
 
 
 def _tf_config(text: str | None) -> tuple[dict[str, list[str]], str, int]:
@@ -106,9 +219,13 @@ def _tf_config(text: str | None) -> tuple[dict[str, list[str]], str, int]:
         return {}, "", 0
     try:
         loaded = json.loads(text)
-        jobs = {job: list(addresses) for job, addresses in loaded.get("cluster", {}).items()}
+        jobs = {
+            ALIASES.get(job, job): list(addresses)
+            for job, addresses in loaded.get("cluster", {}).items()
+        }
         task = loaded.get("task", {})
         own_type, own_index = task.get("type", ""), int(task.get("index", 0))
+        own_type = ALIASES.get(own_type, own_type)
         if own_type in JOBS.values():
             int(jobs[own_type][own_index].rpartition(":")[2])  # its own address has a port
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
@@ -160,17 +277,17 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        server = plan(
+        planned = server(
+            _CLUSTER.value,
             _ROLE.value,
             _PORT.value,
             _DISPATCHER.value,
             _WORK_DIR.value,
             _HOST.value,
-            os.environ.get("TF_CONFIG"),
         )
     except UserError as e:
         cli.fail(errors.one_line(e))
-    serve(server, stop)
+    serve(planned, stop)
 
 
 if __name__ == "__main__":

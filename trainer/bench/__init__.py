@@ -61,6 +61,10 @@ module each, named after the case:
    trainer on one core and the data worker on another: compute-bound
    (synthetic data; the service's overhead) and input-bound (a pipeline of busy
    work per batch); examples/s and the ratios beside the targets (1.6 and 0.95).
+   Also the CPU seconds per trial of the data workers of a 2-trial sweep
+   with `--share_input` against without (target about half), and the
+   default job reading from servers on another simulated host against the
+   same servers on its own (needs root).
 """
 
 from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes

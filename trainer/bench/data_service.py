@@ -1,28 +1,48 @@
 """The `data_service` case: towerflow's input in the trainer against the tf.data service.
 
-Two jobs, each trained with its input in the trainer and on a dispatcher and
-one data worker (`data.service`), as `towerflow` contenders: the small MLP on
-synthetic data (compute-bound: the service's overhead) and the small MLP on a
-pipeline that does busy work for every batch (input-bound). The case's process
-(the trainer) runs on one core and the data worker on another, so the
-service's gain is at most one more core: the issue's targets are a ratio of at
-least 1.6 for the input-bound job and at least 0.95 for the compute-bound one.
+Four figures side by side:
+
+1. `compute/` and 2. `input/`: two jobs, each trained with its input in the
+   trainer and on a dispatcher and one data worker (`data.service`), as
+   `towerflow` contenders: the small MLP on synthetic data (compute-bound:
+   the service's overhead) and the small MLP on a pipeline that does busy
+   work for every batch (input-bound). The case's process (the trainer) runs
+   on one core and the data worker on another, so the service's gain is at
+   most one more core: the issue's targets are a ratio of at least 1.6 for
+   the input-bound job and at least 0.95 for the compute-bound one.
+3. `sweep/`: `python -m trainer.sweep` of 2 trials with the same `busy`
+   pipeline, side by side (`--parallel=2`), with `--share_input` (one data
+   worker, one shared stream) and without (each trial on a service of its
+   own, `data.service=local:1`): the CPU seconds of the data workers
+   (utime + stime from `/proc/<pid>/stat`, their start-up included) per
+   trial. Target: shared about half of own (ratio 0.5).
+4. `hosts/`: the default job (`python -m trainer`, digits) reading from a
+   dispatcher and a data worker on another simulated host (`hosts.py`, a
+   network namespace each), against the same servers on the trainer's own
+   host; the trainer pinned to one core, the servers to the other, in both.
+   Needs root; elsewhere the case says why, no figures.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+import time
 
 import tensorflow as tf
 
-from trainer.bench import contenders
-from trainer.bench.harness import alternate, medians, note, paired, result
+from trainer.bench import clock, contenders, hosts, multi_host
+from trainer.bench.harness import REPO, alternate, child, medians, note, paired, result, tail
 from trainer.bench.sizes import Sizes, small_config
 
 BUSY_EXAMPLES = 4096
 BUSY_FEATURES = 16
 BUSY_ROUNDS = 40  # 256x256 matmuls per batch: a few ms of one core
+POLL_S = 0.1  # how often the sweep's data workers' CPU time is read
+RUN_TIMEOUT_S = 600  # one sweep or one trainer; a loaded machine is slow, not stuck
+PORTS = {"dispatcher": 5050, "worker": 5051}  # on a simulated host (each has its own ports)
 
 
 def busy(input_context, split, global_batch_size):
@@ -62,6 +82,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     steps = loop * sizes.small_loops
     cores = sorted(os.sched_getaffinity(0))
     with contextlib.ExitStack() as stack:
+        stack.callback(os.sched_setaffinity, 0, cores)  # the sweeps below use every core
         servers = stack.enter_context(service.LocalService(pick_ports(2)))
         if len(cores) > 1:  # the trainer on one core, the data worker on another
             os.sched_setaffinity(0, cores[:1])
@@ -83,11 +104,151 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         )
         for job in jobs
     }
+    rounds = max(1, reps // 2)
+    sweep = {}
+    for rep in range(rounds):
+        for shared in (True, False):
+            key = f"sweep/{'shared' if shared else 'own'}_input_cpu_s_per_trial"
+            cpu_s = _sweep_input_cpu_s(sizes, shared, os.path.join(workdir, f"{key}-{rep}"))
+            sweep.setdefault(key, []).append(cpu_s)
+            note(f"  rep {rep + 1} {key}: {cpu_s:.3g}")
+    samples.update(sweep)
+    ratios["sweep/shared_over_own"] = paired(
+        sweep,
+        lambda r: r["sweep/shared_input_cpu_s_per_trial"] / r["sweep/own_input_cpu_s_per_trial"],
+    )
+    notes = []
+    reason = hosts.available()
+    if reason:
+        notes.append(f"hosts/ not run: {reason}")
+        note(f"  across hosts skipped: {reason}")
+    else:
+        across = {}
+        for rep in range(rounds):
+            for where in ("one_host", "two_hosts"):
+                rate = _across_hosts(sizes, where, os.path.join(workdir, f"hosts-{where}-{rep}"))
+                across.setdefault(f"hosts/{where}", []).append(rate)
+                note(f"  rep {rep + 1} hosts/{where}: {rate:.4g} examples/s")
+        samples.update(across)
+        ratios["hosts/two_hosts_over_one_host"] = paired(
+            across, lambda r: r["hosts/two_hosts"] / r["hosts/one_host"]
+        )
     return result(
-        "examples/s",
+        "examples/s; sweep/: CPU seconds",
         medians(samples),
         ratios,
         samples,
-        targets={"input/service_over_trainer": 1.6, "compute/service_over_trainer": 0.95},
+        targets={
+            "input/service_over_trainer": 1.6,
+            "compute/service_over_trainer": 0.95,
+            "sweep/shared_over_own": 0.5,
+        },
         cores={"trainer": cores[:1], "data_worker": cores[1:2] or cores[:1]},
+        notes=notes,
     )
+
+
+def _sweep_input_cpu_s(sizes: Sizes, shared: bool, stem: str) -> float:
+    """CPU seconds of a 2-trial sweep's data workers, per trial, with or without `--share_input`.
+
+    Trials of the same `busy` pipeline (only the learning rate differs) run
+    side by side; without sharing each starts a service of its own
+    (`data.service=local:1`). The data workers are the sweep's descendants,
+    read every `POLL_S` until they exit.
+    """
+    command = [
+        sys.executable, "-m", "trainer.sweep",
+        "--sweep.optimizer.learning_rate=1e-3,3e-3",
+        "--parallel=2",
+        "--metric=train/loss",
+        "--mode=min",
+        f"--sweep_dir={stem}",
+        *(["--share_input"] if shared else []),
+        "--",
+        "--strategy=one_device",
+        "--mode=train",
+        f"--config.data.name={__name__}:busy",
+        "--config.data.num_classes=10",
+        f"--config.train.steps={sizes.service_sweep_steps}",
+        "--config.train.checkpoint_every=0",
+        "--config.train.export=False",
+        *([] if shared else ["--config.data.service=local:1"]),
+    ]  # fmt: skip
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    cpu: dict[int, float] = {}  # data worker pid -> its latest CPU seconds
+    with child(command, f"{stem}.log") as sweep:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while sweep.poll() is None and time.monotonic() < deadline:
+            cpu.update(data_workers_cpu_s(sweep.pid))
+            time.sleep(POLL_S)
+    if sweep.returncode != 0:
+        raise RuntimeError(f"the sweep exited with {sweep.returncode}:\n{tail(f'{stem}.log')}")
+    if len(cpu) != (1 if shared else 2):
+        raise RuntimeError(f"expected {1 if shared else 2} data workers, saw {len(cpu)}")
+    return sum(cpu.values()) / 2
+
+
+def data_workers_cpu_s(root: int) -> dict[int, float]:
+    """The CPU seconds (user + system) of each data worker descended from process `root`."""
+    parents, commands = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            parents[int(entry)] = int(fields[1])
+            ticks = int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
+            commands[int(entry)] = (argv, ticks / os.sysconf("SC_CLK_TCK"))
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+
+    return {
+        pid: seconds
+        for pid, (argv, seconds) in commands.items()
+        if b"trainer.data_service" in argv and b"--role=worker" in argv and descends(pid)
+    }
+
+
+def _across_hosts(sizes: Sizes, where: str, stem: str) -> float:
+    """examples/s of the default job on the service, its servers on another host or its own."""
+    flags = multi_host._models(sizes)["default"]
+    per_step = int(multi_host._flag(flags, "train.global_batch_size"))
+    cores = sorted(os.sched_getaffinity(0))
+    data_cpu = cores[1] if len(cores) > 1 else cores[0]
+    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
+    module = [sys.executable, "-m", "trainer.data_service"]
+    with hosts.Hosts(2 if where == "two_hosts" else 1) as simulated:
+        data_host = 1 if where == "two_hosts" else 0
+        address = simulated.address(data_host)
+        with open(f"{stem}-data.log", "w") as log:
+            for role, port in PORTS.items():
+                simulated.start(
+                    data_host,
+                    [*module, f"--role={role}", f"--port={port}",
+                     f"--dispatcher={address}:{PORTS['dispatcher']}", f"--host={address}"],
+                    env=env, cpu=data_cpu, stdout=log, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+        trainer = simulated.start_trainer(
+            0,
+            [
+                "--strategy=one_device",
+                f"--model_dir={stem}",
+                f"--config.data.service=grpc://{address}:{PORTS['dispatcher']}",
+                *flags,
+            ],
+            f"{stem}.log",
+            cpu=cores[0],
+            env={clock.FILE_VARIABLE: f"{stem}.clock"},
+        )
+        if trainer.wait(timeout=RUN_TIMEOUT_S):
+            raise RuntimeError(f"{stem} exited with {trainer.returncode}:\n{tail(f'{stem}.log')}")
+    steps = int(multi_host._flag(flags, "train.steps")) - 1
+    return clock.rate(clock.read(f"{stem}.clock"), per_step, until=steps)

@@ -57,6 +57,8 @@ class Sizes:
     straggler_loop: int = 100  # steps per loop, and between evaluations
     # The runs (`stragglers.RUNS`): sync k = 3 and 2, async staleness none and scale.
     straggler_runs: tuple[str, ...] = ("sync_k3", "sync_k2", "async_none", "async_scale")
+    # data_service: steps of each trial of its 2-trial sweeps (the `busy` pipeline).
+    service_sweep_steps: int = 300
 
 
 FULL = Sizes()
@@ -90,6 +92,7 @@ QUICK = Sizes(
     straggler_steps=20,
     straggler_loop=10,
     straggler_runs=("sync_k2",),  # one cluster; the others' paths: tests/test_ps_sync.py
+    service_sweep_steps=10,
 )
 
 
