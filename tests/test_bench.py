@@ -45,6 +45,17 @@ EXPECTED = {
         "async_save_completes_s",
         "restore_s",
     ),
+    "tables": (
+        "mirrored_sparse_examples_s",
+        "mirrored_dense_examples_s",
+        "ps_hashed_step_s",
+        "ps_dynamic_step_s",
+        "auc_hashed",
+        "auc_dynamic_min_count2",
+        "bytes_per_id_rss",
+        "bytes_per_id_tables",
+        "lookups_s_per_ps_task",
+    ),
 }
 
 
@@ -102,6 +113,10 @@ def test_case_details(results):
     assert results["machine"]["cpu_cores"] >= 1
     if hosts.available() is None:  # as root: 2 simulated hosts over a 1 Gbit/s link
         assert _positive(cases["multi_host"]["ratios"]["default/1gbit/one_host"])
+    scale = cases["tables"]["scale"]  # every id held, split over the 2 ps tasks
+    assert scale["ids"] == bench.QUICK.table_ids == sum(p["ids_held"] for p in scale["parts"])
+    assert [p["device"].split("/")[-2] for p in scale["parts"]] == ["task:0", "task:1"]
+    assert "not built" in cases["tables"]["failed"]["incremental_vs_full_checkpoint"]
     clusters = cases["strategies"]["figures"]
     assert bench.QUICK.clusters, "--quick times at least one local cluster"
     for name in bench.QUICK.clusters:

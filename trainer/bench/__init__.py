@@ -61,6 +61,13 @@ module each, named after the case:
    trainer on one core and the data worker on another: compute-bound
    (synthetic data; the service's overhead) and input-bound (a pipeline of busy
    work per batch); examples/s and the ratios beside the targets (1.6 and 0.95).
+11. `tables`: dynamic embedding tables on the ctr job (`configs/ctr.py`):
+   `parameter_server` step time (2 workers, 2 ps) of a `DynamicEmbedding`
+   against a hashed `ShardedEmbedding` of as many rows; `mirrored` sparse
+   against dense updates (`optimizer.sparse_updates`); eval AUC of a dynamic
+   table admitting ids seen twice against a hashed one of as many rows; 10M
+   ids over 2 ps tasks (bytes per id, lookups/s per task); incremental
+   checkpoints reported as not built.
 """
 
 from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes

@@ -17,6 +17,7 @@ CASES = (
     "gradients",
     "stragglers",
     "data_service",
+    "tables",
 )
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
@@ -57,6 +58,11 @@ class Sizes:
     straggler_loop: int = 100  # steps per loop, and between evaluations
     # The runs (`stragglers.RUNS`): sync k = 3 and 2, async staleness none and scale.
     straggler_runs: tuple[str, ...] = ("sync_k3", "sync_k2", "async_none", "async_scale")
+    # tables: the ctr job (configs/ctr.py); its ps clusters run `cluster_steps` steps.
+    table_examples: int = 1_000_000  # ctr examples (`data.ctr.num_examples`)
+    table_mirrored_steps: int = 60  # timed steps of each mirrored run, sparse and dense
+    table_steps: int = 600  # steps of each quality run (the ctr job's own)
+    table_ids: int = 10_000_000  # distinct ids of the scale run, over 2 ps tasks
 
 
 FULL = Sizes()
@@ -90,6 +96,10 @@ QUICK = Sizes(
     straggler_steps=20,
     straggler_loop=10,
     straggler_runs=("sync_k2",),  # one cluster; the others' paths: tests/test_ps_sync.py
+    table_examples=20_000,
+    table_mirrored_steps=10,
+    table_steps=20,
+    table_ids=10_000,
 )
 
 
