@@ -60,7 +60,7 @@ class Sizes:
     straggler_runs: tuple[str, ...] = ("sync_k3", "sync_k2", "async_none", "async_scale")
     # tables: the ctr job (configs/ctr.py); its ps clusters run `cluster_steps` steps.
     table_examples: int = 1_000_000  # ctr examples (`data.ctr.num_examples`)
-    table_mirrored_steps: int = 60  # timed steps of each mirrored run, sparse and dense
+    table_mirrored_steps: int = 100  # timed steps of each mirrored run, sparse and dense
     table_steps: int = 600  # steps of each quality run (the ctr job's own)
     table_ids: int = 10_000_000  # distinct ids of the scale run, over 2 ps tasks
 

@@ -53,11 +53,9 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             samples.setdefault(f"ps_{kind}_step_s", []).append(cluster_step_s(sizes, kind, workdir))
     figures = medians(samples)
     ratios = {
-        "ps dynamic/hashed step time": paired(
-            samples, lambda r: r["ps_dynamic_step_s"] / r["ps_hashed_step_s"]
-        ),
-        "mirrored sparse/dense speedup": paired(
-            samples, lambda r: r["mirrored_sparse_examples_s"] / r["mirrored_dense_examples_s"]
+        "ps dynamic/hashed step time": _ratio(samples, "ps_dynamic_step_s", "ps_hashed_step_s"),
+        "mirrored sparse/dense speedup": _ratio(
+            samples, "mirrored_sparse_examples_s", "mirrored_dense_examples_s"
         ),
     }
     aucs = quality(sizes, workdir)
@@ -91,6 +89,11 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             "and the index's estimate, `trainer.tables.ENTRY_BYTES`)",
         ],
     )
+
+
+def _ratio(samples: dict[str, list[float]], top: str, bottom: str) -> float:
+    """`top` over `bottom`, paired over the rounds that ran both."""
+    return paired({k: samples[k] for k in (top, bottom)}, lambda r: r[top] / r[bottom])
 
 
 def ctr_config(sizes: Sizes, strategy: str, **fields):
