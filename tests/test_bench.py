@@ -48,6 +48,8 @@ EXPECTED = {
     "tables": (
         "mirrored_sparse_examples_s",
         "mirrored_dense_examples_s",
+        "one_device_sparse_examples_s",
+        "one_device_dense_examples_s",
         "ps_hashed_step_s",
         "ps_dynamic_step_s",
         "auc_hashed",

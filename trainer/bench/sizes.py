@@ -129,6 +129,13 @@ def make_config(
     # AggregatingVariable refuses it), so no contender uses dropout.
     config.model.dropout = 0.0
     config.train.global_batch_size = batch
+    return timing_only(config, sizes, fields)
+
+
+def timing_only(
+    config: ml_collections.ConfigDict, sizes: Sizes, fields: dict
+) -> ml_collections.ConfigDict:
+    """`config` with no checkpoints, exports or evals, the sizes' loop length, then `fields`."""
     config.train.checkpoint_every = 0  # the `checkpoint` case measures saves
     config.train.export = False
     config.eval.every = 0

@@ -8,7 +8,8 @@ Figures, measured side by side in one run:
    from the chief's clock marks; the ratio dynamic/hashed (target <= 1.3).
 2. `mirrored` (this process): the ctr job with sparse updates (the optimizers of
    `trainer.optim`) against dense ones (`optimizer.sparse_updates=False`: the
-   table's gradient made dense, every row updated); the speedup (target >= 5).
+   table's gradient made dense, every row updated); the speedup (target >= 5),
+   and beside it the same under `one_device`.
 3. Quality at equal memory (`mirrored`): eval AUC of a dynamic table admitting
    ids seen twice (`model.min_count=2`) against a hashed table of the same row
    count. On today's ctr source (no drifting long-tail id option yet), whose
@@ -34,10 +35,20 @@ import tempfile
 import time
 
 from trainer.bench import clock, contenders
-from trainer.bench.harness import alternate, child, medians, note, paired, result, tail
-from trainer.bench.sizes import LOGICAL_CPUS, Sizes
+from trainer.bench.harness import (
+    alternate,
+    child,
+    cluster_marks,
+    medians,
+    note,
+    paired,
+    result,
+    tail,
+)
+from trainer.bench.sizes import LOGICAL_CPUS, Sizes, timing_only
 
 EMBEDDINGS = ("hashed", "dynamic")
+UPDATE_STRATEGIES = ("mirrored", "one_device")  # sparse against dense updates
 SCALE_DIM = 32  # the ctr table's width
 INCREMENTAL = (
     "incremental checkpoints (`train.full_checkpoint_every`) are not built: every checkpoint "
@@ -54,10 +65,11 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     figures = medians(samples)
     ratios = {
         "ps dynamic/hashed step time": _ratio(samples, "ps_dynamic_step_s", "ps_hashed_step_s"),
-        "mirrored sparse/dense speedup": _ratio(
-            samples, "mirrored_sparse_examples_s", "mirrored_dense_examples_s"
-        ),
     }
+    for strategy in UPDATE_STRATEGIES:
+        ratios[f"{strategy} sparse/dense speedup"] = _ratio(
+            samples, f"{strategy}_sparse_examples_s", f"{strategy}_dense_examples_s"
+        )
     aucs = quality(sizes, workdir)
     figures.update(aucs)
     scale = scale_run(sizes, workdir)
@@ -104,65 +116,40 @@ def ctr_config(sizes: Sizes, strategy: str, **fields):
     config.strategy.name = strategy
     config.devices.logical_cpus = LOGICAL_CPUS
     config.data.ctr.num_examples = sizes.table_examples
-    config.train.checkpoint_every = 0
-    config.train.export = False
-    config.eval.every = 0
-    if sizes.steps_per_loop:
-        config.train.steps_per_loop = sizes.steps_per_loop
-    config.update_from_flattened_dict(fields)
-    return config
+    return timing_only(config, sizes, fields)
 
 
 def mirrored_updates(sizes: Sizes, reps: int, workdir: str) -> dict[str, list[float]]:
-    """examples/s of the ctr job under `mirrored`, sparse against dense updates, in turn."""
-    strategy = contenders.plugin("mirrored")
+    """examples/s of the ctr job, sparse against dense updates, in turn.
+
+    Under `mirrored` (the figure asked for) and, beside it, `one_device`.
+    """
     runs = {}
-    for name, sparse in (("sparse", True), ("dense", False)):
-        config = ctr_config(sizes, "mirrored", **{"optimizer.sparse_updates": sparse})
-        model_dir = os.path.join(workdir, f"tables-mirrored-{name}")
-        loop = config.train.steps_per_loop
-        steps = loop * max(1, sizes.table_mirrored_steps // loop)
-        runs[f"mirrored_{name}_examples_s"] = contenders.towerflow(
-            config, strategy, model_dir, steps + loop
-        )
+    for strategy in UPDATE_STRATEGIES:
+        for name, sparse in (("sparse", True), ("dense", False)):
+            config = ctr_config(sizes, strategy, **{"optimizer.sparse_updates": sparse})
+            model_dir = os.path.join(workdir, f"tables-{strategy}-{name}")
+            loop = config.train.steps_per_loop
+            steps = loop * max(1, sizes.table_mirrored_steps // loop)
+            runs[f"{strategy}_{name}_examples_s"] = contenders.towerflow(
+                config, contenders.plugin(strategy), model_dir, steps + loop
+            )
     return alternate(runs, reps)
 
 
 def cluster_step_s(sizes: Sizes, embedding: str, workdir: str) -> float:
     """Seconds per step of the ctr job on 2 workers and 2 ps with `embedding`."""
     config = ctr_config(sizes, "parameter_server")
-    loop = config.train.steps_per_loop
-    flags = {
+    overrides = {
         "model.embedding": embedding,
         "model.capacity": config.model.vocab_size,  # as many rows as the hashed table
         "data.ctr.num_examples": sizes.table_examples,
-        # One more step, untimed: the end-of-run checkpoint comes after it.
-        "train.steps": sizes.cluster_steps + 1,
-        "train.steps_per_loop": loop,
-        "train.checkpoint_every": 0,
-        "train.export": False,
-        "eval.every": 0,
-        "train.actions": "trainer.bench.clock:to_file",
     }
     model_dir = tempfile.mkdtemp(prefix=f"tables-ps-{embedding}-", dir=workdir)
-    command = [
-        sys.executable,
-        "-m",
-        "trainer.launch",
-        "--workers=2",
-        "--ps=2",
-        "--",
-        "--config=configs/ctr.py",
-        f"--model_dir={model_dir}",
-        "--mode=train",
-        *(f"--config.{k}={v}" for k, v in flags.items()),
-    ]
-    marks, log = model_dir + ".clock", model_dir + ".log"
-    with child(command, log, marks) as process:
-        process.wait()
-    if process.returncode:
-        raise RuntimeError(f"ctr cluster exited with {process.returncode}: {tail(log)}")
-    step_s = 1.0 / clock.rate(clock.read(marks), 1.0, until=sizes.cluster_steps)
+    args = ["--config=configs/ctr.py", "--mode=train"]
+    steps, loop = sizes.cluster_steps, config.train.steps_per_loop
+    marks = cluster_marks(["--workers=2", "--ps=2"], args, overrides, model_dir, steps, loop)
+    step_s = 1.0 / clock.rate(marks, 1.0, until=sizes.cluster_steps)
     note(f"  parameter_server {embedding}: {step_s * 1e3:.1f} ms/step")
     return step_s
 
