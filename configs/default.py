@@ -218,5 +218,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.optimizer.warmup_steps = 50  # linear warmup from 0 to the peak rate
     c.optimizer.decay_steps = (1000,)  # step schedule: steps at which the rate drops
     c.optimizer.decay_rate = 0.1  # step schedule: factor applied at each drop
+    # False: an embedding table's gradient is made dense and every row (and slot) is updated
+    # each step, as Keras does (`python -m trainer.bench --cases=tables` compares); True: only
+    # the rows looked up. A `DynamicEmbedding` is always updated sparsely.
+    c.optimizer.sparse_updates = True
     c.optimizer.clip_global_norm = 0.0  # clip gradients to this global norm (0 = off)
     return c

@@ -57,6 +57,19 @@ EXPECTED = {
         "sweep/shared_input_cpu_s_per_trial",
         "sweep/own_input_cpu_s_per_trial",
     ),
+    "tables": (
+        "mirrored_sparse_examples_s",
+        "mirrored_dense_examples_s",
+        "one_device_sparse_examples_s",
+        "one_device_dense_examples_s",
+        "ps_hashed_step_s",
+        "ps_dynamic_step_s",
+        "auc_hashed",
+        "auc_dynamic_min_count2",
+        "bytes_per_id_rss",
+        "bytes_per_id_tables",
+        "lookups_s_per_ps_task",
+    ),
 }
 
 
@@ -118,6 +131,10 @@ def test_case_details(results):
     else:
         assert cases["data_service"]["notes"] == [f"hosts/ not run: {hosts.available()}"]
     assert _positive(cases["data_service"]["ratios"]["sweep/shared_over_own"])
+    scale = cases["tables"]["scale"]  # every id held, split over the 2 ps tasks
+    assert scale["ids"] == bench.QUICK.table_ids == sum(p["ids_held"] for p in scale["parts"])
+    assert [p["device"].split("/")[-2] for p in scale["parts"]] == ["task:0", "task:1"]
+    assert "not built" in cases["tables"]["failed"]["incremental_vs_full_checkpoint"]
     clusters = cases["strategies"]["figures"]
     assert bench.QUICK.clusters, "--quick times at least one local cluster"
     for name in bench.QUICK.clusters:

@@ -159,3 +159,30 @@ def test_adamw_decays_only_the_rows_looked_up():
     assert not np.allclose(theirs[0][others], initial[0][others]), "Keras decays them all"
     for a, b in zip(ours[1:], theirs[1:], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _two_sparse_steps(optimizer) -> list[np.ndarray]:
+    """Row 0's gradient, then row 1's, as `tf.IndexedSlices`; the table after each step."""
+    table = tf.Variable(np.ones((4, 2), np.float32))
+    optimizer.build([table])
+    after = []
+    for row in (0, 1):
+        grad = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([row]), tf.constant([4, 2]))
+        optimizer.apply_gradients([(grad, table)])
+        after.append(table.numpy())
+    return after
+
+
+def test_dense_updates_switch_updates_every_row_as_keras_does():
+    config = _config("momentum")
+    assert optim.build(config, 100).sparse_updates is True  # default: the rows looked up
+    sparse = _two_sparse_steps(optim.build(config, 100))
+    np.testing.assert_array_equal(sparse[1][0], sparse[0][0])  # row 0 not looked up: kept
+    config.sparse_updates = False
+    optimizer = optim.build(config, 100)
+    assert optim.like(optimizer).sparse_updates is False
+    dense = _two_sparse_steps(optimizer)
+    assert not np.allclose(dense[1][0], dense[0][0])  # its momentum moved row 0 again
+    theirs = _two_sparse_steps(_densified(keras.optimizers.SGD, momentum=0.9))
+    for a, b in zip(dense, theirs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -64,7 +64,12 @@ class _SparseRows:
 
     Mixed into every optimizer here; each gives its update of some rows
     (`_update_rows`) and the slots that belong to a variable (`_slots_of`).
+    With `sparse_updates` False (`optimizer.sparse_updates`), the gradient of a
+    static table is made dense first and every row is updated, as Keras does;
+    a `DynamicEmbedding`'s rows stay sparse (their new rows must be reset).
     """
+
+    sparse_updates = True
 
     def build(self, var_list):
         super().build(var_list)
@@ -83,6 +88,8 @@ class _SparseRows:
         )
         index = self._get_variable_index(variable)
         owner = tables.owner_of(self._trainable_variables[index])
+        if owner is None and not self.sparse_updates:
+            return super().update_step(tf.convert_to_tensor(gradient), variable, learning_rate)
         if owner is not None:
             self._reset_new_rows(owner, variable, index, indices)
         self._update_rows(values, indices, variable, index, tf.cast(learning_rate, variable.dtype))
@@ -371,7 +378,10 @@ def like(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
     rate = optimizer._learning_rate
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         config["learning_rate"] = rate  # `get_config` gives its config, which Keras cannot rebuild
-    return type(optimizer).from_config(config)
+    new = type(optimizer).from_config(config)
+    if hasattr(optimizer, "sparse_updates"):
+        new.sparse_updates = optimizer.sparse_updates
+    return new
 
 
 def _by_name(sgd: type, adam: type, adamw: type, adagrad: type, ftrl: type) -> dict:
@@ -482,5 +492,7 @@ def build(
         )
     kinds = OPTIMIZERS if fused else KERAS_OPTIMIZERS
     optimizer = kinds[config.name](schedule(config, total_steps), config)
+    if fused:
+        optimizer.sparse_updates = bool(config.get("sparse_updates", True))
     tf_patches.count_steps_atomically(optimizer)
     return optimizer

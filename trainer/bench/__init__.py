@@ -65,6 +65,13 @@ module each, named after the case:
    with `--share_input` against without (target about half), and the
    default job reading from servers on another simulated host against the
    same servers on its own (needs root).
+11. `tables`: dynamic embedding tables on the ctr job (`configs/ctr.py`):
+   `parameter_server` step time (2 workers, 2 ps) of a `DynamicEmbedding`
+   against a hashed `ShardedEmbedding` of as many rows; `mirrored` sparse
+   against dense updates (`optimizer.sparse_updates`); eval AUC of a dynamic
+   table admitting ids seen twice against a hashed one of as many rows; 10M
+   ids over 2 ps tasks (bytes per id, lookups/s per task); incremental
+   checkpoints reported as not built.
 """
 
 from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes

@@ -145,6 +145,46 @@ def child(
         process.wait()
 
 
+def cluster_marks(
+    topology: list[str], args: list[str], overrides: dict, model_dir: str, steps: int, loop: int
+) -> list:
+    """The chief's clock marks of a local cluster (`python -m trainer.launch`) run to its end.
+
+    The trainer runs `steps` + 1 steps (the end-of-run checkpoint comes after
+    the last, untimed) in loops of `loop`, without checkpoints, exports or evals.
+
+    Args:
+      topology: the launcher's flags (`--workers=2`, `--ps=1`).
+      args: the trainer's flags (`--model_dir` is added).
+      overrides: more "a.b.c": value config overrides.
+      model_dir: the run's model_dir; its clock marks and log go beside it.
+      steps: the steps to time.
+      loop: steps per loop.
+
+    Raises:
+      RuntimeError: the cluster failed (with the end of its output).
+    """
+    overrides = {
+        **overrides,
+        "train.steps": steps + 1,
+        "train.steps_per_loop": loop,
+        "train.checkpoint_every": 0,
+        "train.export": False,
+        "eval.every": 0,
+        "train.actions": "trainer.bench.clock:to_file",
+    }
+    command = [sys.executable, "-m", "trainer.launch", *topology, "--", *args]
+    command += [f"--model_dir={model_dir}", *(f"--config.{k}={v}" for k, v in overrides.items())]
+    marks, log = model_dir + ".clock", model_dir + ".log"
+    with child(command, log, marks) as process:
+        process.wait()
+    if process.returncode:
+        raise RuntimeError(
+            f"cluster exited with {process.returncode}: {' '.join(command)}\n{tail(log)}"
+        )
+    return clock.read(marks)
+
+
 def tail(log: str, chars: int = 500) -> str:
     """The end of a child's output."""
     with open(log, errors="replace") as f:

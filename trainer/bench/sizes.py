@@ -17,6 +17,7 @@ CASES = (
     "gradients",
     "stragglers",
     "data_service",
+    "tables",
 )
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
@@ -59,6 +60,11 @@ class Sizes:
     straggler_runs: tuple[str, ...] = ("sync_k3", "sync_k2", "async_none", "async_scale")
     # data_service: steps of each trial of its 2-trial sweeps (the `busy` pipeline).
     service_sweep_steps: int = 300
+    # tables: the ctr job (configs/ctr.py); its ps clusters run `cluster_steps` steps.
+    table_examples: int = 1_000_000  # ctr examples (`data.ctr.num_examples`)
+    table_mirrored_steps: int = 100  # timed steps of each mirrored run, sparse and dense
+    table_steps: int = 600  # steps of each quality run (the ctr job's own)
+    table_ids: int = 10_000_000  # distinct ids of the scale run, over 2 ps tasks
 
 
 FULL = Sizes()
@@ -93,6 +99,10 @@ QUICK = Sizes(
     straggler_loop=10,
     straggler_runs=("sync_k2",),  # one cluster; the others' paths: tests/test_ps_sync.py
     service_sweep_steps=10,
+    table_examples=20_000,
+    table_mirrored_steps=10,
+    table_steps=20,
+    table_ids=10_000,
 )
 
 
@@ -122,6 +132,13 @@ def make_config(
     # AggregatingVariable refuses it), so no contender uses dropout.
     config.model.dropout = 0.0
     config.train.global_batch_size = batch
+    return timing_only(config, sizes, fields)
+
+
+def timing_only(
+    config: ml_collections.ConfigDict, sizes: Sizes, fields: dict
+) -> ml_collections.ConfigDict:
+    """`config` with no checkpoints, exports or evals, the sizes' loop length, then `fields`."""
     config.train.checkpoint_every = 0  # the `checkpoint` case measures saves
     config.train.export = False
     config.eval.every = 0

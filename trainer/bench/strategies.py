@@ -9,12 +9,11 @@ action (`clock.to_file`).
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 
 import strategies
 from trainer.bench import clock, contenders
-from trainer.bench.harness import alternate, child, medians, note, paired, result, tail
+from trainer.bench.harness import alternate, cluster_marks, medians, note, paired, result
 from trainer.bench.sizes import SINGLE_PROCESS, Sizes, small_config
 
 CLUSTERS = {"multi_worker": ["--workers=2"], "parameter_server": ["--workers=2", "--ps=1"]}
@@ -70,32 +69,8 @@ def cluster_rate(sizes: Sizes, name: str, topology: list[str], workdir: str) -> 
         "model.hidden_units": "(" + "".join(f"{u}," for u in sizes.small_hidden) + ")",
         "model.dropout": 0.0,
         "train.global_batch_size": sizes.small_batch,
-        # One more step, untimed: the end-of-run checkpoint comes after it.
-        "train.steps": sizes.cluster_steps + 1,
-        "train.steps_per_loop": loop,
-        "train.checkpoint_every": 0,
-        "train.export": False,
-        "eval.every": 0,
-        "train.actions": "trainer.bench.clock:to_file",
     }
     model_dir = tempfile.mkdtemp(prefix=f"{name}-", dir=workdir)
-    args = [f"--config.{k}={v}" for k, v in overrides.items()]
-    command = [
-        sys.executable,
-        "-m",
-        "trainer.launch",
-        *topology,
-        "--",
-        f"--strategy={name}",
-        f"--model_dir={model_dir}",
-        "--mode=train",
-        *args,
-    ]
-    marks, log = model_dir + ".clock", model_dir + ".log"
-    with child(command, log, marks) as process:
-        process.wait()
-    if process.returncode:
-        raise RuntimeError(
-            f"{name} cluster exited with {process.returncode}: {' '.join(command)}\n{tail(log)}"
-        )
-    return clock.rate(clock.read(marks), sizes.small_batch, until=sizes.cluster_steps)
+    args = [f"--strategy={name}", "--mode=train"]
+    marks = cluster_marks(topology, args, overrides, model_dir, sizes.cluster_steps, loop)
+    return clock.rate(marks, sizes.small_batch, until=sizes.cluster_steps)
