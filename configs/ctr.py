@@ -51,6 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
     # Rows of the table: follows `data.ctr.vocab_size` unless overridden.
     c.model.vocab_size = c.data.ctr.get_ref("vocab_size")
     c.model.embedding_dim = 32  # width of each id's embedding
+    # The last columns that are one list of ids (raw ids): follows `data.ctr.multi_valued`.
+    c.model.multi_valued = c.data.ctr.get_ref("multi_valued")
     # hashed: a `ShardedEmbedding` of `vocab_size` rows; dynamic: a `DynamicEmbedding` (a row
     # per admitted raw id, `trainer.tables`) with the options below.
     c.model.embedding = "hashed"
