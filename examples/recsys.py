@@ -1,0 +1,74 @@
+"""A DLRM-style click model on raw string ids and a multi-valued feature, in dynamic tables.
+
+    python -m trainer --strategy=mirrored --config=examples/recsys.py
+    python -m trainer.launch --workers=2 --ps=2 -- --strategy=parameter_server \\
+        --config=examples/recsys.py
+
+The data are the `ctr` source's drifting long tail (`data.ctr.id_space=raw`):
+each example holds `FIELDS` ids (say user, item, ad, ...) as strings, each
+from a Zipf(1.2) popularity over a million values per field whose popular set
+shifts every 1,000 examples, then a list of 1 to `HISTORY` more (the items the
+user saw before), padded with "". `build` looks the single ids up in one
+`trainer.layers.DynamicEmbedding` (a row per id seen twice, no vocabulary
+size) and the list in another that averages it (`combiner="mean"`), crosses
+every pair of the resulting vectors with dot products (DLRM's interaction)
+and puts an MLP on top. Under `parameter_server` each table is split by id
+over the ps tasks. 300 steps of 256 reach eval AUC about 0.7 (README,
+"Recommendation models"); the export serves the raw strings.
+"""
+
+import keras
+
+import trainer
+from trainer.layers import DynamicEmbedding
+
+FIELDS = 6  # single-valued id fields
+HISTORY = 8  # the most ids of the multi-valued field
+WIDTH = 16  # every embedding's width
+
+
+def get_config():
+    """towerflow's default config, on the ctr source's raw string ids and this model."""
+    c = trainer.default_config()
+    c.data.name = "ctr"
+    c.data.eval_fraction = 0.02  # 20,000 held-out examples: the newest
+    c.data.ctr.update(
+        id_space="raw",
+        id_dtype="string",
+        num_fields=FIELDS,
+        multi_valued=HISTORY,
+        ids_per_field=1_000_000,
+        zipf_a=1.2,
+        drift_every=1000,
+    )
+    c.model.name = "examples.recsys:build"
+    c.model.capacity = 100_000  # rows of each table, split over the ps tasks
+    c.model.min_count = 2  # lookups before an id gets its own row
+    c.train.steps = 300
+    c.train.global_batch_size = 256
+    c.train.checkpoint_every = 150
+    c.eval.every = 0
+    c.eval.global_batch_size = 1024
+    c.optimizer.name = "adagrad"
+    c.optimizer.learning_rate = 0.05
+    return c
+
+
+def build(spec, config) -> keras.Model:
+    """Two dynamic tables (single ids, the list), their pairwise dot products, an MLP."""
+    ids = keras.Input(spec.input_shape, dtype="string", name="ids")
+    tables = dict(capacity=config.capacity, min_count=config.min_count, key_dtype="string")
+    single = DynamicEmbedding(WIDTH, name="fields", **tables)(ids[:, :FIELDS])
+    listed = DynamicEmbedding(WIDTH, combiner="mean", mask_id="", name="history", **tables)(
+        ids[:, FIELDS:]
+    )
+    vectors = keras.ops.concatenate([single, listed[:, None, :]], axis=1)  # [batch, n, width]
+    n = FIELDS + 1
+    dots = keras.ops.reshape(keras.ops.einsum("bik,bjk->bij", vectors, vectors), (-1, n * n))
+    pairs = [i * n + j for i in range(n) for j in range(i + 1, n)]  # each pair once
+    x = keras.ops.concatenate(
+        [keras.ops.take(dots, pairs, axis=1), keras.layers.Flatten()(vectors)], axis=1
+    )
+    for units in (64, 32):
+        x = keras.layers.Dense(units, activation="relu")(x)
+    return keras.Model(ids, keras.layers.Dense(spec.num_classes)(x), name="dlrm")
