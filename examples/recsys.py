@@ -1,4 +1,4 @@
-"""A DLRM-style click model on raw string ids and a multi-valued feature, in dynamic tables.
+"""A DLRM-style click model on raw string ids and a multi-valued feature, in a dynamic table.
 
     python -m trainer --strategy=mirrored --config=examples/recsys.py
     python -m trainer.launch --workers=2 --ps=2 -- --strategy=parameter_server \\
@@ -8,19 +8,23 @@ The data are the `ctr` source's drifting long tail (`data.ctr.id_space=raw`):
 each example holds `FIELDS` ids (say user, item, ad, ...) as strings, each
 from a Zipf(1.2) popularity over a million values per field whose popular set
 shifts every 1,000 examples, then a list of 1 to `HISTORY` more (the items the
-user saw before), padded with "". `build` looks the single ids up in one
+user saw before), padded with "". `build` looks every id up in one
 `trainer.layers.DynamicEmbedding` (a row per id seen twice, no vocabulary
-size) and the list in another that averages it (`combiner="mean"`), crosses
-every pair of the resulting vectors with dot products (DLRM's interaction)
-and puts an MLP on top. Under `parameter_server` each table is split by id
-over the ps tasks. 300 steps of 256 reach eval AUC about 0.7 (README,
-"Recommendation models"); the export serves the raw strings.
+size; the padding reads zeros), pools the list (sum over sqrt(length),
+`trainer.models.single_and_listed`), crosses every pair of the resulting
+vectors with dot products (DLRM's interaction) and puts an MLP on top
+(Adam). Under `parameter_server` the table is split by id over the ps
+tasks. Under `mirrored`, 300 steps of 256 took about 60 s on 2 CPU cores
+and reached eval AUC 0.65 on the 20,000 newest examples (0.73 on the
+training stream: the newest ids are unseen), measured with a second table
+for the list; the export serves the raw strings.
 """
 
 import keras
 
 import trainer
 from trainer.layers import DynamicEmbedding
+from trainer.models import single_and_listed
 
 FIELDS = 6  # single-valued id fields
 HISTORY = 8  # the most ids of the multi-valued field
@@ -49,20 +53,23 @@ def get_config():
     c.train.checkpoint_every = 150
     c.eval.every = 0
     c.eval.global_batch_size = 1024
-    c.optimizer.name = "adagrad"
-    c.optimizer.learning_rate = 0.05
+    c.optimizer.learning_rate = 3e-3  # Adam, the default
     return c
 
 
 def build(spec, config) -> keras.Model:
-    """Two dynamic tables (single ids, the list), their pairwise dot products, an MLP."""
+    """One dynamic table for every id, the list pooled, pairwise dot products, an MLP."""
     ids = keras.Input(spec.input_shape, dtype="string", name="ids")
-    tables = dict(capacity=config.capacity, min_count=config.min_count, key_dtype="string")
-    single = DynamicEmbedding(WIDTH, name="fields", **tables)(ids[:, :FIELDS])
-    listed = DynamicEmbedding(WIDTH, combiner="mean", mask_id="", name="history", **tables)(
-        ids[:, FIELDS:]
+    table = DynamicEmbedding(
+        WIDTH,
+        key_dtype="string",
+        capacity=config.capacity,
+        min_count=config.min_count,
+        mask_id="",  # the list's padding: zeros, never admitted
+        name="ids_table",
     )
-    vectors = keras.ops.concatenate([single, listed[:, None, :]], axis=1)  # [batch, n, width]
+    # [batch, FIELDS + 1, WIDTH]: a vector per single id, then the list's, summed / sqrt(length).
+    vectors = single_and_listed(ids, table(ids), HISTORY, padding="")
     n = FIELDS + 1
     dots = keras.ops.reshape(keras.ops.einsum("bik,bjk->bij", vectors, vectors), (-1, n * n))
     pairs = [i * n + j for i in range(n) for j in range(i + 1, n)]  # each pair once

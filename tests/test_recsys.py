@@ -128,7 +128,7 @@ def _tiny_recsys(**overrides) -> dict:
     }
 
 
-def test_the_recsys_model_looks_string_ids_and_a_padded_list_up_in_two_tables():
+def test_the_recsys_model_looks_string_ids_and_a_padded_list_up_in_one_table():
     config = recsys.get_config()
     config.data.ctr.num_examples = 4000
     dataset = data.get(config.data)
@@ -136,9 +136,9 @@ def test_the_recsys_model_looks_string_ids_and_a_padded_list_up_in_two_tables():
     x, _ = next(iter(dataset.eval_fn(32)(tf.distribute.InputContext())))
     assert x.dtype == tf.string and x.shape == (32, recsys.FIELDS + recsys.HISTORY)
     assert model(x, training=True).shape == (32, 2)
-    fields, history = model.get_layer("fields"), model.get_layer("history")
-    assert (fields.min_count, history.combiner, history.mask_id) == (2, "mean", "")
-    assert int(fields.table.size()) > 0, "a training call counts the ids it sees"
+    table = model.get_layer("ids_table")
+    assert (table.key_dtype, table.min_count, table.mask_id) == ("string", 2, "")
+    assert int(table.table.size()) > 0, "a training call counts the ids it sees"
 
 
 @pytest.mark.slow
@@ -147,7 +147,7 @@ def test_the_recsys_example_trains_under_mirrored_and_exports_string_ids(tmp_pat
     config.update_from_flattened_dict(_tiny_recsys(**{"strategy.name": "mirrored"}))
     results = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert results["step"] == 6 and results["placement"]["replicas_in_sync"] >= 2
-    assert set(results["tables"]) == {"fields", "history"}
+    assert set(results["tables"]) == {"ids_table"}
     assert all(table["key_dtype"] == "string" for table in results["tables"].values())
     assert (tmp_path / "run" / "export" / "saved_model.pb").exists()
 
@@ -167,7 +167,7 @@ def test_the_readme_mirrored_command_trains_the_recsys_example(tmp_path):
         cwd=helpers.REPO,
     )
     helpers.assert_exit(run)
-    assert "table history: dynamic string ids" in run.stdout
+    assert "table ids_table: dynamic string ids" in run.stdout
 
 
 @pytest.mark.slow

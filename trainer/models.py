@@ -269,15 +269,23 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
         ids = keras.layers.Hashing(vocab, name="hashing")(inputs) if raw else inputs
         x = ShardedEmbedding(vocab, width, name="embedding")(ids)
     if listed:
-        x = _single_and_listed(inputs, x, listed, padding)
+        x = single_and_listed(inputs, x, listed, padding)
     x = keras.layers.Flatten()(x)
     for units in config.hidden_units:
         x = keras.layers.Dense(units, activation="relu", kernel_regularizer=_regularizer(config))(x)
     return keras.Model(inputs, _head(x, spec, config), name="ctr")
 
 
-def _single_and_listed(ids, vectors, listed: int, padding):
-    """The vectors of the single ids, then the list's (the last `listed`) summed / sqrt(length)."""
+def single_and_listed(ids, vectors, listed: int, padding):
+    """The vectors of the single ids, then the list's (the last `listed`) summed / sqrt(length).
+
+    Args:
+      ids: [batch, columns] ids, the last `listed` columns one list padded with `padding`.
+      vectors: [batch, columns, width], the vector of each id (padding's: any).
+
+    Returns:
+      [batch, columns - listed + 1, width] Keras tensor.
+    """
     present = keras.ops.cast(keras.ops.not_equal(ids[:, -listed:], padding), "float32")
     summed = keras.ops.sum(vectors[:, -listed:] * present[:, :, None], axis=1, keepdims=True)
     length = keras.ops.maximum(keras.ops.sum(present, axis=1), 1.0)
