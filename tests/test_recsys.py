@@ -152,41 +152,39 @@ def test_the_recsys_example_trains_under_mirrored_and_exports_string_ids(tmp_pat
     assert (tmp_path / "run" / "export" / "saved_model.pb").exists()
 
 
-def _flags(overrides: dict) -> list[str]:
-    return [f"--config.{name}={value}" for name, value in overrides.items()]
+# Where the README trains the example: (module run, its arguments before the config's).
+README_RUNS = {
+    "mirrored": ("trainer", ["--strategy=mirrored"]),
+    "parameter_server": (
+        "trainer.launch",
+        ["--workers=2", "--ps=2", "--", "--strategy=parameter_server"],
+    ),
+}
 
 
 @pytest.mark.slow
-def test_the_readme_mirrored_command_trains_the_recsys_example(tmp_path):
+@pytest.mark.parametrize("where", sorted(README_RUNS))
+def test_the_readme_commands_train_the_recsys_example(where, tmp_path):
+    module, leading = README_RUNS[where]
+    overrides = _tiny_recsys()
+    config = recsys.get_config()
+    config.update_from_flattened_dict(overrides)
     model_dir = tmp_path / "run"
-    run = helpers.run_cli(
-        "--strategy=mirrored",
-        "--config=examples/recsys.py",
-        f"--model_dir={model_dir}",
-        *_flags(_tiny_recsys()),
-        cwd=helpers.REPO,
-    )
-    helpers.assert_exit(run)
-    assert "table ids_table: dynamic string ids" in run.stdout
-
-
-@pytest.mark.slow
-def test_the_readme_cluster_command_splits_both_tables_over_2_ps(tmp_path):
-    model_dir = tmp_path / "run"
-    helpers.launched(
-        "--workers=2",
-        "--ps=2",
-        "--",
-        "--strategy=parameter_server",
-        "--config=examples/recsys.py",
-        f"--model_dir={model_dir}",
-        *_flags(_tiny_recsys()),
-        cwd=helpers.REPO,
+    helpers.assert_exit(
+        helpers.run_cli(
+            *leading,
+            "--config=examples/recsys.py",
+            f"--model_dir={model_dir}",
+            *helpers.config_flags(config, tuple(overrides)),
+            cwd=helpers.REPO,
+            module=module,
+        )
     )
     results = json.loads((model_dir / "results.json").read_text())
-    assert results["step"] >= 6
-    for table in results["tables"].values():
-        assert [part["device"] for part in table["parts"]] == [
+    assert results["step"] == 6 and (model_dir / "export" / "saved_model.pb").exists()
+    parts = results["tables"]["ids_table"]["parts"]
+    if where == "parameter_server":  # split by id over both ps tasks
+        assert [part["device"] for part in parts] == [
             f"/job:ps/replica:0/task:{task}/device:CPU:0" for task in (0, 1)
         ]
-        assert sum(part["ids_held"] for part in table["parts"]) > 0
+    assert all(part["ids_held"] > 0 for part in parts)
