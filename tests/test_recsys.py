@@ -141,17 +141,6 @@ def test_the_recsys_model_looks_string_ids_and_a_padded_list_up_in_one_table():
     assert int(table.table.size()) > 0, "a training call counts the ids it sees"
 
 
-@pytest.mark.slow
-def test_the_recsys_example_trains_under_mirrored_and_exports_string_ids(tmp_path):
-    config = recsys.get_config()
-    config.update_from_flattened_dict(_tiny_recsys(**{"strategy.name": "mirrored"}))
-    results = train.train_and_evaluate(config, str(tmp_path / "run"))
-    assert results["step"] == 6 and results["placement"]["replicas_in_sync"] >= 2
-    assert set(results["tables"]) == {"ids_table"}
-    assert all(table["key_dtype"] == "string" for table in results["tables"].values())
-    assert (tmp_path / "run" / "export" / "saved_model.pb").exists()
-
-
 # Where the README trains the example: (module run, its arguments before the config's).
 README_RUNS = {
     "mirrored": ("trainer", ["--strategy=mirrored"]),
