@@ -21,6 +21,14 @@ Under `parameter_server` its table is split by id over the ps tasks (2
 workers and 2 ps: eval AUC 0.74 in 100 steps). Either table's checkpoints
 restore under any number of ps tasks and any strategy (`--mode=eval` on one
 device from a cluster's `model_dir`; README, "Recommendation models").
+
+`--config.data.ctr.id_space=raw` makes the ids raw int64 (or, with
+`data.ctr.id_dtype=string`, strings) over the 64-bit space, with a Zipf
+(`data.ctr.zipf_a`) long tail, drift (`data.ctr.drift_every`) and a
+multi-valued list (`data.ctr.multi_valued`): the hashed table then hashes
+them into `vocab_size` rows and collides, the dynamic one admits. At 20,000
+rows, 600 steps on `one_device`: eval AUC 0.654 hashed, 0.686 dynamic with
+`min_count=2` (README, "Recommendation models").
 """
 
 import importlib.util
@@ -51,6 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
     # Rows of the table: follows `data.ctr.vocab_size` unless overridden.
     c.model.vocab_size = c.data.ctr.get_ref("vocab_size")
     c.model.embedding_dim = 32  # width of each id's embedding
+    # The last columns that are one list of ids (raw ids): follows `data.ctr.multi_valued`.
+    c.model.multi_valued = c.data.ctr.get_ref("multi_valued")
     # hashed: a `ShardedEmbedding` of `vocab_size` rows; dynamic: a `DynamicEmbedding` (a row
     # per admitted raw id, `trainer.tables`) with the options below.
     c.model.embedding = "hashed"

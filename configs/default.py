@@ -149,6 +149,17 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.ctr.vocab_size = 200_000  # ids of the one hashed vocabulary all fields share
     c.data.ctr.weight_scale = 0.7  # std of the hidden click model's per-id weights (logits)
     c.data.ctr.bias = -1.0  # the hidden click model's bias (logits): sets the click rate
+    c.data.ctr.zipf_a = 1.0  # popularity of the value of rank r falls as 1/(r + 1)**zipf_a
+    # hashed: every (field, value) hashed into `vocab_size` ids (float32 features); raw: int64
+    # ids over the whole 64-bit space, one per (field, item), for a table to collide or admit.
+    c.data.ctr.id_space = "hashed"
+    c.data.ctr.id_dtype = "int64"  # raw: int64 | string (the ids' decimal strings, "" padding)
+    # raw: every `drift_every` examples a new item of each field enters at rank 0 and the
+    # others fall one rank (new ids appear, old ones fade); 0: no drift.
+    c.data.ctr.drift_every = 0
+    # raw: the last `multi_valued` columns are a list of 1 to that many ids of one more field,
+    # padded with 0 (or ""); 0: no list.
+    c.data.ctr.multi_valued = 0
     # tfrecord / csv: the user's files.
     c.data.train_files = ""  # glob of training files
     c.data.eval_files = ""  # glob of eval files

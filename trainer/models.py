@@ -228,7 +228,11 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     "dynamic": a `DynamicEmbedding` of the raw ids, at most `model.capacity`
     rows, admitting ids seen `model.min_count` times, freeing those unseen for
     `model.ttl_steps` steps. Both are `model.embedding_dim` wide (configs/ctr.py
-    sets the fields).
+    sets the fields). Raw ids (int64 or string features, `data.ctr.id_space=raw`)
+    go into the hashed table through `keras.layers.Hashing` into `vocab_size`
+    rows (distinct ids collide), into the dynamic one as they are; the last
+    `model.multi_valued` columns are one list, padded with 0 (or ""), whose
+    vectors are summed over sqrt(its length).
     """
     vocab, width = config.get("vocab_size"), config.get("embedding_dim")
     if not vocab or not width:
@@ -240,20 +244,50 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
         raise UserError(
             f"`model.embedding` '{kind}' is not a table kind; use one of {', '.join(EMBEDDINGS)}."
         )
-    inputs = keras.Input(spec.input_shape)
+    listed = config.get("multi_valued", 0)
+    if not 0 <= listed < spec.input_shape[-1]:
+        raise UserError(
+            f"`model.multi_valued` ({listed}) must be below the {spec.input_shape[-1]} columns "
+            "of the data; leave it following `data.ctr.multi_valued` (configs/ctr.py)."
+        )
+    raw = spec.dtype != "float32"  # int64 or string ids over the whole id space
+    padding = ("" if spec.dtype == "string" else 0) if raw else None
+    inputs = keras.Input(spec.input_shape, dtype=spec.dtype)
     if kind == "dynamic":
         table = DynamicEmbedding(
             width,
+            key_dtype="string" if spec.dtype == "string" else "int64",
             capacity=config.capacity or vocab,
             min_count=config.min_count,
             ttl_steps=config.ttl_steps,
+            mask_id=padding,
             seed=config.table_seed,
             name="embedding",
         )
-        x = table(keras.ops.cast(inputs, "int64"))
+        x = table(inputs if raw else keras.ops.cast(inputs, "int64"))
     else:
-        x = ShardedEmbedding(vocab, width, name="embedding")(inputs)
+        ids = keras.layers.Hashing(vocab, name="hashing")(inputs) if raw else inputs
+        x = ShardedEmbedding(vocab, width, name="embedding")(ids)
+    if listed:
+        x = single_and_listed(inputs, x, listed, padding)
     x = keras.layers.Flatten()(x)
     for units in config.hidden_units:
         x = keras.layers.Dense(units, activation="relu", kernel_regularizer=_regularizer(config))(x)
     return keras.Model(inputs, _head(x, spec, config), name="ctr")
+
+
+def single_and_listed(ids, vectors, listed: int, padding):
+    """The vectors of the single ids, then the list's (the last `listed`) summed / sqrt(length).
+
+    Args:
+      ids: [batch, columns] ids, the last `listed` columns one list padded with `padding`.
+      vectors: [batch, columns, width], the vector of each id (padding's: any).
+
+    Returns:
+      [batch, columns - listed + 1, width] Keras tensor.
+    """
+    present = keras.ops.cast(keras.ops.not_equal(ids[:, -listed:], padding), "float32")
+    summed = keras.ops.sum(vectors[:, -listed:] * present[:, :, None], axis=1, keepdims=True)
+    length = keras.ops.maximum(keras.ops.sum(present, axis=1), 1.0)
+    pooled = summed / keras.ops.sqrt(length)[:, None, None]
+    return keras.ops.concatenate([vectors[:, :-listed], pooled], axis=1)

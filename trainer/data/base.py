@@ -45,6 +45,8 @@ class DataSpec:
       eval_size: examples in the eval split, or None if unknown (files).
       class_names: the classes' names in index order, where the labels are
         names (`data.label_vocabulary`); () otherwise.
+      dtype: the dtype of the features where they are one tensor ("float32",
+        or "int64" / "string" for raw ids).
     """
 
     input_shape: tuple[int, ...] | None
@@ -52,6 +54,7 @@ class DataSpec:
     train_size: int | None
     eval_size: int | None
     class_names: tuple[str, ...] = ()
+    dtype: str = "float32"
 
     @property
     def task(self) -> str:
@@ -409,8 +412,13 @@ def indexed_dataset(
     classes: int,
     decode: Decode,
     origin: str,
+    dtype: str = "float32",
 ) -> Dataset:
-    """A dataset whose last `data.eval_fraction` of the indices is the eval split."""
+    """A dataset whose last `data.eval_fraction` of the indices is the eval split.
+
+    `decode` makes a batch of examples from their indices: features of `shape`
+    and `dtype`, and labels.
+    """
     fraction = config.eval_fraction
     if not 0 < fraction < 1:
         raise UserError(
@@ -425,7 +433,7 @@ def indexed_dataset(
             f"{origin} has {size} examples, so `data.eval_fraction` ({fraction}) leaves none "
             "for training; use more examples or a smaller fraction."
         )
-    spec = DataSpec(shape, classes, train_size, eval_size)
+    spec = DataSpec(shape, classes, train_size, eval_size, dtype=dtype)
     train = _IndexedSplit(0, train_size, decode, f"the train split of {origin}")
     evaluation = _IndexedSplit(train_size, eval_size, decode, f"the eval split of {origin}")
     return SplitDataset(spec, train, evaluation, layout=f"{shape} inputs")
