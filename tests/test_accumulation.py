@@ -111,6 +111,7 @@ def test_micro_batches_give_the_weights_of_one_batch(strategy, k, one_batch, tmp
         assert run.results["train"][name] == pytest.approx(one_batch.results["train"][name])
 
 
+@pytest.mark.slow  # two mirrored runs
 def test_micro_batches_with_clipping_and_a_regulariser(tmp_path, capsys):
     """The regulariser counts once per update and clipping sees the whole batch's gradient."""
     extra = {"model.weight_decay": 1e-2, "optimizer.clip_global_norm": 0.5}
@@ -179,6 +180,7 @@ def _counters(values: dict) -> dict:
     return dict(zip(("calls", "rows"), (int(ints[key]) for key in order)), keys=set(order))
 
 
+@pytest.mark.slow  # a cluster; in-process strategies show the same accumulation
 def test_two_workers_accumulate_then_all_reduce_once(one_batch, tmp_path):
     """multi_worker, 2 local worker processes: each runs 2 micro-batches of 8 a step."""
     launched(

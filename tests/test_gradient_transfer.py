@@ -117,6 +117,7 @@ def test_a_tasks_own_train_step_cannot_take_bfloat16_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a cluster; in-process strategies show the bfloat16 sum
 def test_two_workers_all_reduce_bfloat16_in_16_mb_packs(tmp_path):
     """multi_worker, 2 local worker processes, 20 SGD steps: close to float32 on one device."""
     config = _config("one_device", **{**ONE_SGD_STEP, "train.steps": 20})

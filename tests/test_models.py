@@ -169,7 +169,7 @@ def mobilenet(spec, config) -> keras.Model:
 
 
 @pytest.mark.parametrize(
-    "strategy", ["mirrored", pytest.param("central_storage", marks=pytest.mark.slow)]
+    "strategy", [pytest.param(s, marks=pytest.mark.slow) for s in ("mirrored", "central_storage")]
 )
 def test_a_keras_applications_model_evaluates_a_partial_last_batch(strategy, tmp_path):
     def job(name: str):

@@ -93,6 +93,7 @@ def _trained(tmp_path, hosts, layout: dict, steps: int, *args: str, by_name=Fals
     return results
 
 
+@pytest.mark.slow  # namespaces; parameter_server on four hosts runs in the default tier
 def test_multi_worker_on_two_hosts_by_name(make_hosts, tmp_path):
     hosts = make_hosts(2, names=["trainer-a", "trainer-b"])
     run = f"--model_dir={tmp_path / 'run'}"
