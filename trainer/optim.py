@@ -233,7 +233,7 @@ class _RowDecay:
         variables = (
             self._trainable_variables if trainable_variables is None else trainable_variables
         )
-        sparse = [v for g, v in zip(grads, variables) if isinstance(g, tf.IndexedSlices)]
+        sparse = [v for g, v in zip(grads, variables) if self._updates_rows(g, v)]
         self._sparse_now = frozenset(self._var_key(v) for v in sparse)
         try:
             return super().apply(grads, trainable_variables)
@@ -247,8 +247,15 @@ class _RowDecay:
     def _decays(self, variable) -> bool:
         return super()._use_weight_decay(variable)
 
+    def _updates_rows(self, gradient, variable) -> bool:
+        """Whether `variable` is updated row by row (else densely, decay and all, as Keras)."""
+        if not isinstance(gradient, tf.IndexedSlices):
+            return False
+        return self.sparse_updates or tables.owner_of(variable) is not None
+
     def update_step(self, gradient, variable, learning_rate):
-        if self.weight_decay and not _dense(gradient) and self._decays(variable):
+        rows = self._var_key(variable) in self._sparse_now
+        if self.weight_decay and rows and self._decays(variable):
             indices, _ = tf.unique(gradient.indices)
             rows = _gather(variable, indices)
             decay = tf.cast(self.weight_decay, variable.dtype)
