@@ -14,7 +14,11 @@ from strategies.parameter_server import AtomicBatchNormalization
 from tests.helpers import checkpoint_values, tiny_config, train_on_cluster
 from trainer import train
 
-STEPS = 160  # both near their plateau (about 0.95), where async staleness costs little
+# Both near their plateau (about 0.97). The rate decays to zero, as in most real runs: under a
+# constant rate the moving statistics lag the still-moving weights, and asynchronous training
+# left eval anywhere in 0.82-0.97 from run to run (the weights themselves scored 0.98 with
+# statistics recomputed); with the decay five runs scored 0.964-0.975 against 0.972.
+STEPS = 160
 JOB = {
     "model.name": "tests.check_models:bn_dropout",
     "train.steps": STEPS,
@@ -22,7 +26,7 @@ JOB = {
     "train.checkpoint_every": STEPS,
     "train.global_batch_size": 64,
     "optimizer.learning_rate": 0.02,
-    "optimizer.schedule": "constant",
+    "optimizer.schedule": "cosine",
     "optimizer.warmup_steps": 0,
 }
 
@@ -61,6 +65,4 @@ def test_no_update_is_lost_under_parameter_servers(tmp_path):
     # The model's variables are checkpointed as a list; its one scalar is the Dropout's step.
     (counter,) = [v for k, v in values.items() if k.startswith("variables/") and v.ndim == 0]
     assert int(counter) == STEPS
-    # Lost updates left eval 0.2-0.5 below one_device's; asynchronous training itself
-    # varies by up to about 0.07 from run to run here (0.05 was met in most runs, not all).
-    assert abs(ps["eval"]["accuracy"] - one["eval"]["accuracy"]) <= 0.1, (ps, one["eval"])
+    assert abs(ps["eval"]["accuracy"] - one["eval"]["accuracy"]) <= 0.05, (ps, one["eval"])
