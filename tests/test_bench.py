@@ -131,6 +131,11 @@ def test_case_details(results):
     else:
         assert cases["data_service"]["notes"] == [f"hosts/ not run: {hosts.available()}"]
     assert _positive(cases["data_service"]["ratios"]["sweep/shared_over_own"])
+    for contender in ("input/trainer", "input/service", "compute/trainer", "compute/service"):
+        split = cases["data_service"]["step_ms"][contender]
+        # The wait is taken where batches are read (the prefetch beside the step): about
+        # the whole step, no more, when the input is the bottleneck.
+        assert _positive(split["step"]) and 0 <= split["input_wait"] < 1.5 * split["step"]
     scale = cases["tables"]["scale"]  # every id held, split over the 2 ps tasks
     assert scale["ids"] == bench.QUICK.table_ids == sum(p["ids_held"] for p in scale["parts"])
     assert [p["device"].split("/")[-2] for p in scale["parts"]] == ["task:0", "task:1"]
