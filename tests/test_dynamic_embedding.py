@@ -104,6 +104,23 @@ def test_ids_of_the_other_kind_are_a_one_line_error(key_dtype, ids):
     assert "\n" not in str(error.value)
 
 
+def test_ragged_ids_across_processes_are_a_one_line_error(monkeypatch):
+    """Under `multi_worker` (more replicas in sync than one process holds): one width a list."""
+
+    class Workers:  # two processes of one replica each, as this process sees them
+        num_replicas_in_sync = 2
+        extended = type("Extended", (), {"worker_devices": ("/job:worker/task:0/CPU:0",)})
+
+    layer = DynamicEmbedding(WIDTH, combiner="mean", name="tags")
+    tags = tf.ragged.constant([[1, 2], [3]], tf.int64)
+    layer(tags, training=True)  # one process: a ragged batch is fine
+    monkeypatch.setattr(tf.distribute, "get_strategy", Workers)
+    with pytest.raises(UserError, match="'tags' cannot take lists of ids of no fixed") as error:
+        layer(tags, training=True)
+    assert "\n" not in str(error.value) and "mask_id" in str(error.value)
+    layer(tags.to_tensor(shape=[None, 3]), training=True)  # padded to one width: fine
+
+
 def test_a_model_of_string_ids_trains_from_keras_inputs():
     inputs = keras.Input(shape=(None,), dtype="string")
     x = DynamicEmbedding(WIDTH, key_dtype="string", combiner="mean", mask_id="")(inputs)

@@ -475,7 +475,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     a row reads the default row. Under a synchronous strategy the replicas
     (and the workers of `multi_worker`) agree on the ids admitted each step,
     so every replica and worker holds the same table. Under `multi_worker`,
-    feed every worker ids of one shape (ragged lists padded with `mask_id`).
+    feed every worker ids of one shape (ragged lists padded with `mask_id`;
+    a ragged batch there is a one-line error saying so).
     Under `parameter_server` the table is split by id (`tables.part_of`) into
     one part per ps task, each part's index, lock and variables on its task
     (`capacity` split evenly); the workers hold no table (`describe()` says
@@ -714,7 +715,23 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         return super().__call__(inputs, *args, **kwargs)
 
     def _check_ids(self, inputs, what: str) -> None:
-        """Raises `UserError` if `inputs` (fed to `what`) are not ids of `key_dtype`."""
+        """Raises `UserError` if `inputs` (fed to `what`) are not ids this table can take.
+
+        That is ids of `key_dtype`, and under a strategy of several processes
+        (`multi_worker`) ids of one shape: its collectives (the ids gathered for
+        admission, the rows' sparse gradient) need one shape on every worker,
+        and a ragged batch of one worker holds more ids than another's.
+        """
+        if getattr(inputs, "ragged", False) or isinstance(inputs, tf.RaggedTensor):
+            strategy = tf.distribute.get_strategy()
+            replicas = strategy.num_replicas_in_sync  # 1 for the default strategy
+            if replicas > 1 and replicas > len(strategy.extended.worker_devices):
+                raise UserError(
+                    f"{what} cannot take lists of ids of no fixed length (ragged) under a "
+                    "strategy of several processes, whose collectives need one shape on every "
+                    "worker; pad each list to one width and set `mask_id` (e.g. "
+                    "`ids.to_tensor(default_value=0, shape=[None, WIDTH])`, `mask_id=0`)."
+                )
         dtype = keras.backend.standardize_dtype(inputs.dtype)
         strings = dtype == "string"
         if strings != (self.key_dtype == "string") or dtype.startswith(("float", "bool")):
