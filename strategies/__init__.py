@@ -9,8 +9,8 @@ Importing this package does not import TensorFlow: plugins load on the first
 checks) start at once.
 """
 
-from strategies.errors import UserError
 from strategies.registry import available, get, plugin, register
+from towerflow.errors import UserError
 
 __all__ = ["Strategy", "UserError", "available", "get", "plugin", "register"]
 

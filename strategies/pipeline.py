@@ -43,10 +43,10 @@ import tensorflow as tf
 
 from strategies import devices, tf_patches
 from strategies.base import DatasetFn, StepFn, Strategy
-from strategies.errors import UserError
 from strategies.pipeline_cuts import balanced_cuts, layers_and_cuts, named_cuts, symbolic
 from strategies.pipeline_stages import Stage, move, run_by_stages
 from strategies.registry import register
+from towerflow.errors import UserError
 
 
 @register("pipeline")

@@ -11,7 +11,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
 
 
 def layers_and_cuts(model: keras.Model) -> tuple[list, list]:

@@ -15,8 +15,9 @@ import tensorflow as tf
 
 import strategies
 from tests.helpers import run_cli, tiny_config
-from trainer import bench, controller, train
+from trainer import bench
 from trainer.bench import clock, data_service, hosts, straggling
+from trainer.loop import controller, train
 
 # Keras 3 `fit` with `steps_per_execution` > 1 fails under MirroredStrategy
 # (keras-team/keras#19246): the benchmark reports it in `failed` instead.

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from strategies.errors import NO_SPACE_EXIT_CODE
 from tests.helpers import run_cli, tiny_config
-from trainer import train
-from trainer.checkpoints import Checkpointer, NoSpace
+from towerflow.errors import NO_SPACE_EXIT_CODE
+from trainer.loop import train
+from trainer.loop.checkpoints import Checkpointer, NoSpace
 
 
 def _values(job) -> list[np.ndarray]:

@@ -11,7 +11,6 @@ import pytest
 import tensorflow as tf
 
 import configs.ctr
-from strategies.errors import UserError
 from tests.helpers import (
     checkpoint_values,
     config_flags,
@@ -20,8 +19,9 @@ from tests.helpers import (
     tensorboard_scalars,
 )
 from tests.test_models import tiny_ctr_config
-from trainer import optim, tables, train
-from trainer.layers import DynamicEmbedding
+from towerflow.errors import UserError
+from trainer.layers import DynamicEmbedding, tables
+from trainer.loop import optim, train
 
 WIDTH = 4
 

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import strategies
-from trainer import optim
+from trainer.loop import optim
 
 STEPS = 5
 

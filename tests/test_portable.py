@@ -1,4 +1,4 @@
-"""Checkpoints restore under any split of tables and sharded layers (`trainer.portable`)."""
+"""Checkpoints restore under any split of tables and sharded layers (`trainer.loop.portable`)."""
 
 import json
 import types
@@ -10,12 +10,12 @@ import tensorflow as tf
 
 import configs.ctr
 from strategies import sharding
-from strategies.errors import UserError
 from tests.helpers import config_flags, launched, train_on_cluster
 from tests.test_dynamic_embedding import SMALL_CTR
-from trainer import optim, tables, train
-from trainer.checkpoints import Checkpointer
-from trainer.layers import DynamicEmbedding, ShardedDense, ShardedEmbedding
+from towerflow.errors import UserError
+from trainer.layers import DynamicEmbedding, ShardedDense, ShardedEmbedding, tables
+from trainer.loop import optim, train
+from trainer.loop.checkpoints import Checkpointer
 
 WIDTH, CAPACITY = 3, 48
 

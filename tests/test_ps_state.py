@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from strategies.parameter_server import AtomicBatchNormalization
 from tests.helpers import checkpoint_values, tiny_config, train_on_cluster
-from trainer import train
+from trainer.loop import train
 
 # Both near their plateau (about 0.97). The rate decays to zero, as in most real runs: under a
 # constant rate the moving statistics lag the still-moving weights, and asynchronous training

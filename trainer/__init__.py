@@ -35,7 +35,7 @@ def default_config():
 
 def __getattr__(name: str):
     if name == "train_and_evaluate":
-        from trainer.train import train_and_evaluate
+        from trainer.loop.train import train_and_evaluate
 
         return train_and_evaluate
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

@@ -28,7 +28,7 @@ def towerflow(
     step waited for its input (the trainer's `input_wait_ms`), where the
     trainer measures it.
     """
-    from trainer import actions, train
+    from trainer.loop import actions, train
 
     job = train.build(config, model_dir, strategy, service)
     batch = config.train.global_batch_size
@@ -61,7 +61,7 @@ def towerflow(
 
 def model_and_optimizer(config: ml_collections.ConfigDict, spec, strategy, fused: bool = True):
     """The model and optimizer towerflow builds; `fused=False` gives Keras's own optimizer."""
-    from trainer import models, optim, precision
+    from trainer.loop import models, optim, precision
 
     with strategy.scope(), precision.policy(config.train.precision):
         model = models.build(config.model, spec)

@@ -169,6 +169,7 @@ def case_strategy(case: str) -> str:
 
 def parameters(config: ml_collections.ConfigDict) -> int:
     """The parameter count of the model `config` builds."""
-    from trainer import data, models
+    from trainer import data
+    from trainer.loop import models
 
     return models.build(config.model, data.get(config.data).spec).count_params()

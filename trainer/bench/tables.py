@@ -7,7 +7,7 @@ Figures, measured side by side in one run:
    `ShardedEmbedding`) with as many rows (`model.capacity` = `model.vocab_size`),
    from the chief's clock marks; the ratio dynamic/hashed (target <= 1.3).
 2. `mirrored` (this process): the ctr job with sparse updates (the optimizers of
-   `trainer.optim`) against dense ones (`optimizer.sparse_updates=False`: the
+   `trainer.loop.optim`) against dense ones (`optimizer.sparse_updates=False`: the
    table's gradient made dense, every row updated); the speedup (target >= 5),
    and beside it the same under `one_device`.
 3. Quality at equal memory (`mirrored`): eval AUC of a dynamic table admitting
@@ -97,7 +97,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             "a field, a new id every 1,000 examples, lists of up to 4) into 20,000 rows",
             "bytes_per_id_rss: the RSS growth of the process holding the 2 in-process ps "
             "servers; bytes_per_id_tables: `DynamicEmbedding.describe()` (variables' bytes "
-            "and the index's estimate, `trainer.tables.ENTRY_BYTES`)",
+            "and the index's estimate, `trainer.layers.tables.ENTRY_BYTES`)",
         ],
     )
 
@@ -167,7 +167,7 @@ DRIFTING = {
 
 def quality(sizes: Sizes, workdir: str) -> dict[str, float]:
     """Eval AUC under `mirrored`: hashed against dynamic (`min_count=2`) of as many rows."""
-    from trainer import train
+    from trainer.loop import train
 
     aucs = {}
     runs = {"auc_hashed": {}, "auc_dynamic_min_count2": {"model.embedding": "dynamic"}}
@@ -214,7 +214,9 @@ def scale(ids: int, batch: int = 1 << 17) -> dict:
 
     import configs.default
     from strategies import sharding
-    from trainer import layers, optim, tables
+    from trainer import layers
+    from trainer.layers import tables
+    from trainer.loop import optim
 
     cluster = tf.train.ClusterSpec(
         {"chief": [_address()], "worker": [_address()], "ps": [_address(), _address()]}

@@ -1,0 +1,1 @@
+"""`python -m trainer.sweep`: hyper-parameter sweeps (`__main__`, `plan`, `results`)."""
