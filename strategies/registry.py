@@ -1,8 +1,8 @@
-"""Strategy plugins by name (`@register`, `get`, `available`), and the one `Registry` type.
+"""Strategy plugins by name (`@register`, `get`, `available`).
 
-`Registry` holds every kind of named thing (strategies here; models and
-datasets in `trainer/`): it refuses a duplicate name, lists the known names,
-and resolves the user's own "module.path:name" references (`resolve`).
+The plugins sit in one `towerflow.registry.Registry`, the type that also
+holds models and datasets (in `trainer/`): it refuses a duplicate name,
+lists the known names, and resolves the user's own "module.path:name".
 
 Built-in plugins register when the registry is first read. Third-party plugins
 are found through the `towerflow.strategies` entry-point group of installed

@@ -7,10 +7,10 @@ with status 2. A bug in the user's own code keeps its traceback.
 
 Every exit status of towerflow's commands is defined here, and nowhere else;
 schedulers retry 128-255 (a TFJob's `ExitCode` restart policy), so the
-statuses that mean "restart me" are there. This module lives in `strategies/`
-because that is the lowest layer that raises these errors; `trainer/`
-imports it, and it imports nothing of towerflow (nor TensorFlow), so any
-module, the light command-line tools included, may import it.
+statuses that mean "restart me" are there. This module is part of the
+shared core (`towerflow/`), below every layer that raises these errors
+(`strategies/`, `trainer/`), and it imports nothing at all, so any module,
+the light command-line tools included, may import it.
 """
 
 USER_ERROR_EXIT_CODE = 2  # a bad config value, name, size or path: fix it and rerun

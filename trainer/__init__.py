@@ -1,5 +1,10 @@
 """towerflow's trainer: the loop, data, models and the `towerflow` / `python -m trainer` command.
 
+The commands sit at the top of the package (`__main__`, `cli`, `launch`,
+`sweep`, `bench`, `data_service`, `check`); below them the loop
+(`trainer.loop`), and below the loop the model's layers (`trainer.layers`)
+and the input (`trainer.data`).
+
 From Python, the same job the command runs::
 
     import trainer

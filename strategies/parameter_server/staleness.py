@@ -23,7 +23,7 @@ block reports a histogram of it and its mean (TensorBoard: `staleness`,
 
 `strategy.parameter_server.warmup_steps` runs the job's first steps on one
 worker alone (no staleness) before the others join. `AsyncUpdates` is the
-plugin's runner for this mode (`ps_sync.SyncUpdates` is the other one).
+plugin's runner for this mode (`sync.SyncUpdates` is the other one).
 """
 
 from __future__ import annotations

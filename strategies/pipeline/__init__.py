@@ -28,8 +28,8 @@ How the model runs by stages: the trainer builds the model inside `scope()`
 (variables on the host) and hands it to `place_model`, which moves each
 stage's variables to its device and makes the model's call run stage by
 stage while this plugin's step loops are traced. The trainer's step is the
-ordinary one. Where the model is cut: `strategies.pipeline_cuts`; how the
-stages run: `strategies.pipeline_stages`.
+ordinary one. Where the model is cut: `strategies.pipeline.cuts`; how the
+stages run: `strategies.pipeline.stages`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import tensorflow as tf
 
 from strategies import devices, tf_patches
 from strategies.base import DatasetFn, StepFn, Strategy
-from strategies.pipeline_cuts import balanced_cuts, layers_and_cuts, named_cuts, symbolic
-from strategies.pipeline_stages import Stage, move, run_by_stages
+from strategies.pipeline.cuts import balanced_cuts, layers_and_cuts, named_cuts, symbolic
+from strategies.pipeline.stages import Stage, move, run_by_stages
 from strategies.registry import register
 from towerflow.errors import UserError
 
