@@ -212,3 +212,17 @@ def test_the_shared_core_does_not_import_tensorflow_when_it_loads():
 
 def test_the_errors_module_imports_nothing_of_towerflow():
     assert _graph()["towerflow.errors"] == set()
+
+
+def test_the_public_names_are_at_the_top_of_trainer():
+    import trainer
+    from trainer.loop import actions, tasks, train
+
+    assert (trainer.Task, trainer.Action, trainer.StopTraining) == (
+        tasks.Task,
+        actions.Action,
+        actions.StopTraining,
+    )
+    assert trainer.train_and_evaluate is train.train_and_evaluate
+    with pytest.raises(AttributeError, match="no attribute 'Tsak'"):
+        trainer.Tsak  # noqa: B018
