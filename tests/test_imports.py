@@ -15,6 +15,8 @@ import functools
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("towerflow", "strategies", "trainer", "configs")
 
