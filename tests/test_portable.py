@@ -15,7 +15,7 @@ import configs.ctr
 from strategies import sharding
 from strategies.errors import UserError
 from tests.helpers import config_flags, launched, train_on_cluster
-from tests.test_dynamic_embedding import SMALL_CTR
+from tests.test_dynamic_embedding import SMALL_CTR, state_of
 from trainer import optim, tables, train
 from trainer.checkpoints import Checkpointer
 from trainer.layers import DynamicEmbedding, ShardedDense, ShardedEmbedding
@@ -166,18 +166,6 @@ def test_a_part_over_its_share_of_capacity_evicts_the_least_recently_seen_ids(tm
 # Incremental checkpoints (`trainer.deltas`): full ones, and deltas of the rows changed since.
 
 
-def _state(model, optimizer) -> dict[str, np.ndarray]:
-    """Every variable of `model` and `optimizer`, and every entry of the table's indexes."""
-    state = {f"model/{i}": v.numpy() for i, v in enumerate(model.variables)}
-    state.update({f"optimizer/{i}": v.numpy() for i, v in enumerate(optimizer.variables)})
-    for index in model.get_layer("embedding").indexes():
-        for name in ("index", "slot_keys", "slot_info", "free", "counters"):
-            keys, values = (t.numpy() for t in getattr(index, name).export())
-            order = np.argsort(keys, kind="stable")
-            state[f"{index.name}/{name}"] = np.concatenate([keys[order], values[order].ravel()])
-    return state
-
-
 def _deltas_checkpointer(model_dir, model, optimizer, full_every: int = 4) -> Checkpointer:
     job = types.SimpleNamespace(model=model, optimizer=optimizer)
     return Checkpointer(str(model_dir), True, 2, full_every=full_every, **train.checkpointed(job))
@@ -194,7 +182,7 @@ def test_deltas_between_full_checkpoints_restore_bit_identical_in_any_split(tmp_
     for step, batch in enumerate(_batches(9, seed=3), start=1):
         _train(model, optimizer, [batch])
         checkpointer.save(step)
-        live[step] = _state(model, optimizer), _logical(model, optimizer)
+        live[step] = state_of(model, optimizer), _logical(model, optimizer)
     state_file = (tmp_path / "checkpoints" / "checkpoint").read_text()
     # Full at the first save and at 4 and 8; ckpt-8 and its delta 9 kept (`max_to_keep` 2).
     assert re.findall(r'all_model_checkpoint_paths: "(\S+)"', state_file) == ["ckpt-8", "ckpt-9"]
@@ -207,7 +195,7 @@ def test_deltas_between_full_checkpoints_restore_bit_identical_in_any_split(tmp_
         restorer = _deltas_checkpointer(tmp_path, again, again_optimizer)
         assert restorer.restore().endswith("ckpt-9")
         if parts == 2:
-            _assert_same(_state(again, again_optimizer), live[9][0])
+            _assert_same(state_of(again, again_optimizer), live[9][0])
         else:
             assert restorer.resplit == "restored ckpt-9 written with embedding in 2 parts into 1"
             _assert_same(_logical(again, again_optimizer), live[9][1])
@@ -226,7 +214,7 @@ def test_a_delta_holds_the_rows_of_ids_the_ttl_freed_after_the_full_checkpoint(t
     again = _dynamic_model(1, ttl_steps=3)
     again_optimizer = _adam(again)
     assert _deltas_checkpointer(tmp_path, again, again_optimizer).restore().endswith("ckpt-9")
-    _assert_same(_state(again, again_optimizer), _state(model, optimizer))
+    _assert_same(state_of(again, again_optimizer), state_of(model, optimizer))
 
 
 def test_a_full_checkpoint_is_kept_while_a_kept_delta_needs_it_and_missing_is_one_line(tmp_path):
