@@ -331,7 +331,9 @@ def test_a_table_split_otherwise_and_another_difference_is_refused(tmp_path, oth
 # A parameter-server cluster's checkpoint, under one_device and on fewer ps tasks.
 
 # The small ctr job of the equivalence tests; op determinism is of no use to async workers.
+# Incremental checkpoints: the cluster's at steps 10 and 20 are deltas of step 0's.
 CTR = {k: v for k, v in SMALL_CTR.items() if k != "train.deterministic"}
+CTR["train.full_checkpoint_every"] = 100
 
 
 @pytest.mark.slow  # a cluster, then three runs
@@ -343,6 +345,8 @@ def test_a_table_trained_on_2_ps_evaluates_exports_on_one_device_and_resumes_on_
     flags = ["--config=configs/ctr.py", *config_flags(config, tuple(CTR))]
     on_cluster = train_on_cluster(tmp_path, "--strategy=parameter_server", *flags, ps=2)
     assert [p["ids_held"] > 0 for p in on_cluster["tables"]["embedding"]["parts"]] == [True] * 2
+    newest = tf.train.load_checkpoint(str(tmp_path / "model" / "checkpoints"))
+    assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0, "the ps tasks wrote deltas"
 
     config.strategy.name = "one_device"
     here = train.train_and_evaluate(config, str(tmp_path / "model"), mode="eval")

@@ -31,6 +31,7 @@ that changed.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 import keras
@@ -132,6 +133,13 @@ def base_step(path: str) -> int | None:
     """The step of the full checkpoint that checkpoint `path` is a delta of; None if full."""
     reader = tf.compat.v1.train.NewCheckpointReader(path)
     return int(reader.get_tensor(BASE_KEY)) if reader.has_tensor(BASE_KEY) else None
+
+
+def changed_rows(path: str) -> int:
+    """The rows delta `path` holds, over every table part (each part's spare row left out)."""
+    shapes = tf.compat.v1.train.NewCheckpointReader(path).get_variable_to_shape_map()
+    slots = [k for k in shapes if re.fullmatch(r"delta/\.ATTRIBUTES/part\d+_slots", k)]
+    return sum(shapes[key][0] - 1 for key in slots)
 
 
 def replay(path: str, found: Layout, indexes: list[tf.Module], save_counter: tf.Variable) -> None:
