@@ -67,7 +67,7 @@ class Sizes:
     table_ids: int = 10_000_000  # distinct ids of the scale run, over 2 ps tasks
     # Full against incremental checkpoints: one run of this many steps, saving every
     # `checkpoint_intervals` steps, into a dynamic table of `incremental_rows` rows.
-    incremental_steps: int = 500
+    incremental_steps: int = 400
     checkpoint_intervals: tuple[int, ...] = (10, 100)
     incremental_rows: int = 100_000
 
