@@ -157,8 +157,9 @@ class Checkpointer:
                 if resplit is None:
                     self.checkpoint.restore(full).assert_existing_objects_matched()
                     self._base = None
-                    if self._full_every:
-                        self._base = (_step_of(full), deltas.marks(self._deltas()))
+                    step = _step_of(full)
+                    if self._full_every and step is not None:
+                        self._base = (step, deltas.marks(self._deltas()))
                     if delta is not None:
                         deltas.replay(delta, self._deltas(), self._indexes, self._save_counter)
                     return candidate
@@ -325,11 +326,13 @@ class Checkpointer:
         """Names `path` in the state file, then deletes checkpoints beyond `max_to_keep`."""
         kept = [p for p in self._newest_first(self._write_dir)[::-1] if p != path] + [path]
         dropped, kept = kept[: -self._max_to_keep], kept[-self._max_to_keep :]
-        needed = set()  # the full checkpoints of kept deltas
+        needed = set()  # the names of the full checkpoints of kept deltas
         for kept_path in kept:
             with contextlib.suppress(tf.errors.OpError):  # unreadable: restore skips it
-                needed.add(self._base_step(kept_path))
-        kept = [p for p in dropped if _step_of(p) in needed] + kept
+                base = self._base_step(kept_path)
+                if base is not None:
+                    needed.add(f"ckpt-{base}")
+        kept = [p for p in dropped if os.path.basename(p) in needed] + kept
         dropped = [p for p in dropped if p not in kept]
         lines = [f'model_checkpoint_path: "{os.path.basename(path)}"']
         lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in kept]
@@ -362,9 +365,10 @@ class Checkpointer:
         )
 
 
-def _step_of(path: str) -> int:
-    """The step of checkpoint `path` (`ckpt-<step>`)."""
-    return int(os.path.basename(path).rsplit("-", 1)[1])
+def _step_of(path: str) -> int | None:
+    """The step of checkpoint `path` (`ckpt-<step>`); None if it is named otherwise."""
+    named = re.fullmatch(r"ckpt-(\d+)", os.path.basename(path))
+    return int(named[1]) if named else None
 
 
 def _all_on_task(variables: list, local_device: str) -> bool:
