@@ -419,9 +419,12 @@ def test_multi_worker_workers_end_with_the_rows_of_one_device(tmp_path):
         "--strategy=multi_worker",
         "--config=configs/ctr.py",
         *config_flags(config, tuple(SMALL_CTR)),
+        "--config.train.full_checkpoint_every=100",  # each worker writes deltas of step 0's
         f"--model_dir={tmp_path / 'workers'}",
         cwd=str(tmp_path),
     )
+    newest = tf.train.load_checkpoint(str(tmp_path / "workers" / "checkpoints"))
+    assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0
     one = _rows_by_id(_restored(config, tmp_path / "one"))
     workers = _rows_by_id(_restored(config, tmp_path / "workers"))  # restored on one device
     assert len(one) > 100 and sorted(one) == sorted(workers)
