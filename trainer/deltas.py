@@ -10,8 +10,8 @@ under the same names (`ckpt-<step>`). A delta holds:
 
 * for each part of each `DynamicEmbedding`'s table, the rows changed since
   the full checkpoint (`_TablePart.changed_since`: the slots whose ids were
-  looked up in training since, and the free ones), with their optimizer
-  slots and row stamps, and those slots' numbers;
+  looked up in training since, the free ones and the spare row), with
+  their optimizer slots and row stamps, and those slots' numbers;
 * everything else whole: the tables' indexes (ids, counts, last-seen steps,
   counters), every other variable (static tables included) with its
   optimizer slots, the optimizer's own variables (its step), the save
