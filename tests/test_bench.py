@@ -70,6 +70,16 @@ EXPECTED = {
         "bytes_per_id_rss",
         "bytes_per_id_tables",
         "lookups_s_per_ps_task",
+        *(  # full against incremental checkpoints, at each interval
+            f"{kind}_{what}_every{interval}"
+            for interval in bench.QUICK.checkpoint_intervals
+            for kind in ("full", "incremental")
+            for what in ("bytes", "save_s")
+        ),
+        *(
+            f"incremental_rows_touched_share_every{interval}"
+            for interval in bench.QUICK.checkpoint_intervals
+        ),
     ),
 }
 
@@ -140,7 +150,11 @@ def test_case_details(results):
     scale = cases["tables"]["scale"]  # every id held, split over the 2 ps tasks
     assert scale["ids"] == bench.QUICK.table_ids == sum(p["ids_held"] for p in scale["parts"])
     assert [p["device"].split("/")[-2] for p in scale["parts"]] == ["task:0", "task:1"]
-    assert "not built" in cases["tables"]["failed"]["incremental_vs_full_checkpoint"]
+    assert "failed" not in cases["tables"], "incremental checkpoints are measured"
+    for interval in bench.QUICK.checkpoint_intervals:
+        assert _positive(
+            cases["tables"]["ratios"][f"incremental/full bytes every {interval} steps"]
+        )
     clusters = cases["strategies"]["figures"]
     assert bench.QUICK.clusters, "--quick times at least one local cluster"
     for name in bench.QUICK.clusters:

@@ -898,6 +898,18 @@ class _TablePart:
         figures["bytes_held"] = (self.capacity + 1) * row_bytes + figures.pop("index_bytes")
         return figures
 
+    def changed_since(self, step: int, variables: list) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        """The slots whose rows changed at `step` or later, and their rows in `variables`.
+
+        The slots of `DynamicTable.changed_slots` and the spare row past the
+        capacity (every step's lookups read it); their values in each of
+        `variables` (the rows, the row stamps, the rows' optimizer slots),
+        gathered on this part's device (its ps task under `parameter_server`).
+        """
+        with self._on_device():
+            slots = tf.concat([self.table.changed_slots(step), [self.capacity]], 0)
+            return slots, [tf.gather(tf.convert_to_tensor(v), slots) for v in variables]
+
     def initial_rows(self, slots: tf.Tensor) -> tf.Tensor:
         """The initial values of the rows of `slots` for the ids they hold now."""
         layer = self.layer

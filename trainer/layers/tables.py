@@ -298,6 +298,19 @@ class DynamicTable(tf.Module):
 
     # Lookups.
 
+    def changed_slots(self, since: int) -> tf.Tensor:
+        """The slots whose rows may have changed at step `since` or later (int64, sorted).
+
+        A row changes only where a training lookup found its id, which marks
+        the slot seen at that step (an admission or a reused slot too): the
+        slots held and last seen at `since` or later. And the free slots (freed
+        by the TTL sweep, perhaps written before): a release leaves no step.
+        """
+        slots, info = self._export()
+        seen = tf.boolean_mask(slots, info[:, 1] >= since)
+        free = tf.reshape(self.free.lookup(tf.range(self.counter("free"))), [-1])
+        return tf.sort(tf.concat([seen, free], 0))
+
     def find(self, keys: tf.Tensor, step: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
         """Slots and stamps of int64 `keys` (1-D); changes nothing.
 

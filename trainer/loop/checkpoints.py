@@ -22,6 +22,12 @@ the state file still names the one before. A full disk stops training with
 
 A checkpoint written with other splits of the tables and sharded layers
 (another number of ps tasks, or none) restores through `trainer.loop.portable`.
+
+With `full_every` (`train.full_checkpoint_every`) the checkpoints between two
+full ones are deltas holding only the table rows changed since the full one
+(`trainer.loop.deltas`); restoring one restores its full checkpoint, then replays
+it. A full checkpoint is kept, past `max_to_keep`, while a kept delta needs
+it; a delta whose full checkpoint is gone is a one-line error naming both.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import tensorflow as tf
 from strategies import tf_patches
 from strategies.cluster import scratch
 from towerflow.errors import UserError, one_line
-from trainer.loop import portable
+from trainer.loop import deltas, portable
 
 _STATE_FILE = "checkpoint"  # the name TensorFlow's `latest_checkpoint` reads
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -62,6 +68,7 @@ class Checkpointer:
         variables: list,
         *,
         async_save: bool = False,
+        full_every: int = 0,
         **objects,
     ):
         """Args:
@@ -69,7 +76,10 @@ class Checkpointer:
         is_chief: whether this task writes there (others write to a scratch directory).
         max_to_keep: how many checkpoints to keep.
         variables: every model variable; saved as a list and checked by shape on restore.
-        async_save: write checkpoint files in the background.
+        async_save: write checkpoint files in the background (full checkpoints).
+        full_every: steps between full checkpoints (`trainer.loop.deltas`); 0: every
+          checkpoint is full. Deltas need dynamic tables, and `model` and
+          `optimizer` among `objects`; without them every checkpoint is full.
         **objects: other trackables to save (model, optimizer, ...); with `model`
           and `optimizer`, a checkpoint of other splits restores (`trainer.loop.portable`).
         """
@@ -85,6 +95,12 @@ class Checkpointer:
             for i, v in enumerate(variables)
         }
         self._bytes = _total_bytes([*variables, *objects.values()])
+        self._variables, self._indexes = list(variables), list(objects.get("tables", []))
+        self._full_every = full_every if self._optimizer is not None else 0
+        self._layout: deltas.Layout | None = None  # built at the first need
+        # (step, each table part's step then) of the full checkpoint that deltas build on.
+        self._base: tuple[int, list[int]] | None = None
+        self._base_steps: dict[str, int | None] = {}  # checkpoint name -> its full one's step
         objects["variables"] = list(variables)
         self.checkpoint = tf.train.Checkpoint(**objects)
         self._save_counter = self.checkpoint.save_counter  # created now, so every write holds it
@@ -107,6 +123,16 @@ class Checkpointer:
         return self._options.enable_async
 
     @property
+    def incremental(self) -> bool:
+        """Whether checkpoints between full ones are deltas (`full_every`, and dynamic tables)."""
+        return self._full_every > 0 and bool(self._deltas().families)
+
+    def _deltas(self) -> deltas.Layout:
+        if self._layout is None:
+            self._layout = deltas.layout(self._variables, self._optimizer)
+        return self._layout
+
+    @property
     def latest(self) -> str | None:
         """The newest checkpoint in `model_dir`, or None."""
         self.sync()
@@ -125,13 +151,23 @@ class Checkpointer:
         self.resplit = None
         for candidate in [path] if path else self._newest_first():
             try:
-                resplit = self._check_shapes(candidate)
+                full, delta = self._full_of(candidate), None
+                if full != candidate:
+                    delta = candidate
+                resplit = self._check_shapes(full)
                 if resplit is None:
-                    self.checkpoint.restore(candidate).assert_existing_objects_matched()
+                    self.checkpoint.restore(full).assert_existing_objects_matched()
+                    self._base = None
+                    step = _step_of(full)
+                    if self._full_every and step is not None:
+                        self._base = (step, deltas.marks(self._deltas()))
+                    if delta is not None:
+                        deltas.replay(delta, self._deltas(), self._indexes, self._save_counter)
                     return candidate
                 self.resplit, warnings = portable.restore(
-                    candidate, resplit, self._optimizer, self._save_counter
+                    full, resplit, self._optimizer, self._save_counter, delta
                 )
+                self._base = None  # the rows moved to other slots: the next save is full
                 for warning in warnings:
                     print(f"warning: {warning}", file=sys.stderr, flush=True)
                 return candidate
@@ -147,6 +183,8 @@ class Checkpointer:
                     file=sys.stderr,
                     flush=True,
                 )
+            except UserError:
+                raise
             except (AssertionError, ValueError) as e:
                 raise UserError(
                     f"`model_dir` holds checkpoint '{candidate}' of a different model or "
@@ -154,6 +192,32 @@ class Checkpointer:
                     "config that wrote it."
                 ) from None
         return None
+
+    def _full_of(self, path: str) -> str:
+        """The full checkpoint that checkpoint `path` is a delta of (`path` if it is full).
+
+        Raises:
+          UserError: it is a delta, and its full checkpoint is gone.
+        """
+        base = self._base_step(path)
+        if base is None:
+            return path
+        full = os.path.join(os.path.dirname(path), f"ckpt-{base}")
+        if not tf.io.gfile.exists(full + ".index"):
+            raise UserError(
+                f"checkpoint {path} is a delta of the full checkpoint {full}, which is "
+                f"missing; put {full}.* back, or remove {os.path.basename(path)} from "
+                f"{os.path.join(os.path.dirname(path), _STATE_FILE)} to resume from an "
+                "earlier one."
+            )
+        return full
+
+    def _base_step(self, path: str) -> int | None:
+        """The step of the full checkpoint that `path` is a delta of (None: full), read once."""
+        name = os.path.basename(path)
+        if name not in self._base_steps:
+            self._base_steps[name] = deltas.base_step(path)
+        return self._base_steps[name]
 
     def _check_shapes(self, path: str) -> portable.Plan | None:
         """Refuses a checkpoint whose variable list or shapes differ from `shapes`.
@@ -206,16 +270,33 @@ class Checkpointer:
         self.sync()
         prefix = os.path.join(self._write_dir, f"ckpt-{step}")
         self._save_counter.assign_add(1)  # `write` does not count saves itself
+        delta = self._delta_due(step)
         try:
-            path = self.checkpoint.write(prefix, options=self._options)
+            if delta:
+                base, since = self._base
+                path = deltas.write(
+                    prefix, self._deltas(), base, since, self._indexes, self._save_counter
+                )
+            else:
+                since = deltas.marks(self._deltas()) if self._full_every else []
+                path = self.checkpoint.write(prefix, options=self._options)
         except Exception as e:
             raise self._failed(step, prefix, e) from None
+        self._base_steps[os.path.basename(path)] = self._base[0] if delta else None
+        if self._full_every and not delta:
+            self._base = (step, since)
         self._saved = (step, path)
-        if self._options.enable_async:
+        if self._options.enable_async and not delta:
             self._pending = (step, path)
         else:
             self._commit(step, path)
         return path
+
+    def _delta_due(self, step: int) -> bool:
+        """Whether the checkpoint of `step` is a delta: in the full one's `full_every` steps."""
+        if not self.incremental or self._base is None:
+            return False
+        return step // self._full_every == self._base[0] // self._full_every
 
     def sync(self) -> None:
         """Waits for a checkpoint being written in the background and commits it.
@@ -246,6 +327,14 @@ class Checkpointer:
         """Names `path` in the state file, then deletes checkpoints beyond `max_to_keep`."""
         kept = [p for p in self._newest_first(self._write_dir)[::-1] if p != path] + [path]
         dropped, kept = kept[: -self._max_to_keep], kept[-self._max_to_keep :]
+        needed = set()  # the names of the full checkpoints of kept deltas
+        for kept_path in kept:
+            with contextlib.suppress(tf.errors.OpError):  # unreadable: restore skips it
+                base = self._base_step(kept_path)
+                if base is not None:
+                    needed.add(f"ckpt-{base}")
+        kept = [p for p in dropped if os.path.basename(p) in needed] + kept
+        dropped = [p for p in dropped if p not in kept]
         lines = [f'model_checkpoint_path: "{os.path.basename(path)}"']
         lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in kept]
         state = os.path.join(self._write_dir, _STATE_FILE)
@@ -275,6 +364,12 @@ class Checkpointer:
             f"needs about {self._bytes / 2**20:.1f} MiB{free}; {kept}. Free some space (or "
             "pass another `--model_dir` on a larger disk) and run again to resume."
         )
+
+
+def _step_of(path: str) -> int | None:
+    """The step of checkpoint `path` (`ckpt-<step>`); None if it is named otherwise."""
+    named = re.fullmatch(r"ckpt-(\d+)", os.path.basename(path))
+    return int(named[1]) if named else None
 
 
 def _all_on_task(variables: list, local_device: str) -> bool:

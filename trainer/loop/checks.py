@@ -49,6 +49,13 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                 f"`{field}` ({value}) must be >= {minimum} ({meaning}); "
                 f"set e.g. `--config.{field}={max(minimum, 1)}`."
             )
+    full_every = config.train.get("full_checkpoint_every", 0)
+    if full_every < 0:
+        raise UserError(
+            f"`train.full_checkpoint_every` ({full_every}) must be >= 0 (steps between full "
+            "checkpoints; 0 = every one full); set e.g. "
+            "`--config.train.full_checkpoint_every=1000`."
+        )
     _check_profile_steps(tuple(config.train.profile_steps))
     if config.train.epochs == 0 and config.train.steps <= 0:
         raise UserError(

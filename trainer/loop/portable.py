@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer import layers
-from trainer.loop import optim
+from trainer.loop import deltas, optim
 
 Segment = keras.Variable | layers.Portable  # an ordinary variable, or a split layer's
 
@@ -114,9 +114,16 @@ def _match_layer(
 
 
 def restore(
-    path: str, found: Plan, optimizer: keras.optimizers.Optimizer, save_counter: tf.Variable
+    path: str,
+    found: Plan,
+    optimizer: keras.optimizers.Optimizer,
+    save_counter: tf.Variable,
+    delta: str | None = None,
 ) -> tuple[str, list[str]]:
     """Restores checkpoint `path` into the model of `found` and `optimizer` (see the module).
+
+    With `delta` (a delta of `path`, `trainer.loop.deltas`), replays it over the
+    twins and stand-ins (written with their split) before moving them.
 
     Returns:
       The line saying what was re-split, and a warning for each part that
@@ -143,6 +150,10 @@ def restore(
     there.build(trainable)
     stand_in = tf.train.Checkpoint(variables=variables, tables=indexes, optimizer=there)
     stand_in.restore(path).assert_existing_objects_matched()
+    if delta is not None:
+        originals = {id(s): v for s, v in stand_ins}
+        found_there = deltas.layout(variables, there, lambda v: originals.get(id(v), v))
+        deltas.replay(delta, found_there, indexes, stand_in.save_counter)
     save_counter.assign(stand_in.save_counter)
     own = zip(optim.own_variables(there), optim.own_variables(optimizer), strict=True)
     for source, target in own:
@@ -160,7 +171,7 @@ def restore(
         f"{layer.name} in {found.parts[id(layer)]} parts into {layer.num_parts}"
         for layer in found.resplit()
     )
-    return f"restored {os.path.basename(path)} written with {what}", warnings
+    return f"restored {os.path.basename(delta or path)} written with {what}", warnings
 
 
 def _stand_in(variable: keras.Variable) -> keras.Variable:

@@ -293,8 +293,14 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         member.is_chief,
         config.train.max_checkpoints,
         async_save=config.train.async_checkpoint,
+        full_every=config.train.get("full_checkpoint_every", 0),
         **checkpointed(job),
     )
+    if config.train.get("full_checkpoint_every", 0) and not checkpointer.incremental:
+        say(
+            "note: `train.full_checkpoint_every` has no dynamic table to save rows of; every "
+            "checkpoint is full"
+        )
     summaries = Summaries(job.model_dir, member.is_chief)
     try:
         restored = checkpointer.restore()
