@@ -261,3 +261,24 @@ def test_the_data_workers_cpu_time_is_read_from_proc():
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to one")
+def test_pinning_moves_every_thread_of_a_running_process():
+    """The `data_service` case's cores: a process's threads started before pinning move too."""
+    threads = (  # three threads beside the main one, all started before the pinning
+        "import threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "print('up', flush=True)\ntime.sleep(30)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", threads], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "up\n"
+        tasks = os.listdir(f"/proc/{proc.pid}/task")
+        assert len(tasks) == 4
+        core = sorted(os.sched_getaffinity(0))[-1]
+        data_service.pin(proc.pid, [core])
+        assert [os.sched_getaffinity(int(t)) for t in tasks] == [{core}] * 4
+    finally:
+        proc.kill()
+        proc.wait()

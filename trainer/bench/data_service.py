@@ -85,11 +85,11 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     steps = loop * sizes.small_loops
     cores = sorted(os.sched_getaffinity(0))
     with contextlib.ExitStack() as stack:
-        stack.callback(os.sched_setaffinity, 0, cores)  # the sweeps below use every core
+        stack.callback(pin, os.getpid(), cores)  # the sweeps below use every core
         servers = stack.enter_context(service.LocalService(pick_ports(2)))
         if len(cores) > 1:  # the trainer on one core, the data worker on another
-            os.sched_setaffinity(0, cores[:1])
-            os.sched_setaffinity(servers.procs["data:worker:0"].pid, cores[1:2])
+            pin(os.getpid(), cores[:1])
+            pin(servers.procs["data:worker:0"].pid, cores[1:2])
         workers = service.wait_until_served(servers.address, servers, service.TIMEOUT_S)
         on_service = service.Service(servers.address, workers, True, "off")
         runs = {}
@@ -151,6 +151,17 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         step_ms=step_time,
         notes=notes,
     )
+
+
+def pin(pid: int, cores: list[int]) -> None:
+    """Puts every thread of process `pid` on `cores`; threads it starts later inherit them.
+
+    `os.sched_setaffinity(pid)` alone moves one thread (Linux): TensorFlow's
+    thread pools, started with the process, would keep every core.
+    """
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has ended meanwhile
+            os.sched_setaffinity(int(task), cores)
 
 
 def _step_time(runs: dict, samples: dict, batch: int) -> dict[str, dict[str, float]]:
