@@ -65,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
     # The last columns that are one list of ids (raw ids): follows `data.ctr.multi_valued`.
     c.model.multi_valued = c.data.ctr.get_ref("multi_valued")
     # hashed: a `ShardedEmbedding` of `vocab_size` rows; dynamic: a `DynamicEmbedding` (a row
-    # per admitted raw id, `trainer.tables`) with the options below.
+    # per admitted raw id, `trainer.layers.tables`) with the options below.
     c.model.embedding = "hashed"
     c.model.capacity = 0  # dynamic: most rows held (0: `vocab_size`); LRU-evicts when full
     c.model.min_count = 1  # dynamic: lookups an id needs before it gets its own row

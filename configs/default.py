@@ -72,7 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Workers push float32 gradients to the ps; nothing is all-reduced (float32 only).
     c.strategy.parameter_server.gradient_dtype = "float32"
 
-    # Where this process's cluster comes from (strategies/discovery.py); `--cluster` sets
+    # Where this process's cluster comes from (strategies/cluster/discovery.py); `--cluster` sets
     # `source`. auto: `TF_CONFIG` if set, else a Slurm step or a JobSet or SageMaker job of
     # several tasks, else one process | tf_config | slurm | jobset | sagemaker | local.
     c.cluster = ml_collections.ConfigDict()
@@ -97,7 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.task = ml_collections.ConfigDict()
     # What is trained: auto (classification or regression, from the data's `num_classes`),
     # classification, regression, or your own task as "module.path:TaskClass" (see
-    # trainer/tasks.py `Task`), whose options your config file adds under `task`.
+    # trainer/loop/tasks.py `Task`), whose options your config file adds under `task`.
     c.task.name = "auto"
 
     c.model = ml_collections.ConfigDict()
@@ -204,6 +204,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.async_checkpoint = True  # write checkpoints in the background (training goes on)
     c.train.checkpoint_every = 500  # steps between checkpoints (and one at the end)
     c.train.max_checkpoints = 3  # checkpoints kept in model_dir
+    # Incremental checkpoints (models with a `DynamicEmbedding`): the first checkpoint at or
+    # past each multiple of this many steps is full, the others between hold only the table
+    # rows changed since it (and the rest whole); restoring one replays it over its full one.
+    # Pays at short `checkpoint_every` (README, "Recommendation models"). 0 = every one full.
+    c.train.full_checkpoint_every = 0
     c.train.export = True  # write a SavedModel to model_dir/export at the end
     c.train.loss_upper_bound = 0.0  # a loop loss above this counts as a blow-up (0 = none)
     c.train.max_recoveries = 3  # blow-ups recovered from the last good checkpoint, then stop
@@ -212,7 +217,7 @@ def get_config() -> ml_collections.ConfigDict:
     # (the Profile tab; `pip install "towerflow[profile]"`), e.g. (200, 205); () = none.
     c.train.profile_steps = ()
     # Your own loop actions, "module.path:function" (comma-separated): each function takes
-    # the config and returns a callable on each block's output (see trainer/controller.py).
+    # the config and returns a callable on each block's output (see trainer/loop/controller.py).
     c.train.actions = ""
 
     c.eval = ml_collections.ConfigDict()

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 import trainer
 from examples import digits
-from trainer.tasks import Task
+from trainer import Task
 
 SIZE = 32  # MobileNetV2's smallest input
 SHARDS = 4  # TFRecord files per split

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import trainer
 from examples import digits
-from trainer.tasks import Task
+from trainer import Task
 
 
 def get_config():

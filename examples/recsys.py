@@ -11,7 +11,7 @@ shifts every 1,000 examples, then a list of 1 to `HISTORY` more (the items the
 user saw before), padded with "". `build` looks every id up in one
 `trainer.layers.DynamicEmbedding` (a row per id seen twice, no vocabulary
 size; the padding reads zeros), pools the list (sum over sqrt(length),
-`trainer.models.single_and_listed`), crosses every pair of the resulting
+`trainer.loop.models.single_and_listed`), crosses every pair of the resulting
 vectors with dot products (DLRM's interaction) and puts an MLP on top
 (Adam). Under `parameter_server` the table is split by id over the ps
 tasks. Under `mirrored`, 300 steps of 256 take about a minute on 2 CPU
@@ -24,7 +24,7 @@ import keras
 
 import trainer
 from trainer.layers import DynamicEmbedding
-from trainer.models import single_and_listed
+from trainer.loop.models import single_and_listed
 
 FIELDS = 6  # single-valued id fields
 HISTORY = 8  # the most ids of the multi-valued field

@@ -7,10 +7,17 @@
 Importing this package does not import TensorFlow: plugins load on the first
 `get()` or `available()`, so light tools (the cluster launcher, TF_CONFIG
 checks) start at once.
+
+One module per way of distributing at the top (`default`, `one_device`,
+`mirrored`, `central_storage`, `multi_worker`, `parameter_server` with its
+update modes, `pipeline`), behind `base.Strategy`; beside them what the
+plugins share (`transfer`, `sharding`, `devices`, `tf_patches`), and who a
+process is in its cluster in `strategies.cluster`. Nothing here imports
+`trainer/`.
 """
 
-from strategies.errors import UserError
 from strategies.registry import available, get, plugin, register
+from towerflow.errors import UserError
 
 __all__ = ["Strategy", "UserError", "available", "get", "plugin", "register"]
 

@@ -12,7 +12,7 @@ Glossary (the classic distributed-TensorFlow terms, as `tf.distribute` uses them
 - *sync* vs *async*: synchronous plugins average every replica's gradients
   into one update per step; the asynchronous `parameter_server` plugin lets
   each worker apply its own updates as it goes.
-- *membership* (`strategy.membership`, `strategies.membership.Membership`):
+- *membership* (`strategy.membership`, `strategies.cluster.membership.Membership`):
   who this process is in its cluster (role, chief) and whether the others
   are alive (lost tasks, agreement, preemption, restored steps). It is not
   part of distributing a step, so it is not part of this interface; a
@@ -50,14 +50,15 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from strategies import membership, transfer
+from strategies import transfer
+from strategies.cluster import membership
 
 StepFn = Callable[[Any], dict]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 
 
 class TrainStepProtocol(Protocol):
-    """The train step as a plugin sees it (`trainer.steps.TrainStep` implements it).
+    """The train step as a plugin sees it (`trainer.loop.steps.TrainStep` implements it).
 
     `step(batch)` runs one optimizer step in replica context and returns the
     task's sums; it is `step.apply(step.gradients(batch)[0])`. A plugin that

@@ -11,7 +11,7 @@ import os
 import tensorflow as tf
 from absl import logging
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
 
 
 def configure(

@@ -7,8 +7,8 @@ import tensorflow as tf
 
 from strategies import devices, tf_patches, transfer
 from strategies.base import Strategy
-from strategies.errors import UserError
 from strategies.registry import register
+from towerflow.errors import UserError
 
 CROSS_DEVICE_OPS = {
     "auto": None,  # TensorFlow's pick for the devices at hand

@@ -18,11 +18,12 @@ import math
 
 import tensorflow as tf
 
-from strategies import cluster as cluster_lib
-from strategies import membership, mirrored, preemption, tf_start, transfer
+from strategies import mirrored, transfer
 from strategies.base import Strategy
-from strategies.errors import UserError
+from strategies.cluster import membership, preemption, tf_start
+from strategies.cluster import tf_config as cluster_lib
 from strategies.registry import register
+from towerflow.errors import UserError
 
 IMPLEMENTATIONS = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,

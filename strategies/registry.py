@@ -1,8 +1,8 @@
-"""Strategy plugins by name (`@register`, `get`, `available`), and the one `Registry` type.
+"""Strategy plugins by name (`@register`, `get`, `available`).
 
-`Registry` holds every kind of named thing (strategies here; models and
-datasets in `trainer/`): it refuses a duplicate name, lists the known names,
-and resolves the user's own "module.path:name" references (`resolve`).
+The plugins sit in one `towerflow.registry.Registry`, the type that also
+holds models and datasets (in `trainer/`): it refuses a duplicate name,
+lists the known names, and resolves the user's own "module.path:name".
 
 Built-in plugins register when the registry is first read. Third-party plugins
 are found through the `towerflow.strategies` entry-point group of installed
@@ -17,11 +17,11 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from collections.abc import Callable
-from typing import TypeVar
 
 import ml_collections
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
+from towerflow.registry import Registry
 
 ENTRY_POINT_GROUP = "towerflow.strategies"
 BUILTIN_MODULES = (
@@ -187,112 +187,6 @@ def _origin(entry: type | importlib.metadata.EntryPoint) -> str:
     top = entry.__module__.split(".")[0]
     packages = importlib.metadata.packages_distributions().get(top) or [top]
     return f"package `{packages[0]}` (module `{entry.__module__}`)"
-
-
-# --- one registry type, for every kind of named thing ---------------------------
-
-F = TypeVar("F")
-
-
-class Registry(dict):
-    """Things by name (strategies, models, datasets): one type for every registry.
-
-    `@registry.register("name")` adds one and refuses a name already taken;
-    `names()` lists them; `lookup` also resolves the user's own "module.path:name".
-
-    Args:
-      kind: what it holds, for messages (e.g. "Strategy").
-      origin: says where a registered value comes from, for the duplicate-name error.
-    """
-
-    def __init__(self, kind: str, origin: Callable[[object], str] | None = None):
-        super().__init__()
-        self.kind = kind
-        self._origin = origin or (lambda value: f"module `{getattr(value, '__module__', '?')}`")
-
-    def register(self, name: str, replaces: object = None) -> Callable[[F], F]:
-        """Decorator: adds the value under `name`; a name already taken is an error.
-
-        Args:
-          name: the name users give.
-          replaces: a placeholder the value may take the place of (a plugin's entry
-            point, while that entry point imports the plugin).
-
-        Raises:
-          ValueError: `name` is taken (registries never overwrite).
-        """
-
-        def decorator(value: F) -> F:
-            if name in self and (replaces is None or self[name] is not replaces):
-                raise ValueError(
-                    f"{self.kind} `{name}` is already registered by {self._origin(self[name])}; "
-                    "pick another name."
-                )
-            self[name] = value
-            return value
-
-        return decorator
-
-    def names(self) -> list[str]:
-        """The registered names, sorted."""
-        return sorted(self)
-
-    def lookup(self, field: str, name: str, expect: str) -> Callable:
-        """The function registered as `name`, or the user's own "module.path:name".
-
-        Args:
-          field: the config field that holds `name`, for messages (e.g. "model.name").
-          name: a registered name, or "module.path:name".
-          expect: what the user's callable must be, for messages.
-
-        Raises:
-          UserError: an unknown name (the message lists the known ones), or a
-            reference that does not resolve (see `resolve`).
-        """
-        if name in self:
-            return self[name]
-        if ":" not in name:
-            raise UserError(
-                f"Unknown {self.kind.lower()} `{field}` '{name}'; known: "
-                f"{', '.join(self.names())}, or your own as 'module.path:name' ({expect})."
-            )
-        return resolve(field, name, expect)
-
-
-def resolve(field: str, reference: str, expect: str) -> Callable:
-    """The callable that "module.path:name" names, for a config field such as `model.name`.
-
-    Args:
-      field: the config field, for messages (e.g. "task.name").
-      reference: "module.path:name".
-      expect: what the callable must be, for messages (e.g. "a function returning a Task").
-
-    Raises:
-      UserError: not of that form, no such module, or no such callable in it. A
-        module that exists but fails while importing raises its own error: the
-        bug is in the user's code, and its traceback says where.
-    """
-    module_name, colon, attr = reference.partition(":")
-    if not colon or not module_name or not attr:
-        raise UserError(
-            f"`{field}` '{reference}' is not 'module.path:name'; give {expect}, "
-            f"e.g. `--config.{field}=my_package.module:name`."
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if not e.name or not module_name.startswith(e.name):
-            raise  # the user's module imports something missing: their traceback
-        raise UserError(
-            f"`{field}` '{reference}': no module '{e.name}'; check the module path and that "
-            "it is importable from the working directory or PYTHONPATH."
-        ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(
-            f"`{field}` '{reference}': module '{module_name}' has no '{attr}'; give {expect}."
-        )
-    return fn
 
 
 _REGISTRY = Registry("Strategy", origin=_origin)

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 
 import tensorflow as tf
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
 
 PARTITIONERS = ("none", "fixed", "min_size", "max_size")
 DEFAULT_MIN_SHARD_BYTES = 256 << 10  # TF's MinSizePartitioner default

@@ -17,9 +17,9 @@ it).
   built by the user's model (`parameter_server`'s BatchNorm).
 - `replace_call`: one live model's `call` (`pipeline`'s stages).
 - `start_calls_unlocked`: TF's cluster start-up bindings (`pywrap_tfe`) run
-  through `ctypes`, without the interpreter lock (`strategies.tf_start`).
+  through `ctypes`, without the interpreter lock (`strategies.cluster.tf_start`).
 - `take_async_checkpoint_error`: the error of a failed background checkpoint
-  write, taken from TF's private field and cleared (`trainer.checkpoints`).
+  write, taken from TF's private field and cleared (`trainer.loop.checkpoints`).
 - `made_by_keras_optimizer`: whether Keras is creating a variable for an
   optimizer (read from Keras's private name-scope stack; `mirrored`'s
   averaged layer state must leave optimizer state alone).
@@ -27,9 +27,9 @@ it).
   (process-wide; TensorFlow's public API can only turn it on).
 - `replica_copy`: this replica's own copy of a distributed variable, which
   can be read row by row (`tf.gather` of a `mirrored` variable reads it whole;
-  `trainer.layers`' tables, `trainer.optim`'s sparse updates).
+  `trainer.layers`' tables, `trainer.loop.optim`'s sparse updates).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
-  threads forgotten, so its `__del__` waits on nothing (`strategies.preemption`).
+  threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 """
 
 from __future__ import annotations

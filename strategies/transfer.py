@@ -29,7 +29,7 @@ import dataclasses
 import ml_collections
 import tensorflow as tf
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
 
 GRADIENT_DTYPES = {"float32": tf.float32, "bfloat16": tf.bfloat16}
 AUTO_BYTES_PER_PACK = 16 << 20  # what "auto" packs

@@ -66,7 +66,7 @@ def one_line_error(match: str, fn, *args) -> str:
     """The message of the UserError `fn(*args)` raises; it must match `match` and be one line."""
     import pytest
 
-    from strategies.errors import UserError
+    from towerflow.errors import UserError
 
     with pytest.raises(UserError, match=match) as caught:
         fn(*args)

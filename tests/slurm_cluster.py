@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from tests import helpers
-from trainer.processes import pick_ports
+from towerflow.processes import pick_ports
 
 NODE = "localhost"  # the node's Slurm name, and the host part of every derived address
 CPUS = 4  # the CPUs the node offers (configured, not detected)

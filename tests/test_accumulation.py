@@ -22,7 +22,7 @@ from tests.helpers import (
     one_line_error,
     tiny_config,
 )
-from trainer import train
+from trainer.loop import train
 
 STEPS, BATCH = 20, 32
 

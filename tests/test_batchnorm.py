@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import checkpoint_values, launched, tiny_config
-from trainer import train
+from trainer.loop import train
 
 SMALL = {
     "train.global_batch_size": 32,

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from strategies.errors import UserError
 from tests.helpers import REPO, run_cli, run_command
+from towerflow.errors import UserError
 from trainer import check
 
 STEPS = 6

@@ -8,20 +8,24 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from strategies.errors import NO_SPACE_EXIT_CODE
 from tests.helpers import run_cli, tiny_config
-from trainer import train
-from trainer.checkpoints import Checkpointer, NoSpace
+from towerflow.errors import NO_SPACE_EXIT_CODE
+from trainer.loop import deltas, train
+from trainer.loop.checkpoints import Checkpointer, NoSpace
 
 
 def _values(job) -> list[np.ndarray]:
     return [v.numpy() for v in job.model.variables + job.optimizer.variables]
 
 
-def test_async_training_checkpoint_restores_the_same_values(tmp_path):
-    config = tiny_config(**{"train.async_checkpoint": True})
+def test_async_training_checkpoint_restores_the_same_values(tmp_path, capsys):
+    # Incremental checkpoints asked for, but no dynamic table: every one full, and a note.
+    config = tiny_config(**{"train.async_checkpoint": True, "train.full_checkpoint_every": 100})
     job = train.build(config, str(tmp_path))
     train.run(job, "train")  # saves at steps 0, 10 and 20 in the background
+    assert "note: `train.full_checkpoint_every` has no dynamic table" in capsys.readouterr().out
+    for step in (0, 10, 20):
+        assert deltas.base_step(str(tmp_path / "checkpoints" / f"ckpt-{step}")) is None
     fresh = train.build(config, str(tmp_path))
     checkpointer = Checkpointer(str(tmp_path), True, 3, **train.checkpointed(fresh))
     assert checkpointer.restore().endswith("ckpt-20")

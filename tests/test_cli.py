@@ -150,6 +150,10 @@ BAD_INPUTS = [
     (["--config.train.steps=0"], "`train.steps` (0) must be a positive integer"),
     (["--config.train.global_batch_size=-4"], "`train.global_batch_size` (-4) must be >= 1"),
     (
+        ["--config.train.full_checkpoint_every=-1"],
+        "`train.full_checkpoint_every` (-1) must be >= 0",
+    ),
+    (
         ["--config.data.name=csv", "--config.data.train_files=/nonexistent/*.csv"],
         "/nonexistent/*.csv",
     ),

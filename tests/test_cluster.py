@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from strategies import cluster
-from strategies.errors import UserError
+from strategies.cluster import tf_config as cluster
+from towerflow.errors import UserError
 
 FULL = {
     "cluster": {

@@ -9,7 +9,8 @@ import tensorflow as tf
 
 import strategies
 from tests import helpers
-from trainer import actions, compiled, data, train
+from trainer import data
+from trainer.loop import actions, compiled, train
 
 
 def compiled_mlp(spec, config) -> keras.Model:

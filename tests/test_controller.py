@@ -2,9 +2,9 @@
 
 import contextlib
 
-from trainer import controller
-from trainer.controller import Action, Controller, Output
-from trainer.loop_length import LoopLength
+from trainer.loop import controller
+from trainer.loop.controller import Action, Controller, Output
+from trainer.loop.loop_length import LoopLength
 
 
 class Counter:
@@ -134,7 +134,7 @@ def test_steps_until_next_event_never_passes_the_end():
 
 def test_a_users_action_stops_training_and_the_end_actions_still_run(tmp_path):
     from tests import helpers, user_actions
-    from trainer import train
+    from trainer.loop import train
 
     user_actions.SEEN.clear()
     config = helpers.tiny_config(
@@ -150,7 +150,7 @@ def test_a_users_action_stops_training_and_the_end_actions_still_run(tmp_path):
 
 def test_a_users_action_keeps_its_schedule(tmp_path):
     from tests import helpers, user_actions
-    from trainer import train
+    from trainer.loop import train
 
     user_actions.SEEN.clear()
     config = helpers.tiny_config(
@@ -163,9 +163,9 @@ def test_a_users_action_keeps_its_schedule(tmp_path):
 def test_a_bad_action_name_is_one_line(tmp_path):
     import pytest
 
-    from strategies.errors import UserError
     from tests import helpers
-    from trainer import train
+    from towerflow.errors import UserError
+    from trainer.loop import train
 
     for name, message in [
         ("no_colon", "is not 'module.path:name'"),

@@ -13,8 +13,8 @@ import pytest
 import tensorflow as tf
 
 from configs import default
-from strategies.errors import UserError
 from tests.helpers import one_line_error
+from towerflow.errors import UserError
 from trainer import data
 
 DIGITS = os.path.join(os.path.dirname(os.path.dirname(data.__file__)), "assets", "digits.npz")

@@ -13,8 +13,9 @@ import tensorflow as tf
 
 from configs import default
 from tests.helpers import one_line_error, tiny_config
-from trainer import data, models, train
+from trainer import data
 from trainer.data.features import Feature, parse_features
+from trainer.loop import models, train
 
 COUNTRIES = ["fr", "de", "jp"]
 

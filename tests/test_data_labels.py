@@ -28,8 +28,9 @@ from tests.helpers import (
     tiny_config,
     train_on_cluster,
 )
-from trainer import data, models, train
+from trainer import data
 from trainer.data import service
+from trainer.loop import models, train
 
 
 def binary(input_context, split, global_batch_size):

@@ -39,9 +39,9 @@ from tests.helpers import (
     tiny_config,
 )
 from trainer import data_service as command
-from trainer import train
 from trainer.data import service
 from trainer.launch import pick_ports
+from trainer.loop import train
 
 STEPS = 10
 USER_EXAMPLES = 96

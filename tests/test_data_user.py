@@ -17,7 +17,8 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import checkpoint_values, one_line_error, tiny_config
-from trainer import data, train
+from trainer import data
+from trainer.loop import train
 
 MODULE = "towerflow_user_pipeline"  # unique: the user's module, written by `user_module`
 

@@ -19,8 +19,9 @@ import pytest
 import yaml
 from absl import flags
 
-from strategies import cluster, discovery
-from strategies.errors import PREEMPTED_EXIT_CODE, TASK_LOST_EXIT_CODE
+from strategies.cluster import discovery
+from strategies.cluster import tf_config as cluster
+from towerflow.errors import PREEMPTED_EXIT_CODE, TASK_LOST_EXIT_CODE
 from trainer import cli, data_service
 
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"

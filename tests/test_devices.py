@@ -3,7 +3,7 @@
 import pytest
 
 from strategies import devices
-from strategies.errors import UserError
+from towerflow.errors import UserError
 
 
 def test_replicas_on_logical_cpus_share_the_cores():

@@ -7,9 +7,10 @@ import re
 import pytest
 
 import configs.default
-from strategies import cluster, discovery
+from strategies.cluster import discovery
+from strategies.cluster import tf_config as cluster
 from tests.helpers import one_line_error, run_cli, tiny_config
-from trainer import train
+from trainer.loop import train
 
 # A Slurm step of 4 tasks on one node, as `srun -n4` sets it for its task 3.
 SLURM_STEP = {

@@ -11,17 +11,17 @@ import pytest
 import tensorflow as tf
 
 import configs.ctr
-from strategies.errors import UserError
 from tests.helpers import (
-    checkpoint_values,
     config_flags,
     launched,
     run_command,
     tensorboard_scalars,
 )
 from tests.test_models import tiny_ctr_config
-from trainer import optim, tables, train
-from trainer.layers import DynamicEmbedding
+from towerflow.errors import UserError
+from trainer.layers import DynamicEmbedding, tables
+from trainer.loop import optim, train
+from trainer.loop.checkpoints import Checkpointer
 
 WIDTH = 4
 
@@ -102,6 +102,23 @@ def test_ids_of_the_other_kind_are_a_one_line_error(key_dtype, ids):
     with pytest.raises(UserError, match=f"'users' has `key_dtype` {key_dtype} but got") as error:
         layer(ids, training=True)
     assert "\n" not in str(error.value)
+
+
+def test_ragged_ids_across_processes_are_a_one_line_error(monkeypatch):
+    """Under `multi_worker` (more replicas in sync than one process holds): one width a list."""
+
+    class Workers:  # two processes of one replica each, as this process sees them
+        num_replicas_in_sync = 2
+        extended = type("Extended", (), {"worker_devices": ("/job:worker/task:0/CPU:0",)})
+
+    layer = DynamicEmbedding(WIDTH, combiner="mean", name="tags")
+    tags = tf.ragged.constant([[1, 2], [3]], tf.int64)
+    layer(tags, training=True)  # one process: a ragged batch is fine
+    monkeypatch.setattr(tf.distribute, "get_strategy", Workers)
+    with pytest.raises(UserError, match="'tags' cannot take lists of ids of no fixed") as error:
+        layer(tags, training=True)
+    assert "\n" not in str(error.value) and "mask_id" in str(error.value)
+    layer(tags.to_tensor(shape=[None, 3]), training=True)  # padded to one width: fine
 
 
 def test_a_model_of_string_ids_trains_from_keras_inputs():
@@ -200,12 +217,28 @@ def _ctr_config(strategy: str, steps: int, **model):
     return config
 
 
+def _restored_job(config, model_dir) -> train.Job:
+    """The job of `config` with everything of `model_dir`'s newest checkpoint (full or delta)."""
+    job = train.build(config, str(model_dir))
+    Checkpointer(str(model_dir), True, 1, **train.checkpointed(job)).restore()
+    return job
+
+
 def _restored(config, model_dir) -> keras.Model:
     """The model of `config` with the weights and table of `model_dir`'s newest checkpoint."""
-    job = train.build(config, str(model_dir))
-    path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
-    tf.train.Checkpoint(model=job.model).restore(path).expect_partial()
-    return job.model
+    return _restored_job(config, model_dir).model
+
+
+def state_of(model: keras.Model, optimizer) -> dict[str, np.ndarray]:
+    """Every variable of `model` and `optimizer`, and every entry of the table's indexes."""
+    state = {f"model/{i}": v.numpy() for i, v in enumerate(model.variables)}
+    state.update({f"optimizer/{i}": v.numpy() for i, v in enumerate(optimizer.variables)})
+    for index in model.get_layer("embedding").indexes():
+        for name in ("index", "slot_keys", "slot_info", "free", "counters"):
+            keys, values = (t.numpy() for t in getattr(index, name).export())
+            order = np.argsort(keys, kind="stable")
+            state[f"{index.name}/{name}"] = np.concatenate([keys[order], values[order].ravel()])
+    return state
 
 
 def _rows_by_id(model: keras.Model) -> dict[int, np.ndarray]:
@@ -271,22 +304,27 @@ def test_tensorboard_shows_each_blocks_ids_admissions_default_row_share_and_byte
 
 
 def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_path):
+    """Also resumed from incremental checkpoints: they restore the straight run's state."""
     options = {"capacity": 300, "ttl_steps": 8}  # evictions and sweeps on the way
     straight = _ctr_config("one_device", 20, **options)
-    train.train_and_evaluate(straight, str(tmp_path / "straight"))
-    train.train_and_evaluate(_ctr_config("one_device", 10, **options), str(tmp_path / "resumed"))
-    results = train.train_and_evaluate(straight, str(tmp_path / "resumed"))
+    straight.train.checkpoint_every = 5
+    train.train_and_evaluate(straight, str(tmp_path / "straight"))  # full checkpoints
+    # Full at step 0, then deltas of it: the second run restores the one of step 10.
+    resumed = _ctr_config("one_device", 10, **options)
+    resumed.train.update({"checkpoint_every": 5, "full_checkpoint_every": 100})
+    train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
+    resumed.train.steps = 20
+    results = train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
     assert results["step"] == 20
-    a, b = (checkpoint_values(tmp_path / run) for run in ("straight", "resumed"))
-    assert sorted(a) == sorted(b)
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-    rows, resumed_rows = (
-        _rows_by_id(_restored(straight, tmp_path / run)) for run in ("straight", "resumed")
-    )
-    assert sorted(rows) == sorted(resumed_rows)
-    for key, row in rows.items():
-        np.testing.assert_array_equal(resumed_rows[key], row)
+    newest = tf.train.load_checkpoint(str(tmp_path / "resumed" / "checkpoints"))
+    assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0, "a delta of step 0's"
+    states = []
+    for config, run in ((straight, "straight"), (resumed, "resumed")):
+        job = _restored_job(config, tmp_path / run)
+        states.append(state_of(job.model, job.optimizer))
+    assert sorted(states[0]) == sorted(states[1])
+    for name, value in states[0].items():
+        np.testing.assert_array_equal(states[1][name], value, err_msg=name)
     reader = tf.train.load_checkpoint(str(tmp_path / "straight" / "checkpoints"))
     (keys,) = [
         n for n in reader.get_variable_to_shape_map() if "counters/.ATTRIBUTES/table-keys" in n
@@ -398,9 +436,12 @@ def test_multi_worker_workers_end_with_the_rows_of_one_device(tmp_path):
         "--strategy=multi_worker",
         "--config=configs/ctr.py",
         *config_flags(config, tuple(SMALL_CTR)),
+        "--config.train.full_checkpoint_every=100",  # each worker writes deltas of step 0's
         f"--model_dir={tmp_path / 'workers'}",
         cwd=str(tmp_path),
     )
+    newest = tf.train.load_checkpoint(str(tmp_path / "workers" / "checkpoints"))
+    assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0
     one = _rows_by_id(_restored(config, tmp_path / "one"))
     workers = _rows_by_id(_restored(config, tmp_path / "workers"))  # restored on one device
     assert len(one) > 100 and sorted(one) == sorted(workers)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import tiny_config
-from trainer import train
+from trainer.loop import train
 
 
 def _config(strategy: str):

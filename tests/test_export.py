@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests.test_compiled import multi_output
-from trainer.export import export
+from trainer.loop.export import export
 
 
 def test_a_dict_input_multi_output_model_serves_its_own_outputs(tmp_path):

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from strategies import cluster, errors
+from strategies.cluster import tf_config as cluster
 from tests.helpers import run_cli, start_cli, tiny_config
-from trainer import faults, lock, train
+from towerflow import errors
+from trainer.loop import faults, lock, train
 
 
 def _all_checkpoints_finite(model_dir) -> bool:

@@ -18,7 +18,7 @@ from tests.helpers import (
     one_line_error,
     tiny_config,
 )
-from trainer import train
+from trainer.loop import train
 
 ONE_SGD_STEP = {
     "train.steps": 1,

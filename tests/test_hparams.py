@@ -16,8 +16,8 @@ from tensorboard.plugins import base_plugin
 from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
 
 from tests.helpers import tiny_config
-from trainer import train
-from trainer.summaries import flat_hparams
+from trainer.loop import train
+from trainer.loop.summaries import flat_hparams
 
 
 def dashboard(logdir: str) -> tuple[api_pb2.Experiment, dict[str, dict]]:

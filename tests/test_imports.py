@@ -1,16 +1,24 @@
-"""The layers' imports: no cycle among towerflow's modules, and `strategies/` never imports up.
+"""The layers' imports: no cycle among towerflow's modules, and no layer imports one above it.
 
-Read from the source (no module is imported), so the whole tree is checked
-in well under a second. Every import counts, those inside functions too (a
-late import hides a cycle, it does not break the dependency); only an
-`if TYPE_CHECKING:` block, which never runs, is left out.
+The layers, bottom to top (BUILD.md, "Architecture"): the shared core
+`towerflow/`; the distribution, `strategies/`; the model's layers and the
+input, `trainer/layers/` and `trainer/data/`; the loop, `trainer/loop/`; the
+commands at the top of `trainer/`. Read from the source (no module is
+imported), so the whole tree is checked in well under a second. Every
+import counts, those inside functions too (a late import hides a cycle, it
+does not break the dependency); only an `if TYPE_CHECKING:` block, which
+never runs, is left out.
 """
 
 import ast
+import functools
 import pathlib
+import re
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("strategies", "trainer", "configs")
+PACKAGES = ("towerflow", "strategies", "trainer", "configs")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -48,9 +56,15 @@ def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+@functools.cache
+def _read_graph() -> tuple[tuple[str, frozenset[str]], ...]:
     modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
+    return tuple((name, frozenset(_imports(name, path, modules))) for name, path in modules.items())
+
+
+def _graph() -> dict[str, set[str]]:
+    """Each module's imports of towerflow modules (a fresh copy: a test may change it)."""
+    return {name: set(targets) for name, targets in _read_graph()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -79,15 +93,15 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
 def test_the_reader_finds_the_imports_it_should():
     graph = _graph()
     assert "trainer.cli" in graph["trainer.__main__"]
-    assert {"strategies.errors", "trainer.storage"} <= graph["trainer.lock"]
-    assert "strategies.membership" in graph["strategies.multi_worker"]
+    assert {"towerflow.errors", "towerflow.storage"} <= graph["trainer.loop.lock"]
+    assert "strategies.cluster.membership" in graph["strategies.multi_worker"]
 
 
 def test_the_old_cycle_through_the_command_line_would_be_found():
     graph = _graph()
-    graph["trainer.lock"] = graph["trainer.lock"] | {"trainer.cli"}  # as `cli.one_line` was
+    graph["trainer.loop.lock"] = graph["trainer.loop.lock"] | {"trainer.cli"}  # as `one_line` was
     cycle = _cycle(graph)
-    assert cycle[0] == cycle[-1] and {"trainer.cli", "trainer.lock"} <= set(cycle)
+    assert cycle[0] == cycle[-1] and {"trainer.cli", "trainer.loop.lock"} <= set(cycle)
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -99,14 +113,118 @@ def test_no_module_imports_itself_back():
     assert _cycle(_graph()) == []
 
 
-def test_strategies_never_import_the_trainer():
-    upward = {
-        name: sorted(t for t in targets if t.startswith("trainer"))
+# Bottom to top; a module belongs to the layer of its longest prefix here.
+LAYERS = (
+    ("towerflow", "configs"),  # the shared core (errors, Registry, files, processes); configs
+    ("strategies",),  # distribution: the plugins, their interface, the cluster
+    ("trainer.layers", "trainer.data"),  # the model's layers and the input
+    ("trainer.loop",),  # the loop: the job, controller, actions, step, checkpoints
+    ("trainer",),  # the commands: __main__, cli, launch, sweep, bench, data_service, check
+)
+COMMANDS = {"__init__", "__main__", "cli", "launch", "data_service", "check"}
+FOLDERS = {"assets", "bench", "data", "layers", "loop", "sweep"}
+
+
+def _layer(name: str) -> int:
+    found = [
+        (len(prefix), i)
+        for i, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if name == prefix or name.startswith(f"{prefix}.")
+    ]
+    return max(found)[1]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a module from a layer above its own."""
+    return sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if _layer(target) > _layer(name)
+    )
+
+
+def test_no_layer_imports_one_above_it():
+    assert _upward(_graph()) == []
+
+
+def test_an_import_from_a_layer_above_would_be_found():
+    graph = _graph()
+    graph["trainer.data.base"] = graph["trainer.data.base"] | {"trainer.loop.calls"}
+    graph["towerflow.storage"] = graph["towerflow.storage"] | {"strategies"}
+    assert _upward(graph) == [
+        "towerflow.storage -> strategies",
+        "trainer.data.base -> trainer.loop.calls",
+    ]
+
+
+def test_the_layers_and_the_input_do_not_import_each_other():
+    def part(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    across = [
+        f"{name} -> {target}"
         for name, targets in _graph().items()
-        if name.startswith("strategies")
+        for target in targets
+        if {part(name), part(target)} == {"trainer.layers", "trainer.data"}
+    ]
+    assert across == []
+
+
+def test_configs_import_nothing_of_towerflow():
+    assert {name: t for name, t in _graph().items() if name.startswith("configs") and t} == {}
+
+
+def test_the_top_of_trainer_holds_the_commands_and_the_layers_folders():
+    top = ROOT / "trainer"
+    assert {p.stem for p in top.glob("*.py")} == COMMANDS
+    assert {p.name for p in top.iterdir() if p.is_dir() and p.name != "__pycache__"} == FOLDERS
+
+
+def test_every_package_is_in_the_wheel():
+    text = (ROOT / "pyproject.toml").read_text()  # no tomllib before Python 3.11
+    listed = re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text, re.M | re.S)[1])
+    packages = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert packages <= set(listed), "add them to pyproject.toml's `packages`"
+
+
+def _imported_when_it_loads(path: pathlib.Path) -> set[str]:
+    """The modules a file imports at its top level (not inside a function)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module)
+    return found
+
+
+def test_the_shared_core_does_not_import_tensorflow_when_it_loads():
+    heavy = {
+        f"{name}: {module}"
+        for name, path in _modules().items()
+        if name.startswith("towerflow")
+        for module in _imported_when_it_loads(path)
+        if module.split(".")[0] in ("tensorflow", "keras")
     }
-    assert {name: up for name, up in upward.items() if up} == {}
+    assert heavy == set()
+    assert "tensorflow" in _imported_when_it_loads(ROOT / "trainer" / "loop" / "train.py")
 
 
 def test_the_errors_module_imports_nothing_of_towerflow():
-    assert _graph()["strategies.errors"] == set()
+    assert _graph()["towerflow.errors"] == set()
+
+
+def test_the_public_names_are_at_the_top_of_trainer():
+    import trainer
+    from trainer.loop import actions, tasks, train
+
+    assert (trainer.Task, trainer.Action, trainer.StopTraining) == (
+        tasks.Task,
+        actions.Action,
+        actions.StopTraining,
+    )
+    assert trainer.train_and_evaluate is train.train_and_evaluate
+    with pytest.raises(AttributeError, match="no attribute 'Tsak'"):
+        trainer.Tsak  # noqa: B018

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from strategies import cluster
-from strategies.errors import UserError
+from strategies.cluster import tf_config as cluster
+from towerflow.errors import UserError
 from trainer import launch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

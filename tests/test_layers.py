@@ -7,11 +7,11 @@ import tensorflow as tf
 
 import strategies
 from strategies import sharding
-from strategies.errors import UserError
 from tests.test_models import tiny_ctr_config
-from trainer import train
-from trainer.export import export
+from towerflow.errors import UserError
 from trainer.layers import Dropout, ShardedDense, ShardedEmbedding
+from trainer.loop import train
+from trainer.loop.export import export
 
 VOCAB, WIDTH = 10, 4
 IDS = tf.constant([[0.0, 3.0, 9.0], [4.0, 4.0, 7.0]])  # float ids, as the data pipeline gives them

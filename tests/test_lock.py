@@ -12,9 +12,10 @@ import uuid
 import pytest
 import tensorflow as tf
 
-from strategies.errors import UserError
 from tests.helpers import REPO, tiny_config
-from trainer import lock, storage, train
+from towerflow import storage
+from towerflow.errors import UserError
+from trainer.loop import lock, train
 
 HOLD = "import sys; from trainer import lock; lock.take(sys.argv[1]); print('held', flush=True); "
 

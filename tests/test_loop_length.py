@@ -2,10 +2,10 @@
 
 import pytest
 
-from strategies.errors import UserError
 from tests.helpers import tiny_config
-from trainer import checks, train
-from trainer.loop_length import AUTO_LOOP_S, LoopLength
+from towerflow.errors import UserError
+from trainer.loop import checks, train
+from trainer.loop.loop_length import AUTO_LOOP_S, LoopLength
 
 
 def test_fixed_length_never_changes():

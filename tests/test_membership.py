@@ -1,4 +1,4 @@
-"""Cluster membership (`strategies.membership`): roles, the chief, lost tasks, agreement."""
+"""Cluster membership (`strategies.cluster.membership`): roles, the chief, lost tasks, agreement."""
 
 import doctest
 import socket
@@ -6,9 +6,10 @@ import socket
 import pytest
 
 import strategies
-from strategies import cluster, membership, preemption
-from strategies.errors import UserError
-from strategies.membership import Membership
+from strategies.cluster import membership, preemption
+from strategies.cluster import tf_config as cluster
+from strategies.cluster.membership import Membership
+from towerflow.errors import UserError
 
 PS_JOBS = {"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4"], "evaluator": ["h:5"]}
 WORKERS = {"worker": ["h:1", "h:2"]}

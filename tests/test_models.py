@@ -6,9 +6,9 @@ import pytest
 import tensorflow as tf
 
 import configs.ctr
-from strategies.errors import UserError
 from tests.helpers import tiny_config
-from trainer import models, steps, train
+from towerflow.errors import UserError
+from trainer.loop import models, steps, train
 
 
 def _image_config(**overrides):

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from strategies import cluster
+from strategies.cluster import tf_config as cluster
 from tests.helpers import (
     TIMEOUT_S,
     checkpoint_values,

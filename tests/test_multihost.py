@@ -20,10 +20,10 @@ import time
 
 import pytest
 
-from strategies import cluster
+from strategies.cluster import tf_config as cluster
 from tests.helpers import TIMEOUT_S
-from trainer import faults
 from trainer.bench import hosts as hosts_lib
+from trainer.loop import faults
 
 TINY = [
     "--config.train.steps_per_loop=10",

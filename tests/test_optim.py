@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import strategies
-from trainer import optim
 from trainer.layers import ShardedEmbedding
+from trainer.loop import optim
 
 STEPS = 5
 

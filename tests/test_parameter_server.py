@@ -15,10 +15,10 @@ import tensorflow as tf
 import configs.ctr
 import configs.default
 import strategies
-from strategies import cluster
-from strategies.errors import UserError
+from strategies.cluster import tf_config as cluster
 from tests.helpers import launch_and_signal, launched, run_cli, start_cli
 from tests.test_ps_sync import _histograms, _scalars
+from towerflow.errors import UserError
 from trainer import data
 from trainer.layers import ShardedEmbedding
 

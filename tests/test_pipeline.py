@@ -15,7 +15,7 @@ import configs.default
 import strategies
 from strategies.base import variable_devices
 from tests import helpers
-from trainer import train
+from trainer.loop import train
 
 DEEP = (32, 32, 32)  # flatten + 4 dense layers: room for 4 stages
 

@@ -1,6 +1,9 @@
-"""Checkpoints restore under any split of tables and sharded layers (`trainer.portable`)."""
+"""Checkpoints restore under any split of tables and sharded layers (`trainer.loop.portable`)."""
 
+import glob
 import json
+import os
+import re
 import types
 
 import keras
@@ -10,12 +13,12 @@ import tensorflow as tf
 
 import configs.ctr
 from strategies import sharding
-from strategies.errors import UserError
-from tests.helpers import config_flags, launched, train_on_cluster
-from tests.test_dynamic_embedding import SMALL_CTR
-from trainer import optim, tables, train
-from trainer.checkpoints import Checkpointer
-from trainer.layers import DynamicEmbedding, ShardedDense, ShardedEmbedding
+from tests.helpers import config_flags, launched, one_line_error, train_on_cluster
+from tests.test_dynamic_embedding import SMALL_CTR, state_of
+from towerflow.errors import UserError
+from trainer.layers import DynamicEmbedding, ShardedDense, ShardedEmbedding, tables
+from trainer.loop import optim, train
+from trainer.loop.checkpoints import Checkpointer
 
 WIDTH, CAPACITY = 3, 48
 
@@ -49,11 +52,19 @@ def _batches(steps: int, seed: int) -> list[tf.Tensor]:
     return [tf.constant(draw.choice(POOL, size=(4, 3)), tf.int64) for _ in range(steps)]
 
 
-def _dynamic_model(parts: int, capacity: int = CAPACITY, units: int = 1) -> keras.Model:
+def _dynamic_model(
+    parts: int, capacity: int = CAPACITY, units: int = 1, ttl_steps: int = 0
+) -> keras.Model:
     with sharding.policy("none", num_ps=parts):  # a part per ps task, here on this host
         inputs = keras.Input((3,), dtype="int64")
         table = DynamicEmbedding(
-            WIDTH, combiner="sum", min_count=2, capacity=capacity, seed=1, name="embedding"
+            WIDTH,
+            combiner="sum",
+            min_count=2,
+            capacity=capacity,
+            ttl_steps=ttl_steps,
+            seed=1,
+            name="embedding",
         )
         init = keras.initializers.GlorotUniform(seed=2)
         dense = keras.layers.Dense(units, kernel_initializer=init, name="dense")
@@ -152,6 +163,87 @@ def test_a_part_over_its_share_of_capacity_evicts_the_least_recently_seen_ids(tm
     assert got["counters"][evicted] == want["counters"][evicted] + 1
 
 
+# Incremental checkpoints (`trainer.loop.deltas`): full ones, and deltas of the rows changed since.
+
+
+def _deltas_checkpointer(model_dir, model, optimizer, full_every: int = 4) -> Checkpointer:
+    job = types.SimpleNamespace(model=model, optimizer=optimizer)
+    return Checkpointer(str(model_dir), True, 2, full_every=full_every, **train.checkpointed(job))
+
+
+def test_deltas_between_full_checkpoints_restore_bit_identical_in_any_split(tmp_path):
+    # 2 parts of 5 rows for 24 ids, a TTL of 3 steps: evictions, sweeps and reused slots.
+    options = {"capacity": 10, "ttl_steps": 3}
+    model = _dynamic_model(2, **options)
+    optimizer = _adam(model)
+    checkpointer = _deltas_checkpointer(tmp_path, model, optimizer)
+    assert checkpointer.incremental
+    live = {}
+    for step, batch in enumerate(_batches(9, seed=3), start=1):
+        _train(model, optimizer, [batch])
+        checkpointer.save(step)
+        live[step] = state_of(model, optimizer), _logical(model, optimizer)
+    state_file = (tmp_path / "checkpoints" / "checkpoint").read_text()
+    # Full at the first save and at 4 and 8; ckpt-8 and its delta 9 kept (`max_to_keep` 2).
+    assert re.findall(r'all_model_checkpoint_paths: "(\S+)"', state_file) == ["ckpt-8", "ckpt-9"]
+    evicted = tables.COUNTERS.index("evicted")
+    assert live[9][1]["counters"][evicted] > 0, "ids evicted on the way"
+
+    for parts in (2, 1):  # as written, and re-split: the delta replayed over the twins
+        again = _dynamic_model(parts, **options)
+        again_optimizer = _adam(again)
+        restorer = _deltas_checkpointer(tmp_path, again, again_optimizer)
+        assert restorer.restore().endswith("ckpt-9")
+        if parts == 2:
+            _assert_same(state_of(again, again_optimizer), live[9][0])
+        else:
+            assert restorer.resplit == "restored ckpt-9 written with embedding in 2 parts into 1"
+            _assert_same(_logical(again, again_optimizer), live[9][1])
+
+
+def test_a_delta_holds_the_rows_of_ids_the_ttl_freed_after_the_full_checkpoint(tmp_path):
+    a, b = POOL[:3], POOL[3:6]
+    both, only_b = tf.constant([a, b, a, b]), tf.constant([b, b])
+    model = _dynamic_model(1, ttl_steps=3)
+    optimizer = _adam(model)
+    checkpointer = _deltas_checkpointer(tmp_path, model, optimizer, full_every=100)
+    for step, batch in enumerate([both] * 6 + [only_b] * 3, start=1):
+        _train(model, optimizer, [batch])  # a's rows change until step 6, then are freed
+        checkpointer.save(step)  # full at 1, then deltas of it
+    assert sorted(_logical(model, optimizer)["keys"]) == sorted(b)
+    again = _dynamic_model(1, ttl_steps=3)
+    again_optimizer = _adam(again)
+    assert _deltas_checkpointer(tmp_path, again, again_optimizer).restore().endswith("ckpt-9")
+    _assert_same(state_of(again, again_optimizer), state_of(model, optimizer))
+
+
+def test_a_full_checkpoint_is_kept_while_a_kept_delta_needs_it_and_missing_is_one_line(tmp_path):
+    model = _dynamic_model(2)
+    optimizer = _adam(model)
+    checkpointer = _deltas_checkpointer(tmp_path, model, optimizer, full_every=100)
+    for step, batch in enumerate(_batches(4, seed=4), start=1):
+        _train(model, optimizer, [batch])
+        checkpointer.save(step)
+    # Deltas 3 and 4 kept (`max_to_keep` 2), and the full checkpoint 1 they build on.
+    listed = (tmp_path / "checkpoints" / "checkpoint").read_text()
+    assert re.findall(r'all_model_checkpoint_paths: "(\S+)"', listed) == [
+        "ckpt-1",
+        "ckpt-3",
+        "ckpt-4",
+    ]
+    assert not glob.glob(str(tmp_path / "checkpoints" / "ckpt-2.*"))
+    reader = tf.train.load_checkpoint(str(tmp_path / "checkpoints" / "ckpt-4"))
+    rows = reader.get_tensor("delta/.ATTRIBUTES/part0_0")  # part 0's changed rows, and spare
+    assert 1 < len(rows) < CAPACITY // 2 + 1
+    for name in glob.glob(str(tmp_path / "checkpoints" / "ckpt-1.*")):
+        os.remove(name)
+    again = _dynamic_model(2)
+    one_line_error(
+        r"checkpoint \S+ckpt-4 is a delta of the full checkpoint \S+ckpt-1, which is missing; put",
+        _deltas_checkpointer(tmp_path, again, _adam(again)).restore,
+    )
+
+
 # ShardedEmbedding and ShardedDense: the whole table and kernel, and their slots.
 
 VOCAB = 10
@@ -236,7 +328,9 @@ def test_a_table_split_otherwise_and_another_difference_is_refused(tmp_path, oth
 # A parameter-server cluster's checkpoint, under one_device and on fewer ps tasks.
 
 # The small ctr job of the equivalence tests; op determinism is of no use to async workers.
+# Incremental checkpoints: the cluster's at steps 10 and 20 are deltas of step 0's.
 CTR = {k: v for k, v in SMALL_CTR.items() if k != "train.deterministic"}
+CTR["train.full_checkpoint_every"] = 100
 
 
 @pytest.mark.slow  # a cluster, then three runs
@@ -248,6 +342,8 @@ def test_a_table_trained_on_2_ps_evaluates_exports_on_one_device_and_resumes_on_
     flags = ["--config=configs/ctr.py", *config_flags(config, tuple(CTR))]
     on_cluster = train_on_cluster(tmp_path, "--strategy=parameter_server", *flags, ps=2)
     assert [p["ids_held"] > 0 for p in on_cluster["tables"]["embedding"]["parts"]] == [True] * 2
+    newest = tf.train.load_checkpoint(str(tmp_path / "model" / "checkpoints"))
+    assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0, "the ps tasks wrote deltas"
 
     config.strategy.name = "one_device"
     here = train.train_and_evaluate(config, str(tmp_path / "model"), mode="eval")

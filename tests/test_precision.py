@@ -5,9 +5,9 @@ import math
 import keras
 import pytest
 
-from strategies.errors import UserError
 from tests.helpers import tiny_config
-from trainer import train
+from towerflow.errors import UserError
+from trainer.loop import train
 
 FAST = {"optimizer.warmup_steps": 0, "optimizer.learning_rate": 1e-2, "train.steps": 40}
 

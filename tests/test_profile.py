@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from tests.helpers import TIMEOUT_S, kill, launched, one_line_error, start_cli, tiny_config
-from trainer import actions, train
+from trainer.loop import actions, train
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from strategies.parameter_server import AtomicBatchNormalization
 from tests.helpers import checkpoint_values, tiny_config, train_on_cluster
-from trainer import train
+from trainer.loop import train
 
 # Both near their plateau (about 0.97). The rate decays to zero, as in most real runs: under a
 # constant rate the moving statistics lag the still-moving weights, and asynchronous training
@@ -65,4 +65,23 @@ def test_no_update_is_lost_under_parameter_servers(tmp_path):
     # The model's variables are checkpointed as a list; its one scalar is the Dropout's step.
     (counter,) = [v for k, v in values.items() if k.startswith("variables/") and v.ndim == 0]
     assert int(counter) == STEPS
+    # The counting BatchNorm's moving mean goes from 0 towards the data's mean by 1% of the
+    # gap a step, whatever the weights, so it says how many updates counted (with updates
+    # lost it ended 12-17% low).
+    counted = _counting_mean(values)
+    np.testing.assert_allclose(
+        counted, _counting_mean(checkpoint_values(tmp_path / "one")), rtol=0.02
+    )
     assert abs(ps["eval"]["accuracy"] - one["eval"]["accuracy"]) <= 0.05, (ps, one["eval"])
+
+
+def _counting_mean(values: dict) -> np.ndarray:
+    """The moving mean of `bn_dropout`'s counting BatchNorm, in a checkpoint's `values`."""
+    # Its four variables are the model's only ones of shape (1,): gamma, beta, mean, variance.
+    ones = sorted(
+        (int(k.split("/")[1]), v)
+        for k, v in values.items()
+        if k.startswith("variables/") and v.shape == (1,)
+    )
+    assert len(ones) == 4, ones
+    return ones[2][1]

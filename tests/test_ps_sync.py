@@ -16,11 +16,13 @@ import tensorflow as tf
 
 import configs.default
 import strategies
-from strategies import cluster, ps_staleness, ps_sync
-from strategies.errors import UserError
+from strategies.cluster import tf_config as cluster
+from strategies.parameter_server import staleness as ps_staleness
+from strategies.parameter_server import sync as ps_sync
 from tests.helpers import launch_and_signal, launched, one_line_error, run_cli, tiny_config
-from trainer import train
+from towerflow.errors import UserError
 from trainer.bench import straggling
+from trainer.loop import train
 
 CLUSTER_TIMEOUT_S = 300
 BATCH = 16  # examples per worker and step

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import tiny_config, train_on_cluster
-from trainer import export, steps, train
+from trainer.loop import export, steps, train
 
 TRAIN_EXAMPLES, EVAL_EXAMPLES, TAGS = 192, 50, 20
 LABEL_TAG = TAGS - 1  # the first tag of every odd example, never any other

@@ -8,11 +8,12 @@ import tensorflow as tf
 
 import configs.ctr
 from examples import recsys
-from strategies.errors import UserError
 from tests import helpers
 from tests.test_models import tiny_ctr_config
-from trainer import data, train
+from towerflow.errors import UserError
+from trainer import data
 from trainer.data import ctr
+from trainer.loop import train
 
 RAW = {"id_space": "raw", "zipf_a": 1.2, "ids_per_field": 1_000_000}
 

@@ -35,14 +35,30 @@ def _kill_after(progress_lines: int, delay_s: float, args: list[str], cwd) -> No
         proc.wait(timeout=60)
 
 
+# The ctr job with a dynamic table and incremental checkpoints: full every 20 steps, deltas
+# between, so most restarts restore a delta over its full checkpoint.
+DELTAS = (
+    "--config=configs/ctr.py",
+    "--config.model.embedding=dynamic",
+    "--config.model.min_count=2",
+    "--config.data.ctr.num_examples=2000",
+    "--config.data.ctr.ids_per_field=100",
+    "--config.data.ctr.vocab_size=1000",
+    "--config.train.full_checkpoint_every=20",
+)
+
+
 # In the slow tier (a SIGKILL soak): the default tier resumes exactly in its data-service,
 # dynamic-table and command-line tests.
 @pytest.mark.parametrize(
-    "strategy",
-    [pytest.param(s, marks=pytest.mark.slow) for s in ("one_device", "mirrored")],
+    "strategy, extra",
+    [
+        pytest.param(s, extra, marks=pytest.mark.slow, id=f"{s}{'-deltas' if extra else ''}")
+        for s, extra in (("one_device", ()), ("mirrored", ()), ("mirrored", DELTAS))
+    ],
 )
-def test_sigkill_anywhere_then_restart_ends_with_the_same_weights(strategy, tmp_path):
-    args = [f"--strategy={strategy}", *ARGS]
+def test_sigkill_anywhere_then_restart_ends_with_the_same_weights(strategy, extra, tmp_path):
+    args = [f"--strategy={strategy}", *extra[:1], *ARGS, *extra[1:]]  # --config first
     straight = run_cli(*args, "--model_dir=straight", cwd=str(tmp_path))
     assert straight.returncode == 0, straight.stderr[-2000:]
     rng = random.Random(strategy)

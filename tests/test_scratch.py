@@ -7,9 +7,9 @@ import tempfile
 import pytest
 import tensorflow as tf
 
-from strategies import scratch
+from strategies.cluster import scratch
 from tests.helpers import launch_and_signal, launched
-from trainer.checkpoints import Checkpointer
+from trainer.loop.checkpoints import Checkpointer
 
 
 @pytest.fixture

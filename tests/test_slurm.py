@@ -26,11 +26,12 @@ import sys
 import pytest
 import tensorflow as tf
 
-from strategies import cluster, slurm
-from strategies.errors import UserError
+from strategies.cluster import slurm
+from strategies.cluster import tf_config as cluster
 from tests import slurm_cluster
 from tests.helpers import REPO, TIMEOUT_S, one_line_error
-from trainer.processes import pick_ports
+from towerflow.errors import UserError
+from towerflow.processes import pick_ports
 
 PORT = 2222
 # hostlist -> the hosts `scontrol show hostnames` prints for it (checked below where it exists).

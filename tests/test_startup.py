@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from strategies import cluster
-from strategies.errors import TaskLost, UserError
+from strategies.cluster import tf_config as cluster
 from tests.helpers import TIMEOUT_S, kill, launched, start_task, tiny_config
-from trainer import train
+from towerflow.errors import TaskLost, UserError
 from trainer.launch import pick_ports
+from trainer.loop import train
 
 
 def _spec(addresses: list[str], index: int) -> cluster.ClusterSpec:

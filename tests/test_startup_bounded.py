@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from strategies import cluster
-from strategies.errors import UserError
+from strategies.cluster import tf_config as cluster
 from tests.helpers import kill, start_task
+from towerflow.errors import UserError
 from trainer.launch import pick_ports
 
 BOUND_S = 90  # far above each case's own bound: TensorFlow's import on a loaded machine

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import tiny_config
-from trainer import steps, train
+from trainer.loop import steps, train
 
 
 def _weights(tmp_path, strategy: str, jit_compile: bool, dropout: float = 0.0) -> list[np.ndarray]:

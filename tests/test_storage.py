@@ -28,8 +28,12 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import REPO, one_line_error, tiny_config
-from trainer import checks, processes, storage, sweep, sweep_plan, sweep_results, train
-from trainer.export import export
+from towerflow import processes, storage
+from trainer.loop import checks, train
+from trainer.loop.export import export
+from trainer.sweep import __main__ as sweep
+from trainer.sweep import plan as sweep_plan
+from trainer.sweep import results as sweep_results
 
 # Python's audit events for calls that open, create, move or delete local files.
 _FILE_EVENTS = {
@@ -46,7 +50,9 @@ _FILE_EVENTS = {
     "shutil.copyfile",
     "shutil.move",
 }
-_OURS = tuple(os.path.join(REPO, package) + os.sep for package in ("trainer", "strategies"))
+_OURS = tuple(
+    os.path.join(REPO, package) + os.sep for package in ("towerflow", "trainer", "strategies")
+)
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _recorded: list[tuple[str, tuple, str]] | None = None  # set while `_local_file_calls` runs
 

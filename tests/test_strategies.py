@@ -10,8 +10,9 @@ import pytest
 import tensorflow as tf
 
 import strategies
-from strategies import cluster, registry
+from strategies import registry
 from strategies.base import variable_devices
+from strategies.cluster import tf_config as cluster
 from tests.conftest import LOGICAL_CPUS
 
 GLOBAL_BATCH = 8

@@ -16,10 +16,10 @@ import time
 import pytest
 import tensorflow as tf
 
-from strategies.errors import UserError
 from tests.helpers import REPO, TIMEOUT_S, one_line_error, run_cli, start_cli
 from tests.test_hparams import dashboard
-from trainer import sweep_plan
+from towerflow.errors import UserError
+from trainer.sweep import plan as sweep_plan
 
 CONFIG = os.path.join(REPO, "configs", "default.py")
 TINY = [

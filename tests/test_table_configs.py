@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from strategies.errors import UserError
 from tests.helpers import REPO, tiny_config
-from trainer import tables, train
-from trainer.layers import DynamicEmbeddings, FeatureConfig, TableConfig
-from trainer.tasks import Task
+from towerflow.errors import UserError
+from trainer.layers import DynamicEmbeddings, FeatureConfig, TableConfig, tables
+from trainer.loop import train
+from trainer.loop.tasks import Task
 
 USERS = TableConfig("users", embedding_dim=4, seed=7)
 OTHER_USERS = TableConfig("users", vocabulary_size=9, embedding_dim=4)  # the same name

@@ -1,9 +1,9 @@
-"""Dynamic tables (`trainer.tables`): initial rows, admission, eviction, without a model."""
+"""Dynamic tables (`trainer.layers.tables`): initial rows, admission, eviction, without a model."""
 
 import numpy as np
 import tensorflow as tf
 
-from trainer import tables
+from trainer.layers import tables
 
 EXTREMES = [0, 1, -1, 2**63 - 1, -(2**63), 123456789012345]
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer import tasks
+from trainer.loop import tasks
 
 
 def test_auc_matches_the_pairwise_definition():

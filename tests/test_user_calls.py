@@ -1,6 +1,6 @@
 """The user's functions are called by the names of their parameters, in any order.
 
-`trainer.calls.adapt` directly, then a `dataset_fn` with its parameters
+`towerflow.calls.adapt` directly, then a `dataset_fn` with its parameters
 reordered and a model builder with its own reordered, trained in-process under
 `mirrored`; a signature that fits neither way is one line showing the one
 towerflow needs, and an error inside the user's function keeps its traceback.
@@ -11,7 +11,9 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import one_line_error, tiny_config
-from trainer import actions, calls, data, train
+from towerflow import calls
+from trainer import data
+from trainer.loop import actions, train
 
 SIGNATURE = calls.Signature("dataset_fn", ("input_context", "split", "global_batch_size"))
 

@@ -4,9 +4,9 @@ import traceback
 
 import pytest
 
-from strategies.errors import UserError
 from tests import helpers
-from trainer import train
+from towerflow.errors import UserError
+from trainer.loop import train
 
 
 def broken_builder(spec, config):

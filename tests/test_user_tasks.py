@@ -6,9 +6,9 @@ import traceback
 import numpy as np
 import pytest
 
-from strategies.errors import UserError
 from tests import helpers
-from trainer import train
+from towerflow.errors import UserError
+from trainer.loop import train
 
 
 def _config(task: str, strategy: str = "one_device", **overrides):

@@ -3,8 +3,8 @@
 import itertools
 import threading
 
-from strategies import errors
-from trainer import faults
+from towerflow import errors
+from trainer.loop import faults
 
 
 def test_a_task_silent_for_the_bound_makes_the_watchdog_give_up():

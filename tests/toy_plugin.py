@@ -2,9 +2,9 @@
 
 import tensorflow as tf
 
-from strategies import cluster
 from strategies.base import Strategy
-from strategies.membership import Membership
+from strategies.cluster import tf_config as cluster
+from strategies.cluster.membership import Membership
 
 
 class Toy(Strategy):

@@ -1,6 +1,6 @@
 """A user's own loop actions, named in `train.actions` by the tests."""
 
-from trainer import actions
+from trainer.loop import actions
 
 SEEN: list[tuple[int, dict]] = []
 

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer.tasks import Task
+from trainer.loop.tasks import Task
 
 _RNG = np.random.RandomState(0)
 FEATURES = {

@@ -1,5 +1,10 @@
 """towerflow's trainer: the loop, data, models and the `towerflow` / `python -m trainer` command.
 
+The commands sit at the top of the package (`__main__`, `cli`, `launch`,
+`sweep`, `bench`, `data_service`, `check`); below them the loop
+(`trainer.loop`), and below the loop the model's layers (`trainer.layers`)
+and the input (`trainer.data`).
+
 From Python, the same job the command runs::
 
     import trainer
@@ -9,16 +14,27 @@ From Python, the same job the command runs::
     results = trainer.train_and_evaluate(config, "runs/x")
 
 A user's own config file starts from the default the same way (see
-`examples/`). Importing this package does not import TensorFlow; the
-names below load what they need on first use.
+`examples/`). A user's own task subclasses `trainer.Task`; a user's own
+loop action is a `trainer.Action` (and may raise `trainer.StopTraining`).
+Importing this package does not import TensorFlow; the names below load
+what they need on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import pathlib
 
-__all__ = ["default_config", "train_and_evaluate"]
+__all__ = ["Action", "StopTraining", "Task", "default_config", "train_and_evaluate"]
+
+# The public names defined in the loop's modules, loaded on first use.
+_LAZY = {
+    "train_and_evaluate": "trainer.loop.train",
+    "Task": "trainer.loop.tasks",
+    "Action": "trainer.loop.actions",
+    "StopTraining": "trainer.loop.actions",
+}
 
 
 def default_config():
@@ -34,8 +50,6 @@ def default_config():
 
 
 def __getattr__(name: str):
-    if name == "train_and_evaluate":
-        from trainer.train import train_and_evaluate
-
-        return train_and_evaluate
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

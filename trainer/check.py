@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
     """Parses the trainer's flags, trains under each strategy, prints, exits 0, 1 or 2."""
     from absl import logging
 
-    from strategies.errors import UserError, one_line
+    from towerflow.errors import UserError, one_line
 
     logging.set_verbosity(logging.WARNING)  # the runs' progress lines, not TensorFlow's INFO
     try:
@@ -123,7 +123,7 @@ def trainer_config(args: Sequence[str]):
 def check_strategies(names: Sequence[str]) -> list[str]:
     """The `--strategies` list, checked: at least two, known, each runnable in one process."""
     import strategies
-    from strategies.errors import UserError
+    from towerflow.errors import UserError
 
     names = [name.strip() for name in names if name.strip()]
     if len(names) < 2:
@@ -166,7 +166,7 @@ def train_once(config, strategy: str, steps: int, model_dir: str) -> Run:
     import keras
     import numpy as np
 
-    from trainer import train
+    from trainer.loop import train
 
     config = config.copy_and_resolve_references()
     config.strategy.name = strategy

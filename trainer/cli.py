@@ -65,7 +65,7 @@ def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -
       argv: the arguments that will be parsed (ml_collections finds the
         `--config.a.b` overrides there); None reads `sys.argv` when parsing.
     """
-    from strategies import discovery  # after `own_packages_first`: towerflow's own
+    from strategies.cluster import discovery  # after `own_packages_first`: towerflow's own
 
     defined = Flags(
         values=flag_values,
@@ -151,7 +151,7 @@ def main(defined: Flags, argv: list[str]) -> None:
         for name, description in strategies.available().items():
             print(f"{name:<16} {description}")
         return
-    from trainer.train import train_and_evaluate
+    from trainer.loop.train import train_and_evaluate
 
     config = defined.config.value
     if defined.strategy.value:
@@ -167,7 +167,7 @@ def main(defined: Flags, argv: list[str]) -> None:
 
 def set_cluster_source(config: ml_collections.ConfigDict, source: str) -> None:
     """`--cluster`: sets `cluster.source`, adding the section to a config file that has none."""
-    from strategies import discovery
+    from strategies.cluster import discovery
 
     if "cluster" not in config:
         with config.unlocked():
@@ -206,7 +206,7 @@ def parse_own_flags(argv: list[str]) -> list[str]:
     A mistake is one line and exit status 2; an unknown flag is most likely a
     trainer flag put before the `--`.
     """
-    from strategies import errors  # after `own_packages_first`, as everywhere here
+    from towerflow import errors  # after `own_packages_first`, as everywhere here
 
     try:
         return flags.FLAGS(argv)
@@ -219,7 +219,7 @@ def parse_own_flags(argv: list[str]) -> list[str]:
 def fail(message: str) -> None:
     """Prints one line for a user mistake and exits with status 2."""
     # Imported here: this module must not import `strategies` before `own_packages_first`.
-    from strategies.errors import USER_ERROR_EXIT_CODE
+    from towerflow.errors import USER_ERROR_EXIT_CODE
 
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(USER_ERROR_EXIT_CODE)
@@ -271,10 +271,10 @@ def guarded(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
             from strategies import devices
 
             devices.physical()
-        from strategies import errors
-        from strategies.errors import UserError
-        from trainer import faults
-        from trainer.checkpoints import NoSpace
+        from towerflow import errors
+        from towerflow.errors import UserError
+        from trainer.loop import faults
+        from trainer.loop.checkpoints import NoSpace
 
         try:
             main(argv)

@@ -6,7 +6,7 @@
 Trainers started with `--config.data.service=grpc://host0:5050` then run their
 input pipelines on the workers (see `trainer.data.service`). Without flags, the
 role, the port, the dispatcher and a worker's host come from the cluster, found
-as the trainer finds its own (`--cluster`, `strategies.discovery`), with a
+as the trainer finds its own (`--cluster`, `strategies.cluster.discovery`), with a
 `dispatcher` job and a `data_worker` job (or `data-worker`: Kubernetes names
 cannot hold `_`):
 
@@ -17,7 +17,7 @@ cannot hold `_`):
 
 - `slurm`: a Slurm step (`srun -n3 python -m trainer.data_service --cluster=slurm`):
   rank 0 is the dispatcher, the others data workers, at the addresses the
-  trainer's Slurm tasks get (`strategies.slurm`: the node, and `--port` plus the
+  trainer's Slurm tasks get (`strategies.cluster.slurm`: the node, and `--port` plus the
   task's index on its node; default port 5050);
 - `jobset`: a JobSet pod (deploy/jobset-data-service.yaml): the replicated jobs
   `dispatcher` and `data-worker`, pod i at `<jobset>-<job>-0-<i>.<jobset>`, every
@@ -49,8 +49,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ chat
 
 from absl import app, flags  # noqa: E402
 
-from strategies import discovery, errors  # noqa: E402
-from strategies.errors import UserError  # noqa: E402
+from strategies.cluster import discovery  # noqa: E402
+from towerflow import errors  # noqa: E402
+from towerflow.errors import UserError  # noqa: E402
 from trainer import cli  # noqa: E402
 
 ROLES = ("dispatcher", "worker")
@@ -199,7 +200,7 @@ def discover(
         )
         jobs = {job: [f"{host}:{port}" for host in names] for job, names in hosts.items()}
     else:
-        from strategies import slurm  # only a Slurm task needs it
+        from strategies.cluster import slurm  # only a Slurm task needs it
 
         addresses, rank = slurm.step_addresses(environ, port)
         if len(addresses) < 2:

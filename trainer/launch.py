@@ -48,10 +48,9 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from strategies import cluster
-from strategies.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, one_line
-from trainer import cli
-from trainer.processes import (
+from strategies.cluster import tf_config as cluster
+from towerflow.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, one_line
+from towerflow.processes import (
     LOOPBACK,
     Console,
     Interrupt,
@@ -60,6 +59,7 @@ from trainer.processes import (
     start_process,
     terminate,
 )
+from trainer import cli
 
 GRACE_S = 15.0  # how long the other tasks may run on after the chief is done
 KILL_AFTER_S = 5.0  # how long a task may take to exit after SIGTERM before SIGKILL

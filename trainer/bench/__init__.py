@@ -7,7 +7,7 @@
 Contenders (`contenders.py`) train the same model on the same data, global
 batch and strategy:
 
-- `towerflow`: `trainer.train.run` as a user runs it (default config values,
+- `towerflow`: `trainer.loop.train.run` as a user runs it (default config values,
   including `train.steps_per_loop`), timed over whole loops by a clock action
   (`clock.py`) that notes when each block and its actions are done, so each
   loop's summaries, metrics and progress line count. Checkpoints and evals are

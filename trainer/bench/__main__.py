@@ -8,7 +8,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ star
 
 from absl import app, flags  # noqa: E402
 
-from strategies.errors import one_line  # noqa: E402
+from towerflow.errors import one_line  # noqa: E402
 from trainer import cli  # noqa: E402
 from trainer.bench import harness  # noqa: E402
 from trainer.bench.sizes import CASES  # noqa: E402

@@ -15,8 +15,8 @@ from trainer.bench.sizes import Sizes, make_config, parameters
 
 def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     """Seconds a save blocks training, synchronous and asynchronous, and a restore."""
-    from trainer import train
-    from trainer.checkpoints import Checkpointer
+    from trainer.loop import train
+    from trainer.loop.checkpoints import Checkpointer
 
     config = make_config(sizes, "one_device", sizes.ckpt_hidden, sizes.large_input, 64)
     job = train.build(config, os.path.join(workdir, "ckpt"))

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import ml_collections
 
-from strategies import cluster
-from trainer.controller import Action, Output
+from strategies.cluster import tf_config as cluster
+from trainer.loop.controller import Action, Output
 
 FILE_VARIABLE = "TOWERFLOW_BENCH_CLOCK"  # where `to_file`'s clock appends its marks
 

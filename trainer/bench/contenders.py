@@ -24,8 +24,11 @@ def towerflow(
     the timed ones, untimed: the end-of-run checkpoint comes after it. The
     trainer's printed lines go nowhere (stdout holds the benchmark's table).
     With a `service` (`trainer.data.service.Service`) the input runs on it.
+    `run.input_wait_ms` gets, for each repetition, the milliseconds a timed
+    step waited for its input (the trainer's `input_wait_ms`), where the
+    trainer measures it.
     """
-    from trainer import actions, train
+    from trainer.loop import actions, train
 
     job = train.build(config, model_dir, strategy, service)
     batch = config.train.global_batch_size
@@ -34,19 +37,31 @@ def towerflow(
         end = int(job.optimizer.iterations.numpy()) + steps
         job.total_steps = end + 1
         blocks = clock.Clock()
+        waits: list[tuple[int, float]] = []  # (steps, ms per step) of each block
         # A block ends at `end` whatever the loop length (blocks end where an action is due).
         timed_end = actions.Action(lambda output: None, every=end, name="end of timing")
+        waited = actions.Action(
+            lambda output: waits.append((output.steps, output.metrics.get("input_wait_ms", 0.0))),
+            name="input wait",
+        )
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            train.run(job, "train", extra_actions=[blocks.action(), timed_end])
+            train.run(job, "train", extra_actions=[blocks.action(), waited, timed_end])
+        if job.input_wait is not None:
+            # The blocks `rate` times: after the first, up to `end`.
+            timed = waits[1 : len([m for m in blocks.marks if m[0] <= end])]
+            run.input_wait_ms.append(
+                sum(n * ms for n, ms in timed) / max(1, sum(n for n, _ in timed))
+            )
         return clock.rate(blocks.marks, batch, until=end)
 
     run.self_warming = True
+    run.input_wait_ms = []
     return run
 
 
 def model_and_optimizer(config: ml_collections.ConfigDict, spec, strategy, fused: bool = True):
     """The model and optimizer towerflow builds; `fused=False` gives Keras's own optimizer."""
-    from trainer import models, optim, precision
+    from trainer.loop import models, optim, precision
 
     with strategy.scope(), precision.policy(config.train.precision):
         model = models.build(config.model, spec)

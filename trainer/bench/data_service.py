@@ -21,6 +21,9 @@ Four figures side by side:
    network namespace each), against the same servers on the trainer's own
    host; the trainer pinned to one core, the servers to the other, in both.
    Needs root; elsewhere the case says why, no figures.
+
+`step_ms` says where the step time of each contender of 1. and 2. goes: the
+milliseconds a step waited for its input, out of the whole step.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
                 )
         note(f"  trainer on core {cores[0]}, data worker on core {cores[1:2] or 'the same'}")
         samples = alternate(runs, reps)
+    step_time = _step_time(runs, samples, jobs["compute"].train.global_batch_size)
     ratios = {
         f"{job}/service_over_trainer": paired(
             samples, lambda r, j=job: r[f"{j}/service"] / r[f"{j}/trainer"]
@@ -144,8 +148,30 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             "sweep/shared_over_own": 0.5,
         },
         cores={"trainer": cores[:1], "data_worker": cores[1:2] or cores[:1]},
+        step_ms=step_time,
         notes=notes,
     )
+
+
+def _step_time(runs: dict, samples: dict, batch: int) -> dict[str, dict[str, float]]:
+    """Where each contender's step goes: milliseconds waiting for input, and the rest (medians).
+
+    The rest is the step's own work plus, with the input in the trainer, the
+    input pipeline's work on the same core. The wait is taken where batches are
+    read, which may be the prefetch running beside the step: when the input is
+    the bottleneck it is about the whole step.
+    """
+    split = {}
+    for name, run in runs.items():
+        waits = sorted(run.input_wait_ms)
+        rates = sorted(samples.get(name, []))
+        if not waits or not rates:
+            continue
+        step = 1000 * batch / rates[len(rates) // 2]
+        wait = waits[len(waits) // 2]
+        split[name] = {"step": round(step, 3), "input_wait": round(wait, 3)}
+        note(f"  {name}: {step:.3g} ms a step, {wait:.3g} ms of it waiting for input")
+    return split
 
 
 def _sweep_input_cpu_s(sizes: Sizes, shared: bool, stem: str) -> float:

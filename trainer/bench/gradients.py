@@ -32,10 +32,10 @@ import os
 import statistics
 import sys
 
+from towerflow.processes import pick_ports
 from trainer.bench import allreduce, clock
 from trainer.bench.harness import child, note, paired, result, tail
 from trainer.bench.sizes import Sizes
-from trainer.processes import pick_ports
 
 RUN_TIMEOUT_S = 900  # one run; a loaded machine is slow, not stuck
 

@@ -44,7 +44,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 
-from strategies import cluster
+from strategies.cluster import tf_config as cluster
 
 PREFIX = "towerflow-"  # every namespace this module makes starts with it: "towerflow-<pid>-..."
 SUBNET = "10.77.0"  # hosts are SUBNET.1, SUBNET.2, ...: addresses that exist only in here

@@ -96,8 +96,8 @@ def input_wait(config: ml_collections.ConfigDict, strategy, dataset, steps: int)
     """
     import tensorflow as tf
 
-    from trainer import steps as steps_lib
-    from trainer import tasks
+    from trainer.loop import steps as steps_lib
+    from trainer.loop import tasks
 
     model, optimizer = contenders.model_and_optimizer(config, dataset.spec, strategy)
     batch = config.train.global_batch_size

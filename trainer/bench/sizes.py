@@ -65,6 +65,11 @@ class Sizes:
     table_mirrored_steps: int = 100  # timed steps of each mirrored run, sparse and dense
     table_steps: int = 600  # steps of each quality run (the ctr job's own)
     table_ids: int = 10_000_000  # distinct ids of the scale run, over 2 ps tasks
+    # Full against incremental checkpoints: one run of this many steps, saving every
+    # `checkpoint_intervals` steps, into a dynamic table of `incremental_rows` rows.
+    incremental_steps: int = 400
+    checkpoint_intervals: tuple[int, ...] = (10, 100)
+    incremental_rows: int = 100_000
 
 
 FULL = Sizes()
@@ -103,6 +108,9 @@ QUICK = Sizes(
     table_mirrored_steps=10,
     table_steps=20,
     table_ids=10_000,
+    incremental_steps=30,
+    checkpoint_intervals=(5, 10),
+    incremental_rows=5_000,
 )
 
 
@@ -169,6 +177,7 @@ def case_strategy(case: str) -> str:
 
 def parameters(config: ml_collections.ConfigDict) -> int:
     """The parameter count of the model `config` builds."""
-    from trainer import data, models
+    from trainer import data
+    from trainer.loop import models
 
     return models.build(config.model, data.get(config.data).spec).count_params()

@@ -8,7 +8,7 @@ Figures, measured side by side in one run:
    from the chief's clock marks; the ratio dynamic/hashed (target <= 1.3).
 2. `mirrored` on 4 logical CPUs (`UPDATE_CPUS`, in a child process:
    `python -m trainer.bench.tables updates`): the ctr job with sparse updates
-   (the optimizers of `trainer.optim`) against dense ones
+   (the optimizers of `trainer.loop.optim`) against dense ones
    (`optimizer.sparse_updates=False`: the table's gradient made dense, every
    row of every replica's copy updated); the speedup (target >= 5), and beside
    it the same under `one_device`.
@@ -22,13 +22,22 @@ Figures, measured side by side in one run:
    bytes held per id, by the process's RSS growth and by the table's own
    figures (`describe()`), against `(dim + slots) x 4`; lookups per second
    per ps task.
-5. Incremental against full checkpoints: not built; reported in `failed`.
+5. Incremental against full checkpoints (`train.full_checkpoint_every`,
+   `trainer.loop.deltas`): the ctr job with a dynamic table of
+   `Sizes.incremental_rows` rows on the drifting long tail (`DRIFTING`), one
+   `one_device` run; every I steps (each of `Sizes.checkpoint_intervals`) a
+   full checkpoint and, at the same step, one of a `Checkpointer` with
+   `full_every=2I` (full every 2I steps, a delta I steps later), each
+   written synchronously and timed alone. At the deltas' steps: bytes on
+   disk and seconds per save of each, their ratios, and the share of the
+   rows held that the delta holds (touched in the I steps).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -55,10 +64,6 @@ UPDATE_STRATEGIES = ("mirrored", "one_device")  # sparse against dense updates
 UPDATE_CPUS = 4  # logical CPUs (so `mirrored` replicas) of the sparse/dense comparison
 SPEEDUP = "mirrored sparse/dense speedup (target >= 5)"
 SCALE_DIM = 32  # the ctr table's width
-INCREMENTAL = (
-    "incremental checkpoints (`train.full_checkpoint_every`) are not built: every checkpoint "
-    "holds every table whole"
-)
 
 
 def run(sizes: Sizes, reps: int, workdir: str) -> dict:
@@ -85,6 +90,16 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     ratios["bytes per id (tables) / (dim + slots) x 4"] = (
         scale["bytes_per_id_tables"] / scale["floor"]
     )
+    saves = incremental(sizes, workdir)
+    samples.update(saves)
+    for interval in sizes.checkpoint_intervals:
+        for what in ("bytes", "save_s", "rows_touched_share"):
+            names = [f"{kind}_{what}_every{interval}" for kind in ("full", "incremental")]
+            figures.update(medians({n: saves[n] for n in names if n in saves}))
+        for what in ("bytes", "save_s"):
+            ratios[f"incremental/full {what} every {interval} steps"] = _ratio(
+                saves, f"incremental_{what}_every{interval}", f"full_{what}_every{interval}"
+            )
     return result(
         "s/step, examples/s, AUC, bytes, lookups/s",
         figures,
@@ -97,13 +112,15 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             "bytes per id / (dim + slots) x 4": "<= 1.5",
         },
         scale=scale,
-        failed={"incremental_vs_full_checkpoint": INCREMENTAL},
         notes=[
             "quality: the drifting long tail of raw ids (`DRIFTING`: Zipf 1.2 over 1M values "
             "a field, a new id every 1,000 examples, lists of up to 4) into 20,000 rows",
             "bytes_per_id_rss: the RSS growth of the process holding the 2 in-process ps "
             "servers; bytes_per_id_tables: `DynamicEmbedding.describe()` (variables' bytes "
-            "and the index's estimate, `trainer.tables.ENTRY_BYTES`)",
+            "and the index's estimate, `trainer.layers.tables.ENTRY_BYTES`)",
+            f"incremental: a table of {sizes.incremental_rows} rows (Adam) on the drifting "
+            "long tail, one_device; each delta I steps after its full checkpoint, beside a "
+            "full one of the same step; rows_touched_share: the delta's rows over the ids held",
         ],
     )
 
@@ -186,7 +203,7 @@ DRIFTING = {
 
 def quality(sizes: Sizes, workdir: str) -> dict[str, float]:
     """Eval AUC under `mirrored`: hashed against dynamic (`min_count=2`) of as many rows."""
-    from trainer import train
+    from trainer.loop import train
 
     aucs = {}
     runs = {"auc_hashed": {}, "auc_dynamic_min_count2": {"model.embedding": "dynamic"}}
@@ -203,6 +220,56 @@ def quality(sizes: Sizes, workdir: str) -> dict[str, float]:
         aucs[name] = float(results["eval"]["auc"])
         note(f"  {name}: {aucs[name]:.4f}")
     return aucs
+
+
+def incremental(sizes: Sizes, workdir: str) -> dict[str, list[float]]:
+    """Full against incremental checkpoints, side by side in one run (item 5 above)."""
+    from trainer import layers
+    from trainer.loop import controller, deltas, train
+    from trainer.loop.checkpoints import Checkpointer
+
+    fields = {"model.embedding": "dynamic", "model.capacity": sizes.incremental_rows}
+    fields["train.steps"] = sizes.incremental_steps
+    config = ctr_config(sizes, "one_device", **DRIFTING, **fields)
+    job = train.build(config, os.path.join(workdir, "tables-incremental"))
+    samples: dict[str, list[float]] = {}
+
+    def saves(interval: int) -> controller.Action:
+        pair = {
+            kind: Checkpointer(
+                os.path.join(workdir, f"tables-{kind}-every{interval}"),
+                True,
+                2,
+                full_every=full_every,
+                **train.checkpointed(job),
+            )
+            for kind, full_every in (("full", 0), ("incremental", 2 * interval))
+        }
+
+        def save(output: controller.Output) -> None:
+            figures = {}
+            for kind, checkpointer in pair.items():
+                tic = time.perf_counter()
+                path = checkpointer.save(output.step)
+                figures[f"{kind}_save_s"] = time.perf_counter() - tic
+                figures[f"{kind}_bytes"] = sum(
+                    os.path.getsize(name) for name in glob.glob(path + ".*")
+                )
+            if deltas.base_step(path) is None:  # a full one: nothing to set beside
+                return
+            parts = [p for ps in layers.table_figures(job.model).values() for p in ps]
+            held = sum(part["ids_held"] for part in parts)
+            figures["incremental_rows_touched_share"] = deltas.changed_rows(path) / held
+            for name, value in figures.items():
+                samples.setdefault(f"{name}_every{interval}", []).append(value)
+            note(f"  step {output.step}, every {interval}: {figures}")
+
+        return controller.Action(save, every=interval, name=f"saves every {interval}")
+
+    actions = [saves(interval) for interval in sizes.checkpoint_intervals]
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        train.run(job, "train", actions)
+    return samples
 
 
 def scale_run(sizes: Sizes, workdir: str) -> dict:
@@ -238,7 +305,9 @@ def scale(ids: int, batch: int = 1 << 17) -> dict:
 
     import configs.default
     from strategies import sharding
-    from trainer import layers, optim, tables
+    from trainer import layers
+    from trainer.layers import tables
+    from trainer.loop import optim
 
     cluster = tf.train.ClusterSpec(
         {"chief": [_address()], "worker": [_address()], "ps": [_address(), _address()]}

@@ -17,8 +17,8 @@ from typing import Protocol
 import ml_collections
 import tensorflow as tf
 
-from strategies.errors import UserError
-from strategies.registry import Registry
+from towerflow.errors import UserError
+from towerflow.registry import Registry
 
 _FILES_READ_AT_ONCE = 8  # a fixed interleave width keeps record order machine-independent
 

@@ -19,7 +19,7 @@ import re
 import ml_collections
 import tensorflow as tf
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
 from trainer.data import labels
 from trainer.data.base import (
     Dataset,

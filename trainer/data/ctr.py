@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
 from trainer.data.base import Dataset, check_positive, indexed_dataset, register
 
 _CTR_SEED = 4321  # fixes the ctr examples, their hashing and the hidden click model

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
 from trainer.data.base import listed
 
 DTYPES = {"float32": tf.float32, "int64": tf.int64, "string": tf.string}

@@ -20,7 +20,7 @@ import dataclasses
 import ml_collections
 import tensorflow as tf
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
 from trainer.data.base import listed
 
 AUTO = "auto"  # the vocabulary is the sorted distinct label values of the files

@@ -67,9 +67,8 @@ from collections.abc import Callable, Iterator
 import ml_collections
 import tensorflow as tf
 
-from strategies import errors
-from strategies.errors import UserError
-from trainer import processes
+from towerflow import errors, processes
+from towerflow.errors import UserError
 from trainer.data import wait
 from trainer.data.base import Dataset, DatasetFn, TrainStreamWrapper
 
@@ -254,7 +253,7 @@ def started(
     with contextlib.ExitStack() as stack:
         local = None
         if workers is not None:
-            from trainer.processes import pick_ports  # (the launcher itself imports this module)
+            from towerflow.processes import pick_ports  # (the launcher itself imports this module)
 
             local = stack.enter_context(LocalService(pick_ports(workers + 1)))
             address = local.address

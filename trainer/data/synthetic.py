@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
 from trainer.data.base import (
     Dataset,
     check_classes,

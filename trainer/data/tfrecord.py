@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 from google.protobuf.message import DecodeError
 
-from strategies.errors import UserError
+from towerflow.errors import UserError
 from trainer.data import labels
 from trainer.data.base import (
     Dataset,

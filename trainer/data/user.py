@@ -14,7 +14,7 @@ batch size added::
 
 Its parameters are passed by name when they carry these names (in any order,
 e.g. `def dataset(split, input_context, global_batch_size)`), else in this
-order (see `trainer.calls`). `split` is "train" or "eval". It yields batches
+order (see `towerflow.calls`). `split` is "train" or "eval". It yields batches
 of `(features, labels)` or `(features, labels, sample_weights)`, features a
 tensor, a tuple or a dict of named tensors, batched to the per-replica size and sharded by
 `input_pipeline_id` (each pipeline reads its own part). towerflow makes of it
@@ -47,8 +47,8 @@ from collections.abc import Callable
 import ml_collections
 import tensorflow as tf
 
-from strategies.errors import UserError
-from trainer import calls
+from towerflow import calls
+from towerflow.errors import UserError
 from trainer.data.base import (
     DatasetFn,
     DataSpec,
@@ -151,7 +151,7 @@ def dataset(config: ml_collections.ConfigDict, fn: PipelineFn, origin: str = "")
 
     Calls `fn` once (train split, a context of one pipeline) to read the
     structure of its batches; iterates nothing. `fn` takes its parameters by
-    name or in order (`trainer.calls`).
+    name or in order (`towerflow.calls`).
 
     Raises:
       UserError: `data.num_classes` is not a class count, `fn` cannot be called

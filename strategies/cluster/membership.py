@@ -1,0 +1,174 @@
+"""Cluster membership: who this process is in its cluster, and whether everyone is still there.
+
+A strategy plugin says how a step is distributed; *membership* says which
+part of the job this process plays and how the processes of a cluster stay
+together, as Lightning keeps its `ClusterEnvironment` apart from its
+`Strategy`. It is built from the resolved cluster (`strategies.cluster.discovery`
+sets it as `TF_CONFIG`, `strategies.cluster` parses it) and reached as
+`strategy.membership`; the loop asks it, never the strategy.
+
+Glossary:
+
+- *role*: what this process does. "train" runs the loop; "serve" runs a
+  server for others (the ps and worker tasks of a parameter-server cluster);
+  "evaluate" evaluates checkpoints as they appear (a sidecar evaluator).
+- *chief*: the task that writes checkpoints, summaries and exports: the
+  `chief` task, or worker 0 when there is none.
+- *lost task*: another task of the cluster whose server no longer answers.
+- *agree*: one task's value on every task, for choices that must not differ
+  between workers that step together (a measured loop length).
+- *restored step*: every worker must resume from the same checkpoint step.
+
+One process (no cluster) trains, is the chief, loses no one, and agrees with
+itself (run by `tests/test_membership.py`):
+
+>>> alone = Membership()
+>>> alone.role, alone.is_chief, alone.lost_tasks(), alone.agree(7)
+('train', True, [], 7)
+
+A plugin whose workers run collectives gives its membership the one
+capability that needs them, `gather` (every replica's value of an int, in
+replica order, the chief's first), explicitly; nothing here reaches back into
+the plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Collection
+
+from strategies.cluster import preemption
+from strategies.cluster import tf_config as cluster_lib
+from towerflow.errors import TaskLost, UserError
+
+SERVER_STARTUP_S = 600.0  # how long a serving task waits for the chief to come up
+Gather = Callable[[int], list[int]]  # value -> every replica's value, the chief's first
+Watch = Callable[[], contextlib.AbstractContextManager]
+
+
+class Membership:
+    """This process's part in its cluster (or alone), and the health of the others.
+
+    Args:
+      cluster: the parsed `TF_CONFIG` (`cluster.ClusterSpec`); None for one process.
+      serving_jobs: the task types that run a server for the others (role "serve")
+        instead of the loop, e.g. `("ps", "worker")` under `parameter_server`.
+      gather: every replica's value of an int (one collective), for `agree` and
+        `check_restored` where workers step together; None: each task alone.
+      watch: makes the preemption watch (`watch_preemption`); None: this
+        process's own SIGTERM (`preemption.SignalWatch`).
+    """
+
+    def __init__(
+        self,
+        cluster: cluster_lib.ClusterSpec | None = None,
+        serving_jobs: Collection[str] = (),
+        gather: Gather | None = None,
+        watch: Watch | None = None,
+    ):
+        self.cluster = cluster
+        self._serving_jobs = tuple(serving_jobs)
+        self._gather = gather
+        self._watch = watch or preemption.SignalWatch
+
+    @property
+    def role(self) -> str:
+        """What this task does: "train", "serve" (a server for others) or "evaluate".
+
+        Every task of a cluster runs the same program; the role says which part.
+        A "serve" task calls `serve()`, an "evaluate" task evaluates checkpoints
+        as they appear (sidecar evaluation), and "train" tasks run the loop.
+        """
+        task_type = self.cluster.task_type if self.cluster else None
+        if task_type == "evaluator":
+            return "evaluate"
+        return "serve" if task_type in self._serving_jobs else "train"
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this task writes checkpoints, summaries and exports."""
+        return self.cluster.is_chief if self.cluster else True
+
+    @property
+    def evaluates_inline(self) -> bool:
+        """Whether the training tasks evaluate (False when a sidecar evaluator does)."""
+        return not (self.cluster and self.cluster.has_evaluator)
+
+    def serve(self) -> None:
+        """Runs this task's server until the chief is gone (for role "serve").
+
+        Raises:
+          TaskLost: the chief did not come up within `SERVER_STARTUP_S`.
+        """
+        if self.role != "serve":
+            raise NotImplementedError(f"a {self.role!r} task has no server to run.")
+        import tensorflow as tf
+
+        config = tf.compat.v1.ConfigProto(
+            # Fewer inter-op threads than workers + 1 deadlock a worker or ps under load.
+            inter_op_parallelism_threads=max(4, self.cluster.num_workers + 2)
+        )
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec(self.cluster.as_dict()),
+            job_name=self.cluster.task_type,
+            task_index=self.cluster.task_index,
+            protocol=self.cluster.rpc_layer,
+            config=config,
+            start=True,
+        )
+        chief = self.cluster.jobs["chief"][0]
+        if not cluster_lib.wait_until_gone(chief, startup_s=SERVER_STARTUP_S):
+            raise TaskLost(
+                f"the chief at {chief} did not come up within {SERVER_STARTUP_S:g} s; start it "
+                "with the same `TF_CONFIG` cluster."
+            )
+        del server  # the process ends, and the server with it
+
+    def lost_tasks(self) -> list[str]:
+        """The other tasks of this job's cluster that no longer answer, e.g. "ps:0 (host:port)".
+
+        Empty for a single process. Asked after a step fails, to say which
+        task to blame, and by the loop's watchdog while a step takes long.
+        """
+        return self.cluster.unreachable() if self.cluster else []
+
+    def agree(self, value: int) -> int:
+        """The chief's `value` on every task: for choices (loop lengths) that must not differ."""
+        return self._gather(value)[0] if self._gather else value
+
+    def watch_preemption(self) -> contextlib.AbstractContextManager:
+        """A watch for SIGTERM, as a context manager around the training loop.
+
+        The loop calls its `check(save)` after every loop (on every task); it
+        saves and raises `preemption.Preempted` once the job is to stop. One
+        process watches its own signal; workers that step together agree on
+        the step (`preemption.CoordinatedWatch`).
+        """
+        return self._watch()
+
+    def check_restored(self, step: int, model_dir: str) -> None:
+        """Checks that every training worker restored the same `step` from `model_dir`.
+
+        A no-op where each task restores alone. Where workers step together,
+        each puts its step in one collective and all compare.
+
+        Raises:
+          UserError: the workers restored different steps (`model_dir` is not shared).
+        """
+        if self._gather is None or self.role != "train":
+            return
+        steps = self._gather(step)
+        if len(set(steps)) == 1:
+            return
+        # Replicas are numbered worker by worker, in TensorFlow's order: the chief first.
+        jobs = self.cluster.as_dict()
+        names = ["chief"] * len(jobs.get("chief", ())) + [
+            f"worker:{index}" for index in range(len(jobs.get("worker", ())))
+        ]
+        per_worker = len(steps) // len(names)
+        found = ", ".join(f"{name} step {steps[i * per_worker]}" for i, name in enumerate(names))
+        raise UserError(
+            f"the workers restored different steps from `model_dir` {model_dir} ({found}): "
+            "it is not shared between them; give every worker the same `--model_dir` on a "
+            "file system they all see (NFS, GCS), or start from an empty one."
+        )

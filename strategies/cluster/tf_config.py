@@ -1,0 +1,620 @@
+"""`TF_CONFIG`: the one description of a cluster, parsed and checked.
+
+Every task of a cluster runs the same program with its own `TF_CONFIG`, a
+JSON object that lists the whole cluster and names the task itself:
+
+    {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"],
+                 "ps": ["host3:2222"]},
+     "task": {"type": "worker", "index": 1}}
+
+A scheduler sets it (a TFJob, Vertex AI), `python -m trainer.launch` writes it
+for local clusters, `strategies.cluster.discovery` derives it from a Slurm step or a
+JobSet pod, and `parse` turns it into a `ClusterSpec` or a one-line
+`UserError` that says what is wrong and how to fix it. A job may also be given
+as TensorFlow's sparse form, `{"worker": {"0": "host:port", ...}}`, when it
+lists every index. `start_up` waits, boundedly and
+saying for whom, until the other tasks answer; `ClusterSpec.unreachable`
+names the tasks whose server no longer replies; `wait_until_gone` lets a
+server task (a ps, or a worker of a parameter-server cluster) see the chief end.
+
+Glossary (TensorFlow's):
+
+* chief: the task that writes checkpoints, summaries and exports; worker 0
+  when the cluster has no `chief` job. In a parameter-server cluster it is
+  the coordinator that schedules work on the workers.
+* worker: a task that computes steps.
+* ps: a parameter server, which holds variables.
+* evaluator: an optional task that evaluates checkpoints on the side. It is
+  independent of training: it may be absent from `cluster` while its own
+  `task.type` is "evaluator", and `ClusterSpec.as_dict` leaves it out. The
+  chief leaves evaluation to it when `cluster` lists it (or when the config
+  says one runs: `strategies.cluster.discovery`).
+
+This module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+from strategies.cluster.preemption import Preempted
+from towerflow.errors import TaskLost, UserError
+
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+DEFAULT_RPC_LAYER = "grpc"
+_EXAMPLE = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
+_EXAMPLE_TASK = '"task": {"type": "worker", "index": 0}'
+_MISSING = object()
+STARTUP_TIMEOUT_S = 120.0  # default wait for the other tasks of a cluster to come up
+PROBE_S = 3.0  # how long a live task's server may take to reply to a probe
+PROXY_VARIABLES = (
+    "grpc_proxy",
+    "https_proxy",
+    "http_proxy",
+    "GRPC_PROXY",
+    "HTTPS_PROXY",
+    "HTTP_PROXY",
+)
+# The client's opening of an HTTP/2 connection: the preface and an empty SETTINGS frame.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """A parsed, validated `TF_CONFIG`.
+
+    Attributes:
+      jobs: task type -> the addresses ("host:port") of its tasks, in index order.
+      task_type: this process's task type; None when `TF_CONFIG` names no task.
+      task_index: this process's index within `task_type`.
+      rpc_layer: the protocol the tasks talk ("grpc").
+    """
+
+    jobs: dict[str, tuple[str, ...]]
+    task_type: str | None = None
+    task_index: int | None = None
+    rpc_layer: str = DEFAULT_RPC_LAYER
+
+    @property
+    def num_workers(self) -> int:
+        """How many `worker` tasks the cluster has (the chief not counted)."""
+        return len(self.jobs.get("worker", ()))
+
+    @property
+    def num_ps(self) -> int:
+        """How many parameter servers the cluster has."""
+        return len(self.jobs.get("ps", ()))
+
+    @property
+    def has_chief(self) -> bool:
+        """Whether the cluster has a `chief` task."""
+        return "chief" in self.jobs
+
+    @property
+    def has_evaluator(self) -> bool:
+        """Whether the cluster lists an evaluator, or this task is one."""
+        return "evaluator" in self.jobs or self.task_type == "evaluator"
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this task is the chief: the `chief` task, or worker 0 when there is none."""
+        if self.task_type == "chief":
+            return True
+        return not self.has_chief and self.task_type == "worker" and self.task_index == 0
+
+    @property
+    def task_name(self) -> str:
+        """This task as errors name it: "chief", "worker:1", "ps:0"."""
+        return _task_name(self.task_type or "", self.task_index or 0)
+
+    @property
+    def address(self) -> str | None:
+        """This task's "host:port"; None for an evaluator absent from `cluster`."""
+        addresses = self.jobs.get(self.task_type or "", ())
+        return addresses[self.task_index] if addresses else None
+
+    def as_dict(self) -> dict[str, list[str]]:
+        """The training cluster, as `tf.train.ClusterSpec` takes it.
+
+        The evaluator is left out: TensorFlow keeps it independent of training,
+        and a coordinator that saw it would wait to connect to a server the
+        evaluator never starts.
+        """
+        return {job: list(addresses) for job, addresses in self.jobs.items() if job != "evaluator"}
+
+    def peers(self) -> list[tuple[str, str]]:
+        """The other tasks of the training cluster, as ("worker:1", "host:port") pairs."""
+        return [
+            (_task_name(job, index), address)
+            for job, addresses in self.as_dict().items()
+            for index, address in enumerate(addresses)
+            if (job, index) != (self.task_type, self.task_index)
+        ]
+
+    def unreachable(self, timeout_s: float = PROBE_S) -> list[str]:
+        """The other tasks of the training cluster whose server does not answer now.
+
+        Each as "worker:1 (host:port)". A task answers when its gRPC server
+        replies to the opening of an HTTP/2 connection within `timeout_s`: a
+        process that is gone refuses at once, and one that is hung (stopped,
+        or its host lost) accepts the connection but never replies.
+        """
+        return [
+            f"{name} ({address})"
+            for name, address in self.peers()
+            if not _serves(address, timeout_s)
+        ]
+
+
+def parse(text: str | None) -> ClusterSpec | None:
+    """Parses and validates a `TF_CONFIG` value.
+
+    Args:
+      text: the JSON text of `TF_CONFIG`; None or blank means no cluster.
+
+    Returns:
+      The cluster, or None when `text` is None or blank (a single process).
+
+    Raises:
+      UserError: `text` is malformed; the message says what is wrong and how to fix it.
+    """
+    if text is None or not text.strip():
+        return None
+    config = _load(text)
+    if "sparseCluster" in config and "cluster" not in config:
+        raise UserError(
+            "`TF_CONFIG` has a `sparseCluster` (a TFJob with `enableDynamicWorker` writes one) "
+            "and no `cluster`; every towerflow task needs every task's address: set "
+            "`enableDynamicWorker: false` in the TFJob."
+        )
+    jobs = _parse_jobs(config.get("cluster"), "cluster" in config)
+    task_type, task_index = _parse_task(config.get("task"), "task" in config, jobs)
+    rpc_layer = config.get("rpc_layer") or DEFAULT_RPC_LAYER
+    if not isinstance(rpc_layer, str):
+        raise UserError(
+            f'`TF_CONFIG` `rpc_layer` must be a string such as "grpc", not {_show(rpc_layer)}; '
+            "fix it or leave it out."
+        )
+    return ClusterSpec(jobs, task_type, task_index, rpc_layer)
+
+
+def from_env(environ: Mapping[str, str] = os.environ) -> ClusterSpec | None:
+    """The cluster described by the `TF_CONFIG` environment variable; None when it is unset."""
+    return parse(environ.get("TF_CONFIG"))
+
+
+def make_tf_config(jobs: Mapping[str, list[str]], task_type: str, task_index: int) -> str:
+    """The `TF_CONFIG` JSON for one task of a cluster, checked with `parse`.
+
+    Args:
+      jobs: task type -> addresses ("host:port"), in index order.
+      task_type: the task's type (one of `TASK_TYPES`).
+      task_index: the task's index within `task_type`.
+
+    Raises:
+      UserError: the result would not be a valid `TF_CONFIG`.
+    """
+    text = json.dumps(
+        {
+            "cluster": {job: list(addresses) for job, addresses in jobs.items()},
+            "task": {"type": task_type, "index": task_index},
+        }
+    )
+    parse(text)
+    return text
+
+
+def wait_until_gone(
+    address: str, startup_s: float = 600.0, interval_s: float = 1.0, misses: int = 3
+) -> bool:
+    """Blocks while the task at `address` ("host:port") runs; how a server learns the job ended.
+
+    Tries a TCP connection every `interval_s` seconds: first until the task
+    answers (for at most `startup_s`), then until `misses` tries in a row fail.
+
+    Returns:
+      True when the task came up and is gone; False when it never came up.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + startup_s
+    while not _answers(host, int(port), interval_s):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    failed = 0
+    while failed < misses:
+        time.sleep(interval_s)
+        failed = 0 if _answers(host, int(port), interval_s) else failed + 1
+    return True
+
+
+def start_up(
+    spec: ClusterSpec,
+    timeout_s: float,
+    setting: str,
+    report: Callable[[str], None] = print,
+    interval_s: float = 1.0,
+) -> None:
+    """Prepares this task to join `spec` and waits until the other tasks answer.
+
+    Call it before TensorFlow starts its server: TensorFlow's own wait for
+    the cluster lasts an hour, prints nothing and cannot be interrupted.
+    Here, cluster traffic is kept off proxies (`keep_off_proxies`), each task
+    missing is named once ("waiting for worker:1 at host1:2222"), SIGTERM
+    stops the wait at once (exit 143), and after `timeout_s` seconds the
+    first task still missing is named in a `TaskLost` with what to check.
+    Meanwhile this task's own port is held open, so that its peers, waiting
+    the same way, see it before its server starts.
+
+    Args:
+      spec: the cluster, naming this task.
+      timeout_s: how long to wait for the others, in seconds (> 0).
+      setting: the config field that sets `timeout_s`, named in the error.
+      report: prints one line for the user.
+      interval_s: seconds between tries.
+
+    Raises:
+      UserError: `timeout_s` is not a positive number, this task's own host does
+        not resolve (TensorFlow would wait for itself for good), or its port is taken.
+      TaskLost: a task did not answer within `timeout_s`.
+      Preempted: SIGTERM arrived while waiting.
+    """
+    if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise UserError(
+            f"`{setting}` ({timeout_s}) must be a positive number of seconds; e.g. 120."
+        )
+    check_own_host(spec)
+    for warning in (_not_this_machine(spec), keep_off_proxies(spec)):
+        if warning:
+            report(warning)
+    deadline = time.monotonic() + timeout_s
+    with _own_port_held(spec), _sigterm_stops_start_up(report):
+        missing = dict(spec.peers())
+        said: set[str] = set()
+        while missing:
+            for name, address in list(missing.items()):
+                problem = _connect_problem(address, interval_s)
+                if problem is None:
+                    del missing[name]
+                elif name not in said:
+                    said.add(name)
+                    report(f"waiting for {name} at {address}{problem}")
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                name, address = next(iter(missing.items()))
+                host = address.rpartition(":")[0]
+                raise TaskLost(
+                    f"{name} at {address} did not answer within {timeout_s:g} s; check that it "
+                    f"runs with the same `TF_CONFIG` cluster, that `{host}` resolves here (DNS) "
+                    f"to its machine, that its port is open to this host, and that no "
+                    f"`http_proxy`/`grpc_proxy` applies; `{setting}` sets this wait."
+                )
+            time.sleep(interval_s)
+
+
+def check_own_host(spec: ClusterSpec) -> None:
+    """Raises a one-line `UserError` when this task's own host does not resolve here.
+
+    TensorFlow's server and its coordination service then wait for this very
+    task for good: such a config can never work, whatever the wait.
+    """
+    if spec.address is None:  # an evaluator outside `cluster` has no address
+        return
+    host, _, port = spec.address.rpartition(":")
+    problem = _resolve_problem(host, int(port))
+    if problem:
+        raise UserError(
+            f"`TF_CONFIG` gives this task ({spec.task_name}) the address "
+            f"{_show(spec.address)}, but its host does not resolve here ({problem}); give "
+            "each task the name or address of its own machine (e.g. `hostname -f`)."
+        )
+
+
+def _not_this_machine(spec: ClusterSpec) -> str | None:
+    """A warning when this task's own host resolves to no address of this machine.
+
+    TensorFlow then waits for this task at another machine, until the start-up
+    bound ends it; behind a NAT (a service address) it may still work.
+    """
+    if spec.address is None:
+        return None
+    host, _, port = spec.address.rpartition(":")
+    found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    for family, kind, _, _, address in found:
+        with contextlib.suppress(OSError), socket.socket(family, kind) as probe:
+            probe.bind((address[0], 0))
+            return None
+    return (
+        f"warning: this task's host `{host}` ({found[0][4][0]}) is no address of this machine; "
+        "TensorFlow will wait for this task there, and this start-up ends at its bound."
+    )
+
+
+def keep_off_proxies(
+    spec: ClusterSpec, environ: MutableMapping[str, str] = os.environ
+) -> str | None:
+    """Keeps the cluster's traffic off any proxy the environment names; a warning if there is one.
+
+    gRPC sends connections through `grpc_proxy`, `https_proxy` or `http_proxy`
+    when one is set, and a proxy seldom reaches the cluster's ports. The
+    cluster's hosts are added to `no_grpc_proxy` and `no_proxy` (in
+    `environ`, before gRPC starts), which gRPC honours.
+
+    Returns:
+      One line naming the proxy variables set, or None when none is.
+    """
+    proxies = [name for name in PROXY_VARIABLES if environ.get(name)]
+    if not proxies:
+        return None
+    hosts = sorted(
+        {
+            address.rpartition(":")[0]
+            for addresses in spec.as_dict().values()
+            for address in addresses
+        }
+    )
+    for name in ("no_grpc_proxy", "no_proxy"):
+        present = [h for h in environ.get(name, "").split(",") if h.strip()]
+        environ[name] = ",".join(present + [h for h in hosts if h not in present])
+    return (
+        f"warning: {', '.join(f'`{name}`' for name in proxies)} set; the cluster's hosts "
+        f"({', '.join(hosts)}) were added to `no_proxy` and `no_grpc_proxy`, so its traffic "
+        "goes direct."
+    )
+
+
+@contextlib.contextmanager
+def _own_port_held(spec: ClusterSpec) -> Iterator[None]:
+    """Listens on this task's port while it waits, so waiting peers see it.
+
+    Connections are never accepted: closing the socket resets them, leaving
+    nothing behind that would stop TensorFlow's server binding the port next.
+    """
+    if spec.address is None:  # an evaluator outside `cluster` has no port
+        yield
+        return
+    port = int(spec.address.rpartition(":")[2])
+    dualstack = socket.has_dualstack_ipv6()  # TensorFlow's server listens on every address too
+    try:
+        listener = socket.create_server(
+            ("", port),
+            family=socket.AF_INET6 if dualstack else socket.AF_INET,
+            backlog=64,
+            dualstack_ipv6=dualstack,
+        )
+    except OSError as e:
+        raise UserError(
+            f"`TF_CONFIG` gives this task ({spec.task_name}) the address {spec.address}, but "
+            f"port {port} cannot be used here ({e.strerror}); stop what holds it, or give the "
+            "task a free port."
+        ) from None
+    try:
+        yield
+    finally:
+        listener.close()
+
+
+@contextlib.contextmanager
+def _sigterm_stops_start_up(report: Callable[[str], None]) -> Iterator[None]:
+    """SIGTERM while waiting: one line, then `Preempted` (exit 143); there is nothing to save."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        report("SIGTERM while waiting for the cluster to start: stopping (nothing to save yet)")
+        raise Preempted("SIGTERM during start-up")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _connect_problem(address: str, timeout_s: float) -> str | None:
+    """None when `address` accepts a TCP connection; else what the user is told while waiting."""
+    host, _, port = address.rpartition(":")
+    if _resolve_problem(host, int(port)):
+        shown = host if len(host) <= 60 else host[:57] + "..."
+        return f" (`{shown}` does not resolve here: check its name and DNS)"
+    return None if _answers(host, int(port), timeout_s) else ""
+
+
+def _resolve_problem(host: str, port: int) -> str | None:
+    """None when `host` resolves; else why not (a name too long never resolves)."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return e.strerror
+    except UnicodeError:  # a label longer than 63 characters, refused before any lookup
+        return "a part of the name is longer than 63 characters"
+    return None
+
+
+def _serves(address: str, timeout_s: float) -> bool:
+    """Whether a gRPC (HTTP/2) server at `address` replies within `timeout_s`.
+
+    An HTTP/2 server sends its SETTINGS frame as soon as a client opens the
+    connection; the kernel alone, accepting for a stopped process, sends nothing.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as connection:
+            connection.sendall(_HTTP2_PREFACE)
+            connection.settimeout(max(0.01, deadline - time.monotonic()))
+            return bool(connection.recv(9))
+    except OSError:
+        return False
+
+
+def _answers(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _load(text: str) -> dict[str, Any]:
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"`TF_CONFIG` is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+            f"set it to a JSON object such as {_EXAMPLE}."
+        ) from None
+    if not isinstance(config, dict):
+        raise UserError(
+            f"`TF_CONFIG` must be a JSON object, not {_show(config)}; "
+            f"set it to one such as {_EXAMPLE}."
+        )
+    return config
+
+
+def _parse_jobs(cluster: Any, present: bool) -> dict[str, tuple[str, ...]]:
+    if not present:
+        raise UserError(f"`TF_CONFIG` has no `cluster`; add one, as in {_EXAMPLE}.")
+    if not isinstance(cluster, dict) or not cluster:
+        problem = "is empty" if cluster == {} else f"must be a JSON object, not {_show(cluster)}"
+        raise UserError(
+            f"`TF_CONFIG` `cluster` {problem}; map task types to address lists, "
+            'as in {"worker": ["host:port", ...]}.'
+        )
+    jobs = {job: _parse_addresses(job, addresses) for job, addresses in cluster.items()}
+    _check_unique(jobs)
+    for job in ("chief", "evaluator"):
+        if len(jobs.get(job, ())) > 1:
+            raise UserError(
+                f"`TF_CONFIG` `cluster.{job}` has {len(jobs[job])} addresses, but a cluster has "
+                f"at most one {job}; keep one and move or remove the others."
+            )
+    if "ps" in jobs and "worker" not in jobs:
+        raise UserError(
+            "`TF_CONFIG` `cluster` has `ps` tasks but no `worker`; add `worker` addresses "
+            "(parameter servers only hold variables, workers compute)."
+        )
+    return jobs
+
+
+def _parse_addresses(job: str, addresses: Any) -> tuple[str, ...]:
+    if job not in TASK_TYPES:
+        raise UserError(
+            f"`TF_CONFIG` `cluster` has unknown task type {_show(job)}; "
+            f"use only {_names(TASK_TYPES)}."
+        )
+    if isinstance(addresses, dict):
+        addresses = _dense(job, addresses)
+    if (
+        not isinstance(addresses, list)
+        or not addresses
+        or not all(isinstance(a, str) for a in addresses)
+    ):
+        raise UserError(
+            f'`TF_CONFIG` `cluster.{job}` must be a non-empty list of "host:port" strings, '
+            f"not {_show(addresses)}."
+        )
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise UserError(
+                f"`TF_CONFIG` `cluster.{job}` address {_show(address)} is not host:port "
+                'with a port from 1 to 65535; write it as "10.0.0.1:2222".'
+            )
+    return tuple(addresses)
+
+
+def _dense(job: str, tasks: dict[str, Any]) -> list[Any]:
+    """A job in TensorFlow's sparse form, {"1": "host:port"}, as a list; every index must be there.
+
+    A sparse cluster (a TFJob with `enableDynamicWorker` gives each worker only
+    itself) cannot run here: the chief schedules on every worker, the workers
+    of `multi_worker` all-reduce with every other, and a server watches the chief.
+    """
+    if not all(isinstance(key, str) and key.isdigit() for key in tasks):
+        raise UserError(
+            f"`TF_CONFIG` `cluster.{job}` is an object with keys {_show(list(tasks))}; as an "
+            'object it maps task indices to addresses, as in {"0": "host:2222"}; or give a list.'
+        )
+    by_index = {int(key): address for key, address in tasks.items()}
+    if sorted(by_index) != list(range(len(by_index))):
+        raise UserError(
+            f"`TF_CONFIG` `cluster.{job}` lists only task(s) {_show(sorted(by_index))} (a sparse "
+            "cluster, as a TFJob with `enableDynamicWorker` writes); every towerflow task needs "
+            "every task's address: list them all (`enableDynamicWorker: false`)."
+        )
+    return [by_index[index] for index in range(len(by_index))]
+
+
+def _check_unique(jobs: dict[str, tuple[str, ...]]) -> None:
+    seen: dict[str, str] = {}
+    for job, addresses in jobs.items():
+        for index, address in enumerate(addresses):
+            task = f"{job}:{index}"
+            if address in seen:
+                raise UserError(
+                    f"`TF_CONFIG` `cluster` gives {_show(address)} to both {seen[address]} "
+                    f"and {task}; give every task its own host:port."
+                )
+            seen[address] = task
+
+
+def _parse_task(task: Any, present: bool, jobs: dict[str, tuple[str, ...]]) -> tuple[str, int]:
+    if not present:
+        if sum(len(addresses) for addresses in jobs.values()) > 1:
+            raise UserError(
+                f"`TF_CONFIG` has no `task`, but its cluster has more than one task; "
+                f"name this process's task, as in {_EXAMPLE_TASK}."
+            )
+        (only,) = jobs  # a one-task cluster: that task is this process
+        return only, 0
+    if not isinstance(task, dict):
+        raise UserError(
+            f"`TF_CONFIG` `task` must be a JSON object, not {_show(task)}; "
+            f"write it as {_EXAMPLE_TASK}."
+        )
+    task_type = task.get("type", _MISSING)
+    if task_type not in TASK_TYPES:
+        raise UserError(
+            f"`TF_CONFIG` `task.type` is {_show(task_type)}, not a known task type; "
+            f"use one of {_names(TASK_TYPES)}."
+        )
+    if task_type not in jobs and task_type != "evaluator":
+        raise UserError(
+            f"`TF_CONFIG` `task.type` is {_show(task_type)} but `cluster` has no such tasks; "
+            f"use one of {_names(jobs)}, or add `{task_type}` addresses to `cluster`."
+        )
+    count = len(jobs.get(task_type, ())) or 1  # an evaluator outside `cluster` is one task
+    index = task.get("index", 0 if count == 1 else _MISSING)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+        raise UserError(
+            f"`TF_CONFIG` `task.index` is {_show(index)}, but `{task_type}` has {count} "
+            f"task{'s' if count > 1 else ''}; use an integer from 0 to {count - 1}."
+        )
+    return task_type, index
+
+
+def _task_name(job: str, index: int) -> str:
+    return job if job == "chief" else f"{job}:{index}"
+
+
+def _names(names: Iterable[str]) -> str:
+    return ", ".join(f"`{name}`" for name in names)
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A value as JSON, shortened to keep error messages on one line."""
+    text = "missing" if value is _MISSING else json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

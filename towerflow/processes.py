@@ -1,0 +1,215 @@
+"""Child processes in groups of their own, with their output prefixed and Ctrl-C handled.
+
+Shared by `python -m trainer.launch` (a local cluster's tasks) and
+`python -m trainer.sweep` (a sweep's trials): each process runs in its own
+process group, so stopping it stops its children too; it is stopped with
+SIGTERM, given a grace period to save, then killed; a signal to the parent is
+recorded (`Interrupt`) and acted on by the parent's wait loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO
+
+from towerflow.errors import UserError
+
+POLL_S = 0.1
+LOOPBACK = "127.0.0.1"  # local clusters and servers listen here only
+PICKED_FROM = 20000  # picked ports: from here to the kernel's ephemeral range
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+class Console:
+    """Writes whole lines to one stream from many threads, each prefixed with its source."""
+
+    def __init__(self, stream: IO[str] | None = None, own: str = "launch"):
+        """Args: stream: where lines go (default stdout); own: the prefix of `log` lines."""
+        self._stream = stream
+        self._own = own
+        self._lock = threading.RLock()  # re-entrant: the signal handler logs too
+
+    def write(self, source: str, line: str) -> None:
+        """Writes `[source] line`."""
+        stream = self._stream or sys.stdout
+        with self._lock:
+            stream.write(f"[{source}] {line}\n")
+            stream.flush()
+
+    def log(self, message: str) -> None:
+        """A line from the parent itself (the launcher, the sweep)."""
+        self.write(self._own, message)
+
+
+def start_process(
+    command: Sequence[str], env: dict[str, str], on_line: Callable[[str], None]
+) -> tuple[subprocess.Popen, threading.Thread]:
+    """Starts `command` in a process group of its own; each output line goes to `on_line`.
+
+    Stdout and stderr are merged and read by a daemon thread (returned, to be
+    joined once the process is gone). Stop it with `terminate`, then `signal_group`
+    with SIGKILL: signalling the group stops its children too.
+    """
+    proc = subprocess.Popen(
+        list(command),
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, which `terminate` signals as a whole
+    )
+
+    def pump() -> None:
+        with proc.stdout:
+            for raw in iter(proc.stdout.readline, b""):
+                on_line(raw.decode(errors="replace").rstrip("\r\n"))
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return proc, thread
+
+
+def terminate(
+    procs: Sequence[subprocess.Popen], wait_s: float, interrupt: Interrupt, console: Console
+) -> bool:
+    """SIGTERMs `procs` (their groups) and waits up to `wait_s` for them to exit.
+
+    Returns False when a second signal (`interrupt.count > 1`) asked to kill them at once.
+    """
+    for proc in procs:  # a process that ended may have left children behind: signal them all
+        signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if interrupt.count > 1:
+            console.log("killing them now")
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    """Sends `sig` to the process group `proc` leads (see `start_process`)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
+        os.killpg(proc.pid, sig)
+
+
+class Interrupt:
+    """SIGINT or SIGTERM reaching the launcher; its wait loops check `signal` between polls.
+
+    The handler only records the signal. Raising from it could land inside
+    `subprocess` bookkeeping (between taking and releasing a process's wait lock),
+    and the cleanup's `wait()` would then block for ever.
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None  # the first one: what the exit status reports
+        self.count = 0  # how many arrived: a second one cuts the tasks' grace short
+
+    @property
+    def code(self) -> int:
+        """The launcher's exit status: 128 + the signal number."""
+        return 128 + (self.signal or 0)
+
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[Interrupt]:
+        """Records SIGINT and SIGTERM while the block runs, instead of dying of them."""
+
+        def handler(sig: int, frame: object) -> None:
+            self.count += 1
+            if self.signal is None:  # a second Ctrl-C must not change what is reported
+                self.signal = sig
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():  # after a signal, more (a second Ctrl-C) are ignored
+                signal.signal(s, h if self.signal is None else signal.SIG_IGN)
+
+
+def pick_ports(count: int, base: int = 0) -> list[int]:
+    """`count` ports on 127.0.0.1 that are free now.
+
+    Picked ports lie below the kernel's ephemeral range: a port the OS would hand
+    out as the source of an outgoing connection (any task's gRPC channel) can be
+    taken by one between this check and the server's bind.
+
+    Args:
+      count: how many ports.
+      base: 0 picks free ones at random; otherwise `base`, `base + 1`, ..., each checked.
+
+    Raises:
+      UserError: a port from `base` on is out of range or in use.
+    """
+    if not base:
+        return _free_ports(count)
+    if not 1 <= base <= 65536 - count:
+        raise UserError(
+            f"`--port_base` ({base}) must leave room for {count} ports from 1 to 65535; "
+            "pass a smaller one, or 0 to pick free ports."
+        )
+    for port in range(base, base + count):
+        try:
+            _bind(port).close()
+        except OSError as e:
+            problem = (
+                "is already in use"
+                if e.errno == errno.EADDRINUSE
+                else f"cannot be used ({e.strerror})"
+            )
+            raise UserError(
+                f"port {port} on {LOOPBACK} {problem}; pass another `--port_base`, "
+                "or 0 to pick free ports."
+            ) from None
+    return list(range(base, base + count))
+
+
+def _free_ports(count: int) -> list[int]:
+    if count == 0:
+        return []
+    low = min(_ephemeral_start(), 65536)
+    if low - PICKED_FROM < 1000:  # a kernel that hands out nearly every port: let it pick
+        with contextlib.ExitStack() as stack:
+            return [stack.enter_context(_bind(0)).getsockname()[1] for _ in range(count)]
+    candidates = random.sample(range(PICKED_FROM, low), k=min(low - PICKED_FROM, 4 * count + 64))
+    with contextlib.ExitStack() as stack:  # held open together, so no port repeats
+        ports = []
+        for port in candidates:
+            try:
+                stack.enter_context(_bind(port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise UserError(f"found no {count} free ports on {LOOPBACK} from {PICKED_FROM} to {low - 1}.")
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's range for outgoing connections (32768 where unknown)."""
+    try:
+        return int(pathlib.Path(EPHEMERAL_RANGE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bind(port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are free
+        s.bind((LOOPBACK, port))
+    except OSError:
+        s.close()
+        raise
+    return s

@@ -1,0 +1,505 @@
+"""Dynamic embedding tables: a row per admitted id, created on admission, freed on eviction.
+
+A table maps raw ids (int64 over the whole 64-bit range; strings by their
+64-bit fingerprint, `key64`) to rows of a `[capacity, dim]` variable. It has
+two halves:
+
+* The *index*, on the host and shared by every replica of the process: hash
+  tables (`tf.lookup.experimental.MutableHashTable`) from id to row slot, from
+  slot to id, and from slot to (stamp, last-seen step), a stack of freed slots
+  and a few counters. A value below 0 in the id -> slot table is the count of
+  an id not admitted yet (`-1 - (count + last-seen step * COUNT_LIMIT)`), so
+  admission needs no second table.
+  Every change to the index runs inside one `tf.CriticalSection`, so callers
+  admitting ids at once (asynchronous workers) cannot race. The index is made
+  of lookup tables, not variables, because a variable created under a
+  strategy's scope is copied per replica, and the replicas must share one.
+* The *rows* (`DynamicEmbedding.rows`), an ordinary trainable variable that
+  the strategy places like any other (mirrored copies, the host), read with
+  `tf.gather`: its gradient is a `tf.IndexedSlices` of the rows looked up,
+  which the optimizers of `trainer.loop.optim` apply sparsely to those rows and
+  their slots only. A per-copy `row_stamps` variable says which admission a
+  row's values belong to.
+
+A row's initial value depends only on (seed, id): `initial_rows` hashes
+(seed, id, column) with SplitMix64 in TF's uint64 arithmetic. Rows are not
+written when an id is admitted (a replica cannot write a mirrored variable
+alone); a lookup reads the initial value wherever the slot's stamp in the
+index differs from the row's stamp (a new id, or a reused slot), and the
+optimizer's update first resets such rows (and their optimizer slots) to the
+initial value, then applies the gradient.
+
+Admission is decided once a step on the ids of the whole global batch (the
+layer gathers them from every replica), and an id admitted at step t reads
+its row from step t + 1 on (at step t it still reads the default row). So
+what a step reads does not depend on how its batch is split over replicas or
+in what order replicas reach the table: the same ids are admitted and every
+id gets the same row under one device, several replicas or several workers.
+An id counts once per lookup; after `min_count` lookups it is admitted.
+
+Eviction is least-recently used: when the table is full, a new id takes the
+slot of the id seen longest ago (ties broken by id, never an id seen at the
+current step). With `ttl_steps`, a sweep every `ceil(ttl_steps / 8)` steps
+frees ids not seen for `ttl_steps` steps, and forgets the counts of ids
+not admitted that were not seen for as long (without a TTL, those counts
+are kept: with `min_count` > 1 the index grows with the distinct ids seen).
+With eviction off (`eviction=None`) a full table refuses new ids: they read
+the default row and are counted (`refused`); which of a step's new ids are
+refused then follows their order.
+
+The step is the optimizer's `iterations` once `trainer.loop.optim` has built for
+the rows (`use_clock`); a table used on its own counts its admission calls.
+
+Counters (`COUNTERS`, kept in the index and checkpointed with it) say what
+the table did: ids `admitted`, `evicted` (by LRU or the TTL), `refused` (a
+full table without eviction), and of the training lookups (each id of a
+step's global batch, leaving out the mask id), how many there were
+(`lookups`) and how many read the default row (`defaults`: ids without a row,
+or admitted at this step). They are counted in the admission the step
+already makes, so they cost no extra pass. `figures()` reads them with the
+sizes of the index, for the per-block summaries of `trainer.loop.actions.tables`.
+
+`contents()` and `load()` give and set what a table holds in a form that
+does not depend on its slots or capacity (ids, admission and last-seen
+steps, counts), so a split table restores into another split
+(`trainer.loop.portable`).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+DEFAULT_CAPACITY = 2**18  # rows per table: 32 MB of float32 rows at width 32
+ROW_SCALE = 0.05  # initial rows are uniform in [-ROW_SCALE, ROW_SCALE), as Keras's "uniform"
+EVICTIONS = ("lru", None)
+COUNT_LIMIT = 2**16  # counts of ids not admitted yet stop at COUNT_LIMIT - 1
+COUNTERS = (
+    "fresh",
+    "free",
+    "calls",
+    "swept",
+    "admitted",
+    "evicted",
+    "refused",
+    "lookups",
+    "defaults",
+)
+_C = {name: index for index, name in enumerate(COUNTERS)}
+_TOTALS = ("admitted", "evicted", "refused", "lookups", "defaults")  # add up over a table's parts
+
+# Memory of one entry of the index's hash tables (TF's `MutableHashTable` is a
+# `std::unordered_map`: a node, and a bucket pointer), measured on TF 2.21,
+# Linux x86-64, as the growth of the resident memory over a million inserts.
+ENTRY_BYTES = 42  # int64 -> int64
+PAIR_ENTRY_BYTES = 76  # int64 -> two int64 (a slot's stamp and last-seen step)
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def _u64(value: int) -> tf.Tensor:
+    return tf.constant(value, tf.uint64)
+
+
+def _splitmix64(x: tf.Tensor) -> tf.Tensor:
+    """SplitMix64's finaliser on uint64 (multiplication wraps modulo 2**64)."""
+    shift = tf.bitwise.right_shift
+    x = (x ^ shift(x, _u64(30))) * _u64(_MIX[0])
+    x = (x ^ shift(x, _u64(27))) * _u64(_MIX[1])
+    return x ^ shift(x, _u64(31))
+
+
+def key64(keys: tf.Tensor) -> tf.Tensor:
+    """Ids as int64: int ids as they are, strings by their 64-bit fingerprint."""
+    if keys.dtype == tf.string:
+        return tf.strings.to_hash_bucket_fast(keys, 2**63 - 1)
+    return tf.cast(keys, tf.int64)
+
+
+def initial_rows(seed: int, keys: tf.Tensor, dim: int) -> tf.Tensor:
+    """The initial rows `[n, dim]` of ids `keys`: uniform in [-ROW_SCALE, ROW_SCALE).
+
+    A function of (seed, id, column) only: the same on every device, shard and run.
+    """
+    ids = tf.bitcast(key64(keys), tf.uint64)[:, None]
+    columns = tf.range(dim, dtype=tf.int64)
+    base = _splitmix64(_u64(seed % 2**64) ^ _splitmix64(ids * _u64(_GOLDEN)))
+    bits = _splitmix64(base + tf.bitcast(columns, tf.uint64)[None, :] * _u64(_GOLDEN))
+    top = tf.cast(tf.bitwise.right_shift(bits, _u64(40)), tf.float32)  # 24 bits: exact
+    return (top / 2.0**24 * 2.0 - 1.0) * ROW_SCALE
+
+
+def part_of(keys: tf.Tensor, parts: int) -> tf.Tensor:
+    """Which of `parts` parts of a split table holds each of int64 `keys` (int32).
+
+    By a hash of the id, so that consecutive ids spread evenly.
+    """
+    mixed = _splitmix64(tf.bitcast(keys, tf.uint64))
+    return tf.cast(mixed % _u64(parts), tf.int32)
+
+
+class DynamicTable(tf.Module):
+    """The index of one dynamic table: int64 ids -> row slots, admission and eviction.
+
+    Args:
+      capacity: the most rows (slots) the table holds.
+      min_count: lookups an id needs before it gets a row.
+      ttl_steps: free the rows of ids not seen for this many steps (0: never).
+      eviction: "lru" (a full table evicts the least recently seen id) or None
+        (a full table refuses new ids).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        min_count: int = 1,
+        ttl_steps: int = 0,
+        eviction: str | None = "lru",
+        name: str = "table",
+    ):
+        super().__init__(name=name)
+        self.capacity = int(capacity)
+        self.min_count = int(min_count)
+        self.ttl_steps = int(ttl_steps)
+        self.eviction = eviction
+        self.sweep_every = max(1, math.ceil(self.ttl_steps / 8))
+        with tf.device("/cpu:0"):
+            self.index = self._hash_table(-1)
+            self.slot_keys = self._hash_table(0)
+            self.slot_info = self._hash_table(tf.constant([-1, -1], tf.int64))
+            self.free = self._hash_table(-1)
+            self.counters = self._hash_table(0)
+        # A shared name of its own: the CriticalSections a process creates eagerly
+        # without one are all one mutex (TF 2.21), and two tables admitting in one
+        # step then wait on each other forever.
+        self._lock = tf.CriticalSection(
+            name=f"{name}_lock", shared_name=f"{name}_lock_{uuid.uuid4().hex}"
+        )
+        self._clock = None
+
+    @staticmethod
+    def _hash_table(default) -> tf.lookup.experimental.MutableHashTable:
+        return tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, default)
+
+    def lock_device(self) -> str:
+        """The device of the lock that every change to the index takes."""
+        return self._lock._handle.device
+
+    def use_clock(self, step: tf.Variable) -> None:
+        """Takes the step from `step` (the optimizer's `iterations`) instead of counting calls."""
+        self._clock = step
+
+    def now(self) -> tf.Tensor:
+        """The current step."""
+        if self._clock is not None:
+            return tf.cast(tf.convert_to_tensor(self._clock), tf.int64)
+        return self.counter("calls")
+
+    # Counters.
+
+    def counter(self, name: str) -> tf.Tensor:
+        """The counter `name` (one of `COUNTERS`)."""
+        return tf.reshape(self.counters.lookup(tf.constant([_C[name]], tf.int64)), [])
+
+    def _set(self, name: str, value: tf.Tensor):
+        return self.counters.insert(tf.constant([_C[name]], tf.int64), tf.reshape(value, [1]))
+
+    def _add(self, **amounts: tf.Tensor):
+        """Adds each of `amounts` to its counter, in one lookup and one insert."""
+        keys = tf.constant([_C[name] for name in amounts], tf.int64)
+        totals = tf.reshape(self.counters.lookup(keys), [-1])
+        added = tf.stack([tf.cast(amount, tf.int64) for amount in amounts.values()])
+        return self.counters.insert(keys, totals + added)
+
+    def size(self) -> tf.Tensor:
+        """Ids holding a row."""
+        return self.slot_info.size()
+
+    def figures(self) -> dict[str, int]:
+        """Every counter, the ids held, and the index's bytes (an estimate: `ENTRY_BYTES`).
+
+        Eager: from the coordinator under `parameter_server`, a few small reads
+        on the table's ps task. The index holds an entry per id held or counted
+        (`index`), two more per id held (`slot_keys`, `slot_info`) and one per
+        slot ever freed (`free`).
+        """
+        counts = self.counters.lookup(tf.range(len(COUNTERS), dtype=tf.int64)).numpy()
+        held = int(self.size())
+        entries = int(self.index.size()) + int(self.slot_keys.size()) + int(self.free.size())
+        return {
+            **dict(zip(COUNTERS, counts.tolist(), strict=True)),
+            "ids_held": held,
+            "index_bytes": entries * ENTRY_BYTES + held * PAIR_ENTRY_BYTES,
+        }
+
+    # Contents, whatever the slots and capacity.
+
+    def contents(self) -> dict[str, np.ndarray]:
+        """What the table holds, read to the host.
+
+        `keys` (the ids holding a row), their `slots`, `stamps`, `admitted`
+        (the step each was admitted at) and `last_seen` steps; `waiting` (ids
+        counted, not admitted) and `waiting_values` (their count and last-seen
+        step, as the index holds them); `counters` (by `COUNTERS` position).
+        """
+        keys, values = (tensor.numpy() for tensor in self.index.export())
+        held = values >= 0
+        slots = values[held]
+        info = tf.reshape(self.slot_info.lookup(tf.constant(slots, tf.int64)), [-1, 2]).numpy()
+        names, counts = (tensor.numpy() for tensor in self.counters.export())
+        counters = np.zeros(len(COUNTERS), np.int64)
+        counters[names] = counts
+        return {
+            "keys": keys[held],
+            "slots": slots,
+            "stamps": info[:, 0],
+            "admitted": info[:, 0] // self.capacity,
+            "last_seen": info[:, 1],
+            "waiting": keys[~held],
+            "waiting_values": values[~held],
+            "counters": counters,
+        }
+
+    def load(
+        self,
+        keys: np.ndarray,
+        admitted: np.ndarray,
+        last_seen: np.ndarray,
+        waiting: np.ndarray,
+        waiting_values: np.ndarray,
+        counters: np.ndarray,
+        evicted: int = 0,
+    ) -> np.ndarray:
+        """Replaces what the table holds; `keys` get slots 0, 1, ...; returns their stamps.
+
+        The arguments are those of `contents()` (at most `capacity` keys), and
+        `evicted`: ids left out for want of room, added to the counter. The
+        counters of the slots in use are set for the new slots.
+        """
+        for table in (self.index, self.slot_keys, self.slot_info, self.free, self.counters):
+            table.remove(table.export()[0])
+        slots = np.arange(len(keys), dtype=np.int64)
+        stamps = admitted * self.capacity + slots
+        self.index.insert(tf.constant(keys, tf.int64), slots)
+        self.index.insert(tf.constant(waiting, tf.int64), tf.constant(waiting_values, tf.int64))
+        self.slot_keys.insert(slots, tf.constant(keys, tf.int64))
+        info = np.stack([stamps, last_seen], 1).reshape([-1, 2]).astype(np.int64)
+        self.slot_info.insert(slots, info)
+        counters = np.array(counters, np.int64)
+        counters[_C["fresh"]], counters[_C["free"]] = len(keys), 0
+        counters[_C["evicted"]] += evicted
+        self.counters.insert(np.arange(len(COUNTERS), dtype=np.int64), counters)
+        return stamps
+
+    # Lookups.
+
+    def changed_slots(self, since: int) -> tf.Tensor:
+        """The slots whose rows may have changed at step `since` or later (int64, sorted).
+
+        A row changes only where a training lookup found its id, which marks
+        the slot seen at that step (an admission or a reused slot too): the
+        slots held and last seen at `since` or later. And the free slots (freed
+        by the TTL sweep, perhaps written before): a release leaves no step.
+        """
+        slots, info = self._export()
+        seen = tf.boolean_mask(slots, info[:, 1] >= since)
+        free = tf.reshape(self.free.lookup(tf.range(self.counter("free"))), [-1])
+        return tf.sort(tf.concat([seen, free], 0))
+
+    def find(self, keys: tf.Tensor, step: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+        """Slots and stamps of int64 `keys` (1-D); changes nothing.
+
+        The slot is -1 where an id holds no row, or (given `step`) was admitted
+        at `step` or later.
+        """
+        slots = tf.reshape(self.index.lookup(keys), [-1])
+        slots = tf.where(slots >= 0, slots, -1)
+        stamps = self.stamps(slots)
+        if step is not None:
+            slots = tf.where(stamps // self.capacity < step, slots, -1)
+        return slots, stamps
+
+    def stamps(self, slots: tf.Tensor) -> tf.Tensor:
+        """The stamp of each slot's current id: `capacity * admission step + slot` (-1: free)."""
+        return tf.reshape(self.slot_info.lookup(slots), [-1, 2])[:, 0]
+
+    def keys_of(self, slots: tf.Tensor) -> tf.Tensor:
+        """The id each slot holds."""
+        return tf.reshape(self.slot_keys.lookup(slots), [-1])
+
+    def admit(self, keys: tf.Tensor) -> tf.Operation:
+        """Counts int64 `keys` (1-D, a step's), admits those seen `min_count` times.
+
+        Every key's last-seen step becomes the current step; ids admitted now
+        are found from the next step on. Then, if due, the TTL sweep.
+        """
+        # The clock is read outside the lock: the parts of a split table share it,
+        # and a lock claims every resource read inside it for itself alone.
+        clock = None if self._clock is None else self.now()
+        return self._lock.execute(lambda: self._admit(keys, clock))
+
+    def _admit(self, keys: tf.Tensor, clock: tf.Tensor | None) -> tf.Tensor:
+        step = self.now() if clock is None else clock
+        unique, position = tf.unique(keys)
+        seen = tf.math.unsorted_segment_sum(
+            tf.ones_like(position, tf.int64), position, tf.size(unique)
+        )
+        value = tf.reshape(self.index.lookup(unique), [-1])
+        held = value >= 0
+        held_slots = tf.boolean_mask(value, held)
+        held_stamps = self.stamps(held_slots)
+        touched = self._touch(held_slots, held_stamps, step)
+        # What the step's lookups read (`find` at `step`): a row where the id held
+        # one admitted before `step`, else the default row.
+        found = tf.cast(held_stamps // self.capacity < step, tf.int64)
+        read_rows = tf.reduce_sum(tf.boolean_mask(seen, held) * found)
+        counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
+        counts = tf.minimum(counts, COUNT_LIMIT - 1)
+        with tf.control_dependencies([touched]):
+            wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
+            new_slots = self._allocate(tf.size(wanted, out_type=tf.int64), step)
+        granted = wanted[: tf.size(new_slots)]
+        new_keys = tf.gather(unique, granted)
+        new_stamps = step * self.capacity + new_slots
+        admitted = tf.scatter_nd(
+            granted[:, None], tf.ones_like(granted, tf.bool), tf.shape(held, out_type=tf.int64)
+        )
+        waiting = ~held & ~admitted
+        updates = [
+            self.index.insert(new_keys, new_slots),
+            self.slot_keys.insert(new_slots, new_keys),
+            self.slot_info.insert(
+                new_slots, tf.stack([new_stamps, tf.fill(tf.shape(new_stamps), step)], 1)
+            ),
+            self._add(
+                admitted=tf.size(new_slots),
+                refused=tf.size(wanted) - tf.size(new_slots),
+                lookups=tf.size(keys),
+                defaults=tf.size(keys, out_type=tf.int64) - read_rows,
+            ),
+            self.index.insert(  # the count, and the step it was last seen at
+                tf.boolean_mask(unique, waiting),
+                -1 - (tf.boolean_mask(counts, waiting) + step * COUNT_LIMIT),
+            ),
+        ]
+        if self._clock is None:
+            updates.append(self._set("calls", step + 1))
+        with tf.control_dependencies(updates):
+            if self.ttl_steps:  # after the touch: an id seen now is never swept now
+                return self._maybe_sweep(step)
+            return tf.constant(True)
+
+    def _touch(self, slots: tf.Tensor, stamps: tf.Tensor, step: tf.Tensor):
+        """Marks `slots` (holding `stamps`) seen at `step`."""
+        seen = tf.stack([stamps, tf.fill(tf.shape(slots), step)], 1)
+        return self.slot_info.insert(slots, seen)
+
+    # Allocation and eviction.
+
+    def _allocate(self, wanted: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Up to `wanted` free slots: freed ones, then never used, then (LRU) evicted."""
+        free = self.counter("free")
+        reused = tf.minimum(wanted, free)
+        popped = tf.reshape(self.free.lookup(tf.range(free - reused, free)), [-1])
+        fresh = self.counter("fresh")
+        more = tf.minimum(wanted - reused, self.capacity - fresh)
+        updates = [self._set("free", free - reused), self._set("fresh", fresh + more)]
+        with tf.control_dependencies(updates):
+            slots = [popped, tf.range(fresh, fresh + more)]
+            if self.eviction == "lru":
+                slots.append(self._evict(wanted - reused - more, step))
+            return tf.concat(slots, 0)
+
+    def _evict(self, count: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Frees up to `count` slots of the ids seen longest ago (before `step`)."""
+
+        def evict():
+            slots, info = self._export()
+            older = info[:, 1] < step
+            slots, last_seen = tf.boolean_mask(slots, older), tf.boolean_mask(info[:, 1], older)
+            # Oldest first, ties by id: the choice depends on neither slots nor export order.
+            order = tf.argsort(self.keys_of(slots), stable=True)
+            order = tf.gather(order, tf.argsort(tf.gather(last_seen, order), stable=True))
+            chosen = tf.gather(slots, order[:count])
+            with tf.control_dependencies([self._release(chosen, "evicted")]):
+                return tf.identity(chosen)
+
+        return tf.cond(count > 0, evict, lambda: tf.zeros([0], tf.int64))
+
+    def _export(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """Every held slot and its (stamp, last-seen step)."""
+        slots, info = self.slot_info.export()
+        return tf.reshape(slots, [-1]), tf.reshape(info, [-1, 2])
+
+    def _release(self, slots: tf.Tensor, counter: str):
+        """Forgets the ids of `slots` (they are counted from zero if they come back)."""
+        return tf.group(
+            self.index.remove(self.keys_of(slots)),
+            self.slot_keys.remove(slots),
+            self.slot_info.remove(slots),
+            self._add(**{counter: tf.size(slots)}),
+        )
+
+    def _maybe_sweep(self, step: tf.Tensor) -> tf.Tensor:
+        """Every `sweep_every` steps (once a step), frees the rows of ids older than the TTL."""
+        due = tf.equal(step % self.sweep_every, 0) & tf.not_equal(self.counter("swept"), step + 1)
+
+        def sweep():
+            keys, values = self.index.export()
+            keys, values = tf.reshape(keys, [-1]), tf.reshape(values, [-1])
+            counted_until = (-values - 1) // COUNT_LIMIT
+            forgotten = (values < 0) & (counted_until <= step - self.ttl_steps)
+            slots, info = self._export()
+            expired = tf.boolean_mask(slots, info[:, 1] <= step - self.ttl_steps)
+            free = self.counter("free")
+            count = tf.size(expired, out_type=tf.int64)
+            with tf.control_dependencies([self._release(expired, "evicted")]):
+                done = tf.group(
+                    self.index.remove(tf.boolean_mask(keys, forgotten)),
+                    self.free.insert(tf.range(free, free + count), expired),
+                    self._set("free", free + count),
+                    self._set("swept", step + 1),
+                )
+            with tf.control_dependencies([done]):
+                return tf.constant(True)
+
+        return tf.cond(due, sweep, lambda: tf.constant(False))
+
+
+def merged_counters(counters: list[np.ndarray]) -> np.ndarray:
+    """The counters of a table's parts as one table's: totals, and the latest step.
+
+    The slots' own (`fresh`, `free`) are 0: they belong to a split, not to the content.
+    """
+    merged = np.max(counters, axis=0)
+    merged[[_C["fresh"], _C["free"]]] = 0
+    for name in _TOTALS:
+        merged[_C[name]] = sum(c[_C[name]] for c in counters)
+    return merged
+
+
+def split_counters(counters: np.ndarray, parts: int) -> list[np.ndarray]:
+    """`counters` of one table for each of `parts` parts: the totals kept by the first."""
+    split = [np.array(counters, np.int64) for _ in range(parts)]
+    for part in split[1:]:
+        part[[_C[name] for name in _TOTALS]] = 0
+    return split
+
+
+_ROWS: dict[int, weakref.ref] = {}
+
+
+def register_rows(rows, owner) -> None:
+    """Records that the variable `rows` holds the rows of `owner` (a `DynamicEmbedding`)."""
+    _ROWS[id(rows)] = weakref.ref(owner)
+
+
+def owner_of(rows):
+    """The `DynamicEmbedding` whose rows `rows` holds, or None."""
+    ref = _ROWS.get(id(rows))
+    return ref() if ref is not None else None

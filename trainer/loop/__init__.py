@@ -1,0 +1,17 @@
+"""The training loop: what `trainer.train_and_evaluate` runs, below the commands.
+
+    train.py        the job: build under the strategy's scope, train, evaluate, export
+    controller.py   blocks of steps sized by the actions' schedules; `Action`
+    actions.py      the built-in actions (checkpoint, evaluation, progress, ...) and the user's
+    steps.py        the per-replica train and eval steps (`TrainStep`)
+    checkpoints.py, summaries.py, export.py   what the chief writes
+    portable.py     checkpoints written with another split of the tables and shards
+    faults.py, lock.py, checks.py             lost tasks and blow-ups, one trainer per
+                                              `model_dir`, config checks before anything runs
+    loop_length.py, precision.py, optim.py    steps per loop, mixed precision, optimizers
+    tasks.py, compiled.py, models.py          what is trained: objectives and model builders
+
+It uses the layers and the input below it (`trainer.layers`, `trainer.data`),
+the strategy plugins and the shared core; it never imports a command
+(`trainer.cli`, `trainer.launch`, ...): `tests/test_imports.py`.
+"""

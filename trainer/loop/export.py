@@ -1,0 +1,181 @@
+"""SavedModel export with a serving signature from the model's real inputs.
+
+The `serving_default` signature takes the model's own inputs by name (one
+tensor, or every input of a dict- or multi-input model, strings included),
+each batched. What it returns depends on how the model is trained:
+
+- a built-in classification task: `logits`, `probabilities` and `classes`.
+  A classifier's probabilities come from what the model outputs (see
+  `models.output_kind`): a softmax of its logits, or its own probabilities,
+  never a softmax of probabilities;
+- a built-in regression task: `predictions`;
+- a model the user compiled (any outputs): the model's outputs by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import tensorflow as tf
+
+from towerflow import storage
+from trainer.loop import compiled, models, tasks
+
+
+def export(
+    model: keras.Model,
+    path: str,
+    input_shape: tuple[int, ...] | None,
+    num_classes: int,
+    raw_outputs: bool = False,
+    class_names: tuple[str, ...] = (),
+) -> str:
+    """Writes `model` as a SavedModel at `path`, replacing an earlier export.
+
+    Args:
+      model: the trained model.
+      path: the export directory.
+      input_shape: one example's shape, used only for a model that does not
+        say what its inputs are (a subclassed model); they are float32 and
+        named `inputs`.
+      num_classes: the built-in task's classes (0: regression).
+      raw_outputs: return the model's own outputs by name (a compiled model),
+        not the built-in task's.
+      class_names: the label's class names, in class order (a string label's
+        vocabulary): a classifier also returns `class_names`, the name of each
+        example's class.
+
+    The export is written beside `path` first and moved into place, so a crash
+    never leaves a half-written export (on an object store, where a move is a
+    copy of each file, a crash in the move may).
+    """
+    module = tf.Module()
+    module.model = model
+    kind = models.output_kind(model) if num_classes > 0 else "values"
+
+    @tf.function
+    def serve(**features):
+        if compiled.takes_named_inputs(model):
+            inputs = features
+        elif len(features) == 1:
+            inputs = features["inputs"]
+        else:  # a multi-input model takes its inputs in order
+            inputs = [features[name] for name in _names(model.inputs)]
+        outputs = model(inputs, training=False)
+        if raw_outputs:
+            return _named_outputs(model, outputs)
+        outputs = tf.cast(outputs, tf.float32)
+        if num_classes > 0:
+            probabilities = tasks.Classification(num_classes, kind).probabilities(outputs)
+            classes = tf.argmax(probabilities, axis=-1)
+            named = {}
+            if class_names:
+                named["class_names"] = tf.gather(tf.constant(class_names), classes)
+            return {
+                "logits": outputs if kind == "logits" else tf.math.log(probabilities),
+                "probabilities": probabilities,
+                "classes": classes,
+                **named,
+            }
+        return {"predictions": tf.squeeze(outputs, -1)}
+
+    specs = _input_specs(model, input_shape)
+
+    @tf.function
+    def serve_flat(**flat):  # a signature takes tensors: ragged and sparse in parts
+        return serve(**_joined(specs, flat))
+
+    signature = serve_flat.get_concrete_function(**_flat_specs(specs))
+    module.serve = serve
+    # Beside `path`, but not named `path` + something: on `ram://` a name is also a
+    # prefix match, and `export.tmp` would then count as inside `export`.
+    staging = os.path.join(os.path.dirname(path), f".staging-{os.path.basename(path)}")
+    if tf.io.gfile.exists(staging):  # left by an export that crashed
+        tf.io.gfile.rmtree(staging)
+    tf.saved_model.save(module, staging, signatures={"serving_default": signature})
+    storage.replace_dir(staging, path)
+    return path
+
+
+def _input_specs(model: keras.Model, input_shape: tuple[int, ...] | None) -> dict:
+    """The serving signature's inputs by name: the model's own, else float32 `inputs`."""
+    inputs = getattr(model, "inputs", None)
+    if not inputs:
+        return {"inputs": tf.TensorSpec((None, *input_shape), tf.float32, name="inputs")}
+    if compiled.takes_named_inputs(model):
+        named = model.input.items()
+    elif len(inputs) == 1:
+        named = [("inputs", inputs[0])]
+    else:
+        named = zip(_names(inputs), inputs)
+    return {name: _spec(name, tensor) for name, tensor in named}
+
+
+def _spec(name: str, tensor) -> tf.TypeSpec:
+    """A batch of one input, as the model takes it: dense, ragged or sparse."""
+    shape = (None, *tensor.shape[1:])
+    if getattr(tensor, "ragged", False):
+        ragged_rank = max(i for i, size in enumerate(shape) if size is None and i > 0)
+        return tf.RaggedTensorSpec(shape, tensor.dtype, ragged_rank=ragged_rank)
+    if getattr(tensor, "sparse", False):
+        return tf.SparseTensorSpec(shape, tensor.dtype)
+    return tf.TensorSpec(shape, tensor.dtype, name=name)
+
+
+def _flat_specs(specs: dict[str, tf.TypeSpec]) -> dict[str, tf.TensorSpec]:
+    """The signature's tensors: each dense input, and the parts of each ragged or sparse one.
+
+    A ragged input `tags` is `tags` (its values, flat) and `tags_row_lengths` (values
+    per example; `tags_row_lengths_2`, ... for deeper raggedness); a sparse one `ids`
+    is `ids_indices`, `ids_values` and `ids_dense_shape`.
+    """
+    flat = {}
+    for name, spec in specs.items():
+        if isinstance(spec, tf.RaggedTensorSpec):
+            inner = spec.shape[spec.ragged_rank + 1 :]
+            flat[name] = tf.TensorSpec((None, *inner), spec.dtype, name=name)
+            for part in _row_lengths(name, spec):
+                flat[part] = tf.TensorSpec((None,), tf.int64, name=part)
+        elif isinstance(spec, tf.SparseTensorSpec):
+            rank = spec.shape.rank
+            parts = {"indices": ((None, rank), tf.int64), "values": ((None,), spec.dtype)}
+            parts["dense_shape"] = ((rank,), tf.int64)
+            for part, (shape, dtype) in parts.items():
+                flat[f"{name}_{part}"] = tf.TensorSpec(shape, dtype, name=f"{name}_{part}")
+        else:
+            flat[name] = spec
+    return flat
+
+
+def _joined(specs: dict[str, tf.TypeSpec], flat: dict) -> dict:
+    """The model's inputs from the signature's tensors (see `_flat_specs`)."""
+    joined = {}
+    for name, spec in specs.items():
+        if isinstance(spec, tf.RaggedTensorSpec):
+            lengths = [flat[part] for part in _row_lengths(name, spec)]
+            joined[name] = tf.RaggedTensor.from_nested_row_lengths(flat[name], lengths)
+        elif isinstance(spec, tf.SparseTensorSpec):
+            parts = [flat[f"{name}_{part}"] for part in ("indices", "values", "dense_shape")]
+            joined[name] = tf.SparseTensor(*parts)
+        else:
+            joined[name] = flat[name]
+    return joined
+
+
+def _row_lengths(name: str, spec: tf.RaggedTensorSpec) -> list[str]:
+    return [f"{name}_row_lengths" + (f"_{i + 1}" if i else "") for i in range(spec.ragged_rank)]
+
+
+def _names(tensors) -> list[str]:
+    return [t.name for t in tensors]
+
+
+def _named_outputs(model: keras.Model, outputs) -> dict:
+    """A model's outputs as a dict of tensors by output name."""
+    if isinstance(outputs, dict):
+        return dict(outputs)
+    flat = tf.nest.flatten(outputs)
+    if len(flat) == 1:
+        return {"outputs": flat[0]}
+    return dict(zip(model.output_names, flat))

@@ -1,0 +1,622 @@
+"""The outer loop: build under the strategy's scope, train, checkpoint, evaluate, export.
+
+`train_and_evaluate(config, model_dir)` is the whole job; the command line
+(`python -m trainer`) only parses flags and calls it. The loop never asks
+which strategy it runs under: everything that differs lives in the plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import keras
+import ml_collections
+import tensorflow as tf
+
+import strategies
+from strategies import devices, tf_patches, transfer
+from strategies.cluster import discovery, scratch
+from towerflow import calls, storage
+from towerflow.errors import UserError
+from trainer import data, layers
+from trainer.data import labels, wait
+from trainer.data import service as data_service
+from trainer.loop import (
+    actions,
+    checks,
+    compiled,
+    controller,
+    faults,
+    loop_length,
+    models,
+    optim,
+    precision,
+    steps,
+    tasks,
+)
+from trainer.loop import lock as model_dir_lock
+from trainer.loop.checkpoints import Checkpointer
+from trainer.loop.export import export
+from trainer.loop.summaries import Summaries
+
+MODES = ("train", "eval", "train_and_eval")
+_ONE_PIPELINE = tf.distribute.InputContext()  # one pipeline feeding one replica
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything built for one run, before anything is written to `model_dir`."""
+
+    config: ml_collections.ConfigDict
+    model_dir: str
+    strategy: strategies.Strategy
+    dataset: data.Dataset
+    objective: tasks.Classification | tasks.Regression | compiled.CompiledObjective
+    total_steps: int
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    user_actions: list[actions.Action] = dataclasses.field(default_factory=list)
+    custom_step: Callable | None = None  # a user task's own `train_step`
+    input_wait: wait.InputWait | None = None  # seconds the training stream kept steps waiting
+
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    model_dir: str,
+    mode: str = "train_and_eval",
+    extra_actions: Sequence[actions.Action] = (),
+) -> dict:
+    """Runs the job described by `config` in `model_dir`; returns the results dict.
+
+    Args:
+      config: a config from `configs/` (see `configs/default.py` for every field).
+      model_dir: where checkpoints, TensorBoard events, results and the export go.
+        A rerun with the same `model_dir` resumes from its newest checkpoint.
+      mode: "train", "eval" (the newest checkpoint, once) or "train_and_eval".
+      extra_actions: more actions for the training loop, after the built-in
+        ones and `train.actions` (e.g. the benchmark's clock).
+
+    Raises:
+      UserError: a bad config value, name, size or path. Nothing in `model_dir`
+        has been written when it is raised.
+    """
+    if mode not in MODES:
+        raise UserError(f"Unknown `--mode` '{mode}'; known: {', '.join(MODES)}.")
+    strategy = make_strategy(config)
+    member = strategy.membership
+    if member.role == "serve":  # a ps or worker task of a parameter-server cluster
+        say(f"serving as a {strategy.name} task until the chief ends the job")
+        member.serve()
+        return {}
+    if member.role == "evaluate":
+        return sidecar_evaluate(build(config, model_dir, strategy))
+    if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service`)
+        return run(build(config, model_dir, strategy), mode, extra_actions)
+    with data_service.started(config.data, strategy.ordered_input, say) as service:
+        return run(build(config, model_dir, strategy, service), mode, extra_actions)
+
+
+def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
+    """Checks the config, sets up devices and builds the strategy plugin."""
+    checks.check_config(config)
+    data_service.check(config.data)  # before a cluster is joined
+    # The cluster becomes this process's `TF_CONFIG` before any plugin reads it.
+    cluster_line = discovery.resolve(config.get("cluster"), config.strategy.name).line()
+    if cluster_line:
+        say(cluster_line)
+    # Same inputs, same bits, every run; off again for a later run in this process without it.
+    tf_patches.op_determinism(config.train.deterministic)
+    name = config.strategy.name
+    plugin, options = strategies.plugin(name), config.strategy.get(name)
+    if config.train.jit_compile and not plugin.supports_jit_compile:
+        raise UserError(
+            f"`train.jit_compile` does not work under `{name}`, whose variables live away from "
+            "the devices that compute; set `--config.train.jit_compile=False`, or use "
+            "`mirrored` or `one_device`."
+        )
+    if not plugin.supports_gradient_transfer:
+        transfer.refuse(options, name)
+    if config.train.precision == "mixed_float16" and not plugin.supports_loss_scaling:
+        raise UserError(
+            f"`train.precision` 'mixed_float16' (loss scaling) does not work under `{name}`; "
+            "use `--config.train.precision=mixed_bfloat16` (no loss scaling), or `mirrored`."
+        )
+    devices.configure(
+        config.devices.logical_cpus,
+        config.devices.gpu_memory_growth,
+        config.devices.gpu_memory_limit_mb,
+        config.devices.log_placement,
+        config.devices.intra_op_threads,
+        replicas=plugin.local_replicas(options, config.devices.logical_cpus),
+    )
+    return plugin(options)
+
+
+def build(
+    config: ml_collections.ConfigDict,
+    model_dir: str,
+    strategy: strategies.Strategy | None = None,
+    service: data_service.Service | None = None,
+) -> Job:
+    """Builds strategy, data, model and optimizer and checks them; writes nothing.
+
+    With a `service` (`data_service.started`), the training input runs on it.
+    """
+    strategy = strategy or make_strategy(config)
+    checks.check_batch(config, strategy)
+    user_task = tasks.user_task(config)
+    custom_step = getattr(user_task, "train_step", None)
+    if custom_step is not None:
+        origin = f"`task.name` '{config.task.name}' `train_step`"
+        custom_step = calls.adapt(custom_step, tasks.TRAIN_STEP, origin)
+    steps.check_custom_step(custom_step, config, strategy.gradient_transfer)
+    if custom_step is not None and strategy.splits_steps:
+        raise UserError(
+            f"`task.name` '{config.task.name}' brings its own `train_step`, which applies its "
+            f"own gradients, and `strategy.{strategy.name}` as set runs a step's gradients and "
+            f"its update apart; leave `strategy.{strategy.name}`'s update options at their "
+            "defaults (e.g. `sync_replicas=0`, `staleness=none`)."
+        )
+    if user_task is None:
+        dataset = data.get(config.data)
+    else:
+        dataset = data.from_function(config.data, user_task.dataset_fn, config.task.name)
+    total_steps = checks.total_steps(config, dataset.spec)
+    if strategy.membership.is_chief:
+        checks.check_model_dir(model_dir)
+    else:  # every task reads model_dir; the chief alone checks that it can be written
+        storage.check_scheme(model_dir, "--model_dir")
+    _check_class_names(model_dir, dataset.spec.class_names)
+    data.check(dataset)
+    dataset = data_service.wrap(dataset, service, model_dir)
+    # TensorFlow refuses clocks under op determinism (`train.deterministic`).
+    timed = strategy.ordered_input and not config.train.deterministic
+    input_wait = wait.InputWait() if timed else None
+    if input_wait is not None:
+        dataset = wait.TimedDataset(dataset, input_wait)
+    keras.utils.set_random_seed(config.seed)
+    with strategy.scope(), precision.policy(config.train.precision):
+        if user_task is None:
+            model = models.build(config.model, dataset.spec)
+        else:
+            model = _task_model(user_task, config.task.name)
+        _build_on_data(model, dataset)
+        strategy.place_model(model)  # a model-parallel plugin moves layers to their devices
+        optimizer = optim.build(config.optimizer, total_steps)
+        optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
+        optimizer.build(model.trainable_variables)
+        objective = _objective(model, dataset, config)
+    user_actions = actions.user_actions(config.train.get("actions", ""), config)
+    return Job(
+        config,
+        model_dir,
+        strategy,
+        dataset,
+        objective,
+        total_steps,
+        model,
+        optimizer,
+        user_actions,
+        custom_step,
+        input_wait,
+    )
+
+
+def _check_class_names(model_dir: str, names: tuple[str, ...]) -> None:
+    """A run that resumes in `model_dir` must give each class index the name it had.
+
+    Raises:
+      UserError: `config.json` of an earlier run in `model_dir` records other class
+        names (e.g. `label_vocabulary=auto` found another class in changed files).
+    """
+    recorded = storage.read_json(os.path.join(model_dir, "config.json")) or {}
+    before = recorded.get("data", {}).get("label_vocabulary", "")
+    if not names or not before or before == labels.AUTO or before == ",".join(names):
+        return
+    raise UserError(
+        f"`--model_dir` '{model_dir}' was trained with the classes {before} (its config.json), "
+        f"and `data.label_vocabulary` now gives {','.join(names)}; resume with "
+        f"`--config.data.label_vocabulary={before}`, or train into a new `--model_dir`."
+    )
+
+
+def _task_model(task: tasks.Task, name: str) -> keras.Model:
+    """The user task's model, compiled with the task's `loss` if it came uncompiled."""
+    model = calls.adapt(task.build_model, tasks.BUILD_MODEL, f"`task.name` '{name}'")()
+    if not isinstance(model, keras.Model):
+        raise UserError(
+            f"`task.name` '{name}': `build_model()` returned {type(model).__name__}, "
+            "not a keras.Model."
+        )
+    if compiled.is_compiled(model):
+        return model
+    if getattr(task, "loss", None) is None:
+        raise UserError(
+            f"`task.name` '{name}': `build_model()` returned a model that is not compiled, "
+            "and the task has no `loss`; compile the model, or give the task a `loss`."
+        )
+    model.compile(
+        loss=task.loss,
+        loss_weights=getattr(task, "loss_weights", None),
+        metrics=getattr(task, "metrics", None),
+    )
+    return model
+
+
+def _build_on_data(model: keras.Model, dataset: data.Dataset) -> None:
+    """Creates the variables of a model built without its input shape, on one batch of the data.
+
+    A `keras.Sequential` without `keras.Input` (or a subclassed model) has no
+    variables until it is first called; the optimizer and the checkpoint need them.
+    """
+    if model.built and model.variables:
+        return
+    features, _, _ = steps.unpack(next(iter(dataset.eval_fn(2)(_ONE_PIPELINE))))
+    model(compiled.model_inputs(model, features), training=False)
+
+
+def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections.ConfigDict):
+    """The loss and metrics: those the user `compile()`d the model with, or the data's task."""
+    task_name = config.task.name
+    if compiled.is_compiled(model):
+        features, labels, _ = steps.unpack(next(iter(dataset.eval_fn(2)(_ONE_PIPELINE))))
+        if task_name in tasks.BUILT_IN:
+            origin = f"`model.name` '{config.model.name}'"
+        else:
+            origin = f"`task.name` '{task_name}'"
+        return compiled.CompiledObjective(model, features, labels, origin)
+    classes = dataset.spec.num_classes
+    wanted = {"classification": classes > 0, "regression": classes == 0}.get(task_name, True)
+    if not wanted:
+        raise UserError(
+            f"`task.name` '{task_name}' does not fit the data's `num_classes` ({classes}); "
+            "use `task.name=auto`, or set the data's class count."
+        )
+    return tasks.for_spec(classes, models.output_kind(model), dataset.spec.class_names)
+
+
+def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
+    """Trains and/or evaluates a built `job`; the only function that writes `model_dir`."""
+    start = time.time()
+    strategy, member, config = job.strategy, job.strategy.membership, job.config
+    say(f"model_dir: {job.model_dir}")
+    # One trainer at a time writes model_dir (the chief); `--mode=eval` only reads it.
+    lock = model_dir_lock.take(job.model_dir) if member.is_chief and mode != "eval" else None
+    if member.is_chief:
+        tf.io.gfile.makedirs(job.model_dir)
+    checkpointer = Checkpointer(
+        job.model_dir,
+        member.is_chief,
+        config.train.max_checkpoints,
+        async_save=config.train.async_checkpoint,
+        full_every=config.train.get("full_checkpoint_every", 0),
+        **checkpointed(job),
+    )
+    if config.train.get("full_checkpoint_every", 0) and not checkpointer.incremental:
+        say(
+            "note: `train.full_checkpoint_every` has no dynamic table to save rows of; every "
+            "checkpoint is full"
+        )
+    summaries = Summaries(job.model_dir, member.is_chief)
+    try:
+        restored = checkpointer.restore()
+        member.check_restored(_step(job), job.model_dir)  # every worker, the same step
+        if restored:
+            say(f"restored {restored} at step {_step(job)}")
+            if checkpointer.resplit:  # written with other table parts or shards
+                say(checkpointer.resplit)
+        elif mode == "eval":
+            raise UserError(
+                f"`--mode=eval` needs a checkpoint, and `{job.model_dir}` has none; "
+                "train first (`--mode=train_and_eval`)."
+            )
+        placement = strategy.describe(job.model.variables)
+        _log_start(job, placement, summaries)
+        train_metrics = {}
+        evaluate = (
+            mode != "train"
+            and member.evaluates_inline
+            and not discovery.sidecar_evaluator(config.get("cluster"))
+        )
+        if mode != "eval":
+            train_metrics = _train(job, checkpointer, summaries, evaluate, extra_actions)
+        eval_metrics = _evaluate(job, summaries) if evaluate else {}
+        results = {
+            "step": _step(job),
+            "train": train_metrics,
+            "eval": eval_metrics,
+            "wall_time_s": round(time.time() - start, 3),
+            "placement": placement,
+            "input": {k: v for k, v in data_service.describe(job.dataset).items() if k != "line"},
+        }
+        tables = layers.describe_tables(job.model)
+        if tables:  # each dynamic table's policy, where its parts are, the ids they hold
+            results["tables"] = {
+                name: {k: v for k, v in t.items() if k != "line"} for name, t in tables.items()
+            }
+        if job.dataset.spec.class_names:  # what each class index of the metrics and export is
+            results["class_names"] = list(job.dataset.spec.class_names)
+        if mode != "eval" and config.train.export:
+            _export(job)
+        if member.is_chief:
+            storage.write_json(os.path.join(job.model_dir, "results.json"), results)
+        return results
+    except tf.errors.OpError as e:
+        with contextlib.suppress(Exception):  # a save under way may need the lost task
+            checkpointer.sync()
+        lost = faults.lost_task_error(e, member.lost_tasks(), checkpointer.directory)
+        if lost is None:
+            raise
+        raise lost from None
+    finally:
+        summaries.close()
+        checkpointer.close()
+        if lock:
+            lock.release()
+
+
+def _export(job: Job) -> None:
+    """Every task exports (some strategies save collectively); only the chief's is kept."""
+    spec = job.dataset.spec
+    raw = isinstance(job.objective, compiled.CompiledObjective)  # the user's outputs, as compiled
+    args = (spec.input_shape, spec.num_classes, raw, spec.class_names)
+    if job.strategy.membership.is_chief:
+        path = os.path.join(job.model_dir, "export")
+        export(job.model, path, *args)
+        say(f"exported SavedModel to {path}")
+        return
+    with scratch.directory("export") as private:  # in memory: nothing left on any exit
+        export(job.model, os.path.join(private, "export"), *args)
+
+
+def sidecar_evaluate(job: Job) -> dict:
+    """Evaluates each new checkpoint in `model_dir` until the last step's (the evaluator task)."""
+    config = job.config
+    checkpointer = Checkpointer(job.model_dir, False, 1, **checkpointed(job))
+    summaries = Summaries(job.model_dir, enabled=True)
+    metrics: dict = {}
+    try:
+        say(f"evaluating checkpoints in {checkpointer.directory} as they appear")
+        for path in tf.train.checkpoints_iterator(
+            checkpointer.directory, min_interval_secs=1, timeout=config.eval.sidecar_timeout
+        ):
+            checkpointer.restore(path)
+            metrics = _evaluate(job, summaries)
+            if _step(job) >= job.total_steps:
+                break
+        else:
+            say(f"no new checkpoint for {config.eval.sidecar_timeout:g} s: stopping")
+    finally:
+        summaries.close()
+        checkpointer.close()
+    return {"step": _step(job), "eval": metrics}
+
+
+def checkpointed(job: Job) -> dict:
+    """What a checkpoint of `job` holds: the `Checkpointer`'s objects (also the benchmark's)."""
+    return {
+        "model": job.model,
+        "optimizer": job.optimizer,
+        # Listed explicitly: a Keras model does not expose every variable to a TF
+        # checkpoint (e.g. dropout's seed state), and exact resume needs them all;
+        # their shapes also tell a checkpoint of another model apart.
+        "variables": list(job.model.variables),
+        # Listed too: a checkpoint written with other table parts restores into
+        # these through the same structure (`trainer.loop.portable`).
+        "tables": layers.table_indexes(job.model),
+    }
+
+
+def _train(
+    job: Job,
+    checkpointer: Checkpointer,
+    summaries: Summaries,
+    evaluate: bool,
+    extra_actions: Sequence[actions.Action] = (),
+) -> dict:
+    """The outer training loop: a controller with actions; returns the last block's metrics.
+
+    Raises:
+      faults.Preempted: SIGTERM arrived; a checkpoint holds the step reached.
+      faults.Diverged: the loss blew up more than `train.max_recoveries` times.
+    """
+    config, strategy = job.config, job.strategy
+    step = _step(job)
+    if step >= job.total_steps:
+        say(f"already at step {step} of {job.total_steps}: nothing to train")
+        return {}
+    if checkpointer.latest is None:
+        checkpointer.save(step)  # a good state to fall back to if the loss blows up
+    gb = config.train.global_batch_size
+    if job.custom_step is not None:  # a task's own step, which applies its own gradients
+        train_step = steps.CustomTrainStep(
+            job.custom_step, job.model, job.optimizer, job.objective, gb
+        )
+    else:
+        train_step = steps.TrainStep(
+            job.model,
+            job.optimizer,
+            job.objective,
+            gb,
+            config.optimizer.clip_global_norm,
+            config.train.jit_compile,
+            config.train.accumulation_steps,
+            strategy.gradient_transfer,
+        )
+    iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
+
+    def run_block(n: int) -> dict:
+        sums = strategy.run_steps(train_step, iterator, n)
+        # The task's sums, and the plugin's own figures (e.g. staleness).
+        sums, scalars, histograms = strategy.report(sums)
+        summaries.histograms("train", _step(job), histograms)
+        return {**job.objective.metrics(sums), **scalars}
+
+    loop = controller.Controller(
+        run_block,
+        lambda: _step(job),
+        job.total_steps,
+        [*_actions(job, checkpointer, summaries, evaluate), *extra_actions],
+        loop_length.LoopLength(config.train.steps_per_loop),
+        agree=strategy.membership.agree,
+    )
+    last = loop.train()
+    if last and last.stopped:
+        say(f"stopped at step {last.step}: {last.stopped}")
+    return last.metrics if last else {}
+
+
+def _actions(
+    job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool
+) -> list[actions.Action]:
+    """The loop's actions, in the order they run after a block."""
+    config, member = job.config, job.strategy.membership
+    recoveries = []
+    tables = layers.dynamic_tables(job.model)
+
+    def recover(step: int, loss: float) -> None:
+        recoveries.append(step)
+        _recover(job, checkpointer, step, loss, len(recoveries))
+
+    def input_wait(output: controller.Output) -> None:
+        # How long each step waited for its batches, on average over the block.
+        output.metrics["input_wait_ms"] = 1000 * job.input_wait.take() / output.steps
+
+    def log(output: controller.Output) -> None:
+        summaries.scalars("train", output.step, output.metrics)
+        _tell(job, progress_line("train", output.step, output.metrics, output.total_steps))
+
+    built_in = [
+        actions.recovery(
+            lambda loss: faults.loss_blew_up(loss, config.train.loss_upper_bound), recover
+        ),
+        actions.rates(config.train.global_batch_size, lambda: float(job.optimizer.learning_rate)),
+        *([actions.every_block(input_wait, "input wait")] if job.input_wait else []),
+        # Dynamic tables' ids, admissions, evictions, default-row share and bytes, per block.
+        *([actions.tables(lambda: layers.table_figures(job.model))] if tables else []),
+        actions.every_block(log, "progress"),
+        actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
+        actions.preemption(member.watch_preemption(), checkpointer.save, say),
+        # A single process has no other task to lose; the watchdog then never reports.
+        actions.watchdog(faults.Watchdog(member.lost_tasks, say)),
+    ]
+    if config.train.profile_steps:  # on every task: all end their blocks at the same steps
+        logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
+        profile_steps, step = config.train.profile_steps, lambda: _step(job)
+        built_in.append(actions.profile(profile_steps, logdir, step, say, member.is_chief))
+    if evaluate:
+        built_in.append(actions.evaluation(lambda: _evaluate(job, summaries), config.eval.every))
+    return built_in + job.user_actions
+
+
+def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attempt: int) -> int:
+    """Restores the last good checkpoint after a loss blow-up; returns its step."""
+    limit = job.config.train.max_recoveries
+    good = checkpointer.latest
+    if attempt > limit:
+        raise faults.Diverged(
+            f"loss {loss:.4g} at step {step} is non-finite or above `train.loss_upper_bound` "
+            f"after {limit} recoveries; the last good checkpoint is {good}. Lower "
+            "`optimizer.learning_rate` or set `optimizer.clip_global_norm`, then rerun."
+        )
+    checkpointer.restore(good)
+    say(
+        f"loss {loss:.4g} blew up by step {step}: restored {good} (step {_step(job)}), "
+        f"recovery {attempt} of {limit}; going on with fresh data"
+    )
+    return _step(job)
+
+
+def _evaluate(job: Job, summaries: Summaries) -> dict:
+    """One pass over the eval split; logs and returns its metrics."""
+    eval_step = steps.make_eval_step(job.model, job.objective)
+    sums = job.strategy.evaluate(eval_step, job.dataset.eval_fn(job.config.eval.global_batch_size))
+    metrics = job.objective.metrics(sums)
+    metrics["examples"] = sums.get("examples", 0.0)
+    step = _step(job)
+    summaries.scalars("eval", step, metrics)
+    _tell(job, progress_line("eval", step, metrics))
+    return metrics
+
+
+def _step(job: Job) -> int:
+    return int(job.optimizer.iterations.numpy())
+
+
+def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
+    strategy = job.strategy
+    _tell(
+        job,
+        f"strategy: {strategy.name} | replicas: {strategy.num_replicas_in_sync} | "
+        f"devices: {', '.join(placement['compute_devices'])} | "
+        f"threads per op: {devices.threads_per_op()}",
+    )
+    _tell(job, f"communication: {placement['communication']}")
+    for name, where in placement["variables"].items():
+        _tell(job, f"  {name}: {', '.join(where)}")
+    batch, micro = job.config.train.global_batch_size, job.config.train.accumulation_steps
+    micro_batches = f" ({micro} micro-batches of {batch // micro})" if micro > 1 else ""
+    _tell(job, f"{_what(job)} | steps: {job.total_steps} | global batch: {batch}{micro_batches}")
+    for note in job.dataset.notes:
+        _tell(job, note)
+    _tell(job, data_service.describe(job.dataset)["line"])
+    for table in layers.describe_tables(job.model).values():
+        _tell(job, table["line"])
+    if strategy.membership.is_chief:
+        config_json = _recorded(job).to_json_best_effort(indent=2, sort_keys=True)
+        storage.write_text(os.path.join(job.model_dir, "config.json"), config_json + "\n")
+        summaries.text("config", f"```\n{config_json}\n```")
+        summaries.hparams(job.config, os.path.basename(os.path.abspath(job.model_dir)))
+
+
+def _recorded(job: Job) -> ml_collections.ConfigDict:
+    """The config as run, with what start-up found: the class names of `label_vocabulary=auto`."""
+    config = job.config
+    names = job.dataset.spec.class_names
+    if names and config.data.get("label_vocabulary", "") == labels.AUTO:
+        config = config.copy_and_resolve_references()
+        config.data.label_vocabulary = ",".join(names)
+    return config
+
+
+def _what(job: Job) -> str:
+    """What is trained, for the start-up line: a user's task, or the model and the data."""
+    config, size = job.config, f"({job.model.count_params():,} parameters)"
+    if config.task.name not in tasks.BUILT_IN:
+        return f"task: {config.task.name} {size}"
+    return f"model: {config.model.name} {size} | data: {config.data.name}"
+
+
+def progress_line(split: str, step: int, metrics: dict, total: int | None = None) -> str:
+    """One fixed-width line: `train | step: 1200/1500 | loss: 0.3100 | ...`."""
+    parts = [f"{split:<5}", f"step: {step}/{total}" if total else f"step: {step}"]
+    for name, value in metrics.items():
+        if "/" in name:  # per class (TensorBoard and results.json): too many for one line
+            continue
+        if name == "learning_rate":
+            parts.append(f"lr: {value:.2e}")
+        elif name.endswith("_per_sec"):
+            parts.append(f"{name.removesuffix('_per_sec')}/s: {value:.1f}")
+        elif name == "examples":
+            parts.append(f"examples: {int(value)}")
+        elif name == "ids_held":  # in the dynamic tables
+            parts.append(f"ids: {int(value)}")
+        else:
+            parts.append(f"{name}: {value:.4f}")
+    return " | ".join(parts)
+
+
+def _tell(job: Job, line: str) -> None:
+    """Progress from the chief (and a sidecar evaluator); other workers stay quiet."""
+    member = job.strategy.membership
+    if member.is_chief or member.role != "train":
+        say(line)
+
+
+def say(line: str) -> None:
+    """Progress for the terminal: one line, flushed at once."""
+    print(line, flush=True)
