@@ -25,6 +25,9 @@ it).
   averaged layer state must leave optimizer state alone).
 - `op_determinism`: op determinism set to a run's own setting, off included
   (process-wide; TensorFlow's public API can only turn it on).
+- `replica_copy`: this replica's own copy of a distributed variable, which
+  can be read row by row (`tf.gather` of a `mirrored` variable reads it whole;
+  `trainer.layers`' tables, `trainer.loop.optim`'s sparse updates).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 """
@@ -96,6 +99,12 @@ PATCHES = {
         ("2.20", "2.21"),
         "tf.config.experimental has enable_op_determinism and no way to turn it off",
     ),
+    "replica_copy": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "a DistributedVariable has no sparse_read, so tf.gather and tf.nn.embedding_lookup "
+        "read it whole (ReadVariableOp, a full copy once the variable was updated row by row)",
+    ),
     "start_calls_unlocked": Patch(
         "tensorflow",
         ("2.20", "2.21"),
@@ -143,6 +152,24 @@ def op_determinism(enabled: bool) -> None:
     elif config.is_op_determinism_enabled():
         targeted("op_determinism")
         config.disable_op_determinism()
+
+
+def replica_copy(variable):
+    """The copy of distributed `variable` that this replica (or update) reads; others as given.
+
+    A distributed variable (`mirrored`, `multi_worker`) is no resource variable
+    to `tf.gather` and `tf.nn.embedding_lookup`: they read the whole copy and
+    gather from that. Once the copy has been updated row by row, TensorFlow
+    copies the whole buffer on each such read: a 200,000-row table under
+    `mirrored` paid a full copy per replica each step. The copy itself reads
+    only the rows asked for (`ResourceGather`), and a `tf.GradientTape` sees the
+    read as one of the distributed variable, whose handle in a replica is the
+    copy's.
+    """
+    if not isinstance(variable, tf.distribute.DistributedValues):
+        return variable
+    targeted("replica_copy")
+    return variable._get_on_device_or_primary()
 
 
 # Keras ----------------------------------------------------------------------------------

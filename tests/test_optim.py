@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import strategies
+from trainer.layers import ShardedEmbedding
 from trainer.loop import optim
 
 STEPS = 5
@@ -38,19 +39,23 @@ STOCK = {
 
 
 def _train(
-    strategy_name: str, make_optimizer, embedding: bool = False, kernels: set | None = None
+    strategy_name: str,
+    make_optimizer,
+    embedding: bool = False,
+    kernels: list | None = None,
+    table: type = keras.layers.Embedding,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """A few steps of a small model (dense, or with an embedding's sparse gradient).
 
     Returns the weights before and after. The op types of the traced steps go
-    into `kernels`, if given.
+    into `kernels`, if given. `table`: the embedding layer's class.
     """
     strategy = strategies.get(strategy_name)
     keras.utils.set_random_seed(0)
     with strategy.scope():
         if embedding:
             model = keras.Sequential(
-                [keras.Input((3,), dtype="int32"), keras.layers.Embedding(50, 4)]
+                [keras.Input((3,), dtype="int32"), table(50, 4)]
                 + [keras.layers.Flatten(), keras.layers.Dense(1)]
             )
         else:
@@ -79,7 +84,7 @@ def _train(
     if kernels is not None:
         graph = run.get_concrete_function().graph.as_graph_def()
         nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
-        kernels.update(node.op for node in nodes)
+        kernels.extend(node.op for node in nodes)
     return initial, [v.numpy() for v in model.trainable_variables]
 
 
@@ -93,7 +98,7 @@ FUSED = {  # the kernel each dense update runs as
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored", "central_storage"])
 @pytest.mark.parametrize("name", ["adam", "adamw", "momentum", "sgd"])
 def test_fused_updates_match_keras(strategy, name):
-    kernels: set[str] = set()
+    kernels: list[str] = []
     initial, ours = _train(
         strategy, lambda: optim.build(_config(name), total_steps=100), kernels=kernels
     )
@@ -132,6 +137,26 @@ def test_sparse_gradients_update_the_rows_looked_up_as_dense_ones_do(name, keras
         "mirrored", lambda: optim.build(_config(name), total_steps=100), embedding=True
     )
     _, theirs = _train("mirrored", lambda: _densified(keras_class, **options), embedding=True)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sharded_table_under_mirrored_reads_and_updates_only_its_rows_as_dense_keras():
+    # 4 replicas, each with its copy of the table: every copy reads and
+    # writes only the rows looked up. A gather of the whole copy (`GatherV2`
+    # of a dense read) made TensorFlow copy the whole table, and its slots, on
+    # every read after the first row-wise update: 28 times the update's cost.
+    assert strategies.get("mirrored").num_replicas_in_sync == 4
+    kernels: list[str] = []
+    sparse = lambda: optim.build(_config("adam"), total_steps=100)  # noqa: E731
+    _, ours = _train("mirrored", sparse, embedding=True, kernels=kernels, table=ShardedEmbedding)
+    assert "GatherV2" not in kernels, "no copy of a table is read whole"
+    # Each step dedupes the rows once and computes them once (on the first copy),
+    # then writes the table and Adam's 2 slots into every copy.
+    assert kernels.count("Unique") == STEPS
+    assert kernels.count("ResourceScatterUpdate") == STEPS * 3 * 4
+    dense = lambda: _densified(keras.optimizers.Adam)  # noqa: E731
+    _, theirs = _train("mirrored", dense, embedding=True, table=ShardedEmbedding)
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

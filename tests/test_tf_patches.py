@@ -199,3 +199,33 @@ def test_keras_names_the_optimizer_as_the_caller_of_its_variables_scope():
     made = dict(seen)
     assert not made["moving_mean"] and not made["gamma"]
     assert made["iteration"] and any(made[n] for n in made if "momentum" in n), seen
+
+
+def test_a_gather_of_a_mirrored_variable_reads_it_whole_and_its_replica_copy_only_the_rows():
+    strategy = tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    with strategy.scope():
+        table = tf.Variable(np.arange(20, dtype=np.float32).reshape(10, 2))
+    copy = strategy.experimental_local_results(table)[0]
+    assert tf_patches.replica_copy(copy) is copy  # not distributed: as is
+
+    def kernels(read) -> tuple[set[str], list]:
+        @tf.function
+        def lookup():
+            def replica():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(read())
+                return tape.gradient(loss, table)
+
+            return strategy.run(replica)
+
+        grads = strategy.experimental_local_results(lookup())
+        return {op.type for op in lookup.get_concrete_function().graph.get_operations()}, grads
+
+    upstream, _ = kernels(lambda: tf.nn.embedding_lookup(table, [1, 2]))
+    assert {"ReadVariableOp", "GatherV2"} <= upstream and "ResourceGather" not in upstream
+    ours, grads = kernels(lambda: tf.nn.embedding_lookup(tf_patches.replica_copy(table), [1, 2]))
+    assert "ResourceGather" in ours and "GatherV2" not in ours
+    for grad in grads:  # the tape sees the read as one of the distributed variable
+        assert isinstance(grad, tf.IndexedSlices) and grad.indices.numpy().tolist() == [1, 2]

@@ -6,17 +6,19 @@ Figures, measured side by side in one run:
    `configs/ctr.py`): `model.embedding=dynamic` against `hashed` (a static
    `ShardedEmbedding`) with as many rows (`model.capacity` = `model.vocab_size`),
    from the chief's clock marks; the ratio dynamic/hashed (target <= 1.3).
-2. `mirrored` (this process): the ctr job with sparse updates (the optimizers of
-   `trainer.loop.optim`) against dense ones (`optimizer.sparse_updates=False`: the
-   table's gradient made dense, every row updated); the speedup (target >= 5),
-   and beside it the same under `one_device`.
+2. `mirrored` on 4 logical CPUs (`UPDATE_CPUS`, in a child process:
+   `python -m trainer.bench.tables updates`): the ctr job with sparse updates
+   (the optimizers of `trainer.loop.optim`) against dense ones
+   (`optimizer.sparse_updates=False`: the table's gradient made dense, every
+   row of every replica's copy updated); the speedup (target >= 5), and beside
+   it the same under `one_device`.
 3. Quality at equal memory (`mirrored`): eval AUC of a dynamic table admitting
    ids seen twice (`model.min_count=2`) against a hashed table of the same row
    count. On today's ctr source (no drifting long-tail id option yet), whose
    ids are permuted into the vocabulary without collisions.
 4. Scale: `Sizes.table_ids` distinct ids inserted into a `DynamicEmbedding`
    split over 2 ps tasks (in-process `tf.distribute.Server`s on 127.0.0.1,
-   in a child process: `python -m trainer.bench.tables`), with Adam's slots:
+   in a child process: `python -m trainer.bench.tables scale`), with Adam's slots:
    bytes held per id, by the process's RSS growth and by the table's own
    figures (`describe()`), against `(dim + slots) x 4`; lookups per second
    per ps task.
@@ -34,6 +36,7 @@ Figures, measured side by side in one run:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import json
 import math
@@ -58,12 +61,14 @@ from trainer.bench.sizes import LOGICAL_CPUS, Sizes, timing_only
 
 EMBEDDINGS = ("hashed", "dynamic")
 UPDATE_STRATEGIES = ("mirrored", "one_device")  # sparse against dense updates
+UPDATE_CPUS = 4  # logical CPUs (so `mirrored` replicas) of the sparse/dense comparison
+SPEEDUP = "mirrored sparse/dense speedup (target >= 5)"
 SCALE_DIM = 32  # the ctr table's width
 
 
 def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     """The five figures of the module docstring; ratios beside their targets."""
-    samples = mirrored_updates(sizes, reps, workdir)
+    samples = updates_run(sizes, reps, workdir)
     for _ in range(max(1, reps // 3)):  # each round is two whole local clusters
         for kind in EMBEDDINGS:
             samples.setdefault(f"ps_{kind}_step_s", []).append(cluster_step_s(sizes, kind, workdir))
@@ -72,7 +77,8 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         "ps dynamic/hashed step time": _ratio(samples, "ps_dynamic_step_s", "ps_hashed_step_s"),
     }
     for strategy in UPDATE_STRATEGIES:
-        ratios[f"{strategy} sparse/dense speedup"] = _ratio(
+        name = SPEEDUP if strategy == "mirrored" else f"{strategy} sparse/dense speedup"
+        ratios[name] = _ratio(
             samples, f"{strategy}_sparse_examples_s", f"{strategy}_dense_examples_s"
         )
     aucs = quality(sizes, workdir)
@@ -102,7 +108,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         auc_dynamic_minus_hashed=aucs["auc_dynamic_min_count2"] - aucs["auc_hashed"],
         targets={
             "ps dynamic/hashed step time": "<= 1.3",
-            "mirrored sparse/dense speedup": ">= 5",
+            SPEEDUP: ">= 5",
             "bytes per id / (dim + slots) x 4": "<= 1.5",
         },
         scale=scale,
@@ -124,26 +130,39 @@ def _ratio(samples: dict[str, list[float]], top: str, bottom: str) -> float:
     return paired({k: samples[k] for k in (top, bottom)}, lambda r: r[top] / r[bottom])
 
 
-def ctr_config(sizes: Sizes, strategy: str, **fields):
+def ctr_config(sizes: Sizes, strategy: str, logical_cpus: int = LOGICAL_CPUS, **fields):
     """`configs/ctr.py` at this size: no checkpoints, exports or evals."""
     import configs.ctr
 
     config = configs.ctr.get_config()
     config.strategy.name = strategy
-    config.devices.logical_cpus = LOGICAL_CPUS
+    config.devices.logical_cpus = logical_cpus
     config.data.ctr.num_examples = sizes.table_examples
     return timing_only(config, sizes, fields)
+
+
+def updates_run(sizes: Sizes, reps: int, workdir: str) -> dict[str, list[float]]:
+    """`mirrored_updates` in a child process split into `UPDATE_CPUS` logical CPUs."""
+    sizes_json = json.dumps(dataclasses.asdict(sizes))
+    samples = _child_json("updates", [sizes_json, str(reps)], workdir)
+    for strategy in UPDATE_STRATEGIES:
+        sparse, dense = (samples[f"{strategy}_{k}_examples_s"] for k in ("sparse", "dense"))
+        speedups = ", ".join(f"{a / b:.2f}" for a, b in zip(sparse, dense))
+        note(f"  {strategy} sparse/dense speedup of each repetition: {speedups}")
+    return samples
 
 
 def mirrored_updates(sizes: Sizes, reps: int, workdir: str) -> dict[str, list[float]]:
     """examples/s of the ctr job, sparse against dense updates, in turn.
 
-    Under `mirrored` (the figure asked for) and, beside it, `one_device`.
+    Under `mirrored` (the figure asked for) and, beside it, `one_device`; in
+    a process split into `UPDATE_CPUS` logical CPUs (`updates_run`).
     """
     runs = {}
     for strategy in UPDATE_STRATEGIES:
         for name, sparse in (("sparse", True), ("dense", False)):
-            config = ctr_config(sizes, strategy, **{"optimizer.sparse_updates": sparse})
+            fields = {"optimizer.sparse_updates": sparse}
+            config = ctr_config(sizes, strategy, UPDATE_CPUS, **fields)
             model_dir = os.path.join(workdir, f"tables-{strategy}-{name}")
             loop = config.train.steps_per_loop
             steps = loop * max(1, sizes.table_mirrored_steps // loop)
@@ -255,17 +274,22 @@ def incremental(sizes: Sizes, workdir: str) -> dict[str, list[float]]:
 
 def scale_run(sizes: Sizes, workdir: str) -> dict:
     """`scale` in a child process (its ps servers and RSS are its own)."""
-    path = os.path.join(workdir, "tables-scale.json")
+    figures = _child_json("scale", [str(sizes.table_ids)], workdir)
+    note(f"  scale: {figures}")
+    return figures
+
+
+def _child_json(run: str, arguments: list[str], workdir: str):
+    """What `python -m trainer.bench.tables RUN ARGUMENTS... JSON` writes to JSON."""
+    path = os.path.join(workdir, f"tables-{run}.json")
     log = path + ".log"
-    command = [sys.executable, "-m", "trainer.bench.tables", str(sizes.table_ids), path]
+    command = [sys.executable, "-m", "trainer.bench.tables", run, *arguments, path]
     with child(command, log) as process:
         process.wait()
     if process.returncode:
-        raise RuntimeError(f"the scale run exited with {process.returncode}: {tail(log)}")
+        raise RuntimeError(f"the {run} run exited with {process.returncode}: {tail(log)}")
     with open(path) as f:
-        figures = json.load(f)
-    note(f"  scale: {figures}")
-    return figures
+        return json.load(f)
 
 
 def scale(ids: int, batch: int = 1 << 17) -> dict:
@@ -354,6 +378,22 @@ def _rss() -> int:
     return int(line.split()[1]) * 1024
 
 
-if __name__ == "__main__":  # `scale_run`'s child: python -m trainer.bench.tables IDS JSON
-    with open(sys.argv[2], "w") as out:
-        json.dump(scale(int(sys.argv[1])), out)
+def _updates_child(sizes: str, reps: int) -> dict[str, list[float]]:
+    """`mirrored_updates` here, split into `UPDATE_CPUS` logical CPUs; `sizes`: as JSON."""
+    from strategies import devices
+
+    devices.configure(UPDATE_CPUS, replicas=UPDATE_CPUS)
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sizes).items()}
+    with tempfile.TemporaryDirectory(prefix="tables-updates-") as workdir:
+        return mirrored_updates(Sizes(**fields), reps, workdir)
+
+
+if __name__ == "__main__":
+    # `scale_run`'s child: python -m trainer.bench.tables scale IDS JSON
+    # `updates_run`'s child: python -m trainer.bench.tables updates SIZES REPS JSON
+    if sys.argv[1] == "scale":
+        figures = scale(int(sys.argv[2]))
+    else:
+        figures = _updates_child(sys.argv[2], int(sys.argv[3]))
+    with open(sys.argv[-1], "w") as out:
+        json.dump(figures, out)

@@ -42,7 +42,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from strategies import sharding
+from strategies import sharding, tf_patches
 from towerflow.errors import UserError
 from trainer.layers import tables
 
@@ -235,7 +235,9 @@ class ShardedEmbedding(_ShardedRows, keras.layers.Layer):
 
     def call(self, inputs):
         ids = tf.cast(inputs, tf.int64)  # float ids are exact up to 2**24
-        return tf.nn.embedding_lookup([shard.value for shard in self.shards], ids)
+        # Each replica's own copy of a shard, so that only the rows looked up are read.
+        shards = [tf_patches.replica_copy(shard.value) for shard in self.shards]
+        return tf.nn.embedding_lookup(shards, ids)
 
     def compute_output_shape(self, input_shape):
         return (*input_shape, self.output_dim)
@@ -935,10 +937,11 @@ class _TablePart:
                 slots, stamps = self.table.find(keys)
             hit = (slots >= 0) & valid
             slots = tf.where(hit, slots, self.capacity)
-            rows = tf.gather(self.rows.value, slots)
+            rows = tf.gather(tf_patches.replica_copy(self.rows.value), slots)
             # A new id, or a reused slot, reads the id's initial value; the gradient
             # still reaches the row, which the optimizer resets before applying it.
-            stale = tf.where(tf.not_equal(tf.gather(self.row_stamps.value, slots), stamps))
+            row_stamps = tf_patches.replica_copy(self.row_stamps.value)
+            stale = tf.where(tf.not_equal(tf.gather(row_stamps, slots), stamps))
             initial = tables.initial_rows(seed, tf.gather_nd(keys, stale), width)
             fresh = tf.scatter_nd(
                 stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64)
