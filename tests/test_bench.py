@@ -55,6 +55,8 @@ EXPECTED = {
         "compute/service",
         "input/trainer",
         "input/service",
+        "balanced/trainer",
+        "balanced/service",
         "sweep/shared_input_cpu_s_per_trial",
         "sweep/own_input_cpu_s_per_trial",
     ),
@@ -142,6 +144,7 @@ def test_case_details(results):
     else:
         assert cases["data_service"]["notes"] == [f"hosts/ not run: {hosts.available()}"]
     assert _positive(cases["data_service"]["ratios"]["sweep/shared_over_own"])
+    assert all(1 <= b <= 2 for b in cases["data_service"]["bounds"].values())
     for contender in ("input/trainer", "input/service", "compute/trainer", "compute/service"):
         split = cases["data_service"]["step_ms"][contender]
         # The wait is taken where batches are read (the prefetch beside the step): about
