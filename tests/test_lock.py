@@ -17,7 +17,9 @@ from towerflow import storage
 from towerflow.errors import UserError
 from trainer.loop import lock, train
 
-HOLD = "import sys; from trainer.loop import lock; lock.take(sys.argv[1]); print('held', flush=True); "
+HOLD = (
+    "import sys; from trainer.loop import lock; lock.take(sys.argv[1]); print('held', flush=True); "
+)
 
 
 def _holder(model_dir, then: str = "sys.stdin.read()") -> subprocess.Popen:
