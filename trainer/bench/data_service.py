@@ -122,12 +122,11 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     # One data worker takes the input off the trainer's core: from I + C a step to
     # max(I, C), I the input's time a batch (the service's step, which waits for it) and
     # C the step's own (the compute-bound job's): 2x at most, where I = C.
-    bounds = {
-        f"{job}/bound_of_one_worker": (i + c) / max(i, c)
-        for job in ("input", "balanced")
-        if f"{job}/service" in step_time and "compute/trainer" in step_time
-        for i, c in [(step_time[f"{job}/service"]["step"], step_time["compute/trainer"]["step"])]
-    }
+    bounds = {}
+    for job in ("input", "balanced"):
+        if f"{job}/service" in step_time and "compute/trainer" in step_time:
+            i, c = step_time[f"{job}/service"]["step"], step_time["compute/trainer"]["step"]
+            bounds[f"{job}/bound_of_one_worker"] = (i + c) / max(i, c)
     ratios = {
         f"{job}/service_over_trainer": paired(
             samples, lambda r, j=job: r[f"{j}/service"] / r[f"{j}/trainer"]
@@ -199,14 +198,12 @@ def _step_time(runs: dict, samples: dict, batch: int) -> dict[str, dict[str, flo
     read, which may be the prefetch running beside the step: when the input is
     the bottleneck it is about the whole step.
     """
+    timed = [name for name, run in runs.items() if run.input_wait_ms and samples.get(name)]
+    rates = medians({name: samples[name] for name in timed})
+    waits = medians({name: runs[name].input_wait_ms for name in timed})
     split = {}
-    for name, run in runs.items():
-        waits = sorted(run.input_wait_ms)
-        rates = sorted(samples.get(name, []))
-        if not waits or not rates:
-            continue
-        step = 1000 * batch / rates[len(rates) // 2]
-        wait = waits[len(waits) // 2]
+    for name in timed:
+        step, wait = 1000 * batch / rates[name], waits[name]
         split[name] = {"step": round(step, 3), "input_wait": round(wait, 3)}
         note(f"  {name}: {step:.3g} ms a step, {wait:.3g} ms of it waiting for input")
     return split
