@@ -234,7 +234,7 @@ def state_of(model: keras.Model, optimizer) -> dict[str, np.ndarray]:
     state = {f"model/{i}": v.numpy() for i, v in enumerate(model.variables)}
     state.update({f"optimizer/{i}": v.numpy() for i, v in enumerate(optimizer.variables)})
     for index in model.get_layer("embedding").indexes():
-        for name in ("index", "slot_keys", "slot_info", "free", "counters"):
+        for name in ("index", "slot_info", "free", "counters"):
             keys, values = (t.numpy() for t in getattr(index, name).export())
             order = np.argsort(keys, kind="stable")
             state[f"{index.name}/{name}"] = np.concatenate([keys[order], values[order].ravel()])
@@ -296,7 +296,7 @@ def test_tensorboard_shows_each_blocks_ids_admissions_default_row_share_and_byte
         # Rows and two Adam moments of 32 float32 and a stamp, for capacity + 1 rows; the index.
         rows_bytes = (config.data.ctr.vocab_size + 1) * (32 * 4 * 3 + 8)
         index_bytes = table["bytes_held"] - rows_bytes
-        per_id = 2 * tables.ENTRY_BYTES + tables.PAIR_ENTRY_BYTES
+        per_id = tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES
         assert figures[strategy]["bytes_held"][20] == table["bytes_held"]
         assert held[20] * per_id <= index_bytes <= held[20] * per_id * 1.2
     # The replicas of `mirrored` admit the ids of the whole global batch, as one device does.

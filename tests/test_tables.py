@@ -165,5 +165,5 @@ def test_lookups_and_those_that_read_the_default_row_are_counted_per_step():
     figures = table.figures()
     assert (figures["lookups"], figures["defaults"]) == (10, 7)
     assert (figures["ids_held"], figures["admitted"], figures["refused"]) == (2, 2, 1)
-    # Index entries: 7, 8, 9 (id -> slot or count), 2 slots -> id; 2 slots -> (stamp, step).
-    assert figures["index_bytes"] == 5 * tables.ENTRY_BYTES + 2 * tables.PAIR_ENTRY_BYTES
+    # Index entries: 7, 8, 9 (id -> slot or count); 2 slots -> (stamp, step, id).
+    assert figures["index_bytes"] == 3 * tables.ENTRY_BYTES + 2 * tables.INFO_ENTRY_BYTES

@@ -930,9 +930,10 @@ class _TablePart:
         seed, width = self.layer.seed, self.layer.output_dim
         with self._on_device():
             if training:
-                slots, stamps = self.table.find(keys, self.table.now())
+                step = self.table.now()
+                slots, stamps = self.table.find(keys, step)
                 with tf.control_dependencies([slots]):  # ids admitted now are found next step
-                    self._admit(keys, valid)
+                    self._admit(keys, valid, step)
             else:
                 slots, stamps = self.table.find(keys)
             hit = (slots >= 0) & valid
@@ -950,23 +951,23 @@ class _TablePart:
         default = tf.where(valid[:, None], self.layer.default_row.value[None, :], 0.0)
         return tf.where(hit[:, None], rows, default)
 
-    def _admit(self, keys: tf.Tensor, valid: tf.Tensor):
+    def _admit(self, keys: tf.Tensor, valid: tf.Tensor, step: tf.Tensor):
         """Admits the `valid` ids of the whole global batch, once per process.
 
         Each replica gathers every replica's ids, and the first replica of each
         worker admits them all: the same ids in the same step under any split,
-        and every worker's table the same.
+        and every worker's table the same. `step`: the table's `now()`.
         """
         replica = tf.distribute.get_replica_context()
         if replica is None or replica.num_replicas_in_sync == 1:
-            return self.table.admit(tf.boolean_mask(keys, valid))
+            return self.table.admit(tf.boolean_mask(keys, valid), step)
         keys, valid = replica.all_gather([keys, tf.cast(valid, tf.int64)], 0)
         everyone = tf.boolean_mask(keys, tf.cast(valid, tf.bool))
         local = len(tf.distribute.get_strategy().extended.worker_devices)
         first = tf.equal(replica.replica_id_in_sync_group % local, 0)
         if tf.get_static_value(first) is not None:
-            return self.table.admit(everyone) if tf.get_static_value(first) else None
-        return tf.cond(first, lambda: self.table.admit(everyone), lambda: tf.constant(False))
+            return self.table.admit(everyone, step) if tf.get_static_value(first) else None
+        return tf.cond(first, lambda: self.table.admit(everyone, step), lambda: tf.constant(False))
 
 
 # The vocabulary of Keras-RS (`keras_rs.layers.TableConfig`, `FeatureConfig`,

@@ -5,9 +5,9 @@ A table maps raw ids (int64 over the whole 64-bit range; strings by their
 two halves:
 
 * The *index*, on the host and shared by every replica of the process: hash
-  tables (`tf.lookup.experimental.MutableHashTable`) from id to row slot, from
-  slot to id, and from slot to (stamp, last-seen step), a stack of freed slots
-  and a few counters. A value below 0 in the id -> slot table is the count of
+  tables (`tf.lookup.experimental.MutableHashTable`) from id to row slot and
+  from slot to (stamp, last-seen step, id), a stack of freed slots and a few
+  counters. A value below 0 in the id -> slot table is the count of
   an id not admitted yet (`-1 - (count + last-seen step * COUNT_LIMIT)`), so
   admission needs no second table.
   Every change to the index runs inside one `tf.CriticalSection`, so callers
@@ -96,7 +96,8 @@ _TOTALS = ("admitted", "evicted", "refused", "lookups", "defaults")  # add up ov
 # `std::unordered_map`: a node, and a bucket pointer), measured on TF 2.21,
 # Linux x86-64, as the growth of the resident memory over a million inserts.
 ENTRY_BYTES = 42  # int64 -> int64
-PAIR_ENTRY_BYTES = 76  # int64 -> two int64 (a slot's stamp and last-seen step)
+INFO_ENTRY_BYTES = 78  # int64 -> three int64 (a slot's stamp, last-seen step and id)
+_NO_SLOT = (-1, -1, 0)  # what `slot_info` gives for a free slot
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -170,8 +171,7 @@ class DynamicTable(tf.Module):
         self.sweep_every = max(1, math.ceil(self.ttl_steps / 8))
         with tf.device("/cpu:0"):
             self.index = self._hash_table(-1)
-            self.slot_keys = self._hash_table(0)
-            self.slot_info = self._hash_table(tf.constant([-1, -1], tf.int64))
+            self.slot_info = self._hash_table(tf.constant(_NO_SLOT, tf.int64))
             self.free = self._hash_table(-1)
             self.counters = self._hash_table(0)
         # A shared name of its own: the CriticalSections a process creates eagerly
@@ -195,9 +195,15 @@ class DynamicTable(tf.Module):
         self._clock = step
 
     def now(self) -> tf.Tensor:
-        """The current step."""
+        """The current step, on this table's device.
+
+        A step read from the clock is copied here once: ops of the index that
+        read the clock's variable where it lives (another ps task) made a
+        step's admission exchange control messages with that task.
+        """
         if self._clock is not None:
-            return tf.cast(tf.convert_to_tensor(self._clock), tf.int64)
+            with tf.device(self.lock_device()):
+                return tf.identity(tf.cast(tf.convert_to_tensor(self._clock), tf.int64))
         return self.counter("calls")
 
     # Counters.
@@ -225,16 +231,16 @@ class DynamicTable(tf.Module):
 
         Eager: from the coordinator under `parameter_server`, a few small reads
         on the table's ps task. The index holds an entry per id held or counted
-        (`index`), two more per id held (`slot_keys`, `slot_info`) and one per
-        slot ever freed (`free`).
+        (`index`), one more per id held (`slot_info`) and one per slot ever
+        freed (`free`).
         """
         counts = self.counters.lookup(tf.range(len(COUNTERS), dtype=tf.int64)).numpy()
         held = int(self.size())
-        entries = int(self.index.size()) + int(self.slot_keys.size()) + int(self.free.size())
+        entries = int(self.index.size()) + int(self.free.size())
         return {
             **dict(zip(COUNTERS, counts.tolist(), strict=True)),
             "ids_held": held,
-            "index_bytes": entries * ENTRY_BYTES + held * PAIR_ENTRY_BYTES,
+            "index_bytes": entries * ENTRY_BYTES + held * INFO_ENTRY_BYTES,
         }
 
     # Contents, whatever the slots and capacity.
@@ -250,7 +256,7 @@ class DynamicTable(tf.Module):
         keys, values = (tensor.numpy() for tensor in self.index.export())
         held = values >= 0
         slots = values[held]
-        info = tf.reshape(self.slot_info.lookup(tf.constant(slots, tf.int64)), [-1, 2]).numpy()
+        info = self._info(tf.constant(slots, tf.int64)).numpy()
         names, counts = (tensor.numpy() for tensor in self.counters.export())
         counters = np.zeros(len(COUNTERS), np.int64)
         counters[names] = counts
@@ -281,14 +287,13 @@ class DynamicTable(tf.Module):
         `evicted`: ids left out for want of room, added to the counter. The
         counters of the slots in use are set for the new slots.
         """
-        for table in (self.index, self.slot_keys, self.slot_info, self.free, self.counters):
+        for table in (self.index, self.slot_info, self.free, self.counters):
             table.remove(table.export()[0])
         slots = np.arange(len(keys), dtype=np.int64)
         stamps = admitted * self.capacity + slots
         self.index.insert(tf.constant(keys, tf.int64), slots)
         self.index.insert(tf.constant(waiting, tf.int64), tf.constant(waiting_values, tf.int64))
-        self.slot_keys.insert(slots, tf.constant(keys, tf.int64))
-        info = np.stack([stamps, last_seen], 1).reshape([-1, 2]).astype(np.int64)
+        info = np.stack([stamps, last_seen, keys], 1).reshape([-1, 3]).astype(np.int64)
         self.slot_info.insert(slots, info)
         counters = np.array(counters, np.int64)
         counters[_C["fresh"]], counters[_C["free"]] = len(keys), 0
@@ -326,22 +331,31 @@ class DynamicTable(tf.Module):
 
     def stamps(self, slots: tf.Tensor) -> tf.Tensor:
         """The stamp of each slot's current id: `capacity * admission step + slot` (-1: free)."""
-        return tf.reshape(self.slot_info.lookup(slots), [-1, 2])[:, 0]
+        return self._info(slots)[:, 0]
 
     def keys_of(self, slots: tf.Tensor) -> tf.Tensor:
         """The id each slot holds."""
-        return tf.reshape(self.slot_keys.lookup(slots), [-1])
+        return self._info(slots)[:, 2]
 
-    def admit(self, keys: tf.Tensor) -> tf.Operation:
+    def _info(self, slots: tf.Tensor) -> tf.Tensor:
+        """The (stamp, last-seen step, id) of each of `slots`; `_NO_SLOT` where free."""
+        return tf.reshape(self.slot_info.lookup(slots), [-1, 3])
+
+    def admit(self, keys: tf.Tensor, step: tf.Tensor | None = None) -> tf.Operation:
         """Counts int64 `keys` (1-D, a step's), admits those seen `min_count` times.
 
-        Every key's last-seen step becomes the current step; ids admitted now
-        are found from the next step on. Then, if due, the TTL sweep.
+        Every key's last-seen step becomes the current step: `step`, as `now()`
+        gave it (read here if None), or without a clock the count of calls,
+        read inside the lock. Ids admitted now are found from the next step on.
+        Then, if due, the TTL sweep.
         """
         # The clock is read outside the lock: the parts of a split table share it,
         # and a lock claims every resource read inside it for itself alone.
-        clock = None if self._clock is None else self.now()
-        return self._lock.execute(lambda: self._admit(keys, clock))
+        if self._clock is None:
+            step = None
+        elif step is None:
+            step = self.now()
+        return self._lock.execute(lambda: self._admit(keys, step))
 
     def _admit(self, keys: tf.Tensor, clock: tf.Tensor | None) -> tf.Tensor:
         step = self.now() if clock is None else clock
@@ -353,7 +367,7 @@ class DynamicTable(tf.Module):
         held = value >= 0
         held_slots = tf.boolean_mask(value, held)
         held_stamps = self.stamps(held_slots)
-        touched = self._touch(held_slots, held_stamps, step)
+        touched = self._touch(held_slots, held_stamps, tf.boolean_mask(unique, held), step)
         # What the step's lookups read (`find` at `step`): a row where the id held
         # one admitted before `step`, else the default row.
         found = tf.cast(held_stamps // self.capacity < step, tf.int64)
@@ -372,10 +386,7 @@ class DynamicTable(tf.Module):
         waiting = ~held & ~admitted
         updates = [
             self.index.insert(new_keys, new_slots),
-            self.slot_keys.insert(new_slots, new_keys),
-            self.slot_info.insert(
-                new_slots, tf.stack([new_stamps, tf.fill(tf.shape(new_stamps), step)], 1)
-            ),
+            self._touch(new_slots, new_stamps, new_keys, step),
             self._add(
                 admitted=tf.size(new_slots),
                 refused=tf.size(wanted) - tf.size(new_slots),
@@ -394,9 +405,9 @@ class DynamicTable(tf.Module):
                 return self._maybe_sweep(step)
             return tf.constant(True)
 
-    def _touch(self, slots: tf.Tensor, stamps: tf.Tensor, step: tf.Tensor):
-        """Marks `slots` (holding `stamps`) seen at `step`."""
-        seen = tf.stack([stamps, tf.fill(tf.shape(slots), step)], 1)
+    def _touch(self, slots: tf.Tensor, stamps: tf.Tensor, keys: tf.Tensor, step: tf.Tensor):
+        """Marks `slots` (holding `stamps` of `keys`) seen at `step`."""
+        seen = tf.stack([stamps, tf.fill(tf.shape(slots), step), keys], 1)
         return self.slot_info.insert(slots, seen)
 
     # Allocation and eviction.
@@ -434,13 +445,12 @@ class DynamicTable(tf.Module):
     def _export(self) -> tuple[tf.Tensor, tf.Tensor]:
         """Every held slot and its (stamp, last-seen step)."""
         slots, info = self.slot_info.export()
-        return tf.reshape(slots, [-1]), tf.reshape(info, [-1, 2])
+        return tf.reshape(slots, [-1]), tf.reshape(info, [-1, 3])
 
     def _release(self, slots: tf.Tensor, counter: str):
         """Forgets the ids of `slots` (they are counted from zero if they come back)."""
         return tf.group(
             self.index.remove(self.keys_of(slots)),
-            self.slot_keys.remove(slots),
             self.slot_info.remove(slots),
             self._add(**{counter: tf.size(slots)}),
         )
