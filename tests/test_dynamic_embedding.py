@@ -333,7 +333,9 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_pat
     assert counters[tables.COUNTERS.index("evicted")] > 0, "rows were evicted on the way"
 
 
-def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(tmp_path):
+def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(
+    tmp_path, capsys
+):
     result = launched(
         "--workers=2",
         "--ps=2",
@@ -381,6 +383,31 @@ def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(
         by_part = [scalars[f"tables/embedding/part_{index}/{figure}"][100] for index in (0, 1)]
         assert scalars[f"tables/embedding/{figure}"][100] == sum(by_part) > 0, figure
     assert results["eval"]["auc"] >= 0.7, results["eval"]  # ~0.74 here at 100 steps
+
+    # Portable: the 2 ps tasks' checkpoint evaluates on one device, the same eval as
+    # the chief's, and trains on with 1 ps task.
+    config = configs.ctr.get_config()
+    config.model.embedding, config.strategy.name = "dynamic", "one_device"
+    here = train.train_and_evaluate(config, str(tmp_path / "run"), mode="eval")
+    assert "restored ckpt-100 written with embedding in 2 parts into 1" in capsys.readouterr().out
+    assert here["tables"]["embedding"]["ids_held"] == table["ids_held"]
+    for name in ("loss", "auc"):
+        assert here["eval"][name] == pytest.approx(results["eval"][name], rel=1e-5), name
+    resumed = launched(
+        "--workers=1",
+        "--ps=1",
+        "--",
+        "--strategy=parameter_server",
+        "--config=configs/ctr.py",
+        "--config.model.embedding=dynamic",
+        "--config.train.steps=110",
+        "--config.train.export=False",
+        "--model_dir=run",
+        cwd=str(tmp_path),
+    )
+    assert "restored ckpt-100 written with embedding in 2 parts into 1" in resumed.stdout
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["step"] == 110 and len(results["tables"]["embedding"]["parts"]) == 1
 
 
 _SERVE = """
