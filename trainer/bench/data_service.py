@@ -41,7 +41,17 @@ import time
 import tensorflow as tf
 
 from trainer.bench import clock, contenders, hosts, multi_host
-from trainer.bench.harness import REPO, alternate, child, medians, note, paired, result, tail
+from trainer.bench.harness import (
+    REPO,
+    alternate,
+    child,
+    descendants_cpu_s,
+    medians,
+    note,
+    paired,
+    result,
+    tail,
+)
 from trainer.bench.sizes import Sizes, small_config
 
 BUSY_EXAMPLES = 4096
@@ -251,30 +261,10 @@ def _sweep_input_cpu_s(sizes: Sizes, shared: bool, stem: str) -> float:
 
 def data_workers_cpu_s(root: int) -> dict[int, float]:
     """The CPU seconds (user + system) of each data worker descended from process `root`."""
-    parents, commands = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            parents[int(entry)] = int(fields[1])
-            ticks = int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
-            commands[int(entry)] = (argv, ticks / os.sysconf("SC_CLK_TCK"))
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == root:
-                return True
-        return False
-
     return {
         pid: seconds
-        for pid, (argv, seconds) in commands.items()
-        if b"trainer.data_service" in argv and b"--role=worker" in argv and descends(pid)
+        for pid, (argv, seconds) in descendants_cpu_s(root).items()
+        if b"trainer.data_service" in argv and b"--role=worker" in argv
     }
 
 

@@ -146,7 +146,13 @@ def child(
 
 
 def cluster_marks(
-    topology: list[str], args: list[str], overrides: dict, model_dir: str, steps: int, loop: int
+    topology: list[str],
+    args: list[str],
+    overrides: dict,
+    model_dir: str,
+    steps: int,
+    loop: int,
+    cpu: dict[str, float] | None = None,
 ) -> list:
     """The chief's clock marks of a local cluster (`python -m trainer.launch`) run to its end.
 
@@ -160,6 +166,8 @@ def cluster_marks(
       model_dir: the run's model_dir; its clock marks and log go beside it.
       steps: the steps to time.
       loop: steps per loop.
+      cpu: if given, filled with the CPU milliseconds per step of each task
+        type (`cluster_cpu_ms`).
 
     Raises:
       RuntimeError: the cluster failed (with the end of its output).
@@ -177,12 +185,80 @@ def cluster_marks(
     command += [f"--model_dir={model_dir}", *(f"--config.{k}={v}" for k, v in overrides.items())]
     marks, log = model_dir + ".clock", model_dir + ".log"
     with child(command, log, marks) as process:
-        process.wait()
+        if cpu is None:
+            process.wait()
+        else:
+            cpu.update(cluster_cpu_ms(process, marks, steps))
     if process.returncode:
         raise RuntimeError(
             f"cluster exited with {process.returncode}: {' '.join(command)}\n{tail(log)}"
         )
     return clock.read(marks)
+
+
+def cluster_cpu_ms(process: subprocess.Popen, marks: str, steps: int) -> dict[str, float]:
+    """CPU milliseconds per step of each task type of a local cluster, once it has ended.
+
+    Between the chief's first marks past 1/4 and 3/4 of `steps` (steady state:
+    no start-up), each task type's processes summed (`chief`, `worker`,
+    `ps`: by their `TF_CONFIG`), polled while `process` (the launcher) runs.
+    Empty if the run ended before both.
+    """
+    samples = []
+    while process.poll() is None:
+        done = clock.read(marks)
+        if len(samples) < 2 and done and done[-1][0] >= steps * (1 + 2 * len(samples)) // 4:
+            samples.append((done[-1][0], cluster_cpu_s(process.pid)))
+        time.sleep(0.05)
+    if len(samples) < 2:
+        return {}
+    (first, before), (last, after) = samples
+    return {kind: (after[kind] - before.get(kind, 0.0)) * 1e3 / (last - first) for kind in after}
+
+
+def cluster_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds of the cluster tasks descended from process `root`, by task type."""
+    seconds: dict[str, float] = {}
+    for pid, (_, used) in descendants_cpu_s(root).items():
+        kind = _task_type(pid)
+        if kind:
+            seconds[kind] = seconds.get(kind, 0.0) + used
+    return seconds
+
+
+def _task_type(pid: int) -> str | None:
+    """The task type in process `pid`'s `TF_CONFIG`, or None."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for variable in f.read().split(b"\0"):
+                if variable.startswith(b"TF_CONFIG="):
+                    return json.loads(variable[len(b"TF_CONFIG=") :])["task"]["type"]
+    return None
+
+
+def descendants_cpu_s(root: int) -> dict[int, tuple[list[bytes], float]]:
+    """The argv and CPU seconds (user + system) of each process descended from `root`."""
+    parents, commands = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            parents[int(entry)] = int(fields[1])
+            ticks = int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
+            commands[int(entry)] = (argv, ticks / os.sysconf("SC_CLK_TCK"))
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+
+    return {pid: command for pid, command in commands.items() if descends(pid)}
 
 
 def tail(log: str, chars: int = 500) -> str:

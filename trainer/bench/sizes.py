@@ -60,8 +60,10 @@ class Sizes:
     straggler_runs: tuple[str, ...] = ("sync_k3", "sync_k2", "async_none", "async_scale")
     # data_service: steps of each trial of its 2-trial sweeps (the `busy` pipeline).
     service_sweep_steps: int = 300
-    # tables: the ctr job (configs/ctr.py); its ps clusters run `cluster_steps` steps.
+    # tables: the ctr job (configs/ctr.py).
     table_examples: int = 1_000_000  # ctr examples (`data.ctr.num_examples`)
+    table_cluster_rounds: int = 3  # rounds of the two ps clusters (hashed, dynamic), in turn
+    table_cluster_steps: int = 1000  # timed steps of each (300 swung the ratio 1.2 to 1.6)
     table_mirrored_steps: int = 100  # timed steps of each mirrored run, sparse and dense
     table_steps: int = 600  # steps of each quality run (the ctr job's own)
     table_ids: int = 10_000_000  # distinct ids of the scale run, over 2 ps tasks
@@ -105,6 +107,8 @@ QUICK = Sizes(
     straggler_runs=("sync_k2",),  # one cluster; the others' paths: tests/test_ps_sync.py
     service_sweep_steps=10,
     table_examples=20_000,
+    table_cluster_rounds=1,
+    table_cluster_steps=20,
     table_mirrored_steps=10,
     table_steps=20,
     table_ids=10_000,

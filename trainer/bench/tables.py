@@ -5,7 +5,12 @@ Figures, measured side by side in one run:
 1. `parameter_server` step time (local clusters of 2 workers and 2 ps,
    `configs/ctr.py`): `model.embedding=dynamic` against `hashed` (a static
    `ShardedEmbedding`) with as many rows (`model.capacity` = `model.vocab_size`),
-   from the chief's clock marks; the ratio dynamic/hashed (target <= 1.3).
+   from the chief's clock marks over `Sizes.table_cluster_steps` steps,
+   `Sizes.table_cluster_rounds` rounds of the two in turn; the ratio
+   dynamic/hashed (target <= 1.3), the median of the rounds' ratios. Beside
+   it, each task type's CPU milliseconds per step (the cluster's 5 processes
+   share this machine's cores, so the step costs what they use together),
+   and the ratio of their totals.
 2. `mirrored` on 4 logical CPUs (`UPDATE_CPUS`, in a child process:
    `python -m trainer.bench.tables updates`): the ctr job with sparse updates
    (the optimizers of `trainer.loop.optim`) against dense ones
@@ -69,13 +74,21 @@ SCALE_DIM = 32  # the ctr table's width
 def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     """The five figures of the module docstring; ratios beside their targets."""
     samples = updates_run(sizes, reps, workdir)
-    for _ in range(max(1, reps // 3)):  # each round is two whole local clusters
+    for _ in range(sizes.table_cluster_rounds):  # each round is two whole local clusters
         for kind in EMBEDDINGS:
-            samples.setdefault(f"ps_{kind}_step_s", []).append(cluster_step_s(sizes, kind, workdir))
+            step_s, cpu = cluster_step_s(sizes, kind, workdir)
+            samples.setdefault(f"ps_{kind}_step_s", []).append(step_s)
+            for task_type, ms in cpu.items():
+                samples.setdefault(f"ps_{kind}_{task_type}_cpu_ms", []).append(ms)
     figures = medians(samples)
     ratios = {
         "ps dynamic/hashed step time": _ratio(samples, "ps_dynamic_step_s", "ps_hashed_step_s"),
     }
+    cpu = {k: v for k, v in samples.items() if k.endswith("_cpu_ms")}
+    if cpu:  # a run too short to be sampled twice has none
+        ratios["ps dynamic/hashed CPU per step"] = paired(
+            cpu, lambda r: _total(r, "dynamic") / (_total(r, "hashed") or math.nan)
+        )
     for strategy in UPDATE_STRATEGIES:
         name = SPEEDUP if strategy == "mirrored" else f"{strategy} sparse/dense speedup"
         ratios[name] = _ratio(
@@ -125,6 +138,11 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     )
 
 
+def _total(figures: dict[str, float], kind: str) -> float:
+    """The CPU ms per step of every task type of the `kind` table's cluster."""
+    return sum(v for k, v in figures.items() if k.startswith(f"ps_{kind}_"))
+
+
 def _ratio(samples: dict[str, list[float]], top: str, bottom: str) -> float:
     """`top` over `bottom`, paired over the rounds that ran both."""
     return paired({k: samples[k] for k in (top, bottom)}, lambda r: r[top] / r[bottom])
@@ -172,8 +190,13 @@ def mirrored_updates(sizes: Sizes, reps: int, workdir: str) -> dict[str, list[fl
     return alternate(runs, reps)
 
 
-def cluster_step_s(sizes: Sizes, embedding: str, workdir: str) -> float:
-    """Seconds per step of the ctr job on 2 workers and 2 ps with `embedding`."""
+def cluster_step_s(sizes: Sizes, embedding: str, workdir: str) -> tuple[float, dict]:
+    """Seconds per step of the ctr job on 2 workers and 2 ps with `embedding`.
+
+    And each task type's CPU milliseconds per step (`harness.cluster_cpu_ms`,
+    the tasks of a type summed): on cores the cluster's processes share, the
+    step costs what they use together.
+    """
     config = ctr_config(sizes, "parameter_server")
     overrides = {
         "model.embedding": embedding,
@@ -182,11 +205,13 @@ def cluster_step_s(sizes: Sizes, embedding: str, workdir: str) -> float:
     }
     model_dir = tempfile.mkdtemp(prefix=f"tables-ps-{embedding}-", dir=workdir)
     args = ["--config=configs/ctr.py", "--mode=train"]
-    steps, loop = sizes.cluster_steps, config.train.steps_per_loop
-    marks = cluster_marks(["--workers=2", "--ps=2"], args, overrides, model_dir, steps, loop)
-    step_s = 1.0 / clock.rate(marks, 1.0, until=sizes.cluster_steps)
-    note(f"  parameter_server {embedding}: {step_s * 1e3:.1f} ms/step")
-    return step_s
+    steps, loop = sizes.table_cluster_steps, config.train.steps_per_loop
+    cpu: dict[str, float] = {}
+    marks = cluster_marks(["--workers=2", "--ps=2"], args, overrides, model_dir, steps, loop, cpu)
+    step_s = 1.0 / clock.rate(marks, 1.0, until=steps)
+    used = ", ".join(f"{kind} {ms:.1f}" for kind, ms in sorted(cpu.items()))
+    note(f"  parameter_server {embedding}: {step_s * 1e3:.1f} ms/step; CPU ms/step: {used}")
+    return step_s, cpu
 
 
 # The drifting long tail of raw ids (README, "Recommendation models"): 20,000 rows for
