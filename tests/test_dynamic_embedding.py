@@ -229,6 +229,19 @@ def _restored(config, model_dir) -> keras.Model:
     return _restored_job(config, model_dir).model
 
 
+def test_a_checkpoint_of_the_earlier_index_format_is_one_line_and_left_alone(tmp_path):
+    config = _ctr_config("one_device", 2)
+    job = train.build(config, str(tmp_path))
+    table = job.model.get_layer("embedding").parts[0].table
+    # The earlier format: ids in a slot -> id table of their own beside `slot_info`.
+    table.slot_keys = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
+    Checkpointer(str(tmp_path), True, 1, **train.checkpointed(job)).save(0)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError, match="earlier index format .* `slot_keys`.* new `--model_dir`"):
+        _restored_job(config, tmp_path)
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
+
+
 def state_of(model: keras.Model, optimizer) -> dict[str, np.ndarray]:
     """Every variable of `model` and `optimizer`, and every entry of the table's indexes."""
     state = {f"model/{i}": v.numpy() for i, v in enumerate(model.variables)}
@@ -333,9 +346,7 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_pat
     assert counters[tables.COUNTERS.index("evicted")] > 0, "rows were evicted on the way"
 
 
-def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(
-    tmp_path, capsys
-):
+def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(tmp_path, capsys):
     result = launched(
         "--workers=2",
         "--ps=2",

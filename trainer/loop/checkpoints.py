@@ -51,6 +51,9 @@ _STATE_FILE = "checkpoint"  # the name TensorFlow's `latest_checkpoint` reads
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
 _TASK = re.compile(r"/job:[^/]+/replica:\d+/task:\d+")
+# The slot -> id table of dynamic tables' indexes before it joined the slot -> (stamp,
+# last-seen step) table (`trainer.layers.tables`): its checkpoints are refused.
+LEGACY_TABLE = "slot_keys"
 
 
 class NoSpace(Exception):
@@ -231,6 +234,12 @@ class Checkpointer:
         # "the newest checkpoint in it": on `ram://` (whose directories are name
         # prefixes) the prefix `ckpt-20` of `ckpt-20.index` is such a path.
         found = tf.compat.v1.train.NewCheckpointReader(path).get_variable_to_shape_map()
+        if any(f"/{LEGACY_TABLE}/" in key for key in found):
+            raise UserError(
+                f"checkpoint '{path}' holds dynamic tables in an earlier index format (a "
+                f"`{LEGACY_TABLE}` table) that this version does not read; train into a new "
+                "`--model_dir`, or evaluate and export it with the version that wrote it."
+            )
         saved = [k for k in found if k.startswith("variables/")]
         differs = None
         for key, (name, shape) in self._shapes.items():
