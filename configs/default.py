@@ -220,6 +220,15 @@ def get_config() -> ml_collections.ConfigDict:
     # the config and returns a callable on each block's output (see trainer/loop/controller.py).
     c.train.actions = ""
 
+    # SavedModels written while training, for a server that follows the newest (docs/online.md):
+    # each goes to model_dir/export/<step>/ (TF Serving's layout), written under a hidden name
+    # and renamed into place when complete; the end-of-training export (`train.export`) is then
+    # a version too. Both 0: only that end-of-training export, at model_dir/export itself.
+    c.export = ml_collections.ConfigDict()
+    c.export.every_steps = 0  # steps between exports (0 = not by steps)
+    c.export.every_secs = 0.0  # seconds between exports, checked after each block (0 = not by time)
+    c.export.keep = 5  # newest versions kept in model_dir/export (0 = all)
+
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 500  # steps between evaluations (and one at the end); 0 = end only
     c.eval.global_batch_size = 256  # examples per eval step over all replicas

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import time
 from collections.abc import Callable, Iterator
 
 import ml_collections
@@ -122,6 +123,31 @@ def _in_block(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
 def checkpoint(save: Callable[[int], None], every: int) -> Action:
     """`save(step)` every `every` steps and at the end."""
     return Action(lambda output: save(output.step), every=every, at_end=True, name="checkpoint")
+
+
+def exports(write: Callable[[int], None], every_steps: int, every_secs: float) -> list[Action]:
+    """`write(step)` every `every_steps` steps and/or after the first block `every_secs` on.
+
+    The seconds count from the loop's start and from each export. With both set,
+    blocks still end at each multiple of `every_steps` and the clock is checked
+    after every block. Empty when both are 0 (the run's own end-of-training
+    export is not an action: `train.export`).
+    """
+    if not every_steps and not every_secs:
+        return []
+    if not every_secs:
+        return [Action(lambda output: write(output.step), every=every_steps, name="export")]
+    last = {"time": time.monotonic()}
+
+    def act(output: Output) -> None:
+        on_step = every_steps and output.step % every_steps == 0
+        if on_step or time.monotonic() - last["time"] >= every_secs:
+            write(output.step)
+            last["time"] = time.monotonic()
+
+    timed = Action(act, name="export")
+    # Blocks end at the step multiples too (an action of no `fn` only shapes them).
+    return [timed, Action(None, every=every_steps, name="export steps")] if every_steps else [timed]
 
 
 def evaluation(evaluate: Callable[[], dict], every: int) -> Action:

@@ -25,6 +25,9 @@ _MINIMUMS = (
     ("train.accumulation_steps", 1, "micro-batches per update; 1 = none"),
     ("eval.every", 0, "steps between evaluations (0 = end only)"),
     ("eval.global_batch_size", 1, "examples per eval step over all replicas"),
+    ("export.every_steps", 0, "steps between exports while training; 0 = not by steps"),
+    ("export.every_secs", 0, "seconds between exports while training; 0 = not by time"),
+    ("export.keep", 0, "export versions kept; 0 = all"),
 )
 
 

@@ -10,11 +10,17 @@ each batched. What it returns depends on how the model is trained:
   never a softmax of probabilities;
 - a built-in regression task: `predictions`;
 - a model the user compiled (any outputs): the model's outputs by name.
+
+Exports while training (`export.every_steps`, `export.every_secs`) go to
+`export/<version>/`, TF Serving's layout: the version is the step, each is
+written under a hidden name and renamed into place when complete, and only
+the newest `export.keep` are kept (`export_version`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
@@ -96,6 +102,34 @@ def export(
     tf.saved_model.save(module, staging, signatures={"serving_default": signature})
     storage.replace_dir(staging, path)
     return path
+
+
+def versions(base: str) -> list[int]:
+    """The versions under `base` (its subdirectories named by an integer), oldest first."""
+    if not tf.io.gfile.isdir(base):
+        return []
+    names = (name.rstrip("/") for name in tf.io.gfile.listdir(base))
+    return sorted(int(name) for name in names if name.isdigit())
+
+
+def export_version(base: str, version: int, keep: int, write: Callable[[str], object]) -> bool:
+    """Writes version `version` under `base` with `write(path)`; keeps the newest `keep`.
+
+    A version not above the newest one is skipped (versions only increase, so a
+    server that follows the newest never goes back): returns whether it wrote.
+    `write` is `export` with the model's arguments bound; it writes under a
+    hidden name and renames, so a server polling `base` never sees half a model.
+    `keep` 0 keeps every version.
+    """
+    written = versions(base)
+    if written and version <= written[-1]:
+        return False
+    tf.io.gfile.makedirs(base)
+    write(os.path.join(base, str(version)))
+    if keep:
+        for old in versions(base)[:-keep]:
+            tf.io.gfile.rmtree(os.path.join(base, str(old)))
+    return True
 
 
 def _input_specs(model: keras.Model, input_shape: tuple[int, ...] | None) -> dict:

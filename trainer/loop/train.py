@@ -40,7 +40,7 @@ from trainer.loop import (
 )
 from trainer.loop import lock as model_dir_lock
 from trainer.loop.checkpoints import Checkpointer
-from trainer.loop.export import export
+from trainer.loop.export import export, export_version
 from trainer.loop.summaries import Summaries
 
 MODES = ("train", "eval", "train_and_eval")
@@ -360,17 +360,32 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
 
 
 def _export(job: Job) -> None:
-    """Every task exports (some strategies save collectively); only the chief's is kept."""
+    """Every task exports (some strategies save collectively); only the chief's is kept.
+
+    With exports while training (`export.every_steps`, `export.every_secs`),
+    `model_dir/export` holds versions, this one `export/<step>/`; else the
+    export is `model_dir/export` itself, replaced each time.
+    """
     spec = job.dataset.spec
     raw = isinstance(job.objective, compiled.CompiledObjective)  # the user's outputs, as compiled
     args = (spec.input_shape, spec.num_classes, raw, spec.class_names)
-    if job.strategy.membership.is_chief:
-        path = os.path.join(job.model_dir, "export")
+    if not job.strategy.membership.is_chief:
+        with scratch.directory("export") as private:  # in memory: nothing left on any exit
+            export(job.model, os.path.join(private, "export"), *args)
+        return
+    path = os.path.join(job.model_dir, "export")
+    if not _exports_while_training(job.config):
         export(job.model, path, *args)
         say(f"exported SavedModel to {path}")
         return
-    with scratch.directory("export") as private:  # in memory: nothing left on any exit
-        export(job.model, os.path.join(private, "export"), *args)
+    step, keep = _step(job), job.config.export.keep
+    if export_version(path, step, keep, lambda version: export(job.model, version, *args)):
+        say(f"exported SavedModel version {step} to {path}/{step}")
+
+
+def _exports_while_training(config: ml_collections.ConfigDict) -> bool:
+    export_config = config.get("export")
+    return bool(export_config and (export_config.every_steps or export_config.every_secs))
 
 
 def sidecar_evaluate(job: Job) -> dict:
@@ -500,6 +515,8 @@ def _actions(
         *([actions.tables(lambda: layers.table_figures(job.model))] if tables else []),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
+        # After the checkpoint: an export is the model of the checkpoint at its step.
+        *_export_actions(job),
         actions.preemption(member.watch_preemption(), checkpointer.save, say),
         # A single process has no other task to lose; the watchdog then never reports.
         actions.watchdog(faults.Watchdog(member.lost_tasks, say)),
@@ -511,6 +528,14 @@ def _actions(
     if evaluate:
         built_in.append(actions.evaluation(lambda: _evaluate(job, summaries), config.eval.every))
     return built_in + job.user_actions
+
+
+def _export_actions(job: Job) -> list[actions.Action]:
+    """Exports while training (`export.every_steps`, `export.every_secs`), on every task."""
+    if not _exports_while_training(job.config):
+        return []
+    every = job.config.export
+    return actions.exports(lambda step: _export(job), every.every_steps, every.every_secs)
 
 
 def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attempt: int) -> int:
