@@ -163,6 +163,12 @@ def get_config() -> ml_collections.ConfigDict:
     # tfrecord / csv: the user's files.
     c.data.train_files = ""  # glob of training files
     c.data.eval_files = ""  # glob of eval files
+    # tfrecord / csv: train on the files of `train_files` as they keep arriving (docs/online.md):
+    # each once, in name order, unshuffled, the position saved in every checkpoint; a file counts
+    # once its base name starts with neither "." nor "_" (write it so, then rename it into place).
+    # With `train.steps=0` training goes on until stopped (SIGTERM saves and exits).
+    c.data.follow = False
+    c.data.follow_poll_secs = 1.0  # data.follow: seconds between looks for new files
     # tfrecord / csv: the features to read, "name:dtype[:shape|:var][=default],..." with dtype
     # float32 | int64 | string, a shape like 64 or 8x8x1 (none: one value), var: any length
     # (tfrecord, a ragged tensor), and the value a missing one takes (csv: one of `na_values`;
@@ -189,7 +195,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.input_shape = (64,)  # tfrecord / csv: shape of one example, when one tensor
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 1000  # total optimizer steps (a rerun continues to this)
+    c.train.steps = (
+        1000  # total optimizer steps (a rerun continues to this); data.follow: 0 = no end
+    )
     c.train.epochs = 0  # if > 0, steps = epochs * train examples // global batch
     c.train.global_batch_size = 128  # examples per step over all replicas
     # Gradient accumulation: each step's global batch runs as this many micro-batches, one

@@ -39,7 +39,7 @@ from __future__ import annotations
 import ml_collections
 
 # Each source module registers itself on import.
-from trainer.data import csv, ctr, digits, synthetic, tfrecord, user  # noqa: F401
+from trainer.data import csv, ctr, digits, follow, synthetic, tfrecord, user  # noqa: F401
 from trainer.data.base import BUILDERS, SHARDING, Dataset, DataSpec, check, names, settings
 from trainer.data.base import with_settings as _with_settings
 
@@ -62,7 +62,7 @@ def get(config: ml_collections.ConfigDict) -> Dataset:
         dataset = BUILDERS[config.name](config)
     else:
         dataset = user.dataset(config, BUILDERS.lookup("data.name", config.name, user.EXPECTED))
-    return _with_settings(dataset, checked)
+    return follow.wrap(_with_settings(dataset, checked), config)
 
 
 def from_function(config: ml_collections.ConfigDict, fn: user.PipelineFn, name: str) -> Dataset:
@@ -77,4 +77,4 @@ def from_function(config: ml_collections.ConfigDict, fn: user.PipelineFn, name: 
     named = config.copy_and_resolve_references()
     named.name = name
     origin = f"`task.name` '{name}' `dataset_fn`"
-    return _with_settings(user.dataset(named, fn, origin), checked)
+    return follow.wrap(_with_settings(user.dataset(named, fn, origin), checked), config)

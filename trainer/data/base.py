@@ -330,6 +330,12 @@ class SplitDataset:
                 ) from None
 
 
+def file_split(dataset: Dataset) -> _FileSplit | None:
+    """The training split of a source that reads files (`file_dataset`), else None."""
+    split = getattr(dataset, "train_split", None)
+    return split if isinstance(split, _FileSplit) else None
+
+
 def batches_before(step: int, context: tf.distribute.InputContext) -> int:
     """How many batches this pipeline gave steps 0, ..., `step` - 1: one per replica it feeds."""
     return step * max(1, context.num_replicas_in_sync // context.num_input_pipelines)
@@ -475,6 +481,11 @@ def glob_files(config: ml_collections.ConfigDict, kind: str) -> dict[str, list[s
                 f"e.g. `--config.data.{field}='/data/{field[:-6]}-*'`."
             )
         files[field] = sorted(tf.io.gfile.glob(pattern))
+        if not files[field] and field == "train_files" and config.get("follow", False):
+            raise UserError(
+                f"No files match `data.train_files` '{pattern}', and `data.follow` needs one "
+                "at start-up (the model's inputs come from it); write the first file, then start."
+            )
         if not files[field]:
             raise UserError(
                 f"No files match `data.{field}` '{pattern}'; give a glob that matches your "

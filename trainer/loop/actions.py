@@ -24,6 +24,7 @@ from strategies.cluster.preemption import Preempted
 from towerflow import calls
 from towerflow.errors import PREEMPTED_EXIT_CODE, UserError
 from towerflow.registry import resolve
+from trainer.data.follow import Follower
 from trainer.loop import faults
 from trainer.loop.controller import Action, Output, SkipBlock, StopTraining
 
@@ -208,18 +209,63 @@ def preemption(watch, save: Callable[[int], None], say: Callable[[str], None]) -
     manager with `check(save)`: on one process the signal itself, on a
     `multi_worker` cluster one step agreed by all.
     """
+    return Action(
+        lambda output: stop_if_preempted(watch, save, say, output.step),
+        name="preemption",
+        loop=lambda: watch,
+    )
+
+
+def stop_if_preempted(watch, save: Callable[[int], None], say: Callable[[str], None], step: int):
+    """If SIGTERM came (`watch.check`): `save(step)`, say so and raise `Preempted`."""
+    try:
+        watch.check(lambda: save(step))
+    except Preempted as e:
+        say(
+            f"preempted ({e}) at step {step}: checkpoint saved; exiting with "
+            f"{PREEMPTED_EXIT_CODE} so the scheduler restarts the job"
+        )
+        raise
+
+
+def follow(
+    follower: Follower, examples_per_step: int, block_steps: int, while_waiting: Callable[[], None]
+) -> list[Action]:
+    """Training on files as they arrive (`data.follow`): whole blocks, the position, the backlog.
+
+    Blocks end at each multiple of `block_steps`, and each starts once the ready
+    files hold its examples (`while_waiting()` runs between looks: the
+    preemption check). After every block the position moves on by the examples
+    trained on (written to the variables the checkpoint saves: so this action
+    runs first, before a recovery rolls the step back and before the
+    checkpoint), and the backlog joins the metrics: `backlog_files`,
+    `backlog_records` and `behind_s` (see `trainer.data.follow`).
+    """
 
     def act(output: Output) -> None:
-        try:
-            watch.check(lambda: save(output.step))
-        except Preempted as e:
-            say(
-                f"preempted ({e}) at step {output.step}: checkpoint saved; exiting with "
-                f"{PREEMPTED_EXIT_CODE} so the scheduler restarts the job"
-            )
-            raise
+        follower.advance(output.steps * examples_per_step)
+        follower.look_if_due()
+        figures = follower.figures()
+        output.metrics["backlog_files"] = figures["files_waiting"]
+        output.metrics["backlog_records"] = figures["records_waiting"]
+        output.metrics["behind_s"] = figures["seconds_behind"]
 
-    return Action(act, name="preemption", loop=lambda: watch)
+    @contextlib.contextmanager
+    def block(step: int) -> Iterator[None]:
+        follower.wait((block_steps - step % block_steps) * examples_per_step, while_waiting)
+        yield
+
+    @contextlib.contextmanager
+    def loop() -> Iterator[None]:
+        try:
+            yield
+        finally:
+            follower.close()  # the stream stops waiting for files
+
+    return [
+        Action(act, name="follow", loop=loop),
+        Action(None, every=block_steps, name="follow blocks", block=block),
+    ]
 
 
 class Profile:

@@ -15,6 +15,9 @@ import tensorflow as tf
 from towerflow import storage
 from towerflow.errors import UserError
 
+# `train.steps=0` with `data.follow`: a step no run reaches (the loop ends at SIGTERM).
+UNTIL_STOPPED = 2**62
+
 # (field, smallest allowed value, what it means)
 _MINIMUMS = (
     ("train.global_batch_size", 1, "examples per step over all replicas"),
@@ -60,7 +63,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "`--config.train.full_checkpoint_every=1000`."
         )
     _check_profile_steps(tuple(config.train.profile_steps))
-    if config.train.epochs == 0 and config.train.steps <= 0:
+    endless = config.train.steps == 0 and config.data.get("follow", False)
+    if config.train.epochs == 0 and config.train.steps <= 0 and not endless:
         raise UserError(
             f"`train.steps` ({config.train.steps}) must be a positive integer; "
             "set e.g. `--config.train.steps=1000`, or `train.epochs`."
@@ -134,7 +138,7 @@ def total_steps(config: ml_collections.ConfigDict, spec) -> int:
     """
     check_batch_fits(config, spec)
     if config.train.epochs == 0:
-        return config.train.steps
+        return config.train.steps or UNTIL_STOPPED
     if not spec.train_size:
         raise UserError(
             f"`train.epochs` ({config.train.epochs}) needs a dataset of known size, and "

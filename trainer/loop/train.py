@@ -23,7 +23,7 @@ from strategies.cluster import discovery, scratch
 from towerflow import calls, storage
 from towerflow.errors import UserError
 from trainer import data, layers
-from trainer.data import labels, wait
+from trainer.data import follow, labels, wait
 from trainer.data import service as data_service
 from trainer.loop import (
     actions,
@@ -45,6 +45,7 @@ from trainer.loop.summaries import Summaries
 
 MODES = ("train", "eval", "train_and_eval")
 _ONE_PIPELINE = tf.distribute.InputContext()  # one pipeline feeding one replica
+_FOLLOW_BLOCK_STEPS = 100  # `data.follow` with `train.steps_per_loop=0`: steps of a block
 
 
 @dataclasses.dataclass
@@ -62,6 +63,7 @@ class Job:
     user_actions: list[actions.Action] = dataclasses.field(default_factory=list)
     custom_step: Callable | None = None  # a user task's own `train_step`
     input_wait: wait.InputWait | None = None  # seconds the training stream kept steps waiting
+    follower: follow.Follower | None = None  # the files of `data.follow` and the position in them
 
 
 def train_and_evaluate(
@@ -172,6 +174,7 @@ def build(
         storage.check_scheme(model_dir, "--model_dir")
     _check_class_names(model_dir, dataset.spec.class_names)
     data.check(dataset)
+    follower = follow.follower_of(dataset)
     dataset = data_service.wrap(dataset, service, model_dir)
     # TensorFlow refuses clocks under op determinism (`train.deterministic`).
     timed = strategy.ordered_input and not config.train.deterministic
@@ -203,6 +206,7 @@ def build(
         user_actions,
         custom_step,
         input_wait,
+        follower,
     )
 
 
@@ -353,6 +357,8 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
             raise
         raise lost from None
     finally:
+        if job.follower:  # the input stream stops waiting for files, however the run ends
+            job.follower.close()
         summaries.close()
         checkpointer.close()
         if lock:
@@ -423,6 +429,8 @@ def checkpointed(job: Job) -> dict:
         # Listed too: a checkpoint written with other table parts restores into
         # these through the same structure (`trainer.loop.portable`).
         "tables": layers.table_indexes(job.model),
+        # `data.follow`: the file being trained on and the records of it trained on.
+        **({"input": job.follower.position} if job.follower else {}),
     }
 
 
@@ -503,9 +511,13 @@ def _actions(
 
     def log(output: controller.Output) -> None:
         summaries.scalars("train", output.step, output.metrics)
-        _tell(job, progress_line("train", output.step, output.metrics, output.total_steps))
+        total = output.total_steps if output.total_steps < checks.UNTIL_STOPPED else None
+        _tell(job, progress_line("train", output.step, output.metrics, total))
 
+    watch = member.watch_preemption()
     built_in = [
+        # First: the position in the files moves on with every block trained, rolled back or not.
+        *_follow_actions(job, watch, checkpointer),
         actions.recovery(
             lambda loss: faults.loss_blew_up(loss, config.train.loss_upper_bound), recover
         ),
@@ -517,7 +529,7 @@ def _actions(
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
         # After the checkpoint: an export is the model of the checkpoint at its step.
         *_export_actions(job),
-        actions.preemption(member.watch_preemption(), checkpointer.save, say),
+        actions.preemption(watch, checkpointer.save, say),
         # A single process has no other task to lose; the watchdog then never reports.
         actions.watchdog(faults.Watchdog(member.lost_tasks, say)),
     ]
@@ -528,6 +540,19 @@ def _actions(
     if evaluate:
         built_in.append(actions.evaluation(lambda: _evaluate(job, summaries), config.eval.every))
     return built_in + job.user_actions
+
+
+def _follow_actions(job: Job, watch, checkpointer: Checkpointer) -> list[actions.Action]:
+    """`data.follow`: whole blocks once their files are there, the position, the backlog."""
+    if job.follower is None:
+        return []
+    config = job.config
+
+    def while_waiting() -> None:  # SIGTERM while no file comes: save and stop as always
+        actions.stop_if_preempted(watch, checkpointer.save, say, _step(job))
+
+    block = config.train.steps_per_loop or _FOLLOW_BLOCK_STEPS
+    return actions.follow(job.follower, config.train.global_batch_size, block, while_waiting)
 
 
 def _export_actions(job: Job) -> list[actions.Action]:
@@ -585,7 +610,8 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
         _tell(job, f"  {name}: {', '.join(where)}")
     batch, micro = job.config.train.global_batch_size, job.config.train.accumulation_steps
     micro_batches = f" ({micro} micro-batches of {batch // micro})" if micro > 1 else ""
-    _tell(job, f"{_what(job)} | steps: {job.total_steps} | global batch: {batch}{micro_batches}")
+    steps = job.total_steps if job.total_steps < checks.UNTIL_STOPPED else "until stopped"
+    _tell(job, f"{_what(job)} | steps: {steps} | global batch: {batch}{micro_batches}")
     for note in job.dataset.notes:
         _tell(job, note)
     _tell(job, data_service.describe(job.dataset)["line"])
@@ -630,6 +656,10 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
             parts.append(f"examples: {int(value)}")
         elif name == "ids_held":  # in the dynamic tables
             parts.append(f"ids: {int(value)}")
+        elif name.startswith("backlog_"):  # `data.follow`: files and records not trained on
+            parts.append(f"{name}: {int(value)}")
+        elif name == "behind_s":
+            parts.append(f"behind_s: {value:.1f}")
         else:
             parts.append(f"{name}: {value:.4f}")
     return " | ".join(parts)
