@@ -195,9 +195,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.input_shape = (64,)  # tfrecord / csv: shape of one example, when one tensor
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = (
-        1000  # total optimizer steps (a rerun continues to this); data.follow: 0 = no end
-    )
+    # total optimizer steps (a rerun continues to this); with `data.follow`, 0 = until stopped
+    c.train.steps = 1000
     c.train.epochs = 0  # if > 0, steps = epochs * train examples // global batch
     c.train.global_batch_size = 128  # examples per step over all replicas
     # Gradient accumulation: each step's global batch runs as this many micro-batches, one

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -481,6 +482,8 @@ def glob_files(config: ml_collections.ConfigDict, kind: str) -> dict[str, list[s
                 f"e.g. `--config.data.{field}='/data/{field[:-6]}-*'`."
             )
         files[field] = sorted(tf.io.gfile.glob(pattern))
+        if field == "train_files" and config.get("follow", False):
+            files[field] = [path for path in files[field] if ready(path)]
         if not files[field] and field == "train_files" and config.get("follow", False):
             raise UserError(
                 f"No files match `data.train_files` '{pattern}', and `data.follow` needs one "
@@ -492,6 +495,11 @@ def glob_files(config: ml_collections.ConfigDict, kind: str) -> dict[str, list[s
                 f"{kind} files."
             )
     return files
+
+
+def ready(path: str) -> bool:
+    """Whether a file of `data.follow` is complete: its name starts with neither `.` nor `_`."""
+    return not os.path.basename(path.rstrip("/")).startswith((".", "_"))
 
 
 def listed(names: list[str], most: int = 12) -> str:

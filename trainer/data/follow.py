@@ -35,7 +35,6 @@ files there at start, later ones are read with the spec found then.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -44,14 +43,16 @@ import ml_collections
 import tensorflow as tf
 
 from towerflow.errors import UserError
-from trainer.data.base import Dataset, DatasetFn, Decode, TrainStreamWrapper, file_split
+from trainer.data.base import (
+    Dataset,
+    DatasetFn,
+    Decode,
+    TrainStreamWrapper,
+    file_split,
+    ready,
+)
 
 ReadFile = Callable[[tf.Tensor], tf.data.Dataset]  # one file name -> its records
-
-
-def ready(path: str) -> bool:
-    """Whether a file the glob matched is complete: its name starts with neither `.` nor `_`."""
-    return not os.path.basename(path.rstrip("/")).startswith((".", "_"))
 
 
 class Position(tf.Module):

@@ -1,0 +1,135 @@
+"""`data.follow`: files that keep arriving train once each, in name order, across restarts."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import (
+    REPO,
+    checkpoint_values,
+    config_flags,
+    one_line_error,
+    start_cli,
+    tiny_config,
+)
+from towerflow.errors import PREEMPTED_EXIT_CODE
+from trainer.loop import train
+
+ROWS = 64  # per file: one block of 4 steps of 16
+
+
+def _write_csv(path, seed: int) -> None:
+    """A file of `ROWS` examples, written under a hidden name and renamed into place."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    x = np.random.default_rng(seed).random((ROWS, 4))
+    hidden = os.path.join(os.path.dirname(path), "." + os.path.basename(path))
+    with open(hidden, "w") as f:
+        f.write("a,b,c,d,label\n")
+        for row, label in zip(x, (x.sum(1) > 2).astype(int)):
+            f.write(",".join(f"{v:.4f}" for v in row) + f",{label}\n")
+    os.rename(hidden, path)
+
+
+def _config(data_dir, **overrides):
+    return tiny_config(
+        **{
+            "strategy.name": "one_device",
+            "data.name": "csv",
+            "data.train_files": str(data_dir / "train" / "*"),
+            "data.eval_files": str(data_dir / "eval.csv"),
+            "data.input_shape": (4,),
+            "data.num_classes": 2,
+            "data.follow": True,
+            "data.follow_poll_secs": 0.2,
+            "train.global_batch_size": 16,
+            "train.steps_per_loop": 4,
+            "train.checkpoint_every": 4,
+            "train.deterministic": True,
+            **overrides,
+        }
+    )
+
+
+def _position(model_dir) -> tuple[str, int]:
+    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints"))
+    name = reader.get_tensor("input/file/.ATTRIBUTES/VARIABLE_VALUE").decode()
+    return os.path.basename(name), int(reader.get_tensor("input/offset/.ATTRIBUTES/VARIABLE_VALUE"))
+
+
+def test_files_that_arrive_between_runs_train_once_each_in_name_order(tmp_path):
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    for data_dir in (once, twice):
+        data_dir.mkdir()
+        _write_csv(data_dir / "eval.csv", 99)
+        for i in (1, 2, 3):
+            _write_csv(data_dir / "train" / f"clicks-{i}.csv", i)
+    _write_csv(once / "train" / "clicks-4.csv", 4)
+    train.train_and_evaluate(_config(once, **{"train.steps": 16}), str(tmp_path / "a"), "train")
+
+    restarted = tmp_path / "b"
+    train.train_and_evaluate(_config(twice, **{"train.steps": 8}), str(restarted), "train")
+    assert _position(restarted) == ("clicks-3.csv", 0)
+    # Then a file arrives in order; one arrives late with an earlier name, one is still
+    # being written (a hidden name), one is a marker: none of the last three is read.
+    _write_csv(twice / "train" / "clicks-4.csv", 4)
+    _write_csv(twice / "train" / "clicks-0.csv", 10)
+    _write_csv(twice / "train" / "_clicks-5.csv", 11)
+    (twice / "train" / ".clicks-6.csv").write_text("a,b,c,d,label\n1,2,")
+    train.train_and_evaluate(_config(twice, **{"train.steps": 16}), str(restarted), "train")
+    assert _position(restarted) == ("clicks-4.csv", ROWS)
+
+    # The same batches in the same order: the same weights as one run over the four files.
+    expected, got = checkpoint_values(tmp_path / "a"), checkpoint_values(restarted)
+    weights = [name for name in expected if name.startswith("variables/")]
+    assert weights
+    for name in weights:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_path):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    _write_csv(data_dir / "eval.csv", 99)
+    _write_csv(data_dir / "train" / "clicks-1.csv", 1)
+    config = _config(data_dir, **{"train.steps": 0})
+    fields = [
+        "strategy.name", "data.name", "data.train_files", "data.eval_files", "data.input_shape",
+        "data.num_classes", "data.follow", "data.follow_poll_secs", "train.steps",
+        "train.global_batch_size", "train.steps_per_loop", "train.checkpoint_every",
+    ]  # fmt: skip
+    model_dir = tmp_path / "run"
+    proc = start_cli(f"--model_dir={model_dir}", *config_flags(config, tuple(fields)), cwd=REPO)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("train | step: 4 "):  # the one file trained on: it waits now
+            break
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(lines) + proc.stdout.read()
+    assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE, out[-2000:]
+    assert "steps: until stopped" in out
+    assert "backlog_files: 0 | backlog_records: 0" in out
+    assert "preempted (SIGTERM) at step 4" in out
+    assert _position(model_dir) == ("clicks-1.csv", ROWS)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"data.name": "digits"}, "`data.follow` trains on files as they arrive"),
+        ({"data.train_files": "/nonexistent/*.csv"}, "`data.follow` needs one at start-up"),
+        ({"data.follow_poll_secs": 0.0}, "`data.follow_poll_secs` \\(0.0\\) must be > 0"),
+    ],
+)
+def test_follow_without_files_to_follow_is_one_line_and_leaves_model_dir_alone(
+    tmp_path, overrides, match
+):
+    _write_csv(tmp_path / "eval.csv", 99)
+    _write_csv(tmp_path / "train" / "clicks-1.csv", 1)
+    model_dir = tmp_path / "run"
+    config = _config(tmp_path, **overrides)
+    one_line_error(match, train.train_and_evaluate, config, str(model_dir))
+    assert not model_dir.exists()
