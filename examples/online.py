@@ -1,0 +1,214 @@
+"""The online loop: clicks keep arriving, training follows them, a server follows the exports.
+
+Three processes, each its own command (docs/online.md runs them):
+
+    python -m examples.online write --dir=online/clicks --files=1
+    python -m examples.online write --dir=online/clicks --start=1 --files=5 --every_secs=2 &
+    python -m examples.online serve --export_dir=online/run/export --seconds=120 &
+    python -m trainer --config=examples/online.py --model_dir=online/run
+
+`write` writes files of 512 clicks, one every few seconds, into `DIR/train/`
+(`clicks-00000.csv`, ...), each under a hidden name (`.clicks-00003.csv`)
+renamed into place when complete; file 0 comes after the eval file
+`DIR/eval.csv`. The clicks are the `ctr` source's (8 categorical fields
+hashed into one vocabulary of 20,000 ids, a hidden logistic click model),
+examples `k * 512` on in file `k`, so the files are the same on every run.
+
+This config (`configs/ctr.py` under `mirrored`, reading those files with
+`data.follow`) trains on each file once as it arrives, `train.steps=0`: until
+stopped (SIGTERM saves and exits 143; the next run goes on with the next
+record), and exports a SavedModel every 8 steps to `model_dir/export/<step>/`.
+
+`serve` loads the newest version each time one appears and answers
+`POST /predict` on 127.0.0.1 (`{"inputs": [[8 ids], ...]}` -> `{"version": N,
+"probabilities": [...]}`, the click probability of each example), printing
+`serving version N` as it switches; `--port_file` gets the port it listens on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import http.server
+import json
+import os
+import threading
+import time
+
+import ml_collections
+
+from configs import ctr
+
+ROWS = 512  # clicks per file
+FIELDS = 8  # id columns of a file
+EVAL_ROWS = 2048
+EVAL_FIRST = 900_000  # the eval file's first example: after every train file's
+
+
+def clicks_config() -> ml_collections.ConfigDict:
+    """`configs/ctr.py` with a vocabulary of 20,000 ids: the clicks `write` writes."""
+    c = ctr.get_config()
+    c.data.ctr.vocab_size = 20_000  # the table's rows follow it
+    return c
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """`configs/ctr.py` on `mirrored`, following the files of `write`, exporting every 8 steps."""
+    c = clicks_config()
+    c.strategy.name = "mirrored"
+    c.data.name = "csv"
+    # Relative to where the trainer runs, as `write --dir=online/clicks` makes them.
+    c.data.train_files = "online/clicks/train/*.csv"
+    c.data.eval_files = "online/clicks/eval.csv"
+    c.data.input_shape = (FIELDS,)
+    c.data.num_classes = 2
+    c.data.follow = True
+    c.data.follow_poll_secs = 0.5
+    c.train.steps = 0  # until stopped
+    c.train.global_batch_size = 128
+    c.train.steps_per_loop = 4  # a file of 512 clicks is one block
+    c.train.checkpoint_every = 8
+    c.export.every_steps = 8
+    c.export.keep = 5
+    c.eval.every = 0
+    return c
+
+
+@functools.cache
+def _source():
+    from trainer import data
+
+    return data.get(clicks_config().data)
+
+
+def clicks(first: int, count: int):
+    """Examples `first, ..., first + count - 1` of the `ctr` source: ids (float32) and labels."""
+    import tensorflow as tf
+
+    return _source().train_split.decode(tf.range(first, first + count, dtype=tf.int64))
+
+
+def write_csv(path: str, first: int, count: int) -> None:
+    """A CSV file of clicks, written under a hidden name and renamed into place."""
+    ids, labels = clicks(first, count)
+    lines = [",".join([*(f"f{i}" for i in range(FIELDS)), "label"])]
+    for row, label in zip(ids.numpy().astype(int), labels.numpy()):
+        lines.append(",".join(map(str, [*row, int(label)])))
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    hidden = os.path.join(directory, "." + name)
+    with open(hidden, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.rename(hidden, path)  # complete: now `data.follow` may read it
+
+
+def write(directory: str, start: int, files: int, every_secs: float) -> None:
+    """`files` files of clicks into `directory/train` from file `start` on, one every `every_secs`.
+
+    From file 0: the eval file first.
+    """
+    if start == 0:
+        write_csv(os.path.join(directory, "eval.csv"), EVAL_FIRST, EVAL_ROWS)
+    for k in range(start, start + files):
+        if k > start:
+            time.sleep(every_secs)
+        path = os.path.join(directory, "train", f"clicks-{k:05d}.csv")
+        write_csv(path, k * ROWS, ROWS)
+        print(f"wrote {path}", flush=True)
+
+
+class Server:
+    """The newest SavedModel under `export_dir`, reloaded as versions appear."""
+
+    def __init__(self, export_dir: str):
+        self.export_dir = export_dir
+        self.version, self._serve = None, None
+        self._lock = threading.Lock()
+
+    def follow(self, poll_secs: float, stop: threading.Event) -> None:
+        """Loads each new newest version until `stop` is set."""
+        import tensorflow as tf
+
+        from trainer.loop.export import versions
+
+        while not stop.is_set():
+            newest = (versions(self.export_dir) or [None])[-1]
+            if newest is not None and newest != self.version:
+                loaded = tf.saved_model.load(os.path.join(self.export_dir, str(newest)))
+                with self._lock:
+                    self.version, self._serve = newest, loaded.signatures["serving_default"]
+                print(f"serving version {newest}", flush=True)
+            stop.wait(poll_secs)
+
+    def predict(self, inputs: list[list[float]]) -> dict:
+        """The click probability of each example, and the version that gave it."""
+        import tensorflow as tf
+
+        with self._lock:
+            version, serve = self.version, self._serve
+        if serve is None:
+            return {"version": None, "probabilities": []}
+        probabilities = serve(inputs=tf.constant(inputs, tf.float32))["probabilities"]
+        return {"version": version, "probabilities": probabilities[:, 1].numpy().tolist()}
+
+
+def serve(export_dir: str, poll_secs: float, port_file: str, seconds: float) -> None:
+    """Answers `POST /predict` on 127.0.0.1 with the newest export, for `seconds` (0: ever)."""
+    server = Server(export_dir)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the name http.server calls
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            answer = json.dumps(server.predict(body["inputs"])).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):  # quiet: one line per version, not per request
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = httpd.server_address[1]
+    print(f"answering POST http://127.0.0.1:{port}/predict", flush=True)
+    if port_file:
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(port))
+        os.rename(port_file + ".tmp", port_file)
+    stop = threading.Event()
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    if seconds:
+        threading.Timer(seconds, stop.set).start()
+    try:
+        server.follow(poll_secs, stop)
+    finally:
+        httpd.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`write` or `serve` (see the module's docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    writer = commands.add_parser("write", help="write click files as they would arrive")
+    writer.add_argument("--dir", default="online/clicks")
+    writer.add_argument("--start", type=int, default=0, help="the first file's number")
+    writer.add_argument("--files", type=int, default=6)
+    writer.add_argument("--every_secs", type=float, default=3.0)
+    server = commands.add_parser("serve", help="serve the newest export")
+    server.add_argument("--export_dir", default="online/run/export")
+    server.add_argument("--poll_secs", type=float, default=0.5)
+    server.add_argument("--port_file", default="")
+    server.add_argument(
+        "--seconds", type=float, default=0.0, help="stop after this long (0: never)"
+    )
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+    if args.command == "write":
+        write(args.dir, args.start, args.files, args.every_secs)
+    else:
+        serve(args.export_dir, args.poll_secs, args.port_file, args.seconds)
+
+
+if __name__ == "__main__":
+    main()
