@@ -10,8 +10,9 @@ Three processes, each its own command (docs/online.md runs them):
 `write` writes files of 512 clicks, one every few seconds, into `DIR/train/`
 (`clicks-00000.csv`, ...), each under a hidden name (`.clicks-00003.csv`)
 renamed into place when complete; file 0 comes after the eval file
-`DIR/eval.csv`. The clicks are the `ctr` source's (8 categorical fields
-hashed into one vocabulary of 20,000 ids, a hidden logistic click model),
+`DIR/eval.csv`. The clicks are the `ctr` source's (8 categorical fields of
+2,000 values hashed into one vocabulary of 20,000 ids, a hidden logistic
+click model),
 examples `k * 512` on in file `k`, so the files are the same on every run.
 
 This config (`configs/ctr.py` under `mirrored`, reading those files with
@@ -46,8 +47,9 @@ EVAL_FIRST = 900_000  # the eval file's first example: after every train file's
 
 
 def clicks_config() -> ml_collections.ConfigDict:
-    """`configs/ctr.py` with a vocabulary of 20,000 ids: the clicks `write` writes."""
+    """`configs/ctr.py`, 2,000 values a field in 20,000 ids: the clicks `write` writes."""
     c = ctr.get_config()
+    c.data.ctr.ids_per_field = 2_000  # values of each of the 8 fields
     c.data.ctr.vocab_size = 20_000  # the table's rows follow it
     return c
 
@@ -154,6 +156,8 @@ class Server:
 
 def serve(export_dir: str, poll_secs: float, port_file: str, seconds: float) -> None:
     """Answers `POST /predict` on 127.0.0.1 with the newest export, for `seconds` (0: ever)."""
+    import tensorflow  # noqa: F401 - once, before the first request waits for it
+
     server = Server(export_dir)
 
     class Handler(http.server.BaseHTTPRequestHandler):

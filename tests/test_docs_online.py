@@ -1,0 +1,81 @@
+"""docs/online.md's commands run as written: the served version advances while training runs.
+
+The ```sh block of the page runs in a scratch directory made to look like a
+clone's top directory (`examples/` there, this repository importable), as a
+user types it (the writer and the server in the background,
+the trainer in front). While it runs, the test asks the server for the
+probabilities of a few clicks; afterwards each version it was answered by
+must give what the checkpoint of that step gives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import tensorflow as tf
+
+from examples import online
+from tests.helpers import REPO, TIMEOUT_S, kill, spawn
+from trainer.loop import models, tasks, train
+from trainer.loop.checkpoints import Checkpointer
+
+PAGE = pathlib.Path(REPO) / "docs" / "online.md"
+
+
+def page_block() -> str:
+    """The page's one ```sh block, continued lines joined."""
+    (block,) = re.findall(r"^```sh\n(.*?)^```", PAGE.read_text(), re.MULTILINE | re.DOTALL)
+    return block.replace("\\\n", " ")
+
+
+def _ask(port: int, inputs: list) -> dict:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/predict", data=json.dumps({"inputs": inputs}).encode()
+    )
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.loads(answer.read())
+
+
+def test_the_served_version_advances_while_training_and_matches_its_checkpoint(tmp_path):
+    (tmp_path / "examples").symlink_to(pathlib.Path(REPO, "examples"))  # as in a clone's top
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    log = tmp_path / "output.txt"
+    with open(log, "w") as out:  # a file, not a pipe: nothing blocks on a full pipe
+        shell = spawn(["bash", "-e", "-c", page_block()], cwd=tmp_path, env=env, stdout=out,
+                      stderr=subprocess.STDOUT)  # fmt: skip
+    probe = online.clicks(online.EVAL_FIRST, 8)[0].numpy().tolist()
+    answers = []
+    try:
+        port_file, deadline = tmp_path / "online" / "port", time.monotonic() + TIMEOUT_S
+        while shell.poll() is None and time.monotonic() < deadline:
+            if port_file.exists():
+                answer = _ask(int(port_file.read_text()), probe)
+                if answer["version"] is not None:
+                    answers.append(answer)
+            time.sleep(0.3)
+        assert shell.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        kill(shell)  # the background writer and server too
+    served = {a["version"]: a["probabilities"] for a in answers}
+    order = [a["version"] for a in answers]
+    assert order == sorted(order), "a server following the newest never goes back"
+    assert len(served) >= 2, f"the served version did not advance while training: {order}"
+
+    config = online.get_config()
+    for field in ("train_files", "eval_files"):  # the page's relative paths, from the scratch dir
+        config.data[field] = str(tmp_path / config.data[field])
+    job = train.build(config, str(tmp_path / "online" / "run"))
+    checkpointer = Checkpointer(job.model_dir, False, 1, **train.checkpointed(job))
+    for version, probabilities in served.items():
+        checkpointer.restore(f"{job.model_dir}/checkpoints/ckpt-{version}")
+        logits = job.model(tf.constant(probe), training=False)
+        kind = models.output_kind(job.model)
+        expected = tasks.Classification(2, kind).probabilities(logits)[:, 1].numpy()
+        np.testing.assert_allclose(probabilities, expected, rtol=1e-5, atol=1e-6)
