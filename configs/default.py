@@ -216,6 +216,11 @@ def get_config() -> ml_collections.ConfigDict:
     # rows changed since it (and the rest whole); restoring one replays it over its full one.
     # Pays at short `checkpoint_every` (README, "Recommendation models"). 0 = every one full.
     c.train.full_checkpoint_every = 0
+    # Start a new run from another run's variables (docs/online.md): its `model_dir` (newest
+    # checkpoint) or one checkpoint; only when this model_dir has no checkpoint (a resume wins).
+    c.train.warm_start = ""
+    # A regular expression of the variable names loaded (e.g. "embedding": the tables); "" = all.
+    c.train.warm_start_include = ""
     c.train.export = True  # write a SavedModel to model_dir/export at the end
     c.train.loss_upper_bound = 0.0  # a loop loss above this counts as a blow-up (0 = none)
     c.train.max_recoveries = 3  # blow-ups recovered from the last good checkpoint, then stop

@@ -37,6 +37,7 @@ from trainer.loop import (
     precision,
     steps,
     tasks,
+    warm_start,
 )
 from trainer.loop import lock as model_dir_lock
 from trainer.loop.checkpoints import Checkpointer
@@ -64,6 +65,7 @@ class Job:
     custom_step: Callable | None = None  # a user task's own `train_step`
     input_wait: wait.InputWait | None = None  # seconds the training stream kept steps waiting
     follower: follow.Follower | None = None  # the files of `data.follow` and the position in them
+    warm_start: warm_start.Plan | None = None  # what `train.warm_start` loads into a fresh run
 
 
 def train_and_evaluate(
@@ -194,6 +196,7 @@ def build(
         optimizer.build(model.trainable_variables)
         objective = _objective(model, dataset, config)
     user_actions = actions.user_actions(config.train.get("actions", ""), config)
+    warm = warm_start.plan(config, model, list(model.variables))  # checked before any write
     return Job(
         config,
         model_dir,
@@ -207,6 +210,7 @@ def build(
         custom_step,
         input_wait,
         follower,
+        warm,
     )
 
 
@@ -313,11 +317,15 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
             say(f"restored {restored} at step {_step(job)}")
             if checkpointer.resplit:  # written with other table parts or shards
                 say(checkpointer.resplit)
+            if job.warm_start:
+                say("`train.warm_start` left aside: this run resumes from its own checkpoint")
         elif mode == "eval":
             raise UserError(
                 f"`--mode=eval` needs a checkpoint, and `{job.model_dir}` has none; "
                 "train first (`--mode=train_and_eval`)."
             )
+        elif job.warm_start:
+            say(warm_start.apply(job.warm_start))
         placement = strategy.describe(job.model.variables)
         _log_start(job, placement, summaries)
         train_metrics = {}
@@ -620,6 +628,7 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     if strategy.membership.is_chief:
         config_json = _recorded(job).to_json_best_effort(indent=2, sort_keys=True)
         storage.write_text(os.path.join(job.model_dir, "config.json"), config_json + "\n")
+        warm_start.record(job.model, checkpointed(job)["variables"], job.model_dir)
         summaries.text("config", f"```\n{config_json}\n```")
         summaries.hparams(job.config, os.path.basename(os.path.abspath(job.model_dir)))
 

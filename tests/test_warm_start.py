@@ -1,0 +1,111 @@
+"""`train.warm_start`: a new run begins from another run's variables, dynamic tables included."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import configs.ctr
+from tests.helpers import one_line_error
+from trainer.loop import train
+from trainer.loop.checkpoints import Checkpointer
+
+SMALL = {
+    "strategy.name": "one_device",
+    "devices.logical_cpus": 4,
+    "data.ctr.id_space": "raw",
+    "data.ctr.num_examples": 4000,
+    "data.ctr.ids_per_field": 300,
+    "model.embedding": "dynamic",
+    "model.vocab_size": 4000,
+    "model.embedding_dim": 8,
+    "model.hidden_units": (16,),
+    "train.steps": 10,
+    "train.steps_per_loop": 5,
+    "train.global_batch_size": 64,
+    "train.checkpoint_every": 10,
+    "train.export": False,
+}
+
+
+def _build(config, model_dir):
+    """The job of `config`, its layers named as in a new process (`dense`, `dense_1`, ...).
+
+    Keras numbers auto-named layers per process: a second model built here would
+    have `dense_2`, where a new run of the same config has `dense`.
+    """
+    keras.backend.clear_session()
+    return train.build(config, str(model_dir))
+
+
+def _config(**overrides):
+    config = configs.ctr.get_config()
+    config.update_from_flattened_dict({**SMALL, **overrides})
+    return config
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run of the click model with a dynamic table of raw int64 ids: its model_dir."""
+    model_dir = tmp_path_factory.mktemp("warm") / "first"
+    train.train_and_evaluate(_config(), str(model_dir), mode="train")
+    return model_dir
+
+
+def _predictions(job, ids):
+    return job.model(ids, training=False).numpy()
+
+
+def _restored(model_dir, config):
+    job = _build(config, model_dir)
+    Checkpointer(str(model_dir), False, 1, **train.checkpointed(job)).restore()
+    return job
+
+
+def test_a_warm_start_loads_the_tables_ids_and_the_dense_layers(trained, tmp_path):
+    config = _config(**{"train.warm_start": str(trained)})
+    job = _build(config, tmp_path / "second")
+    line = train.warm_start.apply(job.warm_start)
+    assert "the ids of embedding" in line and "none fresh" in line
+    ids = next(iter(job.dataset.eval_fn(64)(tf.distribute.InputContext())))[0]
+    warmed = _predictions(job, ids)
+    np.testing.assert_allclose(warmed, _predictions(_restored(trained, _config()), ids), rtol=1e-6)
+
+
+def test_warm_start_include_loads_only_the_names_it_matches(trained, tmp_path):
+    config = _config(**{"train.warm_start": str(trained), "train.warm_start_include": "^dense"})
+    job = _build(config, tmp_path / "second")
+    assert not job.warm_start.tables, "the table is left out: it starts empty"
+    assert job.warm_start.fresh and all("dense" not in name for name in job.warm_start.fresh)
+
+
+def test_a_run_with_its_own_checkpoint_resumes_and_says_the_warm_start_is_left_aside(
+    trained, tmp_path, capsys
+):
+    model_dir = str(tmp_path / "second")
+    keras.backend.clear_session()
+    train.train_and_evaluate(_config(), model_dir, mode="train")
+    capsys.readouterr()
+    config = _config(**{"train.warm_start": str(trained), "train.steps": 15})
+    train.train_and_evaluate(config, model_dir, mode="train")
+    out = capsys.readouterr().out
+    assert "`train.warm_start` left aside" in out and "warm start from" not in out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"train.warm_start": "/nonexistent/run"}, "holds no checkpoint"),
+        ({"data.ctr.id_dtype": "string"}, "has int64 keys there and string here"),
+        ({"model.hidden_units": (8,)}, "is \\(.*\\) there and \\(.*\\) here"),
+        ({"train.warm_start_include": "("}, "is not a regular expression"),
+    ],
+)
+def test_a_warm_start_that_cannot_load_is_one_line_and_leaves_model_dir_alone(
+    trained, tmp_path, overrides, match
+):
+    config = _config(**{"train.warm_start": str(trained), **overrides})
+    model_dir = tmp_path / "second"
+    keras.backend.clear_session()
+    one_line_error(match, train.train_and_evaluate, config, str(model_dir))
+    assert not model_dir.exists()

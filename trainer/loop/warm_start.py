@@ -1,0 +1,176 @@
+"""Warm start: a new run begins from another run's variables (`train.warm_start`).
+
+`train.warm_start` names another run's `model_dir` (its newest checkpoint)
+or one checkpoint in it (`.../checkpoints/ckpt-600`);
+`train.warm_start_include` is a regular expression of the variable names to
+load (e.g. `embedding` for the tables only). A model variable whose name
+matches is loaded from the variable of the same name there; a dynamic
+table's ids come with its rows (its index, part by part). The optimizer, the
+step and everything else start fresh; so does a variable the other run does
+not have, which the report line names.
+
+Names come from `variables.json`, which every run writes beside its
+`config.json` (`record`): each checkpoint variable's name and shape, and
+each dynamic table part's layer and key dtype. It applies only when the
+run's own `model_dir` has no checkpoint: a resume wins (`train.py` says so).
+
+Dynamic tables load into the same number of parts they were saved with (the
+same ps count, or one part on any single-process strategy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import keras
+import ml_collections
+import numpy as np
+import tensorflow as tf
+
+from towerflow import storage
+from towerflow.errors import UserError
+from trainer import layers
+from trainer.data.base import listed
+
+NAMES_FILE = "variables.json"
+
+
+def record(model: keras.Model, variables: list, model_dir: str) -> None:
+    """Writes `model_dir/variables.json`: the checkpoint's variables and table parts, in order."""
+    names = [{"name": _name(v), "shape": list(v.shape)} for v in variables]
+    tables = [
+        {"layer": layer.name, "part": i, "key_dtype": layer.key_dtype}
+        for layer in layers.dynamic_tables(model)
+        for i in range(layer.num_parts)
+    ]
+    storage.write_json(os.path.join(model_dir, NAMES_FILE), {"variables": names, "tables": tables})
+
+
+def _name(variable) -> str:
+    return getattr(variable, "path", None) or variable.name
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a warm start loads: checkpoint keys into model variables, table parts by position."""
+
+    checkpoint: str
+    variables: list[tuple[str, object]]  # (checkpoint key, model variable)
+    tables: dict[str, list[tuple[int, tf.Module]]]  # layer -> (position there, its part's index)
+    fresh: list[str]  # model variables that start fresh (not matched, or left out)
+
+    def line(self) -> str:
+        """The one-line report of what was loaded and what starts fresh."""
+        tables = f", the ids of {', '.join(self.tables)}" if self.tables else ""
+        fresh = "none fresh"
+        if self.fresh:
+            fresh = f"{len(self.fresh)} start fresh ({listed(self.fresh, 4)})"
+        return (
+            f"warm start from {self.checkpoint}: loaded {len(self.variables)} variables{tables}; "
+            f"{fresh}; the optimizer and the step start fresh"
+        )
+
+
+def plan(config: ml_collections.ConfigDict, model: keras.Model, variables: list) -> Plan | None:
+    """What `train.warm_start` loads into `model` (its checkpoint's `variables`); checks only.
+
+    Raises:
+      UserError: no checkpoint at the path, no `variables.json` beside it, a bad
+        regular expression, a name that matches with another shape, or a table
+        of another key dtype or number of parts.
+    """
+    source = config.train.get("warm_start", "")
+    if not source:
+        return None
+    pattern = config.train.get("warm_start_include", "") or ".*"
+    try:
+        include = re.compile(pattern)
+    except re.error as e:
+        raise UserError(
+            f"`train.warm_start_include` '{pattern}' is not a regular expression ({e}); "
+            "give e.g. 'embedding' (the tables) or '.*' (everything)."
+        ) from None
+    checkpoint, recorded = _checkpoint_of(source)
+    tables = _tables(source, recorded, model, include)  # before shapes: a split changes them
+    there = {v["name"]: (i, tuple(v["shape"])) for i, v in enumerate(recorded["variables"])}
+    loaded, fresh = [], []
+    for variable in variables:
+        name = _name(variable)
+        if not include.search(name) or name not in there:
+            fresh.append(name)
+            continue
+        i, shape = there[name]
+        if shape != tuple(variable.shape):
+            raise UserError(
+                f"`train.warm_start` '{source}': `{name}` is {shape} there and "
+                f"{tuple(variable.shape)} here; leave it out with `train.warm_start_include`, "
+                "or warm start from a run of this model."
+            )
+        loaded.append((f"variables/{i}/.ATTRIBUTES/VARIABLE_VALUE", variable))
+    return Plan(checkpoint, loaded, tables, fresh)
+
+
+def _checkpoint_of(source: str) -> tuple[str, dict]:
+    """The checkpoint `source` names (a model_dir or a checkpoint) and its `variables.json`."""
+    model_dir, checkpoint = source, tf.train.latest_checkpoint(os.path.join(source, "checkpoints"))
+    if checkpoint is None and tf.io.gfile.exists(source + ".index"):
+        model_dir, checkpoint = os.path.dirname(os.path.dirname(source)), source
+    if checkpoint is None:
+        raise UserError(
+            f"`train.warm_start` '{source}' holds no checkpoint; give another run's "
+            "`model_dir` (or one checkpoint in it, e.g. '.../checkpoints/ckpt-600')."
+        )
+    recorded = storage.read_json(os.path.join(model_dir, NAMES_FILE))
+    if not recorded:
+        raise UserError(
+            f"`train.warm_start` '{source}' has no `{NAMES_FILE}` (the names of its variables, "
+            "written by runs of this version); retrain it, or restore it as this run's own "
+            "checkpoint in its `model_dir`."
+        )
+    return checkpoint, recorded
+
+
+def _tables(
+    source: str, recorded: dict, model: keras.Model, include: re.Pattern
+) -> dict[str, list[tuple[int, tf.Module]]]:
+    """Each included dynamic table's parts: (position there, this model's part's index)."""
+    there: dict[str, list[tuple[int, dict]]] = {}
+    for position, part in enumerate(recorded["tables"]):
+        there.setdefault(part["layer"], []).append((position, part))
+    matched = {}
+    for layer in layers.dynamic_tables(model):
+        if not include.search(layer.name) or layer.name not in there:
+            continue
+        parts = there[layer.name]
+        key_dtype = parts[0][1]["key_dtype"]
+        if key_dtype != layer.key_dtype:
+            raise UserError(
+                f"`train.warm_start` '{source}': table `{layer.name}` has {key_dtype} keys there "
+                f"and {layer.key_dtype} here; leave it out with `train.warm_start_include`."
+            )
+        if len(parts) != layer.num_parts:
+            raise UserError(
+                f"`train.warm_start` '{source}': table `{layer.name}` has {len(parts)} parts "
+                f"there and {layer.num_parts} here; warm start it on as many ps tasks (or one "
+                "process from one part), or leave it out with `train.warm_start_include`."
+            )
+        pairs = zip(parts, layer.indexes(), strict=True)
+        matched[layer.name] = [(position, index) for (position, _), index in pairs]
+    return matched
+
+
+def apply(warm: Plan) -> str:
+    """Loads what `warm` planned; returns the report line."""
+    reader = tf.train.load_checkpoint(warm.checkpoint)
+    for key, variable in warm.variables:
+        variable.assign(np.asarray(reader.get_tensor(key)))
+    parts = [pair for pairs in warm.tables.values() for pair in pairs]
+    if parts:
+        # The checkpoint's list of table indexes, with this model's parts where they load.
+        indexes: list[tf.Module] = [tf.Module() for _ in range(max(p for p, _ in parts) + 1)]
+        for position, index in parts:
+            indexes[position] = index
+        tf.train.Checkpoint(tables=indexes).read(warm.checkpoint).expect_partial()
+    return warm.line()
