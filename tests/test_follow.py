@@ -133,3 +133,45 @@ def test_follow_without_files_to_follow_is_one_line_and_leaves_model_dir_alone(
     config = _config(tmp_path, **overrides)
     one_line_error(match, train.train_and_evaluate, config, str(model_dir))
     assert not model_dir.exists()
+
+
+def _write_tfrecord(path, rows: int, value: float) -> None:
+    """`rows` examples whose features all hold `value` (their file's mark)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for _ in range(rows):
+            feature = {
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=[value] * 4)),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[1])),
+            }
+            writer.write(
+                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+            )
+
+
+def test_a_tfrecord_stream_reads_a_new_file_once_it_is_found(tmp_path):
+    from trainer import data
+    from trainer.data import follow
+
+    _write_tfrecord(tmp_path / "eval.tfrecord", 16, 0.0)
+    _write_tfrecord(tmp_path / "train" / "part-1", ROWS, 1.0)
+    config = _config(
+        tmp_path, **{"data.name": "tfrecord", "data.eval_files": str(tmp_path / "eval.tfrecord")}
+    )
+    dataset = data.get(config.data)
+    follower = follow.follower_of(dataset)
+    batches = iter(dataset.train_fn(16, seed=0)(tf.distribute.InputContext()))
+    try:
+        assert [float(next(batches)[0][0, 0]) for _ in range(4)] == [1.0] * 4
+        follower.advance(ROWS)
+        assert follower.figures() == {
+            "files_waiting": 0.0,
+            "records_waiting": 0.0,
+            "seconds_behind": 0.0,
+        }
+        _write_tfrecord(tmp_path / "train" / "part-2", ROWS, 2.0)
+        follower.refresh()
+        assert follower.figures()["files_waiting"] == 1.0
+        assert float(next(batches)[0][0, 0]) == 2.0, "the new file's records come next"
+    finally:
+        follower.close()

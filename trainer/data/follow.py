@@ -117,6 +117,7 @@ class Follower:
             if last is None and first and (not new or new[0].name != first):
                 self._offset = 0  # the file of the position is gone: its next one from the start
             self._files.extend(new)
+            self._drop_done()
             self._found.notify_all()
 
     def look_if_due(self) -> None:
@@ -136,11 +137,15 @@ class Follower:
         """Moves the position on by `records` trained on; writes it to `position`."""
         with self._found:
             self._offset += records
-            while len(self._files) > 1 and self._offset >= self._files[0].records:
-                self._offset -= self._files.pop(0).records
+            self._drop_done()
             name = self._files[0].name if self._files else ""
             self.position.file.assign(name)
             self.position.offset.assign(self._offset)
+
+    def _drop_done(self) -> None:
+        """Forgets the files trained on whole, while a later one is known (under the lock)."""
+        while len(self._files) > 1 and self._offset >= self._files[0].records:
+            self._offset -= self._files.pop(0).records
 
     def wait(self, records: int, still_waiting: Callable[[], None]) -> None:
         """Returns once the ready files hold `records` not trained on.
@@ -159,9 +164,8 @@ class Follower:
             files = list(self._files)
             offset = self._offset
         left = sum(f.records for f in files) - offset
-        started = files and offset > 0 and offset < files[0].records
-        unread = [f for i, f in enumerate(files) if i > 0 or not started]
-        unread = [f for f in unread if f.records] if left else []
+        # Not started: the files after the current one, and the current one if untouched.
+        unread = [f for i, f in enumerate(files) if (i > 0 or offset == 0) and f.records]
         behind = files[-1].mtime - files[0].mtime if files and left else 0.0
         return {
             "files_waiting": float(len(unread)),
