@@ -427,6 +427,7 @@ def sidecar_evaluate(job: Job) -> dict:
 
 def checkpointed(job: Job) -> dict:
     """What a checkpoint of `job` holds: the `Checkpointer`'s objects (also the benchmark's)."""
+    follower = getattr(job, "follower", None)  # none where a job is a model and optimizer only
     return {
         "model": job.model,
         "optimizer": job.optimizer,
@@ -438,7 +439,7 @@ def checkpointed(job: Job) -> dict:
         # these through the same structure (`trainer.loop.portable`).
         "tables": layers.table_indexes(job.model),
         # `data.follow`: the file being trained on and the records of it trained on.
-        **({"input": job.follower.position} if job.follower else {}),
+        **({"input": follower.position} if follower else {}),
     }
 
 
