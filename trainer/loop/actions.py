@@ -126,13 +126,20 @@ def checkpoint(save: Callable[[int], None], every: int) -> Action:
     return Action(lambda output: save(output.step), every=every, at_end=True, name="checkpoint")
 
 
-def exports(write: Callable[[int], None], every_steps: int, every_secs: float) -> list[Action]:
+def exports(
+    write: Callable[[int], None],
+    every_steps: int,
+    every_secs: float,
+    agree: Callable[[int], int] = lambda due: due,
+) -> list[Action]:
     """`write(step)` every `every_steps` steps and/or after the first block `every_secs` on.
 
-    The seconds count from the loop's start and from each export. With both set,
-    blocks still end at each multiple of `every_steps` and the clock is checked
-    after every block. Empty when both are 0 (the run's own end-of-training
-    export is not an action: `train.export`).
+    The seconds count from the loop's start and from each export, on the
+    chief's clock: `agree` (`Membership.agree`) hands every task of a cluster
+    the chief's decision, since some strategies export collectively. With both
+    set, blocks still end at each multiple of `every_steps` and the clock is
+    checked after every block. Empty when both are 0 (the run's own
+    end-of-training export is not an action: `train.export`).
     """
     if not every_steps and not every_secs:
         return []
@@ -142,7 +149,7 @@ def exports(write: Callable[[int], None], every_steps: int, every_secs: float) -
 
     def act(output: Output) -> None:
         on_step = every_steps and output.step % every_steps == 0
-        if on_step or time.monotonic() - last["time"] >= every_secs:
+        if on_step or agree(int(time.monotonic() - last["time"] >= every_secs)):
             write(output.step)
             last["time"] = time.monotonic()
 

@@ -569,7 +569,8 @@ def _export_actions(job: Job) -> list[actions.Action]:
     if not _exports_while_training(job.config):
         return []
     every = job.config.export
-    return actions.exports(lambda step: _export(job), every.every_steps, every.every_secs)
+    agree = job.strategy.membership.agree  # the chief's clock decides for every task
+    return actions.exports(lambda step: _export(job), every.every_steps, every.every_secs, agree)
 
 
 def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attempt: int) -> int:
