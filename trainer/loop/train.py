@@ -392,9 +392,10 @@ def _export(job: Job) -> None:
         export(job.model, path, *args)
         say(f"exported SavedModel to {path}")
         return
-    step, keep = _step(job), job.config.export.keep
+    step, keep, tic = _step(job), job.config.export.keep, time.perf_counter()
     if export_version(path, step, keep, lambda version: export(job.model, version, *args)):
-        say(f"exported SavedModel version {step} to {path}/{step}")
+        seconds = time.perf_counter() - tic
+        say(f"exported SavedModel version {step} to {path}/{step} in {seconds:.1f} s")
 
 
 def _exports_while_training(config: ml_collections.ConfigDict) -> bool:
