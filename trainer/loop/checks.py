@@ -63,6 +63,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "`--config.train.full_checkpoint_every=1000`."
         )
     _check_profile_steps(tuple(config.train.profile_steps))
+    if config.data.get("follow", False) and config.train.epochs:
+        raise UserError(
+            f"`train.epochs` ({config.train.epochs}) counts passes over fixed data, and "
+            "`data.follow` trains on files as they arrive; set `--config.train.epochs=0` and "
+            "`train.steps` (0: until stopped)."
+        )
     endless = config.train.steps == 0 and config.data.get("follow", False)
     if config.train.epochs == 0 and config.train.steps <= 0 and not endless:
         raise UserError(
