@@ -207,7 +207,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Incremental checkpoints (models with a `DynamicEmbedding`): the first checkpoint at or
     # past each multiple of this many steps is full, the others between hold only the table
     # rows changed since it (and the rest whole); restoring one replays it over its full one.
-    # Pays at short `checkpoint_every` (README, "Recommendation models"). 0 = every one full.
+    # Pays at short `checkpoint_every` (docs/recommendation.md). 0 = every one full.
     c.train.full_checkpoint_every = 0
     c.train.export = True  # write a SavedModel to model_dir/export at the end
     c.train.loss_upper_bound = 0.0  # a loop loss above this counts as a blow-up (0 = none)
