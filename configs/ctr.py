@@ -19,11 +19,11 @@ which updates every row of every replica's copy, 5.9 to 9.3 times faster on
 `--config.model.embedding=dynamic` trains a `DynamicEmbedding` instead (a row
 per admitted id, no vocabulary size; `model.capacity`, `model.min_count`,
 `model.ttl_steps`): under `mirrored`, eval AUC 0.81 in 600 steps, at about
-0.85 times the hashed table's steps/s (README, "Recommendation models").
+0.85 times the hashed table's steps/s (docs/recommendation.md).
 Under `parameter_server` its table is split by id over the ps tasks (2
 workers and 2 ps: eval AUC 0.74 in 100 steps). Either table's checkpoints
 restore under any number of ps tasks and any strategy (`--mode=eval` on one
-device from a cluster's `model_dir`; README, "Recommendation models").
+device from a cluster's `model_dir`; docs/recommendation.md).
 
 `--config.data.ctr.id_space=raw` makes the ids raw int64 (or, with
 `data.ctr.id_dtype=string`, strings) over the 64-bit space, with a Zipf
@@ -31,7 +31,7 @@ device from a cluster's `model_dir`; README, "Recommendation models").
 multi-valued list (`data.ctr.multi_valued`): the hashed table then hashes
 them into `vocab_size` rows and collides, the dynamic one admits. At 20,000
 rows, 600 steps on `one_device`: eval AUC 0.654 hashed, 0.686 dynamic with
-`min_count=2` (README, "Recommendation models").
+`min_count=2` (docs/recommendation.md).
 """
 
 import importlib.util

@@ -214,7 +214,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Incremental checkpoints (models with a `DynamicEmbedding`): the first checkpoint at or
     # past each multiple of this many steps is full, the others between hold only the table
     # rows changed since it (and the rest whole); restoring one replays it over its full one.
-    # Pays at short `checkpoint_every` (README, "Recommendation models"). 0 = every one full.
+    # Pays at short `checkpoint_every` (docs/recommendation.md). 0 = every one full.
     c.train.full_checkpoint_every = 0
     # Start a new run from another run's variables (docs/online.md): its `model_dir` (newest
     # checkpoint) or one checkpoint; only when this model_dir has no checkpoint (a resume wins).

@@ -6,11 +6,11 @@ The files have the columns of the Palmer penguins CSV (`species`, `island`,
 bill, flipper and mass measurements, `sex`, `year`), with made-up rows
 (deterministic, seeded) of the same kind: the label `species` is a name
 (Adelie, Chinstrap, Gentoo), `island` and `sex` are strings, and some rows
-hold `NA` (all four measurements of a few, `sex` of more). The README trains
+hold `NA` (all four measurements of a few, `sex` of more). docs/your-job.md trains
 on them with `data.label_vocabulary=auto`, `sex:string=unknown` and
 `data.incomplete=drop`; `build` is the model: the measurements scaled, the
 strings hashed (no vocabulary table, so it runs under every strategy), one
-hidden layer. 300 steps reach eval accuracy 1.0 in seconds (see the README).
+hidden layer. 300 steps reach eval accuracy 1.0 in seconds (see docs/your-job.md).
 """
 
 import csv

@@ -265,8 +265,8 @@ def test_a_tfrecord_example_that_lacks_a_feature_is_named_filled_or_dropped(tmp_
 
 
 def _penguins_commands() -> list[list[str]]:
-    """The README's penguins commands, as a user would type them."""
-    text = pathlib.Path(REPO, "README.md").read_text()
+    """The penguins commands of docs/your-job.md, as a user would type them."""
+    text = pathlib.Path(REPO, "docs", "your-job.md").read_text()
     block = next(b for b in re.findall(r"```sh\n(.*?)```", text, re.DOTALL) if "penguins" in b)
     return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line]
 

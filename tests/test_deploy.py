@@ -207,12 +207,12 @@ def test_each_data_service_pod_derives_its_role_port_and_dispatcher():
         if server.role == "worker":
             assert server.host == f"{pod.hostname}.{name}", "trainers reach it by its DNS name"
             assert server.dispatcher == address
-    # The address trainers are told to use (manifest, deploy/README.md, README.md).
+    # The address trainers are told to use (manifest, deploy/README.md, docs/data-service.md).
     trainer_flag = f"--config.data.service=grpc://{address}"
     for text in (
         (DEPLOY / DATA_SERVICE).read_text(),
         (DEPLOY / "README.md").read_text(),
-        (DEPLOY.parent / "README.md").read_text(),
+        (DEPLOY.parent / "docs" / "data-service.md").read_text(),
     ):
         assert trainer_flag in text
 

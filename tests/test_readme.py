@@ -1,16 +1,18 @@
-"""The README's commands run to completion as a user types them, and do what it says.
+"""The commands of the README and the docs pages run as a user types them, and do what they say.
 
-The commands are read from README.md itself, so this test follows the README:
-every command of the ```sh blocks at the top, in "A short tour" (with its
-subsections), in "Clusters" and in "Recommendation models". Each runs as written, under the default
-strategy unless it names one, with this repository importable (as from a
-clone's top directory, where `examples/` lives): the single-process commands
-all in one working directory, in README order, as a user types the tour (so
-each must cope with the `runs/` the ones before it left); each cluster
-command in a fresh one. Left
-out: `pip install` (`.ci/run` installs the package), `python -m pytest tests`
-(this suite) and templates naming `my_pkg`, the README's stand-in for the
-user's own package and files. The cluster commands run as written too: each
+The commands are read from README.md and docs/*.md themselves, so this test follows
+them: every command of every ```sh block is either run here (the pages of
+`RUN_PAGES`) or named in `ELSEWHERE` with the test that runs it as written; a
+block that is neither fails `test_every_command_block_is_exercised`. Each
+command run here runs as written, under the default strategy unless it names
+one, with this repository importable (as from a clone's top directory, where
+`examples/` lives): the single-process commands all in one working directory,
+in page order (README first, then the pages in `RUN_PAGES`' order), as a user
+types the tour (so each must cope with the `runs/` the ones before it left);
+each cluster command in a fresh one; a command written on several pages runs
+once. Left out: `pip install` (`.ci/run` installs the package), `python -m
+pytest tests` (this suite) and templates naming `my_pkg`, the docs' stand-in for
+the user's own package and files. The cluster commands run as written too: each
 takes well under a minute here.
 """
 
@@ -30,9 +32,83 @@ import configs.default
 import strategies
 from tests.helpers import REPO, run_command
 
-SECTIONS = ("", "A short tour", "Clusters", "Recommendation models")  # "": above the first
+# The pages whose commands this test runs, in order (README.md first).
+RUN_PAGES = (
+    "README.md",
+    "docs/index.md",
+    "docs/getting-started.md",
+    "docs/strategies.md",
+    "docs/model-parallelism.md",
+    "docs/recommendation.md",
+    "docs/performance.md",
+    "docs/sweeps.md",
+)
+# Commands of any page that another test runs as written (or, for a long one, at a
+# smaller size), by how the command starts: the test that does.
+ELSEWHERE = {
+    "python -m examples.penguins data/": "tests/test_data_labels.py::"
+    "test_the_readme_penguins_command_trains_to_090",
+    "towerflow --config.data.name=csv --config.data.train_files=data/penguins-train.csv": (
+        "tests/test_data_labels.py::test_the_readme_penguins_command_trains_to_090"
+    ),
+    "towerflow --config.model.name=examples.compiled_model:build": (
+        "tests/test_examples.py::test_the_compiled_model_example_needs_no_task_code"
+    ),
+    "towerflow --config=examples/": (
+        "tests/test_examples.py::test_each_example_under_mirrored_and_on_a_parameter_server_cluster"
+    ),
+    "python -m trainer.check --strategies=": (
+        "tests/test_check.py::test_the_readmes_check_command_runs_as_written"
+    ),
+    "python -m trainer --strategy=one_device --config.data.service=local:1": (
+        "tests/test_data_service.py::test_a_killed_server_ends_the_run_with_one_line_and_exit_144"
+    ),
+    "python -m trainer.launch --workers=2 --data_workers=1": (
+        "tests/test_data_service.py::test_a_local_cluster_trains_on_the_launchers_data_workers"
+    ),
+    "python -m trainer.launch --workers=2 --ps=1 --data_workers=2": (
+        "tests/test_data_service.py::test_a_local_cluster_trains_on_the_launchers_data_workers"
+    ),
+    "python -m trainer.data_service --role=": (
+        "tests/test_data_service.py::test_a_trainer_reads_from_a_data_worker_on_another_host"
+    ),
+    "python -m trainer --config.data.service=grpc://host0:5050": (
+        "tests/test_data_service.py::test_a_trainer_reads_from_a_data_worker_on_another_host"
+    ),
+    "srun -n3 python -m trainer.data_service --cluster=slurm": (
+        "tests/test_data_service.py::test_a_slurm_step_is_a_dispatcher_and_data_workers"
+    ),
+    "kubectl apply -f deploy/volume.yaml -f deploy/jobset-data-service.yaml": (
+        "tests/test_deploy.py::test_each_data_service_pod_derives_its_role_port_and_dispatcher"
+    ),
+    "python -m trainer.sweep --sweep.optimizer.learning_rate=1e-3,3e-3 --parallel=2 --share_input"
+    "": ("tests/test_data_service.py::test_sweep_trials_with_one_pipeline_share_one_stream"),
+    "python -m trainer.launch --workers=3 --ps=1 -- --strategy=parameter_server "
+    "--config.strategy.parameter_server.sync_replicas=2": (
+        "tests/test_ps_sync.py::test_no_gradient_is_applied_twice_or_at_another_step"
+    ),
+    "python -m trainer.launch --workers=3 --ps=1 -- --strategy=parameter_server "
+    "--config.strategy.parameter_server.staleness=scale": (
+        "tests/test_ps_sync.py::test_async_staleness_is_recorded_and_the_stalest_updates_dropped"
+    ),
+    "python -m trainer.bench --cases=": "tests/test_bench.py::test_every_case_reports_every_figure",
+    "python -m trainer --strategy=mirrored --config=examples/recsys.py": (
+        "tests/test_recsys.py::test_the_readme_commands_train_the_recsys_example"
+    ),
+    "python -m trainer.launch --workers=2 --ps=2 -- --strategy=parameter_server "
+    "--config=examples/recsys.py": (
+        "tests/test_recsys.py::test_the_readme_commands_train_the_recsys_example"
+    ),
+    "tensorboard --logdir runs/profiled": (
+        "tests/test_profile.py::test_tensorboard_lists_the_run_under_its_profile_plugin"
+    ),
+    "tensorboard --logdir runs/sweep-lr": (
+        "tests/test_sweep.py::test_the_hparams_dashboard_compares_the_trials"
+    ),
+}
 SKIPPED = (("pip", "install"), ("python", "-m", "pytest"))
-PLACEHOLDER = "my_pkg"  # the user's own package in the README's templates
+PLACEHOLDER = "my_pkg"  # the user's own package in the docs' templates
+SLOW = ("trainer.sweep",)  # commands of minutes: the slow tier runs them
 DEFAULTS = configs.default.get_config()
 # The README promises "about 0.98" for the MLP on digits; every digits model of the tour
 # should learn as well (chance is 0.1).
@@ -40,35 +116,64 @@ DIGITS_ACCURACY = 0.9
 CTR_AUC = 0.75  # configs/ctr.py: "reach eval AUC 0.82"
 
 
-def readme_commands(text: str) -> list[tuple[list[str], tuple[str, float] | None]]:
-    """Each command to run, from the ```sh blocks of `SECTIONS`, in order, with its claim.
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One command of a page's ```sh block, as argv, with its claim and where it is written."""
+
+    argv: tuple[str, ...]
+    claim: tuple[str, float] | None  # what its comment says it reaches: (metric, value)
+    page: str
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.argv)
+
+
+def page_commands(page: str) -> list[Command]:
+    """Each command of the ```sh blocks of `page`, in order, with its claim.
 
     A claim is what the command's comment says it reaches, `...: 0.98` (accuracy)
     or `...: AUC 0.80`, as (metric, value); None where the comment says nothing.
     """
+    text = pathlib.Path(REPO, page).read_text()
     commands = []
-    for title, body in _sections(text):
-        if title not in SECTIONS:
-            continue
-        for block in re.findall(r"^```sh\n(.*?)^```", body, re.MULTILINE | re.DOTALL):
-            for line in block.replace("\\\n", " ").splitlines():  # continued lines joined
-                words = shlex.split(line, comments=True)
-                claim = re.search(r"#.*:\s*(AUC )?(0\.\d+)\s*$", line)
-                if claim:
-                    claim = ("auc" if claim[1] else "accuracy", float(claim[2]))
-                while words:  # `a && b`: each part on its own
-                    part, words = _split_at(words, "&&")
-                    if any(part[: len(s)] == list(s) for s in SKIPPED):
-                        continue
-                    if part and not any(PLACEHOLDER in word for word in part):
-                        commands.append((part, claim))
+    for block in re.findall(r"^[ \t]*```sh\n(.*?)^[ \t]*```", text, re.M | re.DOTALL):
+        for line in block.replace("\\\n", " ").splitlines():  # continued lines joined
+            words = shlex.split(line, comments=True)
+            claim = re.search(r"#.*:\s*(AUC )?(0\.\d+)\s*$", line)
+            if claim:
+                claim = ("auc" if claim[1] else "accuracy", float(claim[2]))
+            while words:  # `a && b`: each part on its own
+                part, words = _split_at(words, "&&")
+                if any(part[: len(s)] == list(s) for s in SKIPPED):
+                    continue
+                if part and not any(PLACEHOLDER in word for word in part):
+                    commands.append(Command(tuple(part), claim, page))
     return commands
 
 
-def _sections(text: str) -> list[tuple[str, str]]:
-    """(title, body) of each `## ` section; the text above the first has the title ""."""
-    parts = re.split(r"^## (.+)$", text, flags=re.MULTILINE)
-    return [("", parts[0]), *zip(parts[1::2], parts[2::2])]
+def all_pages() -> list[str]:
+    """README.md and every page of docs/, README first."""
+    return ["README.md", *sorted(f"docs/{p.name}" for p in pathlib.Path(REPO, "docs").glob("*.md"))]
+
+
+def elsewhere(command: Command) -> str | None:
+    """The test that runs `command` as written, if another test does."""
+    for start, test in ELSEWHERE.items():
+        if command.text.startswith(start):
+            return test
+    return None
+
+
+def readme_commands() -> list[Command]:
+    """The commands this test runs: those of `RUN_PAGES` not run elsewhere, each once."""
+    commands, seen = [], set()
+    for page in RUN_PAGES:
+        for command in page_commands(page):
+            if elsewhere(command) is None and command.argv not in seen:
+                seen.add(command.argv)
+                commands.append(command)
+    return commands
 
 
 def _split_at(words: list[str], separator: str) -> tuple[list[str], list[str]]:
@@ -78,10 +183,10 @@ def _split_at(words: list[str], separator: str) -> tuple[list[str], list[str]]:
     return words, []
 
 
-_COMMANDS = readme_commands(pathlib.Path(REPO, "README.md").read_text())
-COMMANDS = [argv for argv, _ in _COMMANDS]
-CLAIMS = [claim for _, claim in _COMMANDS]  # what each command's comment says it reaches
-CLAIM_SLACK = 0.03  # the README says "about"
+_COMMANDS = readme_commands()
+COMMANDS = [list(command.argv) for command in _COMMANDS]
+CLAIMS = [command.claim for command in _COMMANDS]  # what each command's comment says it reaches
+CLAIM_SLACK = 0.03  # the docs say "about"
 
 
 @dataclasses.dataclass
@@ -185,12 +290,42 @@ def test_the_readme_has_commands_in_every_section():
     assert any(_flag(argv, "--mode") == "eval" for argv in COMMANDS)
 
 
-@pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[" ".join(c) for c in COMMANDS])
+def test_every_command_block_is_exercised():
+    unexercised = [
+        f"{command.page}: {command.text}"
+        for page in all_pages()
+        for command in page_commands(page)
+        if page not in RUN_PAGES and elsewhere(command) is None
+    ]
+    assert not unexercised, (
+        "commands that no test runs (add their page to RUN_PAGES, or the test that runs "
+        "them to ELSEWHERE):\n" + "\n".join(unexercised)
+    )
+
+
+def test_each_test_named_elsewhere_exists_and_runs_a_documented_command():
+    documented = [command for page in all_pages() for command in page_commands(page)]
+    for start, test in ELSEWHERE.items():
+        path, name = test.split("::")
+        assert re.search(rf"^def {name}\(", pathlib.Path(REPO, path).read_text(), re.M), test
+        assert any(c.text.startswith(start) for c in documented), f"no page runs `{start}`"
+
+
+def _params():
+    for index, command in enumerate(COMMANDS):
+        slow = any(word in command for word in SLOW)
+        marks = [pytest.mark.slow] if slow else []
+        yield pytest.param(index, marks=marks, id=" ".join(command))
+
+
+@pytest.mark.parametrize("index", list(_params()))
 def test_readme_command(index, runner):
     run = runner.run(index)
     argv, output = run.argv, run.output
     assert run.result.returncode == 0, f"{' '.join(argv)}:\n{output[-3000:]}"
-    if "--list_strategies" in argv:
+    if "trainer.sweep" in argv:
+        _check_sweep(run)
+    elif "--list_strategies" in argv:
         listed = [line.split()[0] for line in run.result.stdout.splitlines() if line.strip()]
         assert sorted(listed) == sorted(strategies.available())
     elif _flag(argv, "--mode") == "eval":
@@ -231,6 +366,13 @@ def _check_training(run: Run, claim: tuple[str, float] | None) -> None:
         assert final["accuracy"] >= DIGITS_ACCURACY, final
     if "--evaluator" in argv:
         assert re.search(r"^\[evaluator\] eval +\|", output, re.MULTILINE), output[-3000:]
+
+
+def _check_sweep(run: Run) -> None:
+    """Every trial of the sweep trained, ranked in `sweep.json`, the best one first."""
+    summary = json.loads((run.cwd / _flag(run.argv, "--sweep_dir") / "sweep.json").read_text())
+    assert [t["status"] for t in summary["trials"]] == ["finished"] * 6, summary["trials"]
+    assert summary["best"] == summary["trials"][0]["trial"]
 
 
 def _check_evaluation(runner: Runner, index: int, run: Run) -> None:

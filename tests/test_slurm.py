@@ -300,9 +300,10 @@ SMALL_RUN = (
 
 
 def readme_sbatch_commands() -> dict[str, list[str]]:
-    """The README's `sbatch` command lines (as argv), by the strategy each runs."""
+    """The `sbatch` command lines of docs/beyond-one-machine.md (as argv), by strategy."""
+    page = pathlib.Path(REPO, "docs", "beyond-one-machine.md").read_text()
     commands = {}
-    for line in re.findall(r"^\s*(sbatch .+)$", pathlib.Path(REPO, "README.md").read_text(), re.M):
+    for line in re.findall(r"^\s*(sbatch .+)$", page, re.M):
         argv = shlex.split(line)
         strategy = re.search(r"--strategy=(\w+)", wrapped(argv))[1]
         commands[strategy] = argv

@@ -161,8 +161,8 @@ def test_two_tables_train_in_one_step_without_waiting_on_each_other():
 
 
 def test_the_readme_and_docstring_examples_run():
-    readme = pathlib.Path(REPO, "README.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+    page = pathlib.Path(REPO, "docs", "recommendation.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", page, re.MULTILINE | re.DOTALL)
     (example,) = [block for block in blocks if "DynamicEmbeddings(" in block]
     names = {}
     exec(example, names)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer.loop import tasks
+from trainer.loop import objectives
 
 
 def test_auc_matches_the_pairwise_definition():
@@ -12,7 +12,7 @@ def test_auc_matches_the_pairwise_definition():
     labels = rng.randint(0, 2, 2000)
     scores = np.clip(0.5 + 0.2 * (labels - 0.5) + 0.2 * rng.randn(2000), 0.001, 0.999)
     logits = np.log(np.stack([1 - scores, scores], 1))
-    task = tasks.Classification(2)
+    task = objectives.Classification(2)
     out = tf.constant(logits, tf.float32)
     sums = {
         k: v.numpy() for k, v in task.sums(labels, out, task.per_example_loss(labels, out)).items()
@@ -24,16 +24,16 @@ def test_auc_matches_the_pairwise_definition():
 
 
 def test_auc_extremes():
-    assert tasks.auc([0, 0, 5], [5, 0, 0]) == 1.0
-    assert tasks.auc([5, 0, 0], [0, 0, 5]) == 0.0
-    assert tasks.auc([1, 1], [1, 1]) == 0.5
+    assert objectives.auc([0, 0, 5], [5, 0, 0]) == 1.0
+    assert objectives.auc([5, 0, 0], [0, 0, 5]) == 0.0
+    assert objectives.auc([1, 1], [1, 1]) == 0.5
 
 
 def test_sums_over_split_batches_equal_the_whole():
     rng = np.random.RandomState(1)
     labels = rng.randint(0, 10, 64)
     outputs = tf.constant(rng.randn(64, 10), tf.float32)
-    task = tasks.Classification(10)
+    task = objectives.Classification(10)
 
     def sums(y, o):
         return task.sums(y, o, task.per_example_loss(y, o))
@@ -48,7 +48,7 @@ def test_sums_over_split_batches_equal_the_whole():
 
 
 def test_regression_metrics():
-    task = tasks.for_spec(0)
+    task = objectives.for_spec(0)
     y = tf.constant([1.0, 2.0, 4.0])
     out = tf.constant([[1.0], [3.0], [2.0]])
     sums = {k: float(v) for k, v in task.sums(y, out, task.per_example_loss(y, out)).items()}
@@ -68,7 +68,7 @@ def test_logits_softmax_and_sigmoid_outputs_give_the_same_sums():
     }
     sums = {}
     for kind, out in outputs.items():
-        task = tasks.for_spec(2, kind)
+        task = objectives.for_spec(2, kind)
         sums[kind] = {
             k: v.numpy()
             for k, v in task.sums(labels, out, task.per_example_loss(labels, out)).items()
@@ -80,7 +80,7 @@ def test_logits_softmax_and_sigmoid_outputs_give_the_same_sums():
 
 
 def test_weights_weigh_every_sum():
-    task = tasks.for_spec(3)
+    task = objectives.for_spec(3)
     labels = tf.constant([0, 1, 2, 2])
     outputs = tf.constant([[5.0, 0, 0], [5.0, 0, 0], [0, 0, 5.0], [0, 5.0, 0]])
     per_example = task.per_example_loss(labels, outputs)

@@ -91,52 +91,10 @@ def _busy(input_context, global_batch_size: int, rounds: int) -> tf.data.Dataset
 
 def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     """Both jobs, in the trainer and on the service; the ratios of their examples/s."""
-    from trainer.data import service
-    from trainer.launch import pick_ports
-
-    jobs = {
-        "compute": small_config(sizes, "one_device"),
-        "input": small_config(
-            sizes,
-            "one_device",
-            **{"data.name": f"{__name__}:busy", "data.num_classes": 10},
-        ),
-        "balanced": small_config(
-            sizes,
-            "one_device",
-            **{"data.name": f"{__name__}:balanced", "data.num_classes": 10},
-        ),
-    }
-    strategy = contenders.plugin("one_device")
-    loop = jobs["compute"].train.steps_per_loop
-    steps = loop * sizes.small_loops
+    jobs = _jobs(sizes)
     cores = sorted(os.sched_getaffinity(0))
-    with contextlib.ExitStack() as stack:
-        stack.callback(pin, os.getpid(), cores)  # the sweeps below use every core
-        servers = stack.enter_context(service.LocalService(pick_ports(2)))
-        if len(cores) > 1:  # the trainer on one core, the data worker on another
-            pin(os.getpid(), cores[:1])
-            pin(servers.procs["data:worker:0"].pid, cores[1:2])
-        workers = service.wait_until_served(servers.address, servers, service.TIMEOUT_S)
-        on_service = service.Service(servers.address, workers, True, "off")
-        runs = {}
-        for job, config in jobs.items():
-            for where, used in (("trainer", None), ("service", on_service)):
-                model_dir = os.path.join(workdir, f"data_service-{job}-{where}")
-                runs[f"{job}/{where}"] = contenders.towerflow(
-                    config, strategy, model_dir, steps + loop, service=used
-                )
-        note(f"  trainer on core {cores[0]}, data worker on core {cores[1:2] or 'the same'}")
-        samples = alternate(runs, reps)
+    runs, samples = _in_trainer_and_on_service(sizes, jobs, cores, reps, workdir)
     step_time = _step_time(runs, samples, jobs["compute"].train.global_batch_size)
-    # One data worker takes the input off the trainer's core: from I + C a step to
-    # max(I, C), I the input's time a batch (the service's step, which waits for it) and
-    # C the step's own (the compute-bound job's): 2x at most, where I = C.
-    bounds = {}
-    for job in ("input", "balanced"):
-        if f"{job}/service" in step_time and "compute/trainer" in step_time:
-            i, c = step_time[f"{job}/service"]["step"], step_time["compute/trainer"]["step"]
-            bounds[f"{job}/bound_of_one_worker"] = (i + c) / max(i, c)
     ratios = {
         f"{job}/service_over_trainer": paired(
             samples, lambda r, j=job: r[f"{j}/service"] / r[f"{j}/trainer"]
@@ -144,13 +102,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         for job in jobs
     }
     rounds = max(1, reps // 2)
-    sweep = {}
-    for rep in range(rounds):
-        for shared in (True, False):
-            key = f"sweep/{'shared' if shared else 'own'}_input_cpu_s_per_trial"
-            cpu_s = _sweep_input_cpu_s(sizes, shared, os.path.join(workdir, f"{key}-{rep}"))
-            sweep.setdefault(key, []).append(cpu_s)
-            note(f"  rep {rep + 1} {key}: {cpu_s:.3g}")
+    sweep = _sweep_rounds(sizes, rounds, workdir)
     samples.update(sweep)
     ratios["sweep/shared_over_own"] = paired(
         sweep,
@@ -162,12 +114,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         notes.append(f"hosts/ not run: {reason}")
         note(f"  across hosts skipped: {reason}")
     else:
-        across = {}
-        for rep in range(rounds):
-            for where in ("one_host", "two_hosts"):
-                rate = _across_hosts(sizes, where, os.path.join(workdir, f"hosts-{where}-{rep}"))
-                across.setdefault(f"hosts/{where}", []).append(rate)
-                note(f"  rep {rep + 1} hosts/{where}: {rate:.4g} examples/s")
+        across = _across_hosts_rounds(sizes, rounds, workdir)
         samples.update(across)
         ratios["hosts/two_hosts_over_one_host"] = paired(
             across, lambda r: r["hosts/two_hosts"] / r["hosts/one_host"]
@@ -184,9 +131,93 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         },
         cores={"trainer": cores[:1], "data_worker": cores[1:2] or cores[:1]},
         step_ms=step_time,
-        bounds=bounds,
+        bounds=_bounds_of_one_worker(step_time),
         notes=notes,
     )
+
+
+def _jobs(sizes: Sizes) -> dict:
+    """The compute-bound job, and the two whose input costs 4x and about 1x the step."""
+
+    def on(source: str) -> dict:
+        return {"data.name": f"{__name__}:{source}", "data.num_classes": 10}
+
+    return {
+        "compute": small_config(sizes, "one_device"),
+        "input": small_config(sizes, "one_device", **on("busy")),
+        "balanced": small_config(sizes, "one_device", **on("balanced")),
+    }
+
+
+def _in_trainer_and_on_service(
+    sizes: Sizes, jobs: dict, cores: list[int], reps: int, workdir: str
+) -> tuple[dict, dict]:
+    """Each job with its input in the trainer and on one data worker, in turn.
+
+    The trainer runs on one core and the data worker on another, so the service
+    takes the input off the trainer's core.
+    """
+    from trainer.data import service
+    from trainer.launch import pick_ports
+
+    strategy = contenders.plugin("one_device")
+    loop = jobs["compute"].train.steps_per_loop
+    steps = loop * sizes.small_loops
+    with contextlib.ExitStack() as stack:
+        stack.callback(pin, os.getpid(), cores)  # the sweeps after this use every core
+        servers = stack.enter_context(service.LocalService(pick_ports(2)))
+        if len(cores) > 1:
+            pin(os.getpid(), cores[:1])
+            pin(servers.procs["data:worker:0"].pid, cores[1:2])
+        workers = service.wait_until_served(servers.address, servers, service.TIMEOUT_S)
+        on_service = service.Service(servers.address, workers, True, "off")
+        runs = {}
+        for job, config in jobs.items():
+            for where, used in (("trainer", None), ("service", on_service)):
+                model_dir = os.path.join(workdir, f"data_service-{job}-{where}")
+                runs[f"{job}/{where}"] = contenders.towerflow(
+                    config, strategy, model_dir, steps + loop, service=used
+                )
+        note(f"  trainer on core {cores[0]}, data worker on core {cores[1:2] or 'the same'}")
+        return runs, alternate(runs, reps)
+
+
+def _bounds_of_one_worker(step_time: dict) -> dict[str, float]:
+    """The speedup one data worker allows each input-heavy job.
+
+    It takes the input off the trainer's core: from I + C a step to max(I, C),
+    I the input's time a batch (the service's step, which waits for it) and C
+    the step's own (the compute-bound job's): 2x at most, where I = C.
+    """
+    bounds = {}
+    for job in ("input", "balanced"):
+        if f"{job}/service" in step_time and "compute/trainer" in step_time:
+            i, c = step_time[f"{job}/service"]["step"], step_time["compute/trainer"]["step"]
+            bounds[f"{job}/bound_of_one_worker"] = (i + c) / max(i, c)
+    return bounds
+
+
+def _sweep_rounds(sizes: Sizes, rounds: int, workdir: str) -> dict[str, list[float]]:
+    """Input CPU seconds per sweep trial, with the input shared and each trial's own."""
+    sweep = {}
+    for rep in range(rounds):
+        for shared in (True, False):
+            key = f"sweep/{'shared' if shared else 'own'}_input_cpu_s_per_trial"
+            cpu_s = _sweep_input_cpu_s(sizes, shared, os.path.join(workdir, f"{key}-{rep}"))
+            sweep.setdefault(key, []).append(cpu_s)
+            note(f"  rep {rep + 1} {key}: {cpu_s:.3g}")
+    return sweep
+
+
+def _across_hosts_rounds(sizes: Sizes, rounds: int, workdir: str) -> dict[str, list[float]]:
+    """Examples/s with the data worker on the trainer's host and on another host."""
+    across = {}
+    for rep in range(rounds):
+        for where in ("one_host", "two_hosts"):
+            rate = _across_hosts(sizes, where, os.path.join(workdir, f"hosts-{where}-{rep}"))
+            across.setdefault(f"hosts/{where}", []).append(rate)
+            note(f"  rep {rep + 1} hosts/{where}: {rate:.4g} examples/s")
+    return across
 
 
 def pin(pid: int, cores: list[int]) -> None:

@@ -11,7 +11,7 @@ host's link can be shaped (`Hosts.shape`: a rate limit, delay, loss) or cut
 
 `Hosts(count, names)` makes the hosts, `Hosts.cluster` lays a cluster's tasks
 out on them with each task's `TF_CONFIG`, and `Hosts.start_trainer` runs one.
-A task runs the README's own per-host command, `TF_CONFIG=...
+A task runs the per-host command of docs/beyond-one-machine.md, `TF_CONFIG=...
 python -m trainer ...`, through `ip netns exec` (optionally pinned to one core
 with `taskset`, to stand for a host of its own). Names resolve through an
 /etc/hosts-style file that `ip netns exec` mounts over /etc/hosts.
@@ -263,7 +263,7 @@ class Hosts:
         cpu: int | None = None,
         env: Mapping[str, str] | None = None,
     ) -> subprocess.Popen:
-        """Starts the README's per-host command for `task`: `TF_CONFIG=... python -m trainer ARGS`.
+        """Starts the per-host command for `task`: `TF_CONFIG=... python -m trainer ARGS`.
 
         Args:
           task: the task (from `cluster`), which runs on its host; or a host, to

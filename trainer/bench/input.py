@@ -96,14 +96,14 @@ def input_wait(config: ml_collections.ConfigDict, strategy, dataset, steps: int)
     """
     import tensorflow as tf
 
+    from trainer.loop import objectives
     from trainer.loop import steps as steps_lib
-    from trainer.loop import tasks
 
     model, optimizer = contenders.model_and_optimizer(config, dataset.spec, strategy)
     batch = config.train.global_batch_size
     with strategy.scope():
         optimizer.build(model.trainable_variables)
-    task = tasks.for_spec(dataset.spec.num_classes)
+    task = objectives.for_spec(dataset.spec.num_classes)
     train_step = steps_lib.TrainStep(model, optimizer, task, batch)
 
     def step(inputs):

@@ -7,7 +7,7 @@ to one core of its own with `taskset`; the two talk through a bridge over
 links that are raw (veth, as fast as the kernel copies), or shaped with an
 HTB rate limit on each host's link, both ways (10 Gbit/s and 1 Gbit/s; with
 0.2 ms and 1 ms of added delay each way where the kernel has `sch_netem`).
-Each runs the README's per-host command. One host alone is `one_device` on one
+Each runs the per-host command of docs/beyond-one-machine.md. One host alone is `one_device` on one
 core. Models: the default job's (`python -m trainer`: the MLP on digits, global
 batch 128) and the `dense_large` MLP (about 15M parameters, batch 512), the
 latter also with its gradients all-reduced in bfloat16

@@ -214,7 +214,7 @@ def cluster_step_s(sizes: Sizes, embedding: str, workdir: str) -> tuple[float, d
     return step_s, cpu
 
 
-# The drifting long tail of raw ids (README, "Recommendation models"): 20,000 rows for
+# The drifting long tail of raw ids (docs/recommendation.md): 20,000 rows for
 # ids of 1M values per field, so a hashed table's rows are shared by many ids.
 DRIFTING = {
     "data.ctr.id_space": "raw",

@@ -9,7 +9,8 @@
     faults.py, lock.py, checks.py             lost tasks and blow-ups, one trainer per
                                               `model_dir`, config checks before anything runs
     loop_length.py, precision.py, optim.py    steps per loop, mixed precision, optimizers
-    tasks.py, compiled.py, models.py          what is trained: objectives and model builders
+    objectives.py, tasks.py, compiled.py,     what is trained: objectives, the user's Task,
+    models.py                                 model builders
 
 It uses the layers and the input below it (`trainer.layers`, `trainer.data`),
 the strategy plugins and the shared core; it never imports a command

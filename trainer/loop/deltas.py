@@ -47,7 +47,7 @@ BASE_KEY = "delta/.ATTRIBUTES/base_step"  # where a delta names its full checkpo
 class Family:
     """One part of a dynamic table: its rows, row stamps and the rows' optimizer slots."""
 
-    part: object  # the `trainer.layers._TablePart` (`tables.owner_of` the rows)
+    part: object  # the `trainer.layers.dynamic._TablePart` (`tables.owner_of` the rows)
     rows: keras.Variable
     stamps: keras.Variable
     slots: list[keras.Variable]

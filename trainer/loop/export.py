@@ -26,7 +26,7 @@ import keras
 import tensorflow as tf
 
 from towerflow import storage
-from trainer.loop import compiled, models, tasks
+from trainer.loop import compiled, models, objectives
 
 
 def export(
@@ -73,7 +73,7 @@ def export(
             return _named_outputs(model, outputs)
         outputs = tf.cast(outputs, tf.float32)
         if num_classes > 0:
-            probabilities = tasks.Classification(num_classes, kind).probabilities(outputs)
+            probabilities = objectives.Classification(num_classes, kind).probabilities(outputs)
             classes = tf.argmax(probabilities, axis=-1)
             named = {}
             if class_names:

@@ -2,7 +2,7 @@
 
 Each step runs in replica context on one replica's share of the global batch,
 `(features, labels)` or `(features, labels, sample_weights)`, and returns
-weighted sums (see `trainer.loop.tasks`). The loss is scaled by the global batch
+weighted sums (see `trainer.loop.objectives`). The loss is scaled by the global batch
 size, so summing gradients over replicas gives the global-batch mean.
 
 With gradient accumulation (`train.accumulation_steps = k`), a replica's

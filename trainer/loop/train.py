@@ -33,6 +33,7 @@ from trainer.loop import (
     faults,
     loop_length,
     models,
+    objectives,
     optim,
     precision,
     steps,
@@ -57,7 +58,7 @@ class Job:
     model_dir: str
     strategy: strategies.Strategy
     dataset: data.Dataset
-    objective: tasks.Classification | tasks.Regression | compiled.CompiledObjective
+    objective: objectives.Classification | objectives.Regression | compiled.CompiledObjective
     total_steps: int
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
@@ -284,7 +285,7 @@ def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections
             f"`task.name` '{task_name}' does not fit the data's `num_classes` ({classes}); "
             "use `task.name=auto`, or set the data's class count."
         )
-    return tasks.for_spec(classes, models.output_kind(model), dataset.spec.class_names)
+    return objectives.for_spec(classes, models.output_kind(model), dataset.spec.class_names)
 
 
 def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:

@@ -307,7 +307,7 @@ def plan_slots(
     Args:
       parallel: "auto" or a count. auto is one trial per `per_trial` GPUs, and on
         a machine without GPUs one trial (with every core): on CPUs, trials side
-        by side only share the same cores (see the README's measurements).
+        by side only share the same cores (see docs/sweeps.md's measurements).
       per_trial: GPUs one trial needs (`devices_per_trial`).
       gpus: CUDA ids to hand out (`visible_gpus`); none on a CPU-only machine.
       cores: the CPU cores this process may use, shared out evenly among the slots

@@ -1,0 +1,210 @@
+"""The built-in objectives (losses and metrics): classification and regression.
+
+An objective is the loss and metrics of a task (`task.name=classification`
+or `regression`; a user's compiled model brings its own,
+`trainer.loop.compiled.CompiledObjective`). The user's whole task, when a model
+builder is not enough, is a `Task` (model, data and maybe loss and step).
+
+Steps return sums (loss, correct predictions, example counts) so that any
+number of replicas, steps and partial batches add up exactly; `metrics`
+turns the sums into means. Every sum is weighted per example: by the
+dataset's sample weights where it yields `(features, labels, weights)`, and
+with weight 0 for the padding row a step adds to an empty batch, so padding
+counts for nothing. `examples` counts the real examples, `weight` their
+total weight; the means divide by `weight`.
+
+A classification model outputs logits, or probabilities when its last layer
+ends in softmax (or in a sigmoid over one unit, for two classes), as Keras
+Applications models do; `models.output_kind` tells which, and the task takes
+the cross-entropy of what it gets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+AUC_BUCKETS = 200  # resolution of the binary AUC's score histogram
+OUTPUT_KINDS = ("logits", "probabilities", "sigmoid")  # see `models.output_kind`
+_EPSILON = 1e-7  # probabilities are clipped to [eps, 1] before the log, as Keras does
+
+
+class _Objective:
+    """What every objective shares: weighted sums of the loss, the weight and the examples."""
+
+    def train_sums(self, model, features, labels, outputs, weights, global_batch_size: int):
+        """This replica's share of the global batch's loss, and the step's sums.
+
+        The weighted loss is divided by the global batch size, so the replicas'
+        shares add up to the global batch's mean; regularisers (`model.losses`)
+        are the same on every replica, so each adds its equal part.
+        """
+        per_example = self.per_example_loss(labels, outputs)
+        loss = tf.reduce_sum(weights * tf.cast(per_example, tf.float32)) / global_batch_size
+        if model.losses:
+            replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+            loss += tf.cast(tf.add_n(model.losses), tf.float32) / replicas
+        return loss, self.sums(labels, outputs, per_example, weights)
+
+    def eval_sums(self, features, labels, outputs, weights, examples) -> dict:
+        """One eval batch's sums; padding rows have weight 0, `examples` counts the real ones."""
+        return self.sums(labels, outputs, self.per_example_loss(labels, outputs), weights, examples)
+
+    def sums(
+        self,
+        labels: tf.Tensor,
+        outputs: tf.Tensor,
+        per_example_loss: tf.Tensor,
+        weights: tf.Tensor | None = None,
+        examples: tf.Tensor | None = None,
+    ) -> dict:
+        """Weighted sums of one batch; `weights` default to 1, `examples` to the batch size."""
+        per_example_loss = tf.cast(per_example_loss, tf.float32)
+        if weights is None:
+            weights = tf.ones_like(per_example_loss)
+        weights = tf.cast(weights, tf.float32)
+        if examples is None:
+            examples = tf.size(per_example_loss)
+        return {
+            "loss": tf.reduce_sum(weights * per_example_loss),
+            "weight": tf.reduce_sum(weights),
+            "examples": tf.cast(examples, tf.float32),
+            **self._metric_sums(labels, outputs, per_example_loss, weights),
+        }
+
+    def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
+        """The task's own weighted sums, besides loss, weight and examples."""
+        raise NotImplementedError
+
+
+class Classification(_Objective):
+    """Cross-entropy on logits or probabilities; accuracy, and AUC for two classes.
+
+    Args:
+      num_classes: classes of the label.
+      outputs: "logits", "probabilities" (a softmax over the classes) or
+        "sigmoid" (one probability of class 1, for two classes).
+      class_names: the classes' names, where the labels have names: the
+        metrics then add each class's accuracy (its recall), `accuracy/<name>`.
+    """
+
+    name = "classification"
+
+    def __init__(
+        self, num_classes: int, outputs: str = "logits", class_names: tuple[str, ...] = ()
+    ):
+        if outputs not in OUTPUT_KINDS:
+            raise ValueError(f"`outputs` {outputs!r} must be one of {', '.join(OUTPUT_KINDS)}.")
+        self.num_classes = num_classes
+        self.outputs = outputs
+        self.class_names = tuple(class_names)
+
+    def probabilities(self, outputs: tf.Tensor) -> tf.Tensor:
+        """The model's outputs as class probabilities, [batch, num_classes]."""
+        outputs = tf.cast(outputs, tf.float32)
+        if self.outputs == "logits":
+            return tf.nn.softmax(outputs)
+        if self.outputs == "sigmoid":
+            return tf.concat([1.0 - outputs, outputs], axis=-1)
+        return outputs
+
+    def per_example_loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+        """Cross-entropy of each example, unweighted."""
+        labels = tf.cast(labels, tf.int32)
+        if self.outputs == "logits":
+            return tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels, tf.cast(outputs, tf.float32)
+            )
+        chosen = tf.gather(self.probabilities(outputs), labels, axis=-1, batch_dims=1)
+        return -tf.math.log(tf.clip_by_value(chosen, _EPSILON, 1.0))
+
+    def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
+        labels = tf.cast(labels, tf.int32)
+        probabilities = self.probabilities(outputs)
+        predicted = tf.argmax(probabilities, axis=-1, output_type=tf.int32)
+        correct = tf.cast(tf.equal(predicted, labels), tf.float32)
+        sums = {"correct": tf.reduce_sum(weights * correct)}
+        if self.class_names:  # per class: the weight of its examples, and of those right
+            classes = len(self.class_names)
+            sums["class_weight"] = tf.math.unsorted_segment_sum(weights, labels, classes)
+            sums["class_correct"] = tf.math.unsorted_segment_sum(weights * correct, labels, classes)
+        if self.num_classes == 2:
+            sums.update(_score_histograms(labels, probabilities, weights))
+        return sums
+
+    def metrics(self, sums: dict) -> dict[str, float]:
+        """Means over the weighted examples (and AUC from the score histograms)."""
+        n = _total_weight(sums)
+        metrics = {"loss": sums["loss"] / n, "accuracy": sums["correct"] / n}
+        if "positives" in sums:
+            metrics["auc"] = auc(sums["positives"], sums["negatives"])
+        for i, name in enumerate(self.class_names):  # classes with examples in these sums
+            if sums["class_weight"][i] > 0:
+                right = sums["class_correct"][i] / sums["class_weight"][i]
+                metrics[f"accuracy/{name}"] = float(right)
+        return metrics
+
+
+class Regression(_Objective):
+    """Mean squared error; mean absolute error."""
+
+    name = "regression"
+    outputs = "values"
+
+    def per_example_loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+        """Squared error of each example, unweighted."""
+        error = tf.squeeze(tf.cast(outputs, tf.float32), -1) - tf.cast(labels, tf.float32)
+        return tf.square(error)
+
+    def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
+        return {"abs_error": tf.reduce_sum(weights * tf.sqrt(per_example_loss))}
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Means over the weighted examples."""
+        n = _total_weight(sums)
+        return {"loss": sums["loss"] / n, "mae": sums["abs_error"] / n}
+
+
+def for_spec(
+    num_classes: int, outputs: str = "logits", class_names: tuple[str, ...] = ()
+) -> Classification | Regression:
+    """The task for data with `num_classes` classes (0 = regression).
+
+    `outputs` is what a classification model outputs (see `OUTPUT_KINDS`);
+    `class_names` name the classes, where the labels have names.
+    """
+    if num_classes > 0:
+        return Classification(num_classes, outputs, class_names)
+    return Regression()
+
+
+def _total_weight(sums: dict) -> float:
+    """What means divide by: the total weight (sums from before weights: the examples)."""
+    total = sums.get("weight", sums.get("examples", 0.0))
+    return total if total > 0 else 1.0
+
+
+def _score_histograms(labels: tf.Tensor, probabilities: tf.Tensor, weights: tf.Tensor) -> dict:
+    """Weighted counts of positives and negatives per bucket of the positive-class score.
+
+    Histograms add up over replicas and batches, so the AUC of a whole eval
+    pass is exact up to the bucket width.
+    """
+    buckets = tf.cast(probabilities[:, 1] * AUC_BUCKETS, tf.int32)
+    buckets = tf.clip_by_value(buckets, 0, AUC_BUCKETS - 1)
+    positive = weights * tf.cast(tf.equal(labels, 1), tf.float32)
+    negative = weights - positive
+    return {
+        "positives": tf.math.unsorted_segment_sum(positive, buckets, AUC_BUCKETS),
+        "negatives": tf.math.unsorted_segment_sum(negative, buckets, AUC_BUCKETS),
+    }
+
+
+def auc(positives, negatives) -> float:
+    """Area under the ROC curve from score histograms (ties count half)."""
+    positives, negatives = np.asarray(positives, float), np.asarray(negatives, float)
+    total = positives.sum() * negatives.sum()
+    if total == 0:
+        return float("nan")
+    above = np.cumsum(positives[::-1])[::-1] - positives  # positives scored in higher buckets
+    return float(np.sum(negatives * (above + 0.5 * positives)) / total)
