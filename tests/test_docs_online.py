@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from examples import online
 from tests.helpers import REPO, TIMEOUT_S, kill, spawn
-from trainer.loop import models, tasks, train
+from trainer.loop import models, objectives, train
 from trainer.loop.checkpoints import Checkpointer
 
 PAGE = pathlib.Path(REPO) / "docs" / "online.md"
@@ -77,5 +77,5 @@ def test_the_served_version_advances_while_training_and_matches_its_checkpoint(t
         checkpointer.restore(f"{job.model_dir}/checkpoints/ckpt-{version}")
         logits = job.model(tf.constant(probe), training=False)
         kind = models.output_kind(job.model)
-        expected = tasks.Classification(2, kind).probabilities(logits)[:, 1].numpy()
+        expected = objectives.Classification(2, kind).probabilities(logits)[:, 1].numpy()
         np.testing.assert_allclose(probabilities, expected, rtol=1e-5, atol=1e-6)
