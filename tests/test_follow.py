@@ -123,6 +123,7 @@ def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_p
         ({"data.train_files": "/nonexistent/*.csv"}, "`data.follow` needs one at start-up"),
         ({"data.follow_poll_secs": 0.0}, "`data.follow_poll_secs` \\(0.0\\) must be > 0"),
         ({"train.epochs": 2}, "`train.epochs` \\(2\\) counts passes over fixed data"),
+        ({"data.service": "local:1"}, "`data.follow` reads its files in the trainer"),
     ],
 )
 def test_follow_without_files_to_follow_is_one_line_and_leaves_model_dir_alone(

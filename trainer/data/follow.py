@@ -243,11 +243,6 @@ def wrap(dataset: Dataset, config: ml_collections.ConfigDict) -> Dataset:
             "reads no files; use `csv` or `tfrecord` with `data.train_files`, or set "
             "`--config.data.follow=false`."
         )
-    if config.get("service", ""):
-        raise UserError(
-            f"`data.follow` reads its files in the trainer, and `data.service` is "
-            f"'{config.service}'; set `--config.data.service=''`."
-        )
     poll = config.follow_poll_secs
     if poll <= 0:
         raise UserError(

@@ -63,6 +63,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "`--config.train.full_checkpoint_every=1000`."
         )
     _check_profile_steps(tuple(config.train.profile_steps))
+    if config.data.get("follow", False) and config.data.get("service", ""):
+        raise UserError(
+            f"`data.follow` reads its files in the trainer, and `data.service` is "
+            f"'{config.data.service}'; set `--config.data.service=''`."
+        )
     if config.data.get("follow", False) and config.train.epochs:
         raise UserError(
             f"`train.epochs` ({config.train.epochs}) counts passes over fixed data, and "
