@@ -65,7 +65,7 @@ def test_a_batch_script_of_several_tasks_is_told_to_start_them_with_srun():
 
 
 def test_a_slurm_step_gets_the_port_and_ps_count_of_the_config():
-    section = {"source": "auto", "port": 3000, "ps_tasks": 1}
+    section = {"source": "auto", "port": 3000, "ps_members": 1}
     found = discovery.find(section, "parameter_server", SLURM_STEP)
     spec = cluster.parse(found.tf_config)
     assert spec.as_dict() == {
@@ -76,7 +76,7 @@ def test_a_slurm_step_gets_the_port_and_ps_count_of_the_config():
     assert (spec.task_type, spec.task_index) == ("worker", 1)
     assert found.line() == (
         "cluster: from slurm (job 42): chief node1:3000, ps node1:3001, "
-        "worker node1:3002, node1:3003; this task worker:1"
+        "worker node1:3002, node1:3003; this member worker:1"
     )
 
 
@@ -86,7 +86,7 @@ def test_resolve_makes_the_cluster_the_processes_tf_config():
     assert environ["TF_CONFIG"] == found.tf_config != TF_CONFIG  # named: it wins over TF_CONFIG
     spec = cluster.from_env(environ)
     assert spec.jobs["worker"] == ("run-worker-0-0.run:2222", "run-worker-0-1.run:2222")
-    assert spec.task_name == "worker:1"
+    assert spec.member_name == "worker:1"
     assert discovery.resolve(_source("local"), "multi_worker", environ).line() is None
     assert "TF_CONFIG" not in environ
 
@@ -148,7 +148,7 @@ def test_a_sagemaker_job_makes_every_host_a_worker_in_name_order():
     found = discovery.find({"source": "auto", "port": 5000}, "multi_worker", SAGEMAKER)
     spec = cluster.parse(found.tf_config)
     assert spec.jobs == {"worker": ("algo-1:5000", "algo-2:5000")}
-    assert spec.task_name == "worker:1"
+    assert spec.member_name == "worker:1"
 
 
 def test_the_start_up_line_shortens_a_long_job():
@@ -156,7 +156,7 @@ def test_the_start_up_line_shortens_a_long_job():
     found = discovery.Found("tf_config", cluster.make_tf_config(jobs, "worker", 7))
     assert found.line() == (
         "cluster: from TF_CONFIG: chief c:1, worker w0:1, w1:1, w2:1 ... (100 in all); "
-        "this task worker:7"
+        "this member worker:7"
     )
 
 
@@ -173,7 +173,7 @@ _UNLISTED_EVALUATOR = json.dumps({"cluster": _PS_JOBS, "task": {"type": "evaluat
 
 def test_an_evaluator_the_chief_cannot_know_of_is_refused():
     one_line_error(
-        re.escape("`--config.cluster.sidecar_evaluator=True` to every task"),
+        re.escape("`--config.cluster.sidecar_evaluator=True` to every member"),
         discovery.resolve,
         None,
         "parameter_server",

@@ -98,7 +98,7 @@ LAYOUTS = {
 }
 
 
-def derive_all(layout, strategy: str, ps_tasks: int = 1, port: int = PORT) -> list[dict]:
+def derive_all(layout, strategy: str, ps_members: int = 1, port: int = PORT) -> list[dict]:
     """Every rank's TF_CONFIG (as a dict) for one of `LAYOUTS`."""
     nodelist, tasks_per_node, distribution, places = LAYOUTS[layout]
     configs = []
@@ -106,7 +106,7 @@ def derive_all(layout, strategy: str, ps_tasks: int = 1, port: int = PORT) -> li
         environ = step_environ(
             nodelist, tasks_per_node, places, rank, SLURM_DISTRIBUTION=distribution
         )
-        configs.append(json.loads(slurm.tf_config(environ, strategy, ps_tasks, port)))
+        configs.append(json.loads(slurm.tf_config(environ, strategy, ps_members, port)))
     return configs
 
 
@@ -163,15 +163,15 @@ def test_multi_worker_every_task_a_worker_at_its_own_node_and_port(layout):
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if len(LAYOUTS[name][3]) >= 4])
-@pytest.mark.parametrize("ps_tasks", [1, 2])
-def test_parameter_server_chief_then_ps_then_workers(layout, ps_tasks):
+@pytest.mark.parametrize("ps_members", [1, 2])
+def test_parameter_server_chief_then_ps_then_workers(layout, ps_members):
     places = LAYOUTS[layout][3]
-    configs = derive_all(layout, "parameter_server", ps_tasks, port=3000)
+    configs = derive_all(layout, "parameter_server", ps_members, port=3000)
     addresses = [f"{node}:{3000 + local}" for node, local in places]
     expected = {
         "chief": addresses[:1],
-        "ps": addresses[1 : 1 + ps_tasks],
-        "worker": addresses[1 + ps_tasks :],
+        "ps": addresses[1 : 1 + ps_members],
+        "worker": addresses[1 + ps_members :],
     }
     tasks = []
     for rank, config in enumerate(configs):
@@ -234,11 +234,11 @@ def test_parameter_server_with_too_few_tasks_names_the_counts():
     environ = step_environ("localhost", "2", places, 0)
     message = one_line_error("needs 3 or more", slurm.tf_config, environ, "parameter_server", 1, 1)
     assert (
-        "the step has 2" in message and "sbatch -n3" in message and "`cluster.ps_tasks`" in message
+        "the step has 2" in message and "sbatch -n3" in message and "`cluster.ps_members`" in message
     )
     message = one_line_error("needs 4 or more", slurm.tf_config, environ, "parameter_server", 2, 1)
     assert "2 ps" in message
-    at_least_one = r"`cluster.ps_tasks` \(0\) must be at least 1"
+    at_least_one = r"`cluster.ps_members` \(0\) must be at least 1"
     one_line_error(at_least_one, slurm.tf_config, environ, "parameter_server", 0, 1)
 
 
