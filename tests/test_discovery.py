@@ -80,6 +80,33 @@ def test_a_slurm_step_gets_the_port_and_ps_count_of_the_config():
     )
 
 
+def test_the_old_name_ps_tasks_still_sets_the_ps_count_and_says_its_new_name_once():
+    said = []
+    environ = dict(SLURM_STEP)
+    discovery.resolve({"ps_tasks": 2, "port": 3000}, "parameter_server", environ, said.append)
+    assert cluster.from_env(environ).jobs["ps"] == ("node1:3001", "node1:3002")
+    assert said == [
+        "warning: `cluster.ps_tasks` is now `cluster.ps_members` (the processes of a cluster "
+        "are its members); the old name goes in the next release: pass "
+        "`--config.cluster.ps_members=2` instead."
+    ]
+    said.clear()
+    discovery.resolve({"ps_members": 2, "ps_tasks": None}, "parameter_server", environ, said.append)
+    assert said == []  # the new name alone: no warning
+
+
+def test_the_old_and_new_ps_names_set_apart_are_one_line_error():
+    section = {"ps_tasks": 2, "ps_members": 3}
+    message = one_line_error(
+        re.escape("`cluster.ps_tasks` (2) and `cluster.ps_members` (3)"),
+        discovery.find,
+        section,
+        "parameter_server",
+        SLURM_STEP,
+    )
+    assert "set only `cluster.ps_members`" in message
+
+
 def test_resolve_makes_the_cluster_the_processes_tf_config():
     environ = {"TF_CONFIG": TF_CONFIG, **JOBSET_POD}
     found = discovery.resolve(_source("jobset"), "multi_worker", environ)
@@ -207,6 +234,16 @@ def test_a_config_without_a_cluster_section_is_one_process(monkeypatch):
     del config["cluster"]  # a user's config file from before the section existed
     assert train.make_strategy(config).membership.cluster is None
     assert not discovery.sidecar_evaluator(config.get("cluster"))
+
+
+def test_the_old_ps_tasks_flag_is_accepted_with_a_one_line_warning(tmp_path):
+    result = run_cli(
+        "--cluster=jobset", "--config.cluster.ps_tasks=2", "--model_dir=run", cwd=str(tmp_path)
+    )
+    assert result.returncode == 2, result.stderr[-2000:]  # no JobSet here: only the flag is tried
+    (warning,) = [line for line in result.stdout.splitlines() if "ps_tasks" in line]
+    assert warning.startswith("warning: `cluster.ps_tasks` is now `cluster.ps_members`"), warning
+    assert warning.endswith("pass `--config.cluster.ps_members=2` instead."), warning
 
 
 def test_the_cluster_flag_names_the_source_and_a_missing_one_is_one_line(tmp_path):
