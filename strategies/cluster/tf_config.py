@@ -54,7 +54,7 @@ from towerflow.errors import TaskLost, UserError
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 DEFAULT_RPC_LAYER = "grpc"
 _EXAMPLE = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
-_EXAMPLE_TASK = '"task": {"type": "worker", "index": 0}'
+_EXAMPLE_TASK_KEY = '"task": {"type": "worker", "index": 0}'
 _MISSING = object()
 STARTUP_TIMEOUT_S = 120.0  # default wait for the other members of a cluster to come up
 PROBE_S = 3.0  # how long a live member's server may take to reply to a probe
@@ -580,14 +580,14 @@ def _parse_task_key(entry: Any, present: bool, jobs: dict[str, tuple[str, ...]])
         if sum(len(addresses) for addresses in jobs.values()) > 1:
             raise UserError(
                 f"`TF_CONFIG` has no `task`, but its cluster has more than one member; "
-                f"name this member, as in {_EXAMPLE_TASK}."
+                f"name this member, as in {_EXAMPLE_TASK_KEY}."
             )
         (only,) = jobs  # a one-member cluster: that member is this process
         return only, 0
     if not isinstance(entry, dict):
         raise UserError(
             f"`TF_CONFIG` `task` must be a JSON object, not {_show(entry)}; "
-            f"write it as {_EXAMPLE_TASK}."
+            f"write it as {_EXAMPLE_TASK_KEY}."
         )
     task_type = entry.get("type", _MISSING)
     if task_type not in TASK_TYPES:
