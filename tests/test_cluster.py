@@ -130,7 +130,10 @@ def test_make_tf_config_refuses_a_bad_cluster():
             _with({"type": "chief"}, chief=["h:1"], worker=["h:2", "h:1"]),
             ['gives "h:1" to both chief:0 and worker:1', "its own host:port"],
         ),
-        (_with(worker=["h:1", "h:2"]), ["has no `task`", "more than one member", '"type": "worker"']),
+        (
+            _with(worker=["h:1", "h:2"]),
+            ["has no `task`", "more than one member", '"type": "worker"'],
+        ),
         (_with("worker", worker=["h:1"]), ["`task` must be a JSON object", '"worker"']),
         (
             _with({"type": "master", "index": 0}, worker=["h:1"]),

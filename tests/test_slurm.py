@@ -233,9 +233,8 @@ def test_parameter_server_with_too_few_tasks_names_the_counts():
     places = LAYOUTS["one node, 2 tasks"][3]
     environ = step_environ("localhost", "2", places, 0)
     message = one_line_error("needs 3 or more", slurm.tf_config, environ, "parameter_server", 1, 1)
-    assert (
-        "the step has 2" in message and "sbatch -n3" in message and "`cluster.ps_members`" in message
-    )
+    assert "the step has 2" in message and "sbatch -n3" in message, message
+    assert "`cluster.ps_members`" in message and "fewer ps members" in message, message
     message = one_line_error("needs 4 or more", slurm.tf_config, environ, "parameter_server", 2, 1)
     assert "2 ps" in message
     at_least_one = r"`cluster.ps_members` \(0\) must be at least 1"
