@@ -12,7 +12,7 @@ from strategies.cluster import tf_config as cluster
 from tests.helpers import one_line_error, run_cli, tiny_config
 from trainer.loop import train
 
-# A Slurm step of 4 tasks on one node, as `srun -n4` sets it for its task 3.
+# A Slurm step of 4 Slurm tasks on one node, as `srun -n4` sets it for its rank 3.
 SLURM_STEP = {
     "SLURM_JOB_ID": "42",
     "SLURM_PROCID": "3",
@@ -141,7 +141,7 @@ def test_an_unknown_source_lists_the_known_ones():
     assert "`auto`, `tf_config`, `slurm`, `jobset`, `sagemaker`, `local`" in message
 
 
-def test_a_jobset_pod_finds_every_task_at_its_dns_name():
+def test_a_jobset_pod_finds_every_member_at_its_dns_name():
     environ = {**JOBSET_POD, "JOBSET_SUBDOMAIN": "svc"}
     spec = cluster.parse(discovery.jobset_tf_config(environ, 2222))
     assert spec.as_dict() == {

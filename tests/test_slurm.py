@@ -1,4 +1,4 @@
-"""Slurm: the `TF_CONFIG` each task derives from its step's environment, and jobs on a real Slurm.
+"""Slurm: the `TF_CONFIG` each member derives from its step's environment, and jobs on a real Slurm.
 
 The derivation tests are fast and need no Slurm: each layout below is
 written out by hand (which node and which local index every rank gets, as
@@ -151,7 +151,7 @@ def test_expand_tasks_per_node():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_multi_worker_every_task_a_worker_at_its_own_node_and_port(layout):
+def test_multi_worker_every_member_a_worker_at_its_own_node_and_port(layout):
     places = LAYOUTS[layout][3]
     configs = derive_all(layout, "multi_worker")
     expected = [f"{node}:{PORT + local}" for node, local in places]
@@ -175,9 +175,9 @@ def test_parameter_server_chief_then_ps_then_workers(layout, ps_members):
     }
     tasks = []
     for rank, config in enumerate(configs):
-        assert config["cluster"] == expected  # one cluster, the same in every task
+        assert config["cluster"] == expected  # one cluster, the same in every member
         task = config["task"]
-        # Each task finds itself at the address of the node it runs on.
+        # Each member finds itself at the address of the node it runs on.
         assert expected[task["type"]][task["index"]] == addresses[rank]
         tasks.append((task["type"], task["index"]))
     assert len(set(tasks)) == len(places)  # each task once
@@ -229,7 +229,7 @@ def test_batch_script_of_several_tasks_says_run_srun():
     assert "`SLURM_NTASKS`" in message and "srun -K" in message
 
 
-def test_parameter_server_with_too_few_tasks_names_the_counts():
+def test_parameter_server_with_too_few_slurm_tasks_names_the_counts():
     places = LAYOUTS["one node, 2 tasks"][3]
     environ = step_environ("localhost", "2", places, 0)
     message = one_line_error("needs 3 or more", slurm.tf_config, environ, "parameter_server", 1, 1)
@@ -254,7 +254,7 @@ def test_other_distributions_say_use_block(distribution):
     assert distribution in message and "srun -m block" in message
 
 
-def test_a_task_elsewhere_than_the_layout_says_so():
+def test_a_member_elsewhere_than_the_layout_says_so():
     # E.g. an arbitrary placement (a hostfile) that does not report itself as such.
     places = [("node02", 0), ("node01", 0)]
     environ = step_environ("node[01-02]", "1(x2)", places, 0)
@@ -391,7 +391,7 @@ def test_readme_sbatch_command_trains_on_a_real_slurm(slurm_node, strategy, task
     job = slurm_node.wait(job_id, timeout_s=TIMEOUT_S)
 
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.output
-    # Each task found its place: the start-up lines name Slurm and every task's own port.
+    # Each member found its place: the start-up lines name Slurm and every member's own port.
     assert re.search(r"\bslurm\b", job.output), job.output
     for offset in range(count):
         assert f"{slurm_cluster.NODE}:{port + offset}" in job.output, job.output

@@ -1,9 +1,9 @@
-"""Every start-up of a cluster task ends: an own host that cannot work, TensorFlow's join, SIGTERM.
+"""Every start-up of a cluster member ends: a host that cannot work, TensorFlow's join, SIGTERM.
 
-Bad input of the cluster kind, run as a user runs it (a task of its own with
+Bad input of the cluster kind, run as a user runs it (a member of its own with
 its `TF_CONFIG`): an own host that does not resolve is one line and exit 2
 before TensorFlow starts; TensorFlow's own join of the cluster (here: this
-task's address is another machine's, so it waits for itself there) ends at
+member's address is another machine's, so it waits for itself there) ends at
 the start-up bound with one line and exit 144, and SIGTERM during it exits 143
 at once.
 """
