@@ -1,8 +1,8 @@
 """Where this process runs: its cluster, found once at start and made its `TF_CONFIG`.
 
 Every member of a cluster (one of its processes) runs the same command; the
-scheduler that started it says where it is. With `cluster.source = "auto"` (the default) the cluster
-comes from the first of:
+scheduler that started it says where it is. With `cluster.source = "auto"`
+(the default) the cluster comes from the first of:
 
 1. `TF_CONFIG`, when set and not blank (`python -m trainer.launch`, a TFJob,
    Vertex AI, a script of your own);
