@@ -74,13 +74,15 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Where this process's cluster comes from (strategies/cluster/discovery.py); `--cluster` sets
     # `source`. auto: `TF_CONFIG` if set, else a Slurm step or a JobSet or SageMaker job of
-    # several tasks, else one process | tf_config | slurm | jobset | sagemaker | local.
+    # several processes, else one process | tf_config | slurm | jobset | sagemaker | local.
     c.cluster = ml_collections.ConfigDict()
     c.cluster.source = "auto"
-    # slurm / jobset / sagemaker: every task's port (slurm: +1 for each next task on a node).
+    # slurm / jobset / sagemaker: every member's port (slurm: +1 for each next member on a node).
     c.cluster.port = 2222
-    c.cluster.ps_tasks = 1  # slurm, under parameter_server: tasks after the chief that are ps
-    # An evaluator task runs beside training though `TF_CONFIG` does not list it (e.g. Vertex
+    c.cluster.ps_members = 1  # slurm, under parameter_server: members after the chief that are ps
+    # The old name of `ps_members`, kept for one release: set, it is used with a warning.
+    c.cluster.ps_tasks = ml_collections.config_dict.placeholder(int)
+    # An evaluator member runs beside training though `TF_CONFIG` does not list it (e.g. Vertex
     # AI): the chief then leaves evaluation to it. One listed in `cluster` needs no flag.
     c.cluster.sidecar_evaluator = False
 

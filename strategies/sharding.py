@@ -6,8 +6,8 @@
 (`trainer.layers.ShardedEmbedding`, `ShardedDense`) asks `num_shards(shape,
 dtype)` how many pieces its big variable should have, and creates each piece
 as its own plain variable along axis 0. The strategy places those plain
-variables round-robin over the ps tasks, so consecutive shards land on
-different ps tasks::
+variables round-robin over the ps members, so consecutive shards land on
+different ps members::
 
     with sharding.policy("fixed", num_shards=2):
         layer = ShardedEmbedding(200_000, 32)  # 2 variables of 100,000 rows
@@ -19,7 +19,7 @@ The counts follow `tf.distribute.experimental.partitioners`:
 - "none": 1 (whole variables, placed round-robin);
 - "fixed": `num_shards`, at most one row per shard;
 - "min_size": as many shards as keep each at least `min_shard_bytes`, at most
-  one per ps task;
+  one per ps member;
 - "max_size": as few shards as keep each at most `max_shard_bytes`.
 """
 
@@ -53,7 +53,7 @@ class Policy:
       num_shards: "fixed": shards per variable.
       min_shard_bytes: "min_size": the smallest shard, in bytes.
       max_shard_bytes: "max_size": the largest shard, in bytes.
-      num_ps: the ps tasks the shards are spread over; caps "min_size".
+      num_ps: the ps members the shards are spread over; caps "min_size".
     """
 
     partitioner: str = "none"

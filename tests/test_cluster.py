@@ -130,7 +130,10 @@ def test_make_tf_config_refuses_a_bad_cluster():
             _with({"type": "chief"}, chief=["h:1"], worker=["h:2", "h:1"]),
             ['gives "h:1" to both chief:0 and worker:1', "its own host:port"],
         ),
-        (_with(worker=["h:1", "h:2"]), ["has no `task`", "more than one task", '"type": "worker"']),
+        (
+            _with(worker=["h:1", "h:2"]),
+            ["has no `task`", "more than one member", '"type": "worker"'],
+        ),
         (_with("worker", worker=["h:1"]), ["`task` must be a JSON object", '"worker"']),
         (
             _with({"type": "master", "index": 0}, worker=["h:1"]),
@@ -139,7 +142,7 @@ def test_make_tf_config_refuses_a_bad_cluster():
         (_with({"index": 0}, worker=["h:1"]), ["`task.type` is missing", "use one of"]),
         (
             _with({"type": "ps", "index": 0}, worker=["h:1", "h:2"]),
-            ['`task.type` is "ps" but `cluster` has no such tasks', "`worker`", "add `ps`"],
+            ['`task.type` is "ps" but `cluster` has no such members', "`worker`", "add `ps`"],
         ),
         (
             _with({"type": "worker", "index": "1"}, worker=["h:1", "h:2"]),
@@ -151,7 +154,7 @@ def test_make_tf_config_refuses_a_bad_cluster():
         ),
         (
             _with({"type": "worker", "index": 2}, worker=["h:1", "h:2"]),
-            ["`task.index` is 2", "`worker` has 2 tasks", "from 0 to 1"],
+            ["`task.index` is 2", "`worker` has 2 members", "from 0 to 1"],
         ),
         (
             _with({"type": "worker", "index": -1}, worker=["h:1", "h:2"]),
@@ -163,7 +166,7 @@ def test_make_tf_config_refuses_a_bad_cluster():
         ),
         (
             _with({"type": "evaluator", "index": 1}, worker=["h:1"]),
-            ["`task.index` is 1", "`evaluator` has 1 task;", "from 0 to 0"],
+            ["`task.index` is 1", "`evaluator` has 1 member;", "from 0 to 0"],
         ),
         (
             _with({"type": "worker", "index": 0}, chief=["h:1", "h:2"], worker=["h:3"]),
@@ -175,7 +178,7 @@ def test_make_tf_config_refuses_a_bad_cluster():
         ),
         (
             _with({"type": "chief", "index": 0}, chief=["h:1"], ps=["h:2"]),
-            ["has `ps` tasks but no `worker`", "add `worker` addresses"],
+            ["has `ps` members but no `worker`", "add `worker` addresses"],
         ),
         (
             json.dumps({"cluster": {"worker": ["h:1"]}, "rpc_layer": 7}),
@@ -184,7 +187,7 @@ def test_make_tf_config_refuses_a_bad_cluster():
         # TFJob's `enableDynamicWorker` gives a worker only itself (and the ps tasks).
         (
             _with({"type": "worker", "index": 1}, worker={"1": "h:1"}, ps=["h:2"]),
-            ["`cluster.worker` lists only task(s) [1]", "`enableDynamicWorker: false`"],
+            ["`cluster.worker` lists only index(es) [1]", "`enableDynamicWorker: false`"],
         ),
         (
             json.dumps({"sparseCluster": {"worker": {"1": "h:1"}}, "task": {"type": "worker"}}),

@@ -12,7 +12,7 @@ from strategies.cluster import tf_config as cluster
 from tests.helpers import one_line_error, run_cli, tiny_config
 from trainer.loop import train
 
-# A Slurm step of 4 tasks on one node, as `srun -n4` sets it for its task 3.
+# A Slurm step of 4 Slurm tasks on one node, as `srun -n4` sets it for its rank 3.
 SLURM_STEP = {
     "SLURM_JOB_ID": "42",
     "SLURM_PROCID": "3",
@@ -65,7 +65,7 @@ def test_a_batch_script_of_several_tasks_is_told_to_start_them_with_srun():
 
 
 def test_a_slurm_step_gets_the_port_and_ps_count_of_the_config():
-    section = {"source": "auto", "port": 3000, "ps_tasks": 1}
+    section = {"source": "auto", "port": 3000, "ps_members": 1}
     found = discovery.find(section, "parameter_server", SLURM_STEP)
     spec = cluster.parse(found.tf_config)
     assert spec.as_dict() == {
@@ -76,8 +76,35 @@ def test_a_slurm_step_gets_the_port_and_ps_count_of_the_config():
     assert (spec.task_type, spec.task_index) == ("worker", 1)
     assert found.line() == (
         "cluster: from slurm (job 42): chief node1:3000, ps node1:3001, "
-        "worker node1:3002, node1:3003; this task worker:1"
+        "worker node1:3002, node1:3003; this member worker:1"
     )
+
+
+def test_the_old_name_ps_tasks_still_sets_the_ps_count_and_says_its_new_name_once():
+    said = []
+    environ = dict(SLURM_STEP)
+    discovery.resolve({"ps_tasks": 2, "port": 3000}, "parameter_server", environ, said.append)
+    assert cluster.from_env(environ).jobs["ps"] == ("node1:3001", "node1:3002")
+    assert said == [
+        "warning: `cluster.ps_tasks` is now `cluster.ps_members` (the processes of a cluster "
+        "are its members); the old name goes in the next release: pass "
+        "`--config.cluster.ps_members=2` instead."
+    ]
+    said.clear()
+    discovery.resolve({"ps_members": 2, "ps_tasks": None}, "parameter_server", environ, said.append)
+    assert said == []  # the new name alone: no warning
+
+
+def test_the_old_and_new_ps_names_set_apart_are_one_line_error():
+    section = {"ps_tasks": 2, "ps_members": 3}
+    message = one_line_error(
+        re.escape("`cluster.ps_tasks` (2) and `cluster.ps_members` (3)"),
+        discovery.find,
+        section,
+        "parameter_server",
+        SLURM_STEP,
+    )
+    assert "set only `cluster.ps_members`" in message
 
 
 def test_resolve_makes_the_cluster_the_processes_tf_config():
@@ -86,7 +113,7 @@ def test_resolve_makes_the_cluster_the_processes_tf_config():
     assert environ["TF_CONFIG"] == found.tf_config != TF_CONFIG  # named: it wins over TF_CONFIG
     spec = cluster.from_env(environ)
     assert spec.jobs["worker"] == ("run-worker-0-0.run:2222", "run-worker-0-1.run:2222")
-    assert spec.task_name == "worker:1"
+    assert spec.member_name == "worker:1"
     assert discovery.resolve(_source("local"), "multi_worker", environ).line() is None
     assert "TF_CONFIG" not in environ
 
@@ -114,7 +141,7 @@ def test_an_unknown_source_lists_the_known_ones():
     assert "`auto`, `tf_config`, `slurm`, `jobset`, `sagemaker`, `local`" in message
 
 
-def test_a_jobset_pod_finds_every_task_at_its_dns_name():
+def test_a_jobset_pod_finds_every_member_at_its_dns_name():
     environ = {**JOBSET_POD, "JOBSET_SUBDOMAIN": "svc"}
     spec = cluster.parse(discovery.jobset_tf_config(environ, 2222))
     assert spec.as_dict() == {
@@ -148,7 +175,7 @@ def test_a_sagemaker_job_makes_every_host_a_worker_in_name_order():
     found = discovery.find({"source": "auto", "port": 5000}, "multi_worker", SAGEMAKER)
     spec = cluster.parse(found.tf_config)
     assert spec.jobs == {"worker": ("algo-1:5000", "algo-2:5000")}
-    assert spec.task_name == "worker:1"
+    assert spec.member_name == "worker:1"
 
 
 def test_the_start_up_line_shortens_a_long_job():
@@ -156,7 +183,7 @@ def test_the_start_up_line_shortens_a_long_job():
     found = discovery.Found("tf_config", cluster.make_tf_config(jobs, "worker", 7))
     assert found.line() == (
         "cluster: from TF_CONFIG: chief c:1, worker w0:1, w1:1, w2:1 ... (100 in all); "
-        "this task worker:7"
+        "this member worker:7"
     )
 
 
@@ -173,7 +200,7 @@ _UNLISTED_EVALUATOR = json.dumps({"cluster": _PS_JOBS, "task": {"type": "evaluat
 
 def test_an_evaluator_the_chief_cannot_know_of_is_refused():
     one_line_error(
-        re.escape("`--config.cluster.sidecar_evaluator=True` to every task"),
+        re.escape("`--config.cluster.sidecar_evaluator=True` to every member"),
         discovery.resolve,
         None,
         "parameter_server",
@@ -207,6 +234,16 @@ def test_a_config_without_a_cluster_section_is_one_process(monkeypatch):
     del config["cluster"]  # a user's config file from before the section existed
     assert train.make_strategy(config).membership.cluster is None
     assert not discovery.sidecar_evaluator(config.get("cluster"))
+
+
+def test_the_old_ps_tasks_flag_is_accepted_with_a_one_line_warning(tmp_path):
+    result = run_cli(
+        "--cluster=jobset", "--config.cluster.ps_tasks=2", "--model_dir=run", cwd=str(tmp_path)
+    )
+    assert result.returncode == 2, result.stderr[-2000:]  # no JobSet here: only the flag is tried
+    (warning,) = [line for line in result.stdout.splitlines() if "ps_tasks" in line]
+    assert warning.startswith("warning: `cluster.ps_tasks` is now `cluster.ps_members`"), warning
+    assert warning.endswith("pass `--config.cluster.ps_members=2` instead."), warning
 
 
 def test_the_cluster_flag_names_the_source_and_a_missing_one_is_one_line(tmp_path):

@@ -1,4 +1,4 @@
-"""Scratch space of tasks that are not the chief: in memory, so no exit leaves any behind."""
+"""Scratch space of members that are not the chief: in memory, so no exit leaves any behind."""
 
 import os
 import signal
@@ -29,7 +29,7 @@ def test_a_non_chief_checkpointer_writes_to_memory_and_frees_it(tmp_path, temp_d
         path = checkpointer.save(step)
         assert path.startswith("ram://") and tf.io.gfile.exists(path + ".index")
     saved = os.path.dirname(path)
-    # Only the newest is kept: what a task that is not the chief writes is never read.
+    # Only the newest is kept: what a member that is not the chief writes is never read.
     assert sorted(tf.io.gfile.listdir(saved)) == [
         "checkpoint",
         "ckpt-3.data-00000-of-00001",

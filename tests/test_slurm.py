@@ -1,4 +1,4 @@
-"""Slurm: the `TF_CONFIG` each task derives from its step's environment, and jobs on a real Slurm.
+"""Slurm: the `TF_CONFIG` each member derives from its step's environment, and jobs on a real Slurm.
 
 The derivation tests are fast and need no Slurm: each layout below is
 written out by hand (which node and which local index every rank gets, as
@@ -98,7 +98,7 @@ LAYOUTS = {
 }
 
 
-def derive_all(layout, strategy: str, ps_tasks: int = 1, port: int = PORT) -> list[dict]:
+def derive_all(layout, strategy: str, ps_members: int = 1, port: int = PORT) -> list[dict]:
     """Every rank's TF_CONFIG (as a dict) for one of `LAYOUTS`."""
     nodelist, tasks_per_node, distribution, places = LAYOUTS[layout]
     configs = []
@@ -106,7 +106,7 @@ def derive_all(layout, strategy: str, ps_tasks: int = 1, port: int = PORT) -> li
         environ = step_environ(
             nodelist, tasks_per_node, places, rank, SLURM_DISTRIBUTION=distribution
         )
-        configs.append(json.loads(slurm.tf_config(environ, strategy, ps_tasks, port)))
+        configs.append(json.loads(slurm.tf_config(environ, strategy, ps_members, port)))
     return configs
 
 
@@ -151,7 +151,7 @@ def test_expand_tasks_per_node():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_multi_worker_every_task_a_worker_at_its_own_node_and_port(layout):
+def test_multi_worker_every_member_a_worker_at_its_own_node_and_port(layout):
     places = LAYOUTS[layout][3]
     configs = derive_all(layout, "multi_worker")
     expected = [f"{node}:{PORT + local}" for node, local in places]
@@ -163,21 +163,21 @@ def test_multi_worker_every_task_a_worker_at_its_own_node_and_port(layout):
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if len(LAYOUTS[name][3]) >= 4])
-@pytest.mark.parametrize("ps_tasks", [1, 2])
-def test_parameter_server_chief_then_ps_then_workers(layout, ps_tasks):
+@pytest.mark.parametrize("ps_members", [1, 2])
+def test_parameter_server_chief_then_ps_then_workers(layout, ps_members):
     places = LAYOUTS[layout][3]
-    configs = derive_all(layout, "parameter_server", ps_tasks, port=3000)
+    configs = derive_all(layout, "parameter_server", ps_members, port=3000)
     addresses = [f"{node}:{3000 + local}" for node, local in places]
     expected = {
         "chief": addresses[:1],
-        "ps": addresses[1 : 1 + ps_tasks],
-        "worker": addresses[1 + ps_tasks :],
+        "ps": addresses[1 : 1 + ps_members],
+        "worker": addresses[1 + ps_members :],
     }
     tasks = []
     for rank, config in enumerate(configs):
-        assert config["cluster"] == expected  # one cluster, the same in every task
+        assert config["cluster"] == expected  # one cluster, the same in every member
         task = config["task"]
-        # Each task finds itself at the address of the node it runs on.
+        # Each member finds itself at the address of the node it runs on.
         assert expected[task["type"]][task["index"]] == addresses[rank]
         tasks.append((task["type"], task["index"]))
     assert len(set(tasks)) == len(places)  # each task once
@@ -229,16 +229,15 @@ def test_batch_script_of_several_tasks_says_run_srun():
     assert "`SLURM_NTASKS`" in message and "srun -K" in message
 
 
-def test_parameter_server_with_too_few_tasks_names_the_counts():
+def test_parameter_server_with_too_few_slurm_tasks_names_the_counts():
     places = LAYOUTS["one node, 2 tasks"][3]
     environ = step_environ("localhost", "2", places, 0)
     message = one_line_error("needs 3 or more", slurm.tf_config, environ, "parameter_server", 1, 1)
-    assert (
-        "the step has 2" in message and "sbatch -n3" in message and "`cluster.ps_tasks`" in message
-    )
+    assert "the step has 2" in message and "sbatch -n3" in message, message
+    assert "`cluster.ps_members`" in message and "fewer ps members" in message, message
     message = one_line_error("needs 4 or more", slurm.tf_config, environ, "parameter_server", 2, 1)
     assert "2 ps" in message
-    at_least_one = r"`cluster.ps_tasks` \(0\) must be at least 1"
+    at_least_one = r"`cluster.ps_members` \(0\) must be at least 1"
     one_line_error(at_least_one, slurm.tf_config, environ, "parameter_server", 0, 1)
 
 
@@ -255,7 +254,7 @@ def test_other_distributions_say_use_block(distribution):
     assert distribution in message and "srun -m block" in message
 
 
-def test_a_task_elsewhere_than_the_layout_says_so():
+def test_a_member_elsewhere_than_the_layout_says_so():
     # E.g. an arbitrary placement (a hostfile) that does not report itself as such.
     places = [("node02", 0), ("node01", 0)]
     environ = step_environ("node[01-02]", "1(x2)", places, 0)
@@ -392,7 +391,7 @@ def test_readme_sbatch_command_trains_on_a_real_slurm(slurm_node, strategy, task
     job = slurm_node.wait(job_id, timeout_s=TIMEOUT_S)
 
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.output
-    # Each task found its place: the start-up lines name Slurm and every task's own port.
+    # Each member found its place: the start-up lines name Slurm and every member's own port.
     assert re.search(r"\bslurm\b", job.output), job.output
     for offset in range(count):
         assert f"{slurm_cluster.NODE}:{port + offset}" in job.output, job.output

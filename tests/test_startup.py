@@ -1,4 +1,4 @@
-"""Start-up of a cluster task: a bounded wait that names who is missing, proxies, SIGTERM."""
+"""Start-up of a cluster member: a bounded wait that names who is missing, proxies, SIGTERM."""
 
 import json
 import math
@@ -54,16 +54,16 @@ def test_a_host_that_does_not_resolve_is_named_at_once():
     assert seconds < 1.0  # named before the wait is over, not only at its end
 
 
-def test_tasks_waiting_for_each_other_all_start():
+def test_members_waiting_for_each_other_all_start():
     # Each holds its own port while it waits, so none waits for a server that
     # only starts once its own wait is over.
     ports = pick_ports(3)
     addresses = [f"127.0.0.1:{port}" for port in ports]
     done: list[int] = []
-    servers: list[socket.socket] = []  # what TensorFlow's server is once a task has started
+    servers: list[socket.socket] = []  # what TensorFlow's server is once a member has started
 
     def start(index):
-        time.sleep(index * 0.5)  # tasks come up at different times
+        time.sleep(index * 0.5)  # members come up at different times
         cluster.start_up(_spec(addresses, index), 60.0, "s", report=lambda _: None, interval_s=0.1)
         servers.append(socket.create_server(("127.0.0.1", ports[index])))
         done.append(index)
@@ -131,7 +131,7 @@ def _start_worker_0(tmp_path, missing_port: int, *flags: str) -> subprocess.Pope
 
 
 @pytest.mark.parametrize("strategy", ["multi_worker", "parameter_server"])
-def test_the_cli_gives_up_on_missing_tasks_with_one_line(tmp_path, strategy):
+def test_the_cli_gives_up_on_missing_members_with_one_line(tmp_path, strategy):
     chief, worker, ps = pick_ports(3)
     jobs = {"worker": [f"127.0.0.1:{chief}", f"127.0.0.1:{worker}"]}
     missing = [f"worker:1 at 127.0.0.1:{worker}"]

@@ -1,9 +1,9 @@
-"""Every start-up of a cluster task ends: an own host that cannot work, TensorFlow's join, SIGTERM.
+"""Every start-up of a cluster member ends: a host that cannot work, TensorFlow's join, SIGTERM.
 
-Bad input of the cluster kind, run as a user runs it (a task of its own with
+Bad input of the cluster kind, run as a user runs it (a member of its own with
 its `TF_CONFIG`): an own host that does not resolve is one line and exit 2
 before TensorFlow starts; TensorFlow's own join of the cluster (here: this
-task's address is another machine's, so it waits for itself there) ends at
+member's address is another machine's, so it waits for itself there) ends at
 the start-up bound with one line and exit 144, and SIGTERM during it exits 143
 at once.
 """
@@ -67,7 +67,7 @@ def test_an_own_host_that_does_not_resolve_is_one_line_and_exit_2(tmp_path, host
     _, err, took = _finish(proc)
     assert proc.returncode == 2, err
     line = _one_line(err)
-    assert line.startswith("error: `TF_CONFIG` gives this task"), line
+    assert line.startswith("error: `TF_CONFIG` gives this member"), line
     assert "its host does not resolve here" in line and "its own machine" in line, line
     assert len(line) < 400, "a long host is shortened"
     assert not (tmp_path / "run").exists()
@@ -89,7 +89,7 @@ def test_tensorflows_own_join_of_the_cluster_ends_at_the_bound_with_exit_144(tmp
         line
     )
     assert "`strategy.multi_worker.startup_timeout_seconds` sets this wait" in line
-    assert f"this task's host `{UNROUTED}`" in out and "no address of this machine" in out, out
+    assert f"this member's host `{UNROUTED}`" in out and "no address of this machine" in out, out
     assert "waiting for TensorFlow to join the cluster as worker:0 (at most 3 s)" in out, out
     assert not (tmp_path / "run").exists()
     assert took < BOUND_S

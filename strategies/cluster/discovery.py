@@ -1,16 +1,16 @@
 """Where this process runs: its cluster, found once at start and made its `TF_CONFIG`.
 
-Every task of a cluster runs the same command; the scheduler that started it
-says where it is. With `cluster.source = "auto"` (the default) the cluster
-comes from the first of:
+Every member of a cluster (one of its processes) runs the same command; the
+scheduler that started it says where it is. With `cluster.source = "auto"`
+(the default) the cluster comes from the first of:
 
 1. `TF_CONFIG`, when set and not blank (`python -m trainer.launch`, a TFJob,
    Vertex AI, a script of your own);
-2. a scheduler's environment: a Slurm job step of more than one task
+2. a scheduler's environment: a Slurm job step of more than one Slurm task
    (`SLURM_*`, derived by `strategies.cluster.slurm`), a Kubernetes JobSet pod (the
    variables `deploy/jobset-*.yaml` set, see `jobset_tf_config`) or a
    SageMaker training job of several hosts (`SM_HOSTS`, `SM_CURRENT_HOST`);
-   a Slurm or SageMaker job of one task is one process;
+   a Slurm job of one Slurm task or a SageMaker job of one host is one process;
 3. else this process alone (`local`).
 
 `cluster.source` (`--cluster`) names one instead: `tf_config`, `slurm`,
@@ -20,7 +20,7 @@ missing. `resolve` sets the cluster found as this process's `TF_CONFIG`
 before any strategy is built, so every plugin and TensorFlow's own resolvers
 read one description, checked by `strategies.cluster.tf_config.parse`.
 
-The sidecar evaluator rule: an evaluator task evaluates, and the chief then
+The sidecar evaluator rule: an evaluator member evaluates, and the chief then
 does not (two writers of `model_dir/eval` would interleave their events).
 The chief knows that an evaluator runs when `cluster` lists one (as
 `trainer.launch`, a TFJob and the JobSet manifests write it), or when
@@ -43,7 +43,15 @@ from towerflow.errors import UserError
 
 SOURCES = ("auto", "tf_config", "slurm", "jobset", "sagemaker", "local")
 # The `cluster` section of configs/default.py, for a config file that has none.
-DEFAULTS = {"source": "auto", "port": 2222, "ps_tasks": 1, "sidecar_evaluator": False}
+DEFAULTS = {
+    "source": "auto",
+    "port": 2222,
+    "ps_members": 1,
+    "ps_tasks": None,
+    "sidecar_evaluator": False,
+}
+# Old field names kept working for one release, with a warning: old -> new.
+RENAMED = {"ps_tasks": "ps_members"}
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_PROCID")
 # Set in every pod by deploy/jobset-*.yaml: the first three from the pod's JobSet labels
 # through the downward API, `JOB_COMPLETION_INDEX` by the Indexed Job itself, and
@@ -56,7 +64,7 @@ JOBSET_VARIABLES = (
     "JOBSET_TASKS",
 )
 SAGEMAKER_VARIABLES = ("SM_HOSTS", "SM_CURRENT_HOST")
-_SHOWN_PER_JOB = 3  # addresses the start-up line shows of one task type
+_SHOWN_PER_JOB = 3  # addresses the start-up line shows of one role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +82,10 @@ class Found:
     origin: str = ""
 
     def line(self) -> str | None:
-        """The start-up line naming the source, the cluster and this task; None for `local`.
+        """The start-up line naming the source, the cluster and this member; None for `local`.
 
         E.g. `cluster: from slurm (job 42): chief n1:2222, ps n1:2223, worker n2:2222,
-        n2:2223; this task worker:1`.
+        n2:2223; this member worker:1`.
         """
         spec = cluster.parse(self.tf_config)
         if spec is None:
@@ -85,13 +93,41 @@ class Found:
         origin = f" ({self.origin})" if self.origin else ""
         jobs = ", ".join(_shown(job, addresses) for job, addresses in spec.jobs.items())
         source = "TF_CONFIG" if self.source == "tf_config" else self.source
-        return f"cluster: from {source}{origin}: {jobs}; this task {spec.task_name}"
+        return f"cluster: from {source}{origin}: {jobs}; this member {spec.member_name}"
 
 
 def settings(section: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A config's `cluster` section with `DEFAULTS` for what it leaves out (or lacks)."""
+    """A config's `cluster` section with `DEFAULTS` for what it leaves out (or lacks).
+
+    A field set under its old name (`RENAMED`) gives its value to the new one.
+
+    Raises:
+      UserError: a field is set under both names, to different values.
+    """
     section = section or {}
-    return {name: section.get(name, default) for name, default in DEFAULTS.items()}
+    chosen = {name: section.get(name, default) for name, default in DEFAULTS.items()}
+    for old, new in RENAMED.items():
+        if chosen[old] is None:
+            continue
+        if chosen[new] not in (DEFAULTS[new], chosen[old]):
+            raise UserError(
+                f"`cluster.{old}` ({chosen[old]}) and `cluster.{new}` ({chosen[new]}) are one "
+                f"setting under its old and new name; set only `cluster.{new}`."
+            )
+        chosen[new] = chosen[old]
+    return chosen
+
+
+def renamed_warnings(section: Mapping[str, Any] | None) -> list[str]:
+    """One warning line for each field that `section` sets under its old name (`RENAMED`)."""
+    section = section or {}
+    return [
+        f"warning: `cluster.{old}` is now `cluster.{new}` (the processes of a cluster are its "
+        f"members); the old name goes in the next release: pass "
+        f"`--config.cluster.{new}={section[old]}` instead."
+        for old, new in RENAMED.items()
+        if section.get(old) is not None
+    ]
 
 
 def find(
@@ -101,7 +137,7 @@ def find(
 
     Args:
       section: the config's `cluster` section (None: all defaults).
-      strategy: the strategy's name (a Slurm step's task types depend on it).
+      strategy: the strategy's name (the roles of a Slurm step's members depend on it).
       environ: the process's environment.
 
     Raises:
@@ -124,24 +160,28 @@ def resolve(
     section: Mapping[str, Any] | None,
     strategy: str,
     environ: MutableMapping[str, str] = os.environ,
+    report: Callable[[str], None] = print,
 ) -> Found:
     """Finds this process's cluster, checks it, and makes it the `TF_CONFIG` of `environ`.
 
-    Call it before any strategy is built. `local` removes a `TF_CONFIG`.
+    Call it before any strategy is built. `local` removes a `TF_CONFIG`. A field
+    set under its old name is reported, one line each (`renamed_warnings`).
 
     Raises:
-      UserError: as `find`; a malformed cluster; or an evaluator task that the
+      UserError: as `find`; a malformed cluster; or an evaluator member that the
         chief cannot know of (see the module docstring).
     """
+    for warning in renamed_warnings(section):
+        report(warning)
     found = find(section, strategy, environ)
     spec = cluster.parse(found.tf_config)
     if spec and spec.task_type == "evaluator" and "evaluator" not in spec.jobs:
         if not sidecar_evaluator(section):
             raise UserError(
-                "this task is an `evaluator` that its `TF_CONFIG` `cluster` does not list, so "
+                "this member is an `evaluator` that its `TF_CONFIG` `cluster` does not list, so "
                 "the chief cannot know it runs and would evaluate too (two writers of "
                 "`model_dir/eval`); pass `--config.cluster.sidecar_evaluator=True` to every "
-                'task, or list it in every task\'s `cluster` ("evaluator": ["host:port"]).'
+                'member, or list it in every member\'s `cluster` ("evaluator": ["host:port"]).'
             )
     if found.tf_config is None:
         environ.pop("TF_CONFIG", None)
@@ -159,7 +199,7 @@ def detect(environ: Mapping[str, str]) -> str:
     """The source `auto` picks for `environ` (the order of the module docstring)."""
     if environ.get("TF_CONFIG", "").strip():
         return "tf_config"
-    if _has(environ, SLURM_VARIABLES) and _slurm_tasks(environ) > 1:
+    if _has(environ, SLURM_VARIABLES) and _slurm_processes(environ) > 1:
         return "slurm"
     if "JOBSET_NAME" in environ:
         return "jobset"
@@ -171,8 +211,8 @@ def detect(environ: Mapping[str, str]) -> str:
 def jobset_tf_config(environ: Mapping[str, str], port: int) -> str:
     """The `TF_CONFIG` of a JobSet pod, from the variables deploy/jobset-*.yaml sets.
 
-    Each replicated job is one task type (`chief`, `worker`, `ps`, `evaluator`)
-    with `replicas: 1` and one pod per task (`completions`); task i of type t
+    Each replicated job is one role, a task type (`chief`, `worker`, `ps`, `evaluator`),
+    with `replicas: 1` and one pod per member (`completions`); member i of role t
     is the pod `<jobset>-<t>-0-<i>`, found at `<jobset>-<t>-0-<i>.<subdomain>`
     through the JobSet's headless service (`network.enableDNSHostnames`; the
     subdomain is the JobSet's name unless `JOBSET_SUBDOMAIN` says otherwise).
@@ -180,7 +220,7 @@ def jobset_tf_config(environ: Mapping[str, str], port: int) -> str:
     Args:
       environ: the pod's environment (`JOBSET_VARIABLES`, optionally
         `JOBSET_SUBDOMAIN`, and `HOSTNAME`, checked against the pattern above).
-      port: every task's port.
+      port: every member's port.
 
     Raises:
       UserError: a variable is missing or does not fit the others; one line with the fix.
@@ -191,22 +231,22 @@ def jobset_tf_config(environ: Mapping[str, str], port: int) -> str:
 
 
 def jobset_pods(
-    environ: Mapping[str, str], task_types: tuple[str, ...]
+    environ: Mapping[str, str], job_names: tuple[str, ...]
 ) -> tuple[dict[str, list[str]], str, int]:
-    """A JobSet's pods as `jobset_tf_config` finds them, for replicated jobs named `task_types`.
+    """A JobSet's pods as `jobset_tf_config` finds them, for replicated jobs named `job_names`.
 
     Returns:
       Each replicated job's pods' DNS names (`<jobset>-<job>-0-<i>.<subdomain>`),
       in `JOBSET_TASKS` order; this pod's replicated job and completion index.
 
     Raises:
-      UserError: as `jobset_tf_config`, or a replicated job not named in `task_types`.
+      UserError: as `jobset_tf_config`, or a replicated job not named in `job_names`.
     """
     _require(
         "jobset", environ, JOBSET_VARIABLES, "set them as deploy/jobset-multi-worker.yaml does"
     )
     jobset, own_type = environ["JOBSET_NAME"], environ["REPLICATED_JOB_NAME"]
-    counts = _jobset_tasks(environ["JOBSET_TASKS"], task_types)
+    counts = _jobset_pod_counts(environ["JOBSET_TASKS"], job_names)
     if own_type not in counts:
         raise UserError(
             f"`REPLICATED_JOB_NAME` ({own_type}) is not in `JOBSET_TASKS` "
@@ -214,8 +254,8 @@ def jobset_pods(
         )
     if _index(environ, "JOB_INDEX") != 0:
         raise UserError(
-            f"`JOB_INDEX` is {environ['JOB_INDEX']}, but each task type is one Job: give the "
-            f"replicated job `{own_type}` `replicas: 1` and one pod per task (`completions`)."
+            f"`JOB_INDEX` is {environ['JOB_INDEX']}, but each role is one Job: give the "
+            f"replicated job `{own_type}` `replicas: 1` and one pod per member (`completions`)."
         )
     index = _index(environ, "JOB_COMPLETION_INDEX")
     if index >= counts[own_type]:
@@ -233,8 +273,8 @@ def jobset_pods(
         )
     subdomain = environ.get("JOBSET_SUBDOMAIN") or jobset
     hosts = {
-        task_type: [f"{jobset}-{task_type}-0-{i}.{subdomain}" for i in range(count)]
-        for task_type, count in counts.items()
+        job: [f"{jobset}-{job}-0-{i}.{subdomain}" for i in range(count)]
+        for job, count in counts.items()
     }
     return hosts, own_type, index
 
@@ -249,10 +289,10 @@ def _from_tf_config(environ: Mapping[str, str], strategy: str, chosen: dict) -> 
 
 
 def _from_slurm(environ: Mapping[str, str], strategy: str, chosen: dict) -> Found:
-    _require("slurm", environ, SLURM_VARIABLES, "start each task with `srun` in a Slurm job")
-    from strategies.cluster import slurm  # only a Slurm task needs it
+    _require("slurm", environ, SLURM_VARIABLES, "start each member with `srun` in a Slurm job")
+    from strategies.cluster import slurm  # only a member of a Slurm step needs it
 
-    text = slurm.tf_config(environ, strategy, chosen["ps_tasks"], chosen["port"])
+    text = slurm.tf_config(environ, strategy, chosen["ps_members"], chosen["port"])
     return Found("slurm", text, f"job {environ['SLURM_JOB_ID']}")
 
 
@@ -302,8 +342,8 @@ def _has(environ: Mapping[str, str], names: tuple[str, ...]) -> bool:
     return all(name in environ for name in names)
 
 
-def _slurm_tasks(environ: Mapping[str, str]) -> int:
-    """Tasks of this step (of the job, in a batch script); 1 when Slurm does not say."""
+def _slurm_processes(environ: Mapping[str, str]) -> int:
+    """Slurm tasks (processes) of this step (of the job, in a batch script); 1 when not said."""
     value = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or "1"
     return int(value) if value.strip().isdigit() else 1
 
@@ -321,19 +361,19 @@ def _sagemaker_hosts(environ: Mapping[str, str]) -> list[str]:
     return sorted(hosts)
 
 
-def _jobset_tasks(text: str, task_types: tuple[str, ...]) -> dict[str, int]:
-    """`JOBSET_TASKS`, "chief=1,worker=2,ps=1", as task type -> pod count."""
+def _jobset_pod_counts(text: str, job_names: tuple[str, ...]) -> dict[str, int]:
+    """`JOBSET_TASKS`, "chief=1,worker=2,ps=1", as replicated job -> pod count."""
     counts: dict[str, int] = {}
     for part in text.split(","):
-        task_type, _, count = part.strip().partition("=")
-        if task_type not in task_types or not count.isdigit() or int(count) < 1:
-            example = ",".join(f"{t}={n}" for t, n in zip(task_types, (1, 2, 1)))
+        job, _, count = part.strip().partition("=")
+        if job not in job_names or not count.isdigit() or int(count) < 1:
+            example = ",".join(f"{t}={n}" for t, n in zip(job_names, (1, 2, 1)))
             raise UserError(
                 f"`JOBSET_TASKS` ({text}) must list each replicated job as `type=pods`, the type "
-                f"one of {', '.join(f'`{t}`' for t in task_types)}, e.g. "
-                f"`{example}`; name the replicated jobs after their task types."
+                f"one of {', '.join(f'`{t}`' for t in job_names)}, e.g. "
+                f"`{example}`; name the replicated jobs after their roles."
             )
-        counts[task_type] = int(count)
+        counts[job] = int(count)
     return counts
 
 
@@ -355,7 +395,7 @@ def _port(chosen: dict) -> int:
 
 
 def _shown(job: str, addresses: tuple[str, ...]) -> str:
-    """One task type for the start-up line: its first addresses, and how many there are."""
+    """One role for the start-up line: its first addresses, and how many there are."""
     if len(addresses) <= _SHOWN_PER_JOB + 1:
         return f"{job} {', '.join(addresses)}"
     return f"{job} {', '.join(addresses[:_SHOWN_PER_JOB])} ... ({len(addresses)} in all)"

@@ -1,8 +1,8 @@
-"""Preemption: on SIGTERM every task saves at one agreed step, then exits to be restarted.
+"""Preemption: on SIGTERM every member saves at one agreed step, then exits to be restarted.
 
 Schedulers (Kubernetes, Slurm, spot-instance reclaimers) send SIGTERM before
-they stop a task. The loop asks its strategy for a watch (`strategy.membership.watch_preemption()`)
-and calls `check(save)` after every loop:
+they stop a process. The loop asks its strategy for a watch
+(`strategy.membership.watch_preemption()`) and calls `check(save)` after every loop:
 
 - `SignalWatch` (one process): SIGTERM sets a flag; the next `check` saves
   and raises `Preempted`.
@@ -137,7 +137,7 @@ def _close_within(
     The handler has no public close: its `__del__` tells the coordination
     service's leader to stop watching (an RPC with no deadline) and joins a
     thread that waits on the leader. When a step failed (`lost`), the leader
-    may be the task that stopped answering, and that RPC would never return;
+    may be the member that stopped answering, and that RPC would never return;
     otherwise it runs in a daemon thread given `timeout_s`. Either way the
     handler is disarmed, so its `__del__` (when collected, or at interpreter
     exit) has nothing left to wait for; its threads are daemons and end with

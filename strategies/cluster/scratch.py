@@ -1,6 +1,6 @@
-"""Scratch space of a task that is not the chief, in the process's own memory.
+"""Scratch space of a member that is not the chief, in the process's own memory.
 
-Tasks other than the chief must write what the chief writes (a collective
+Members other than the chief must write what the chief writes (a collective
 checkpoint save, the preemption handler's files, an export), and keep none of
 it. They write to TensorFlow's in-memory file system (`ram://`), which
 belongs to the process: however the process ends, SIGKILL and the OOM killer

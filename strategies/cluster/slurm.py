@@ -1,21 +1,21 @@
-"""Slurm: the `TF_CONFIG` of a task that `srun` started, derived from Slurm's own variables.
+"""Slurm: the `TF_CONFIG` of a member that `srun` started, derived from Slurm's own variables.
 
-A batch script runs one `srun` step with a task per process,
+A batch script runs one `srun` step, one Slurm task per member of the cluster,
 
     sbatch -n4 --wrap 'srun -K python -m trainer --strategy=parameter_server --cluster=slurm'
 
-and each task derives the whole cluster and its own place in it from the
+and each member derives the whole cluster and its own place in it from the
 step's environment: the nodes (`SLURM_STEP_NODELIST`, a hostlist such as
-`node[01-03,7]`, expanded as `scontrol show hostnames` does), the tasks on
-each (`SLURM_STEP_TASKS_PER_NODE`, such as `2(x3),1`), how ranks are dealt to
+`node[01-03,7]`, expanded as `scontrol show hostnames` does), the Slurm tasks
+on each (`SLURM_STEP_TASKS_PER_NODE`, such as `2(x3),1`), how ranks are dealt to
 nodes (`SLURM_DISTRIBUTION`: block, the default, or cyclic) and its own rank
-(`SLURM_PROCID`). Task r's address is its node's name and `port` plus its
-index among the tasks on that node, so several tasks share a node.
+(`SLURM_PROCID`). The address of rank r is its node's name and `port` plus
+its index among the members on that node, so several members share a node.
 
-Task types follow the ranks: under `parameter_server`, rank 0 is the chief
-(the coordinator), the next `ps_tasks` ranks are ps tasks and the rest
-workers; under any other strategy every task is a worker and worker 0 is the
-chief. With block distribution, the chief and the ps tasks share the first
+Roles follow the ranks: under `parameter_server`, rank 0 is the chief
+(the coordinator), the next `ps_members` ranks are ps members and the rest
+workers; under any other strategy every member is a worker and worker 0 is the
+chief. With block distribution, the chief and the ps members share the first
 node(s).
 
 TensorFlow's `tf.distribute.cluster_resolver.SlurmClusterResolver` does the
@@ -41,33 +41,34 @@ DISTRIBUTIONS = ("block", "cyclic")  # how Slurm deals ranks to nodes (`srun -m`
 _MAX_PORT = 65535
 
 
-def tf_config(environ: Mapping[str, str], strategy: str, ps_tasks: int, port: int) -> str:
-    """The `TF_CONFIG` JSON for the Slurm task whose environment is `environ`.
+def tf_config(environ: Mapping[str, str], strategy: str, ps_members: int, port: int) -> str:
+    """The `TF_CONFIG` JSON for the member whose environment (a Slurm task's) is `environ`.
 
     Args:
-      environ: the task's environment (`SLURM_*` variables), e.g. `os.environ`.
+      environ: the member's environment (`SLURM_*` variables), e.g. `os.environ`.
       strategy: the strategy's name; "parameter_server" makes rank 0 the chief,
-        the next `ps_tasks` ranks ps tasks and the rest workers; any other makes
-        every task a worker.
-      ps_tasks: how many ps tasks a `parameter_server` cluster has (ignored otherwise).
-      port: the port of the first task on each node; the node's next tasks take
+        the next `ps_members` ranks ps members and the rest workers; any other
+        makes every member a worker.
+      ps_members: how many ps members a `parameter_server` cluster has (ignored
+        otherwise).
+      port: the port of the first member on each node; the node's next members take
         the ports after it.
 
     Returns:
-      The JSON text: the whole cluster and this task's type and index.
+      The JSON text: the whole cluster and this member's type and index.
 
     Raises:
       UserError: the environment is not a Slurm task's, describes a layout this
-        cannot place, or has too few tasks for `strategy`; one line with the fix.
+        cannot place, or has too few members for `strategy`; one line with the fix.
     """
     addresses, rank = step_addresses(environ, port)
-    jobs = _jobs(strategy, ps_tasks, addresses)
-    task_type, task_index = _task_of(jobs, rank)
+    jobs = _jobs(strategy, ps_members, addresses)
+    task_type, task_index = _member_of(jobs, rank)
     return cluster.make_tf_config(jobs, task_type, task_index)
 
 
 def step_addresses(environ: Mapping[str, str], port: int) -> tuple[list[str], int]:
-    """Every task's "host:port" in rank order, and this task's rank (`tf_config`'s layout).
+    """Every member's "host:port" in rank order, and this member's rank (`tf_config`'s layout).
 
     Raises:
       UserError: as `tf_config`, for the environment and the port.
@@ -138,7 +139,7 @@ def _expand_range(numbers: str) -> list[str]:
 
 
 def _step(environ: Mapping[str, str]) -> tuple[list[str], list[int], int]:
-    """(nodes, tasks on each node, this task's rank) of the step this process belongs to."""
+    """(nodes, Slurm tasks on each node, this member's rank) of the step this process belongs to."""
     if "SLURM_PROCID" not in environ:
         raise UserError(
             "`--cluster=slurm` needs a Slurm task's environment, but `SLURM_PROCID` is not "
@@ -147,18 +148,18 @@ def _step(environ: Mapping[str, str]) -> tuple[list[str], list[int], int]:
     rank = _integer(environ, "SLURM_PROCID")
     if "SLURM_STEP_NUM_TASKS" in environ:
         nodes, counts = _step_layout(environ)
-    else:  # the batch script itself, not an `srun` task
+    else:  # the batch script itself, not a Slurm task of an `srun` step
         nodes, counts = _batch_layout(environ)
     if rank >= sum(counts):
         raise UserError(
-            f"`SLURM_PROCID` ({rank}) must be below the step's {sum(counts)} task(s); "
+            f"`SLURM_PROCID` ({rank}) must be below the step's {sum(counts)} Slurm task(s); "
             "run the trainer under the `srun` that set it, unchanged."
         )
     return nodes, counts, rank
 
 
 def _step_layout(environ: Mapping[str, str]) -> tuple[list[str], list[int]]:
-    """The nodes of an `srun` step and how many of its tasks run on each."""
+    """The nodes of an `srun` step and how many of its Slurm tasks run on each."""
     nodes = _parsed(environ, "SLURM_STEP_NODELIST", expand_hostlist)
     counts = _parsed(environ, "SLURM_STEP_TASKS_PER_NODE", expand_tasks_per_node)
     total = _integer(environ, "SLURM_STEP_NUM_TASKS")
@@ -173,12 +174,12 @@ def _step_layout(environ: Mapping[str, str]) -> tuple[list[str], list[int]]:
 
 
 def _batch_layout(environ: Mapping[str, str]) -> tuple[list[str], list[int]]:
-    """A batch script's own process: a cluster of one task, unless the job asked for more."""
-    tasks = _integer(environ, "SLURM_NTASKS") if "SLURM_NTASKS" in environ else 1
-    if tasks != 1:
+    """A batch script's own process: a cluster of one member, unless the job asked for more."""
+    processes = _integer(environ, "SLURM_NTASKS") if "SLURM_NTASKS" in environ else 1
+    if processes != 1:
         raise UserError(
-            f"the job has {tasks} tasks (`SLURM_NTASKS`) but this process runs outside a job "
-            "step (no `SLURM_STEP_NUM_TASKS`), as one process; start one per task with "
+            f"the job has {processes} Slurm tasks (`SLURM_NTASKS`) but this process runs outside "
+            "a job step (no `SLURM_STEP_NUM_TASKS`), as one process; start one per Slurm task with "
             "`srun -K python -m trainer ...` in the batch script."
         )
     if "SLURMD_NODENAME" in environ:
@@ -194,7 +195,7 @@ def _distribution(environ: Mapping[str, str]) -> str:
         return "block"
     if first not in DISTRIBUTIONS:
         raise UserError(
-            f"`SLURM_DISTRIBUTION` is `{value}`; towerflow places tasks dealt to nodes by "
+            f"`SLURM_DISTRIBUTION` is `{value}`; towerflow places members dealt to nodes by "
             f"{' or '.join(f'`{d}`' for d in DISTRIBUTIONS)}; "
             "run `srun -m block` or leave out `-m`/`--distribution`."
         )
@@ -202,7 +203,7 @@ def _distribution(environ: Mapping[str, str]) -> str:
 
 
 def _places(nodes: list[str], counts: list[int], distribution: str) -> list[tuple[str, int]]:
-    """For each rank, (its node, its index among the node's tasks), as Slurm deals them."""
+    """For each rank, (its node, its index among the node's members), as Slurm deals them."""
     if distribution == "block":  # ranks fill the first node, then the next
         return [(node, local) for node, count in zip(nodes, counts) for local in range(count)]
     places = []  # cyclic: one rank per node in turn, skipping nodes that are full
@@ -212,55 +213,55 @@ def _places(nodes: list[str], counts: list[int], distribution: str) -> list[tupl
 
 
 def _check_own_place(environ: Mapping[str, str], places: list[tuple[str, int]], rank: int) -> None:
-    """This task must sit where the derived layout puts it; else every address may be wrong."""
+    """This member must sit where the derived layout puts it; else every address may be wrong."""
     node, local = places[rank]
     actual_node = environ.get("SLURMD_NODENAME", node)
     actual_local = environ.get("SLURM_LOCALID", str(local))
     if (actual_node, actual_local) != (node, str(local)):
         raise UserError(
-            f"task {rank} (`SLURM_PROCID`) runs on `{actual_node}` as local task {actual_local} "
+            f"rank {rank} (`SLURM_PROCID`) runs on `{actual_node}` as local rank {actual_local} "
             f"(`SLURMD_NODENAME`, `SLURM_LOCALID`), but the step's layout puts it on `{node}` "
-            f"as local task {local}; run the step with `srun -m block`, one task per process."
+            f"as local rank {local}; run the step with `srun -m block`, one Slurm task per process."
         )
 
 
-def _check_ports(port: int, tasks_per_node: int) -> None:
-    if not 1 <= port <= _MAX_PORT - tasks_per_node + 1:
+def _check_ports(port: int, members_per_node: int) -> None:
+    if not 1 <= port <= _MAX_PORT - members_per_node + 1:
         raise UserError(
-            f"`cluster.port` ({port}) is the first of {tasks_per_node} port(s) per node, "
+            f"`cluster.port` ({port}) is the first of {members_per_node} port(s) per node, "
             f"which must lie within 1-{_MAX_PORT}; pass `--config.cluster.port=2222`."
         )
 
 
-def _jobs(strategy: str, ps_tasks: int, addresses: list[str]) -> dict[str, list[str]]:
-    """Task type -> addresses: chief, ps, workers in rank order for `parameter_server`."""
+def _jobs(strategy: str, ps_members: int, addresses: list[str]) -> dict[str, list[str]]:
+    """Role (task type) -> addresses: chief, ps, workers in rank order for `parameter_server`."""
     if strategy != "parameter_server":
         return {"worker": addresses}
-    if ps_tasks < 1:
+    if ps_members < 1:
         raise UserError(
-            f"`cluster.ps_tasks` ({ps_tasks}) must be at least 1 under `parameter_server`; "
-            "pass `--config.cluster.ps_tasks=1`."
+            f"`cluster.ps_members` ({ps_members}) must be at least 1 under `parameter_server`; "
+            "pass `--config.cluster.ps_members=1`."
         )
-    if len(addresses) < ps_tasks + 2:
+    if len(addresses) < ps_members + 2:
         raise UserError(
-            f"`parameter_server` with `cluster.ps_tasks`={ps_tasks} needs {ps_tasks + 2} or more "
-            f"Slurm tasks (1 chief, {ps_tasks} ps, at least 1 worker), but the step has "
-            f"{len(addresses)}; ask for more (`sbatch -n{ps_tasks + 2}`) or fewer ps tasks."
+            f"`parameter_server` with `cluster.ps_members`={ps_members} needs {ps_members + 2} "
+            f"or more Slurm tasks (1 chief, {ps_members} ps, at least 1 worker), but the step "
+            f"has {len(addresses)}; ask for more (`sbatch -n{ps_members + 2}`) or fewer ps members."
         )
     return {
         "chief": addresses[:1],
-        "ps": addresses[1 : 1 + ps_tasks],
-        "worker": addresses[1 + ps_tasks :],
+        "ps": addresses[1 : 1 + ps_members],
+        "worker": addresses[1 + ps_members :],
     }
 
 
-def _task_of(jobs: dict[str, list[str]], rank: int) -> tuple[str, int]:
-    """The (type, index) of the rank-th task, counting the jobs in their order."""
+def _member_of(jobs: dict[str, list[str]], rank: int) -> tuple[str, int]:
+    """The (type, index) of the rank-th member, counting the jobs in their order."""
     for task_type, addresses in jobs.items():
         if rank < len(addresses):
             return task_type, rank
         rank -= len(addresses)
-    raise AssertionError("the rank was checked against the step's task count")
+    raise AssertionError("the rank was checked against the step's size")
 
 
 def _integer(environ: Mapping[str, str], name: str) -> int:
@@ -277,7 +278,7 @@ def _parsed(environ: Mapping[str, str], name: str, parse) -> list:
     if name not in environ:
         raise UserError(
             f"`{name}` is not set in this Slurm task; run the trainer under `srun` (Slurm "
-            "sets it for every task of a step)."
+            "sets it for every Slurm task of a step)."
         )
     try:
         values = parse(environ[name])

@@ -1,7 +1,8 @@
 """`TF_CONFIG`: the one description of a cluster, parsed and checked.
 
-Every task of a cluster runs the same program with its own `TF_CONFIG`, a
-JSON object that lists the whole cluster and names the task itself:
+Every member of a cluster (one process of it) runs the same program with its
+own `TF_CONFIG`, a JSON object that lists the whole cluster and names the
+member itself in its `task` key (TensorFlow's word):
 
     {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"],
                  "ps": ["host3:2222"]},
@@ -13,18 +14,18 @@ JobSet pod, and `parse` turns it into a `ClusterSpec` or a one-line
 `UserError` that says what is wrong and how to fix it. A job may also be given
 as TensorFlow's sparse form, `{"worker": {"0": "host:port", ...}}`, when it
 lists every index. `start_up` waits, boundedly and
-saying for whom, until the other tasks answer; `ClusterSpec.unreachable`
-names the tasks whose server no longer replies; `wait_until_gone` lets a
-server task (a ps, or a worker of a parameter-server cluster) see the chief end.
+saying for whom, until the other members answer; `ClusterSpec.unreachable`
+names the members whose server no longer replies; `wait_until_gone` lets a
+server member (a ps, or a worker of a parameter-server cluster) see the chief end.
 
-Glossary (TensorFlow's):
+Glossary (TensorFlow's roles, its task types):
 
-* chief: the task that writes checkpoints, summaries and exports; worker 0
+* chief: the member that writes checkpoints, summaries and exports; worker 0
   when the cluster has no `chief` job. In a parameter-server cluster it is
   the coordinator that schedules work on the workers.
-* worker: a task that computes steps.
+* worker: a member that computes steps.
 * ps: a parameter server, which holds variables.
-* evaluator: an optional task that evaluates checkpoints on the side. It is
+* evaluator: an optional member that evaluates checkpoints on the side. It is
   independent of training: it may be absent from `cluster` while its own
   `task.type` is "evaluator", and `ClusterSpec.as_dict` leaves it out. The
   chief leaves evaluation to it when `cluster` lists it (or when the config
@@ -53,10 +54,10 @@ from towerflow.errors import TaskLost, UserError
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 DEFAULT_RPC_LAYER = "grpc"
 _EXAMPLE = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
-_EXAMPLE_TASK = '"task": {"type": "worker", "index": 0}'
+_EXAMPLE_TASK_KEY = '"task": {"type": "worker", "index": 0}'
 _MISSING = object()
-STARTUP_TIMEOUT_S = 120.0  # default wait for the other tasks of a cluster to come up
-PROBE_S = 3.0  # how long a live task's server may take to reply to a probe
+STARTUP_TIMEOUT_S = 120.0  # default wait for the other members of a cluster to come up
+PROBE_S = 3.0  # how long a live member's server may take to reply to a probe
 PROXY_VARIABLES = (
     "grpc_proxy",
     "https_proxy",
@@ -74,10 +75,10 @@ class ClusterSpec:
     """A parsed, validated `TF_CONFIG`.
 
     Attributes:
-      jobs: task type -> the addresses ("host:port") of its tasks, in index order.
-      task_type: this process's task type; None when `TF_CONFIG` names no task.
+      jobs: task type -> the addresses ("host:port") of its members, in index order.
+      task_type: this member's task type; None when `TF_CONFIG` has no `task`.
       task_index: this process's index within `task_type`.
-      rpc_layer: the protocol the tasks talk ("grpc").
+      rpc_layer: the protocol the members talk ("grpc").
     """
 
     jobs: dict[str, tuple[str, ...]]
@@ -87,7 +88,7 @@ class ClusterSpec:
 
     @property
     def num_workers(self) -> int:
-        """How many `worker` tasks the cluster has (the chief not counted)."""
+        """How many `worker` members the cluster has (the chief not counted)."""
         return len(self.jobs.get("worker", ()))
 
     @property
@@ -97,29 +98,31 @@ class ClusterSpec:
 
     @property
     def has_chief(self) -> bool:
-        """Whether the cluster has a `chief` task."""
+        """Whether the cluster has a `chief` member."""
         return "chief" in self.jobs
 
     @property
     def has_evaluator(self) -> bool:
-        """Whether the cluster lists an evaluator, or this task is one."""
+        """Whether the cluster lists an evaluator, or this member is one."""
         return "evaluator" in self.jobs or self.task_type == "evaluator"
 
     @property
     def is_chief(self) -> bool:
-        """Whether this task is the chief: the `chief` task, or worker 0 when there is none."""
+        """Whether this member is the chief: the `chief` member, or worker 0 when there is none."""
         if self.task_type == "chief":
             return True
         return not self.has_chief and self.task_type == "worker" and self.task_index == 0
 
     @property
-    def task_name(self) -> str:
-        """This task as errors name it: "chief", "worker:1", "ps:0"."""
-        return _task_name(self.task_type or "", self.task_index or 0)
+    def member_name(self) -> str:
+        """This member as errors name it: "chief", "worker:1", "ps:0"."""
+        return _member_name(self.task_type or "", self.task_index or 0)
+
+    task_name = member_name  # renamed
 
     @property
     def address(self) -> str | None:
-        """This task's "host:port"; None for an evaluator absent from `cluster`."""
+        """This member's "host:port"; None for an evaluator absent from `cluster`."""
         addresses = self.jobs.get(self.task_type or "", ())
         return addresses[self.task_index] if addresses else None
 
@@ -133,18 +136,18 @@ class ClusterSpec:
         return {job: list(addresses) for job, addresses in self.jobs.items() if job != "evaluator"}
 
     def peers(self) -> list[tuple[str, str]]:
-        """The other tasks of the training cluster, as ("worker:1", "host:port") pairs."""
+        """The other members of the training cluster, as ("worker:1", "host:port") pairs."""
         return [
-            (_task_name(job, index), address)
+            (_member_name(job, index), address)
             for job, addresses in self.as_dict().items()
             for index, address in enumerate(addresses)
             if (job, index) != (self.task_type, self.task_index)
         ]
 
     def unreachable(self, timeout_s: float = PROBE_S) -> list[str]:
-        """The other tasks of the training cluster whose server does not answer now.
+        """The other members of the training cluster whose server does not answer now.
 
-        Each as "worker:1 (host:port)". A task answers when its gRPC server
+        Each as "worker:1 (host:port)". A member answers when its gRPC server
         replies to the opening of an HTTP/2 connection within `timeout_s`: a
         process that is gone refuses at once, and one that is hung (stopped,
         or its host lost) accepts the connection but never replies.
@@ -174,11 +177,11 @@ def parse(text: str | None) -> ClusterSpec | None:
     if "sparseCluster" in config and "cluster" not in config:
         raise UserError(
             "`TF_CONFIG` has a `sparseCluster` (a TFJob with `enableDynamicWorker` writes one) "
-            "and no `cluster`; every towerflow task needs every task's address: set "
+            "and no `cluster`; every towerflow member needs every member's address: set "
             "`enableDynamicWorker: false` in the TFJob."
         )
     jobs = _parse_jobs(config.get("cluster"), "cluster" in config)
-    task_type, task_index = _parse_task(config.get("task"), "task" in config, jobs)
+    task_type, task_index = _parse_task_key(config.get("task"), "task" in config, jobs)
     rpc_layer = config.get("rpc_layer") or DEFAULT_RPC_LAYER
     if not isinstance(rpc_layer, str):
         raise UserError(
@@ -194,12 +197,12 @@ def from_env(environ: Mapping[str, str] = os.environ) -> ClusterSpec | None:
 
 
 def make_tf_config(jobs: Mapping[str, list[str]], task_type: str, task_index: int) -> str:
-    """The `TF_CONFIG` JSON for one task of a cluster, checked with `parse`.
+    """The `TF_CONFIG` JSON for one member of a cluster, checked with `parse`.
 
     Args:
       jobs: task type -> addresses ("host:port"), in index order.
-      task_type: the task's type (one of `TASK_TYPES`).
-      task_index: the task's index within `task_type`.
+      task_type: the member's type (one of `TASK_TYPES`).
+      task_index: the member's index within `task_type`.
 
     Raises:
       UserError: the result would not be a valid `TF_CONFIG`.
@@ -217,13 +220,13 @@ def make_tf_config(jobs: Mapping[str, list[str]], task_type: str, task_index: in
 def wait_until_gone(
     address: str, startup_s: float = 600.0, interval_s: float = 1.0, misses: int = 3
 ) -> bool:
-    """Blocks while the task at `address` ("host:port") runs; how a server learns the job ended.
+    """Blocks while the member at `address` ("host:port") runs; how a server learns the job ended.
 
-    Tries a TCP connection every `interval_s` seconds: first until the task
+    Tries a TCP connection every `interval_s` seconds: first until the member
     answers (for at most `startup_s`), then until `misses` tries in a row fail.
 
     Returns:
-      True when the task came up and is gone; False when it never came up.
+      True when the member came up and is gone; False when it never came up.
     """
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + startup_s
@@ -245,28 +248,28 @@ def start_up(
     report: Callable[[str], None] = print,
     interval_s: float = 1.0,
 ) -> None:
-    """Prepares this task to join `spec` and waits until the other tasks answer.
+    """Prepares this member to join `spec` and waits until the other members answer.
 
     Call it before TensorFlow starts its server: TensorFlow's own wait for
     the cluster lasts an hour, prints nothing and cannot be interrupted.
-    Here, cluster traffic is kept off proxies (`keep_off_proxies`), each task
+    Here, cluster traffic is kept off proxies (`keep_off_proxies`), each member
     missing is named once ("waiting for worker:1 at host1:2222"), SIGTERM
     stops the wait at once (exit 143), and after `timeout_s` seconds the
-    first task still missing is named in a `TaskLost` with what to check.
-    Meanwhile this task's own port is held open, so that its peers, waiting
+    first member still missing is named in a `TaskLost` with what to check.
+    Meanwhile this member's own port is held open, so that its peers, waiting
     the same way, see it before its server starts.
 
     Args:
-      spec: the cluster, naming this task.
+      spec: the cluster, naming this member.
       timeout_s: how long to wait for the others, in seconds (> 0).
       setting: the config field that sets `timeout_s`, named in the error.
       report: prints one line for the user.
       interval_s: seconds between tries.
 
     Raises:
-      UserError: `timeout_s` is not a positive number, this task's own host does
+      UserError: `timeout_s` is not a positive number, this member's own host does
         not resolve (TensorFlow would wait for itself for good), or its port is taken.
-      TaskLost: a task did not answer within `timeout_s`.
+      TaskLost: a member did not answer within `timeout_s`.
       Preempted: SIGTERM arrived while waiting.
     """
     if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -304,10 +307,10 @@ def start_up(
 
 
 def check_own_host(spec: ClusterSpec) -> None:
-    """Raises a one-line `UserError` when this task's own host does not resolve here.
+    """Raises a one-line `UserError` when this member's own host does not resolve here.
 
     TensorFlow's server and its coordination service then wait for this very
-    task for good: such a config can never work, whatever the wait.
+    member for good: such a config can never work, whatever the wait.
     """
     if spec.address is None:  # an evaluator outside `cluster` has no address
         return
@@ -315,16 +318,16 @@ def check_own_host(spec: ClusterSpec) -> None:
     problem = _resolve_problem(host, int(port))
     if problem:
         raise UserError(
-            f"`TF_CONFIG` gives this task ({spec.task_name}) the address "
+            f"`TF_CONFIG` gives this member ({spec.member_name}) the address "
             f"{_show(spec.address)}, but its host does not resolve here ({problem}); give "
-            "each task the name or address of its own machine (e.g. `hostname -f`)."
+            "each member the name or address of its own machine (e.g. `hostname -f`)."
         )
 
 
 def _not_this_machine(spec: ClusterSpec) -> str | None:
-    """A warning when this task's own host resolves to no address of this machine.
+    """A warning when this member's own host resolves to no address of this machine.
 
-    TensorFlow then waits for this task at another machine, until the start-up
+    TensorFlow then waits for this member at another machine, until the start-up
     bound ends it; behind a NAT (a service address) it may still work.
     """
     if spec.address is None:
@@ -336,8 +339,8 @@ def _not_this_machine(spec: ClusterSpec) -> str | None:
             probe.bind((address[0], 0))
             return None
     return (
-        f"warning: this task's host `{host}` ({found[0][4][0]}) is no address of this machine; "
-        "TensorFlow will wait for this task there, and this start-up ends at its bound."
+        f"warning: this member's host `{host}` ({found[0][4][0]}) is no address of this machine; "
+        "TensorFlow will wait for this member there, and this start-up ends at its bound."
     )
 
 
@@ -376,7 +379,7 @@ def keep_off_proxies(
 
 @contextlib.contextmanager
 def _own_port_held(spec: ClusterSpec) -> Iterator[None]:
-    """Listens on this task's port while it waits, so waiting peers see it.
+    """Listens on this member's port while it waits, so waiting peers see it.
 
     Connections are never accepted: closing the socket resets them, leaving
     nothing behind that would stop TensorFlow's server binding the port next.
@@ -395,9 +398,9 @@ def _own_port_held(spec: ClusterSpec) -> Iterator[None]:
         )
     except OSError as e:
         raise UserError(
-            f"`TF_CONFIG` gives this task ({spec.task_name}) the address {spec.address}, but "
+            f"`TF_CONFIG` gives this member ({spec.member_name}) the address {spec.address}, but "
             f"port {port} cannot be used here ({e.strerror}); stop what holds it, or give the "
-            "task a free port."
+            "member a free port."
         ) from None
     try:
         yield
@@ -503,7 +506,7 @@ def _parse_jobs(cluster: Any, present: bool) -> dict[str, tuple[str, ...]]:
             )
     if "ps" in jobs and "worker" not in jobs:
         raise UserError(
-            "`TF_CONFIG` `cluster` has `ps` tasks but no `worker`; add `worker` addresses "
+            "`TF_CONFIG` `cluster` has `ps` members but no `worker`; add `worker` addresses "
             "(parameter servers only hold variables, workers compute)."
         )
     return jobs
@@ -536,24 +539,24 @@ def _parse_addresses(job: str, addresses: Any) -> tuple[str, ...]:
     return tuple(addresses)
 
 
-def _dense(job: str, tasks: dict[str, Any]) -> list[Any]:
+def _dense(job: str, members: dict[str, Any]) -> list[Any]:
     """A job in TensorFlow's sparse form, {"1": "host:port"}, as a list; every index must be there.
 
     A sparse cluster (a TFJob with `enableDynamicWorker` gives each worker only
     itself) cannot run here: the chief schedules on every worker, the workers
     of `multi_worker` all-reduce with every other, and a server watches the chief.
     """
-    if not all(isinstance(key, str) and key.isdigit() for key in tasks):
+    if not all(isinstance(key, str) and key.isdigit() for key in members):
         raise UserError(
-            f"`TF_CONFIG` `cluster.{job}` is an object with keys {_show(list(tasks))}; as an "
-            'object it maps task indices to addresses, as in {"0": "host:2222"}; or give a list.'
+            f"`TF_CONFIG` `cluster.{job}` is an object with keys {_show(list(members))}; as an "
+            'object it maps indices to addresses, as in {"0": "host:2222"}; or give a list.'
         )
-    by_index = {int(key): address for key, address in tasks.items()}
+    by_index = {int(key): address for key, address in members.items()}
     if sorted(by_index) != list(range(len(by_index))):
         raise UserError(
-            f"`TF_CONFIG` `cluster.{job}` lists only task(s) {_show(sorted(by_index))} (a sparse "
-            "cluster, as a TFJob with `enableDynamicWorker` writes); every towerflow task needs "
-            "every task's address: list them all (`enableDynamicWorker: false`)."
+            f"`TF_CONFIG` `cluster.{job}` lists only index(es) {_show(sorted(by_index))} (a sparse "
+            "cluster, as a TFJob with `enableDynamicWorker` writes); every towerflow member needs "
+            "every member's address: list them all (`enableDynamicWorker: false`)."
         )
     return [by_index[index] for index in range(len(by_index))]
 
@@ -562,30 +565,31 @@ def _check_unique(jobs: dict[str, tuple[str, ...]]) -> None:
     seen: dict[str, str] = {}
     for job, addresses in jobs.items():
         for index, address in enumerate(addresses):
-            task = f"{job}:{index}"
+            member = f"{job}:{index}"
             if address in seen:
                 raise UserError(
                     f"`TF_CONFIG` `cluster` gives {_show(address)} to both {seen[address]} "
-                    f"and {task}; give every task its own host:port."
+                    f"and {member}; give every member its own host:port."
                 )
-            seen[address] = task
+            seen[address] = member
 
 
-def _parse_task(task: Any, present: bool, jobs: dict[str, tuple[str, ...]]) -> tuple[str, int]:
+def _parse_task_key(entry: Any, present: bool, jobs: dict[str, tuple[str, ...]]) -> tuple[str, int]:
+    """`TF_CONFIG`'s `task` key (`entry`; `present`: whether it is there) as (type, index)."""
     if not present:
         if sum(len(addresses) for addresses in jobs.values()) > 1:
             raise UserError(
-                f"`TF_CONFIG` has no `task`, but its cluster has more than one task; "
-                f"name this process's task, as in {_EXAMPLE_TASK}."
+                f"`TF_CONFIG` has no `task`, but its cluster has more than one member; "
+                f"name this member, as in {_EXAMPLE_TASK_KEY}."
             )
-        (only,) = jobs  # a one-task cluster: that task is this process
+        (only,) = jobs  # a one-member cluster: that member is this process
         return only, 0
-    if not isinstance(task, dict):
+    if not isinstance(entry, dict):
         raise UserError(
-            f"`TF_CONFIG` `task` must be a JSON object, not {_show(task)}; "
-            f"write it as {_EXAMPLE_TASK}."
+            f"`TF_CONFIG` `task` must be a JSON object, not {_show(entry)}; "
+            f"write it as {_EXAMPLE_TASK_KEY}."
         )
-    task_type = task.get("type", _MISSING)
+    task_type = entry.get("type", _MISSING)
     if task_type not in TASK_TYPES:
         raise UserError(
             f"`TF_CONFIG` `task.type` is {_show(task_type)}, not a known task type; "
@@ -593,20 +597,20 @@ def _parse_task(task: Any, present: bool, jobs: dict[str, tuple[str, ...]]) -> t
         )
     if task_type not in jobs and task_type != "evaluator":
         raise UserError(
-            f"`TF_CONFIG` `task.type` is {_show(task_type)} but `cluster` has no such tasks; "
+            f"`TF_CONFIG` `task.type` is {_show(task_type)} but `cluster` has no such members; "
             f"use one of {_names(jobs)}, or add `{task_type}` addresses to `cluster`."
         )
-    count = len(jobs.get(task_type, ())) or 1  # an evaluator outside `cluster` is one task
-    index = task.get("index", 0 if count == 1 else _MISSING)
+    count = len(jobs.get(task_type, ())) or 1  # an evaluator outside `cluster` is one member
+    index = entry.get("index", 0 if count == 1 else _MISSING)
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
         raise UserError(
             f"`TF_CONFIG` `task.index` is {_show(index)}, but `{task_type}` has {count} "
-            f"task{'s' if count > 1 else ''}; use an integer from 0 to {count - 1}."
+            f"member{'s' if count > 1 else ''}; use an integer from 0 to {count - 1}."
         )
     return task_type, index
 
 
-def _task_name(job: str, index: int) -> str:
+def _member_name(job: str, index: int) -> str:
     return job if job == "chief" else f"{job}:{index}"
 
 

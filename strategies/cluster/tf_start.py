@@ -1,6 +1,6 @@
 """TensorFlow's own cluster start-up, bounded in time and ended by SIGTERM at any moment.
 
-When a cluster strategy is built, TensorFlow starts this task's server and
+When a cluster strategy is built, TensorFlow starts this member's server and
 connects to the cluster's coordination service (`TFE_EnableCollectiveOps`
 for `multi_worker`, `TFE_ContextSetServerDef*` for the coordinator of
 `parameter_server`). Its binding holds the interpreter lock all the while and
@@ -45,7 +45,7 @@ def bounded(
     Args:
       timeout_s: how long TensorFlow may take to join the cluster, in seconds.
       setting: the config field that sets `timeout_s`, named in the error.
-      what: this task and its cluster as the error names them, e.g.
+      what: this member and its cluster as the error names them, e.g.
         "worker:0 (127.0.0.1:2222)".
       report: prints one line for the user.
 
@@ -87,7 +87,7 @@ def bounded(
             if time.monotonic() >= deadline:
                 raise TaskLost(
                     f"TensorFlow did not join the cluster within {timeout_s:g} s as {what}; "
-                    "check that every task runs with the same `TF_CONFIG` cluster, that each "
+                    "check that every member runs with the same `TF_CONFIG` cluster, that each "
                     "host resolves here (DNS) to its machine and that its port is open to "
                     f"this host; `{setting}` sets this wait."
                 )

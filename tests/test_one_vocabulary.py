@@ -1,0 +1,102 @@
+"""One vocabulary: no name, message or comment of `strategies/cluster` calls a process a task.
+
+"task" is the user's `trainer.Task`; a process of a cluster is a member.
+What stays is other projects' own words, quoted: TensorFlow's `TF_CONFIG`
+`task` key, its `task_type` / `task_index` / `task_id` (a role is a task
+type) and a `tf.DeviceSpec`'s `.task`; Slurm's tasks (`SLURM_NTASKS`, tasks per
+node); the `JOBSET_TASKS` variable the deploy/ manifests set; the config
+field `cluster.ps_tasks`, the old name of `cluster.ps_members` accepted for one
+release; and `towerflow.errors`' own names, which that module renames.
+"""
+
+import io
+import pathlib
+import re
+import tokenize
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Being rewritten on their own: each joins the scan as its rewrite lands.
+PENDING = {"strategies/cluster/membership.py"}
+SCANNED = sorted(
+    str(path.relative_to(ROOT))
+    for path in [*ROOT.glob("strategies/cluster/*.py"), ROOT / "strategies/sharding.py"]
+    if str(path.relative_to(ROOT)) not in PENDING
+) + ["strategies/devices.py"]
+# Old names kept one release as plain aliases (`old = new  # renamed`) for callers elsewhere.
+ALIASES = {"task_name"}
+
+ALLOWED = re.compile(
+    "|".join(
+        [
+            r"task\s+types?|task_types?|TASK_TYPES",  # TensorFlow's name for a role
+            r"task\s+index|task_index|task_id",  # TensorFlow's `ClusterResolver` names
+            r"`task(\.\w+)?`|\"task\"|'task'|task_key|TASK_KEY",  # `TF_CONFIG`'s `task` key
+            r"Slurm\s+tasks?|SLURM_\w*TASKS\w*|tasks[_-]per[_-]node",  # Slurm's own tasks
+            r"JOBSET_TASKS",  # the variable deploy/jobset-*.yaml sets
+            r"\"ps_tasks\"",  # the old name of `cluster.ps_members`, a string key
+            r"TaskLost|TASK_LOST\w*",  # `towerflow.errors`' names
+        ]
+    ),
+    re.IGNORECASE,
+)
+_TASK = re.compile(r"task", re.IGNORECASE)
+_ALIAS = re.compile(r"^\s*(\w+) = \w+  # renamed$")
+# Python 3.12 splits an f-string into parts; its text is FSTRING_MIDDLE.
+_TEXT = {tokenize.NAME, tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", -1)}
+
+
+def task_words(source: str) -> list[tuple[int, str]]:
+    """(line, token) of each name, string or comment of `source` that calls something a task.
+
+    Words in `ALLOWED` are taken out first; an attribute `.task` is TensorFlow's
+    (a `tf.DeviceSpec`'s); a line `old = new  # renamed` with `old` in `ALIASES`
+    is skipped.
+    """
+    lines = source.splitlines()
+    found = []
+    previous = None
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        after_dot, previous = previous is not None and previous.string == ".", token
+        if token.type not in _TEXT or (after_dot and token.string == "task"):
+            continue
+        alias = _ALIAS.match(lines[token.start[0] - 1])
+        if alias and alias[1] in ALIASES:
+            continue
+        if _TASK.search(ALLOWED.sub("", token.string)):
+            found.append((token.start[0], token.string))
+    return found
+
+
+@pytest.mark.parametrize("path", SCANNED)
+def test_no_name_or_message_in_the_cluster_modules_calls_a_process_a_task(path):
+    found = task_words((ROOT / path).read_text())
+    assert not found, f"{path} calls a process a task (say member): " + "; ".join(
+        f"line {line}: {text[:80]!r}" for line, text in found
+    )
+
+
+def test_the_scan_finds_a_process_called_a_task_and_spares_tensorflows_and_slurms_words():
+    wrong = [
+        "lost_tasks = []",
+        "def _task_of(rank): pass",
+        "raise UserError('wait for the other tasks')",
+        "# a server task holds variables",
+        'f"this task {name}"',
+        "ps_tasks = section['ps_members']",
+    ]
+    for line in wrong:
+        assert task_words(line + "\n"), line
+    right = [
+        "task_type, task_index = spec.task_type, spec.task_index",
+        "entry = config.get('task')  # `TF_CONFIG`'s `task` key",
+        "raise UserError('`task.index` is 2; use one of the task types')",
+        "total = environ['SLURM_STEP_NUM_TASKS']  # the step's Slurm tasks",
+        "task_name = member_name  # renamed",
+        "def member_name(self): pass",
+        "if spec.job or spec.task is not None: pass",
+        'RENAMED = {"ps_tasks": "ps_members"}',
+    ]
+    for line in right:
+        assert not task_words(line + "\n"), line
