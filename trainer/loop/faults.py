@@ -31,9 +31,9 @@ from contextlib import contextmanager
 import tensorflow as tf
 
 from strategies.cluster.preemption import Preempted
-from towerflow.errors import TASK_LOST_EXIT_CODE, TaskLost
+from towerflow.errors import TASK_LOST_EXIT_CODE, Reform, TaskLost
 
-__all__ = ["Preempted", "TaskLost"]
+__all__ = ["Preempted", "Reform", "TaskLost"]
 WATCHDOG_AFTER_S = 10.0  # a loop running this long makes the watchdog look at the other tasks
 # A task not answering the watchdog's probes this long, while the loop waits on it, ends
 # the process: nothing else would (a collective has no timeout by default).
@@ -90,6 +90,19 @@ def exit_task_lost(lost: list[str], waited_s: float) -> None:
     )
     sys.stdout.flush()
     os._exit(TASK_LOST_EXIT_CODE)
+
+
+def abort_step(lost: list[str], waited_s: float) -> None:
+    """Ends the step waiting on a silent task with an error, so the loop goes on to handle it.
+
+    For elastic training (`trainer.loop.elastic`), where the survivors save the
+    step they completed before they exit: TensorFlow's collectives abort, and the
+    step raises `UnavailableError` in the main thread.
+    """
+    from tensorflow.python.eager import context  # the abort MWMS's own health check uses
+
+    message = f"{', '.join(lost)}: no reply to the watchdog's probes for {waited_s:.0f} s"
+    context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
 
 
 class Watchdog:

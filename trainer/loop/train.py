@@ -30,6 +30,7 @@ from trainer.loop import (
     checks,
     compiled,
     controller,
+    elastic,
     faults,
     loop_length,
     models,
@@ -147,6 +148,8 @@ def build(
     With a `service` (`data_service.started`), the training input runs on it.
     """
     strategy = strategy or make_strategy(config)
+    if elastic.enabled(config):  # a re-formed group may not split the batch the user chose
+        elastic.fit_batches(config, strategy.num_replicas_in_sync, say)
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
     custom_step = getattr(user_task, "train_step", None)
@@ -303,7 +306,11 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         )
     summaries = Summaries(job.model_dir, member.is_chief)
     try:
-        restored = checkpointer.restore()
+        restored = (
+            elastic.restore(checkpointer, job.model_dir)
+            if elastic.enabled(config)
+            else checkpointer.restore()
+        )
         member.check_restored(_step(job), job.model_dir)  # every worker, the same step
         if restored:
             say(f"restored {restored} at step {_step(job)}")
@@ -338,6 +345,8 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
             results["tables"] = {
                 name: {k: v for k, v in t.items() if k != "line"} for name, t in tables.items()
             }
+        if elastic.enabled(config):
+            results["elastic"] = {"reforms": elastic.reforms(job.model_dir)}
         if job.dataset.spec.class_names:  # what each class index of the metrics and export is
             results["class_names"] = list(job.dataset.spec.class_names)
         if mode != "eval" and config.train.export:
@@ -351,6 +360,11 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         lost = faults.lost_task_error(e, member.lost_tasks(), checkpointer.directory)
         if lost is None:
             raise
+        if elastic.enabled(config):  # every survivor saves the step it completed
+            task = member.cluster.task_name
+            raise elastic.reform(
+                lost, checkpointer.checkpoint, job.model_dir, _step(job), task
+            ) from None
         raise lost from None
     finally:
         summaries.close()
@@ -490,6 +504,8 @@ def _actions(
         summaries.scalars("train", output.step, output.metrics)
         _tell(job, progress_line("train", output.step, output.metrics, output.total_steps))
 
+    # Elastic: a silent peer ends the step (the survivors then save), not the process.
+    give_up = faults.abort_step if elastic.enabled(config) else faults.exit_task_lost
     built_in = [
         actions.recovery(
             lambda loss: faults.loss_blew_up(loss, config.train.loss_upper_bound), recover
@@ -498,11 +514,12 @@ def _actions(
         *([actions.every_block(input_wait, "input wait")] if job.input_wait else []),
         # Dynamic tables' ids, admissions, evictions, default-row share and bytes, per block.
         *([actions.tables(lambda: layers.table_figures(job.model))] if tables else []),
+        *([_membership(job, checkpointer)] if elastic.enabled(config) else []),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
         actions.preemption(member.watch_preemption(), checkpointer.save, say),
         # A single process has no other task to lose; the watchdog then never reports.
-        actions.watchdog(faults.Watchdog(member.lost_tasks, say)),
+        actions.watchdog(faults.Watchdog(member.lost_tasks, say, give_up=give_up)),
     ]
     if config.train.profile_steps:  # on every task: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
@@ -511,6 +528,20 @@ def _actions(
     if evaluate:
         built_in.append(actions.evaluation(lambda: _evaluate(job, summaries), config.eval.every))
     return built_in + job.user_actions
+
+
+def _membership(job: Job, checkpointer: Checkpointer) -> actions.Action:
+    """Elastic: the membership in every block's metrics, and a re-formed group's record."""
+    member, strategy = job.strategy.membership, job.strategy
+    return elastic.membership(
+        member.cluster.num_workers if member.cluster else 1,
+        strategy.num_replicas_in_sync,
+        job.config.train.global_batch_size,
+        job.model_dir,
+        member.is_chief,
+        checkpointer.save,
+        say,
+    )
 
 
 def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attempt: int) -> int:
@@ -601,8 +632,8 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
             parts.append(f"lr: {value:.2e}")
         elif name.endswith("_per_sec"):
             parts.append(f"{name.removesuffix('_per_sec')}/s: {value:.1f}")
-        elif name == "examples":
-            parts.append(f"examples: {int(value)}")
+        elif name in ("examples", "members", "replicas", "per_replica_batch"):
+            parts.append(f"{name}: {int(value)}")
         elif name == "ids_held":  # in the dynamic tables
             parts.append(f"ids: {int(value)}")
         else:
