@@ -39,11 +39,11 @@ from collections.abc import Callable
 import ml_collections
 import tensorflow as tf
 
+from strategies.cluster.roster import REFORM_VARIABLE
 from towerflow import storage
 from towerflow.errors import Reform
 from trainer.loop.controller import Action, Output
 
-REFORM_VARIABLE = "TOWERFLOW_ELASTIC_REFORM"
 DIRECTORY = "elastic"  # under model_dir: the survivors' saves and reforms.json
 _SAVE = re.compile(r"ckpt-(\d+)-[\w.]+\.index$")
 
