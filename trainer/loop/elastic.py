@@ -118,13 +118,63 @@ def restore(checkpointer, model_dir: str) -> str | None:
     return checkpointer.restore()
 
 
-def reform(lost: Exception, checkpoint: tf.train.Checkpoint, model_dir: str, step: int, task: str):
-    """Saves this survivor's state after losing a member; the `Reform` to exit with."""
+class CountedStep:
+    """The train step, counting the steps whose update reached every variable.
+
+    The optimizer's own counter (`iterations`) does not wait for the update:
+    in a step that fails in its all-reduce it may already count the step the
+    variables never got. This count is taken after every variable's update
+    (reads of them, which come after their writes), so a survivor saves the
+    variables with the step they hold. Everything else is the inner step's.
+
+    Args:
+      step: the train step (`steps.TrainStep`), called in each local replica.
+      first_step: the step training starts from in this process.
+      replicas_here: the replicas of this process (each counts every step).
+    """
+
+    def __init__(self, step, first_step: int, replicas_here: int):
+        self._inner = step
+        self._first_step = first_step
+        self._replicas_here = max(1, replicas_here)
+        # Outside the strategy's scope: a variable of this process alone, no collective.
+        self._done = tf.Variable(0, dtype=tf.int64, trainable=False, name="elastic_steps_done")
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def __call__(self, batch) -> dict:
+        """One step of the inner step, then the count, once every variable holds the update."""
+        sums = self._inner(batch)
+        with tf.control_dependencies([tf.convert_to_tensor(v) for v in self._inner.variables]):
+            self._done.assign_add(1)
+        return sums
+
+    @property
+    def completed(self) -> int:
+        """The step every variable holds: the first step plus the steps completed since."""
+        return self._first_step + int(self._done.numpy()) // self._replicas_here
+
+
+def reform(
+    why: str, checkpoint: tf.train.Checkpoint, model_dir: str, step: int, task: str, iterations
+) -> Reform:
+    """Saves this survivor's state after losing a member (`why`); the `Reform` to exit with.
+
+    Args:
+      why: who was lost, for the line.
+      checkpoint: what a checkpoint holds.
+      model_dir: where the saves go (`model_dir/elastic`).
+      step: the step the variables hold (`CountedStep.completed`).
+      task: this process's task name, which names its save.
+      iterations: the optimizer's step counter, set to `step` before the save.
+    """
     start = time.monotonic()
+    iterations.assign(step)
     path = survivor_save(checkpoint, model_dir, step, task)
     return Reform(
-        f"elastic: {lost} -- saved step {step} to {path} in {time.monotonic() - start:.2f} s; "
-        "the group re-forms without the lost member"
+        f"elastic: {why}: saved step {step} to {path} in {time.monotonic() - start:.2f} s; "
+        "the group re-forms without it"
     )
 
 

@@ -60,13 +60,27 @@ def lost_task_error(
       lost: the tasks that do not answer now (`Membership.lost_tasks()`).
       checkpoint_dir: where the restarted job will resume from.
     """
-    if not lost:  # none refuses a connection: fall back to the tasks TensorFlow names
-        if not isinstance(error, tf.errors.UnavailableError | tf.errors.DeadlineExceededError):
-            return None
-        lost = sorted({f"{job}:{index}" for job, index in _TF_TASK.findall(error.message)})
-        lost = lost or ["a task of the cluster"]
+    lost = lost_tasks(error, lost)
+    if lost is None:
+        return None
     resume = tf.train.latest_checkpoint(checkpoint_dir) or "the start (no checkpoint yet)"
     return TaskLost(_lost_message(lost, type(error).__name__, resume))
+
+
+def lost_tasks(error: tf.errors.OpError, lost: list[str]) -> list[str] | None:
+    """The tasks whose loss made a step fail with `error`; None if it failed otherwise.
+
+    Args:
+      error: what the failed step raised.
+      lost: the tasks that do not answer now (`Membership.lost_tasks()`).
+    """
+    if lost:
+        return lost
+    # None refuses a connection: fall back to the tasks TensorFlow names.
+    if not isinstance(error, tf.errors.UnavailableError | tf.errors.DeadlineExceededError):
+        return None
+    named = sorted({f"{job}:{index}" for job, index in _TF_TASK.findall(error.message)})
+    return named or ["a task of the cluster"]
 
 
 def _lost_message(lost: list[str], why: str, resume: str) -> str:

@@ -63,6 +63,7 @@ class Job:
     user_actions: list[actions.Action] = dataclasses.field(default_factory=list)
     custom_step: Callable | None = None  # a user task's own `train_step`
     input_wait: wait.InputWait | None = None  # seconds the training stream kept steps waiting
+    counted: elastic.CountedStep | None = None  # elastic: the step every variable holds
 
 
 def train_and_evaluate(
@@ -357,15 +358,17 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
     except tf.errors.OpError as e:
         with contextlib.suppress(Exception):  # a save under way may need the lost task
             checkpointer.sync()
-        lost = faults.lost_task_error(e, member.lost_tasks(), checkpointer.directory)
+        lost = faults.lost_tasks(e, member.lost_tasks())
         if lost is None:
             raise
         if elastic.enabled(config):  # every survivor saves the step it completed
-            task = member.cluster.task_name
+            why = f"{', '.join(lost)} stopped answering ({type(e).__name__})"
+            step = job.counted.completed if job.counted else _step(job)
+            task, iterations = member.cluster.task_name, job.optimizer.iterations
             raise elastic.reform(
-                lost, checkpointer.checkpoint, job.model_dir, _step(job), task
+                why, checkpointer.checkpoint, job.model_dir, step, task, iterations
             ) from None
-        raise lost from None
+        raise faults.lost_task_error(e, lost, checkpointer.directory) from None
     finally:
         summaries.close()
         checkpointer.close()
@@ -460,6 +463,10 @@ def _train(
             config.train.jit_compile,
             config.train.accumulation_steps,
             strategy.gradient_transfer,
+        )
+    if elastic.enabled(config):  # a survivor saves the step its variables hold
+        job.counted = train_step = elastic.CountedStep(
+            train_step, step, len(strategy.compute_devices)
         )
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
 

@@ -1,0 +1,158 @@
+"""Elastic `multi_worker`: a group that loses a member goes on, and grows back when it returns."""
+
+import json
+import re
+import signal
+
+import numpy as np
+import pytest
+
+from strategies.cluster.roster import Roster
+from tests.helpers import (
+    checkpoint_values,
+    launch,
+    launch_and_signal,
+    launched,
+    run_cli,
+    tiny_config,
+)
+from towerflow.errors import UserError
+from trainer.launch import parse_workers
+from trainer.loop import elastic
+
+# 3 replicas or 2 split the global batch (48) alike: the same examples at every step.
+RUN = [
+    "--strategy=multi_worker",
+    "--config.train.steps=200",
+    "--config.train.steps_per_loop=10",
+    "--config.train.global_batch_size=48",
+    "--config.eval.global_batch_size=48",
+    "--config.eval.every=0",
+    "--config.train.export=False",
+    "--config.model.dropout=0",
+    "--config.cluster.elastic.cooldown_s=1",
+]
+
+
+def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted_run_does(
+    tmp_path,
+):
+    code, lines, _ = launch_and_signal(
+        "--workers=2:3",
+        "--",
+        f"--model_dir={tmp_path / 'elastic'}",
+        *RUN,
+        cwd=tmp_path,
+        trigger="[member:0] train | step: 60/",
+        task=("worker", 2),
+        sig=signal.SIGKILL,
+    )
+    output = "\n".join(line for _, line in lines)
+    assert code == 0, output[-3000:]
+    # The survivors saved the step they completed; the group of 2 restored exactly it.
+    saved = {int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output)}
+    assert len(saved) == 1, output[-3000:]
+    step = saved.pop()
+    assert step >= 60 and f"/elastic/ckpt-{step}-worker" in output
+    restored = [int(s) for s in re.findall(r"\[member:0\] restored \S+ at step (\d+)", output)]
+    grown = int(re.search(r"preempted \(SIGTERM.*? at step (\d+)", output).group(1))
+    assert restored == [step, grown], output[-3000:]  # 0 steps lost, 0 steps trained twice
+    assert "[launch] group of 2: member:0 as worker:0, member:1 as worker:1" in output
+    assert "member:2 ready again" in output
+    assert "members: 2 | replicas: 2 | per_replica_batch: 24" in output  # the group went on
+    results = json.loads((tmp_path / "elastic" / "results.json").read_text())
+    assert results["step"] == 200
+    reforms = results["elastic"]["reforms"]
+    assert [(r["step"], r["from"], r["to"]) for r in reforms] == [(step, 3, 2), (grown, 2, 3)]
+    assert all(0 < r["seconds"] < 120 for r in reforms)
+    # Same seed, the same examples at every step: the weights of an uninterrupted 3-worker
+    # run, within float summation order (a batch trained twice or skipped is far beyond).
+    launched("--workers=3", "--", f"--model_dir={tmp_path / 'fixed'}", *RUN, cwd=tmp_path)
+    got, want = checkpoint_values(tmp_path / "elastic"), checkpoint_values(tmp_path / "fixed")
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--workers=4:2", "--", "--strategy=multi_worker"], "`--workers` (4:2) must be MIN:MAX"),
+        (["--workers=2:x", "--", "--strategy=multi_worker"], "`--workers` ('2:x') must be"),
+        (["--workers=2:3", "--ps=1", "--"], "drop `--ps`"),
+        (["--workers=1:2", "--", "--strategy=mirrored"], "needs `--strategy=multi_worker`"),
+        (["--workers=1:2", "--", "--strategy=pipeline"], "needs `--strategy=multi_worker`"),
+    ],
+)
+def test_bad_elastic_launches_are_one_line_and_exit_2(tmp_path, args, expected):
+    result = launch(*args[:-1], args[-1], f"--model_dir={tmp_path / 'run'}", cwd=tmp_path)
+    errors = [line for line in result.stdout.splitlines() + result.stderr.splitlines()]
+    errors = [line for line in errors if "error:" in line]
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert errors and expected in errors[0], errors
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--config.cluster.elastic.min_workers=0"], "`cluster.elastic.min_workers` (0)"),
+        (
+            ["--config.cluster.elastic.min_workers=3", "--config.cluster.elastic.max_workers=2"],
+            "`cluster.elastic.max_workers` (2) must be 0 (not elastic) or at least",
+        ),
+    ],
+)
+def test_bad_elastic_settings_are_one_line_and_exit_2(tmp_path, flags, expected):
+    result = run_cli(
+        "--strategy=multi_worker", f"--model_dir={tmp_path / 'run'}", *flags, cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_workers_is_a_count_or_a_range():
+    assert parse_workers("3") == (3, 3, False)
+    assert parse_workers("2:4") == (2, 4, True)
+    with pytest.raises(UserError, match="1 <= MIN <= MAX"):
+        parse_workers("0:2")
+
+
+def test_a_failing_member_cools_down_longer_each_time_then_stays_out():
+    now = [0.0]
+    roster = Roster(2, 3, max_restarts=2, cooldown_s=5, rendezvous_timeout=0, clock=lambda: now[0])
+    assert roster.lost("member:1") == "back in 5 s (failure 1 of 3)"
+    assert roster.ready() == ["member:0", "member:2"]
+    now[0] = 5.0
+    assert roster.ready() == ["member:0", "member:1", "member:2"]
+    assert roster.lost("member:1") == "back in 10 s (failure 2 of 3)"
+    now[0] = 15.0
+    assert "member:1" in roster.ready()
+    assert "out for good" in roster.lost("member:1")
+    now[0] = 1e9
+    assert roster.ready() == ["member:0", "member:2"]
+    assert roster.missing() == ["member:1 (failed 3 times)"]
+
+
+def test_below_min_workers_the_group_does_not_form_and_the_missing_are_named():
+    roster = Roster(2, 2, max_restarts=0, cooldown_s=5, rendezvous_timeout=0.3)
+    roster.lost("member:1")
+    assert roster.form() is None
+    assert roster.missing() == ["member:1 (failed 1 times)"]
+    assert Roster(1, 2, 0, 5, 0.3).form() == ["member:0", "member:1"]
+
+
+@pytest.mark.parametrize(
+    "batch, replicas, fitted",
+    [(48, 3, 48), (32, 3, 33), (50, 4, 52), (10, 4, 12), (9, 4, 8)],
+)
+def test_a_global_batch_that_does_not_split_becomes_the_nearest_that_does(batch, replicas, fitted):
+    config = tiny_config()
+    config.train.global_batch_size = config.eval.global_batch_size = batch
+    said = []
+    elastic.fit_batches(config, replicas, said.append)
+    assert config.train.global_batch_size == fitted == config.eval.global_batch_size
+    assert len(said) == (0 if fitted == batch else 2)
+    if said:
+        assert f"({batch}) does not split over {replicas} replicas: using {fitted}" in said[0]
