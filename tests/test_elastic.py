@@ -1,7 +1,9 @@
 """Elastic `multi_worker`: a group that loses a member goes on, and grows back when it returns."""
 
 import json
+import os
 import re
+import shlex
 import signal
 
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 from strategies.cluster.roster import Roster
 from tests.helpers import (
+    REPO,
     checkpoint_values,
     launch,
     launch_and_signal,
@@ -20,13 +23,11 @@ from towerflow.errors import UserError
 from trainer.launch import parse_workers
 from trainer.loop import elastic
 
-# 3 replicas or 2 split the global batch (48) alike: the same examples at every step.
-RUN = [
-    "--strategy=multi_worker",
-    "--config.train.steps=200",
+DOC = os.path.join(REPO, "docs", "elastic.md")
+# Short blocks, no dropout (random draws in a failed step's forward pass are not kept), no
+# eval or export; a lost member returns after 1 s.
+FAST = [
     "--config.train.steps_per_loop=10",
-    "--config.train.global_batch_size=48",
-    "--config.eval.global_batch_size=48",
     "--config.eval.every=0",
     "--config.train.export=False",
     "--config.model.dropout=0",
@@ -34,14 +35,21 @@ RUN = [
 ]
 
 
+def _documented(model_dir) -> list[str]:
+    """The launcher flags of docs/elastic.md's command, its `model_dir` replaced."""
+    block = re.search(r"```sh\n(.*?)```", open(DOC).read(), re.S).group(1)
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:3] == ["python", "-m", "trainer.launch"], words
+    return [w.replace("runs/elastic", str(model_dir)) for w in words[3:]]
+
+
 def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted_run_does(
     tmp_path,
 ):
+    documented = _documented(tmp_path / "elastic")  # the docs' command, made short
     code, lines, _ = launch_and_signal(
-        "--workers=2:3",
-        "--",
-        f"--model_dir={tmp_path / 'elastic'}",
-        *RUN,
+        *documented,
+        *FAST,
         cwd=tmp_path,
         trigger="[member:0] train | step: 60/",
         task=("worker", 2),
@@ -67,11 +75,37 @@ def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted
     assert all(0 < r["seconds"] < 120 for r in reforms)
     # Same seed, the same examples at every step: the weights of an uninterrupted 3-worker
     # run, within float summation order (a batch trained twice or skipped is far beyond).
-    launched("--workers=3", "--", f"--model_dir={tmp_path / 'fixed'}", *RUN, cwd=tmp_path)
+    fixed = [w.replace("--workers=2:3", "--workers=3") for w in _documented(tmp_path / "fixed")]
+    launched(*fixed, *FAST, cwd=tmp_path)
     got, want = checkpoint_values(tmp_path / "elastic"), checkpoint_values(tmp_path / "fixed")
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow  # a second kill-and-rejoin run; the default tier's test above loses a worker
+def test_a_lost_chief_is_a_membership_change_like_any_other(tmp_path):
+    code, lines, _ = launch_and_signal(
+        *_documented(tmp_path / "elastic"),
+        *FAST,
+        cwd=tmp_path,
+        trigger="[member:0] train | step: 60/",
+        task=("worker", 0),
+        sig=signal.SIGKILL,
+    )
+    output = "\n".join(line for _, line in lines)
+    assert code == 0, output[-3000:]
+    step = int(re.search(r"\[member:1\] elastic: .* saved step (\d+) to", output).group(1))
+    assert "[launch] group of 2: member:1 as worker:0, member:2 as worker:1" in output
+    assert f"[member:1] restored {tmp_path / 'elastic'}/elastic/ckpt-{step}-" in output
+    assert re.search(r"\[member:1\] train \| step: .* members: 2", output)  # the new chief
+    results = json.loads((tmp_path / "elastic" / "results.json").read_text())
+    assert results["step"] == 200
+    assert [(r["step"], r["from"], r["to"]) for r in results["elastic"]["reforms"]][0] == (
+        step,
+        3,
+        2,
+    )
 
 
 @pytest.mark.parametrize(
