@@ -17,6 +17,7 @@ from tests.helpers import (
     launch_and_signal,
     launched,
     run_cli,
+    tensorboard_scalars,
     tiny_config,
 )
 from towerflow.errors import UserError
@@ -43,20 +44,28 @@ def _documented(model_dir) -> list[str]:
     return [w.replace("runs/elastic", str(model_dir)) for w in words[3:]]
 
 
-def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted_run_does(
-    tmp_path,
-):
-    documented = _documented(tmp_path / "elastic")  # the docs' command, made short
+def _killed_at_60(tmp_path, worker: int) -> str:
+    """The docs' command, made short, into `tmp_path/elastic`; SIGKILL to `worker` at step 60.
+
+    Returns the launcher's output; the job must have ended well.
+    """
     code, lines, _ = launch_and_signal(
-        *documented,
+        *_documented(tmp_path / "elastic"),
         *FAST,
         cwd=tmp_path,
         trigger="[member:0] train | step: 60/",
-        task=("worker", 2),
+        task=("worker", worker),
         sig=signal.SIGKILL,
     )
     output = "\n".join(line for _, line in lines)
     assert code == 0, output[-3000:]
+    return output
+
+
+def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted_run_does(
+    tmp_path,
+):
+    output = _killed_at_60(tmp_path, worker=2)
     # The survivors saved the step they completed; the group of 2 restored exactly it.
     saved = {int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output)}
     assert len(saved) == 1, output[-3000:]
@@ -73,6 +82,9 @@ def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted
     reforms = results["elastic"]["reforms"]
     assert [(r["step"], r["from"], r["to"]) for r in reforms] == [(step, 3, 2), (grown, 2, 3)]
     assert all(0 < r["seconds"] < 120 for r in reforms)
+    members = tensorboard_scalars(tmp_path / "elastic", "members")["members"]
+    assert {members[s] for s in members if s <= step} == {3}
+    assert 2 in {members[s] for s in members if step < s <= grown}
     # Same seed, the same examples at every step: the weights of an uninterrupted 3-worker
     # run, within float summation order (a batch trained twice or skipped is far beyond).
     fixed = [w.replace("--workers=2:3", "--workers=3") for w in _documented(tmp_path / "fixed")]
@@ -85,16 +97,7 @@ def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted
 
 @pytest.mark.slow  # a second kill-and-rejoin run; the default tier's test above loses a worker
 def test_a_lost_chief_is_a_membership_change_like_any_other(tmp_path):
-    code, lines, _ = launch_and_signal(
-        *_documented(tmp_path / "elastic"),
-        *FAST,
-        cwd=tmp_path,
-        trigger="[member:0] train | step: 60/",
-        task=("worker", 0),
-        sig=signal.SIGKILL,
-    )
-    output = "\n".join(line for _, line in lines)
-    assert code == 0, output[-3000:]
+    output = _killed_at_60(tmp_path, worker=0)
     step = int(re.search(r"\[member:1\] elastic: .* saved step (\d+) to", output).group(1))
     assert "[launch] group of 2: member:1 as worker:0, member:2 as worker:1" in output
     assert f"[member:1] restored {tmp_path / 'elastic'}/elastic/ckpt-{step}-" in output

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 
+from towerflow.processes import member_pid
 from trainer.bench.harness import note, result
 from trainer.bench.sizes import Sizes
 
@@ -140,7 +141,10 @@ def _launch(
         for line in proc.stdout:
             lines.append((time.monotonic() - start, line.rstrip("\n")))
             if trigger and not killed and trigger in line:
-                os.kill(_member_pid(model_dir, 2), signal.SIGKILL)
+                pid = member_pid("worker", 2, model_dir)
+                if pid is None:
+                    raise RuntimeError(f"worker 2 of {model_dir} not found")
+                os.kill(pid, signal.SIGKILL)
                 killed = time.monotonic() - start
         code = proc.wait()
     finally:
@@ -149,24 +153,3 @@ def _launch(
         tail = "\n".join(line for _, line in lines[-20:])
         raise RuntimeError(f"the elastic job exited with {code}: {tail}")
     return lines, killed
-
-
-def _member_pid(model_dir: str, index: int) -> int:
-    """The trainer process that is worker `index` of the job in `model_dir`."""
-    import json
-    import pathlib
-
-    for proc in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-            command = (proc / "cmdline").read_bytes().decode(errors="replace")
-            environ = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if model_dir not in command:
-            continue
-        for entry in environ:
-            if entry.startswith("TF_CONFIG="):
-                task = json.loads(entry.removeprefix("TF_CONFIG="))["task"]
-                if task["index"] == index:
-                    return int(proc.name)
-    raise RuntimeError(f"worker {index} of {model_dir} not found")
