@@ -77,6 +77,7 @@ REPORT_S = 10.0  # how long the chief may take to report a failed task before th
 _POLL_S = 0.1
 MAX_TASK_RESTARTS = 3  # a parameter-server worker that fails is started again this often
 REFORM_WAIT_S = 60.0  # how long an elastic group's survivors may take to save and exit
+SETTLE_S = 15.0  # still running this long after a survivor saved: hung (> watchdog probes)
 _PROGRESS = "train | step: "  # the chief's progress line: the group trains
 
 _WORKERS = flags.DEFINE_string(
@@ -412,6 +413,14 @@ class ElasticGroup(Cluster):
             time.sleep(_POLL_S)
         return 0
 
+    def _running(self) -> int:
+        return sum(proc.poll() is None for proc in self._procs.values())
+
+    def _settled(self, since: float) -> bool:
+        """Whether survivors saved and nobody else ended for `SETTLE_S`: the rest are hung."""
+        saved = any(proc.poll() == REFORM_EXIT_CODE for proc in self._procs.values())
+        return saved and time.monotonic() - since >= SETTLE_S
+
     def _returning(self) -> list[str]:
         """Ready members of the roster that are not in this group."""
         members = {task.name for task in self.tasks}
@@ -427,10 +436,14 @@ class ElasticGroup(Cluster):
             "to save the step they completed"
         )
         deadline = time.monotonic() + REFORM_WAIT_S
-        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
+        settled = time.monotonic()  # when the last member ended
+        while time.monotonic() < deadline and self._running() and not self._settled(settled):
             if self._interrupted():
                 return self.interrupt.code
+            running = self._running()
             time.sleep(_POLL_S)
+            if self._running() < running:
+                settled = time.monotonic()
         codes = {task: proc.poll() for task, proc in self._procs.items()}
         if USER_ERROR_EXIT_CODE in codes.values():
             return USER_ERROR_EXIT_CODE
