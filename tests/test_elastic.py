@@ -44,8 +44,8 @@ def _documented(model_dir) -> list[str]:
     return [w.replace("runs/elastic", str(model_dir)) for w in words[3:]]
 
 
-def _killed_at_60(tmp_path, worker: int) -> str:
-    """The docs' command, made short, into `tmp_path/elastic`; SIGKILL to `worker` at step 60.
+def _killed_at_60(tmp_path, worker: int, sig: int = signal.SIGKILL) -> str:
+    """The docs' command, made short, into `tmp_path/elastic`; `sig` to `worker` at step 60.
 
     Returns the launcher's output; the job must have ended well.
     """
@@ -55,7 +55,7 @@ def _killed_at_60(tmp_path, worker: int) -> str:
         cwd=tmp_path,
         trigger="[member:0] train | step: 60/",
         task=("worker", worker),
-        sig=signal.SIGKILL,
+        sig=sig,
     )
     output = "\n".join(line for _, line in lines)
     assert code == 0, output[-3000:]
@@ -109,6 +109,17 @@ def test_a_lost_chief_is_a_membership_change_like_any_other(tmp_path):
         3,
         2,
     )
+
+
+@pytest.mark.slow  # a hung member is found by heartbeats (about 10 s), then a rejoin
+def test_a_hung_member_is_left_behind_and_rejoins_once_restarted(tmp_path):
+    output = _killed_at_60(tmp_path, worker=2, sig=signal.SIGSTOP)
+    assert re.search(r"\[member:0\] elastic: worker:2 .* saved step \d+ to", output)
+    assert "[launch] member:2 lost: back in 1 s" in output
+    assert "[launch] group of 2: member:0 as worker:0, member:1 as worker:1" in output
+    results = json.loads((tmp_path / "elastic" / "results.json").read_text())
+    assert results["step"] == 200
+    assert [(r["from"], r["to"]) for r in results["elastic"]["reforms"]] == [(3, 2), (2, 3)]
 
 
 @pytest.mark.parametrize(
