@@ -5,6 +5,7 @@
         --strategy=parameter_server --config=configs/ctr.py
     python -m trainer.launch --workers=2 --restarts=3 -- --strategy=multi_worker \\
         --model_dir=runs/mw
+    python -m trainer.launch --workers=2:4 -- --strategy=multi_worker --model_dir=runs/el
 
 Every task runs `python -m trainer <the flags after -->` with its own
 `TF_CONFIG`, on free ports of 127.0.0.1 only. Topologies:
@@ -28,6 +29,13 @@ chief; under `multi_worker` every worker), which save a checkpoint at the step
 reached and exit, within `--grace_s`; the ps and worker servers of a
 parameter-server cluster are stopped only after that, as the chief's save
 needs them. A second signal kills them all at once.
+
+`--workers=MIN:MAX` runs an elastic `multi_worker` job (docs/elastic.md): its
+members (`member:0` ...) train as one group; when one is lost the others save
+the step they completed and exit 145, and the launcher starts the next group
+from the members that are left (at least MIN); a lost member comes back after
+a cool-down, and the running group saves at a block boundary to take it in.
+
 Beyond one machine, run `python -m trainer` on every host with the `TF_CONFIG`
 that the scheduler gives each task.
 """
