@@ -22,7 +22,7 @@ from tests.helpers import (
 )
 from towerflow.errors import UserError
 from trainer.launch import parse_workers
-from trainer.loop import elastic
+from trainer.loop import checks, elastic
 
 DOC = os.path.join(REPO, "docs", "elastic.md")
 # Short blocks, no dropout (random draws in a failed step's forward pass are not kept), no
@@ -129,7 +129,6 @@ def test_a_hung_member_is_left_behind_and_rejoins_once_restarted(tmp_path):
         (["--workers=2:x", "--", "--strategy=multi_worker"], "`--workers` ('2:x') must be"),
         (["--workers=2:3", "--ps=1", "--"], "drop `--ps`"),
         (["--workers=1:2", "--", "--strategy=mirrored"], "needs `--strategy=multi_worker`"),
-        (["--workers=1:2", "--", "--strategy=pipeline"], "needs `--strategy=multi_worker`"),
     ],
 )
 def test_bad_elastic_launches_are_one_line_and_exit_2(tmp_path, args, expected):
@@ -141,23 +140,35 @@ def test_bad_elastic_launches_are_one_line_and_exit_2(tmp_path, args, expected):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize(
-    "flags, expected",
-    [
-        (["--config.cluster.elastic.min_workers=0"], "`cluster.elastic.min_workers` (0)"),
-        (
-            ["--config.cluster.elastic.min_workers=3", "--config.cluster.elastic.max_workers=2"],
-            "`cluster.elastic.max_workers` (2) must be 0 (not elastic) or at least",
-        ),
-    ],
-)
-def test_bad_elastic_settings_are_one_line_and_exit_2(tmp_path, flags, expected):
+def test_min_workers_0_is_one_line_and_exit_2(tmp_path):
     result = run_cli(
-        "--strategy=multi_worker", f"--model_dir={tmp_path / 'run'}", *flags, cwd=tmp_path
+        "--strategy=multi_worker",
+        f"--model_dir={tmp_path / 'run'}",
+        "--config.cluster.elastic.min_workers=0",
+        cwd=tmp_path,
     )
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "`cluster.elastic.min_workers` (0) must be at least 1" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"cluster.elastic.max_workers": 2, "strategy.name": "pipeline"}, "`pipeline` cannot"),
+        ({"cluster.elastic.max_workers": 2, "strategy.name": "mirrored"}, "`mirrored` cannot"),
+        (
+            {"cluster.elastic.min_workers": 3, "cluster.elastic.max_workers": 2},
+            "`cluster.elastic.max_workers` (2) must be 0 (not elastic) or at least",
+        ),
+        ({"cluster.elastic.rendezvous_timeout": -1.0}, "`cluster.elastic.rendezvous_timeout`"),
+    ],
+)
+def test_bad_elastic_settings_are_refused_before_anything_is_built(fields, expected):
+    config = tiny_config(**{"strategy.name": "multi_worker", **fields})
+    with pytest.raises(UserError, match=re.escape(expected)):
+        checks.check_config(config)
 
 
 def test_workers_is_a_count_or_a_range():
