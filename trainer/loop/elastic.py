@@ -111,9 +111,8 @@ def _listed(model_dir: str) -> list[str]:
 def restore(checkpointer, model_dir: str) -> str | None:
     """Restores the newest state: a survivor's save newer than the newest checkpoint, or that."""
     saved = newest_save(model_dir)
-    latest = checkpointer.latest
-    latest_step = int(latest.rsplit("-", 1)[1]) if latest else -1
-    if saved and saved[0] > latest_step:
+    latest = re.search(r"-(\d+)$", checkpointer.latest or "")
+    if saved and saved[0] > (int(latest.group(1)) if latest else -1):
         return checkpointer.restore(saved[1])
     return checkpointer.restore()
 

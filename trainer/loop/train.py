@@ -307,11 +307,9 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         )
     summaries = Summaries(job.model_dir, member.is_chief)
     try:
-        restored = (
-            elastic.restore(checkpointer, job.model_dir)
-            if elastic.enabled(config)
-            else checkpointer.restore()
-        )
+        # An elastic job's survivors may have saved a newer step than the newest checkpoint:
+        # a rerun resumes from it, elastic or not.
+        restored = elastic.restore(checkpointer, job.model_dir)
         member.check_restored(_step(job), job.model_dir)  # every worker, the same step
         if restored:
             say(f"restored {restored} at step {_step(job)}")
