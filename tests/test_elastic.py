@@ -22,7 +22,8 @@ from tests.helpers import (
 )
 from towerflow.errors import UserError
 from trainer.launch import parse_workers
-from trainer.loop import checks, elastic
+from trainer.loop import checks, elastic, steps, train
+from trainer.loop.checkpoints import Checkpointer
 
 DOC = os.path.join(REPO, "docs", "elastic.md")
 # Short blocks, no dropout (random draws in a failed step's forward pass are not kept), no
@@ -215,3 +216,29 @@ def test_a_global_batch_that_does_not_split_becomes_the_nearest_that_does(batch,
     assert len(said) == (0 if fitted == batch else 2)
     if said:
         assert f"({batch}) does not split over {replicas} replicas: using {fitted}" in said[0]
+
+
+def test_the_counted_step_counts_each_step_once_over_the_replicas_of_a_process(tmp_path):
+    config = tiny_config(**{"strategy.name": "mirrored"})  # 4 logical CPUs: 4 replicas here
+    job = train.build(config, str(tmp_path / "run"))
+    gb = config.train.global_batch_size
+    step = steps.TrainStep(job.model, job.optimizer, job.objective, gb)
+    counted = elastic.CountedStep(step, 7, len(job.strategy.compute_devices))
+    iterator = iter(job.strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, 0)))
+    job.strategy.run_steps(counted, iterator, 3)
+    assert job.strategy.num_replicas_in_sync == 4
+    assert counted.completed == 7 + 3 == 7 + int(counted.iterations.numpy())
+
+
+def test_a_rerun_resumes_from_a_survivors_save_newer_than_the_newest_checkpoint(tmp_path):
+    job = train.build(tiny_config(**{"strategy.name": "one_device"}), str(tmp_path / "run"))
+    checkpointer = Checkpointer(str(tmp_path / "run"), True, 3, **train.checkpointed(job))
+    checkpointer.save(0)
+    job.optimizer.iterations.assign(12)
+    elastic.survivor_save(checkpointer.checkpoint, str(tmp_path / "run"), 12, "worker:1")
+    job.optimizer.iterations.assign(0)
+    assert elastic.newest_save(str(tmp_path / "run"))[0] == 12
+    assert elastic.restore(checkpointer, str(tmp_path / "run")).endswith("ckpt-12-worker1")
+    assert int(job.optimizer.iterations.numpy()) == 12
+    checkpointer.save(20)  # a newer checkpoint wins over the save
+    assert elastic.restore(checkpointer, str(tmp_path / "run")).endswith("checkpoints/ckpt-20")
