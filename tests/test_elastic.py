@@ -29,11 +29,14 @@ DOC = os.path.join(REPO, "docs", "elastic.md")
 # Short blocks, no dropout (random draws in a failed step's forward pass are not kept), no
 # eval or export; a lost member returns after 1 s.
 FAST = [
-    "--config.train.steps_per_loop=10",
-    "--config.eval.every=0",
-    "--config.train.export=False",
-    "--config.model.dropout=0",
-    "--config.cluster.elastic.cooldown_s=1",
+    f"--config.{field}={value}"
+    for field, value in {
+        "train.steps_per_loop": 10,
+        "eval.every": 0,
+        "train.export": False,
+        "model.dropout": 0,
+        "cluster.elastic.cooldown_s": 1,
+    }.items()
 ]
 
 
