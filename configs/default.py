@@ -85,6 +85,19 @@ def get_config() -> ml_collections.ConfigDict:
     # An evaluator member runs beside training though `TF_CONFIG` does not list it (e.g. Vertex
     # AI): the chief then leaves evaluation to it. One listed in `cluster` needs no flag.
     c.cluster.sidecar_evaluator = False
+    # Elastic `multi_worker` (docs/elastic.md): a lost worker makes the others save the step
+    # they all completed and re-form without it; one that returns is admitted at a block
+    # boundary. `python -m trainer.launch --workers=MIN:MAX` sets min/max_workers.
+    c.cluster.elastic = ml_collections.ConfigDict()
+    c.cluster.elastic.min_workers = 1  # fewest workers the job trains with (>= 1)
+    c.cluster.elastic.max_workers = 0  # most workers admitted; 0 = not elastic
+    # Seconds the job waits, below `min_workers`, for members to come back; then it stops
+    # with one line naming the missing ones (the state saved).
+    c.cluster.elastic.rendezvous_timeout = 60.0
+    # Times a lost member is started again (after a cool-down that doubles with each
+    # failure, from `cooldown_s` seconds); then it stays out.
+    c.cluster.elastic.max_restarts = 3
+    c.cluster.elastic.cooldown_s = 5.0
 
     c.devices = ml_collections.ConfigDict()
     c.devices.logical_cpus = 2  # split the host CPU into N logical devices (0 = leave as is)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 
 import configs.default
+from towerflow.processes import member_pid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Generous: a loaded machine is 2-3x slower, and a test's bound must not be what fails there.
@@ -276,20 +277,7 @@ def checkpoint_values(model_dir) -> dict:
 
 def pid_of(task_type: str, index: int, marker: str) -> int | None:
     """The live trainer process whose `TF_CONFIG` names this task, in the test's cluster."""
-    for proc in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-            command = (proc / "cmdline").read_bytes().decode(errors="replace")
-            environ = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if marker not in command:
-            continue
-        for entry in environ:
-            if entry.startswith("TF_CONFIG="):
-                task = json.loads(entry.removeprefix("TF_CONFIG="))["task"]
-                if task == {"type": task_type, "index": index}:
-                    return int(proc.name)
-    return None
+    return member_pid(task_type, index, marker)
 
 
 def launch_and_signal(

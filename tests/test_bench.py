@@ -60,6 +60,15 @@ EXPECTED = {
         "sweep/shared_input_cpu_s_per_trial",
         "sweep/own_input_cpu_s_per_trial",
     ),
+    "elastic": (
+        "loss_to_step_s",
+        "detection_s",
+        "save_s",
+        "reform_s",
+        "first_step_s",
+        "shrunk_steps_per_s",
+        "fresh_steps_per_s",
+    ),
     "tables": (
         "mirrored_sparse_examples_s",
         "mirrored_dense_examples_s",
@@ -137,6 +146,7 @@ def test_case_details(results):
     assert all(_positive(waits[k]) for k in ("synthetic", "tfrecord", "in_memory"))
     assert all(math.isfinite(v) for v in waits.values())  # differences may be negative
     assert _positive(cases["checkpoint"]["checkpoint_mb"])
+    assert cases["elastic"]["per_failure"] == {"steps_lost": [0.0], "examples_repeated": [0.0]}
     assert results["machine"]["cpu_cores"] >= 1
     if hosts.available() is None:  # as root: 2 simulated hosts over a 1 Gbit/s link
         assert _positive(cases["multi_host"]["ratios"]["default/1gbit/one_host"])

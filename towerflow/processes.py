@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import pathlib
 import random
@@ -213,3 +214,24 @@ def _bind(port: int) -> socket.socket:
         s.close()
         raise
     return s
+
+
+def member_pid(task_type: str, index: int, marker: str) -> int | None:
+    """The live process whose `TF_CONFIG` names this task and whose command line holds `marker`.
+
+    For tests and the benchmark, which signal one member of a local cluster.
+    """
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            command = (proc / "cmdline").read_bytes().decode(errors="replace")
+            environ = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if marker not in command:
+            continue
+        for entry in environ:
+            if entry.startswith("TF_CONFIG="):
+                task = json.loads(entry.removeprefix("TF_CONFIG="))["task"]
+                if task == {"type": task_type, "index": index}:
+                    return int(proc.name)
+    return None

@@ -5,6 +5,7 @@
         --strategy=parameter_server --config=configs/ctr.py
     python -m trainer.launch --workers=2 --restarts=3 -- --strategy=multi_worker \\
         --model_dir=runs/mw
+    python -m trainer.launch --workers=2:4 -- --strategy=multi_worker --model_dir=runs/el
 
 Every task runs `python -m trainer <the flags after -->` with its own
 `TF_CONFIG`, on free ports of 127.0.0.1 only. Topologies:
@@ -28,6 +29,13 @@ chief; under `multi_worker` every worker), which save a checkpoint at the step
 reached and exit, within `--grace_s`; the ps and worker servers of a
 parameter-server cluster are stopped only after that, as the chief's save
 needs them. A second signal kills them all at once.
+
+`--workers=MIN:MAX` runs an elastic `multi_worker` job (docs/elastic.md): its
+members (`member:0` ...) train as one group; when one is lost the others save
+the step they completed and exit 145, and the launcher starts the next group
+from the members that are left (at least MIN); a lost member comes back after
+a cool-down, and the running group saves at a block boundary to take it in.
+
 Beyond one machine, run `python -m trainer` on every host with the `TF_CONFIG`
 that the scheduler gives each task.
 """
@@ -38,18 +46,28 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from absl import app, flags
 
+import configs.default
 from strategies.cluster import tf_config as cluster
-from towerflow.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, one_line
+from strategies.cluster.roster import REFORM_VARIABLE, Roster
+from towerflow.errors import (
+    PREEMPTED_EXIT_CODE,
+    REFORM_EXIT_CODE,
+    TASK_LOST_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    UserError,
+    one_line,
+)
 from towerflow.processes import (
     LOOPBACK,
     Console,
@@ -66,8 +84,16 @@ KILL_AFTER_S = 5.0  # how long a task may take to exit after SIGTERM before SIGK
 REPORT_S = 10.0  # how long the chief may take to report a failed task before the cluster stops
 _POLL_S = 0.1
 MAX_TASK_RESTARTS = 3  # a parameter-server worker that fails is started again this often
+REFORM_WAIT_S = 60.0  # how long an elastic group's survivors may take to save and exit
+SETTLE_S = 15.0  # still running this long after a survivor saved: hung (> watchdog probes)
+_PROGRESS = "train | step: "  # the chief's progress line: the group trains
 
-_WORKERS = flags.DEFINE_integer("workers", 1, "Number of worker tasks (at least 1).")
+_WORKERS = flags.DEFINE_string(
+    "workers",
+    "1",
+    "Number of worker members (at least 1), or MIN:MAX: an elastic `multi_worker` job that "
+    "trains with MIN to MAX members and re-forms as they come and go (docs/elastic.md).",
+)
 _PS = flags.DEFINE_integer(
     "ps", 0, "Number of parameter servers; more than 0 also adds a `chief` (the coordinator)."
 )
@@ -111,10 +137,13 @@ class Member:
     index: int
     address: str | None
     tf_config: str
+    label: str = ""  # an elastic job's name for it, the same in every group ("member:2")
 
     @property
     def name(self) -> str:
         """How its output lines are prefixed: "chief", "worker:1", "ps:0", "evaluator"."""
+        if self.label:
+            return self.label
         return self.type if self.type in ("chief", "evaluator") else f"{self.type}:{self.index}"
 
     @property
@@ -176,6 +205,7 @@ class Cluster:
         kill_after_s: float = KILL_AFTER_S,
         report_s: float = REPORT_S,
         interrupt: Interrupt | None = None,
+        env: dict[str, str] | None = None,
     ):
         """Creates the cluster; nothing starts before `run`.
 
@@ -187,6 +217,7 @@ class Cluster:
           kill_after_s: how long a task may take to exit after SIGTERM before SIGKILL.
           report_s: how long the chief may take to report a failed task before the stop.
           interrupt: a signal recorded here stops the cluster; `run` then returns its code.
+          env: more environment variables for every task.
         """
         self.tasks = list(tasks)
         self.command = list(command)
@@ -195,6 +226,7 @@ class Cluster:
         self.kill_after_s = kill_after_s
         self.report_s = report_s
         self.interrupt = interrupt or Interrupt()
+        self.env = dict(env or {})
         self.max_task_restarts = MAX_TASK_RESTARTS
         self._procs: dict[Member, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
@@ -257,12 +289,14 @@ class Cluster:
         return {task for task in self.tasks if task.type in ("ps", "worker")}
 
     def _start(self, task: Member) -> None:
-        env = {**os.environ, "TF_CONFIG": task.tf_config}
-        proc, pump = start_process(
-            self.command, env, functools.partial(self.console.write, task.name)
-        )
+        env = {**os.environ, **self.env, "TF_CONFIG": task.tf_config}
+        proc, pump = start_process(self.command, env, self._writer(task))
         self._procs[task] = proc
         self._pumps.append(pump)
+
+    def _writer(self, task: Member) -> Callable[[str], None]:
+        """Where `task`'s output lines go: the console, prefixed with its name."""
+        return functools.partial(self.console.write, task.name)
 
     def _restartable(self, task: Member) -> bool:
         """A parameter-server cluster tolerates a lost worker: start it again, a few times."""
@@ -331,6 +365,205 @@ class Cluster:
             if preempted:
                 return _exit_status(chief_code)
         return _exit_status(code)
+
+
+class ElasticGroup(Cluster):
+    """One group of an elastic `multi_worker` job: it trains until the job ends or it re-forms.
+
+    A member that fails makes the others save the step they all completed and
+    exit with `REFORM_EXIT_CODE` (`trainer.loop.elastic`); a member of the
+    roster that becomes ready again (its cool-down over), once the group has
+    trained a block, makes the group save at its next block boundary (SIGTERM
+    to every member: they agree on the step, exit 143). Either way `run`
+    returns `REFORM_EXIT_CODE`, with `lost` the members to cool down and `why`
+    the change, for the launcher to form the next group.
+    """
+
+    def __init__(self, tasks, command, roster: Roster, console, grace_s, interrupt, env):
+        super().__init__(tasks, command, console, grace_s, interrupt=interrupt, env=env)
+        self.roster = roster
+        self.lost: list[str] = []
+        self.why = ""
+        self.changed_at = 0.0  # time.time() when the change began
+        self._trained = threading.Event()  # the chief reported a block
+
+    def _writer(self, task: Member) -> Callable[[str], None]:
+        write = super()._writer(task)
+
+        def watched(line: str) -> None:
+            if task is self.tasks[0] and _PROGRESS in line:
+                self._trained.set()
+            write(line)
+
+        return watched
+
+    def _wait(self) -> int:
+        chief, growing = self.tasks[0], False
+        while (code := self._procs[chief].poll()) != 0:
+            if self._interrupted():
+                return self.interrupt.code
+            ended = {task: proc.returncode for task, proc in self._procs.items() if proc.poll()}
+            if ended:
+                return self._reformed(ended, growing)
+            back = self._returning()
+            if back and not growing and self._trained.is_set():
+                growing, self.why, self.changed_at = True, f"{back[0]} returned", time.time()
+                self.console.log(
+                    f"{', '.join(back)} ready again: the group saves at its next block "
+                    "boundary and re-forms larger"
+                )
+                for proc in self._procs.values():
+                    signal_group(proc, signal.SIGTERM)
+            time.sleep(_POLL_S)
+        self.console.log(f"{chief.name} (the chief) {_ended(code)}")
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
+            time.sleep(_POLL_S)
+        return 0
+
+    def _running(self) -> int:
+        return sum(proc.poll() is None for proc in self._procs.values())
+
+    def _settled(self, since: float) -> bool:
+        """Whether survivors saved and nobody else ended for `SETTLE_S`: the rest are hung."""
+        saved = any(proc.poll() == REFORM_EXIT_CODE for proc in self._procs.values())
+        return saved and time.monotonic() - since >= SETTLE_S
+
+    def _returning(self) -> list[str]:
+        """Ready members of the roster that are not in this group."""
+        members = {task.name for task in self.tasks}
+        return [name for name in self.roster.ready() if name not in members]
+
+    def _reformed(self, ended: dict[Member, int], growing: bool) -> int:
+        """A member ended: the others save and exit (bounded); who was lost, and why."""
+        if not growing:
+            self.changed_at = time.time()
+        first, code = next(iter(ended.items()))
+        self.console.log(
+            f"{first.name} {_ended(code)}; waiting up to {REFORM_WAIT_S:g} s for the others "
+            "to save the step they completed"
+        )
+        deadline = time.monotonic() + REFORM_WAIT_S
+        settled = time.monotonic()  # when the last member ended
+        while time.monotonic() < deadline and self._running() and not self._settled(settled):
+            if self._interrupted():
+                return self.interrupt.code
+            running = self._running()
+            time.sleep(_POLL_S)
+            if self._running() < running:
+                settled = time.monotonic()
+        codes = {task: proc.poll() for task, proc in self._procs.items()}
+        if USER_ERROR_EXIT_CODE in codes.values():
+            return USER_ERROR_EXIT_CODE
+        saved = (REFORM_EXIT_CODE, PREEMPTED_EXIT_CODE)
+        self.lost = [task.name for task, code in codes.items() if code not in saved]
+        if self.lost:
+            self.why = f"{', '.join(self.lost)} lost"
+        return REFORM_EXIT_CODE
+
+
+def launch_elastic(
+    command: Sequence[str],
+    low: int,
+    high: int,
+    port_base: int = 0,
+    grace_s: float = GRACE_S,
+    console: Console | None = None,
+    interrupt: Interrupt | None = None,
+) -> int:
+    """Runs an elastic `multi_worker` job of `low` to `high` members until it ends.
+
+    Each group is a local cluster of the ready members (`strategies.cluster.roster`);
+    when it re-forms, the next group starts from the step the last one saved.
+    `cluster.elastic.rendezvous_timeout`, `max_restarts` and `cooldown_s` are
+    read from the trainer flags in `command` (else configs/default.py's).
+
+    Returns:
+      0 when the job trained to its end; the members' 2 for a bad config;
+      `TASK_LOST_EXIT_CODE` when fewer than `low` members were ready for
+      `rendezvous_timeout`; 128 + the signal number after an interrupt.
+    """
+    console = console or Console()
+    interrupt = interrupt or Interrupt()
+    settings = _elastic_settings(command)
+    roster = Roster(low, high, **settings)
+    command = [
+        *command,
+        f"--config.cluster.elastic.min_workers={low}",
+        f"--config.cluster.elastic.max_workers={high}",
+    ]
+    change = None  # what made the last group re-form, for the next group's record
+    while True:
+        names = roster.form(stop=lambda: interrupt.signal is not None)
+        if names is None:
+            if interrupt.signal is not None:
+                return interrupt.code
+            console.log(
+                f"stopping: fewer than `min_workers` ({low}) members ready for "
+                f"{roster.rendezvous_timeout:g} s; missing: {', '.join(roster.missing())}; "
+                "the state is saved in model_dir: start the job again to resume"
+            )
+            return TASK_LOST_EXIT_CODE
+        tasks = [
+            dataclasses.replace(task, label=name)
+            for task, name in zip(plan_cluster(len(names), port_base=port_base), names, strict=True)
+        ]
+        console.log(
+            f"group of {len(tasks)}: "
+            + ", ".join(f"{task.name} as worker:{task.index}" for task in tasks)
+        )
+        env = {REFORM_VARIABLE: json.dumps({**change, "to": len(tasks)})} if change else {}
+        group = ElasticGroup(tasks, command, roster, console, grace_s, interrupt, env)
+        code = group.run()
+        if code != REFORM_EXIT_CODE:
+            return code
+        for name in group.lost:
+            console.log(f"{name} lost: {roster.lost(name)}")
+        change = {"from": len(tasks), "why": group.why, "at": group.changed_at}
+
+
+def _elastic_settings(command: Sequence[str]) -> dict:
+    """`cluster.elastic`'s launcher settings: from `--config.cluster.elastic.X=V`, else defaults."""
+    defaults = configs.default.get_config().cluster.elastic
+    settings = {
+        "max_restarts": defaults.max_restarts,
+        "cooldown_s": defaults.cooldown_s,
+        "rendezvous_timeout": defaults.rendezvous_timeout,
+    }
+    for arg in command:
+        name, _, value = arg.removeprefix("--config.cluster.elastic.").partition("=")
+        if arg.startswith("--config.cluster.elastic.") and name in settings:
+            try:
+                settings[name] = type(settings[name])(value)
+            except ValueError:
+                raise UserError(
+                    f"`cluster.elastic.{name}` ({value!r}) must be a number; e.g. "
+                    f"`--config.cluster.elastic.{name}={settings[name]}`."
+                ) from None
+    return settings
+
+
+def parse_workers(text: str) -> tuple[int, int, bool]:
+    """`--workers`: "N", or "MIN:MAX" for an elastic job; (low, high, elastic).
+
+    Raises:
+      UserError: not a count or a range of counts, or MIN > MAX.
+    """
+    low, colon, high = text.partition(":")
+    try:
+        counts = (int(low), int(high) if colon else int(low))
+    except ValueError:
+        raise UserError(
+            f"`--workers` ({text!r}) must be a count (`--workers=3`) or MIN:MAX for an elastic "
+            "job (`--workers=2:4`)."
+        ) from None
+    if colon and not 1 <= counts[0] <= counts[1]:
+        raise UserError(
+            f"`--workers` ({text}) must be MIN:MAX with 1 <= MIN <= MAX (an elastic job trains "
+            f"with at least MIN members, at most MAX); pass e.g. `--workers={counts[1]}:"
+            f"{max(counts)}`."
+        )
+    return counts[0], counts[1], bool(colon)
 
 
 def _ended(code: int) -> str:
@@ -442,20 +675,32 @@ def _attempts(
 def main(argv: list[str]) -> None:
     console = Console()
     try:
-        with Interrupt().catching() as interrupt:
-            code = launch(
-                [sys.executable, "-m", _MODULE.value, *argv[1:]],
-                workers=_WORKERS.value,
-                ps=_PS.value,
-                chief=_CHIEF.value,
-                evaluator=_EVALUATOR.value,
-                restarts=_RESTARTS.value,
-                port_base=_PORT_BASE.value,
-                grace_s=_GRACE_S.value,
-                console=console,
-                interrupt=interrupt,
-                data_workers=_DATA_WORKERS.value,
+        command = [sys.executable, "-m", _MODULE.value, *argv[1:]]
+        low, high, elastic = parse_workers(_WORKERS.value)
+        if elastic and (_PS.value or _CHIEF.value or _EVALUATOR.value or _DATA_WORKERS.value):
+            raise UserError(
+                f"`--workers={_WORKERS.value}` (elastic) runs `multi_worker` members only; "
+                "drop `--ps`, `--chief`, `--evaluator` and `--data_workers`, or pass a count."
             )
+        with Interrupt().catching() as interrupt:
+            if elastic:
+                code = launch_elastic(
+                    command, low, high, _PORT_BASE.value, _GRACE_S.value, console, interrupt
+                )
+            else:
+                code = launch(
+                    command,
+                    workers=low,
+                    ps=_PS.value,
+                    chief=_CHIEF.value,
+                    evaluator=_EVALUATOR.value,
+                    restarts=_RESTARTS.value,
+                    port_base=_PORT_BASE.value,
+                    grace_s=_GRACE_S.value,
+                    console=console,
+                    interrupt=interrupt,
+                    data_workers=_DATA_WORKERS.value,
+                )
     except UserError as e:
         cli.fail(one_line(e))
     sys.exit(code)

@@ -72,6 +72,11 @@ module each, named after the case:
    table admitting ids seen twice against a hashed one of as many rows; 10M
    ids over 2 ps tasks (bytes per id, lookups/s per task); incremental
    checkpoints reported as not built.
+12. `elastic`: an elastic `multi_worker` job (`trainer.launch --workers=2:3`) on
+   digits losing a member (SIGKILL): seconds from the loss to the next completed
+   step of the group of 2 (detection, save, re-form, first step; target <= 15 s),
+   steps lost and examples repeated (target 0), and the shrunk group's steps/s
+   against a fresh 2-worker job (target >= 0.95).
 """
 
 from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes

@@ -18,6 +18,7 @@ CASES = (
     "stragglers",
     "data_service",
     "tables",
+    "elastic",
 )
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
@@ -72,6 +73,10 @@ class Sizes:
     incremental_steps: int = 400
     checkpoint_intervals: tuple[int, ...] = (10, 100)
     incremental_rows: int = 100_000
+    # elastic: the digits job on an elastic group of 3 that loses one member at a step.
+    elastic_steps: int = 1000  # steps of the job (the default job's)
+    elastic_loop: int = 10  # steps per loop: the first step of the group of 2 is its first block
+    elastic_kill_at: int = 200  # the chief's reported step at which member 2 gets SIGKILL
 
 
 FULL = Sizes()
@@ -115,6 +120,9 @@ QUICK = Sizes(
     incremental_steps=30,
     checkpoint_intervals=(5, 10),
     incremental_rows=5_000,
+    elastic_steps=200,
+    elastic_loop=10,
+    elastic_kill_at=50,
 )
 
 

@@ -74,12 +74,47 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "`data.follow` trains on files as they arrive; set `--config.train.epochs=0` and "
             "`train.steps` (0: until stopped)."
         )
+    _check_elastic(config)
     endless = config.train.steps == 0 and config.data.get("follow", False)
     if config.train.epochs == 0 and config.train.steps <= 0 and not endless:
         raise UserError(
             f"`train.steps` ({config.train.steps}) must be a positive integer; "
             "set e.g. `--config.train.steps=1000`, or `train.epochs`."
         )
+
+
+ELASTIC_STRATEGIES = ("multi_worker",)  # whose group re-forms at another size
+
+
+def _check_elastic(config: ml_collections.ConfigDict) -> None:
+    """`cluster.elastic`: 1 <= min_workers <= max_workers, under a strategy that can re-form."""
+    elastic = (config.get("cluster") or {}).get("elastic")
+    if not elastic:
+        return
+    low, high = elastic.min_workers, elastic.max_workers
+    if low < 1:
+        raise UserError(
+            f"`cluster.elastic.min_workers` ({low}) must be at least 1 (the fewest workers "
+            "that train); set e.g. `--config.cluster.elastic.min_workers=2`."
+        )
+    if high and high < low:
+        raise UserError(
+            f"`cluster.elastic.max_workers` ({high}) must be 0 (not elastic) or at least "
+            f"`min_workers` ({low}); set e.g. `--config.cluster.elastic.max_workers={low}`."
+        )
+    if high and config.strategy.name not in ELASTIC_STRATEGIES:
+        raise UserError(
+            f"elastic training (`cluster.elastic.max_workers` {high}) needs "
+            f"`--strategy=multi_worker`, and `{config.strategy.name}` cannot re-form its group at "
+            "another size (docs/elastic.md); use `multi_worker`, or set "
+            "`--config.cluster.elastic.max_workers=0`."
+        )
+    for field in ("rendezvous_timeout", "cooldown_s", "max_restarts"):
+        if elastic[field] < 0:
+            raise UserError(
+                f"`cluster.elastic.{field}` ({elastic[field]}) must be >= 0; use e.g. the "
+                "value in configs/default.py."
+            )
 
 
 def _check_profile_steps(steps: tuple) -> None:

@@ -31,9 +31,9 @@ from contextlib import contextmanager
 import tensorflow as tf
 
 from strategies.cluster.preemption import Preempted
-from towerflow.errors import TASK_LOST_EXIT_CODE, TaskLost
+from towerflow.errors import TASK_LOST_EXIT_CODE, Reform, TaskLost
 
-__all__ = ["Preempted", "TaskLost"]
+__all__ = ["Preempted", "Reform", "TaskLost"]
 WATCHDOG_AFTER_S = 10.0  # a loop running this long makes the watchdog look at the other tasks
 # A task not answering the watchdog's probes this long, while the loop waits on it, ends
 # the process: nothing else would (a collective has no timeout by default).
@@ -60,13 +60,27 @@ def lost_task_error(
       lost: the tasks that do not answer now (`Membership.lost_tasks()`).
       checkpoint_dir: where the restarted job will resume from.
     """
-    if not lost:  # none refuses a connection: fall back to the tasks TensorFlow names
-        if not isinstance(error, tf.errors.UnavailableError | tf.errors.DeadlineExceededError):
-            return None
-        lost = sorted({f"{job}:{index}" for job, index in _TF_TASK.findall(error.message)})
-        lost = lost or ["a task of the cluster"]
+    lost = lost_tasks(error, lost)
+    if lost is None:
+        return None
     resume = tf.train.latest_checkpoint(checkpoint_dir) or "the start (no checkpoint yet)"
     return TaskLost(_lost_message(lost, type(error).__name__, resume))
+
+
+def lost_tasks(error: tf.errors.OpError, lost: list[str]) -> list[str] | None:
+    """The tasks whose loss made a step fail with `error`; None if it failed otherwise.
+
+    Args:
+      error: what the failed step raised.
+      lost: the tasks that do not answer now (`Membership.lost_tasks()`).
+    """
+    if lost:
+        return lost
+    # None refuses a connection: fall back to the tasks TensorFlow names.
+    if not isinstance(error, tf.errors.UnavailableError | tf.errors.DeadlineExceededError):
+        return None
+    named = sorted({f"{job}:{index}" for job, index in _TF_TASK.findall(error.message)})
+    return named or ["a task of the cluster"]
 
 
 def _lost_message(lost: list[str], why: str, resume: str) -> str:
@@ -90,6 +104,19 @@ def exit_task_lost(lost: list[str], waited_s: float) -> None:
     )
     sys.stdout.flush()
     os._exit(TASK_LOST_EXIT_CODE)
+
+
+def abort_step(lost: list[str], waited_s: float) -> None:
+    """Ends the step waiting on a silent task with an error, so the loop goes on to handle it.
+
+    For elastic training (`trainer.loop.elastic`), where the survivors save the
+    step they completed before they exit: TensorFlow's collectives abort, and the
+    step raises `UnavailableError` in the main thread.
+    """
+    from tensorflow.python.eager import context  # the abort MWMS's own health check uses
+
+    message = f"{', '.join(lost)}: no reply to the watchdog's probes for {waited_s:.0f} s"
+    context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
 
 
 class Watchdog:

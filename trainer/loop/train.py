@@ -30,6 +30,7 @@ from trainer.loop import (
     checks,
     compiled,
     controller,
+    elastic,
     faults,
     loop_length,
     models,
@@ -67,6 +68,7 @@ class Job:
     input_wait: wait.InputWait | None = None  # seconds the training stream kept steps waiting
     follower: follow.Follower | None = None  # the files of `data.follow` and the position in them
     warm_start: warm_start.Plan | None = None  # what `train.warm_start` loads into a fresh run
+    counted: elastic.CountedStep | None = None  # elastic: the step every variable holds
 
 
 def train_and_evaluate(
@@ -152,6 +154,8 @@ def build(
     With a `service` (`data_service.started`), the training input runs on it.
     """
     strategy = strategy or make_strategy(config)
+    if elastic.enabled(config):  # a re-formed group may not split the batch the user chose
+        elastic.fit_batches(config, strategy.num_replicas_in_sync, say)
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
     custom_step = getattr(user_task, "train_step", None)
@@ -312,7 +316,9 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         )
     summaries = Summaries(job.model_dir, member.is_chief)
     try:
-        restored = checkpointer.restore()
+        # An elastic job's survivors may have saved a newer step than the newest checkpoint:
+        # a rerun resumes from it, elastic or not.
+        restored = elastic.restore(checkpointer, job.model_dir)
         member.check_restored(_step(job), job.model_dir)  # every worker, the same step
         if restored:
             say(f"restored {restored} at step {_step(job)}")
@@ -351,6 +357,8 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
             results["tables"] = {
                 name: {k: v for k, v in t.items() if k != "line"} for name, t in tables.items()
             }
+        if elastic.enabled(config):
+            results["elastic"] = {"reforms": elastic.reforms(job.model_dir)}
         if job.dataset.spec.class_names:  # what each class index of the metrics and export is
             results["class_names"] = list(job.dataset.spec.class_names)
         if mode != "eval" and config.train.export:
@@ -361,10 +369,17 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
     except tf.errors.OpError as e:
         with contextlib.suppress(Exception):  # a save under way may need the lost task
             checkpointer.sync()
-        lost = faults.lost_task_error(e, member.lost_tasks(), checkpointer.directory)
+        lost = faults.lost_tasks(e, member.lost_tasks())
         if lost is None:
             raise
-        raise lost from None
+        if elastic.enabled(config):  # every survivor saves the step it completed
+            why = f"{', '.join(lost)} stopped answering ({type(e).__name__})"
+            step = job.counted.completed if job.counted else _step(job)
+            task, iterations = member.cluster.task_name, job.optimizer.iterations
+            raise elastic.reform(
+                why, checkpointer.checkpoint, job.model_dir, step, task, iterations
+            ) from None
+        raise faults.lost_task_error(e, lost, checkpointer.directory) from None
     finally:
         if job.follower:  # the input stream stops waiting for files, however the run ends
             job.follower.close()
@@ -481,6 +496,10 @@ def _train(
             config.train.accumulation_steps,
             strategy.gradient_transfer,
         )
+    if elastic.enabled(config):  # a survivor saves the step its variables hold
+        job.counted = train_step = elastic.CountedStep(
+            train_step, step, len(strategy.compute_devices)
+        )
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
 
     def run_block(n: int) -> dict:
@@ -526,6 +545,8 @@ def _actions(
         _tell(job, progress_line("train", output.step, output.metrics, total))
 
     watch = member.watch_preemption()
+    # Elastic: a silent peer ends the step (the survivors then save), not the process.
+    give_up = faults.abort_step if elastic.enabled(config) else faults.exit_task_lost
     built_in = [
         # First: the position in the files moves on with every block trained, rolled back or not.
         *_follow_actions(job, watch, checkpointer),
@@ -536,13 +557,14 @@ def _actions(
         *([actions.every_block(input_wait, "input wait")] if job.input_wait else []),
         # Dynamic tables' ids, admissions, evictions, default-row share and bytes, per block.
         *([actions.tables(lambda: layers.table_figures(job.model))] if tables else []),
+        *([_membership(job, checkpointer)] if elastic.enabled(config) else []),
         actions.every_block(log, "progress"),
         actions.checkpoint(checkpointer.save, config.train.checkpoint_every),
         # After the checkpoint: an export is the model of the checkpoint at its step.
         *_export_actions(job),
         actions.preemption(watch, checkpointer.save, say),
         # A single process has no other task to lose; the watchdog then never reports.
-        actions.watchdog(faults.Watchdog(member.lost_tasks, say)),
+        actions.watchdog(faults.Watchdog(member.lost_tasks, say, give_up=give_up)),
     ]
     if config.train.profile_steps:  # on every task: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
@@ -573,6 +595,20 @@ def _export_actions(job: Job) -> list[actions.Action]:
     every = job.config.export
     agree = job.strategy.membership.agree  # the chief's clock decides for every task
     return actions.exports(lambda step: _export(job), every.every_steps, every.every_secs, agree)
+
+
+def _membership(job: Job, checkpointer: Checkpointer) -> actions.Action:
+    """Elastic: the membership in every block's metrics, and a re-formed group's record."""
+    member, strategy = job.strategy.membership, job.strategy
+    return elastic.membership(
+        member.cluster.num_workers if member.cluster else 1,
+        strategy.num_replicas_in_sync,
+        job.config.train.global_batch_size,
+        job.model_dir,
+        member.is_chief,
+        checkpointer.save,
+        say,
+    )
 
 
 def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attempt: int) -> int:
@@ -665,8 +701,8 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
             parts.append(f"lr: {value:.2e}")
         elif name.endswith("_per_sec"):
             parts.append(f"{name.removesuffix('_per_sec')}/s: {value:.1f}")
-        elif name == "examples":
-            parts.append(f"examples: {int(value)}")
+        elif name in ("examples", "members", "replicas", "per_replica_batch"):
+            parts.append(f"{name}: {int(value)}")
         elif name == "ids_held":  # in the dynamic tables
             parts.append(f"ids: {int(value)}")
         elif name.startswith("backlog_"):  # `data.follow`: files and records not trained on

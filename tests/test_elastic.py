@@ -1,0 +1,247 @@
+"""Elastic `multi_worker`: a group that loses a member goes on, and grows back when it returns."""
+
+import json
+import os
+import re
+import shlex
+import signal
+
+import numpy as np
+import pytest
+
+from strategies.cluster.roster import Roster
+from tests.helpers import (
+    REPO,
+    checkpoint_values,
+    launch,
+    launch_and_signal,
+    launched,
+    run_cli,
+    tensorboard_scalars,
+    tiny_config,
+)
+from towerflow.errors import UserError
+from trainer.launch import parse_workers
+from trainer.loop import checks, elastic, steps, train
+from trainer.loop.checkpoints import Checkpointer
+
+DOC = os.path.join(REPO, "docs", "elastic.md")
+# Short blocks, no dropout (random draws in a failed step's forward pass are not kept), no
+# eval or export; a lost member returns after 1 s.
+FAST = [
+    f"--config.{field}={value}"
+    for field, value in {
+        "train.steps_per_loop": 10,
+        "eval.every": 0,
+        "train.export": False,
+        "model.dropout": 0,
+        "cluster.elastic.cooldown_s": 1,
+    }.items()
+]
+
+
+def _documented(model_dir) -> list[str]:
+    """The launcher flags of docs/elastic.md's command, its `model_dir` replaced."""
+    block = re.search(r"```sh\n(.*?)```", open(DOC).read(), re.S).group(1)
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:3] == ["python", "-m", "trainer.launch"], words
+    return [w.replace("runs/elastic", str(model_dir)) for w in words[3:]]
+
+
+def _killed_at_60(tmp_path, worker: int, sig: int = signal.SIGKILL) -> str:
+    """The docs' command, made short, into `tmp_path/elastic`; `sig` to `worker` at step 60.
+
+    Returns the launcher's output; the job must have ended well.
+    """
+    code, lines, _ = launch_and_signal(
+        *_documented(tmp_path / "elastic"),
+        *FAST,
+        cwd=tmp_path,
+        trigger="[member:0] train | step: 60/",
+        task=("worker", worker),
+        sig=sig,
+    )
+    output = "\n".join(line for _, line in lines)
+    assert code == 0, output[-3000:]
+    return output
+
+
+def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted_run_does(
+    tmp_path,
+):
+    output = _killed_at_60(tmp_path, worker=2)
+    # The survivors saved the step they completed; the group of 2 restored exactly it.
+    saved = {int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output)}
+    assert len(saved) == 1, output[-3000:]
+    step = saved.pop()
+    assert step >= 60 and f"/elastic/ckpt-{step}-worker" in output
+    restored = [int(s) for s in re.findall(r"\[member:0\] restored \S+ at step (\d+)", output)]
+    grown = int(re.search(r"preempted \(SIGTERM.*? at step (\d+)", output).group(1))
+    assert restored == [step, grown], output[-3000:]  # 0 steps lost, 0 steps trained twice
+    assert "[launch] group of 2: member:0 as worker:0, member:1 as worker:1" in output
+    assert "member:2 ready again" in output
+    assert "members: 2 | replicas: 2 | per_replica_batch: 24" in output  # the group went on
+    results = json.loads((tmp_path / "elastic" / "results.json").read_text())
+    assert results["step"] == 200
+    reforms = results["elastic"]["reforms"]
+    assert [(r["step"], r["from"], r["to"]) for r in reforms] == [(step, 3, 2), (grown, 2, 3)]
+    assert all(0 < r["seconds"] < 120 for r in reforms)
+    members = tensorboard_scalars(tmp_path / "elastic", "members")["members"]
+    assert {members[s] for s in members if s <= step} == {3}
+    assert 2 in {members[s] for s in members if step < s <= grown}
+    # Same seed, the same examples at every step: the weights of an uninterrupted 3-worker
+    # run, within float summation order (a batch trained twice or skipped is far beyond).
+    fixed = [w.replace("--workers=2:3", "--workers=3") for w in _documented(tmp_path / "fixed")]
+    launched(*fixed, *FAST, cwd=tmp_path)
+    got, want = checkpoint_values(tmp_path / "elastic"), checkpoint_values(tmp_path / "fixed")
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow  # a second kill-and-rejoin run; the default tier's test above loses a worker
+def test_a_lost_chief_is_a_membership_change_like_any_other(tmp_path):
+    output = _killed_at_60(tmp_path, worker=0)
+    step = int(re.search(r"\[member:1\] elastic: .* saved step (\d+) to", output).group(1))
+    assert "[launch] group of 2: member:1 as worker:0, member:2 as worker:1" in output
+    assert f"[member:1] restored {tmp_path / 'elastic'}/elastic/ckpt-{step}-" in output
+    assert re.search(r"\[member:1\] train \| step: .* members: 2", output)  # the new chief
+    results = json.loads((tmp_path / "elastic" / "results.json").read_text())
+    assert results["step"] == 200
+    assert [(r["step"], r["from"], r["to"]) for r in results["elastic"]["reforms"]][0] == (
+        step,
+        3,
+        2,
+    )
+
+
+@pytest.mark.slow  # a hung member is found by heartbeats (about 10 s), then a rejoin
+def test_a_hung_member_is_left_behind_and_rejoins_once_restarted(tmp_path):
+    output = _killed_at_60(tmp_path, worker=2, sig=signal.SIGSTOP)
+    assert re.search(r"\[member:0\] elastic: worker:2 .* saved step \d+ to", output)
+    assert "[launch] member:2 lost: back in 1 s" in output
+    assert "[launch] group of 2: member:0 as worker:0, member:1 as worker:1" in output
+    results = json.loads((tmp_path / "elastic" / "results.json").read_text())
+    assert results["step"] == 200
+    assert [(r["from"], r["to"]) for r in results["elastic"]["reforms"]] == [(3, 2), (2, 3)]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--workers=4:2", "--", "--strategy=multi_worker"], "`--workers` (4:2) must be MIN:MAX"),
+        (["--workers=2:x", "--", "--strategy=multi_worker"], "`--workers` ('2:x') must be"),
+        (["--workers=2:3", "--ps=1", "--"], "drop `--ps`"),
+        (["--workers=1:2", "--", "--strategy=mirrored"], "needs `--strategy=multi_worker`"),
+    ],
+)
+def test_bad_elastic_launches_are_one_line_and_exit_2(tmp_path, args, expected):
+    result = launch(*args[:-1], args[-1], f"--model_dir={tmp_path / 'run'}", cwd=tmp_path)
+    errors = [line for line in result.stdout.splitlines() + result.stderr.splitlines()]
+    errors = [line for line in errors if "error:" in line]
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert errors and expected in errors[0], errors
+    assert not (tmp_path / "run").exists()
+
+
+def test_min_workers_0_is_one_line_and_exit_2(tmp_path):
+    result = run_cli(
+        "--strategy=multi_worker",
+        f"--model_dir={tmp_path / 'run'}",
+        "--config.cluster.elastic.min_workers=0",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "`cluster.elastic.min_workers` (0) must be at least 1" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"cluster.elastic.max_workers": 2, "strategy.name": "pipeline"}, "`pipeline` cannot"),
+        ({"cluster.elastic.max_workers": 2, "strategy.name": "mirrored"}, "`mirrored` cannot"),
+        (
+            {"cluster.elastic.min_workers": 3, "cluster.elastic.max_workers": 2},
+            "`cluster.elastic.max_workers` (2) must be 0 (not elastic) or at least",
+        ),
+        ({"cluster.elastic.rendezvous_timeout": -1.0}, "`cluster.elastic.rendezvous_timeout`"),
+    ],
+)
+def test_bad_elastic_settings_are_refused_before_anything_is_built(fields, expected):
+    config = tiny_config(**{"strategy.name": "multi_worker", **fields})
+    with pytest.raises(UserError, match=re.escape(expected)):
+        checks.check_config(config)
+
+
+def test_workers_is_a_count_or_a_range():
+    assert parse_workers("3") == (3, 3, False)
+    assert parse_workers("2:4") == (2, 4, True)
+    with pytest.raises(UserError, match="1 <= MIN <= MAX"):
+        parse_workers("0:2")
+
+
+def test_a_failing_member_cools_down_longer_each_time_then_stays_out():
+    now = [0.0]
+    roster = Roster(2, 3, max_restarts=2, cooldown_s=5, rendezvous_timeout=0, clock=lambda: now[0])
+    assert roster.lost("member:1") == "back in 5 s (failure 1 of 3)"
+    assert roster.ready() == ["member:0", "member:2"]
+    now[0] = 5.0
+    assert roster.ready() == ["member:0", "member:1", "member:2"]
+    assert roster.lost("member:1") == "back in 10 s (failure 2 of 3)"
+    now[0] = 15.0
+    assert "member:1" in roster.ready()
+    assert "out for good" in roster.lost("member:1")
+    now[0] = 1e9
+    assert roster.ready() == ["member:0", "member:2"]
+    assert roster.missing() == ["member:1 (failed 3 times)"]
+
+
+def test_below_min_workers_the_group_does_not_form_and_the_missing_are_named():
+    roster = Roster(2, 2, max_restarts=0, cooldown_s=5, rendezvous_timeout=0.3)
+    roster.lost("member:1")
+    assert roster.form() is None
+    assert roster.missing() == ["member:1 (failed 1 times)"]
+    assert Roster(1, 2, 0, 5, 0.3).form() == ["member:0", "member:1"]
+
+
+@pytest.mark.parametrize(
+    "batch, replicas, fitted",
+    [(48, 3, 48), (32, 3, 33), (50, 4, 52), (10, 4, 12), (9, 4, 8)],
+)
+def test_a_global_batch_that_does_not_split_becomes_the_nearest_that_does(batch, replicas, fitted):
+    config = tiny_config()
+    config.train.global_batch_size = config.eval.global_batch_size = batch
+    said = []
+    elastic.fit_batches(config, replicas, said.append)
+    assert config.train.global_batch_size == fitted == config.eval.global_batch_size
+    assert len(said) == (0 if fitted == batch else 2)
+    if said:
+        assert f"({batch}) does not split over {replicas} replicas: using {fitted}" in said[0]
+
+
+def test_the_counted_step_counts_each_step_once_over_the_replicas_of_a_process(tmp_path):
+    config = tiny_config(**{"strategy.name": "mirrored"})  # 4 logical CPUs: 4 replicas here
+    job = train.build(config, str(tmp_path / "run"))
+    gb = config.train.global_batch_size
+    step = steps.TrainStep(job.model, job.optimizer, job.objective, gb)
+    counted = elastic.CountedStep(step, 7, len(job.strategy.compute_devices))
+    iterator = iter(job.strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, 0)))
+    job.strategy.run_steps(counted, iterator, 3)
+    assert job.strategy.num_replicas_in_sync == 4
+    assert counted.completed == 7 + 3 == 7 + int(counted.iterations.numpy())
+
+
+def test_a_rerun_resumes_from_a_survivors_save_newer_than_the_newest_checkpoint(tmp_path):
+    job = train.build(tiny_config(**{"strategy.name": "one_device"}), str(tmp_path / "run"))
+    checkpointer = Checkpointer(str(tmp_path / "run"), True, 3, **train.checkpointed(job))
+    checkpointer.save(0)
+    job.optimizer.iterations.assign(12)
+    elastic.survivor_save(checkpointer.checkpoint, str(tmp_path / "run"), 12, "worker:1")
+    job.optimizer.iterations.assign(0)
+    assert elastic.newest_save(str(tmp_path / "run"))[0] == 12
+    assert elastic.restore(checkpointer, str(tmp_path / "run")).endswith("ckpt-12-worker1")
+    assert int(job.optimizer.iterations.numpy()) == 12
+    checkpointer.save(20)  # a newer checkpoint wins over the save
+    assert elastic.restore(checkpointer, str(tmp_path / "run")).endswith("checkpoints/ckpt-20")
