@@ -1,13 +1,15 @@
 """`train.warm_start`: a new run begins from another run's variables, dynamic tables included."""
 
 import keras
+import ml_collections
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import configs.ctr
 from tests.helpers import one_line_error
-from trainer.loop import train
+from tests.test_portable import POOL, _adam, _batches, _checkpointer, _dynamic_model, _train
+from trainer.loop import train, warm_start
 from trainer.loop.checkpoints import Checkpointer
 
 SMALL = {
@@ -109,3 +111,32 @@ def test_a_warm_start_that_cannot_load_is_one_line_and_leaves_model_dir_alone(
     keras.backend.clear_session()
     one_line_error(match, train.train_and_evaluate, config, str(model_dir))
     assert not model_dir.exists()
+
+
+def _held(model) -> dict[int, np.ndarray]:
+    """The table's rows by id."""
+    content = model.get_layer("embedding").export_logical(lambda v: [])
+    return dict(zip(content["keys"].tolist(), content["rows"], strict=True))
+
+
+@pytest.mark.parametrize(("there", "here"), [(2, 1), (1, 2)])
+def test_a_table_in_other_parts_warm_starts_with_the_same_ids_and_vectors(tmp_path, there, here):
+    source = _dynamic_model(there)
+    optimizer = _adam(source)
+    _train(source, optimizer, _batches(6, seed=1))
+    _checkpointer(tmp_path, source, optimizer).save(6)
+    warm_start.record(source, list(source.variables), str(tmp_path))
+
+    target = _dynamic_model(here)
+    config = ml_collections.ConfigDict({"train": {"warm_start": str(tmp_path)}})
+    warm = warm_start.plan(config, target, list(target.variables))
+    line = warm_start.apply(warm)
+    assert f"embedding from {there} parts into {here}" in line and "none fresh" in line
+    want = _held(source)
+    assert len(want) > 8
+    got = _held(target)
+    assert sorted(got) == sorted(want)
+    for key, row in want.items():
+        np.testing.assert_array_equal(got[key], row)
+    every_id = tf.constant(POOL.reshape(8, 3))  # the dense layer loaded by name too
+    np.testing.assert_allclose(target(every_id).numpy(), source(every_id).numpy(), rtol=1e-6)
