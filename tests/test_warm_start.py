@@ -8,7 +8,16 @@ import tensorflow as tf
 
 import configs.ctr
 from tests.helpers import one_line_error
-from tests.test_portable import POOL, _adam, _batches, _checkpointer, _dynamic_model, _train
+from tests.test_portable import (
+    POOL,
+    VOCAB,
+    _adam,
+    _batches,
+    _checkpointer,
+    _dynamic_model,
+    _sharded_model,
+    _train,
+)
 from trainer.loop import train, warm_start
 from trainer.loop.checkpoints import Checkpointer
 
@@ -119,18 +128,20 @@ def _held(model) -> dict[int, np.ndarray]:
     return dict(zip(content["keys"].tolist(), content["rows"], strict=True))
 
 
+def _warm_started(model_dir, source, batches, target) -> str:
+    """Trains `source` on `batches`, saves it in `model_dir`, warm-starts `target`: the line."""
+    optimizer = _adam(source)
+    _train(source, optimizer, batches)
+    _checkpointer(model_dir, source, optimizer).save(len(batches))
+    warm_start.record(source, list(source.variables), str(model_dir))
+    config = ml_collections.ConfigDict({"train": {"warm_start": str(model_dir)}})
+    return warm_start.apply(warm_start.plan(config, target, list(target.variables)))
+
+
 @pytest.mark.parametrize(("there", "here"), [(2, 1), (1, 2)])
 def test_a_table_in_other_parts_warm_starts_with_the_same_ids_and_vectors(tmp_path, there, here):
-    source = _dynamic_model(there)
-    optimizer = _adam(source)
-    _train(source, optimizer, _batches(6, seed=1))
-    _checkpointer(tmp_path, source, optimizer).save(6)
-    warm_start.record(source, list(source.variables), str(tmp_path))
-
-    target = _dynamic_model(here)
-    config = ml_collections.ConfigDict({"train": {"warm_start": str(tmp_path)}})
-    warm = warm_start.plan(config, target, list(target.variables))
-    line = warm_start.apply(warm)
+    source, target = _dynamic_model(there), _dynamic_model(here)
+    line = _warm_started(tmp_path, source, _batches(6, seed=1), target)
     assert f"embedding from {there} parts into {here}" in line and "none fresh" in line
     want = _held(source)
     assert len(want) > 8
@@ -140,3 +151,11 @@ def test_a_table_in_other_parts_warm_starts_with_the_same_ids_and_vectors(tmp_pa
         np.testing.assert_array_equal(got[key], row)
     every_id = tf.constant(POOL.reshape(8, 3))  # the dense layer loaded by name too
     np.testing.assert_allclose(target(every_id).numpy(), source(every_id).numpy(), rtol=1e-6)
+
+
+def test_sharded_layers_in_other_shards_warm_start_whole(tmp_path):
+    source, target = _sharded_model(2), _sharded_model(3)
+    ids = tf.constant(np.arange(3 * VOCAB).reshape(VOCAB, 3) % VOCAB, tf.float32)
+    line = _warm_started(tmp_path, source, [ids] * 3, target)
+    assert "table from 2 parts into 3" in line and "wide from 2 parts into 3" in line
+    np.testing.assert_allclose(target(ids).numpy(), source(ids).numpy(), rtol=1e-6)
