@@ -59,6 +59,7 @@ def _config(**overrides):
 def trained(tmp_path_factory):
     """A run of the click model with a dynamic table of raw int64 ids: its model_dir."""
     model_dir = tmp_path_factory.mktemp("warm") / "first"
+    keras.backend.clear_session()  # its layers named as in a new process, whatever ran before
     train.train_and_evaluate(_config(), str(model_dir), mode="train")
     return model_dir
 
