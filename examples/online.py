@@ -10,10 +10,12 @@ Three processes, each its own command (docs/online.md runs them):
 `write` writes files of 512 clicks, one every few seconds, into `DIR/train/`
 (`clicks-00000.csv`, ...), each under a hidden name (`.clicks-00003.csv`)
 renamed into place when complete; file 0 comes after the eval file
-`DIR/eval.csv`. The clicks are the `ctr` source's (8 categorical fields of
-2,000 values hashed into one vocabulary of 20,000 ids, a hidden logistic
-click model),
-examples `k * 512` on in file `k`, so the files are the same on every run.
+`DIR/eval.csv`. The clicks are of the `ctr` source's kind (8 categorical
+fields of 2,000 values each, Zipf-popular, hashed into one vocabulary of
+20,000 ids; a hidden logistic click model), drawn with numpy so that the
+writer starts at once (it never imports TensorFlow): example `i` alone fixes
+its draws, examples `k * 512` on are in file `k`, so the files are the same
+on every run.
 
 This config (`configs/ctr.py` under `mirrored`, reading those files with
 `data.follow`) trains on each file once as it arrives, `train.steps=0`: until
@@ -29,7 +31,6 @@ record), and exports a SavedModel every 8 steps to `model_dir/export/<step>/`.
 from __future__ import annotations
 
 import argparse
-import functools
 import http.server
 import json
 import os
@@ -37,26 +38,25 @@ import threading
 import time
 
 import ml_collections
+import numpy as np
 
 from configs import ctr
 
 ROWS = 512  # clicks per file
 FIELDS = 8  # id columns of a file
+IDS_PER_FIELD = 2_000  # values of each field
+VOCAB = 20_000  # ids of all fields together: the table's rows
 EVAL_ROWS = 2048
 EVAL_FIRST = 900_000  # the eval file's first example: after every train file's
-
-
-def clicks_config() -> ml_collections.ConfigDict:
-    """`configs/ctr.py`, 2,000 values a field in 20,000 ids: the clicks `write` writes."""
-    c = ctr.get_config()
-    c.data.ctr.ids_per_field = 2_000  # values of each of the 8 fields
-    c.data.ctr.vocab_size = 20_000  # the table's rows follow it
-    return c
+_SEED = 4321  # fixes the draws, the hashing and the hidden click model
+_WEIGHT_SCALE, _BIAS = 0.7, -1.0  # the hidden click model's per-id weights and bias (logits)
 
 
 def get_config() -> ml_collections.ConfigDict:
     """`configs/ctr.py` on `mirrored`, following the files of `write`, exporting every 8 steps."""
-    c = clicks_config()
+    c = ctr.get_config()
+    c.data.ctr.ids_per_field = IDS_PER_FIELD
+    c.data.ctr.vocab_size = VOCAB  # the table's rows follow it
     c.strategy.name = "mirrored"
     c.data.name = "csv"
     # Relative to where the trainer runs, as `write --dir=online/clicks` makes them.
@@ -76,25 +76,31 @@ def get_config() -> ml_collections.ConfigDict:
     return c
 
 
-@functools.cache
-def _source():
-    from trainer import data
+def clicks(first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Examples `first, ..., first + count - 1`: 8 ids each (float32) and a click (0 or 1).
 
-    return data.get(clicks_config().data)
-
-
-def clicks(first: int, count: int):
-    """Examples `first, ..., first + count - 1` of the `ctr` source: ids (float32) and labels."""
-    import tensorflow as tf
-
-    return _source().train_split.decode(tf.range(first, first + count, dtype=tf.int64))
+    Each field's value of popularity rank r is drawn with a probability about
+    1/(r + 1) (the `ctr` source's Zipf(1) draw); a fixed permutation hashes
+    every (field, value) into the vocabulary; the click is a Bernoulli draw of
+    the sigmoid of the ids' hidden weights summed, plus a bias.
+    """
+    draws = np.stack(
+        [np.random.default_rng([_SEED, i]).random(FIELDS + 1) for i in range(first, first + count)]
+    )
+    ranks = np.minimum(np.exp(draws[:, :FIELDS] * np.log(IDS_PER_FIELD)).astype(np.int64) - 1,
+                       IDS_PER_FIELD - 1)  # fmt: skip
+    ids = np.random.RandomState(_SEED).permutation(VOCAB)[ranks * FIELDS + np.arange(FIELDS)]
+    weights = np.random.RandomState(_SEED + 1).normal(0.0, _WEIGHT_SCALE, size=VOCAB)
+    logits = weights[ids].sum(axis=1) + _BIAS
+    labels = (draws[:, FIELDS] < 1.0 / (1.0 + np.exp(-logits))).astype(np.int32)
+    return ids.astype(np.float32), labels
 
 
 def write_csv(path: str, first: int, count: int) -> None:
     """A CSV file of clicks, written under a hidden name and renamed into place."""
     ids, labels = clicks(first, count)
     lines = [",".join([*(f"f{i}" for i in range(FIELDS)), "label"])]
-    for row, label in zip(ids.numpy().astype(int), labels.numpy()):
+    for row, label in zip(ids.astype(int), labels):
         lines.append(",".join(map(str, [*row, int(label)])))
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)

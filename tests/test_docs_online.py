@@ -50,7 +50,7 @@ def test_the_served_version_advances_while_training_and_matches_its_checkpoint(t
     with open(log, "w") as out:  # a file, not a pipe: nothing blocks on a full pipe
         shell = spawn(["bash", "-e", "-c", page_block()], cwd=tmp_path, env=env, stdout=out,
                       stderr=subprocess.STDOUT)  # fmt: skip
-    probe = online.clicks(online.EVAL_FIRST, 8)[0].numpy().tolist()
+    probe = online.clicks(online.EVAL_FIRST, 8)[0].tolist()
     answers = []
     try:
         port_file, deadline = tmp_path / "online" / "port", time.monotonic() + TIMEOUT_S

@@ -120,6 +120,7 @@ def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_p
     ("overrides", "match"),
     [
         ({"data.name": "digits"}, "`data.follow` trains on files as they arrive"),
+        ({"data.name": "tests.test_follow:no_files"}, "give your `dataset_fn` a `files`"),
         ({"data.train_files": "/nonexistent/*.csv"}, "`data.follow` needs one at start-up"),
         ({"data.follow_poll_secs": 0.0}, "`data.follow_poll_secs` \\(0.0\\) must be > 0"),
         ({"train.epochs": 2}, "`train.epochs` \\(2\\) counts passes over fixed data"),
@@ -135,6 +136,46 @@ def test_follow_without_files_to_follow_is_one_line_and_leaves_model_dir_alone(
     config = _config(tmp_path, **overrides)
     one_line_error(match, train.train_and_evaluate, config, str(model_dir))
     assert not model_dir.exists()
+
+
+def csv_files(files, split, global_batch_size):
+    """A user's `dataset_fn` that reads the CSV files it is given."""
+    del split
+    records = tf.data.experimental.CsvDataset(files, [0.0] * 4 + [0], header=True)
+    examples = records.map(lambda a, b, c, d, label: (tf.stack([a, b, c, d]), label))
+    return examples.batch(global_batch_size)
+
+
+def no_files(split, global_batch_size):
+    """A user's `dataset_fn` that reads its own files: nothing to follow."""
+    del split
+    x = tf.zeros((ROWS, 4))
+    return tf.data.Dataset.from_tensor_slices((x, tf.zeros((ROWS,), tf.int32))).batch(
+        global_batch_size
+    )
+
+
+def test_a_dataset_fn_given_files_follows_them_once_each_across_restarts(tmp_path):
+    data_dir = tmp_path / "data"
+    _write_csv(data_dir / "eval.csv", 99)
+    for i in (1, 2, 3):
+        _write_csv(data_dir / "train" / f"clicks-{i}.csv", i)
+    user = {"data.name": "tests.test_follow:csv_files"}
+    config = _config(data_dir, **user, **{"train.steps": 12})
+    train.train_and_evaluate(config, str(tmp_path / "a"), "train")
+    assert _position(tmp_path / "a") == ("clicks-3.csv", ROWS)
+
+    restarted = tmp_path / "b"
+    train.train_and_evaluate(
+        _config(data_dir, **user, **{"train.steps": 8}), str(restarted), "train"
+    )
+    assert _position(restarted) == ("clicks-3.csv", 0)
+    train.train_and_evaluate(config, str(restarted), "train")
+    expected, got = checkpoint_values(tmp_path / "a"), checkpoint_values(restarted)
+    weights = [name for name in expected if name.startswith("variables/")]
+    assert weights
+    for name in weights:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
 def _write_tfrecord(path, rows: int, value: float) -> None:

@@ -1,13 +1,24 @@
 """`train.warm_start`: a new run begins from another run's variables, dynamic tables included."""
 
 import keras
+import ml_collections
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import configs.ctr
 from tests.helpers import one_line_error
-from trainer.loop import train
+from tests.test_portable import (
+    POOL,
+    VOCAB,
+    _adam,
+    _batches,
+    _checkpointer,
+    _dynamic_model,
+    _sharded_model,
+    _train,
+)
+from trainer.loop import train, warm_start
 from trainer.loop.checkpoints import Checkpointer
 
 SMALL = {
@@ -48,6 +59,7 @@ def _config(**overrides):
 def trained(tmp_path_factory):
     """A run of the click model with a dynamic table of raw int64 ids: its model_dir."""
     model_dir = tmp_path_factory.mktemp("warm") / "first"
+    keras.backend.clear_session()  # its layers named as in a new process, whatever ran before
     train.train_and_evaluate(_config(), str(model_dir), mode="train")
     return model_dir
 
@@ -109,3 +121,42 @@ def test_a_warm_start_that_cannot_load_is_one_line_and_leaves_model_dir_alone(
     keras.backend.clear_session()
     one_line_error(match, train.train_and_evaluate, config, str(model_dir))
     assert not model_dir.exists()
+
+
+def _held(model) -> dict[int, np.ndarray]:
+    """The table's rows by id."""
+    content = model.get_layer("embedding").export_logical(lambda v: [])
+    return dict(zip(content["keys"].tolist(), content["rows"], strict=True))
+
+
+def _warm_started(model_dir, source, batches, target) -> str:
+    """Trains `source` on `batches`, saves it in `model_dir`, warm-starts `target`: the line."""
+    optimizer = _adam(source)
+    _train(source, optimizer, batches)
+    _checkpointer(model_dir, source, optimizer).save(len(batches))
+    warm_start.record(source, list(source.variables), str(model_dir))
+    config = ml_collections.ConfigDict({"train": {"warm_start": str(model_dir)}})
+    return warm_start.apply(warm_start.plan(config, target, list(target.variables)))
+
+
+@pytest.mark.parametrize(("there", "here"), [(2, 1), (1, 2)])
+def test_a_table_in_other_parts_warm_starts_with_the_same_ids_and_vectors(tmp_path, there, here):
+    source, target = _dynamic_model(there), _dynamic_model(here)
+    line = _warm_started(tmp_path, source, _batches(6, seed=1), target)
+    assert f"embedding from {there} parts into {here}" in line and "none fresh" in line
+    want = _held(source)
+    assert len(want) > 8
+    got = _held(target)
+    assert sorted(got) == sorted(want)
+    for key, row in want.items():
+        np.testing.assert_array_equal(got[key], row)
+    every_id = tf.constant(POOL.reshape(8, 3))  # the dense layer loaded by name too
+    np.testing.assert_allclose(target(every_id).numpy(), source(every_id).numpy(), rtol=1e-6)
+
+
+def test_sharded_layers_in_other_shards_warm_start_whole(tmp_path):
+    source, target = _sharded_model(2), _sharded_model(3)
+    ids = tf.constant(np.arange(3 * VOCAB).reshape(VOCAB, 3) % VOCAB, tf.float32)
+    line = _warm_started(tmp_path, source, [ids] * 3, target)
+    assert "table from 2 parts into 3" in line and "wide from 2 parts into 3" in line
+    np.testing.assert_allclose(target(ids).numpy(), source(ids).numpy(), rtol=1e-6)

@@ -1,6 +1,7 @@
 """Training files that keep arriving (`data.follow=true`): read once each, in name order.
 
-With `data.follow` a file source (`csv`, `tfrecord`) trains on the files of
+With `data.follow` a file source (`csv`, `tfrecord`, or a user's `dataset_fn`
+that takes `files`, `trainer.data.user`) trains on the files of
 `data.train_files` as they appear, through `tf.io.gfile` (so a bucket works):
 
 - *ready*: a file counts once its name matches `data.train_files` and its
@@ -43,6 +44,7 @@ import ml_collections
 import tensorflow as tf
 
 from towerflow.errors import UserError
+from trainer.data import user
 from trainer.data.base import (
     Dataset,
     DatasetFn,
@@ -236,12 +238,12 @@ def wrap(dataset: Dataset, config: ml_collections.ConfigDict) -> Dataset:
     """
     if not config.get("follow", False):
         return dataset
-    split = file_split(dataset)
-    if split is None:
+    reader = _reader(dataset)
+    if reader is None:
         raise UserError(
             f"`data.follow` trains on files as they arrive, and `data.name` '{config.name}' "
-            "reads no files; use `csv` or `tfrecord` with `data.train_files`, or set "
-            "`--config.data.follow=false`."
+            "reads no files; use `csv` or `tfrecord` with `data.train_files` (or give your "
+            "`dataset_fn` a `files` parameter), or set `--config.data.follow=false`."
         )
     poll = config.follow_poll_secs
     if poll <= 0:
@@ -249,7 +251,22 @@ def wrap(dataset: Dataset, config: ml_collections.ConfigDict) -> Dataset:
             f"`data.follow_poll_secs` ({poll}) must be > 0 (seconds between looks for new "
             "files); set e.g. `--config.data.follow_poll_secs=1`."
         )
-    return FollowedDataset(dataset, Follower(config.train_files, split.read, poll), split.decode)
+    read, decode = reader
+    return FollowedDataset(dataset, Follower(config.train_files, read, poll), decode)
+
+
+def _reader(dataset: Dataset) -> tuple[ReadFile, Decode] | None:
+    """How `dataset` reads one training file's records and decodes a batch; None if it cannot."""
+    split = file_split(dataset)
+    if split is not None:
+        return split.read, split.decode
+    if isinstance(dataset, user.PipelineDataset) and dataset.files is not None:
+        return dataset.read_file, _as_is  # its examples are decoded already
+    return None
+
+
+def _as_is(*batch):
+    return batch  # `(features, labels[, sample_weights])`, which `Dataset.map` unpacks
 
 
 def follower_of(dataset: Dataset) -> Follower | None:

@@ -37,11 +37,22 @@ tensor of known shape (else None: the model builder reads its inputs from the
 data), `num_classes` is `data.num_classes`, and the split sizes are unknown.
 The config's `seed` does not reach the function: it seeds its own shuffles.
 `data.sharding=off` hands it a context of one pipeline, so it reads everything.
+
+Files: a function with a parameter named `files` gets the files to read, a
+1-D string tensor: those of `data.train_files` (train) or `data.eval_files`
+(eval), in name order. With `data.follow=true` the train split calls it once
+per file as the files arrive (`files` holds that one file, the context is one
+pipeline's) and takes its examples one by one (`Dataset.unbatch`), so a
+follower batches them across files and keeps its position in examples,
+exactly as for `csv` and `tfrecord` (`trainer.data.follow`). Its train split
+then reads `files` in order, unshuffled, and keeps every example (no
+`drop_remainder=True`, which would drop the end of each file).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 
 import ml_collections
@@ -56,12 +67,17 @@ from trainer.data.base import (
     batches_before,
     check_classes,
     listed,
+    ready,
 )
 
 SIGNATURE = calls.Signature(
     "dataset_fn", ("input_context", "split", "global_batch_size"), "tf.data.Dataset"
 )
+FILES_SIGNATURE = calls.Signature(
+    "dataset_fn", ("input_context", "split", "global_batch_size", "files"), "tf.data.Dataset"
+)
 EXPECTED = f"a function {SIGNATURE}"
+_FILE_BATCH = 256  # the global batch of the calls that read one followed file (unbatched)
 _PROBE_BATCH = 2  # the global batch of the calls made to read the structure at start-up
 _TENSORS = (tf.TensorSpec, tf.RaggedTensorSpec, tf.SparseTensorSpec)
 _STRUCTURE = (
@@ -82,6 +98,7 @@ class PipelineDataset:
       name: its `data.name`, for messages.
       settings: the memory budget; `data.sharding=off` gives the function a
         context of one pipeline (other values: the context as it is).
+      files: each split's files, where the function takes `files`; else None.
     """
 
     spec: DataSpec
@@ -89,6 +106,7 @@ class PipelineDataset:
     name: str
     settings: Settings = Settings()
     notes: tuple[str, ...] = ()
+    files: dict[str, tuple[str, ...]] | None = None
 
     def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         """The function's train stream, endless, from the batches of step `start_step`.
@@ -137,11 +155,32 @@ class PipelineDataset:
                     "give it data (and no `drop_remainder=True` with fewer examples than a batch)."
                 )
 
+    def read_file(self, name: tf.Tensor) -> tf.data.Dataset:
+        """The examples of one training file, one by one: the function given that file.
+
+        For `data.follow` (`trainer.data.follow`), where the function takes `files`.
+        """
+        files = tf.reshape(name, [1])
+        one = tf.distribute.InputContext()
+        return self._call(one, "train", _FILE_BATCH, files).unbatch()
+
     def _call(
-        self, context: tf.distribute.InputContext, split: str, global_batch_size: int
+        self,
+        context: tf.distribute.InputContext,
+        split: str,
+        global_batch_size: int,
+        files: tf.Tensor | None = None,
     ) -> tf.data.Dataset:
-        """The user's dataset for `split`, checked to be a tf.data.Dataset of batches."""
-        dataset = self.fn(context, split, global_batch_size)
+        """The user's dataset for `split`, checked to be a tf.data.Dataset of batches.
+
+        `files` (where the function takes them) defaults to all of the split's.
+        """
+        args = (context, split, global_batch_size)
+        if self.files is not None:
+            if files is None:
+                files = tf.constant(self.files[split], tf.string, shape=[len(self.files[split])])
+            args += (files,)
+        dataset = self.fn(*args)
         _check_structure(self.name, split, dataset)
         return dataset
 
@@ -159,14 +198,47 @@ def dataset(config: ml_collections.ConfigDict, fn: PipelineFn, origin: str = "")
         `(features, labels[, sample_weights])`.
     """
     classes = check_classes("data.num_classes", config.num_classes)
-    fn = calls.adapt(fn, SIGNATURE, origin or f"`data.name` '{config.name}'")
-    batches = fn(tf.distribute.InputContext(), "train", _PROBE_BATCH)
-    _check_structure(config.name, "train", batches)
+    files = _files(config) if takes_files(fn) else None
+    signature = SIGNATURE if files is None else FILES_SIGNATURE
+    fn = calls.adapt(fn, signature, origin or f"`data.name` '{config.name}'")
+    found = PipelineDataset(DataSpec(None, classes, None, None), fn, config.name, files=files)
+    batches = found._call(tf.distribute.InputContext(), "train", _PROBE_BATCH)
     features = batches.element_spec[0]
     shape = None
     if isinstance(features, tf.TensorSpec) and features.shape[1:].is_fully_defined():
         shape = tuple(features.shape[1:])
-    return PipelineDataset(DataSpec(shape, classes, None, None), fn, config.name)
+    return dataclasses.replace(found, spec=DataSpec(shape, classes, None, None))
+
+
+def takes_files(fn: Callable) -> bool:
+    """Whether the user's `dataset_fn` has a parameter named `files` (the files to read)."""
+    try:
+        return "files" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return False
+
+
+def _files(config: ml_collections.ConfigDict) -> dict[str, tuple[str, ...]]:
+    """Each split's files in name order (`data.train_files`, `data.eval_files`).
+
+    Raises:
+      UserError: `data.follow` with no ready file of `data.train_files` at start-up.
+    """
+    follow = config.get("follow", False)
+    found = {}
+    for split, field in (("train", "train_files"), ("eval", "eval_files")):
+        pattern = config.get(field, "")
+        paths = sorted(tf.io.gfile.glob(pattern)) if pattern else []
+        if split == "train" and follow:
+            paths = [path for path in paths if ready(path)]
+            if not paths:
+                raise UserError(
+                    f"No file matches `data.train_files` '{pattern}', and `data.follow` with a "
+                    "`dataset_fn` that takes `files` needs one at start-up (the model's inputs "
+                    "come from it); give the glob, write the first file, then start."
+                )
+        found[split] = tuple(paths)
+    return found
 
 
 def _check_structure(name: str, split: str, dataset: object) -> None:

@@ -14,8 +14,11 @@ Names come from `variables.json`, which every run writes beside its
 each dynamic table part's layer and key dtype. It applies only when the
 run's own `model_dir` has no checkpoint: a resume wins (`train.py` says so).
 
-Dynamic tables load into the same number of parts they were saved with (the
-same ps count, or one part on any single-process strategy).
+A table or sharded layer (`trainer.layers.Portable`) split into another
+number of parts there (2 ps tasks there, one process here, or the reverse)
+loads through a `twin` split as there: the checkpoint's parts go into the
+twin, and its logical content (every id's row, or the whole kernel) into
+this model's layer (`import_logical`), as `trainer.loop.portable` restores.
 """
 
 from __future__ import annotations
@@ -53,6 +56,16 @@ def _name(variable) -> str:
 
 
 @dataclasses.dataclass
+class Resplit:
+    """A layer split into `parts` there and otherwise here, and where its parts are there."""
+
+    layer: layers.Portable
+    parts: int
+    variables: list[str]  # checkpoint keys of its variables there, in order
+    tables: list[int]  # positions of its table parts there
+
+
+@dataclasses.dataclass
 class Plan:
     """What a warm start loads: checkpoint keys into model variables, table parts by position."""
 
@@ -60,10 +73,16 @@ class Plan:
     variables: list[tuple[str, object]]  # (checkpoint key, model variable)
     tables: dict[str, list[tuple[int, tf.Module]]]  # layer -> (position there, its part's index)
     fresh: list[str]  # model variables that start fresh (not matched, or left out)
+    resplit: list[Resplit] = dataclasses.field(default_factory=list)
 
     def line(self) -> str:
         """The one-line report of what was loaded and what starts fresh."""
         tables = f", the ids of {', '.join(self.tables)}" if self.tables else ""
+        if self.resplit:
+            tables += ", " + ", ".join(
+                f"{r.layer.name} from {r.parts} parts into {r.layer.num_parts}"
+                for r in self.resplit
+            )
         fresh = "none fresh"
         if self.fresh:
             fresh = f"{len(self.fresh)} start fresh ({listed(self.fresh, 4)})"
@@ -78,8 +97,8 @@ def plan(config: ml_collections.ConfigDict, model: keras.Model, variables: list)
 
     Raises:
       UserError: no checkpoint at the path, no `variables.json` beside it, a bad
-        regular expression, a name that matches with another shape, or a table
-        of another key dtype or number of parts.
+        regular expression, a name that matches with another shape, a split
+        layer that no split gives there, or a table of another key dtype.
     """
     source = config.train.get("warm_start", "")
     if not source:
@@ -93,11 +112,15 @@ def plan(config: ml_collections.ConfigDict, model: keras.Model, variables: list)
             "give e.g. 'embedding' (the tables) or '.*' (everything)."
         ) from None
     checkpoint, recorded = _checkpoint_of(source)
-    tables = _tables(source, recorded, model, include)  # before shapes: a split changes them
+    resplit = _resplit(source, recorded, model, include)
+    moved = {id(v) for r in resplit for v in r.layer.variables}
+    tables = _tables(source, recorded, model, include, {id(r.layer) for r in resplit})
     there = {v["name"]: (i, tuple(v["shape"])) for i, v in enumerate(recorded["variables"])}
     loaded, fresh = [], []
     for variable in variables:
         name = _name(variable)
+        if id(variable) in moved:
+            continue
         if not include.search(name) or name not in there:
             fresh.append(name)
             continue
@@ -109,7 +132,7 @@ def plan(config: ml_collections.ConfigDict, model: keras.Model, variables: list)
                 "or warm start from a run of this model."
             )
         loaded.append((f"variables/{i}/.ATTRIBUTES/VARIABLE_VALUE", variable))
-    return Plan(checkpoint, loaded, tables, fresh)
+    return Plan(checkpoint, loaded, tables, fresh, resplit)
 
 
 def _checkpoint_of(source: str) -> tuple[str, dict]:
@@ -132,8 +155,50 @@ def _checkpoint_of(source: str) -> tuple[str, dict]:
     return checkpoint, recorded
 
 
+def _resplit(source: str, recorded: dict, model: keras.Model, include: re.Pattern) -> list[Resplit]:
+    """Each included split layer whose variables there are split into another number of parts.
+
+    A layer's variables there are those named under its own prefix (`embedding/`);
+    their shapes say how many parts held it (`Portable.split_shapes`).
+    """
+    found = []
+    for layer in layers.portable_layers(model):
+        if not include.search(layer.name):
+            continue
+        prefix = _name(layer.variables[0]).rsplit("/", 1)[0] + "/"
+        mine = [
+            (i, tuple(v["shape"]))
+            for i, v in enumerate(recorded["variables"])
+            if v["name"].startswith(prefix)
+        ]
+        shapes = [shape for _, shape in mine]
+        parts = next(
+            (n for n in range(1, len(mine) + 1) if _shapes(layer.split_shapes(n)) == shapes), None
+        )
+        if not mine or parts == layer.num_parts:
+            continue  # not there, or split alike: loaded by name
+        if parts is None:
+            raise UserError(
+                f"`train.warm_start` '{source}': `{layer.name}` has variables of {shapes} there, "
+                "which no split of this layer gives (another size); leave it out with "
+                "`train.warm_start_include`, or warm start from a run of this model."
+            )
+        keys = [f"variables/{i}/.ATTRIBUTES/VARIABLE_VALUE" for i, _ in mine]
+        positions = [i for i, part in enumerate(recorded["tables"]) if part["layer"] == layer.name]
+        found.append(Resplit(layer, parts, keys, positions))
+    return found
+
+
+def _shapes(shapes: list | None) -> list[tuple[int, ...]] | None:
+    return None if shapes is None else [tuple(s) for s in shapes]
+
+
 def _tables(
-    source: str, recorded: dict, model: keras.Model, include: re.Pattern
+    source: str,
+    recorded: dict,
+    model: keras.Model,
+    include: re.Pattern,
+    resplit: set[int],
 ) -> dict[str, list[tuple[int, tf.Module]]]:
     """Each included dynamic table's parts: (position there, this model's part's index)."""
     there: dict[str, list[tuple[int, dict]]] = {}
@@ -150,12 +215,8 @@ def _tables(
                 f"`train.warm_start` '{source}': table `{layer.name}` has {key_dtype} keys there "
                 f"and {layer.key_dtype} here; leave it out with `train.warm_start_include`."
             )
-        if len(parts) != layer.num_parts:
-            raise UserError(
-                f"`train.warm_start` '{source}': table `{layer.name}` has {len(parts)} parts "
-                f"there and {layer.num_parts} here; warm start it on as many ps tasks (or one "
-                "process from one part), or leave it out with `train.warm_start_include`."
-            )
+        if id(layer) in resplit:
+            continue  # loaded through a twin split as there (`_resplit`)
         pairs = zip(parts, layer.indexes(), strict=True)
         matched[layer.name] = [(position, index) for (position, _), index in pairs]
     return matched
@@ -173,4 +234,24 @@ def apply(warm: Plan) -> str:
         for position, index in parts:
             indexes[position] = index
         tf.train.Checkpoint(tables=indexes).read(warm.checkpoint).expect_partial()
-    return warm.line()
+    warnings = []
+    for resplit in warm.resplit:
+        warnings += _load_resplit(resplit, reader, warm.checkpoint)
+    return "; ".join([warm.line(), *warnings])
+
+
+def _no_slots(variable) -> list:
+    return []  # the optimizer starts fresh: only the layer's own content moves
+
+
+def _load_resplit(resplit: Resplit, reader, checkpoint: str) -> list[str]:
+    """Loads a layer split otherwise there through a twin split as there; eviction warnings."""
+    twin = resplit.layer.twin(resplit.parts)
+    for key, variable in zip(resplit.variables, twin.variables, strict=True):
+        variable.assign(np.asarray(reader.get_tensor(key)))
+    if resplit.tables:
+        indexes: list[tf.Module] = [tf.Module() for _ in range(max(resplit.tables) + 1)]
+        for position, index in zip(resplit.tables, twin.indexes(), strict=True):
+            indexes[position] = index
+        tf.train.Checkpoint(tables=indexes).read(checkpoint).expect_partial()
+    return resplit.layer.import_logical(twin.export_logical(_no_slots), _no_slots)
