@@ -17,6 +17,7 @@ from strategies import sharding, tf_patches
 from towerflow.errors import UserError
 from trainer.layers import tables
 from trainer.layers.portable import Portable, Slots, with_slots
+from trainer.layers.table_training import RowAwareOnly, TableOptimizer
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
 KEY_DTYPES = {"int64": tf.int64, "string": tf.string}
@@ -94,6 +95,9 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         admitted, and combiners leave it out.
       seed: keys the initial rows.
     """
+
+    # The optimizer of the rows where it is not the model's (`TableConfig(optimizer=...)`).
+    table_optimizer = TableOptimizer()
 
     def __init__(
         self,
@@ -451,8 +455,12 @@ class _TablePart:
         # gradient crashes the cross-worker all-reduce of `multi_worker` (TF 2.21).
         rows = self.capacity + 1
         with placed:
+            # Refuses an optimizer that is not row-aware, at its first update (`RowAwareOnly`).
             self.rows = self.layer.add_weight(
-                (rows, self.layer.output_dim), "zeros", name="rows" + self.suffix
+                (rows, self.layer.output_dim),
+                "zeros",
+                name="rows" + self.suffix,
+                constraint=RowAwareOnly(self.layer.name),
             )
             # Which admission each row's values belong to (see `trainer.layers.tables`); every
             # copy sets its own in the optimizer's update.

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from strategies import tf_patches
 from towerflow.errors import UserError
-from trainer.layers import tables
+from trainer.layers import table_training, tables
 
 
 def _handle(variable) -> tf.Tensor:
@@ -96,6 +96,16 @@ class _SparseRows:
     """
 
     sparse_updates = True
+
+    def apply(self, grads, trainable_variables=None):
+        # Keras would apply the rows' constraint, which refuses an optimizer not row-aware.
+        variables = trainable_variables
+        if variables is None:
+            variables = self._trainable_variables
+        else:
+            variables = list(variables)
+        with table_training.constraints_lifted(variables):
+            return super().apply(grads, variables)
 
     def build(self, var_list):
         super().build(var_list)
