@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.helpers import tensorboard_scalars
+from tests.test_dynamic_embedding import _restored_job, _rows_by_id, state_of
+from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
 from trainer.layers import DynamicEmbedding
-from trainer.loop import optim
+from trainer.loop import optim, train
 
 IDS = 200  # distinct ids in the click stream
 BATCH = 64
@@ -113,3 +116,86 @@ def test_a_gradient_tape_loop_with_a_row_aware_optimizer_trains_the_rows():
     assert np.mean(losses[-10:]) < 0.85 * np.mean(losses[:10])
     assert np.count_nonzero(np.abs(_rows(model)).sum(axis=1)) == IDS
     assert _auc(model) > 0.85
+
+
+# Per-table optimizers: Adagrad for the table, Adam for the dense layers, in the trainer.
+
+
+def _ctr_config(strategy: str, steps: int, **model):
+    config = tiny_ctr_config(
+        **{"strategy.name": strategy, "train.steps": steps, "train.deterministic": True}
+    )
+    config.model.update(
+        {"embedding": "dynamic", "table_optimizer": "adagrad", "table_learning_rate": 0.05}
+    )
+    config.model.update(model)
+    return config
+
+
+def _state(job: train.Job) -> dict[str, np.ndarray]:
+    """Every variable of the model and the optimizers (the table's own too), and the index."""
+    state = state_of(job.model, job.optimizer)
+    for i, variable in enumerate(optim.own_variables(job.optimizer)):
+        state[f"own/{i}"] = variable.numpy()
+    for i, variable in enumerate(job.model.trainable_variables):
+        for k, (slot, _) in enumerate(optim.slots_of(job.optimizer, variable)):
+            state[f"slot/{i}/{k}"] = slot.numpy()
+    return state
+
+
+def test_a_ctr_table_with_its_own_adagrad_trains_keeps_adagrads_slots_and_resumes_exactly(
+    tmp_path,
+):
+    straight = _ctr_config("one_device", 20, capacity=300, ttl_steps=8)
+    straight.train.checkpoint_every = 5
+    results = train.train_and_evaluate(straight, str(tmp_path / "straight"))
+    loss = tensorboard_scalars(tmp_path / "straight", "loss")["loss"]
+    assert loss[20] < loss[5]
+    job = _restored_job(straight, tmp_path / "straight")
+    rows = job.model.get_layer("embedding").rows
+    table_optimizer = job.optimizer.trainer_of(rows)
+    assert type(job.optimizer) is optim.Adam and type(table_optimizer) is optim.Adagrad
+    (accumulator,) = [slot for slot, _ in optim.slots_of(job.optimizer, rows)]
+    assert "accumulator" in accumulator.path and accumulator.shape == rows.shape
+    assert accumulator.numpy().max() > 0.1  # Adagrad's initial value, plus squared gradients
+    assert not any("rows" in v.path for v in job.optimizer.variables), "no Adam moments of rows"
+    assert int(table_optimizer.iterations) == int(job.optimizer.iterations) == results["step"]
+    # Resumed from incremental checkpoints (the table's Adagrad slots among them).
+    resumed = _ctr_config("one_device", 10, capacity=300, ttl_steps=8)
+    resumed.train.update({"checkpoint_every": 5, "full_checkpoint_every": 100})
+    train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
+    resumed.train.steps = 20
+    train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
+    states = [
+        _state(_restored_job(c, tmp_path / r))
+        for c, r in ((straight, "straight"), (resumed, "resumed"))
+    ]
+    assert sorted(states[0]) == sorted(states[1])
+    for name, value in states[0].items():
+        np.testing.assert_array_equal(states[1][name], value, err_msg=name)
+
+
+def test_one_device_and_mirrored_train_a_table_with_its_own_optimizer_alike(tmp_path):
+    rows = []
+    for strategy in ("one_device", "mirrored"):
+        config = _ctr_config(strategy, 10)
+        train.train_and_evaluate(config, str(tmp_path / strategy))
+        rows.append(_rows_by_id(_restored_job(config, tmp_path / strategy).model))
+    assert len(rows[0]) > 100 and sorted(rows[0]) == sorted(rows[1])
+    for key, row in rows[0].items():
+        np.testing.assert_allclose(rows[1][key], row, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"table_optimizer": "adagard"}, "`model.table_optimizer` 'adagard' must be one of"),
+        ({"table_learning_rate": -1.0}, r"`model.table_learning_rate` \(-1.0\) must be positive"),
+        ({"embedding": "hashed"}, "train a dynamic table; set `--config.model.embedding=dynamic`"),
+    ],
+)
+def test_a_bad_table_optimizer_in_the_config_is_one_line_and_exit_2(tmp_path, overrides, match):
+    config = _ctr_config("one_device", 2, **overrides)
+    with pytest.raises(UserError, match=match) as error:
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert "\n" not in str(error.value) and not (tmp_path / "run").exists()

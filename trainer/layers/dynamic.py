@@ -158,6 +158,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     def twin(self, parts: int) -> keras.layers.Layer:
         with sharding.policy("none", num_ps=parts):
             twin = type(self).from_config(self.get_config())
+        twin.table_optimizer = self.table_optimizer
         twin.build()
         return twin
 

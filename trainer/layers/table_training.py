@@ -46,17 +46,18 @@ class TableOptimizer:
     name: str | None = None
     learning_rate: float | None = None
 
-    def check(self, where: str) -> None:
-        """Raises `UserError` naming the bad field, `where` the table (e.g. "`TableConfig` 'x'")."""
+    def check(self, where: str, fields: tuple[str, str] = ("optimizer", "learning_rate")) -> None:
+        """Raises `UserError` naming the bad field (`fields`) of table `where` (may be "")."""
+        name, rate = (f"{where} `{field}`".strip() for field in fields)
         if self.name is not None and self.name not in OPTIMIZER_NAMES:
             raise UserError(
-                f"{where} `optimizer` '{self.name}' must be one of {', '.join(OPTIMIZER_NAMES)}, "
-                "or None for the model's."
+                f"{name} '{self.name}' must be one of {', '.join(OPTIMIZER_NAMES)}, or unset "
+                "for the model's optimizer."
             )
         if self.learning_rate is not None and not self.learning_rate > 0:
             raise UserError(
-                f"{where} `learning_rate` ({self.learning_rate}) must be positive, or None for "
-                "the model's."
+                f"{rate} ({self.learning_rate}) must be positive, or unset for the model's "
+                "learning rate."
             )
 
     @property
