@@ -6,12 +6,18 @@ they would write rows the table never reads) and with
 `trainer.loop.optim`'s (which train the rows looked up).
 """
 
+import json
+import pathlib
+import re
+import shlex
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import tensorboard_scalars
+from tests.helpers import REPO, run_command, tensorboard_scalars
 from tests.test_dynamic_embedding import _restored_job, _rows_by_id, state_of
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
@@ -199,3 +205,31 @@ def test_a_bad_table_optimizer_in_the_config_is_one_line_and_exit_2(tmp_path, ov
     with pytest.raises(UserError, match=match) as error:
         train.train_and_evaluate(config, str(tmp_path / "run"))
     assert "\n" not in str(error.value) and not (tmp_path / "run").exists()
+
+
+# docs/tables-keras.md: its example and its command run as written.
+
+PAGE = pathlib.Path(REPO) / "docs" / "tables-keras.md"
+
+
+def _blocks(kind: str) -> list[str]:
+    return re.findall(rf"^```{kind}\n(.*?)^```", PAGE.read_text(), re.MULTILINE | re.DOTALL)
+
+
+def test_the_pages_plain_keras_example_runs_as_written_and_learns(tmp_path):
+    (example,) = _blocks("python")
+    (tmp_path / "example.py").write_text(example)
+    result = run_command([sys.executable, "example.py"], cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = re.search(r"held-out AUC (0\.\d+), ids held (\d+)", result.stdout)
+    assert printed and float(printed[1]) > 0.8 and printed[2] == "2000", result.stdout
+
+
+def test_the_pages_per_table_optimizer_command_runs_as_written(tmp_path):
+    (block,) = _blocks("sh")
+    command = shlex.split(block.replace("\\\n", " "))
+    (tmp_path / "configs").symlink_to(pathlib.Path(REPO) / "configs")  # as from a clone
+    result = run_command([sys.executable, *command[1:]], cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "runs" / "ctr_adagrad" / "results.json").read_text())
+    assert results["step"] == 200 and results["eval"]["auc"] > 0.6, results["eval"]

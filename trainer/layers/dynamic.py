@@ -75,6 +75,11 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     where each part is). A checkpoint restores into any number of parts
     (`Portable`; an id goes to its part by the same hash).
 
+    Train it with an optimizer of `trainer.loop.optim` (Keras's classes, which
+    reset the rows and slots of new ids); a Keras optimizer's own class is
+    refused at its first update (`trainer.layers.table_training`). Its own
+    optimizer and rate, if not the model's: `table_optimizer`.
+
         layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
         layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)  # [2, 16]
 

@@ -16,6 +16,10 @@ not looked up stay as they are), where Keras's Adam, momentum SGD, Adagrad
 and FTRL would update every row of the table each step. Rows named twice are
 summed first. The rows of a `DynamicEmbedding` are first reset, with their
 slots, wherever the table gave a slot to a new id (see `trainer.layers.tables`).
+These optimizers train such a table in plain Keras too (`model.fit`, a
+`tf.GradientTape` loop); Keras's own classes are refused there
+(`trainer.layers.table_training`). A table that names its own optimizer
+(`TableOptimizer`) is updated by one built for it, inside this one.
 """
 
 from __future__ import annotations
