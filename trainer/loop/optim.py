@@ -113,6 +113,8 @@ class _SparseRows:
         checkpointed with this optimizer's). Every table's clock is this
         optimizer's step.
         """
+        if self.built:
+            return
         var_list = list(var_list)
         # Untracked (Keras would track the variables, TF the dict's keys as names).
         object.__setattr__(self, "_table_optimizers", {})  # variable key -> the table's own
