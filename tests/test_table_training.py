@@ -181,6 +181,7 @@ def test_a_ctr_table_with_its_own_adagrad_trains_keeps_adagrads_slots_and_resume
         np.testing.assert_array_equal(states[1][name], value, err_msg=name)
 
 
+@pytest.mark.slow  # the default optimizer's equivalence is in the default tier already
 def test_one_device_and_mirrored_train_a_table_with_its_own_optimizer_alike(tmp_path):
     rows = []
     for strategy in ("one_device", "mirrored"):
