@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import REPO, run_command, tensorboard_scalars
-from tests.test_dynamic_embedding import _restored_job, _rows_by_id, state_of
+from tests.helpers import REPO, launched, run_command, tensorboard_scalars
+from tests.test_dynamic_embedding import SMALL_CTR, _restored_job, _rows_by_id, state_of
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
 from trainer.layers import DynamicEmbedding
@@ -248,3 +248,25 @@ def test_the_pages_padding_measurement_runs_and_prints_each_case(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for case in ("one_device:ragged", "one_device:padded", "mirrored:ragged", "mirrored:padded"):
         assert re.search(rf"^{case}: CPU \d+\.\d+ ms/step", result.stdout, re.MULTILINE), case
+
+
+@pytest.mark.slow  # a local cluster of 2 workers and 2 ps tasks
+def test_under_parameter_server_a_table_trains_with_its_own_optimizer_beside_its_rows(tmp_path):
+    flags = {**SMALL_CTR, "train.deterministic": False, "train.steps": 40}
+    flags.update({"model.table_optimizer": "adagrad", "model.table_learning_rate": 0.5})
+    launched(
+        "--workers=2",
+        "--ps=2",
+        "--",
+        "--strategy=parameter_server",
+        "--config=configs/ctr.py",
+        *[f"--config.{field}={value}" for field, value in flags.items()],
+        "--model_dir=run",
+        cwd=str(tmp_path),
+    )
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["step"] == 40 and results["tables"]["embedding"]["ids_held"] > 100
+    reader = tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints"))
+    own = [name for name in reader.get_variable_to_shape_map() if "table_embedding" in name]
+    assert len(own) == 3, own  # Adagrad's step and an accumulator for each part's rows
+    assert reader.get_tensor(next(n for n in own if "_iterations" in n)) == 40
