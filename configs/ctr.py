@@ -71,6 +71,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.min_count = 1  # dynamic: lookups an id needs before it gets its own row
     c.model.ttl_steps = 0  # dynamic: free rows (and forget counts) of ids unseen this long; 0: keep
     c.model.table_seed = 0  # dynamic: keys each id's initial row
+    # dynamic: the table's own optimizer, e.g. "adagrad" or "ftrl" (`optimizer.name`'s names;
+    # "": the model's `optimizer.name`), and its peak learning rate on the model's schedule
+    # (0: `optimizer.learning_rate`); the dense layers keep `optimizer`.
+    c.model.table_optimizer = ""
+    c.model.table_learning_rate = 0.0
     c.model.hidden_units = (64, 32)
     c.model.dropout = 0.0
 

@@ -28,6 +28,9 @@ it).
 - `replica_copy`: this replica's own copy of a distributed variable, which
   can be read row by row (`tf.gather` of a `mirrored` variable reads it whole;
   `trainer.layers`' tables, `trainer.loop.optim`'s sparse updates).
+- `raised_through_autograph`: an error raised while a `tf.function` is traced
+  reaches the caller as it is, one line (AutoGraph would wrap it in a
+  `StagingError` of several lines; `trainer.layers`' row-aware refusal).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 """
@@ -110,6 +113,11 @@ PATCHES = {
         ("2.20", "2.21"),
         "pywrap_tfe's cluster start-up bindings hold the interpreter lock until they return",
     ),
+    "raised_through_autograph": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "AutoGraph rewraps an error raised in converted code unless it has `ag_pass_through`",
+    ),
 }
 _VERSIONS = {"tensorflow": tf.__version__, "keras": keras.__version__}
 _warned: set[str] = set()
@@ -170,6 +178,19 @@ def replica_copy(variable):
         return variable
     targeted("replica_copy")
     return variable._get_on_device_or_primary()
+
+
+def raised_through_autograph(error: Exception) -> Exception:
+    """`error`, marked so that AutoGraph lets it through a traced function unchanged.
+
+    AutoGraph replaces an error raised in the code it converts (a user's
+    `tf.function` train step, and what it calls) with a `StagingError` whose
+    message adds the traced lines; an error it finds marked `ag_pass_through`
+    it leaves alone. For a one-line `UserError` raised while a step is traced.
+    """
+    targeted("raised_through_autograph")
+    error.ag_pass_through = True
+    return error
 
 
 # Keras ----------------------------------------------------------------------------------

@@ -72,7 +72,12 @@ def test_get_config_rebuilds_the_features_on_one_shared_table():
     "make, match",
     [
         (lambda: TableConfig("t", embedding_dim=0), r"'t' `embedding_dim` \(0\) must be >= 1"),
-        (lambda: TableConfig("t", 10, 4, optimizer="adam"), "takes no `optimizer`"),
+        (
+            lambda: TableConfig("t", 10, 4, optimizer=keras.optimizers.Adam()),
+            "'t' `optimizer` must be an optimizer's name .* not a Adam",
+        ),
+        (lambda: TableConfig("t", 10, 4, optimizer="adagard"), "'t' `optimizer` 'adagard' must"),
+        (lambda: TableConfig("t", 10, 4, learning_rate=0.0), r"`learning_rate` \(0.0\) must be"),
         (lambda: TableConfig("t", 10, 4, placement="sparsecore"), "`placement` 'sparsecore'"),
         (lambda: TableConfig("t", 0, 4), r"'t' `capacity` \(0\) must be >= 1"),
         (lambda: FeatureConfig("f", USERS, combiner="max"), "'f' `combiner` 'max' must be"),

@@ -229,3 +229,23 @@ def test_a_gather_of_a_mirrored_variable_reads_it_whole_and_its_replica_copy_onl
     assert "ResourceGather" in ours and "GatherV2" not in ours
     for grad in grads:  # the tape sees the read as one of the distributed variable
         assert isinstance(grad, tf.IndexedSlices) and grad.indices.numpy().tolist() == [1, 2]
+
+
+def test_autograph_rewraps_an_error_raised_in_a_traced_function_unless_marked():
+    class OneLine(ValueError):
+        pass
+
+    def fails(marked: bool):
+        @tf.function
+        def traced():
+            error = OneLine("one line")
+            raise tf_patches.raised_through_autograph(error) if marked else error
+
+        return traced
+
+    with pytest.raises(Exception) as unmarked:  # upstream: a StagingError, several lines
+        fails(False)()
+    assert type(unmarked.value) is not OneLine and "\n" in str(unmarked.value)
+    with pytest.raises(OneLine) as marked:
+        fails(True)()
+    assert str(marked.value) == "one line"

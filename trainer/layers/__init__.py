@@ -30,8 +30,8 @@ as ids arrive (`trainer.layers.tables`): no vocabulary size, no collisions. Unde
 a dict of features, several of which may share one table.
 
 Each layer family has its module (`sharded`, `dropout`, `dynamic`,
-`feature_configs`; `portable` the protocol, `tables` the dynamic tables' index),
-re-exported here.
+`feature_configs`; `portable` the protocol, `tables` the dynamic tables' index,
+`table_training` who may train a table's rows: `TableOptimizer`), re-exported here.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from trainer.layers.dynamic import DynamicEmbedding
 from trainer.layers.feature_configs import DynamicEmbeddings, FeatureConfig, TableConfig
 from trainer.layers.portable import Portable, Slots
 from trainer.layers.sharded import ShardedDense, ShardedEmbedding
+from trainer.layers.table_training import TableOptimizer
 
 __all__ = [
     "DynamicEmbedding",
@@ -56,6 +57,7 @@ __all__ = [
     "ShardedEmbedding",
     "Slots",
     "TableConfig",
+    "TableOptimizer",
     "describe_tables",
     "dynamic_tables",
     "portable_layers",

@@ -17,6 +17,7 @@ from strategies import sharding, tf_patches
 from towerflow.errors import UserError
 from trainer.layers import tables
 from trainer.layers.portable import Portable, Slots, with_slots
+from trainer.layers.table_training import RowAwareOnly, TableOptimizer
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
 KEY_DTYPES = {"int64": tf.int64, "string": tf.string}
@@ -74,6 +75,11 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     where each part is). A checkpoint restores into any number of parts
     (`Portable`; an id goes to its part by the same hash).
 
+    Train it with an optimizer of `trainer.loop.optim` (Keras's classes, which
+    reset the rows and slots of new ids); a Keras optimizer's own class is
+    refused at its first update (`trainer.layers.table_training`). Its own
+    optimizer and rate, if not the model's: `table_optimizer`.
+
         layer = DynamicEmbedding(16, key_dtype="string", combiner="mean", mask_id="")
         layer(tf.ragged.constant([["a", "b"], ["c"]]), training=True)  # [2, 16]
 
@@ -94,6 +100,9 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         admitted, and combiners leave it out.
       seed: keys the initial rows.
     """
+
+    # The optimizer of the rows where it is not the model's (`TableConfig(optimizer=...)`).
+    table_optimizer = TableOptimizer()
 
     def __init__(
         self,
@@ -154,6 +163,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     def twin(self, parts: int) -> keras.layers.Layer:
         with sharding.policy("none", num_ps=parts):
             twin = type(self).from_config(self.get_config())
+        twin.table_optimizer = self.table_optimizer
         twin.build()
         return twin
 
@@ -451,8 +461,12 @@ class _TablePart:
         # gradient crashes the cross-worker all-reduce of `multi_worker` (TF 2.21).
         rows = self.capacity + 1
         with placed:
+            # Refuses an optimizer that is not row-aware, at its first update (`RowAwareOnly`).
             self.rows = self.layer.add_weight(
-                (rows, self.layer.output_dim), "zeros", name="rows" + self.suffix
+                (rows, self.layer.output_dim),
+                "zeros",
+                name="rows" + self.suffix,
+                constraint=RowAwareOnly(self.layer.name),
             )
             # Which admission each row's values belong to (see `trainer.layers.tables`); every
             # copy sets its own in the optimizer's update.

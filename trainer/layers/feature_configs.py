@@ -14,6 +14,7 @@ import tensorflow as tf
 from towerflow.errors import UserError
 from trainer.layers import tables
 from trainer.layers.dynamic import COMBINERS, DynamicEmbedding, check_dynamic
+from trainer.layers.table_training import OPTIMIZER_NAMES, TableOptimizer
 
 PLACEMENTS = ("auto", "default_device")  # Keras-RS's, but "sparsecore" (TPU only)
 
@@ -26,9 +27,12 @@ class TableConfig:
     optional and bounds the rows (a `DynamicEmbedding`'s `capacity`: ids past
     it evict the least recently seen, where Keras-RS's would be an error). The
     rest are `DynamicEmbedding`'s (`key_dtype`, `min_count`, `ttl_steps`,
-    `eviction`, `mask_id`, `seed`). Keras-RS's `initializer` and `optimizer`
-    have no counterpart here: a row starts from a value of (`seed`, id), and
-    the model's optimizer (`optimizer.name`) trains every table, sparsely.
+    `eviction`, `mask_id`, `seed`). Keras-RS's `initializer` has no
+    counterpart here: a row starts from a value of (`seed`, id). `optimizer`
+    (a name, `trainer.layers.table_training.OPTIMIZER_NAMES`) and
+    `learning_rate` give the table its own optimizer (e.g. "adagrad" for the
+    tables, Adam for the dense layers); left out, the model's optimizer
+    trains the table. Either way the rows are updated sparsely.
 
     Attributes:
       name: the table's name, also its layer's (TensorBoard's `tables/<name>/...`).
@@ -38,6 +42,10 @@ class TableConfig:
         (a `FeatureConfig` may choose its own).
       placement: "auto" or "default_device": the strategy places the table
         (split over the ps tasks under `parameter_server`).
+      optimizer: the name of the table's own optimizer ("sgd", "momentum",
+        "adam", "adamw", "adagrad", "ftrl"); None: the model's kind.
+      learning_rate: the table's own peak learning rate (the model's schedule
+        scaled to it); None: the model's.
     """
 
     name: str
@@ -53,6 +61,7 @@ class TableConfig:
     eviction: str | None = "lru"
     mask_id: object = None
     seed: int = 0
+    learning_rate: float | None = None
 
     def __post_init__(self):
         where = f"`TableConfig` '{self.name}'"
@@ -64,9 +73,9 @@ class TableConfig:
                 "leave it out, and set `seed`",
             ),
             (
-                self.optimizer is None,
-                "takes no `optimizer`: the model's optimizer (`optimizer.name`) trains "
-                "every table; leave it out",
+                self.optimizer is None or isinstance(self.optimizer, str),
+                f"`optimizer` must be an optimizer's name (one of {', '.join(OPTIMIZER_NAMES)}), "
+                f"not a {type(self.optimizer).__name__}; set `learning_rate` beside it",
             ),
             (
                 self.combiner in COMBINERS[1:],
@@ -81,6 +90,7 @@ class TableConfig:
         for ok, message in rules:
             if not ok:
                 raise UserError(f"{where} {message}.")
+        self.table_optimizer.check(where)
         check_dynamic(
             self.key_dtype,
             self.combiner,
@@ -96,12 +106,19 @@ class TableConfig:
         """The `DynamicEmbedding` `capacity`: `vocabulary_size`, or the default."""
         return tables.DEFAULT_CAPACITY if self.vocabulary_size is None else self.vocabulary_size
 
+    @property
+    def table_optimizer(self) -> TableOptimizer:
+        """The table's own optimizer (`optimizer`, `learning_rate`), if any."""
+        return TableOptimizer(self.optimizer, self.learning_rate)
+
     def layer(self) -> DynamicEmbedding:
         """The `DynamicEmbedding` that holds the table, named after it."""
         names = ("key_dtype", "combiner", "min_count", "ttl_steps", "eviction", "mask_id", "seed")
         options = {name: getattr(self, name) for name in names}
         width, capacity = self.embedding_dim, self.capacity
-        return DynamicEmbedding(width, capacity=capacity, name=self.name, **options)
+        layer = DynamicEmbedding(width, capacity=capacity, name=self.name, **options)
+        layer.table_optimizer = self.table_optimizer
+        return layer
 
     def get_config(self) -> dict:
         return dataclasses.asdict(self)

@@ -23,6 +23,7 @@ from towerflow.errors import UserError
 from towerflow.registry import Registry
 from trainer.data import DataSpec
 from trainer.layers import Dropout, DynamicEmbedding, ShardedEmbedding
+from trainer.layers.table_training import TableOptimizer
 from trainer.loop import compiled
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
@@ -251,6 +252,7 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
             f"`model.multi_valued` ({listed}) must be below the {spec.input_shape[-1]} columns "
             "of the data; leave it following `data.ctr.multi_valued` (configs/ctr.py)."
         )
+    own = _table_optimizer(config, kind)
     raw = spec.dtype != "float32"  # int64 or string ids over the whole id space
     padding = ("" if spec.dtype == "string" else 0) if raw else None
     inputs = keras.Input(spec.input_shape, dtype=spec.dtype)
@@ -265,6 +267,7 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
             seed=config.table_seed,
             name="embedding",
         )
+        table.table_optimizer = own
         x = table(inputs if raw else keras.ops.cast(inputs, "int64"))
     else:
         ids = keras.layers.Hashing(vocab, name="hashing")(inputs) if raw else inputs
@@ -275,6 +278,19 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     for units in config.hidden_units:
         x = keras.layers.Dense(units, activation="relu", kernel_regularizer=_regularizer(config))(x)
     return keras.Model(inputs, _head(x, spec, config), name="ctr")
+
+
+def _table_optimizer(config: ml_collections.ConfigDict, kind: str) -> TableOptimizer:
+    """The dynamic table's own optimizer (`model.table_optimizer`, `model.table_learning_rate`)."""
+    name, rate = config.get("table_optimizer", ""), config.get("table_learning_rate", 0.0)
+    own = TableOptimizer(name or None, rate or None)
+    own.check("", ("model.table_optimizer", "model.table_learning_rate"))
+    if own.is_own and kind != "dynamic":
+        raise UserError(
+            f"`model.table_optimizer` ('{name}') and `model.table_learning_rate` ({rate}) train "
+            "a dynamic table; set `--config.model.embedding=dynamic`, or leave them unset."
+        )
+    return own
 
 
 def single_and_listed(ids, vectors, listed: int, padding):

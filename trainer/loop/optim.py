@@ -16,6 +16,10 @@ not looked up stay as they are), where Keras's Adam, momentum SGD, Adagrad
 and FTRL would update every row of the table each step. Rows named twice are
 summed first. The rows of a `DynamicEmbedding` are first reset, with their
 slots, wherever the table gave a slot to a new id (see `trainer.layers.tables`).
+These optimizers train such a table in plain Keras too (`model.fit`, a
+`tf.GradientTape` loop); Keras's own classes are refused there
+(`trainer.layers.table_training`). A table that names its own optimizer
+(`TableOptimizer`) is updated by one built for it, inside this one.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import tensorflow as tf
 
 from strategies import tf_patches
 from towerflow.errors import UserError
-from trainer.layers import tables
+from trainer.layers import table_training, tables
 
 
 def _handle(variable) -> tf.Tensor:
@@ -96,14 +100,83 @@ class _SparseRows:
     """
 
     sparse_updates = True
+    options = None  # the `optimizer` config section (momentum, ...), for the tables' own
+    _routes_tables = True  # False in a table's own optimizer: it trains what it is given
+    _table_optimizers: dict = {}  # (until built)
+    _built_on: list = []
 
     def build(self, var_list):
-        super().build(var_list)
+        """Builds on `var_list`, handing the rows of a table with its own optimizer to it.
+
+        Each table whose layer names its own `table_optimizer` gets one,
+        tracked as this optimizer's `table_<layer name>` (its slots are
+        checkpointed with this optimizer's). Every table's clock is this
+        optimizer's step.
+        """
+        if self.built:
+            return
+        var_list = list(var_list)
+        # Untracked (Keras would track the variables, TF the dict's keys as names).
+        object.__setattr__(self, "_table_optimizers", {})  # variable key -> the table's own
+        object.__setattr__(self, "_built_on", var_list)
+        owned: dict = {}
+        for variable in var_list:
+            owner = tables.owner_of(variable) if self._routes_tables else None
+            if owner is not None and owner.layer.table_optimizer.is_own:
+                owned.setdefault(owner.layer.name, (owner.layer, []))[1].append(variable)
+        for name, (layer, rows) in owned.items():
+            own = self._table_optimizer(layer.table_optimizer)
+            own.build(rows)
+            setattr(self, f"table_{name}", own)  # tracked: checkpointed with this one
+            self._table_optimizers.update((self._var_key(v), own) for v in rows)
+        super().build([v for v in var_list if self._var_key(v) not in self._table_optimizers])
         for variable in var_list:
             owner = tables.owner_of(variable)
             if owner is not None:
-                slots = self._slots_of(self._get_variable_index(variable))
+                trainer = self.trainer_of(variable)
+                slots = trainer._slots_of(trainer._get_variable_index(variable))
                 owner.trained_by(self.iterations, len(slots))
+
+    def trainer_of(self, variable) -> keras.optimizers.Optimizer:
+        """The optimizer that updates `variable`: a table's own, or this one."""
+        return self._table_optimizers.get(self._var_key(variable), self)
+
+    def _table_optimizer(self, own: table_training.TableOptimizer) -> keras.optimizers.Optimizer:
+        """A table's own optimizer: its kind (or this one's) at its rate, on this one's schedule."""
+        rate = self._learning_rate
+        if own.learning_rate is not None:
+            if isinstance(rate, WarmupSchedule):
+                rate = WarmupSchedule(**{**rate.get_config(), "peak": own.learning_rate})
+            else:
+                rate = own.learning_rate
+        elif not isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+            rate = float(rate.numpy())
+        if own.name is None:
+            table = type(self).from_config({**self.get_config(), "learning_rate": rate})
+        else:
+            table = OPTIMIZERS[own.name](rate, self.options or _TABLE_DEFAULTS)
+        table._routes_tables = False
+        table.sparse_updates = self.sparse_updates
+        tf_patches.count_steps_atomically(table)  # it counts a step with this one, each step
+        return table
+
+    def apply(self, grads, trainable_variables=None):
+        variables = self._built_on if trainable_variables is None else list(trainable_variables)
+        if trainable_variables is not None and not self.built:
+            self.build(variables)
+            self.built = True
+        mine, theirs = [], {}
+        for grad, variable in zip(grads, variables, strict=True):
+            trainer = self.trainer_of(variable)
+            pairs = mine if trainer is self else theirs.setdefault(id(trainer), (trainer, []))[1]
+            pairs.append((grad, variable))
+        # Keras would apply the rows' constraint, which refuses an optimizer not row-aware.
+        with table_training.constraints_lifted(variables):
+            result = super().apply([g for g, _ in mine], [v for _, v in mine])
+            for trainer, pairs in theirs.values():
+                trainer._summed_by_caller = self._summed_by_caller
+                trainer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        return result
 
     def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
         # Keras's loop (`TFOptimizer`), each variable's copies updated by `_update_copies`.
@@ -412,21 +485,25 @@ def slots_of(optimizer: keras.optimizers.Optimizer, variable) -> list[tuple]:
     """`(slot variable, initial value)` of each slot `optimizer` keeps for `variable`.
 
     No slots for a variable that is not trainable. `optimizer` (or the one a
-    loss-scale optimizer wraps) is one of this module's, built for `variable`.
+    loss-scale optimizer wraps) is one of this module's, built for `variable`;
+    a table's own optimizer keeps the slots of its rows.
     """
     if not variable.trainable:
         return []
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner = getattr(optimizer, "inner_optimizer", optimizer).trainer_of(variable)
     return inner._slots_of(inner._get_variable_index(variable))
 
 
 def own_variables(optimizer: keras.optimizers.Optimizer) -> list:
-    """The variables of `optimizer` that are no variable's slot (its step, a loss scale, ...)."""
+    """The variables of `optimizer` that are no variable's slot (its step, a loss scale, ...).
+
+    Those of the tables' own optimizers follow, in the order they were built.
+    """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    slots = {
-        id(slot) for variable in inner._trainable_variables for slot, _ in slots_of(inner, variable)
-    }
-    return [v for v in optimizer.variables if id(v) not in slots]
+    slots = {id(slot) for variable in inner._built_on for slot, _ in slots_of(inner, variable)}
+    tables_own = list({id(t): t for t in inner._table_optimizers.values()}.values())
+    everything = [v for o in [optimizer, *tables_own] for v in o.variables]
+    return [v for v in everything if id(v) not in slots]
 
 
 def like(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -443,8 +520,8 @@ def like(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         config["learning_rate"] = rate  # `get_config` gives its config, which Keras cannot rebuild
     new = type(optimizer).from_config(config)
-    if hasattr(optimizer, "sparse_updates"):
-        new.sparse_updates = optimizer.sparse_updates
+    if isinstance(optimizer, _SparseRows):
+        new.sparse_updates, new.options = optimizer.sparse_updates, optimizer.options
     return new
 
 
@@ -460,6 +537,8 @@ def _by_name(sgd: type, adam: type, adamw: type, adagrad: type, ftrl: type) -> d
 
 
 OPTIMIZERS = _by_name(SGD, Adam, AdamW, Adagrad, Ftrl)
+# A table's own "momentum" or "adamw" outside the trainer (no `optimizer` config): these.
+_TABLE_DEFAULTS = ml_collections.ConfigDict({"momentum": 0.9, "weight_decay": 1e-4})
 # Keras's own classes, for comparisons (`python -m trainer.bench`).
 KERAS_OPTIMIZERS = _by_name(
     *(getattr(keras.optimizers, k.__name__) for k in (SGD, Adam, AdamW, Adagrad, Ftrl))
@@ -558,5 +637,6 @@ def build(
     optimizer = kinds[config.name](schedule(config, total_steps), config)
     if fused:
         optimizer.sparse_updates = bool(config.get("sparse_updates", True))
+        optimizer.options = config
     tf_patches.count_steps_atomically(optimizer)
     return optimizer
