@@ -1,0 +1,116 @@
+"""`python -m trainer.elastic`: an agent per host meets the others in `model_dir` and re-forms."""
+
+import json
+import re
+import threading
+import time
+
+import pytest
+
+from tests.helpers import kill, start_cli
+from trainer.elastic import Rendezvous
+
+TIMEOUT_S = 240.0
+# Blocks of 10 steps, nothing but training; a lost trainer comes back after 1 s; the deciding
+# agent waits 3 s for a lost member of the last round.
+FAST = [
+    f"--config.{field}={value}"
+    for field, value in {
+        "train.steps": 200,
+        "train.global_batch_size": 48,
+        "eval.global_batch_size": 48,
+        "train.steps_per_loop": 10,
+        "eval.every": 0,
+        "train.export": False,
+        "model.dropout": 0,
+        "cluster.elastic.cooldown_s": 1,
+    }.items()
+]
+
+
+class _Agents:
+    """Agents started as separate processes on 127.0.0.1, their output lines gathered."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path, self.model_dir = tmp_path, tmp_path / "run"
+        self.procs: dict[str, object] = {}
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+
+    def start(self, name: str) -> None:
+        proc = start_cli(
+            "--workers=2:3", f"--name={name}", "--host=127.0.0.1", "--join_s=3", "--",
+            "--strategy=multi_worker", f"--model_dir={self.model_dir}", *FAST,
+            cwd=self.tmp_path, module="trainer.elastic",
+        )  # fmt: skip
+        self.procs[name] = proc
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc) -> None:
+        for line in proc.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    def wait_for(self, text: str, deadline: float) -> None:
+        with self._changed:
+            while not any(text in line for line in self.lines):
+                left = deadline - time.monotonic()
+                assert left > 0, f"no {text!r} in time:\n" + "\n".join(self.lines[-60:])
+                self._changed.wait(left)
+
+    def output(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
+
+
+def test_three_agents_go_on_without_a_lost_host_and_take_it_back_when_it_returns(tmp_path):
+    agents = _Agents(tmp_path)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for name in ("a", "b", "c"):
+            agents.start(name)
+        agents.wait_for("[a] train | step: 60/", deadline)
+        kill(agents.procs.pop("c"))  # the whole host: the agent and its trainer
+        agents.wait_for("round 1: group of 2: a as worker:0, b as worker:1", deadline)
+        agents.start("c")  # the host is back
+        for name, proc in agents.procs.items():
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, f"agent {name} exited {code}:\n" + agents.output()[-4000:]
+    finally:
+        kill(*agents.procs.values())
+    output = agents.output()
+    saved = {int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output)}
+    assert len(saved) == 1, output[-4000:]
+    step = saved.pop()
+    assert step >= 60
+    restored = [int(s) for s in re.findall(r"\[a\] restored \S+ at step (\d+)", output)]
+    assert restored[0] == step, output[-4000:]  # 0 steps lost
+    assert "round 2: group of 3: a as worker:0, b as worker:1, c as worker:2" in output
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["step"] == 200
+    reforms = [(r["step"], r["from"], r["to"]) for r in results["elastic"]["reforms"]]
+    assert reforms[0] == (step, 3, 2) and reforms[1][1:] == (2, 3), reforms
+    assert reforms[1][0] == restored[1]  # the grown group went on from its save
+
+
+def test_fewer_agents_than_min_for_the_timeout_stop_naming_who_is_missing(tmp_path):
+    rendezvous = Rendezvous(str(tmp_path / "rdv"), "b", 2, 3, timeout_s=1.0, join_s=0)
+    rendezvous.join(0, "x:1", lambda: False)  # the first round: b alone, and no one decides
+    assert rendezvous.latest() == -1
+    assert rendezvous.missing(0) == "1 more agent(s)"
+
+
+def test_the_lowest_named_agent_decides_and_a_lost_member_is_named_in_the_change(tmp_path):
+    directory = str(tmp_path / "rdv")
+    a, b = (Rendezvous(directory, n, 2, 3, timeout_s=5.0, join_s=0) for n in "ab")
+    threading.Thread(target=b.join, args=(0, "hb:2", lambda: False), daemon=True).start()
+    first = a.join(0, "ha:1", lambda: False)
+    assert first["members"] in ([["a", "ha:1"], ["b", "hb:2"]],)
+    assert a.latest() == 0
+    c = Rendezvous(directory, "c", 2, 3, timeout_s=0.5)
+    assert c.join(1, "hc:3", lambda: False) is None  # c is not the lowest: it only waits
+    assert c.missing(1) == "a, b"
+    second = a.join(1, "ha:1", lambda: False)
+    assert [name for name, _ in second["members"]] == ["a", "c"]
+    assert second["change"]["why"] == "b lost, c joined"
