@@ -1,24 +1,23 @@
 """`python -m trainer.elastic`: an agent per host meets the others in `model_dir` and re-forms."""
 
 import json
+import os
 import re
+import shlex
 import threading
 import time
 
 import pytest
 
-from tests.helpers import kill, start_cli
+from tests.helpers import REPO, kill, start_cli
 from trainer.elastic import Rendezvous
 
+DOC = os.path.join(REPO, "docs", "elastic.md")
 TIMEOUT_S = 240.0
-# Blocks of 10 steps, nothing but training; a lost trainer comes back after 1 s; the deciding
-# agent waits 3 s for a lost member of the last round.
+# Blocks of 10 steps, nothing but training; a lost trainer comes back after 1 s.
 FAST = [
     f"--config.{field}={value}"
     for field, value in {
-        "train.steps": 200,
-        "train.global_batch_size": 48,
-        "eval.global_batch_size": 48,
         "train.steps_per_loop": 10,
         "eval.every": 0,
         "train.export": False,
@@ -26,6 +25,15 @@ FAST = [
         "cluster.elastic.cooldown_s": 1,
     }.items()
 ]
+
+
+def _documented(model_dir) -> list[str]:
+    """The flags of docs/elastic.md's agent command, its `model_dir` replaced."""
+    blocks = re.findall(r"```sh\n(.*?)```", open(DOC).read(), re.S)
+    block = next(b for b in blocks if b.startswith("python -m trainer.elastic"))
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:3] == ["python", "-m", "trainer.elastic"], words
+    return [w.replace("runs/agents", str(model_dir)) for w in words[3:]]
 
 
 class _Agents:
@@ -38,11 +46,9 @@ class _Agents:
         self._changed = threading.Condition()
 
     def start(self, name: str) -> None:
-        proc = start_cli(
-            "--workers=2:3", f"--name={name}", "--host=127.0.0.1", "--join_s=3", "--",
-            "--strategy=multi_worker", f"--model_dir={self.model_dir}", *FAST,
-            cwd=self.tmp_path, module="trainer.elastic",
-        )  # fmt: skip
+        """Starts docs/elastic.md's agent command as agent `name`, made short."""
+        words = [w.replace("--name=a", f"--name={name}") for w in _documented(self.model_dir)]
+        proc = start_cli(*words, *FAST, cwd=self.tmp_path, module="trainer.elastic")
         self.procs[name] = proc
         threading.Thread(target=self._read, args=(proc,), daemon=True).start()
 

@@ -67,6 +67,8 @@ _JOIN_S = flags.DEFINE_float(
     "Seconds the deciding agent waits, once MIN agents joined, for the rest of the last "
     "round's members (a lost one never comes).",
 )
+
+
 class Rendezvous:
     """The rounds of an elastic job in `model_dir/elastic/rendezvous/`, seen by one agent.
 
@@ -167,8 +169,7 @@ class Rendezvous:
     def _decide(self, round_: int, names: list[str], last: dict | None) -> dict:
         """Writes round `round_`'s plan for `names` (the first is the chief); returns it."""
         members = [
-            [name, storage.read_json(self._path(round_, "join", name))["address"]]
-            for name in names
+            [name, storage.read_json(self._path(round_, "join", name))["address"]] for name in names
         ]
         plan: dict = {"members": members}
         if last:
