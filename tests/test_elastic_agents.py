@@ -7,10 +7,9 @@ import shlex
 import threading
 import time
 
-import pytest
-
 from tests.helpers import REPO, kill, start_cli
-from trainer.elastic import Rendezvous
+from towerflow.processes import pick_ports
+from trainer.elastic import Rendezvous, answering
 
 DOC = os.path.join(REPO, "docs", "elastic.md")
 TIMEOUT_S = 240.0
@@ -102,21 +101,34 @@ def test_three_agents_go_on_without_a_lost_host_and_take_it_back_when_it_returns
 
 def test_fewer_agents_than_min_for_the_timeout_stop_naming_who_is_missing(tmp_path):
     rendezvous = Rendezvous(str(tmp_path / "rdv"), "b", 2, 3, timeout_s=1.0, join_s=0)
-    rendezvous.join(0, "x:1", lambda: False)  # the first round: b alone, and no one decides
+    assert rendezvous.join(0, "x:1", lambda: False) is None  # the first round: b alone, and no one decides
     assert rendezvous.latest() == -1
     assert rendezvous.missing(0) == "1 more agent(s)"
 
 
-def test_the_lowest_named_agent_decides_and_a_lost_member_is_named_in_the_change(tmp_path):
+def test_the_lowestanswering_agent_decides_and_the_change_names_who_left_and_came(tmp_path):
     directory = str(tmp_path / "rdv")
+    ha, hb, hc = (f"127.0.0.1:{port}" for port in pick_ports(3))
     a, b = (Rendezvous(directory, n, 2, 3, timeout_s=5.0, join_s=0) for n in "ab")
-    threading.Thread(target=b.join, args=(0, "hb:2", lambda: False), daemon=True).start()
-    first = a.join(0, "ha:1", lambda: False)
-    assert first["members"] in ([["a", "ha:1"], ["b", "hb:2"]],)
+
+    def join_b() -> None:
+        with answering(hb):
+            b.join(0, hb, lambda: False)
+
+    threading.Thread(target=join_b, daemon=True).start()
+    with answering(ha):
+        first = a.join(0, ha, lambda: False)
+    assert first["members"] == [["a", ha], ["b", hb]]
     assert a.latest() == 0
     c = Rendezvous(directory, "c", 2, 3, timeout_s=0.5)
-    assert c.join(1, "hc:3", lambda: False) is None  # c is not the lowest: it only waits
+    with answering(hc):
+        assert c.join(1, hc, lambda: False) is None  # c is not the lowest: it only waits
     assert c.missing(1) == "a, b"
-    second = a.join(1, "ha:1", lambda: False)
+    a.timeout_s = 1.0
+    with answering(ha):  # c no longer answers (its host is cut off): a waits for b, alone
+        assert a.join(1, ha, lambda: False) is None
+    assert a.joined(1) == ["a"]
+    with answering(hc):
+        second = a.join(1, ha, lambda: False)
     assert [name for name, _ in second["members"]] == ["a", "c"]
     assert second["change"]["why"] == "b lost, c joined"

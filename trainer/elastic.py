@@ -23,12 +23,14 @@ line naming who is missing, exit 144, the state saved in `model_dir`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from absl import app, flags
 
@@ -49,6 +51,7 @@ from trainer.launch import (
 
 JOIN_S = 10.0  # how long the deciding agent waits for the last round's members beyond MIN
 _POLL_S = 0.5  # between looks at the rendezvous directory (a request each on a bucket)
+PROBE_S = 1.0  # how long a waiting agent may take to accept a connection
 DONE = "done"  # in a round's directory: the job trained to its end
 
 # `--workers=MIN:MAX` (agents, one member each) and `--grace_s` are `trainer.launch`'s flags.
@@ -108,14 +111,29 @@ class Rendezvous:
         return storage.read_json(self._path(round_, "plan.json"))
 
     def joined(self, round_: int) -> list[str]:
-        """The agents that joined round `round_`, by name."""
-        return sorted(n for n in _listdir(self._path(round_, "join")) if not n.endswith(".tmp"))
+        """The agents that joined round `round_` and answer at their address, by name.
+
+        An agent whose host is cut off may still write to a shared `model_dir`
+        (as on the simulated hosts); it is not counted until it answers again.
+        """
+        names = (n for n in _listdir(self._path(round_, "join")) if not n.endswith(".tmp"))
+        return sorted(n for n in names if n == self.name or self._answers(round_, n))
 
     def waiting(self, round_: int) -> list[str]:
         """Who joined round `round_` (looked up at most once a `_POLL_S`): the roster's `ready`."""
         if self._clock() - self._seen[0] >= _POLL_S:
             self._seen = (self._clock(), self.joined(round_))
         return self._seen[1]
+
+    def _answers(self, round_: int, name: str) -> bool:
+        """Whether agent `name`, waiting in round `round_`, accepts a connection in time."""
+        joined = storage.read_json(self._path(round_, "join", name))
+        host, _, port = (joined or {}).get("address", "").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=PROBE_S).close()
+        except (OSError, ValueError):
+            return False
+        return True
 
     def finish(self, round_: int) -> None:
         """Marks round `round_` as the one the job ended in."""
@@ -237,7 +255,8 @@ def run_agent(
             console.log(f"stopping: this agent's trainer is out: {own.missing()[0]}")
             return TASK_LOST_EXIT_CODE
         address = f"{host}:{port or pick_ports(1)[0]}"
-        plan = rendezvous.join(round_, address, stop)
+        with answering(address):
+            plan = rendezvous.join(round_, address, stop)
         if plan is None:
             if stop():
                 return interrupt.code
@@ -296,6 +315,32 @@ def _member(
     )
     code = group.run()
     return code, bool(group.lost)
+
+
+@contextlib.contextmanager
+def answering(address: str) -> Iterator[None]:
+    """Accepts (and closes) connections at `address` meanwhile: the others' check of this host.
+
+    Closed before the member starts, which serves on the same port.
+    """
+    host, _, port = address.rpartition(":")
+    server = socket.create_server((host, int(port)))
+    server.settimeout(_POLL_S)
+    done = threading.Event()
+
+    def accept() -> None:
+        while not done.is_set():
+            with contextlib.suppress(OSError):
+                server.accept()[0].close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        server.close()
 
 
 def _model_dir(command: Sequence[str]) -> str:
