@@ -8,22 +8,12 @@ import threading
 import time
 
 from tests.helpers import REPO, kill, start_cli
+from tests.test_elastic import FAST  # short blocks, nothing but training, 1-s cool-down
 from towerflow.processes import pick_ports
 from trainer.elastic import Rendezvous, answering
 
 DOC = os.path.join(REPO, "docs", "elastic.md")
 TIMEOUT_S = 240.0
-# Blocks of 10 steps, nothing but training; a lost trainer comes back after 1 s.
-FAST = [
-    f"--config.{field}={value}"
-    for field, value in {
-        "train.steps_per_loop": 10,
-        "eval.every": 0,
-        "train.export": False,
-        "model.dropout": 0,
-        "cluster.elastic.cooldown_s": 1,
-    }.items()
-]
 
 
 def _documented(model_dir) -> list[str]:
@@ -101,12 +91,12 @@ def test_three_agents_go_on_without_a_lost_host_and_take_it_back_when_it_returns
 
 def test_fewer_agents_than_min_for_the_timeout_stop_naming_who_is_missing(tmp_path):
     rendezvous = Rendezvous(str(tmp_path / "rdv"), "b", 2, 3, timeout_s=1.0, join_s=0)
-    assert rendezvous.join(0, "x:1", lambda: False) is None  # the first round: b alone, and no one decides
+    assert rendezvous.join(0, "x:1", lambda: False) is None  # b alone in round 0
     assert rendezvous.latest() == -1
     assert rendezvous.missing(0) == "1 more agent(s)"
 
 
-def test_the_lowestanswering_agent_decides_and_the_change_names_who_left_and_came(tmp_path):
+def test_the_lowest_answering_agent_decides_and_the_change_names_who_left_and_came(tmp_path):
     directory = str(tmp_path / "rdv")
     ha, hb, hc = (f"127.0.0.1:{port}" for port in pick_ports(3))
     a, b = (Rendezvous(directory, n, 2, 3, timeout_s=5.0, join_s=0) for n in "ab")

@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import socket
+import socketserver
 import sys
 import threading
 import time
@@ -324,23 +325,13 @@ def answering(address: str) -> Iterator[None]:
     Closed before the member starts, which serves on the same port.
     """
     host, _, port = address.rpartition(":")
-    server = socket.create_server((host, int(port)))
-    server.settimeout(_POLL_S)
-    done = threading.Event()
-
-    def accept() -> None:
-        while not done.is_set():
-            with contextlib.suppress(OSError):
-                server.accept()[0].close()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
+    server = socketserver.TCPServer((host, int(port)), socketserver.BaseRequestHandler)
+    threading.Thread(target=server.serve_forever, args=(_POLL_S,), daemon=True).start()
     try:
         yield
     finally:
-        done.set()
-        thread.join()
-        server.close()
+        server.shutdown()
+        server.server_close()
 
 
 def _model_dir(command: Sequence[str]) -> str:
