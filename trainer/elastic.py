@@ -318,6 +318,20 @@ def _member(
     return code, bool(group.lost)
 
 
+class _Server(socketserver.TCPServer):
+    allow_reuse_address = True
+
+
+class _Probed(socketserver.BaseRequestHandler):
+    """Waits for the prober to close first: TIME_WAIT stays on its side, and the member
+    binds this port next (its check of the port would see it held)."""
+
+    def handle(self) -> None:
+        self.request.settimeout(PROBE_S)
+        with contextlib.suppress(OSError):
+            self.request.recv(1)
+
+
 @contextlib.contextmanager
 def answering(address: str) -> Iterator[None]:
     """Accepts (and closes) connections at `address` meanwhile: the others' check of this host.
@@ -325,7 +339,7 @@ def answering(address: str) -> Iterator[None]:
     Closed before the member starts, which serves on the same port.
     """
     host, _, port = address.rpartition(":")
-    server = socketserver.TCPServer((host, int(port)), socketserver.BaseRequestHandler)
+    server = _Server((host, int(port)), _Probed)
     threading.Thread(target=server.serve_forever, args=(_POLL_S,), daemon=True).start()
     try:
         yield
