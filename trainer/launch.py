@@ -37,7 +37,8 @@ from the members that are left (at least MIN); a lost member comes back after
 a cool-down, and the running group saves at a block boundary to take it in.
 
 Beyond one machine, run `python -m trainer` on every host with the `TF_CONFIG`
-that the scheduler gives each task.
+that the scheduler gives each task; for an elastic job, the agent
+`python -m trainer.elastic` on every host (`trainer/elastic.py`).
 """
 
 from __future__ import annotations
