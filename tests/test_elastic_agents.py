@@ -7,7 +7,9 @@ import shlex
 import threading
 import time
 
-from tests.helpers import REPO, kill, start_cli
+import pytest
+
+from tests.helpers import REPO, kill, run_cli, start_cli
 from tests.test_elastic import FAST  # short blocks, nothing but training, 1-s cool-down
 from towerflow.processes import pick_ports
 from trainer.elastic import Rendezvous, answering
@@ -122,3 +124,17 @@ def test_the_lowest_answering_agent_decides_and_the_change_names_who_left_and_ca
         second = a.join(1, ha, lambda: False)
     assert [name for name, _ in second["members"]] == ["a", "c"]
     assert second["change"]["why"] == "b lost, c joined"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--workers=2:3", "--", "--strategy=multi_worker"], "needs the trainer's `--model_dir`"),
+        (["--workers=3:2", "--", "--strategy=multi_worker"], "`--workers` (3:2) must be MIN:MAX"),
+    ],
+)
+def test_a_bad_agent_command_is_one_line_and_exit_2(tmp_path, args, expected):
+    result = run_cli(*args, cwd=tmp_path, module="trainer.elastic")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
