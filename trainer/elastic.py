@@ -187,16 +187,16 @@ class Rendezvous:
 
     def _decide(self, round_: int, names: list[str], last: dict | None) -> dict:
         """Writes round `round_`'s plan for `names` (the first is the chief); returns it."""
-        members = [
-            [name, storage.read_json(self._path(round_, "join", name))["address"]] for name in names
-        ]
-        plan: dict = {"members": members}
+        joins = [storage.read_json(self._path(round_, "join", name)) for name in names]
+        plan: dict = {"members": [[n, j["address"]] for n, j in zip(names, joins, strict=True)]}
         if last:
             before = [name for name, _ in last["members"]]
             lost = [name for name in before if name not in names]
             came = [name for name in names if name not in before]
             why = ", ".join([f"{n} lost" for n in lost] + [f"{n} joined" for n in came])
-            plan["change"] = {"from": len(before), "to": len(names), "why": why, "at": time.time()}
+            # The change began about when the first agent came back from the last round.
+            at = min(j["at"] for j in joins)
+            plan["change"] = {"from": len(before), "to": len(names), "why": why, "at": at}
         storage.write_json(self._path(round_, "plan.json"), plan)
         return self.plan(round_)
 
