@@ -121,7 +121,7 @@ LAYERS = (
     ("trainer.loop",),  # the loop: the job, controller, actions, step, checkpoints
     ("trainer",),  # the commands: __main__, cli, launch, sweep, bench, data_service, check
 )
-COMMANDS = {"__init__", "__main__", "cli", "launch", "data_service", "check"}
+COMMANDS = {"__init__", "__main__", "cli", "launch", "elastic", "data_service", "check"}
 FOLDERS = {"assets", "bench", "data", "layers", "loop", "sweep"}
 
 

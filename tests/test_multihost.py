@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -237,3 +238,38 @@ def test_hosts_are_isolated_and_torn_down_and_a_killed_runs_are_removed():
     assert not own & _namespaces()
     assert not [pid for pid in pids if _alive(pid)]
     assert not [n for n in own if os.path.exists(os.path.join(hosts_lib.NETNS_ETC, n))]
+
+
+@pytest.mark.slow  # waits out the detection of a cut link, then two re-forms
+def test_elastic_agents_go_on_without_a_cut_off_host_and_take_it_back_once_reachable(
+    make_hosts, tmp_path
+):
+    hosts = make_hosts(3)
+    run = tmp_path / "run"
+    args = ["--workers=2:3", "--join_s=3", "--port=2222", "--", "--strategy=multi_worker"]
+    args += [f"--model_dir={run}", "--config.train.steps=1000000", *TINY]
+    args += ["--config.train.global_batch_size=48", "--config.cluster.elastic.cooldown_s=1"]
+    procs = {
+        f"h{i}": hosts.start_trainer(
+            i,
+            [f"--name=h{i}", f"--host={hosts.address(i)}", *args],
+            log=str(tmp_path / f"h{i}.log"),
+            cwd=str(tmp_path),
+            module="trainer.elastic",
+        )
+        for i in range(3)
+    }
+    log = tmp_path / "h0.log"  # h0's agent and member: the chief in every round here
+    _until(lambda: "members: 3" in log.read_text(), procs, tmp_path)
+    hosts.set_link(2, up=False)  # h2 is cut off; its agent and member still run
+    shrunk = "round 1: group of 2: h0 as worker:0, h1 as worker:1"
+    _until(lambda: "members: 2" in log.read_text().partition(shrunk)[2], procs, tmp_path)
+    hosts.set_link(2, up=True)
+    grown = "round 2: group of 3: h0 as worker:0, h1 as worker:1, h2 as worker:2"
+    _until(lambda: "members: 3" in log.read_text().partition(grown)[2], procs, tmp_path)
+    for proc in procs.values():  # the job could go on: stop it, each member saving
+        os.killpg(proc.pid, signal.SIGTERM)
+    assert set(_wait(procs).values()) == {143}, _logs(tmp_path)
+    saved = re.findall(r"elastic: .* saved step (\d+) to", log.read_text())
+    restored = re.findall(r"\[h0\] restored \S+ at step (\d+)", log.read_text())
+    assert saved and restored[0] == max(saved, key=int), _logs(tmp_path)  # 0 steps lost

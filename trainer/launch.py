@@ -37,7 +37,8 @@ from the members that are left (at least MIN); a lost member comes back after
 a cool-down, and the running group saves at a block boundary to take it in.
 
 Beyond one machine, run `python -m trainer` on every host with the `TF_CONFIG`
-that the scheduler gives each task.
+that the scheduler gives each task; for an elastic job, the agent
+`python -m trainer.elastic` on every host (`trainer/elastic.py`).
 """
 
 from __future__ import annotations
@@ -485,13 +486,8 @@ def launch_elastic(
     """
     console = console or Console()
     interrupt = interrupt or Interrupt()
-    settings = _elastic_settings(command)
-    roster = Roster(low, high, **settings)
-    command = [
-        *command,
-        f"--config.cluster.elastic.min_workers={low}",
-        f"--config.cluster.elastic.max_workers={high}",
-    ]
+    roster = Roster(low, high, **elastic_settings(command))
+    command = elastic_command(command, low, high)
     change = None  # what made the last group re-form, for the next group's record
     while True:
         names = roster.form(stop=lambda: interrupt.signal is not None)
@@ -522,7 +518,16 @@ def launch_elastic(
         change = {"from": len(tasks), "why": group.why, "at": group.changed_at}
 
 
-def _elastic_settings(command: Sequence[str]) -> dict:
+def elastic_command(command: Sequence[str], low: int, high: int) -> list[str]:
+    """`command` with the elastic job's size (`cluster.elastic.min_workers`, `max_workers`)."""
+    return [
+        *command,
+        f"--config.cluster.elastic.min_workers={low}",
+        f"--config.cluster.elastic.max_workers={high}",
+    ]
+
+
+def elastic_settings(command: Sequence[str]) -> dict:
     """`cluster.elastic`'s launcher settings: from `--config.cluster.elastic.X=V`, else defaults."""
     defaults = configs.default.get_config().cluster.elastic
     settings = {

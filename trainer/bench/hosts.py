@@ -262,6 +262,7 @@ class Hosts:
         cwd: str | None = None,
         cpu: int | None = None,
         env: Mapping[str, str] | None = None,
+        module: str = "trainer",
     ) -> subprocess.Popen:
         """Starts the per-host command for `task`: `TF_CONFIG=... python -m trainer ARGS`.
 
@@ -273,6 +274,7 @@ class Hosts:
           cwd: its working directory.
           cpu: the core it is pinned to (None: any).
           env: more environment variables.
+          module: what runs (`python -m MODULE ARGS`), e.g. the agent `trainer.elastic`.
         """
         environ = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -283,7 +285,7 @@ class Hosts:
         with open(log, "w") as output:
             return self.start(
                 task.host if isinstance(task, Member) else task,
-                [sys.executable, "-m", "trainer", *args],
+                [sys.executable, "-m", module, *args],
                 env=environ,
                 cpu=cpu,
                 cwd=cwd,
