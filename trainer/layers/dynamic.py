@@ -518,13 +518,9 @@ class _TablePart:
         """
         seed, width = self.layer.seed, self.layer.output_dim
         with self._on_device():
-            if training:
-                step = self.table.now()
-                slots, stamps = self.table.find(keys, step)
-                with tf.control_dependencies([slots]):  # ids admitted now are found next step
-                    self._admit(keys, valid, step)
-            else:
-                slots, stamps = self.table.find(keys)
+            admitted = self._admit(keys, valid, self.table.now()) if training else None
+            with tf.control_dependencies([admitted] if admitted is not None else []):
+                slots, stamps = self.table.find(keys)  # ids admitted now read their own row
             hit = (slots >= 0) & valid
             slots = tf.where(hit, slots, self.capacity)
             rows = tf.gather(tf_patches.replica_copy(self.rows.value), slots)
@@ -540,18 +536,25 @@ class _TablePart:
         default = tf.where(valid[:, None], self.layer.default_row.value[None, :], 0.0)
         return tf.where(hit[:, None], rows, default)
 
-    def _admit(self, keys: tf.Tensor, valid: tf.Tensor, step: tf.Tensor):
+    def _admit(self, keys: tf.Tensor, valid: tf.Tensor, step: tf.Tensor) -> tf.Tensor | None:
         """Admits the `valid` ids of the whole global batch, once per process.
 
-        Each replica gathers every replica's ids, and the first replica of each
-        worker admits them all: the same ids in the same step under any split,
-        and every worker's table the same. `step`: the table's `now()`.
+        Each replica gathers every replica's ids and admits them all, the table
+        changed by whichever replica comes first (`DynamicTable.admit`'s `once`):
+        the same ids in the same step under any split, every worker's table the
+        same, and each replica's lookups after the admission. `step`: the
+        table's `now()`. A table without the optimizer's clock (`use_clock`)
+        cannot tell the replicas' calls of one step apart: there the first
+        replica of each worker admits, and the others may read the default row
+        for ids admitted at that step.
         """
         replica = tf.distribute.get_replica_context()
         if replica is None or replica.num_replicas_in_sync == 1:
             return self.table.admit(tf.boolean_mask(keys, valid), step)
         keys, valid = replica.all_gather([keys, tf.cast(valid, tf.int64)], 0)
         everyone = tf.boolean_mask(keys, tf.cast(valid, tf.bool))
+        if self.table.clocked:
+            return self.table.admit(everyone, step, once=True)
         local = len(tf.distribute.get_strategy().extended.worker_devices)
         first = tf.equal(replica.replica_id_in_sync_group % local, 0)
         if tf.get_static_value(first) is not None:
