@@ -30,6 +30,7 @@ def check_dynamic(
     capacity: int,
     eviction,
     where: str = "`DynamicEmbedding`",
+    fallback_rows: int = 0,
 ) -> None:
     """Raises `UserError` naming the first bad argument of a dynamic table (`where`)."""
     rules = [
@@ -45,7 +46,16 @@ def check_dynamic(
             capacity >= 1,
             f"`capacity` ({capacity}) must be >= 1 row; e.g. {tables.DEFAULT_CAPACITY}",
         ),
-        (eviction in tables.EVICTIONS, f"`eviction` '{eviction}' must be 'lru' or None"),
+        (
+            eviction in tables.EVICTIONS,
+            f"`eviction` '{eviction}' must be one of 'lfu', 'lru', None; "
+            f"e.g. '{tables.DEFAULT_EVICTION}'",
+        ),
+        (
+            fallback_rows >= 0,
+            f"`fallback_rows` ({fallback_rows}) must be >= 0; 0 gives every id without a row "
+            "one shared default row",
+        ),
     ]
     for ok, message in rules:
         if not ok:
@@ -88,8 +98,14 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
       capacity: the most rows held (the memory bound: `capacity + 1` rows of
         the variable and of each optimizer slot, the last one spare); default
         `trainer.layers.tables.DEFAULT_CAPACITY`.
-      eviction: "lru": a full table evicts the least recently seen id; None:
-        it refuses new ids (they read the default row; `refused` counts them).
+      eviction: "lfu" (the default): a full table evicts the id of the lowest
+        count decayed by age (`trainer.layers.tables.HALF_LIFE`); "lru": the
+        least recently seen id; None: it refuses new ids (they read the
+        default row; `refused` counts them).
+      fallback_rows: 0: every id without a row (not admitted yet, refused,
+        evicted) reads one shared trainable default row; N > 0: it reads row
+        `hash(id) % N` of a trainable `[N, output_dim]` fallback table (as a
+        hashed embedding would), counted in `bytes_held`.
       mask_id: an id that means "no id" (padding): it reads zeros, is never
         admitted, and combiners leave it out.
       seed: keys the initial rows.
@@ -103,13 +119,23 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         min_count: int = 1,
         ttl_steps: int = 0,
         capacity: int = tables.DEFAULT_CAPACITY,
-        eviction: str | None = "lru",
+        eviction: str | None = tables.DEFAULT_EVICTION,
         mask_id=None,
         seed: int = 0,
+        fallback_rows: int = 0,
         **kwargs,
     ):
         super().__init__(**kwargs)
-        check_dynamic(key_dtype, combiner, min_count, ttl_steps, capacity, eviction)
+        check_dynamic(
+            key_dtype,
+            combiner,
+            min_count,
+            ttl_steps,
+            capacity,
+            eviction,
+            fallback_rows=fallback_rows,
+        )
+        self.fallback_rows = int(fallback_rows)
         self.output_dim = int(output_dim)
         self.key_dtype = key_dtype
         self.combiner = combiner
@@ -133,7 +159,26 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         for part in self.parts:
             part.build()
         self.rows, self.row_stamps = self.parts[0].rows, self.parts[0].row_stamps
-        self.default_row = self.add_weight((self.output_dim,), "zeros", name="default_row")
+        # Where ids without a row read: one logical variable, whatever the parts.
+        self.default_row = self.fallback = None
+        if self.fallback_rows:
+            self.fallback = self.add_weight(
+                (self.fallback_rows, self.output_dim), "zeros", name="fallback"
+            )
+        else:
+            self.default_row = self.add_weight((self.output_dim,), "zeros", name="default_row")
+
+    def defaults(self, keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+        """What each of `keys` reads without a row: the default row or its fallback row; 0 if not `valid`.
+
+        A fallback row is gathered for every key (`tf.gather`: a sparse gradient
+        of one row per key, never empty), then masked by the caller.
+        """
+        if self.fallback is None:
+            return tf.where(valid[:, None], self.default_row.value[None, :], 0.0)
+        buckets = tables.bucket_of(keys, self.fallback_rows)
+        rows = tf.gather(tf_patches.replica_copy(self.fallback.value), buckets)
+        return tf.where(valid[:, None], rows, 0.0)
 
     # `Portable`: the rows of every id, whatever the number of parts.
 
@@ -149,7 +194,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             return None
         rows = [capacity + 1 for capacity in sharding.split_rows(self.capacity, parts)]
         width = self.output_dim
-        return [(r, width) for r in rows] + [(width,)] + [(r,) for r in rows]
+        shared = (self.fallback_rows, width) if self.fallback_rows else (width,)
+        return [(r, width) for r in rows] + [shared] + [(r,) for r in rows]
 
     def twin(self, parts: int) -> keras.layers.Layer:
         with sharding.policy("none", num_ps=parts):
@@ -175,7 +221,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             parts.append(content)
         counters = tables.merged_counters([content.pop("counters") for content in parts])
         merged = {name: np.concatenate([c[name] for c in parts]) for name in parts[0]}
-        for name, variable, _ in with_slots(self.default_row, slots, "default"):
+        for name, variable, _ in self._shared(slots):
             merged[name] = variable.numpy()
         return {**merged, "counters": counters}
 
@@ -215,9 +261,15 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
                 value = np.full(variable.shape, initial, variable.dtype)
                 value[: len(mine)], value[-1] = content[name][mine], content[f"spare/{name}"][0]
                 variable.assign(value)
-        for name, variable, _ in with_slots(self.default_row, slots, "default"):
+        for name, variable, _ in self._shared(slots):
             variable.assign(content[name])
         return warnings
+
+    def _shared(self, slots: Slots) -> list[tuple]:
+        """`with_slots` of the variable every part shares: the fallback rows or the default row."""
+        if self.fallback is not None:
+            return with_slots(self.fallback, slots, "fallback")
+        return with_slots(self.default_row, slots, "default")
 
     def describe(self) -> dict:
         """The table's policy, its parts (where each is, its bound, ids and bytes held), a line."""
@@ -241,6 +293,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             "min_count": self.min_count,
             "ttl_steps": self.ttl_steps,
             "eviction": self.eviction,
+            "fallback_rows": self.fallback_rows,
         }
         where = ", ".join(
             f"part {p['part']} on {p['device']} ({p['capacity']} rows)" for p in parts
@@ -249,7 +302,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         line = (
             f"table {self.name}: dynamic {self.key_dtype} ids, {self.output_dim} wide, at most "
             f"{self.capacity} rows (eviction {self.eviction}), min_count {self.min_count}, "
-            f"ttl_steps {self.ttl_steps}; {split}{where}"
+            f"ttl_steps {self.ttl_steps}, fallback_rows {self.fallback_rows}; {split}{where}"
         )
         held = sum(p["ids_held"] for p in parts)
         size = sum(p["bytes_held"] for p in parts)
@@ -368,6 +421,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             "eviction": self.eviction,
             "mask_id": self.mask_id,
             "seed": self.seed,
+            "fallback_rows": self.fallback_rows,
         }
 
 
@@ -481,12 +535,16 @@ class _TablePart:
         `mirrored` each hold one): its rows, their optimizer slots and row
         stamps, allocated whole for `capacity + 1` rows up front, and its
         index, which grows with the ids held and counted (an estimate, see
-        `trainer.layers.tables.ENTRY_BYTES`).
+        `trainer.layers.tables.ENTRY_BYTES`); the first part's also the layer's
+        `fallback_rows` and their optimizer slots.
         """
         figures = self.table.figures()
         width, itemsize = self.layer.output_dim, tf.as_dtype(self.rows.dtype).size
         row_bytes = width * itemsize * (1 + self.optimizer_slots) + 8  # + its int64 stamp
         figures["bytes_held"] = (self.capacity + 1) * row_bytes + figures.pop("index_bytes")
+        if self.index == 0:  # the layer's fallback rows (and their slots), counted once
+            fallback_bytes = width * itemsize * (1 + self.optimizer_slots)
+            figures["bytes_held"] += self.layer.fallback_rows * fallback_bytes
         return figures
 
     def changed_since(self, step: int, variables: list) -> tuple[tf.Tensor, list[tf.Tensor]]:
@@ -533,8 +591,7 @@ class _TablePart:
                 stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64)
             )
         rows += tf.stop_gradient(fresh)
-        default = tf.where(valid[:, None], self.layer.default_row.value[None, :], 0.0)
-        return tf.where(hit[:, None], rows, default)
+        return tf.where(hit[:, None], rows, self.layer.defaults(keys, valid))
 
     def _admit(self, keys: tf.Tensor, valid: tf.Tensor, step: tf.Tensor) -> tf.Tensor | None:
         """Admits the `valid` ids of the whole global batch, once per process.

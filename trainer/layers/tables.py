@@ -151,6 +151,15 @@ def part_of(keys: tf.Tensor, parts: int) -> tf.Tensor:
     return tf.cast(mixed % _u64(parts), tf.int32)
 
 
+def bucket_of(keys: tf.Tensor, buckets: int) -> tf.Tensor:
+    """Which of `buckets` hashed rows each of int64 `keys` reads without a row of its own (int64).
+
+    By a hash salted apart from `part_of`'s, so that a part's ids spread over every bucket.
+    """
+    mixed = _splitmix64(tf.bitcast(keys, tf.uint64) + _u64(_GOLDEN))
+    return tf.cast(mixed % _u64(buckets), tf.int64)
+
+
 class DynamicTable(tf.Module):
     """The index of one dynamic table: int64 ids -> row slots, admission and eviction.
 
