@@ -169,7 +169,9 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             self.default_row = self.add_weight((self.output_dim,), "zeros", name="default_row")
 
     def defaults(self, keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
-        """What each of `keys` reads without a row: the default row or its fallback row; 0 if not `valid`.
+        """What each of `keys` reads without a row: the default row or its fallback row.
+
+        Zeros where not `valid`.
 
         A fallback row is gathered for every key (`tf.gather`: a sparse gradient
         of one row per key, never empty), then masked by the caller.
@@ -204,7 +206,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         return twin
 
     def export_logical(self, slots: Slots) -> dict[str, np.ndarray]:
-        """Every id's row, optimizer slots, admission and last-seen step; counts; counters.
+        """Every id's row, optimizer slots, admission and last-seen step, count; counters.
 
         `fresh` marks rows not written since their id was admitted (they read
         the id's initial row). `spare/...` is the spare row past the capacity.
@@ -232,6 +234,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         waiting = content["waiting"]
         waiting_owners = tables.part_of(tf.constant(waiting, tf.int64), len(self.parts)).numpy()
         counters = tables.split_counters(content["counters"], len(self.parts))
+        counts = content.get("counts")  # None from a checkpoint written before counts were kept
         warnings = []
         for part in self.parts:
             mine = np.flatnonzero(owners == part.index)
@@ -253,6 +256,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
                 content["waiting_values"][waits],
                 counters[part.index],
                 evicted,
+                counts[mine] if counts is not None else None,
             )
             row_stamps = np.full(part.row_stamps.shape, -1, np.int64)
             row_stamps[: len(mine)] = np.where(content["fresh"][mine], -1, stamps)

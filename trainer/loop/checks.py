@@ -57,10 +57,29 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "`--config.train.full_checkpoint_every=1000`."
         )
     _check_profile_steps(tuple(config.train.profile_steps))
+    _check_dynamic_table(config.model)
     if config.train.epochs == 0 and config.train.steps <= 0:
         raise UserError(
             f"`train.steps` ({config.train.steps}) must be a positive integer; "
             "set e.g. `--config.train.steps=1000`, or `train.epochs`."
+        )
+
+
+def _check_dynamic_table(model: ml_collections.ConfigDict) -> None:
+    """The dynamic table's options of the built-in ctr model (`model.embedding=dynamic`)."""
+    if model.get("embedding") != "dynamic":
+        return
+    eviction = model.get("eviction", "lfu")
+    if eviction not in ("lfu", "lru", ""):
+        raise UserError(
+            f"`model.eviction` '{eviction}' is not an eviction policy; use one of lfu, lru "
+            "or '' (none: a full table refuses new ids), e.g. `--config.model.eviction=lfu`."
+        )
+    fallback = model.get("fallback_rows", 0)
+    if fallback < 0:
+        raise UserError(
+            f"`model.fallback_rows` ({fallback}) must be >= 0 (hashed rows for ids without "
+            "a row; 0: one shared default row); set e.g. `--config.model.fallback_rows=1000`."
         )
 
 
