@@ -437,7 +437,9 @@ class DynamicTable(tf.Module):
         admitted = tf.scatter_nd(
             granted[:, None], tf.ones_like(granted, tf.bool), tf.shape(held, out_type=tf.int64)
         )
-        waiting = ~held & ~admitted
+        # Ids left waiting keep their count, unless one lookup admits (it says nothing then):
+        # refused or not, a table admitting at the first lookup grows no entry per id.
+        waiting = ~held & ~admitted & (self.min_count > 1)
         # What the step's lookups read: a row where the id holds one now, else the default.
         read_rows = tf.reduce_sum(tf.boolean_mask(seen, held | admitted))
         updates = [
