@@ -77,6 +77,10 @@ def get_config() -> ml_collections.ConfigDict:
     # dynamic: rows of a trained hashed fallback table that ids without a row read
     # (row hash(id) % fallback_rows, counted in the table's bytes); 0: one shared default row.
     c.model.fallback_rows = 0
+    # dynamic, min_count > 1: the counts of ids not admitted yet live in a count-min sketch of
+    # sketch_depth rows of sketch_width int32 cells (no memory per id; docs/tables.md: its bound).
+    c.model.sketch_width = 8192
+    c.model.sketch_depth = 2
     c.model.hidden_units = (64, 32)
     c.model.dropout = 0.0
 

@@ -111,15 +111,27 @@ def test_ttl_frees_the_rows_of_ids_not_seen_for_ttl_steps():
     assert int(table.counter("free")) == 0 and int(table.counter("fresh")) == 2
 
 
-def test_ttl_forgets_the_counts_of_ids_not_seen_for_ttl_steps():
-    table = _table(min_count=3, ttl_steps=2)
+def test_counts_of_ids_not_admitted_live_in_a_fixed_sketch_and_age_by_halving():
+    table = _table(min_count=3, sketch_width=64, sketch_depth=2)
     _admit(table, [5, 5])  # step 0: 5 counted twice
-    _admit(table, [1])  # step 1
-    assert int(table.index.size()) == 2
-    _admit(table, [1])  # step 2: the count of 5, last seen at step 0, is forgotten
-    assert int(table.index.size()) == 1
-    _admit(table, [5])  # counted from zero again: not admitted
+    _admit(table, list(range(100, 160)))  # 60 other ids once each: no entry per id
+    assert int(table.index.size()) == 0 and table.figures()["index_bytes"] == 2 * 64 * 4
+    cells = table.contents()["sketch"]
+    assert cells.shape == (2, 64) and cells.max() == 2 and (cells > 0).sum() >= 60
+    _admit(table, [7, 8])  # 64 lookups taken: every cell halves
+    assert table.contents()["sketch"].max() == 1
+    _admit(table, [5])  # 5's count: 2 halved, + 1: not admitted
     assert _held(table, [5]) == [False]
+
+
+def test_a_sketched_count_is_never_under_the_true_count():
+    table = _table(capacity=1000, min_count=4, sketch_width=128, sketch_depth=2)
+    draw = np.random.RandomState(0)
+    for _ in range(3):  # 128 cells a row for 40 ids: collisions, never undercounts
+        _admit(table, draw.permutation(40).tolist())
+    assert int(table.counter("admitted")) == 0
+    estimates = table._estimate(table._sketch_rows(), table._columns(tf.range(40, dtype=tf.int64)))
+    assert (estimates.numpy() >= 3).all()
 
 
 def test_a_count_kept_across_steps_admits_at_min_count():
@@ -163,8 +175,9 @@ def test_lookups_and_those_that_read_the_default_row_are_counted_per_step():
     figures = table.figures()
     assert (figures["lookups"], figures["defaults"]) == (10, 3)
     assert (figures["ids_held"], figures["admitted"], figures["refused"]) == (2, 2, 1)
-    # Index entries: 7, 8, 9 (id -> slot or count); 2 slots -> (stamp, step, id).
-    assert figures["index_bytes"] == 3 * tables.ENTRY_BYTES + 2 * tables.INFO_ENTRY_BYTES
+    # Index entries: 7, 8 (id -> slot); 2 slots -> (stamp, step, id); the sketch's cells.
+    sketch = tables.SKETCH_DEPTH * tables.SKETCH_WIDTH * 4
+    assert figures["index_bytes"] == 2 * tables.ENTRY_BYTES + 2 * tables.INFO_ENTRY_BYTES + sketch
 
 
 def test_lfu_evicts_the_lowest_count_not_the_oldest():

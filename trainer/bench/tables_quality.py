@@ -70,9 +70,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         if share == TARGET_SHARE:
             for name, eviction, fallback_share in VARIANTS:
                 capacity, fallback = fit(hashed_bytes, fallback_share)
-                auc, _ = train_auc(
-                    sizes, workdir, f"{name}_{label}", capacity, eviction, fallback
-                )
+                auc, _ = train_auc(sizes, workdir, f"{name}_{label}", capacity, eviction, fallback)
                 figures[f"auc_{name}_{label}"] = auc
     table = [
         "| rows / distinct ids | hashed rows | hashed bytes | hashed AUC | dynamic rows + "

@@ -31,6 +31,7 @@ def check_dynamic(
     eviction,
     where: str = "`DynamicEmbedding`",
     fallback_rows: int = 0,
+    sketch: tuple[int, int] = (tables.SKETCH_WIDTH, tables.SKETCH_DEPTH),
 ) -> None:
     """Raises `UserError` naming the first bad argument of a dynamic table (`where`)."""
     rules = [
@@ -55,6 +56,15 @@ def check_dynamic(
             fallback_rows >= 0,
             f"`fallback_rows` ({fallback_rows}) must be >= 0; 0 gives every id without a row "
             "one shared default row",
+        ),
+        (
+            sketch[0] >= 1,
+            f"`sketch_width` ({sketch[0]}) must be >= 1 cell; e.g. {tables.SKETCH_WIDTH} "
+            "(the count-min sketch of ids not admitted yet)",
+        ),
+        (
+            sketch[1] >= 1,
+            f"`sketch_depth` ({sketch[1]}) must be >= 1 row; e.g. {tables.SKETCH_DEPTH}",
         ),
     ]
     for ok, message in rules:
@@ -106,6 +116,11 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         evicted) reads one shared trainable default row; N > 0: it reads row
         `hash(id) % N` of a trainable `[N, output_dim]` fallback table (as a
         hashed embedding would), counted in `bytes_held`.
+      sketch_width, sketch_depth: with `min_count` > 1, the lookups of ids not
+        admitted yet are counted in a count-min sketch of `sketch_depth` rows
+        of `sketch_width` int32 cells (in `bytes_held`), no memory per id: a
+        count is over by at most e/`sketch_width` x the lookups it took since
+        it was last halved, with probability 1 - e**-`sketch_depth`.
       mask_id: an id that means "no id" (padding): it reads zeros, is never
         admitted, and combiners leave it out.
       seed: keys the initial rows.
@@ -123,6 +138,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         mask_id=None,
         seed: int = 0,
         fallback_rows: int = 0,
+        sketch_width: int = tables.SKETCH_WIDTH,
+        sketch_depth: int = tables.SKETCH_DEPTH,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -134,8 +151,10 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             capacity,
             eviction,
             fallback_rows=fallback_rows,
+            sketch=(sketch_width, sketch_depth),
         )
         self.fallback_rows = int(fallback_rows)
+        self.sketch_width, self.sketch_depth = int(sketch_width), int(sketch_depth)
         self.output_dim = int(output_dim)
         self.key_dtype = key_dtype
         self.combiner = combiner
@@ -222,7 +241,10 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
                 content[name], content[f"spare/{name}"] = value[held], value[-1:]
             parts.append(content)
         counters = tables.merged_counters([content.pop("counters") for content in parts])
+        # An id's count is in its part's sketch: the parts' largest cell is at least as large.
+        sketch = np.max([content.pop("sketch") for content in parts], axis=0)
         merged = {name: np.concatenate([c[name] for c in parts]) for name in parts[0]}
+        merged["sketch"] = sketch
         for name, variable, _ in self._shared(slots):
             merged[name] = variable.numpy()
         return {**merged, "counters": counters}
@@ -235,6 +257,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         waiting_owners = tables.part_of(tf.constant(waiting, tf.int64), len(self.parts)).numpy()
         counters = tables.split_counters(content["counters"], len(self.parts))
         counts = content.get("counts")  # None from a checkpoint written before counts were kept
+        sketch = content.get("sketch")  # the parts' largest cells: each part takes them all
         warnings = []
         for part in self.parts:
             mine = np.flatnonzero(owners == part.index)
@@ -257,6 +280,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
                 counters[part.index],
                 evicted,
                 counts[mine] if counts is not None else None,
+                sketch,
             )
             row_stamps = np.full(part.row_stamps.shape, -1, np.int64)
             row_stamps[: len(mine)] = np.where(content["fresh"][mine], -1, stamps)
@@ -298,6 +322,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             "ttl_steps": self.ttl_steps,
             "eviction": self.eviction,
             "fallback_rows": self.fallback_rows,
+            "sketch_width": self.sketch_width,
+            "sketch_depth": self.sketch_depth,
         }
         where = ", ".join(
             f"part {p['part']} on {p['device']} ({p['capacity']} rows)" for p in parts
@@ -426,6 +452,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             "mask_id": self.mask_id,
             "seed": self.seed,
             "fallback_rows": self.fallback_rows,
+            "sketch_width": self.sketch_width,
+            "sketch_depth": self.sketch_depth,
         }
 
 
@@ -487,6 +515,8 @@ class _TablePart:
                 layer.ttl_steps,
                 layer.eviction,
                 name=layer.name + self.suffix,
+                sketch_width=layer.sketch_width,
+                sketch_depth=layer.sketch_depth,
             )
         if index:
             setattr(layer, f"table{self.suffix}", self.table)  # tracked: saved in checkpoints

@@ -85,6 +85,10 @@ STEP_BITS = 40
 COUNT_ONE = 16
 COUNT_MAX = 2 ** (63 - STEP_BITS) - 1
 HALF_LIFE = 500  # steps over which an id's count halves when it is not seen ("lfu")
+# Counts of ids not admitted yet (`min_count` > 1): a count-min sketch of SKETCH_DEPTH rows of
+# SKETCH_WIDTH int32 cells, halved whenever SKETCH_WIDTH lookups were added since the last.
+SKETCH_WIDTH = 2**13
+SKETCH_DEPTH = 2
 COUNTERS = (
     "fresh",
     "free",
@@ -95,6 +99,7 @@ COUNTERS = (
     "refused",
     "lookups",
     "defaults",
+    "sketched",
 )
 _C = {name: index for index, name in enumerate(COUNTERS)}
 _TOTALS = ("admitted", "evicted", "refused", "lookups", "defaults")  # add up over a table's parts
@@ -171,6 +176,8 @@ class DynamicTable(tf.Module):
         its age, `half_life`), "lru" (the least recently seen id) or None (a full
         table refuses new ids).
       half_life: steps over which an unseen id's count halves ("lfu").
+      sketch_width, sketch_depth: the count-min sketch that counts the lookups
+        of ids not admitted yet (with `min_count` > 1; else none).
     """
 
     def __init__(
@@ -181,6 +188,8 @@ class DynamicTable(tf.Module):
         eviction: str | None = DEFAULT_EVICTION,
         name: str = "table",
         half_life: int = HALF_LIFE,
+        sketch_width: int = SKETCH_WIDTH,
+        sketch_depth: int = SKETCH_DEPTH,
     ):
         super().__init__(name=name)
         self.capacity = int(capacity)
@@ -188,6 +197,7 @@ class DynamicTable(tf.Module):
         self.ttl_steps = int(ttl_steps)
         self.eviction = eviction
         self.half_life = int(half_life)
+        self.sketch_width, self.sketch_depth = int(sketch_width), int(sketch_depth)
         self.sweep_every = max(1, math.ceil(self.ttl_steps / 8))
         with tf.device("/cpu:0"):
             self.index = self._hash_table(-1)
@@ -198,6 +208,11 @@ class DynamicTable(tf.Module):
             # replica may admit a step's batch and only the first changes the index. Not
             # checkpointed (a list hides it from tracking): it matters within a step only.
             self._batches = [self._hash_table(-1)]
+            self.sketch = None
+            if self.min_count > 1:  # a row of cells per key 0 .. depth - 1
+                self.sketch = tf.lookup.experimental.MutableHashTable(
+                    tf.int64, tf.int32, tf.zeros([self.sketch_width], tf.int32)
+                )
         # A shared name of its own: the CriticalSections a process creates eagerly
         # without one are all one mutex (TF 2.21), and two tables admitting in one
         # step then wait on each other forever.
@@ -269,8 +284,12 @@ class DynamicTable(tf.Module):
         return {
             **dict(zip(COUNTERS, counts.tolist(), strict=True)),
             "ids_held": held,
-            "index_bytes": entries * ENTRY_BYTES + held * INFO_ENTRY_BYTES,
+            "index_bytes": entries * ENTRY_BYTES + held * INFO_ENTRY_BYTES + self.sketch_bytes(),
         }
+
+    def sketch_bytes(self) -> int:
+        """The bytes of the count-min sketch: its cells (0 without one)."""
+        return 0 if self.sketch is None else self.sketch_depth * self.sketch_width * 4
 
     # Contents, whatever the slots and capacity.
 
@@ -299,8 +318,16 @@ class DynamicTable(tf.Module):
             "counts": info[:, 1] >> STEP_BITS,
             "waiting": keys[~held],
             "waiting_values": values[~held],
+            "sketch": self._sketch_rows().numpy(),
             "counters": counters,
         }
+
+    def _sketch_rows(self) -> tf.Tensor:
+        """The sketch's cells `[depth, width]` (int32; `[0, width]` without a sketch)."""
+        if self.sketch is None:
+            return tf.zeros([0, self.sketch_width], tf.int32)
+        rows = self.sketch.lookup(tf.range(self.sketch_depth, dtype=tf.int64))
+        return tf.reshape(rows, [self.sketch_depth, self.sketch_width])
 
     def load(
         self,
@@ -312,16 +339,23 @@ class DynamicTable(tf.Module):
         counters: np.ndarray,
         evicted: int = 0,
         counts: np.ndarray | None = None,
+        sketch: np.ndarray | None = None,
     ) -> np.ndarray:
         """Replaces what the table holds; `keys` get slots 0, 1, ...; returns their stamps.
 
         The arguments are those of `contents()` (at most `capacity` keys), and
         `evicted`: ids left out for want of room, added to the counter; `counts`
-        (None: zeros, as a checkpoint written before counts were kept). The
+        (None: zeros, as a checkpoint written before counts were kept); the
+        `sketch`'s cells (None or empty: zeros). The
         counters of the slots in use are set for the new slots.
         """
         for table in (self.index, self.slot_info, self.free, self.counters):
             table.remove(table.export()[0])
+        if self.sketch is not None:
+            cells = np.zeros([self.sketch_depth, self.sketch_width], np.int32)
+            if sketch is not None and np.size(sketch):
+                cells = np.asarray(sketch, np.int32)
+            self.sketch.insert(np.arange(self.sketch_depth, dtype=np.int64), cells)
         slots = np.arange(len(keys), dtype=np.int64)
         stamps = admitted * self.capacity + slots
         self.index.insert(tf.constant(keys, tf.int64), slots)
@@ -426,7 +460,11 @@ class DynamicTable(tf.Module):
             step,
             self._decayed(held_info, step) + held_seen * COUNT_ONE,
         )
-        counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
+        if self.sketch is None:
+            counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
+        else:
+            cells, columns = self._sketch_rows(), self._columns(unique)
+            counts = tf.where(held, tf.zeros_like(value), self._estimate(cells, columns) + seen)
         counts = tf.minimum(counts, COUNT_LIMIT - 1)
         with tf.control_dependencies([touched]):
             wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
@@ -440,6 +478,13 @@ class DynamicTable(tf.Module):
         # Ids left waiting keep their count, unless one lookup admits (it says nothing then):
         # refused or not, a table admitting at the first lookup grows no entry per id.
         waiting = ~held & ~admitted & (self.min_count > 1)
+        if self.sketch is not None:
+            waiting_counts = self._counted(cells, columns, waiting, counts, seen)
+        else:
+            waiting_counts = self.index.insert(  # the count, and the step it was last seen at
+                tf.boolean_mask(unique, waiting),
+                -1 - (tf.boolean_mask(counts, waiting) + step * COUNT_LIMIT),
+            )
         # What the step's lookups read: a row where the id holds one now, else the default.
         read_rows = tf.reduce_sum(tf.boolean_mask(seen, held | admitted))
         updates = [
@@ -453,10 +498,7 @@ class DynamicTable(tf.Module):
                 lookups=tf.size(keys),
                 defaults=tf.size(keys, out_type=tf.int64) - read_rows,
             ),
-            self.index.insert(  # the count, and the step it was last seen at
-                tf.boolean_mask(unique, waiting),
-                -1 - (tf.boolean_mask(counts, waiting) + step * COUNT_LIMIT),
-            ),
+            waiting_counts,
         ]
         if self._clock is None:
             updates.append(self._set("calls", step + 1))
@@ -477,6 +519,45 @@ class DynamicTable(tf.Module):
         packed = step + tf.bitwise.left_shift(tf.minimum(counts, COUNT_MAX), STEP_BITS)
         seen = tf.stack([stamps, packed, keys], 1)
         return self.slot_info.insert(slots, seen)
+
+    # The count-min sketch of the ids not admitted yet.
+
+    def _columns(self, keys: tf.Tensor) -> tf.Tensor:
+        """The cell of each of `keys` in each row of the sketch, `[depth, n]` (int64)."""
+        rows = tf.bitcast(tf.range(1, self.sketch_depth + 1, dtype=tf.int64), tf.uint64)
+        salts = _splitmix64(rows * _u64(_GOLDEN))
+        mixed = _splitmix64(tf.bitcast(keys, tf.uint64)[None, :] ^ salts[:, None])
+        return tf.cast(mixed % _u64(self.sketch_width), tf.int64)
+
+    def _estimate(self, cells: tf.Tensor, columns: tf.Tensor) -> tf.Tensor:
+        """The counts of the keys of `columns`: their smallest cell (an overestimate), int64."""
+        rows = tf.range(self.sketch_depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
+        found = tf.gather_nd(cells, tf.stack([rows, columns], -1))
+        return tf.cast(tf.reduce_min(found, 0), tf.int64)
+
+    def _counted(self, cells, columns, waiting, counts, seen) -> tf.Operation:
+        """Raises the cells of the `waiting` keys to their `counts` (a conservative update).
+
+        Then, once the sketch has taken `sketch_width` lookups since it was last
+        halved, halves every cell, so that counts age and the overestimate stays
+        within the bound of docs/tables.md.
+        """
+        columns = tf.boolean_mask(columns, waiting, axis=1)
+        rows = tf.range(self.sketch_depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
+        cells = tf.tensor_scatter_nd_max(
+            cells,
+            tf.reshape(tf.stack([rows, columns], -1), [-1, 2]),
+            tf.reshape(
+                tf.cast(tf.boolean_mask(counts, waiting)[None, :] + rows * 0, tf.int32), [-1]
+            ),
+        )
+        taken = self.counter("sketched") + tf.reduce_sum(tf.boolean_mask(seen, waiting))
+        full = taken >= self.sketch_width
+        cells = tf.where(full, tf.bitwise.right_shift(cells, 1), cells)
+        keys = tf.range(self.sketch_depth, dtype=tf.int64)
+        return tf.group(
+            self.sketch.insert(keys, cells), self._set("sketched", tf.where(full, 0, taken))
+        )
 
     def _decayed(self, info: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
         """The counts of slots of `info` decayed from their last-seen step to `step` (int64).

@@ -81,6 +81,13 @@ def _check_dynamic_table(model: ml_collections.ConfigDict) -> None:
             f"`model.fallback_rows` ({fallback}) must be >= 0 (hashed rows for ids without "
             "a row; 0: one shared default row); set e.g. `--config.model.fallback_rows=1000`."
         )
+    for field, example in (("sketch_width", 8192), ("sketch_depth", 2)):
+        value = model.get(field, example)
+        if value < 1:
+            raise UserError(
+                f"`model.{field}` ({value}) must be >= 1 (the count-min sketch of ids not "
+                f"admitted yet); set e.g. `--config.model.{field}={example}`."
+            )
 
 
 def _check_profile_steps(steps: tuple) -> None:
