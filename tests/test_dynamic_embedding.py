@@ -75,7 +75,7 @@ def test_ids_without_a_row_read_and_train_their_hashed_fallback_row():
     assert described["fallback_rows"] == 3
     plain = DynamicEmbedding(WIDTH, capacity=1)
     plain.build()
-    index_bytes = 6 * tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES  # 6 ids counted, 1 held
+    index_bytes = tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES  # 1 id held; refused: none
     assert described["bytes_held"] - plain.describe()["bytes_held"] == (
         3 * width_bytes + index_bytes
     )
@@ -349,7 +349,8 @@ def test_tensorboard_shows_each_blocks_ids_admissions_default_row_share_and_byte
         index_bytes = table["bytes_held"] - rows_bytes
         per_id = tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES
         assert figures[strategy]["bytes_held"][20] == table["bytes_held"]
-        assert held[20] * per_id <= index_bytes <= held[20] * per_id * 1.2
+        sketch = tables.SKETCH_DEPTH * tables.SKETCH_WIDTH * 4  # min_count 2: the sketch
+        assert index_bytes == held[20] * per_id + sketch, "no entry per id not admitted"
     # The replicas of `mirrored` admit the ids of the whole global batch, as one device does.
     assert figures["mirrored"] == figures["one_device"]
 

@@ -72,6 +72,10 @@ module each, named after the case:
    table admitting ids seen twice against a hashed one of as many rows; 10M
    ids over 2 ps tasks (bytes per id, lookups/s per task); incremental
    checkpoints reported as not built.
+12. `tables_quality`: on a drifting Zipf(1.1) stream of raw ids, eval AUC of a
+   hashed table against a `DynamicEmbedding` fitted into the same bytes, at
+   5%, 15%, 50% and 100% of the distinct ids as rows; at 15% the dynamic
+   policy one change at a time (LRU, `min_count` 1, no fallback rows).
 """
 
 from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes

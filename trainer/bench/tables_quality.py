@@ -10,13 +10,13 @@ the ids of every field (the ctr model's).
 
 For each share of the distinct ids the training split holds (counted first,
 `distinct_ids`): a hashed table (`keras.layers.Hashing` + an embedding) of
-that many rows, and a `DynamicEmbedding` with the default policy (`lfu`
-eviction) and fallback rows fitted into the same bytes (`fit`): rows, Adam's
-two slots, the row stamps, the index (`trainer.layers.tables.ENTRY_BYTES`
-and `INFO_ENTRY_BYTES` per id held) and the fallback rows. At the 15% share,
-beside them, the policies one change at a time (`VARIANTS`): LRU with
-fallback rows, LFU without them, and LRU without them (the table as it was
-before fallback rows and LFU).
+that many rows, and a `DynamicEmbedding` (`lfu` eviction, the default;
+`min_count` 2, counted in the sketch; `FALLBACK_SHARE` of its bytes in
+fallback rows: the best of the policies measured) fitted into the same
+bytes (`fit`): rows, Adam's two slots, the row stamps, the index
+(`trainer.layers.tables.ENTRY_BYTES` and `INFO_ENTRY_BYTES` per id held), the
+sketch and the fallback rows. At the 15% share, beside them, the policy one
+change at a time (`VARIANTS`): LRU, `min_count` 1, no fallback rows.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ SHARES = (0.05, 0.15, 0.5, 1.0)  # rows over distinct ids
 TARGET_SHARE = 0.15  # where dynamic must win by `TARGET_GAIN`
 TARGET_GAIN = 0.01
 WIDTH = 8
-FALLBACK_SHARE = 0.25  # of a dynamic table's bytes, its fallback rows (0: none)
+FALLBACK_SHARE = 0.75  # of a dynamic table's bytes, its fallback rows (0: none)
+MIN_COUNT = 2  # one-off ids train the fallback rows instead of taking a row for one step
 STREAM = {
     "data.ctr.id_space": "raw",
     "data.ctr.zipf_a": 1.1,
@@ -41,9 +42,12 @@ STREAM = {
     "model.embedding_dim": WIDTH,
     "strategy.name": "one_device",
 }
-# (name, eviction, fallback share): the policies compared at `TARGET_SHARE`.
-VARIANTS = (("lru_fallback", "lru", FALLBACK_SHARE), ("lfu_no_fallback", "lfu", 0.0))
-VARIANTS += (("lru_no_fallback", "lru", 0.0),)
+# (name, eviction, min_count, fallback share): the policies compared at `TARGET_SHARE`.
+VARIANTS = (
+    ("lru", "lru", MIN_COUNT, FALLBACK_SHARE),
+    ("lfu_min_count1", "lfu", 1, FALLBACK_SHARE),
+    ("lfu_no_fallback", "lfu", MIN_COUNT, 0.0),
+)
 
 
 def run(sizes: Sizes, reps: int, workdir: str) -> dict:
@@ -56,9 +60,9 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         label = f"{round(share * 100)}pct"
         hashed_rows = max(1, round(share * distinct))
         hashed_auc, hashed_bytes = train_auc(sizes, workdir, f"hashed_{label}", hashed_rows)
-        capacity, fallback = fit(hashed_bytes, FALLBACK_SHARE)
+        capacity, fallback = fit(hashed_bytes, FALLBACK_SHARE, MIN_COUNT)
         dynamic_auc, dynamic_bytes = train_auc(
-            sizes, workdir, f"dynamic_{label}", capacity, "lfu", fallback
+            sizes, workdir, f"dynamic_{label}", capacity, "lfu", fallback, MIN_COUNT
         )
         figures[f"auc_hashed_{label}"] = hashed_auc
         figures[f"auc_dynamic_{label}"] = dynamic_auc
@@ -68,9 +72,11 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             f"{fallback} | {dynamic_bytes} | {dynamic_auc:.4f} | {gains[label]:+.4f} |"
         )
         if share == TARGET_SHARE:
-            for name, eviction, fallback_share in VARIANTS:
-                capacity, fallback = fit(hashed_bytes, fallback_share)
-                auc, _ = train_auc(sizes, workdir, f"{name}_{label}", capacity, eviction, fallback)
+            for name, eviction, min_count, fallback_share in VARIANTS:
+                capacity, fallback = fit(hashed_bytes, fallback_share, min_count)
+                auc, _ = train_auc(
+                    sizes, workdir, f"{name}_{label}", capacity, eviction, fallback, min_count
+                )
                 figures[f"auc_{name}_{label}"] = auc
     table = [
         "| rows / distinct ids | hashed rows | hashed bytes | hashed AUC | dynamic rows + "
@@ -102,7 +108,8 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         notes=[
             f"{sizes.quality_steps} steps of 256 on one_device; ids Zipf(1.1) over "
             f"{sizes.quality_ids_per_field} ranks a field, drifting every 300 examples",
-            f"dynamic: eviction lfu, {FALLBACK_SHARE:.0%} of its bytes in fallback rows; "
+            f"dynamic: eviction lfu, min_count {MIN_COUNT}, {FALLBACK_SHARE:.0%} of its bytes "
+            "in fallback rows; "
             "bytes as `describe()` counts them at the end (rows, Adam's slots, stamps, index)",
         ],
     )
@@ -142,19 +149,22 @@ def distinct_ids(sizes: Sizes) -> int:
     return int(np.count_nonzero(ids))  # 0: the list's padding
 
 
-def fit(budget: int, fallback_share: float) -> tuple[int, int]:
+def fit(budget: int, fallback_share: float, min_count: int = 1) -> tuple[int, int]:
     """(capacity, fallback rows) of a dynamic table of `budget` bytes at its fullest.
 
     `fallback_share` of the bytes in fallback rows (a row and Adam's two
     slots); the rest in rows of its own: a row, Adam's slots, a stamp, and
-    the index's two entries per id held; plus the spare row.
+    the index's two entries per id held; plus the spare row, and with
+    `min_count` > 1 the count-min sketch.
     """
     from trainer.layers import tables
 
     hashed_row = WIDTH * 4 * 3
     fallback = int(fallback_share * budget) // hashed_row
+    sketch = tables.SKETCH_DEPTH * tables.SKETCH_WIDTH * 4 if min_count > 1 else 0
     own_row = hashed_row + 8 + tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES
-    capacity = max(1, (budget - fallback * hashed_row - hashed_row - 8) // own_row)
+    rest = budget - fallback * hashed_row - hashed_row - 8 - sketch
+    capacity = max(1, rest // own_row)
     return capacity, fallback
 
 
@@ -165,6 +175,7 @@ def train_auc(
     rows: int,
     eviction: str | None = None,
     fallback: int = 0,
+    min_count: int = 1,
 ) -> tuple[float, int]:
     """Eval AUC and bytes of the ctr job: hashed of `rows` rows, or dynamic given `eviction`.
 
@@ -179,6 +190,7 @@ def train_auc(
     else:
         fields = {"model.embedding": "dynamic", "model.capacity": rows}
         fields.update({"model.eviction": eviction, "model.fallback_rows": fallback})
+        fields["model.min_count"] = min_count
     job = train.build(config(sizes, **fields), os.path.join(workdir, f"quality-{name}"))
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         results = train.run(job, "train_and_eval")
@@ -187,5 +199,6 @@ def train_auc(
         size = rows * WIDTH * 4 * 3
     else:
         size = sum(part["bytes_held"] for part in layers.table_figures(job.model)["embedding"])
-    note(f"  {name}: rows {rows}, fallback {fallback}, bytes {size}, AUC {auc:.4f}")
+    note(f"  {name}: rows {rows}, fallback {fallback}, min_count {min_count}, bytes {size}")
+    note(f"  {name}: AUC {auc:.4f}")
     return auc, size

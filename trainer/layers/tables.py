@@ -556,7 +556,8 @@ class DynamicTable(tf.Module):
         cells = tf.where(full, tf.bitwise.right_shift(cells, 1), cells)
         keys = tf.range(self.sketch_depth, dtype=tf.int64)
         return tf.group(
-            self.sketch.insert(keys, cells), self._set("sketched", tf.where(full, tf.zeros_like(taken), taken))
+            self.sketch.insert(keys, cells),
+            self._set("sketched", tf.where(full, tf.zeros_like(taken), taken)),
         )
 
     def _decayed(self, info: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
