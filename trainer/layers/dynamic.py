@@ -81,13 +81,14 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     shape, or a `tf.RaggedTensor` of lists per example. No vocabulary size: a
     table (`trainer.layers.tables.DynamicTable`) gives each admitted id its own row,
     created with a value that depends only on (`seed`, id). Training lookups
-    count ids and admit them (an id admitted at a step reads its row from the
-    next step on); eval and serving lookups change nothing, and an id without
-    a row reads the default row. Under a synchronous strategy the replicas
-    (and the workers of `multi_worker`) agree on the ids admitted each step,
-    so every replica and worker holds the same table. Under `multi_worker`,
-    feed every worker ids of one shape (ragged lists padded with `mask_id`;
-    a ragged batch there is a one-line error saying so).
+    count ids and admit them (an id admitted at a step reads and trains its
+    row at that step); eval and serving lookups change nothing, and an id
+    without a row reads the default row (or its `fallback_rows` row). Under
+    a synchronous strategy the replicas (and the workers of `multi_worker`)
+    agree on the ids admitted each step, so every replica and worker holds
+    the same table. Under `multi_worker`, feed every worker ids of one shape
+    (ragged lists padded with `mask_id`; a ragged batch there is a one-line
+    error saying so).
     Under `parameter_server` the table is split by id (`tables.part_of`) into
     one part per ps task, each part's index, lock and variables on its task
     (`capacity` split evenly); the workers hold no table (`describe()` says

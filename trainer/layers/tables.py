@@ -6,10 +6,13 @@ two halves:
 
 * The *index*, on the host and shared by every replica of the process: hash
   tables (`tf.lookup.experimental.MutableHashTable`) from id to row slot and
-  from slot to (stamp, last-seen step, id), a stack of freed slots and a few
-  counters. A value below 0 in the id -> slot table is the count of
-  an id not admitted yet (`-1 - (count + last-seen step * COUNT_LIMIT)`), so
-  admission needs no second table.
+  from slot to (stamp, last-seen step and count, id), a stack of freed slots
+  and a few counters. The counts of ids not admitted yet (`min_count` > 1)
+  live in a count-min sketch of fixed size (`sketch_depth` rows of
+  `sketch_width` int32 cells), so the tail that is never admitted costs no
+  memory per id. (A value below 0 in the id -> slot table, the count of an id
+  not admitted yet as checkpoints written before the sketch hold it, is still
+  read: `-1 - (count + last-seen step * COUNT_LIMIT)`.)
   Every change to the index runs inside one `tf.CriticalSection`, so callers
   admitting ids at once (asynchronous workers) cannot race. The index is made
   of lookup tables, not variables, because a variable created under a
@@ -30,21 +33,24 @@ optimizer's update first resets such rows (and their optimizer slots) to the
 initial value, then applies the gradient.
 
 Admission is decided once a step on the ids of the whole global batch (the
-layer gathers them from every replica), and an id admitted at step t reads
-its row from step t + 1 on (at step t it still reads the default row). So
-what a step reads does not depend on how its batch is split over replicas or
-in what order replicas reach the table: the same ids are admitted and every
-id gets the same row under one device, several replicas or several workers.
-An id counts once per lookup; after `min_count` lookups it is admitted.
+layer gathers them from every replica), before the step's lookups: an id
+admitted at step t reads (and trains) its own row at step t. The replicas of
+a step each admit the same gathered batch, and the first to take the lock
+changes the table (`admit(once=True)`: a batch's fingerprint and step are
+noted). So what a step reads does not depend on how its batch is split over
+replicas or in what order replicas reach the table: the same ids are admitted
+and every id gets the same row under one device, several replicas or several
+workers. An id counts once per lookup; after `min_count` lookups it is
+admitted.
 
-Eviction is least-recently used: when the table is full, a new id takes the
-slot of the id seen longest ago (ties broken by id, never an id seen at the
-current step). With `ttl_steps`, a sweep every `ceil(ttl_steps / 8)` steps
-frees ids not seen for `ttl_steps` steps, and forgets the counts of ids
-not admitted that were not seen for as long (without a TTL, those counts
-are kept: with `min_count` > 1 the index grows with the distinct ids seen).
-With eviction off (`eviction=None`) a full table refuses new ids: they read
-the default row and are counted (`refused`); which of a step's new ids are
+Eviction: when the table is full, a new id takes the slot of the held id of
+the lowest count decayed by age (`eviction="lfu"`, the default: the count
+halves every `half_life` steps unseen) or of the id seen longest ago
+(`"lru"`); ties go to the older, then the smaller id, and an id seen at the
+current step is never evicted. With `ttl_steps`, a sweep every
+`ceil(ttl_steps / 8)` steps frees ids not seen for `ttl_steps` steps. With
+eviction off (`eviction=None`) a full table refuses new ids: they read the
+default row and are counted (`refused`); which of a step's new ids are
 refused then follows their order.
 
 The step is the optimizer's `iterations` once `trainer.loop.optim` has built for
@@ -54,14 +60,15 @@ Counters (`COUNTERS`, kept in the index and checkpointed with it) say what
 the table did: ids `admitted`, `evicted` (by LRU or the TTL), `refused` (a
 full table without eviction), and of the training lookups (each id of a
 step's global batch, leaving out the mask id), how many there were
-(`lookups`) and how many read the default row (`defaults`: ids without a row,
-or admitted at this step). They are counted in the admission the step
+(`lookups`) and how many read the default row (`defaults`: ids without a row
+after the step's admission); `sketched`: lookups the sketch took since it was
+last halved. They are counted in the admission the step
 already makes, so they cost no extra pass. `figures()` reads them with the
 sizes of the index, for the per-block summaries of `trainer.loop.actions.tables`.
 
 `contents()` and `load()` give and set what a table holds in a form that
 does not depend on its slots or capacity (ids, admission and last-seen
-steps, counts), so a split table restores into another split
+steps, counts, the sketch), so a split table restores into another split
 (`trainer.loop.portable`).
 """
 
