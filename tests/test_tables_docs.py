@@ -19,10 +19,10 @@ def _commands() -> list[str]:
     return [block.replace("\\\n", " ").strip() for block in blocks]
 
 
-def _run(command: str, tmp_path, timeout: float):
-    """`command` from the repository, its /tmp paths moved under `tmp_path`."""
+def _run(command: str, tmp_path, timeout: float, *more: str):
+    """`command` and `more` arguments from the repository, its /tmp paths under `tmp_path`."""
     args = [arg.replace("/tmp/", f"{tmp_path}/") for arg in shlex.split(command)]
-    return run_command(args, str(REPO), timeout)
+    return run_command([*args, *more], str(REPO), timeout)
 
 
 def test_the_pages_training_command_runs_as_written(tmp_path):
@@ -37,7 +37,7 @@ def test_the_pages_training_command_runs_as_written(tmp_path):
 @pytest.mark.slow  # eleven short training runs: about three minutes
 def test_the_pages_bench_command_prints_the_auc_table(tmp_path):
     (command,) = [c for c in _commands() if c.startswith("python -m trainer.bench")]
-    done = _run(f"{command} --json={tmp_path}/bench.json", tmp_path, timeout=900)
+    done = _run(command, tmp_path, 900, f"--json={tmp_path / 'bench.json'}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| rows / distinct ids | hashed rows |" in done.stderr
     case = json.loads((tmp_path / "bench.json").read_text())["cases"]["tables_quality"]
