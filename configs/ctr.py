@@ -67,7 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
     # hashed: a `ShardedEmbedding` of `vocab_size` rows; dynamic: a `DynamicEmbedding` (a row
     # per admitted raw id, `trainer.layers.tables`) with the options below.
     c.model.embedding = "hashed"
-    c.model.capacity = 0  # dynamic: most rows held (0: `vocab_size`); LRU-evicts when full
+    c.model.capacity = 0  # dynamic: most rows held (0: `vocab_size`); evicts when full
     c.model.min_count = 1  # dynamic: lookups an id needs before it gets its own row
     c.model.ttl_steps = 0  # dynamic: free rows (and forget counts) of ids unseen this long; 0: keep
     c.model.table_seed = 0  # dynamic: keys each id's initial row
@@ -76,6 +76,16 @@ def get_config() -> ml_collections.ConfigDict:
     # (0: `optimizer.learning_rate`); the dense layers keep `optimizer`.
     c.model.table_optimizer = ""
     c.model.table_learning_rate = 0.0
+    # dynamic: which id a full table evicts: lfu (lowest count, halved every 500 steps unseen),
+    # lru (least recently seen), or "" (none: a full table refuses new ids).
+    c.model.eviction = "lfu"
+    # dynamic: rows of a trained hashed fallback table that ids without a row read
+    # (row hash(id) % fallback_rows, counted in the table's bytes); 0: one shared default row.
+    c.model.fallback_rows = 0
+    # dynamic, min_count > 1: the counts of ids not admitted yet live in a count-min sketch of
+    # sketch_depth rows of sketch_width int32 cells (no memory per id; docs/tables.md: its bound).
+    c.model.sketch_width = 8192
+    c.model.sketch_depth = 2
     c.model.hidden_units = (64, 32)
     c.model.dropout = 0.0
 

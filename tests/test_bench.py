@@ -92,6 +92,9 @@ EXPECTED = {
             for interval in bench.QUICK.checkpoint_intervals
         ),
     ),
+    "tables_quality": tuple(
+        f"auc_{kind}_{share}pct" for share in (5, 15, 50, 100) for kind in ("hashed", "dynamic")
+    ),
 }
 
 

@@ -55,13 +55,11 @@ def test_an_id_gets_a_row_once_seen_min_count_times():
     assert int(table.counter("admitted")) == 1 and int(table.size()) == 1
 
 
-def test_an_id_admitted_at_a_step_is_found_from_the_next_step():
+def test_an_id_admitted_at_a_step_is_found_at_that_step():
     table = _table()
     _admit(table, [1])  # step 0
-    slots, stamps = table.find(tf.constant([1, 2], tf.int64), step=tf.constant(0, tf.int64))
-    assert slots.numpy().tolist() == [-1, -1] and stamps.numpy()[0] == 0 * 4 + 0
-    slots, _ = table.find(tf.constant([1], tf.int64), step=tf.constant(1, tf.int64))
-    assert slots.numpy().tolist() == [0]
+    slots, stamps = table.find(tf.constant([1, 2], tf.int64))
+    assert slots.numpy().tolist() == [0, -1] and stamps.numpy()[0] == 0 * 4 + 0
 
 
 def test_admission_does_not_depend_on_the_order_within_a_batch():
@@ -113,15 +111,27 @@ def test_ttl_frees_the_rows_of_ids_not_seen_for_ttl_steps():
     assert int(table.counter("free")) == 0 and int(table.counter("fresh")) == 2
 
 
-def test_ttl_forgets_the_counts_of_ids_not_seen_for_ttl_steps():
-    table = _table(min_count=3, ttl_steps=2)
+def test_counts_of_ids_not_admitted_live_in_a_fixed_sketch_and_age_by_halving():
+    table = _table(min_count=3, sketch_width=64, sketch_depth=2)
     _admit(table, [5, 5])  # step 0: 5 counted twice
-    _admit(table, [1])  # step 1
-    assert int(table.index.size()) == 2
-    _admit(table, [1])  # step 2: the count of 5, last seen at step 0, is forgotten
-    assert int(table.index.size()) == 1
-    _admit(table, [5])  # counted from zero again: not admitted
+    _admit(table, list(range(100, 160)))  # 60 other ids once each: no entry per id
+    assert int(table.index.size()) == 0 and table.figures()["index_bytes"] == 2 * 64 * 4
+    cells = table.contents()["sketch"]
+    assert cells.shape == (2, 64) and cells.max() == 2 and (cells > 0).sum() >= 60
+    _admit(table, [7, 8])  # 64 lookups taken: every cell halves
+    assert table.contents()["sketch"].max() == 1
+    _admit(table, [5])  # 5's count: 2 halved, + 1: not admitted
     assert _held(table, [5]) == [False]
+
+
+def test_a_sketched_count_is_never_under_the_true_count():
+    table = _table(capacity=1000, min_count=4, sketch_width=128, sketch_depth=2)
+    draw = np.random.RandomState(0)
+    for _ in range(3):  # 128 cells a row for 40 ids: collisions, never undercounts
+        _admit(table, draw.permutation(40).tolist())
+    assert int(table.counter("admitted")) == 0
+    estimates = table._estimate(table._sketch_rows(), table._columns(tf.range(40, dtype=tf.int64)))
+    assert (estimates.numpy() >= 3).all()
 
 
 def test_a_count_kept_across_steps_admits_at_min_count():
@@ -157,13 +167,50 @@ def test_concurrent_admissions_in_one_function_do_not_race():
 
 def test_lookups_and_those_that_read_the_default_row_are_counted_per_step():
     table = _table(capacity=2, min_count=2)
-    _admit(table, [7, 7, 8])  # step 0: nothing held; 7 admitted, read from step 1
-    assert [int(table.counter(name)) for name in ("lookups", "defaults")] == [3, 3]
-    _admit(table, [7, 8, 8, 9])  # step 1: 7 reads its row; 8 admitted now, the rest default
-    assert [int(table.counter(name)) for name in ("lookups", "defaults")] == [7, 6]
+    _admit(table, [7, 7, 8])  # step 0: 7 admitted and read at once; 8 waits, the default
+    assert [int(table.counter(name)) for name in ("lookups", "defaults")] == [3, 1]
+    _admit(table, [7, 8, 8, 9])  # step 1: 7 reads its row; 8 admitted now reads its; 9 default
+    assert [int(table.counter(name)) for name in ("lookups", "defaults")] == [7, 2]
     _admit(table, [8, 7, 9])  # step 2: 7 and 8 read rows; 9 is due, but the table is full
     figures = table.figures()
-    assert (figures["lookups"], figures["defaults"]) == (10, 7)
+    assert (figures["lookups"], figures["defaults"]) == (10, 3)
     assert (figures["ids_held"], figures["admitted"], figures["refused"]) == (2, 2, 1)
-    # Index entries: 7, 8, 9 (id -> slot or count); 2 slots -> (stamp, step, id).
-    assert figures["index_bytes"] == 3 * tables.ENTRY_BYTES + 2 * tables.INFO_ENTRY_BYTES
+    # Index entries: 7, 8 (id -> slot); 2 slots -> (stamp, step, id); the sketch's cells.
+    sketch = tables.SKETCH_DEPTH * tables.SKETCH_WIDTH * 4
+    assert figures["index_bytes"] == 2 * tables.ENTRY_BYTES + 2 * tables.INFO_ENTRY_BYTES + sketch
+
+
+def test_lfu_evicts_the_lowest_count_not_the_oldest():
+    table = _table(capacity=3, eviction="lfu")
+    _admit(table, [1, 1, 1, 2, 3])  # step 0: 1 seen three times
+    _admit(table, [2, 3])  # step 1: 1 is now the least recently seen, but the most seen
+    _admit(table, [4])  # step 2: 2 and 3 were seen twice, 1 three times
+    assert _held(table, [1, 2, 3, 4]) == [True, False, True, True]
+    lru = _table(capacity=3, eviction="lru")
+    for ids in ([1, 1, 1, 2, 3], [2, 3], [4]):
+        _admit(lru, ids)
+    assert _held(lru, [1, 2, 3, 4]) == [False, True, True, True]
+
+
+def test_lfu_counts_decay_with_age_so_a_drifted_head_gives_way():
+    table = _table(capacity=2, eviction="lfu", half_life=1)
+    _admit(table, [1] * 8)  # step 0: 1 seen 8 times
+    for _ in range(5):  # steps 1-5: 2 seen once a step; 1's count halves each step
+        _admit(table, [2])
+    _admit(table, [3])  # step 6: 1's count 8 / 2**6 is below 2's
+    assert _held(table, [1, 2, 3]) == [False, True, True]
+
+
+def test_counts_survive_contents_and_load():
+    table = _table(eviction="lfu")
+    _admit(table, [1, 1, 2])
+    content = table.contents()
+    assert sorted(content["counts"].tolist()) == [tables.COUNT_ONE, 2 * tables.COUNT_ONE]
+    other = _table(eviction="lfu")
+    keys = content["keys"]
+    names = ("admitted", "last_seen", "waiting", "waiting_values", "counters")
+    other.load(keys, *(content[n] for n in names), counts=content["counts"])
+    again = other.contents()
+    order = np.argsort(again["keys"])
+    assert again["counts"][order].tolist() == content["counts"][np.argsort(keys)].tolist()
+    assert again["last_seen"].tolist() == [0, 0]

@@ -77,6 +77,10 @@ module each, named after the case:
    step of the group of 2 (detection, save, re-form, first step; target <= 15 s),
    steps lost and examples repeated (target 0), and the shrunk group's steps/s
    against a fresh 2-worker job (target >= 0.95).
+13. `tables_quality`: on a drifting Zipf(1.1) stream of raw ids, eval AUC of a
+   hashed table against a `DynamicEmbedding` fitted into the same bytes, at
+   5%, 15%, 50% and 100% of the distinct ids as rows; at 15% the dynamic
+   policy one change at a time (LRU, `min_count` 1, no fallback rows).
 """
 
 from trainer.bench.sizes import CASES, FULL, QUICK, SINGLE_PROCESS, Sizes

@@ -19,6 +19,7 @@ CASES = (
     "data_service",
     "tables",
     "elastic",
+    "tables_quality",
 )
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
@@ -68,6 +69,9 @@ class Sizes:
     table_mirrored_steps: int = 100  # timed steps of each mirrored run, sparse and dense
     table_steps: int = 600  # steps of each quality run (the ctr job's own)
     table_ids: int = 10_000_000  # distinct ids of the scale run, over 2 ps tasks
+    # tables_quality: the drifting Zipf(1.1) stream, hashed against dynamic at equal bytes.
+    quality_steps: int = 2400  # steps of 256 of each run
+    quality_ids_per_field: int = 20_000  # ranks a field's values are drawn over
     # Full against incremental checkpoints: one run of this many steps, saving every
     # `checkpoint_intervals` steps, into a dynamic table of `incremental_rows` rows.
     incremental_steps: int = 400
@@ -117,6 +121,8 @@ QUICK = Sizes(
     table_mirrored_steps=10,
     table_steps=20,
     table_ids=10_000,
+    quality_steps=100,
+    quality_ids_per_field=2_000,
     incremental_steps=30,
     checkpoint_intervals=(5, 10),
     incremental_rows=5_000,

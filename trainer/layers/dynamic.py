@@ -31,6 +31,8 @@ def check_dynamic(
     capacity: int,
     eviction,
     where: str = "`DynamicEmbedding`",
+    fallback_rows: int = 0,
+    sketch: tuple[int, int] = (tables.SKETCH_WIDTH, tables.SKETCH_DEPTH),
 ) -> None:
     """Raises `UserError` naming the first bad argument of a dynamic table (`where`)."""
     rules = [
@@ -46,7 +48,25 @@ def check_dynamic(
             capacity >= 1,
             f"`capacity` ({capacity}) must be >= 1 row; e.g. {tables.DEFAULT_CAPACITY}",
         ),
-        (eviction in tables.EVICTIONS, f"`eviction` '{eviction}' must be 'lru' or None"),
+        (
+            eviction in tables.EVICTIONS,
+            f"`eviction` '{eviction}' must be one of 'lfu', 'lru', None; "
+            f"e.g. '{tables.DEFAULT_EVICTION}'",
+        ),
+        (
+            fallback_rows >= 0,
+            f"`fallback_rows` ({fallback_rows}) must be >= 0; 0 gives every id without a row "
+            "one shared default row",
+        ),
+        (
+            sketch[0] >= 1,
+            f"`sketch_width` ({sketch[0]}) must be >= 1 cell; e.g. {tables.SKETCH_WIDTH} "
+            "(the count-min sketch of ids not admitted yet)",
+        ),
+        (
+            sketch[1] >= 1,
+            f"`sketch_depth` ({sketch[1]}) must be >= 1 row; e.g. {tables.SKETCH_DEPTH}",
+        ),
     ]
     for ok, message in rules:
         if not ok:
@@ -62,13 +82,14 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     shape, or a `tf.RaggedTensor` of lists per example. No vocabulary size: a
     table (`trainer.layers.tables.DynamicTable`) gives each admitted id its own row,
     created with a value that depends only on (`seed`, id). Training lookups
-    count ids and admit them (an id admitted at a step reads its row from the
-    next step on); eval and serving lookups change nothing, and an id without
-    a row reads the default row. Under a synchronous strategy the replicas
-    (and the workers of `multi_worker`) agree on the ids admitted each step,
-    so every replica and worker holds the same table. Under `multi_worker`,
-    feed every worker ids of one shape (ragged lists padded with `mask_id`;
-    a ragged batch there is a one-line error saying so).
+    count ids and admit them (an id admitted at a step reads and trains its
+    row at that step); eval and serving lookups change nothing, and an id
+    without a row reads the default row (or its `fallback_rows` row). Under
+    a synchronous strategy the replicas (and the workers of `multi_worker`)
+    agree on the ids admitted each step, so every replica and worker holds
+    the same table. Under `multi_worker`, feed every worker ids of one shape
+    (ragged lists padded with `mask_id`; a ragged batch there is a one-line
+    error saying so).
     Under `parameter_server` the table is split by id (`tables.part_of`) into
     one part per ps task, each part's index, lock and variables on its task
     (`capacity` split evenly); the workers hold no table (`describe()` says
@@ -94,8 +115,19 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
       capacity: the most rows held (the memory bound: `capacity + 1` rows of
         the variable and of each optimizer slot, the last one spare); default
         `trainer.layers.tables.DEFAULT_CAPACITY`.
-      eviction: "lru": a full table evicts the least recently seen id; None:
-        it refuses new ids (they read the default row; `refused` counts them).
+      eviction: "lfu" (the default): a full table evicts the id of the lowest
+        count decayed by age (`trainer.layers.tables.HALF_LIFE`); "lru": the
+        least recently seen id; None: it refuses new ids (they read the
+        default row; `refused` counts them).
+      fallback_rows: 0: every id without a row (not admitted yet, refused,
+        evicted) reads one shared trainable default row; N > 0: it reads row
+        `hash(id) % N` of a trainable `[N, output_dim]` fallback table (as a
+        hashed embedding would), counted in `bytes_held`.
+      sketch_width, sketch_depth: with `min_count` > 1, the lookups of ids not
+        admitted yet are counted in a count-min sketch of `sketch_depth` rows
+        of `sketch_width` int32 cells (in `bytes_held`), no memory per id: a
+        count is over by at most e/`sketch_width` x the lookups it took since
+        it was last halved, with probability 1 - e**-`sketch_depth`.
       mask_id: an id that means "no id" (padding): it reads zeros, is never
         admitted, and combiners leave it out.
       seed: keys the initial rows.
@@ -112,13 +144,27 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         min_count: int = 1,
         ttl_steps: int = 0,
         capacity: int = tables.DEFAULT_CAPACITY,
-        eviction: str | None = "lru",
+        eviction: str | None = tables.DEFAULT_EVICTION,
         mask_id=None,
         seed: int = 0,
+        fallback_rows: int = 0,
+        sketch_width: int = tables.SKETCH_WIDTH,
+        sketch_depth: int = tables.SKETCH_DEPTH,
         **kwargs,
     ):
         super().__init__(**kwargs)
-        check_dynamic(key_dtype, combiner, min_count, ttl_steps, capacity, eviction)
+        check_dynamic(
+            key_dtype,
+            combiner,
+            min_count,
+            ttl_steps,
+            capacity,
+            eviction,
+            fallback_rows=fallback_rows,
+            sketch=(sketch_width, sketch_depth),
+        )
+        self.fallback_rows = int(fallback_rows)
+        self.sketch_width, self.sketch_depth = int(sketch_width), int(sketch_depth)
         self.output_dim = int(output_dim)
         self.key_dtype = key_dtype
         self.combiner = combiner
@@ -142,7 +188,28 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         for part in self.parts:
             part.build()
         self.rows, self.row_stamps = self.parts[0].rows, self.parts[0].row_stamps
-        self.default_row = self.add_weight((self.output_dim,), "zeros", name="default_row")
+        # Where ids without a row read: one logical variable, whatever the parts.
+        self.default_row = self.fallback = None
+        if self.fallback_rows:
+            self.fallback = self.add_weight(
+                (self.fallback_rows, self.output_dim), "zeros", name="fallback"
+            )
+        else:
+            self.default_row = self.add_weight((self.output_dim,), "zeros", name="default_row")
+
+    def defaults(self, keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+        """What each of `keys` reads without a row: the default row or its fallback row.
+
+        Zeros where not `valid`.
+
+        A fallback row is gathered for every key (`tf.gather`: a sparse gradient
+        of one row per key, never empty), then masked by the caller.
+        """
+        if self.fallback is None:
+            return tf.where(valid[:, None], self.default_row.value[None, :], 0.0)
+        buckets = tables.bucket_of(keys, self.fallback_rows)
+        rows = tf.gather(tf_patches.replica_copy(self.fallback.value), buckets)
+        return tf.where(valid[:, None], rows, 0.0)
 
     # `Portable`: the rows of every id, whatever the number of parts.
 
@@ -158,7 +225,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             return None
         rows = [capacity + 1 for capacity in sharding.split_rows(self.capacity, parts)]
         width = self.output_dim
-        return [(r, width) for r in rows] + [(width,)] + [(r,) for r in rows]
+        shared = (self.fallback_rows, width) if self.fallback_rows else (width,)
+        return [(r, width) for r in rows] + [shared] + [(r,) for r in rows]
 
     def twin(self, parts: int) -> keras.layers.Layer:
         with sharding.policy("none", num_ps=parts):
@@ -168,7 +236,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         return twin
 
     def export_logical(self, slots: Slots) -> dict[str, np.ndarray]:
-        """Every id's row, optimizer slots, admission and last-seen step; counts; counters.
+        """Every id's row, optimizer slots, admission and last-seen step, count; counters.
 
         `fresh` marks rows not written since their id was admitted (they read
         the id's initial row). `spare/...` is the spare row past the capacity.
@@ -184,8 +252,11 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
                 content[name], content[f"spare/{name}"] = value[held], value[-1:]
             parts.append(content)
         counters = tables.merged_counters([content.pop("counters") for content in parts])
+        # An id's count is in its part's sketch: the parts' largest cell is at least as large.
+        sketch = np.max([content.pop("sketch") for content in parts], axis=0)
         merged = {name: np.concatenate([c[name] for c in parts]) for name in parts[0]}
-        for name, variable, _ in with_slots(self.default_row, slots, "default"):
+        merged["sketch"] = sketch
+        for name, variable, _ in self._shared(slots):
             merged[name] = variable.numpy()
         return {**merged, "counters": counters}
 
@@ -196,6 +267,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         waiting = content["waiting"]
         waiting_owners = tables.part_of(tf.constant(waiting, tf.int64), len(self.parts)).numpy()
         counters = tables.split_counters(content["counters"], len(self.parts))
+        counts = content.get("counts")  # None from a checkpoint written before counts were kept
+        sketch = content.get("sketch")  # the parts' largest cells: each part takes them all
         warnings = []
         for part in self.parts:
             mine = np.flatnonzero(owners == part.index)
@@ -217,6 +290,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
                 content["waiting_values"][waits],
                 counters[part.index],
                 evicted,
+                counts[mine] if counts is not None else None,
+                sketch,
             )
             row_stamps = np.full(part.row_stamps.shape, -1, np.int64)
             row_stamps[: len(mine)] = np.where(content["fresh"][mine], -1, stamps)
@@ -225,9 +300,15 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
                 value = np.full(variable.shape, initial, variable.dtype)
                 value[: len(mine)], value[-1] = content[name][mine], content[f"spare/{name}"][0]
                 variable.assign(value)
-        for name, variable, _ in with_slots(self.default_row, slots, "default"):
+        for name, variable, _ in self._shared(slots):
             variable.assign(content[name])
         return warnings
+
+    def _shared(self, slots: Slots) -> list[tuple]:
+        """`with_slots` of the variable every part shares: the fallback rows or the default row."""
+        if self.fallback is not None:
+            return with_slots(self.fallback, slots, "fallback")
+        return with_slots(self.default_row, slots, "default")
 
     def describe(self) -> dict:
         """The table's policy, its parts (where each is, its bound, ids and bytes held), a line."""
@@ -251,6 +332,9 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             "min_count": self.min_count,
             "ttl_steps": self.ttl_steps,
             "eviction": self.eviction,
+            "fallback_rows": self.fallback_rows,
+            "sketch_width": self.sketch_width,
+            "sketch_depth": self.sketch_depth,
         }
         where = ", ".join(
             f"part {p['part']} on {p['device']} ({p['capacity']} rows)" for p in parts
@@ -259,7 +343,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         line = (
             f"table {self.name}: dynamic {self.key_dtype} ids, {self.output_dim} wide, at most "
             f"{self.capacity} rows (eviction {self.eviction}), min_count {self.min_count}, "
-            f"ttl_steps {self.ttl_steps}; {split}{where}"
+            f"ttl_steps {self.ttl_steps}, fallback_rows {self.fallback_rows}; {split}{where}"
         )
         held = sum(p["ids_held"] for p in parts)
         size = sum(p["bytes_held"] for p in parts)
@@ -378,6 +462,9 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             "eviction": self.eviction,
             "mask_id": self.mask_id,
             "seed": self.seed,
+            "fallback_rows": self.fallback_rows,
+            "sketch_width": self.sketch_width,
+            "sketch_depth": self.sketch_depth,
         }
 
 
@@ -439,6 +526,8 @@ class _TablePart:
                 layer.ttl_steps,
                 layer.eviction,
                 name=layer.name + self.suffix,
+                sketch_width=layer.sketch_width,
+                sketch_depth=layer.sketch_depth,
             )
         if index:
             setattr(layer, f"table{self.suffix}", self.table)  # tracked: saved in checkpoints
@@ -495,12 +584,16 @@ class _TablePart:
         `mirrored` each hold one): its rows, their optimizer slots and row
         stamps, allocated whole for `capacity + 1` rows up front, and its
         index, which grows with the ids held and counted (an estimate, see
-        `trainer.layers.tables.ENTRY_BYTES`).
+        `trainer.layers.tables.ENTRY_BYTES`); the first part's also the layer's
+        `fallback_rows` and their optimizer slots.
         """
         figures = self.table.figures()
         width, itemsize = self.layer.output_dim, tf.as_dtype(self.rows.dtype).size
         row_bytes = width * itemsize * (1 + self.optimizer_slots) + 8  # + its int64 stamp
         figures["bytes_held"] = (self.capacity + 1) * row_bytes + figures.pop("index_bytes")
+        if self.index == 0:  # the layer's fallback rows (and their slots), counted once
+            fallback_bytes = width * itemsize * (1 + self.optimizer_slots)
+            figures["bytes_held"] += self.layer.fallback_rows * fallback_bytes
         return figures
 
     def changed_since(self, step: int, variables: list) -> tuple[tf.Tensor, list[tf.Tensor]]:
@@ -532,13 +625,9 @@ class _TablePart:
         """
         seed, width = self.layer.seed, self.layer.output_dim
         with self._on_device():
-            if training:
-                step = self.table.now()
-                slots, stamps = self.table.find(keys, step)
-                with tf.control_dependencies([slots]):  # ids admitted now are found next step
-                    self._admit(keys, valid, step)
-            else:
-                slots, stamps = self.table.find(keys)
+            admitted = self._admit(keys, valid, self.table.now()) if training else None
+            with tf.control_dependencies([admitted] if admitted is not None else []):
+                slots, stamps = self.table.find(keys)  # ids admitted now read their own row
             hit = (slots >= 0) & valid
             slots = tf.where(hit, slots, self.capacity)
             rows = tf.gather(tf_patches.replica_copy(self.rows.value), slots)
@@ -551,21 +640,27 @@ class _TablePart:
                 stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64)
             )
         rows += tf.stop_gradient(fresh)
-        default = tf.where(valid[:, None], self.layer.default_row.value[None, :], 0.0)
-        return tf.where(hit[:, None], rows, default)
+        return tf.where(hit[:, None], rows, self.layer.defaults(keys, valid))
 
-    def _admit(self, keys: tf.Tensor, valid: tf.Tensor, step: tf.Tensor):
+    def _admit(self, keys: tf.Tensor, valid: tf.Tensor, step: tf.Tensor) -> tf.Tensor | None:
         """Admits the `valid` ids of the whole global batch, once per process.
 
-        Each replica gathers every replica's ids, and the first replica of each
-        worker admits them all: the same ids in the same step under any split,
-        and every worker's table the same. `step`: the table's `now()`.
+        Each replica gathers every replica's ids and admits them all, the table
+        changed by whichever replica comes first (`DynamicTable.admit`'s `once`):
+        the same ids in the same step under any split, every worker's table the
+        same, and each replica's lookups after the admission. `step`: the
+        table's `now()`. A table without the optimizer's clock (`use_clock`)
+        cannot tell the replicas' calls of one step apart: there the first
+        replica of each worker admits, and the others may read the default row
+        for ids admitted at that step.
         """
         replica = tf.distribute.get_replica_context()
         if replica is None or replica.num_replicas_in_sync == 1:
             return self.table.admit(tf.boolean_mask(keys, valid), step)
         keys, valid = replica.all_gather([keys, tf.cast(valid, tf.int64)], 0)
         everyone = tf.boolean_mask(keys, tf.cast(valid, tf.bool))
+        if self.table.clocked:
+            return self.table.admit(everyone, step, once=True)
         local = len(tf.distribute.get_strategy().extended.worker_devices)
         first = tf.equal(replica.replica_id_in_sync_group % local, 0)
         if tf.get_static_value(first) is not None:

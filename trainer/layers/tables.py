@@ -6,10 +6,13 @@ two halves:
 
 * The *index*, on the host and shared by every replica of the process: hash
   tables (`tf.lookup.experimental.MutableHashTable`) from id to row slot and
-  from slot to (stamp, last-seen step, id), a stack of freed slots and a few
-  counters. A value below 0 in the id -> slot table is the count of
-  an id not admitted yet (`-1 - (count + last-seen step * COUNT_LIMIT)`), so
-  admission needs no second table.
+  from slot to (stamp, last-seen step and count, id), a stack of freed slots
+  and a few counters. The counts of ids not admitted yet (`min_count` > 1)
+  live in a count-min sketch of fixed size (`sketch_depth` rows of
+  `sketch_width` int32 cells), so the tail that is never admitted costs no
+  memory per id. (A value below 0 in the id -> slot table, the count of an id
+  not admitted yet as checkpoints written before the sketch hold it, is still
+  read: `-1 - (count + last-seen step * COUNT_LIMIT)`.)
   Every change to the index runs inside one `tf.CriticalSection`, so callers
   admitting ids at once (asynchronous workers) cannot race. The index is made
   of lookup tables, not variables, because a variable created under a
@@ -30,21 +33,24 @@ optimizer's update first resets such rows (and their optimizer slots) to the
 initial value, then applies the gradient.
 
 Admission is decided once a step on the ids of the whole global batch (the
-layer gathers them from every replica), and an id admitted at step t reads
-its row from step t + 1 on (at step t it still reads the default row). So
-what a step reads does not depend on how its batch is split over replicas or
-in what order replicas reach the table: the same ids are admitted and every
-id gets the same row under one device, several replicas or several workers.
-An id counts once per lookup; after `min_count` lookups it is admitted.
+layer gathers them from every replica), before the step's lookups: an id
+admitted at step t reads (and trains) its own row at step t. The replicas of
+a step each admit the same gathered batch, and the first to take the lock
+changes the table (`admit(once=True)`: a batch's fingerprint and step are
+noted). So what a step reads does not depend on how its batch is split over
+replicas or in what order replicas reach the table: the same ids are admitted
+and every id gets the same row under one device, several replicas or several
+workers. An id counts once per lookup; after `min_count` lookups it is
+admitted.
 
-Eviction is least-recently used: when the table is full, a new id takes the
-slot of the id seen longest ago (ties broken by id, never an id seen at the
-current step). With `ttl_steps`, a sweep every `ceil(ttl_steps / 8)` steps
-frees ids not seen for `ttl_steps` steps, and forgets the counts of ids
-not admitted that were not seen for as long (without a TTL, those counts
-are kept: with `min_count` > 1 the index grows with the distinct ids seen).
-With eviction off (`eviction=None`) a full table refuses new ids: they read
-the default row and are counted (`refused`); which of a step's new ids are
+Eviction: when the table is full, a new id takes the slot of the held id of
+the lowest count decayed by age (`eviction="lfu"`, the default: the count
+halves every `half_life` steps unseen) or of the id seen longest ago
+(`"lru"`); ties go to the older, then the smaller id, and an id seen at the
+current step is never evicted. With `ttl_steps`, a sweep every
+`ceil(ttl_steps / 8)` steps frees ids not seen for `ttl_steps` steps. With
+eviction off (`eviction=None`) a full table refuses new ids: they read the
+default row and are counted (`refused`); which of a step's new ids are
 refused then follows their order.
 
 The step is the optimizer's `iterations` once `trainer.loop.optim` has built for
@@ -54,14 +60,15 @@ Counters (`COUNTERS`, kept in the index and checkpointed with it) say what
 the table did: ids `admitted`, `evicted` (by LRU or the TTL), `refused` (a
 full table without eviction), and of the training lookups (each id of a
 step's global batch, leaving out the mask id), how many there were
-(`lookups`) and how many read the default row (`defaults`: ids without a row,
-or admitted at this step). They are counted in the admission the step
+(`lookups`) and how many read the default row (`defaults`: ids without a row
+after the step's admission); `sketched`: lookups the sketch took since it was
+last halved. They are counted in the admission the step
 already makes, so they cost no extra pass. `figures()` reads them with the
 sizes of the index, for the per-block summaries of `trainer.loop.actions.tables`.
 
 `contents()` and `load()` give and set what a table holds in a form that
 does not depend on its slots or capacity (ids, admission and last-seen
-steps, counts), so a split table restores into another split
+steps, counts, the sketch), so a split table restores into another split
 (`trainer.loop.portable`).
 """
 
@@ -76,8 +83,19 @@ import tensorflow as tf
 
 DEFAULT_CAPACITY = 2**18  # rows per table: 32 MB of float32 rows at width 32
 ROW_SCALE = 0.05  # initial rows are uniform in [-ROW_SCALE, ROW_SCALE), as Keras's "uniform"
-EVICTIONS = ("lru", None)
+EVICTIONS = ("lfu", "lru", None)
+DEFAULT_EVICTION = "lfu"  # measured better than "lru" on a drifting long tail (docs/tables.md)
 COUNT_LIMIT = 2**16  # counts of ids not admitted yet stop at COUNT_LIMIT - 1
+# A held id's (decayed) count shares the int64 of its last-seen step: the step in the low
+# STEP_BITS bits, the count in units of 1 / COUNT_ONE lookups above them (no byte per id).
+STEP_BITS = 40
+COUNT_ONE = 16
+COUNT_MAX = 2 ** (63 - STEP_BITS) - 1
+HALF_LIFE = 500  # steps over which an id's count halves when it is not seen ("lfu")
+# Counts of ids not admitted yet (`min_count` > 1): a count-min sketch of SKETCH_DEPTH rows of
+# SKETCH_WIDTH int32 cells, halved whenever SKETCH_WIDTH lookups were added since the last.
+SKETCH_WIDTH = 2**13
+SKETCH_DEPTH = 2
 COUNTERS = (
     "fresh",
     "free",
@@ -88,6 +106,7 @@ COUNTERS = (
     "refused",
     "lookups",
     "defaults",
+    "sketched",
 )
 _C = {name: index for index, name in enumerate(COUNTERS)}
 _TOTALS = ("admitted", "evicted", "refused", "lookups", "defaults")  # add up over a table's parts
@@ -144,6 +163,15 @@ def part_of(keys: tf.Tensor, parts: int) -> tf.Tensor:
     return tf.cast(mixed % _u64(parts), tf.int32)
 
 
+def bucket_of(keys: tf.Tensor, buckets: int) -> tf.Tensor:
+    """Which of `buckets` hashed rows each of int64 `keys` reads without a row of its own (int64).
+
+    By a hash salted apart from `part_of`'s, so that a part's ids spread over every bucket.
+    """
+    mixed = _splitmix64(tf.bitcast(keys, tf.uint64) + _u64(_GOLDEN))
+    return tf.cast(mixed % _u64(buckets), tf.int64)
+
+
 class DynamicTable(tf.Module):
     """The index of one dynamic table: int64 ids -> row slots, admission and eviction.
 
@@ -151,8 +179,12 @@ class DynamicTable(tf.Module):
       capacity: the most rows (slots) the table holds.
       min_count: lookups an id needs before it gets a row.
       ttl_steps: free the rows of ids not seen for this many steps (0: never).
-      eviction: "lru" (a full table evicts the least recently seen id) or None
-        (a full table refuses new ids).
+      eviction: "lfu" (a full table evicts the id of the lowest count decayed by
+        its age, `half_life`), "lru" (the least recently seen id) or None (a full
+        table refuses new ids).
+      half_life: steps over which an unseen id's count halves ("lfu").
+      sketch_width, sketch_depth: the count-min sketch that counts the lookups
+        of ids not admitted yet (with `min_count` > 1; else none).
     """
 
     def __init__(
@@ -160,20 +192,34 @@ class DynamicTable(tf.Module):
         capacity: int,
         min_count: int = 1,
         ttl_steps: int = 0,
-        eviction: str | None = "lru",
+        eviction: str | None = DEFAULT_EVICTION,
         name: str = "table",
+        half_life: int = HALF_LIFE,
+        sketch_width: int = SKETCH_WIDTH,
+        sketch_depth: int = SKETCH_DEPTH,
     ):
         super().__init__(name=name)
         self.capacity = int(capacity)
         self.min_count = int(min_count)
         self.ttl_steps = int(ttl_steps)
         self.eviction = eviction
+        self.half_life = int(half_life)
+        self.sketch_width, self.sketch_depth = int(sketch_width), int(sketch_depth)
         self.sweep_every = max(1, math.ceil(self.ttl_steps / 8))
         with tf.device("/cpu:0"):
             self.index = self._hash_table(-1)
             self.slot_info = self._hash_table(tf.constant(_NO_SLOT, tf.int64))
             self.free = self._hash_table(-1)
             self.counters = self._hash_table(0)
+            # The global batches admitted at each step (fingerprint -> step), so that every
+            # replica may admit a step's batch and only the first changes the index. Not
+            # checkpointed (a list hides it from tracking): it matters within a step only.
+            self._batches = [self._hash_table(-1)]
+            self.sketch = None
+            if self.min_count > 1:  # a row of cells per key 0 .. depth - 1
+                self.sketch = tf.lookup.experimental.MutableHashTable(
+                    tf.int64, tf.int32, tf.zeros([self.sketch_width], tf.int32)
+                )
         # A shared name of its own: the CriticalSections a process creates eagerly
         # without one are all one mutex (TF 2.21), and two tables admitting in one
         # step then wait on each other forever.
@@ -193,6 +239,11 @@ class DynamicTable(tf.Module):
     def use_clock(self, step: tf.Variable) -> None:
         """Takes the step from `step` (the optimizer's `iterations`) instead of counting calls."""
         self._clock = step
+
+    @property
+    def clocked(self) -> bool:
+        """Whether the step comes from a clock (`use_clock`) rather than the count of calls."""
+        return self._clock is not None
 
     def now(self) -> tf.Tensor:
         """The current step, on this table's device.
@@ -240,8 +291,12 @@ class DynamicTable(tf.Module):
         return {
             **dict(zip(COUNTERS, counts.tolist(), strict=True)),
             "ids_held": held,
-            "index_bytes": entries * ENTRY_BYTES + held * INFO_ENTRY_BYTES,
+            "index_bytes": entries * ENTRY_BYTES + held * INFO_ENTRY_BYTES + self.sketch_bytes(),
         }
+
+    def sketch_bytes(self) -> int:
+        """The bytes of the count-min sketch: its cells (0 without one)."""
+        return 0 if self.sketch is None else self.sketch_depth * self.sketch_width * 4
 
     # Contents, whatever the slots and capacity.
 
@@ -249,7 +304,8 @@ class DynamicTable(tf.Module):
         """What the table holds, read to the host.
 
         `keys` (the ids holding a row), their `slots`, `stamps`, `admitted`
-        (the step each was admitted at) and `last_seen` steps; `waiting` (ids
+        (the step each was admitted at), `last_seen` steps and `counts` (decayed
+        to the last-seen step, in 1 / `COUNT_ONE` lookups); `waiting` (ids
         counted, not admitted) and `waiting_values` (their count and last-seen
         step, as the index holds them); `counters` (by `COUNTERS` position).
         """
@@ -265,11 +321,20 @@ class DynamicTable(tf.Module):
             "slots": slots,
             "stamps": info[:, 0],
             "admitted": info[:, 0] // self.capacity,
-            "last_seen": info[:, 1],
+            "last_seen": info[:, 1] & (2**STEP_BITS - 1),
+            "counts": info[:, 1] >> STEP_BITS,
             "waiting": keys[~held],
             "waiting_values": values[~held],
+            "sketch": self._sketch_rows().numpy(),
             "counters": counters,
         }
+
+    def _sketch_rows(self) -> tf.Tensor:
+        """The sketch's cells `[depth, width]` (int32; `[0, width]` without a sketch)."""
+        if self.sketch is None:
+            return tf.zeros([0, self.sketch_width], tf.int32)
+        rows = self.sketch.lookup(tf.range(self.sketch_depth, dtype=tf.int64))
+        return tf.reshape(rows, [self.sketch_depth, self.sketch_width])
 
     def load(
         self,
@@ -280,20 +345,31 @@ class DynamicTable(tf.Module):
         waiting_values: np.ndarray,
         counters: np.ndarray,
         evicted: int = 0,
+        counts: np.ndarray | None = None,
+        sketch: np.ndarray | None = None,
     ) -> np.ndarray:
         """Replaces what the table holds; `keys` get slots 0, 1, ...; returns their stamps.
 
         The arguments are those of `contents()` (at most `capacity` keys), and
-        `evicted`: ids left out for want of room, added to the counter. The
+        `evicted`: ids left out for want of room, added to the counter; `counts`
+        (None: zeros, as a checkpoint written before counts were kept); the
+        `sketch`'s cells (None or empty: zeros). The
         counters of the slots in use are set for the new slots.
         """
         for table in (self.index, self.slot_info, self.free, self.counters):
             table.remove(table.export()[0])
+        if self.sketch is not None:
+            cells = np.zeros([self.sketch_depth, self.sketch_width], np.int32)
+            if sketch is not None and np.size(sketch):
+                cells = np.asarray(sketch, np.int32)
+            self.sketch.insert(np.arange(self.sketch_depth, dtype=np.int64), cells)
         slots = np.arange(len(keys), dtype=np.int64)
         stamps = admitted * self.capacity + slots
         self.index.insert(tf.constant(keys, tf.int64), slots)
         self.index.insert(tf.constant(waiting, tf.int64), tf.constant(waiting_values, tf.int64))
-        info = np.stack([stamps, last_seen, keys], 1).reshape([-1, 3]).astype(np.int64)
+        counts = np.zeros_like(keys) if counts is None else np.asarray(counts, np.int64)
+        seen = np.asarray(last_seen, np.int64) | (counts << STEP_BITS)
+        info = np.stack([stamps, seen, keys], 1).reshape([-1, 3]).astype(np.int64)
         self.slot_info.insert(slots, info)
         counters = np.array(counters, np.int64)
         counters[_C["fresh"]], counters[_C["free"]] = len(keys), 0
@@ -312,22 +388,15 @@ class DynamicTable(tf.Module):
         by the TTL sweep, perhaps written before): a release leaves no step.
         """
         slots, info = self._export()
-        seen = tf.boolean_mask(slots, info[:, 1] >= since)
+        seen = tf.boolean_mask(slots, _last_seen(info) >= since)
         free = tf.reshape(self.free.lookup(tf.range(self.counter("free"))), [-1])
         return tf.sort(tf.concat([seen, free], 0))
 
-    def find(self, keys: tf.Tensor, step: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
-        """Slots and stamps of int64 `keys` (1-D); changes nothing.
-
-        The slot is -1 where an id holds no row, or (given `step`) was admitted
-        at `step` or later.
-        """
+    def find(self, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """Slots and stamps of int64 `keys` (1-D); changes nothing. The slot is -1 where none."""
         slots = tf.reshape(self.index.lookup(keys), [-1])
         slots = tf.where(slots >= 0, slots, -1)
-        stamps = self.stamps(slots)
-        if step is not None:
-            slots = tf.where(stamps // self.capacity < step, slots, -1)
-        return slots, stamps
+        return slots, self.stamps(slots)
 
     def stamps(self, slots: tf.Tensor) -> tf.Tensor:
         """The stamp of each slot's current id: `capacity * admission step + slot` (-1: free)."""
@@ -341,13 +410,18 @@ class DynamicTable(tf.Module):
         """The (stamp, last-seen step, id) of each of `slots`; `_NO_SLOT` where free."""
         return tf.reshape(self.slot_info.lookup(slots), [-1, 3])
 
-    def admit(self, keys: tf.Tensor, step: tf.Tensor | None = None) -> tf.Operation:
+    def admit(
+        self, keys: tf.Tensor, step: tf.Tensor | None = None, once: bool = False
+    ) -> tf.Tensor:
         """Counts int64 `keys` (1-D, a step's), admits those seen `min_count` times.
 
         Every key's last-seen step becomes the current step: `step`, as `now()`
         gave it (read here if None), or without a clock the count of calls,
-        read inside the lock. Ids admitted now are found from the next step on.
-        Then, if due, the TTL sweep.
+        read inside the lock. Ids admitted now are found at once (`find` after
+        this). Then, if due, the TTL sweep. With `once` (the replicas of a
+        step, each admitting the same gathered batch), a batch already admitted
+        at this step changes nothing: whichever replica comes first admits it,
+        and every replica's `find` that follows its own call sees the admission.
         """
         # The clock is read outside the lock: the parts of a split table share it,
         # and a lock claims every resource read inside it for itself alone.
@@ -355,7 +429,25 @@ class DynamicTable(tf.Module):
             step = None
         elif step is None:
             step = self.now()
-        return self._lock.execute(lambda: self._admit(keys, step))
+        if not once or step is None:
+            return self._lock.execute(lambda: self._admit(keys, step))
+        mark = tf.bitcast(tf.fingerprint(keys[None, :]), tf.int64)[0]
+        return self._lock.execute(lambda: self._admit_once(keys, step, mark))
+
+    def _admit_once(self, keys: tf.Tensor, step: tf.Tensor, mark: tf.Tensor) -> tf.Tensor:
+        """`_admit` unless the batch of fingerprint `mark` was admitted at `step`."""
+        batches = self._batches[0]
+        done = tf.equal(tf.reshape(batches.lookup(mark[None]), []), step)
+
+        def admit():
+            marked, steps = batches.export()
+            old = tf.boolean_mask(marked, tf.reshape(steps, [-1]) < step)
+            with tf.control_dependencies([batches.remove(old)]):
+                noted = batches.insert(mark[None], step[None])
+            with tf.control_dependencies([noted]):
+                return self._admit(keys, step)
+
+        return tf.cond(done, lambda: tf.constant(False), admit)
 
     def _admit(self, keys: tf.Tensor, clock: tf.Tensor | None) -> tf.Tensor:
         step = self.now() if clock is None else clock
@@ -366,13 +458,20 @@ class DynamicTable(tf.Module):
         value = tf.reshape(self.index.lookup(unique), [-1])
         held = value >= 0
         held_slots = tf.boolean_mask(value, held)
-        held_stamps = self.stamps(held_slots)
-        touched = self._touch(held_slots, held_stamps, tf.boolean_mask(unique, held), step)
-        # What the step's lookups read (`find` at `step`): a row where the id held
-        # one admitted before `step`, else the default row.
-        found = tf.cast(held_stamps // self.capacity < step, tf.int64)
-        read_rows = tf.reduce_sum(tf.boolean_mask(seen, held) * found)
-        counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
+        held_info = self._info(held_slots)
+        held_seen = tf.boolean_mask(seen, held)
+        touched = self._touch(
+            held_slots,
+            held_info[:, 0],
+            tf.boolean_mask(unique, held),
+            step,
+            self._decayed(held_info, step) + held_seen * COUNT_ONE,
+        )
+        if self.sketch is None:
+            counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
+        else:
+            cells, columns = self._sketch_rows(), self._columns(unique)
+            counts = tf.where(held, tf.zeros_like(value), self._estimate(cells, columns) + seen)
         counts = tf.minimum(counts, COUNT_LIMIT - 1)
         with tf.control_dependencies([touched]):
             wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
@@ -383,20 +482,30 @@ class DynamicTable(tf.Module):
         admitted = tf.scatter_nd(
             granted[:, None], tf.ones_like(granted, tf.bool), tf.shape(held, out_type=tf.int64)
         )
-        waiting = ~held & ~admitted
+        # Ids left waiting keep their count, unless one lookup admits (it says nothing then):
+        # refused or not, a table admitting at the first lookup grows no entry per id.
+        waiting = ~held & ~admitted & (self.min_count > 1)
+        if self.sketch is not None:
+            waiting_counts = self._counted(cells, columns, waiting, counts, seen)
+        else:
+            waiting_counts = self.index.insert(  # the count, and the step it was last seen at
+                tf.boolean_mask(unique, waiting),
+                -1 - (tf.boolean_mask(counts, waiting) + step * COUNT_LIMIT),
+            )
+        # What the step's lookups read: a row where the id holds one now, else the default.
+        read_rows = tf.reduce_sum(tf.boolean_mask(seen, held | admitted))
         updates = [
             self.index.insert(new_keys, new_slots),
-            self._touch(new_slots, new_stamps, new_keys, step),
+            self._touch(
+                new_slots, new_stamps, new_keys, step, tf.gather(counts, granted) * COUNT_ONE
+            ),
             self._add(
                 admitted=tf.size(new_slots),
                 refused=tf.size(wanted) - tf.size(new_slots),
                 lookups=tf.size(keys),
                 defaults=tf.size(keys, out_type=tf.int64) - read_rows,
             ),
-            self.index.insert(  # the count, and the step it was last seen at
-                tf.boolean_mask(unique, waiting),
-                -1 - (tf.boolean_mask(counts, waiting) + step * COUNT_LIMIT),
-            ),
+            waiting_counts,
         ]
         if self._clock is None:
             updates.append(self._set("calls", step + 1))
@@ -405,10 +514,69 @@ class DynamicTable(tf.Module):
                 return self._maybe_sweep(step)
             return tf.constant(True)
 
-    def _touch(self, slots: tf.Tensor, stamps: tf.Tensor, keys: tf.Tensor, step: tf.Tensor):
-        """Marks `slots` (holding `stamps` of `keys`) seen at `step`."""
-        seen = tf.stack([stamps, tf.fill(tf.shape(slots), step), keys], 1)
+    def _touch(
+        self,
+        slots: tf.Tensor,
+        stamps: tf.Tensor,
+        keys: tf.Tensor,
+        step: tf.Tensor,
+        counts: tf.Tensor,
+    ):
+        """Marks `slots` (holding `stamps` of `keys`) seen at `step`, with `counts` then."""
+        packed = step + tf.bitwise.left_shift(tf.minimum(counts, COUNT_MAX), STEP_BITS)
+        seen = tf.stack([stamps, packed, keys], 1)
         return self.slot_info.insert(slots, seen)
+
+    # The count-min sketch of the ids not admitted yet.
+
+    def _columns(self, keys: tf.Tensor) -> tf.Tensor:
+        """The cell of each of `keys` in each row of the sketch, `[depth, n]` (int64)."""
+        rows = tf.bitcast(tf.range(1, self.sketch_depth + 1, dtype=tf.int64), tf.uint64)
+        salts = _splitmix64(rows * _u64(_GOLDEN))
+        mixed = _splitmix64(tf.bitcast(keys, tf.uint64)[None, :] ^ salts[:, None])
+        return tf.cast(mixed % _u64(self.sketch_width), tf.int64)
+
+    def _estimate(self, cells: tf.Tensor, columns: tf.Tensor) -> tf.Tensor:
+        """The counts of the keys of `columns`: their smallest cell (an overestimate), int64."""
+        rows = tf.range(self.sketch_depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
+        found = tf.gather_nd(cells, tf.stack([rows, columns], -1))
+        return tf.cast(tf.reduce_min(found, 0), tf.int64)
+
+    def _counted(self, cells, columns, waiting, counts, seen) -> tf.Operation:
+        """Raises the cells of the `waiting` keys to their `counts` (a conservative update).
+
+        Then, once the sketch has taken `sketch_width` lookups since it was last
+        halved, halves every cell, so that counts age and the overestimate stays
+        within the bound of docs/tables.md.
+        """
+        columns = tf.boolean_mask(columns, waiting, axis=1)
+        rows = tf.range(self.sketch_depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
+        cells = tf.tensor_scatter_nd_max(
+            cells,
+            tf.reshape(tf.stack([rows, columns], -1), [-1, 2]),
+            tf.reshape(
+                tf.cast(tf.boolean_mask(counts, waiting)[None, :] + rows * 0, tf.int32), [-1]
+            ),
+        )
+        taken = self.counter("sketched") + tf.reduce_sum(tf.boolean_mask(seen, waiting))
+        full = taken >= self.sketch_width
+        cells = tf.where(full, tf.bitwise.right_shift(cells, 1), cells)
+        keys = tf.range(self.sketch_depth, dtype=tf.int64)
+        return tf.group(
+            self.sketch.insert(keys, cells),
+            self._set("sketched", tf.where(full, tf.zeros_like(taken), taken)),
+        )
+
+    def _decayed(self, info: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """The counts of slots of `info` decayed from their last-seen step to `step` (int64).
+
+        Halved every `half_life` steps unseen (exactly: by 2**(-age / half_life),
+        rounded down), in float64 on the host: the same on every device and run.
+        """
+        age = tf.cast(step - _last_seen(info), tf.float64)
+        counts = tf.cast(_count(info), tf.float64)
+        decay = tf.pow(tf.constant(2.0, tf.float64), -age / self.half_life)
+        return tf.cast(tf.floor(counts * decay), tf.int64)
 
     # Allocation and eviction.
 
@@ -422,20 +590,27 @@ class DynamicTable(tf.Module):
         updates = [self._set("free", free - reused), self._set("fresh", fresh + more)]
         with tf.control_dependencies(updates):
             slots = [popped, tf.range(fresh, fresh + more)]
-            if self.eviction == "lru":
+            if self.eviction is not None:
                 slots.append(self._evict(wanted - reused - more, step))
             return tf.concat(slots, 0)
 
     def _evict(self, count: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-        """Frees up to `count` slots of the ids seen longest ago (before `step`)."""
+        """Frees up to `count` slots of ids not seen at `step`: the lowest first.
+
+        "lru": the ids seen longest ago first; "lfu": the lowest decayed counts
+        first (then the oldest). Ties by id: the choice depends on neither slots
+        nor export order.
+        """
 
         def evict():
             slots, info = self._export()
-            older = info[:, 1] < step
-            slots, last_seen = tf.boolean_mask(slots, older), tf.boolean_mask(info[:, 1], older)
-            # Oldest first, ties by id: the choice depends on neither slots nor export order.
-            order = tf.argsort(self.keys_of(slots), stable=True)
-            order = tf.gather(order, tf.argsort(tf.gather(last_seen, order), stable=True))
+            older = _last_seen(info) < step
+            slots, info = tf.boolean_mask(slots, older), tf.boolean_mask(info, older)
+            order = tf.argsort(info[:, 2], stable=True)
+            order = tf.gather(order, tf.argsort(tf.gather(_last_seen(info), order), stable=True))
+            if self.eviction == "lfu":
+                counts = tf.gather(self._decayed(info, step), order)
+                order = tf.gather(order, tf.argsort(counts, stable=True))
             chosen = tf.gather(slots, order[:count])
             with tf.control_dependencies([self._release(chosen, "evicted")]):
                 return tf.identity(chosen)
@@ -465,7 +640,7 @@ class DynamicTable(tf.Module):
             counted_until = (-values - 1) // COUNT_LIMIT
             forgotten = (values < 0) & (counted_until <= step - self.ttl_steps)
             slots, info = self._export()
-            expired = tf.boolean_mask(slots, info[:, 1] <= step - self.ttl_steps)
+            expired = tf.boolean_mask(slots, _last_seen(info) <= step - self.ttl_steps)
             free = self.counter("free")
             count = tf.size(expired, out_type=tf.int64)
             with tf.control_dependencies([self._release(expired, "evicted")]):
@@ -479,6 +654,16 @@ class DynamicTable(tf.Module):
                 return tf.constant(True)
 
         return tf.cond(due, sweep, lambda: tf.constant(False))
+
+
+def _last_seen(info: tf.Tensor) -> tf.Tensor:
+    """The last-seen steps of slots' (stamp, seen, id) `info` rows (their counts left out)."""
+    return tf.bitwise.bitwise_and(info[:, 1], 2**STEP_BITS - 1)
+
+
+def _count(info: tf.Tensor) -> tf.Tensor:
+    """The counts (at their last-seen step, in 1 / `COUNT_ONE` lookups) of slots' `info`."""
+    return tf.bitwise.right_shift(info[:, 1], STEP_BITS)
 
 
 def merged_counters(counters: list[np.ndarray]) -> np.ndarray:

@@ -75,6 +75,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "`train.steps` (0: until stopped)."
         )
     _check_elastic(config)
+    _check_dynamic_table(config.model)
     endless = config.train.steps == 0 and config.data.get("follow", False)
     if config.train.epochs == 0 and config.train.steps <= 0 and not endless:
         raise UserError(
@@ -114,6 +115,31 @@ def _check_elastic(config: ml_collections.ConfigDict) -> None:
             raise UserError(
                 f"`cluster.elastic.{field}` ({elastic[field]}) must be >= 0; use e.g. the "
                 "value in configs/default.py."
+            )
+
+
+def _check_dynamic_table(model: ml_collections.ConfigDict) -> None:
+    """The dynamic table's options of the built-in ctr model (`model.embedding=dynamic`)."""
+    if model.get("embedding") != "dynamic":
+        return
+    eviction = model.get("eviction", "lfu")
+    if eviction not in ("lfu", "lru", ""):
+        raise UserError(
+            f"`model.eviction` '{eviction}' is not an eviction policy; use one of lfu, lru "
+            "or '' (none: a full table refuses new ids), e.g. `--config.model.eviction=lfu`."
+        )
+    fallback = model.get("fallback_rows", 0)
+    if fallback < 0:
+        raise UserError(
+            f"`model.fallback_rows` ({fallback}) must be >= 0 (hashed rows for ids without "
+            "a row; 0: one shared default row); set e.g. `--config.model.fallback_rows=1000`."
+        )
+    for field, example in (("sketch_width", 8192), ("sketch_depth", 2)):
+        value = model.get(field, example)
+        if value < 1:
+            raise UserError(
+                f"`model.{field}` ({value}) must be >= 1 (the count-min sketch of ids not "
+                f"admitted yet); set e.g. `--config.model.{field}={example}`."
             )
 
 

@@ -229,7 +229,8 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     (under `parameter_server` with a partitioner, split over the ps tasks);
     "dynamic": a `DynamicEmbedding` of the raw ids, at most `model.capacity`
     rows, admitting ids seen `model.min_count` times, freeing those unseen for
-    `model.ttl_steps` steps. Both are `model.embedding_dim` wide (configs/ctr.py
+    `model.ttl_steps` steps, evicting by `model.eviction`, ids without a row
+    reading `model.fallback_rows` hashed rows. Both are `model.embedding_dim` wide (configs/ctr.py
     sets the fields). Raw ids (int64 or string features, `data.ctr.id_space=raw`)
     go into the hashed table through `keras.layers.Hashing` into `vocab_size`
     rows (distinct ids collide), into the dynamic one as they are; the last
@@ -263,6 +264,10 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
             capacity=config.capacity or vocab,
             min_count=config.min_count,
             ttl_steps=config.ttl_steps,
+            eviction=config.get("eviction", "lfu") or None,
+            fallback_rows=config.get("fallback_rows", 0),
+            sketch_width=config.get("sketch_width", 8192),
+            sketch_depth=config.get("sketch_depth", 2),
             mask_id=padding,
             seed=config.table_seed,
             name="embedding",

@@ -1,0 +1,82 @@
+"""Dynamic tables' policies under the trainer: LFU eviction, fallback rows, their bad config."""
+
+import pathlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.helpers import run_cli
+from tests.test_models import tiny_ctr_config
+from trainer.layers import tables
+from trainer.loop import train
+from trainer.loop.checkpoints import Checkpointer
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _raw_ctr_config(strategy: str, steps: int):
+    """The tiny ctr job on raw ids, into a table too small for them, with fallback rows."""
+    config = tiny_ctr_config(
+        **{"strategy.name": strategy, "train.steps": steps, "train.deterministic": True}
+    )
+    config.data.ctr.update({"id_space": "raw", "drift_every": 50, "zipf_a": 1.1})
+    config.model.update(
+        {"embedding": "dynamic", "capacity": 60, "eviction": "lfu", "fallback_rows": 16}
+    )
+    return config
+
+
+def test_one_device_and_mirrored_evict_alike_and_train_the_same_fallback_rows(tmp_path):
+    """Under `mirrored` every replica admits the gathered batch: one admission a step."""
+    found = {}
+    for strategy in ("one_device", "mirrored"):
+        config = _raw_ctr_config(strategy, 12)
+        model_dir = str(tmp_path / strategy)
+        train.train_and_evaluate(config, model_dir)
+        job = train.build(config, model_dir)
+        Checkpointer(model_dir, True, 1, **train.checkpointed(job)).restore()
+        layer = job.model.get_layer("embedding")
+        keys, values = layer.table.index.export()
+        ids = tf.boolean_mask(keys, values >= 0)
+        rows = dict(zip(ids.numpy().tolist(), layer(ids).numpy(), strict=True))
+        found[strategy] = rows, layer.fallback.numpy(), layer.figures()[0]
+    (one, one_fallback, one_figures), (mirrored, fallback, figures) = found.values()
+    assert figures["evicted"] > 0 and len(one) == 60, "a full table evicting"
+    assert sorted(one) == sorted(mirrored)
+    for key, row in one.items():
+        np.testing.assert_allclose(mirrored[key], row, rtol=1e-5, atol=1e-6)
+    assert np.abs(one_fallback).sum() > 0, "the fallback rows trained"
+    np.testing.assert_allclose(fallback, one_fallback, rtol=1e-5, atol=1e-6)
+    assert figures["bytes_held"] == one_figures["bytes_held"]
+    assert figures["lookups"] == one_figures["lookups"], "each step's lookups counted once"
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--config.model.eviction=mru", "`model.eviction` 'mru' is not an eviction policy"),
+        ("--config.model.fallback_rows=-1", "`model.fallback_rows` (-1) must be >= 0"),
+    ],
+)
+def test_bad_table_options_are_one_line_and_exit_2_leaving_model_dir_alone(flag, message, tmp_path):
+    result = run_cli(
+        f"--config={REPO / 'configs' / 'ctr.py'}",
+        "--config.strategy.name=one_device",
+        "--config.model.embedding=dynamic",
+        flag,
+        f"--model_dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert message in last and "--config.model." in last
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_bytes_of_a_held_id_do_not_grow_with_its_count():
+    table = tables.DynamicTable(4, eviction="lfu")
+    table.admit(tf.constant([1] * 1000, tf.int64))
+    figures = table.figures()
+    assert figures["index_bytes"] == tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES
+    assert table.contents()["counts"].tolist() == [1000 * tables.COUNT_ONE]

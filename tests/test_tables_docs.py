@@ -1,0 +1,46 @@
+"""docs/tables.md: its shell commands run as written."""
+
+import json
+import pathlib
+import re
+import shlex
+
+import pytest
+
+from tests.helpers import run_command
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PAGE = REPO / "docs" / "tables.md"
+
+
+def _commands() -> list[str]:
+    """The page's ```sh blocks, each one command (backslash continuations joined)."""
+    blocks = re.findall(r"```sh\n(.*?)```", PAGE.read_text(), re.S)
+    return [block.replace("\\\n", " ").strip() for block in blocks]
+
+
+def _run(command: str, tmp_path, timeout: float, *more: str):
+    """`command` and `more` arguments from the repository, its /tmp paths under `tmp_path`."""
+    args = [arg.replace("/tmp/", f"{tmp_path}/") for arg in shlex.split(command)]
+    return run_command([*args, *more], str(REPO), timeout)
+
+
+def test_the_pages_training_command_runs_as_written(tmp_path):
+    (command,) = [c for c in _commands() if c.startswith("python -m trainer ")]
+    done = _run(command, tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert "at most 2000 rows (eviction lfu), min_count 2, ttl_steps 0, fallback_rows 500" in out
+    assert "step: 40/40" in out and (tmp_path / "tables-run").is_dir()
+
+
+@pytest.mark.slow  # eleven short training runs: about three minutes
+def test_the_pages_bench_command_prints_the_auc_table(tmp_path):
+    (command,) = [c for c in _commands() if c.startswith("python -m trainer.bench")]
+    done = _run(command, tmp_path, 900, f"--json={tmp_path / 'bench.json'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| rows / distinct ids | hashed rows |" in done.stderr
+    case = json.loads((tmp_path / "bench.json").read_text())["cases"]["tables_quality"]
+    for share in ("5pct", "15pct", "50pct", "100pct"):
+        assert 0 < case["figures"][f"auc_dynamic_{share}"] <= 1
+        assert 0 < case["figures"][f"auc_hashed_{share}"] <= 1

@@ -1,0 +1,204 @@
+"""The `tables_quality` case: dynamic tables against hashing at equal bytes, on a drifting tail.
+
+The stream (`STREAM`, `configs/ctr.py` on raw int64 ids): 2 fields and a list
+of up to 3 ids of a third, each field's values drawn Zipf(1.1) over
+`Sizes.quality_ids_per_field` ranks whose popular items drift (a new item
+enters at rank 0 every 300 examples), 8-wide embeddings, Adam, batches of
+256, `Sizes.quality_steps` steps on `one_device`, eval AUC on the examples
+that follow the training ones (the future of the stream). One table holds
+the ids of every field (the ctr model's).
+
+For each share of the distinct ids the training split holds (counted first,
+`distinct_ids`): a hashed table (`keras.layers.Hashing` + an embedding) of
+that many rows, and a `DynamicEmbedding` (`lfu` eviction, the default;
+`min_count` 2, counted in the sketch; `FALLBACK_SHARE` of its bytes in
+fallback rows: the best of the policies measured) fitted into the same
+bytes (`fit`): rows, Adam's two slots, the row stamps, the index
+(`trainer.layers.tables.ENTRY_BYTES` and `INFO_ENTRY_BYTES` per id held), the
+sketch and the fallback rows. At the 15% share, beside them, the policy one
+change at a time (`VARIANTS`): LRU, `min_count` 1, no fallback rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from trainer.bench.harness import note, result
+from trainer.bench.sizes import Sizes, timing_only
+
+SHARES = (0.05, 0.15, 0.5, 1.0)  # rows over distinct ids
+TARGET_SHARE = 0.15  # where dynamic must win by `TARGET_GAIN`
+TARGET_GAIN = 0.01
+WIDTH = 8
+FALLBACK_SHARE = 0.75  # of a dynamic table's bytes, its fallback rows (0: none)
+MIN_COUNT = 2  # one-off ids train the fallback rows instead of taking a row for one step
+STREAM = {
+    "data.ctr.id_space": "raw",
+    "data.ctr.zipf_a": 1.1,
+    "data.ctr.num_fields": 2,
+    "data.ctr.multi_valued": 3,
+    "data.ctr.drift_every": 300,
+    "model.embedding_dim": WIDTH,
+    "strategy.name": "one_device",
+}
+# (name, eviction, min_count, fallback share): the policies compared at `TARGET_SHARE`.
+VARIANTS = (
+    ("lru", "lru", MIN_COUNT, FALLBACK_SHARE),
+    ("lfu_min_count1", "lfu", 1, FALLBACK_SHARE),
+    ("lfu_no_fallback", "lfu", MIN_COUNT, 0.0),
+)
+
+
+def run(sizes: Sizes, reps: int, workdir: str) -> dict:
+    """The AUC per share, hashed and dynamic at equal bytes; the policies at 15%."""
+    del reps  # one run each: a quality figure, not a timing
+    distinct = distinct_ids(sizes)
+    note(f"  distinct ids in the training split: {distinct}")
+    figures, rows, gains = {}, [], {}
+    for share in SHARES:
+        label = f"{round(share * 100)}pct"
+        hashed_rows = max(1, round(share * distinct))
+        hashed_auc, hashed_bytes = train_auc(sizes, workdir, f"hashed_{label}", hashed_rows)
+        capacity, fallback = fit(hashed_bytes, FALLBACK_SHARE, MIN_COUNT)
+        dynamic_auc, dynamic_bytes = train_auc(
+            sizes, workdir, f"dynamic_{label}", capacity, "lfu", fallback, MIN_COUNT
+        )
+        figures[f"auc_hashed_{label}"] = hashed_auc
+        figures[f"auc_dynamic_{label}"] = dynamic_auc
+        gains[label] = dynamic_auc - hashed_auc
+        rows.append(
+            f"| {share:.0%} | {hashed_rows} | {hashed_bytes} | {hashed_auc:.4f} | {capacity} + "
+            f"{fallback} | {dynamic_bytes} | {dynamic_auc:.4f} | {gains[label]:+.4f} |"
+        )
+        if share == TARGET_SHARE:
+            for name, eviction, min_count, fallback_share in VARIANTS:
+                capacity, fallback = fit(hashed_bytes, fallback_share, min_count)
+                auc, _ = train_auc(
+                    sizes, workdir, f"{name}_{label}", capacity, eviction, fallback, min_count
+                )
+                figures[f"auc_{name}_{label}"] = auc
+    table = [
+        "| rows / distinct ids | hashed rows | hashed bytes | hashed AUC | dynamic rows + "
+        "fallback | dynamic bytes | dynamic AUC | dynamic - hashed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
+    for line in table:
+        note(line)
+    target = f"{round(TARGET_SHARE * 100)}pct"
+    ratios = {
+        f"dynamic/hashed AUC at {label}": figures[f"auc_dynamic_{label}"]
+        / figures[f"auc_hashed_{label}"]
+        for label in gains
+    }
+    return result(
+        "AUC",
+        figures,
+        ratios,
+        {},
+        distinct_ids=distinct,
+        auc_gain=gains,
+        targets={
+            "dynamic - hashed AUC at every share": ">= 0",
+            f"dynamic - hashed AUC at {target}": f">= {TARGET_GAIN}",
+        },
+        met=min(gains.values()) >= 0 and gains[target] >= TARGET_GAIN,
+        table=table,
+        notes=[
+            f"{sizes.quality_steps} steps of 256 on one_device; ids Zipf(1.1) over "
+            f"{sizes.quality_ids_per_field} ranks a field, drifting every 300 examples",
+            f"dynamic: eviction lfu, min_count {MIN_COUNT}, {FALLBACK_SHARE:.0%} of its bytes "
+            "in fallback rows; "
+            "bytes as `describe()` counts them at the end (rows, Adam's slots, stamps, index)",
+        ],
+    )
+
+
+def config(sizes: Sizes, **fields):
+    """`configs/ctr.py` on the drifting stream at this size, evaluated once at the end."""
+    import configs.ctr
+
+    config = configs.ctr.get_config()
+    steps, batch = sizes.quality_steps, 256
+    eval_examples = max(2000, steps * batch // 30)
+    stream = {
+        **STREAM,
+        "data.ctr.ids_per_field": sizes.quality_ids_per_field,
+        "data.ctr.num_examples": steps * batch + eval_examples,
+        "data.eval_fraction": eval_examples / (steps * batch + eval_examples),
+        "train.steps": steps,
+        "train.global_batch_size": batch,
+        "devices.logical_cpus": 1,
+    }
+    return timing_only(config, sizes, {**stream, **fields})
+
+
+def distinct_ids(sizes: Sizes) -> int:
+    """The distinct ids (padding left out) of the training split of the stream."""
+    import numpy as np
+    import tensorflow as tf
+
+    from trainer import data
+
+    batch = 4096  # the steps' examples, read in larger batches
+    batches = -(-sizes.quality_steps * 256 // batch)
+    dataset_fn = data.get(config(sizes).data).train_fn(batch, seed=0)
+    stream = dataset_fn(tf.distribute.InputContext(1, 0, 1)).take(batches)
+    ids = np.unique(np.concatenate([np.unique(x.numpy()) for x, *_ in stream]))
+    return int(np.count_nonzero(ids))  # 0: the list's padding
+
+
+def fit(budget: int, fallback_share: float, min_count: int = 1) -> tuple[int, int]:
+    """(capacity, fallback rows) of a dynamic table of `budget` bytes at its fullest.
+
+    `fallback_share` of the bytes in fallback rows (a row and Adam's two
+    slots); the rest in rows of its own: a row, Adam's slots, a stamp, and
+    the index's two entries per id held; plus the spare row, and with
+    `min_count` > 1 the count-min sketch.
+    """
+    from trainer.layers import tables
+
+    hashed_row = WIDTH * 4 * 3
+    fallback = int(fallback_share * budget) // hashed_row
+    sketch = tables.SKETCH_DEPTH * tables.SKETCH_WIDTH * 4 if min_count > 1 else 0
+    own_row = hashed_row + 8 + tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES
+    rest = budget - fallback * hashed_row - hashed_row - 8 - sketch
+    capacity = max(1, rest // own_row)
+    return capacity, fallback
+
+
+def train_auc(
+    sizes: Sizes,
+    workdir: str,
+    name: str,
+    rows: int,
+    eviction: str | None = None,
+    fallback: int = 0,
+    min_count: int = 1,
+) -> tuple[float, int]:
+    """Eval AUC and bytes of the ctr job: hashed of `rows` rows, or dynamic given `eviction`.
+
+    Bytes: the rows and Adam's slots of a hashed table; `describe()`'s
+    `bytes_held` of a dynamic one (its index as it ends).
+    """
+    from trainer import layers
+    from trainer.loop import train
+
+    if eviction is None:
+        fields = {"model.embedding": "hashed", "model.vocab_size": rows}
+    else:
+        fields = {"model.embedding": "dynamic", "model.capacity": rows}
+        fields.update({"model.eviction": eviction, "model.fallback_rows": fallback})
+        fields["model.min_count"] = min_count
+    job = train.build(config(sizes, **fields), os.path.join(workdir, f"quality-{name}"))
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        results = train.run(job, "train_and_eval")
+    auc = float(results["eval"]["auc"])
+    if eviction is None:
+        size = rows * WIDTH * 4 * 3
+    else:
+        size = sum(part["bytes_held"] for part in layers.table_figures(job.model)["embedding"])
+    note(f"  {name}: rows {rows}, fallback {fallback}, min_count {min_count}, bytes {size}")
+    note(f"  {name}: AUC {auc:.4f}")
+    return auc, size
