@@ -25,9 +25,9 @@ class TableConfig:
 
     The first arguments are Keras-RS's, in its order; `vocabulary_size` is
     optional and bounds the rows (a `DynamicEmbedding`'s `capacity`: ids past
-    it evict the least recently seen, where Keras-RS's would be an error). The
+    it evict by `eviction`, where Keras-RS's would be an error). The
     rest are `DynamicEmbedding`'s (`key_dtype`, `min_count`, `ttl_steps`,
-    `eviction`, `mask_id`, `seed`). Keras-RS's `initializer` has no
+    `eviction`, `mask_id`, `seed`, `fallback_rows`). Keras-RS's `initializer` has no
     counterpart here: a row starts from a value of (`seed`, id). `optimizer`
     (a name, `trainer.layers.table_training.OPTIMIZER_NAMES`) and
     `learning_rate` give the table its own optimizer (e.g. "adagrad" for the
@@ -58,7 +58,8 @@ class TableConfig:
     key_dtype: str = "int64"
     min_count: int = 1
     ttl_steps: int = 0
-    eviction: str | None = "lru"
+    eviction: str | None = tables.DEFAULT_EVICTION
+    fallback_rows: int = 0
     mask_id: object = None
     seed: int = 0
     learning_rate: float | None = None
@@ -113,7 +114,16 @@ class TableConfig:
 
     def layer(self) -> DynamicEmbedding:
         """The `DynamicEmbedding` that holds the table, named after it."""
-        names = ("key_dtype", "combiner", "min_count", "ttl_steps", "eviction", "mask_id", "seed")
+        names = (
+            "key_dtype",
+            "combiner",
+            "min_count",
+            "ttl_steps",
+            "eviction",
+            "mask_id",
+            "seed",
+            "fallback_rows",
+        )
         options = {name: getattr(self, name) for name in names}
         width, capacity = self.embedding_dim, self.capacity
         layer = DynamicEmbedding(width, capacity=capacity, name=self.name, **options)
