@@ -7,7 +7,9 @@
         --model_dir=runs/mw
 
 Every task runs `python -m trainer <the flags after -->` with its own
-`TF_CONFIG`, on free ports of 127.0.0.1 only. Topologies:
+`TF_CONFIG`, on free ports of 127.0.0.1, in a network namespace of its own that
+has only loopback (`towerflow.netns`; `--allow_network` runs it on the host's
+network instead, reachable from other hosts). Topologies:
 
 * `--ps=0` (collective all-reduce): worker:0 .. worker:N-1; worker 0 is the chief
   unless `--chief` adds a `chief` task.
@@ -49,6 +51,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from strategies.cluster import tf_config as cluster
+from towerflow import netns
 from towerflow.errors import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, one_line
 from towerflow.processes import (
     LOOPBACK,
@@ -90,6 +93,12 @@ _DATA_WORKERS = flags.DEFINE_integer(
     0,
     "Start a tf.data service dispatcher and this many data workers, and run every "
     "trainer's input on them (`--config.data.service=grpc://...`); 0 = input in the trainers.",
+)
+_ALLOW_NETWORK = flags.DEFINE_bool(
+    "allow_network",
+    False,
+    "Run the cluster on this host's network, its servers reachable from other hosts; by "
+    "default it runs in a network namespace of its own with only loopback (towerflow.netns).",
 )
 _MODULE = flags.DEFINE_string(
     "module", "trainer", "Module each task runs with `python -m` (for testing and advanced use)."
@@ -443,8 +452,12 @@ def main(argv: list[str]) -> None:
     console = Console()
     try:
         with Interrupt().catching() as interrupt:
+            args = argv[1:]
+            netns.loopback_only(
+                "the local cluster", "--allow_network", args, _ALLOW_NETWORK.value, console.log
+            )
             code = launch(
-                [sys.executable, "-m", _MODULE.value, *argv[1:]],
+                [sys.executable, "-m", _MODULE.value, *args],
                 workers=_WORKERS.value,
                 ps=_PS.value,
                 chief=_CHIEF.value,
