@@ -42,7 +42,7 @@ class Mirrored(Strategy):
 
     @property
     def communication(self) -> str:
-        ops = type(self.tf_strategy.extended._cross_device_ops).__name__  # what TF picked
+        ops = tf_patches.cross_device_ops_name(self.tf_strategy)  # what TF picked
         return (
             f"gradients all-reduced across {self.num_replicas_in_sync} replicas each step "
             f"({self._reduction}: {ops}); every device keeps a full copy of the variables"

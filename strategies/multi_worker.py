@@ -18,7 +18,7 @@ import math
 
 import tensorflow as tf
 
-from strategies import mirrored, transfer
+from strategies import mirrored, tf_patches, transfer
 from strategies.base import Strategy
 from strategies.cluster import membership, preemption, tf_start
 from strategies.cluster import tf_config as cluster_lib
@@ -135,7 +135,7 @@ class MultiWorker(Strategy):
     def communication(self) -> str:
         if self.membership.role == "evaluate":
             return "none: a sidecar evaluator reads checkpoints from model_dir"
-        workers = self.tf_strategy.extended._num_workers  # what TF_CONFIG resolved to
+        workers = tf_patches.worker_count(self.tf_strategy)  # what TF_CONFIG resolved to
         return (
             f"gradients all-reduced across {self.num_replicas_in_sync} replicas in "
             f"{workers} worker process(es) each step ({self.options.get('implementation', 'auto')}"

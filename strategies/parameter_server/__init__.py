@@ -182,7 +182,7 @@ class ParameterServer(Strategy):
         worker's read is overwritten and lost. `AtomicBatchNormalization` adds
         `(1 - momentum) * (batch - read)` instead, one atomic op on the ps.
         """
-        for layer in model._flatten_layers(include_self=False):
+        for layer in tf_patches.flat_layers(model):
             if type(layer) is keras.layers.BatchNormalization and not layer.renorm:
                 tf_patches.swap_class(layer, AtomicBatchNormalization)
 
@@ -211,7 +211,11 @@ class ParameterServer(Strategy):
         return self.coordinator.create_per_worker_dataset(per_worker_dataset)
 
     def run_steps(self, step_fn: TrainStepProtocol, iterator, n: int) -> dict[str, float]:
-        """Runs `n` steps in the update mode the options chose (`updates`)."""
+        """Runs `n` steps in the update mode the options chose (`updates`).
+
+        Workers step at once here: the optimizer's step counter counts atomically.
+        """
+        tf_patches.count_steps_atomically(step_fn.iterations)
         self._block_steps = n
         return _to_floats(self.updates.run(step_fn, iterator, n))
 
