@@ -14,7 +14,7 @@ import pytest
 
 import strategies
 from strategies import registry
-from tests.helpers import run_cli
+from tests.helpers import assert_exit, run_cli
 
 
 def _install(site: pathlib.Path, package: str, entry_points: dict[str, str], module: str = ""):
@@ -95,11 +95,11 @@ def test_a_broken_plugin_on_the_command_line(site, tmp_path, monkeypatch):
     _install(site, "broken-plugin", {"broken": "broken_plugin:Plugin"}, BROKEN)
     monkeypatch.setenv("PYTHONPATH", str(site))
     listed = run_cli("--list_strategies", cwd=str(tmp_path))
-    assert listed.returncode == 0, listed.stderr
+    assert_exit(listed)
     assert "broken           (broken: ModuleNotFoundError" in listed.stdout
     assert "one_device" in listed.stdout
     used = run_cli("--strategy=broken", f"--model_dir={tmp_path / 'run'}", cwd=str(tmp_path))
-    assert used.returncode == 2
+    assert_exit(used, 2)
     lines = [line for line in used.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "package `broken-plugin`" in lines[0], used.stderr
     assert not (tmp_path / "run").exists()

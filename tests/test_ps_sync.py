@@ -19,7 +19,14 @@ import strategies
 from strategies.cluster import tf_config as cluster
 from strategies.parameter_server import staleness as ps_staleness
 from strategies.parameter_server import sync as ps_sync
-from tests.helpers import launch_and_signal, launched, one_line_error, run_cli, tiny_config
+from tests.helpers import (
+    assert_exit,
+    launch_and_signal,
+    launched,
+    one_line_error,
+    run_cli,
+    tiny_config,
+)
 from towerflow.errors import UserError
 from trainer.bench import straggling
 from trainer.loop import train
@@ -341,7 +348,7 @@ def test_a_bad_option_on_the_command_line_exits_2_and_writes_nothing(monkeypatch
         cwd=str(tmp_path),
         keep_tf_config=True,
     )
-    assert result.returncode == 2, result.stderr[-2000:]
+    assert_exit(result, 2)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "sync_replicas` (5)" in errors[0], result.stderr[-2000:]
     assert "use 2 for one spare worker" in errors[0]

@@ -28,7 +28,7 @@ import pytest
 
 import configs.default
 import strategies
-from tests.helpers import REPO, run_command
+from tests.helpers import REPO, assert_exit, run_command
 
 SECTIONS = ("", "A short tour", "Clusters", "Recommendation models")  # "": above the first
 SKIPPED = (("pip", "install"), ("python", "-m", "pytest"))
@@ -189,7 +189,7 @@ def test_the_readme_has_commands_in_every_section():
 def test_readme_command(index, runner):
     run = runner.run(index)
     argv, output = run.argv, run.output
-    assert run.result.returncode == 0, f"{' '.join(argv)}:\n{output[-3000:]}"
+    assert_exit(run.result, output=f"{' '.join(argv)}:\n{output[-3000:]}")
     if "--list_strategies" in argv:
         listed = [line.split()[0] for line in run.result.stdout.splitlines() if line.strip()]
         assert sorted(listed) == sorted(strategies.available())
