@@ -194,6 +194,7 @@ def test_the_page_shows_its_commands():
     assert len(_documented()) == 2
 
 
+@pytest.mark.slow  # two trainers each: the launcher's cluster path runs in the default tier
 @pytest.mark.parametrize("command, shown", _documented())
 def test_the_pages_command_runs_as_written_and_shows_its_line(tmp_path, command, shown):
     _needs_root_and_ip()
