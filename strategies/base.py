@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -52,6 +53,7 @@ import tensorflow as tf
 
 from strategies import transfer
 from strategies.cluster import membership
+from towerflow.errors import UserError
 
 StepFn = Callable[[Any], dict]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
@@ -84,6 +86,32 @@ class TrainStepProtocol(Protocol):
         ...
 
 
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of a plugin that has none."""
+
+
+def read_options(plugin: type[Strategy], section) -> ml_collections.ConfigDict:
+    """`section` (`config.strategy.<name>`) over the defaults `plugin.Options` declares.
+
+    The plugin's `Options` dataclass is where its option defaults live, once;
+    `configs/default.py`'s `strategy.<name>` section holds the same (a test
+    keeps them equal), so `--config.strategy.<name>.<option>` works.
+
+    Raises:
+      UserError: `section` holds a field the plugin does not declare.
+    """
+    declared = [field.name for field in dataclasses.fields(plugin.Options)]
+    given = dict(section.items()) if section is not None else {}
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        raise UserError(
+            f"`strategy.{plugin.name}.{unknown[0]}` is no option of `{plugin.name}`; its "
+            f"options: {', '.join(declared) or 'none'} (a plugin declares them in `Options`)."
+        )
+    return ml_collections.ConfigDict(dataclasses.asdict(plugin.Options(**given)))
+
+
 # tf.data warns about reading dataset options while a distributed loop is traced; harmless.
 warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
 
@@ -94,6 +122,9 @@ class Strategy(abc.ABC):
     """One way of distributing training, behind the towerflow interface."""
 
     name: str = "?"  # set by `@register`
+    # The plugin's options: a dataclass whose fields' defaults are the options' defaults
+    # (`read_options`); `self.options` holds them over `config.strategy.<name>`.
+    Options: type = NoOptions
     # Whether `train.jit_compile` works: XLA needs the variables on the device that
     # computes, which a plugin that keeps them elsewhere (on the host, by stage) breaks.
     supports_jit_compile: bool = True
@@ -106,7 +137,7 @@ class Strategy(abc.ABC):
     gradient_transfer = transfer.GradientTransfer()
 
     def __init__(self, options: ml_collections.ConfigDict | None = None):
-        self.options = options if options is not None else ml_collections.ConfigDict()
+        self.options = read_options(type(self), options)
         # One process until `_build` says otherwise: a plugin of several processes sets
         # its own from the cluster (`membership.Membership(cluster, ...)`).
         self.membership = membership.Membership()

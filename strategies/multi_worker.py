@@ -14,6 +14,7 @@ for whom) until the other tasks of `TF_CONFIG` answer (`cluster.start_up`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import tensorflow as tf
@@ -32,9 +33,23 @@ IMPLEMENTATIONS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class MultiWorkerOptions:
+    """`strategy.multi_worker`."""
+
+    implementation: str = "auto"  # collectives: auto | ring | nccl
+    gradient_dtype: str = "float32"  # float32 | bfloat16, as for mirrored
+    bytes_per_pack: str = "0"  # gradients all-reduced in packs of about this many bytes
+    timeout_seconds: float = 0.0  # a collective waiting longer is an error; 0 = none
+    # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
+    startup_timeout_seconds: float = cluster_lib.STARTUP_TIMEOUT_S
+
+
 @register("multi_worker")
 class MultiWorker(Strategy):
     """Synchronous replicas in every worker of a `TF_CONFIG` cluster, gradients all-reduced."""
+
+    Options = MultiWorkerOptions
 
     supports_gradient_transfer = True
     _gather_fn = None  # the traced all-reduce of `_gather`, made on first use
@@ -60,7 +75,7 @@ class MultiWorker(Strategy):
             return tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=self._resolver(), communication_options=options
             )
-        timeout = self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S)
+        timeout = self.options.startup_timeout_seconds
         setting = "strategy.multi_worker.startup_timeout_seconds"
         cluster_lib.start_up(cluster, timeout, setting)
         with tf_start.bounded(timeout, setting, cluster.task_name):
@@ -81,13 +96,13 @@ class MultiWorker(Strategy):
         )
 
     def _communication_options(self) -> tf.distribute.experimental.CommunicationOptions:
-        name = self.options.get("implementation", "auto")
+        name = self.options.implementation
         if name not in IMPLEMENTATIONS:
             raise UserError(
                 f"Unknown `strategy.multi_worker.implementation` '{name}'; "
                 f"known: {', '.join(IMPLEMENTATIONS)}."
             )
-        timeout = self.options.get("timeout_seconds", 0.0)
+        timeout = self.options.timeout_seconds
         if not math.isfinite(timeout) or timeout < 0:
             raise UserError(
                 f"`strategy.multi_worker.timeout_seconds` ({timeout}) must be a finite number "
@@ -138,10 +153,10 @@ class MultiWorker(Strategy):
         workers = tf_patches.worker_count(self.tf_strategy)  # what TF_CONFIG resolved to
         return (
             f"gradients all-reduced across {self.num_replicas_in_sync} replicas in "
-            f"{workers} worker process(es) each step ({self.options.get('implementation', 'auto')}"
+            f"{workers} worker process(es) each step ({self.options.implementation}"
             f" collectives, {self._timeout_text()})"
         )
 
     def _timeout_text(self) -> str:
-        timeout = self.options.get("timeout_seconds", 0.0)
+        timeout = self.options.timeout_seconds
         return f"timeout {timeout:g} s" if timeout else "no per-collective timeout"

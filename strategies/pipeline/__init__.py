@@ -35,6 +35,7 @@ stages run: `strategies.pipeline.stages`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import keras
@@ -42,16 +43,28 @@ import ml_collections
 import tensorflow as tf
 
 from strategies import devices, tf_patches
-from strategies.base import DatasetFn, StepFn, Strategy
+from strategies.base import DatasetFn, StepFn, Strategy, read_options
 from strategies.pipeline.cuts import balanced_cuts, layers_and_cuts, named_cuts, symbolic
 from strategies.pipeline.stages import Stage, move, run_by_stages
 from strategies.registry import register
 from towerflow.errors import UserError
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """`strategy.pipeline`."""
+
+    stages: int = 2  # stages, balanced by parameter count (one device each)
+    boundaries: str = ""  # or the layers that start stages 1, 2, ... by name
+    micro_batches: int = 4  # GPipe: parts of each train batch, so stages overlap
+    devices: str = ""  # one per stage; "" = the GPUs, else the logical CPUs
+
+
 @register("pipeline")
 class Pipeline(Strategy):
     """Model parallelism: consecutive layers in stages on GPUs (else logical CPUs), GPipe."""
+
+    Options = PipelineOptions
 
     supports_jit_compile = False  # variables live away from the devices that compute
 
@@ -59,23 +72,23 @@ class Pipeline(Strategy):
     def local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
         # One replica, but its stages compute side by side: each op gets one stage's
         # share of the cores (see `devices.op_threads`).
-        return _stage_count(options or ml_collections.ConfigDict())
+        return _stage_count(read_options(cls, options))
 
     def _build(self) -> tf.distribute.Strategy:
-        self.micro_batches = int(self.options.get("micro_batches", 1))
+        self.micro_batches = int(self.options.micro_batches)
         if self.micro_batches < 1:
             raise UserError(
                 f"`strategy.pipeline.micro_batches` ({self.micro_batches}) must be >= 1 "
                 "(1 = no micro-batches)."
             )
-        self.boundaries = _names(self.options.get("boundaries", ""))
+        self.boundaries = _names(self.options.boundaries)
         count = _stage_count(self.options)
         if count < 1:
             raise UserError(
                 f"`strategy.pipeline.stages` ({count}) must be >= 1; e.g. "
                 "`--config.strategy.pipeline.stages=2`."
             )
-        found = devices.parse_devices(self.options.get("devices", ""), "strategy.pipeline.devices")
+        found = devices.parse_devices(self.options.devices, "strategy.pipeline.devices")
         if len(found) < count:
             raise UserError(
                 f"`strategy.pipeline` has {count} stages, one per device, and only "
@@ -183,5 +196,5 @@ def _names(spec: str) -> list[str]:
 
 
 def _stage_count(options: ml_collections.ConfigDict) -> int:
-    names = _names(options.get("boundaries", ""))
-    return len(names) + 1 if names else int(options.get("stages", 2))
+    names = _names(options.boundaries)
+    return len(names) + 1 if names else int(options.stages)
