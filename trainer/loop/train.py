@@ -176,8 +176,6 @@ def build(
     # TensorFlow refuses clocks under op determinism (`train.deterministic`).
     timed = strategy.ordered_input and not config.train.deterministic
     input_wait = wait.InputWait() if timed else None
-    if input_wait is not None:
-        dataset = wait.TimedDataset(dataset, input_wait)
     keras.utils.set_random_seed(config.seed)
     with strategy.scope(), precision.policy(config.train.precision):
         if user_task is None:
@@ -448,6 +446,8 @@ def _train(
             strategy.gradient_transfer,
         )
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
+    if job.input_wait is not None:  # each batch's wait, as the loop of steps reads it
+        iterator = job.input_wait.timed(iterator)
 
     def run_block(n: int) -> dict:
         sums = strategy.run_steps(train_step, iterator, n)
