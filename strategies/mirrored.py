@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from strategies import devices, tf_patches, transfer
-from strategies.base import Strategy, read_options
+from strategies.base import Strategy, Traits, read_options
 from strategies.registry import register
 from towerflow.errors import UserError
 
@@ -31,15 +31,13 @@ class MirroredOptions:
 
 
 @register("mirrored")
-class Mirrored(Strategy):
+class Mirrored(Strategy, options=MirroredOptions):
     """Synchronous replicas on all local GPUs (else logical CPUs), a copy of every variable each."""
 
-    Options = MirroredOptions
-
-    supports_gradient_transfer = True
+    traits = Traits(gradient_transfer=True)
 
     @classmethod
-    def local_replicas(cls, options, logical_cpus: int) -> int:
+    def _local_replicas(cls, options, logical_cpus: int) -> int:
         return devices.one_per_device(read_options(cls, options), logical_cpus)
 
     def scope(self) -> contextlib.AbstractContextManager:
@@ -48,14 +46,15 @@ class Mirrored(Strategy):
 
     def _build(self) -> tf.distribute.Strategy:
         names = devices.parse_devices(self.options.devices, "strategy.mirrored.devices")
-        self.gradient_transfer = transfer.from_options(self.options, "mirrored")
+        sent = transfer.from_options(self.options, "mirrored")
+        self.traits = dataclasses.replace(self.traits, transfer=sent)
         self._reduction = self.options.cross_device_ops
         return tf.distribute.MirroredStrategy(
             names, cross_device_ops=_cross_device_ops(self._reduction, names)
         )
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         ops = tf_patches.cross_device_ops_name(self.tf_strategy)  # what TF picked
         return (
             f"gradients all-reduced across {self.num_replicas_in_sync} replicas each step "

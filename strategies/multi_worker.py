@@ -20,7 +20,7 @@ import math
 import tensorflow as tf
 
 from strategies import mirrored, tf_patches, transfer
-from strategies.base import Strategy
+from strategies.base import Strategy, Traits
 from strategies.cluster import membership, preemption, tf_start
 from strategies.cluster import tf_config as cluster_lib
 from strategies.registry import register
@@ -46,12 +46,10 @@ class MultiWorkerOptions:
 
 
 @register("multi_worker")
-class MultiWorker(Strategy):
+class MultiWorker(Strategy, options=MultiWorkerOptions):
     """Synchronous replicas in every worker of a `TF_CONFIG` cluster, gradients all-reduced."""
 
-    Options = MultiWorkerOptions
-
-    supports_gradient_transfer = True
+    traits = Traits(gradient_transfer=True)
     _gather_fn = None  # the traced all-reduce of `_gather`, made on first use
 
     def _build(self) -> tf.distribute.Strategy:
@@ -69,7 +67,8 @@ class MultiWorker(Strategy):
                 "not use; use `--strategy=parameter_server`, or drop the ps job."
             )
         # Checked first: a bad option fails at once.
-        self.gradient_transfer = transfer.from_options(self.options, "multi_worker")
+        sent = transfer.from_options(self.options, "multi_worker")
+        self.traits = dataclasses.replace(self.traits, transfer=sent)
         options = self._communication_options()
         if not cluster:
             return tf.distribute.MultiWorkerMirroredStrategy(
@@ -113,7 +112,7 @@ class MultiWorker(Strategy):
         # rate. Without one, a dead or hung peer is still found by the coordination
         # service's heartbeats and the loop's watchdog.
         return tf.distribute.experimental.CommunicationOptions(
-            bytes_per_pack=self.gradient_transfer.bytes_per_pack,
+            bytes_per_pack=self.traits.transfer.bytes_per_pack,
             timeout_seconds=float(timeout) or None,
             implementation=IMPLEMENTATIONS[name],
         )
@@ -147,7 +146,7 @@ class MultiWorker(Strategy):
         return [int(v) for v in self._gather_fn(tf.constant(value, tf.int64))]
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         if self.membership.role == "evaluate":
             return "none: a sidecar evaluator reads checkpoints from model_dir"
         workers = tf_patches.worker_count(self.tf_strategy)  # what TF_CONFIG resolved to

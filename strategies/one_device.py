@@ -18,10 +18,8 @@ class OneDeviceOptions:
 
 
 @register("one_device")
-class OneDevice(Strategy):
+class OneDevice(Strategy, options=OneDeviceOptions):
     """One replica on one device (option `device`; default the first GPU, else the CPU)."""
-
-    Options = OneDeviceOptions
 
     def _build(self) -> tf.distribute.Strategy:
         spec = self.options.device
@@ -29,5 +27,5 @@ class OneDevice(Strategy):
         return tf.distribute.OneDeviceStrategy(device or (devices.gpus() or devices.cpus())[0])
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         return "none: one replica, variables on its device"

@@ -7,7 +7,6 @@ directory on `sys.path`, where `importlib.metadata` finds them.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import pathlib
@@ -19,6 +18,7 @@ import pytest
 
 import strategies
 from strategies import registry
+from strategies.base import read_options
 from tests.helpers import assert_exit, run_cli
 
 
@@ -118,7 +118,7 @@ def test_each_builtin_plugins_options_are_its_config_section():
 
     sections = configs.default.get_config().strategy
     for name in strategies.available():
-        declared = dataclasses.asdict(strategies.plugin(name).Options())
+        declared = read_options(strategies.plugin(name), None).to_dict()
         section = sections.get(name)
         assert (section.to_dict() if section is not None else {}) == declared, name
 
@@ -134,7 +134,7 @@ def test_an_option_a_plugin_does_not_declare_is_one_line():
         strategies.get("one_device", ml_collections.ConfigDict({"devcie": "/cpu:0"}))
     assert str(e.value) == (
         "`strategy.one_device.devcie` is no option of `one_device`; its options: device, "
-        "gradient_dtype (a plugin declares them in `Options`)."
+        "gradient_dtype (as the plugin declares them)."
     )
 
 
@@ -150,3 +150,13 @@ def test_a_third_party_plugin_reads_the_options_it_declares():
     )
     with pytest.raises(strategies.UserError, match=r"`strategy.toy.speed` is no option of `toy`"):
         Toy(ml_collections.ConfigDict({"speed": 2}))
+
+
+def test_the_strategy_interface_is_the_sixteen_members_its_docstring_lists():
+    from strategies import base  # noqa: PLC0415
+
+    plugin = strategies.get("one_device")
+    public = {n for n in {*dir(type(plugin)), *vars(plugin)} if not n.startswith("_")}
+    assert len(public) <= 16, sorted(public)
+    documented = re.search(r"The interface the loop uses:(.*?)Those 16", base.__doc__, re.S)
+    assert public == set(re.findall(r"`(\w+)", documented.group(1))), sorted(public)

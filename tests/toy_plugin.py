@@ -16,10 +16,8 @@ class ToyOptions:
     device: str = "/cpu:0"  # where its one replica runs
 
 
-class Toy(Strategy):
+class Toy(Strategy, options=ToyOptions):
     """A third-party plugin, for the registry test."""
-
-    Options = ToyOptions
 
     def _build(self) -> tf.distribute.Strategy:
         # Who this process is comes from its cluster, not from the plugin's own code.
@@ -27,5 +25,5 @@ class Toy(Strategy):
         return tf.distribute.OneDeviceStrategy(self.options.device)
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         return "none"

@@ -46,7 +46,7 @@ import keras
 import tensorflow as tf
 
 from strategies import sharding, tf_patches
-from strategies.base import DatasetFn, StepFn, Strategy, TrainStepProtocol, _to_floats
+from strategies.base import DatasetFn, StepFn, Strategy, TrainStepProtocol, Traits, _to_floats
 from strategies.cluster import membership, tf_start
 from strategies.cluster import tf_config as cluster_lib
 from strategies.parameter_server import staleness as ps_staleness
@@ -74,10 +74,10 @@ class ParameterServerOptions:
 
 
 @register("parameter_server")
-class ParameterServer(Strategy):
+class ParameterServer(Strategy, options=ParameterServerOptions):
     """Variables (whole or sharded) on ps tasks, asynchronous workers driven by the chief."""
 
-    Options = ParameterServerOptions
+    traits = Traits(ordered_input=False)  # workers take steps, and batches, as they come
 
     def _build(self) -> tf.distribute.Strategy:
         cluster = cluster_lib.from_env()
@@ -113,6 +113,7 @@ class ParameterServer(Strategy):
             self.updates = ps_staleness.AsyncUpdates(
                 strategy, self.coordinator, self.staleness, self.warmup_steps, workers
             )
+        self.traits = dataclasses.replace(self.traits, splits_steps=self.updates.splits_steps)
         return strategy
 
     def _coordinated_strategy(self) -> tf.distribute.ParameterServerStrategy:
@@ -152,16 +153,7 @@ class ParameterServer(Strategy):
             )
 
     @property
-    def ordered_input(self) -> bool:
-        """Workers take steps, and their batches, as they come."""
-        return False
-
-    @property
-    def splits_steps(self) -> bool:
-        return self.updates.splits_steps
-
-    @property
-    def compute_devices(self) -> list[str]:
+    def _compute_devices(self) -> list[str]:
         if self.membership.role != "train":
             return ["/device:CPU:0"]
         local = self.tf_strategy.extended.worker_devices  # the same on every worker
@@ -172,7 +164,7 @@ class ParameterServer(Strategy):
         ]
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         placement = "whole, round-robin"
         if self.policy.partitioner != "none":
             placement = (

@@ -43,7 +43,7 @@ import ml_collections
 import tensorflow as tf
 
 from strategies import devices, tf_patches
-from strategies.base import DatasetFn, StepFn, Strategy, read_options
+from strategies.base import DatasetFn, StepFn, Strategy, Traits, read_options
 from strategies.pipeline.cuts import balanced_cuts, layers_and_cuts, named_cuts, symbolic
 from strategies.pipeline.stages import Stage, move, run_by_stages
 from strategies.registry import register
@@ -61,15 +61,13 @@ class PipelineOptions:
 
 
 @register("pipeline")
-class Pipeline(Strategy):
+class Pipeline(Strategy, options=PipelineOptions):
     """Model parallelism: consecutive layers in stages on GPUs (else logical CPUs), GPipe."""
 
-    Options = PipelineOptions
-
-    supports_jit_compile = False  # variables live away from the devices that compute
+    traits = Traits(jit_compile=False)  # variables live away from the devices that compute
 
     @classmethod
-    def local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
+    def _local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
         # One replica, but its stages compute side by side: each op gets one stage's
         # share of the cores (see `devices.op_threads`).
         return _stage_count(read_options(cls, options))
@@ -163,11 +161,11 @@ class Pipeline(Strategy):
             return super().evaluate(step_fn, dataset_fn)
 
     @property
-    def compute_devices(self) -> list[str]:
+    def _compute_devices(self) -> list[str]:
         return list(self.devices)
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         layout = (
             " -> ".join(
                 f"stage {i} on {s.device} ({', '.join(layer.name for layer in s.layers)})"
