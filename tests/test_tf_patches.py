@@ -87,7 +87,7 @@ def test_the_parameter_server_plugin_makes_the_counter_atomic_before_its_steps()
     from strategies import parameter_server  # noqa: PLC0415
 
     source = inspect.getsource(parameter_server.ParameterServer.run_steps)
-    assert "count_steps_atomically(step_fn.iterations)" in source
+    assert "tf_patches.count_steps_atomically(step_fn.iterations)" in source
 
 
 def test_keras_tf_optimizer_sums_gradients_over_replicas_in_a_private_method():

@@ -228,7 +228,8 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
 
         Workers step at once here: the optimizer's step counter counts atomically.
         """
-        tf_patches.count_steps_atomically(step_fn.iterations)
+        if hasattr(step_fn, "iterations"):  # a train step (a bare function counts nothing)
+            tf_patches.count_steps_atomically(step_fn.iterations)
         self._block_steps = n
         return _to_floats(self.updates.run(step_fn, iterator, n))
 
