@@ -144,6 +144,10 @@ def get_config() -> ml_collections.ConfigDict:
     # (distributed_epoch: the dispatcher hands out the source's elements to the workers;
     # at-most-once if one dies). auto = off, or dynamic under parameter_server.
     c.data.service_sharding = "auto"
+    # local:N: the trainer and its servers run in a network namespace of their own with only
+    # loopback (TensorFlow's servers listen on every interface); True = on this host's network,
+    # reachable from other hosts (needed for a remote model_dir with local:N).
+    c.data.service_allow_network = False
     c.data.service_timeout_s = 60.0  # seconds for the dispatcher and a worker to answer at start
     # Trainers naming the same job with identical pipelines read one stream, each every batch
     # (a sweep's `--share_input`); "" = each its own.

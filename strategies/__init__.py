@@ -19,12 +19,12 @@ process is in its cluster in `strategies.cluster`. Nothing here imports
 from strategies.registry import available, get, plugin, register
 from towerflow.errors import UserError
 
-__all__ = ["Strategy", "UserError", "available", "get", "plugin", "register"]
+__all__ = ["Strategy", "UserError", "available", "get", "local_replicas", "plugin", "register"]
 
 
 def __getattr__(name: str):
-    if name == "Strategy":
-        from strategies.base import Strategy
+    if name in ("Strategy", "local_replicas"):  # the base imports TensorFlow: only when asked
+        from strategies import base
 
-        return Strategy
+        return getattr(base, name)
     raise AttributeError(f"module 'strategies' has no attribute {name!r}")

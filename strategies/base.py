@@ -21,8 +21,13 @@ Glossary (the classic distributed-TensorFlow terms, as `tf.distribute` uses them
 The interface the loop uses: `scope()`, `distribute_dataset(dataset_fn)`,
 `call_for_each_replica(fn, args)`, `reduce(op, value)`, `local_results(value)`,
 `num_replicas_in_sync`, `run_steps(step_fn, iterator, n)`,
-`evaluate(step_fn, dataset_fn)`, `describe(variables)` and
-`place_model(model)`.
+`evaluate(step_fn, dataset_fn)`, `describe(variables)`, `place_model(model)`
+and `report(sums)`; what the plugin supports and how it runs steps (`traits`);
+its `name`, its `options`, the `tf_strategy` it wraps and its `membership`.
+Those 16 are all the public members. A plugin implements `_build()` and
+`_communication`, and overrides `_local_replicas`, `_compute_devices` or any
+of the interface where it differs; its options are a dataclass given as
+`class P(Strategy, options=POptions)`.
 
 A plugin wraps one real `tf.distribute.Strategy` (`tf_strategy`) and adds only
 what differs for it. A short example, the whole contract in use::
@@ -42,9 +47,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import keras
 import ml_collections
@@ -52,28 +58,37 @@ import tensorflow as tf
 
 from strategies import transfer
 from strategies.cluster import membership
+from towerflow.errors import UserError
 
 StepFn = Callable[[Any], dict]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 
 
+@runtime_checkable
 class TrainStepProtocol(Protocol):
-    """The train step as a plugin sees it (`trainer.loop.steps.TrainStep` implements it).
+    """The train step as a plugin sees it: `step(batch)` in replica context, the task's sums.
 
-    `step(batch)` runs one optimizer step in replica context and returns the
-    task's sums; it is `step.apply(step.gradients(batch)[0])`. A plugin that
-    runs the halves apart uses them by name: synchronous `parameter_server`
-    with spare replicas computes gradients on the workers and applies their
-    average on the ps; staleness-aware async looks at the update between the
-    two. A task's own `train_step` applies its own gradients: it says
-    `has_halves = False`, and a plugin that `splits_steps` refuses it.
+    `trainer.loop.steps.TrainStep` and `CustomTrainStep` (a task's own
+    `train_step`, which applies its own gradients) implement it. A step that
+    also splits into halves is a `SplitTrainStep`.
     """
 
-    has_halves: bool  # False: `gradients` and `apply` cannot be called
     variables: list  # the trainable variables, in the order of the gradients
     iterations: tf.Variable  # the optimizer's update counter (the step)
 
     def __call__(self, batch) -> dict: ...
+
+
+@runtime_checkable
+class SplitTrainStep(TrainStepProtocol, Protocol):
+    """A train step that splits into halves: `step(batch)` is `apply(gradients(batch)[0])`.
+
+    A plugin that runs the halves apart uses them by name: synchronous
+    `parameter_server` with spare replicas computes gradients on the workers
+    and applies their average on the ps; staleness-aware async looks at the
+    update between the two. `trainer.loop.steps.TrainStep` is one; a task's
+    own `train_step` is not, and a plugin that splits steps (`Traits`) refuses it.
+    """
 
     def gradients(self, batch) -> tuple[list, dict]:
         """This replica's gradients of `variables` on `batch`, and the task's sums."""
@@ -82,6 +97,67 @@ class TrainStepProtocol(Protocol):
     def apply(self, grads: list) -> None:
         """One optimizer update from `grads` (in replica context)."""
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """What a plugin supports, and how it runs steps: what the loop checks and adapts to."""
+
+    # `train.jit_compile` works: XLA needs the variables on the device that computes,
+    # which a plugin that keeps them elsewhere (on the host, by stage) breaks.
+    jit_compile: bool = True
+    # `train.precision=mixed_float16` works: Keras's loss-scale optimizer updates its
+    # counters inside a branch, which a plugin with variables on the host cannot run.
+    loss_scaling: bool = True
+    # `gradient_dtype` (and packing) can be set: the plugin all-reduces gradients and sets
+    # `transfer` from its options in `_build` (see `strategies.transfer`).
+    gradient_transfer: bool = False
+    transfer: transfer.GradientTransfer = transfer.GradientTransfer()  # how gradients cross
+    # Steps take an input pipeline's batches in its order (exact resume); False where
+    # workers take steps as they come (asynchronous `parameter_server`).
+    ordered_input: bool = True
+    # `run_steps` runs the step's halves apart (`SplitTrainStep`): a task's own
+    # `train_step` has none, so it cannot run (synchronous `parameter_server`).
+    splits_steps: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of a plugin that has none."""
+
+
+def local_replicas(
+    plugin: type[Strategy], options: ml_collections.ConfigDict | None, logical_cpus: int
+) -> int:
+    """How many replicas `plugin` will run in this process, told before TensorFlow starts.
+
+    It sets how many threads each op gets (`devices.intra_op_threads`);
+    `logical_cpus` is `devices.logical_cpus`. A plugin that runs several
+    replicas in one process overrides `_local_replicas` (the default: one).
+    """
+    return plugin._local_replicas(options, logical_cpus)
+
+
+def read_options(plugin: type[Strategy], section) -> ml_collections.ConfigDict:
+    """`section` (`config.strategy.<name>`) over the defaults of the plugin's options.
+
+    The plugin's options dataclass (`class P(Strategy, options=POptions)`) is
+    where its option defaults live, once; `configs/default.py`'s
+    `strategy.<name>` section holds the same (a test keeps them equal), so
+    `--config.strategy.<name>.<option>` works.
+
+    Raises:
+      UserError: `section` holds a field the plugin does not declare.
+    """
+    declared = [field.name for field in dataclasses.fields(plugin._options_type)]
+    given = dict(section.items()) if section is not None else {}
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        raise UserError(
+            f"`strategy.{plugin.name}.{unknown[0]}` is no option of `{plugin.name}`; its "
+            f"options: {', '.join(declared) or 'none'} (as the plugin declares them)."
+        )
+    return ml_collections.ConfigDict(dataclasses.asdict(plugin._options_type(**given)))
 
 
 # tf.data warns about reading dataset options while a distributed loop is traced; harmless.
@@ -94,19 +170,22 @@ class Strategy(abc.ABC):
     """One way of distributing training, behind the towerflow interface."""
 
     name: str = "?"  # set by `@register`
-    # Whether `train.jit_compile` works: XLA needs the variables on the device that
-    # computes, which a plugin that keeps them elsewhere (on the host, by stage) breaks.
-    supports_jit_compile: bool = True
-    # Whether `train.precision=mixed_float16` works: Keras's loss-scale optimizer updates
-    # its counters inside a branch, which a plugin with variables on the host cannot run.
-    supports_loss_scaling: bool = True
-    # Whether `gradient_dtype` (and packing) can be set: a plugin that all-reduces gradients
-    # sets `gradient_transfer` from its options (see `strategies.transfer`).
-    supports_gradient_transfer: bool = False
-    gradient_transfer = transfer.GradientTransfer()
+    # What it supports and how it runs steps; one whose traits depend on its options
+    # sets `self.traits` in `_build`.
+    traits: Traits = Traits()
+
+    # The plugin's options, a dataclass whose fields' defaults are the options' defaults,
+    # given as `class P(Strategy, options=POptions)`; `self.options` holds them over
+    # `config.strategy.<name>` (`read_options`).
+    _options_type: type = NoOptions
+
+    def __init_subclass__(cls, options: type | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if options is not None:
+            cls._options_type = options
 
     def __init__(self, options: ml_collections.ConfigDict | None = None):
-        self.options = options if options is not None else ml_collections.ConfigDict()
+        self.options = read_options(type(self), options)
         # One process until `_build` says otherwise: a plugin of several processes sets
         # its own from the cluster (`membership.Membership(cluster, ...)`).
         self.membership = membership.Membership()
@@ -114,7 +193,7 @@ class Strategy(abc.ABC):
         self._compiled: dict[tuple[str, StepFn], Callable] = {}
 
     @classmethod
-    def local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
+    def _local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
         """How many replicas this plugin will run in this process, told before TF starts.
 
         It sets how many threads each op gets (`devices.intra_op_threads`).
@@ -122,18 +201,13 @@ class Strategy(abc.ABC):
         """
         return 1
 
-    @classmethod
-    def description(cls) -> str:
-        """The first line of the plugin's docstring."""
-        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-
     @abc.abstractmethod
     def _build(self) -> tf.distribute.Strategy:
         """Creates the wrapped `tf.distribute.Strategy` from `self.options`."""
 
     @property
     @abc.abstractmethod
-    def communication(self) -> str:
+    def _communication(self) -> str:
         """One line on what crosses devices or processes each step."""
 
     # --- the interface -------------------------------------------------------
@@ -168,7 +242,7 @@ class Strategy(abc.ABC):
         return self.tf_strategy.num_replicas_in_sync
 
     @property
-    def compute_devices(self) -> list[str]:
+    def _compute_devices(self) -> list[str]:
         """The devices that run replicas."""
         return list(self.tf_strategy.extended.worker_devices)
 
@@ -184,7 +258,7 @@ class Strategy(abc.ABC):
         """
         del model  # `scope()` placed every variable
 
-    def run_steps(self, step_fn: StepFn, iterator, n: int) -> dict[str, float]:
+    def run_steps(self, step_fn: TrainStepProtocol | StepFn, iterator, n: int) -> dict[str, float]:
         """Runs `n` steps of `step_fn` inside one `tf.function`.
 
         Returns the step outputs summed over replicas and steps, as floats.
@@ -207,28 +281,11 @@ class Strategy(abc.ABC):
             "strategy": self.name,
             "tf_strategy": type(self.tf_strategy).__name__,
             "replicas_in_sync": self.num_replicas_in_sync,
-            "compute_devices": self.compute_devices,
-            "communication": "; ".join(filter(None, [self.communication, self._transfer_text()])),
-            "gradient_transfer": self.gradient_transfer.as_dict(),
+            "compute_devices": self._compute_devices,
+            "communication": "; ".join(filter(None, [self._communication, self._transfer_text()])),
+            "gradient_transfer": self.traits.transfer.as_dict(),
             "variables": {_variable_name(v): variable_devices(v) for v in variables},
         }
-
-    @property
-    def ordered_input(self) -> bool:
-        """Whether steps take an input pipeline's batches in its order (exact resume).
-
-        False where workers take steps as they come (asynchronous `parameter_server`).
-        """
-        return True
-
-    @property
-    def splits_steps(self) -> bool:
-        """Whether `run_steps` runs the step's halves apart (`TrainStepProtocol`).
-
-        A task's own `train_step` has no halves, so it cannot run under such
-        a plugin (e.g. synchronous `parameter_server` with spare replicas).
-        """
-        return False
 
     def report(self, sums: dict) -> tuple[dict, dict[str, float], dict[str, Any]]:
         """A block's `run_steps` sums split into the task's and the plugin's own figures.
@@ -242,7 +299,7 @@ class Strategy(abc.ABC):
         return sums, {}, {}
 
     def _transfer_text(self) -> str:
-        how = self.gradient_transfer.describe()
+        how = self.traits.transfer.describe()
         return f"gradients cross {how}" if how else ""
 
     # --- helpers for plugins -------------------------------------------------

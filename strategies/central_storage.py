@@ -1,33 +1,42 @@
 """`central_storage`: variables on the host, one tower per device."""
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import tensorflow as tf
 
 from strategies import devices, transfer
-from strategies.base import Strategy
+from strategies.base import Strategy, Traits, read_options
 from strategies.registry import register
 
 
+@dataclasses.dataclass(frozen=True)
+class CentralStorageOptions:
+    """`strategy.central_storage`."""
+
+    devices: str = ""  # compute devices, as for mirrored
+    parameter_device: str = ""  # "" = the host CPU
+    gradient_dtype: str = "float32"  # float32 | bfloat16, as for mirrored
+
+
 @register("central_storage")
-class CentralStorage(Strategy):
+class CentralStorage(Strategy, options=CentralStorageOptions):
     """Variables on the host, one replica (tower) per device, gradients reduced on the host."""
 
-    supports_jit_compile = False  # variables live away from the devices that compute
-    supports_loss_scaling = False  # the loss scale's counters cannot update from a branch
-    supports_gradient_transfer = True
+    # Variables live away from the devices that compute; the loss scale's counters
+    # cannot update from a branch there.
+    traits = Traits(jit_compile=False, loss_scaling=False, gradient_transfer=True)
 
     @classmethod
-    def local_replicas(cls, options, logical_cpus: int) -> int:
-        return devices.one_per_device(options, logical_cpus)
+    def _local_replicas(cls, options, logical_cpus: int) -> int:
+        return devices.one_per_device(read_options(cls, options), logical_cpus)
 
     def _build(self) -> tf.distribute.Strategy:
-        compute = devices.parse_devices(
-            self.options.get("devices", ""), "strategy.central_storage.devices"
-        )
-        self.gradient_transfer = transfer.from_options(self.options, "central_storage")
-        spec = self.options.get("parameter_device", "")
+        compute = devices.parse_devices(self.options.devices, "strategy.central_storage.devices")
+        sent = transfer.from_options(self.options, "central_storage")
+        self.traits = dataclasses.replace(self.traits, transfer=sent)
+        spec = self.options.parameter_device
         host = (
             devices.parse_devices(spec, "strategy.central_storage.parameter_device")[0]
             if (spec)
@@ -46,7 +55,7 @@ class CentralStorage(Strategy):
             yield
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         host = self.tf_strategy.extended.parameter_devices[0]
         return (
             f"each of {self.num_replicas_in_sync} towers reads the variables from {host} "

@@ -14,9 +14,9 @@ class Default(Strategy):
         return tf.distribute.get_strategy()
 
     @property
-    def compute_devices(self) -> list[str]:
+    def _compute_devices(self) -> list[str]:
         return ["(placed by TensorFlow)"]
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         return "none: one replica, variables where TensorFlow places them"

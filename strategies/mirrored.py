@@ -1,12 +1,13 @@
 """`mirrored`: synchronous replicas on the local devices, gradients all-reduced."""
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import tensorflow as tf
 
 from strategies import devices, tf_patches, transfer
-from strategies.base import Strategy
+from strategies.base import Strategy, Traits, read_options
 from strategies.registry import register
 from towerflow.errors import UserError
 
@@ -18,31 +19,43 @@ CROSS_DEVICE_OPS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class MirroredOptions:
+    """`strategy.mirrored`."""
+
+    devices: str = ""  # comma-separated; "" = all GPUs, else all logical CPUs
+    # How replicas' gradients are combined: auto | nccl | hierarchical_copy | reduce_to_one.
+    cross_device_ops: str = "auto"
+    # The dtype gradients are summed in across replicas: float32 | bfloat16.
+    gradient_dtype: str = "float32"
+
+
 @register("mirrored")
-class Mirrored(Strategy):
+class Mirrored(Strategy, options=MirroredOptions):
     """Synchronous replicas on all local GPUs (else logical CPUs), a copy of every variable each."""
 
-    supports_gradient_transfer = True
+    traits = Traits(gradient_transfer=True)
 
     @classmethod
-    def local_replicas(cls, options, logical_cpus: int) -> int:
-        return devices.one_per_device(options, logical_cpus)
+    def _local_replicas(cls, options, logical_cpus: int) -> int:
+        return devices.one_per_device(read_options(cls, options), logical_cpus)
 
     def scope(self) -> contextlib.AbstractContextManager:
         """The strategy's scope, where layer state updated in a step is averaged over replicas."""
         return replica_state_averaged(self.tf_strategy)
 
     def _build(self) -> tf.distribute.Strategy:
-        names = devices.parse_devices(self.options.get("devices", ""), "strategy.mirrored.devices")
-        self.gradient_transfer = transfer.from_options(self.options, "mirrored")
-        self._reduction = self.options.get("cross_device_ops", "auto")
+        names = devices.parse_devices(self.options.devices, "strategy.mirrored.devices")
+        sent = transfer.from_options(self.options, "mirrored")
+        self.traits = dataclasses.replace(self.traits, transfer=sent)
+        self._reduction = self.options.cross_device_ops
         return tf.distribute.MirroredStrategy(
             names, cross_device_ops=_cross_device_ops(self._reduction, names)
         )
 
     @property
-    def communication(self) -> str:
-        ops = type(self.tf_strategy.extended._cross_device_ops).__name__  # what TF picked
+    def _communication(self) -> str:
+        ops = tf_patches.cross_device_ops_name(self.tf_strategy)  # what TF picked
         return (
             f"gradients all-reduced across {self.num_replicas_in_sync} replicas each step "
             f"({self._reduction}: {ops}); every device keeps a full copy of the variables"

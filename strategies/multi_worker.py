@@ -14,12 +14,13 @@ for whom) until the other tasks of `TF_CONFIG` answer (`cluster.start_up`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import tensorflow as tf
 
-from strategies import mirrored, transfer
-from strategies.base import Strategy
+from strategies import mirrored, tf_patches, transfer
+from strategies.base import Strategy, Traits
 from strategies.cluster import membership, preemption, tf_start
 from strategies.cluster import tf_config as cluster_lib
 from strategies.registry import register
@@ -32,11 +33,23 @@ IMPLEMENTATIONS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class MultiWorkerOptions:
+    """`strategy.multi_worker`."""
+
+    implementation: str = "auto"  # collectives: auto | ring | nccl
+    gradient_dtype: str = "float32"  # float32 | bfloat16, as for mirrored
+    bytes_per_pack: str = "0"  # gradients all-reduced in packs of about this many bytes
+    timeout_seconds: float = 0.0  # a collective waiting longer is an error; 0 = none
+    # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
+    startup_timeout_seconds: float = cluster_lib.STARTUP_TIMEOUT_S
+
+
 @register("multi_worker")
-class MultiWorker(Strategy):
+class MultiWorker(Strategy, options=MultiWorkerOptions):
     """Synchronous replicas in every worker of a `TF_CONFIG` cluster, gradients all-reduced."""
 
-    supports_gradient_transfer = True
+    traits = Traits(gradient_transfer=True)
     _gather_fn = None  # the traced all-reduce of `_gather`, made on first use
 
     def _build(self) -> tf.distribute.Strategy:
@@ -54,13 +67,14 @@ class MultiWorker(Strategy):
                 "not use; use `--strategy=parameter_server`, or drop the ps job."
             )
         # Checked first: a bad option fails at once.
-        self.gradient_transfer = transfer.from_options(self.options, "multi_worker")
+        sent = transfer.from_options(self.options, "multi_worker")
+        self.traits = dataclasses.replace(self.traits, transfer=sent)
         options = self._communication_options()
         if not cluster:
             return tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=self._resolver(), communication_options=options
             )
-        timeout = self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S)
+        timeout = self.options.startup_timeout_seconds
         setting = "strategy.multi_worker.startup_timeout_seconds"
         cluster_lib.start_up(cluster, timeout, setting)
         with tf_start.bounded(timeout, setting, cluster.task_name):
@@ -81,13 +95,13 @@ class MultiWorker(Strategy):
         )
 
     def _communication_options(self) -> tf.distribute.experimental.CommunicationOptions:
-        name = self.options.get("implementation", "auto")
+        name = self.options.implementation
         if name not in IMPLEMENTATIONS:
             raise UserError(
                 f"Unknown `strategy.multi_worker.implementation` '{name}'; "
                 f"known: {', '.join(IMPLEMENTATIONS)}."
             )
-        timeout = self.options.get("timeout_seconds", 0.0)
+        timeout = self.options.timeout_seconds
         if not math.isfinite(timeout) or timeout < 0:
             raise UserError(
                 f"`strategy.multi_worker.timeout_seconds` ({timeout}) must be a finite number "
@@ -98,7 +112,7 @@ class MultiWorker(Strategy):
         # rate. Without one, a dead or hung peer is still found by the coordination
         # service's heartbeats and the loop's watchdog.
         return tf.distribute.experimental.CommunicationOptions(
-            bytes_per_pack=self.gradient_transfer.bytes_per_pack,
+            bytes_per_pack=self.traits.transfer.bytes_per_pack,
             timeout_seconds=float(timeout) or None,
             implementation=IMPLEMENTATIONS[name],
         )
@@ -132,16 +146,16 @@ class MultiWorker(Strategy):
         return [int(v) for v in self._gather_fn(tf.constant(value, tf.int64))]
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         if self.membership.role == "evaluate":
             return "none: a sidecar evaluator reads checkpoints from model_dir"
-        workers = self.tf_strategy.extended._num_workers  # what TF_CONFIG resolved to
+        workers = tf_patches.worker_count(self.tf_strategy)  # what TF_CONFIG resolved to
         return (
             f"gradients all-reduced across {self.num_replicas_in_sync} replicas in "
-            f"{workers} worker process(es) each step ({self.options.get('implementation', 'auto')}"
+            f"{workers} worker process(es) each step ({self.options.implementation}"
             f" collectives, {self._timeout_text()})"
         )
 
     def _timeout_text(self) -> str:
-        timeout = self.options.get("timeout_seconds", 0.0)
+        timeout = self.options.timeout_seconds
         return f"timeout {timeout:g} s" if timeout else "no per-collective timeout"

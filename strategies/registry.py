@@ -117,10 +117,15 @@ def available() -> dict[str, str]:
     described = {}
     for name in sorted(_REGISTRY):
         try:
-            described[name] = plugin(name).description()
+            described[name] = description(plugin(name))
         except PluginBroken as e:
             described[name] = f"(broken: {e.error})"
     return described
+
+
+def description(cls: type) -> str:
+    """A plugin's one line for `--list_strategies`: the first line of its docstring."""
+    return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
 
 
 def get(name: str, options: ml_collections.ConfigDict | None = None):

@@ -10,7 +10,13 @@ it).
 - `keras_variables_save_asynchronously`: Keras 3 variables copied to the host
   more than once by TF's asynchronous checkpoint (process-wide).
 - `count_steps_atomically`: an optimizer's step counter counts with an
-  atomic add (one live optimizer's `iterations.assign_add`).
+  atomic add (one live counter's `assign_add`; `parameter_server` only, whose
+  asynchronous workers step at once).
+- `sum_gradients_in_caller`: Keras's cross-replica sum of the gradients
+  turned off while the train step has summed them itself (towerflow's own
+  optimizer classes override the private method; `trainer.loop.optim`).
+- `move_variable`: the TF variable behind a Keras variable replaced, as
+  Keras's own `keras.Variable(tf_variable)` wraps one (`pipeline`'s stages).
 - `tables_reach_workers_from_loops`: a `DistributedTable` captured in the
   outermost function graph (process-wide, `parameter_server`).
 - `swap_class`: a documented subclass swap (`layer.__class__`) of a layer
@@ -31,6 +37,9 @@ it).
 - `raised_through_autograph`: an error raised while a `tf.function` is traced
   reaches the caller as it is, one line (AutoGraph would wrap it in a
   `StagingError` of several lines; `trainer.layers`' row-aware refusal).
+- private reads, no change: `flat_layers` (every layer of a model, nested
+  ones included), `cross_device_ops_name` (what `MirroredStrategy` picked),
+  `worker_count` (the workers `MultiWorkerMirroredStrategy` resolved).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 """
@@ -72,6 +81,28 @@ PATCHES = {
         "tensorflow",
         ("2.20", "2.21"),
         "DistributedTable.resource_handle captures its call-time value in the current graph",
+    ),
+    "sum_gradients_in_caller": Patch(
+        "keras",
+        ("3.15",),
+        "the TF optimizer's apply sums the gradients over replicas in "
+        "_all_reduce_sum_gradients, with no public switch",
+    ),
+    "move_variable": Patch(
+        "keras", ("3.15",), "keras.Variable wraps a TF variable given to _initialize"
+    ),
+    "flat_layers": Patch(
+        "keras", ("3.15",), "Layer._flatten_layers lists nested layers; no public equivalent"
+    ),
+    "cross_device_ops_name": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "MirroredStrategy keeps the cross-device ops it picked in extended._cross_device_ops",
+    ),
+    "worker_count": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "MultiWorkerMirroredStrategy keeps its resolved worker count in extended._num_workers",
     ),
     "swap_class": Patch(
         "keras",
@@ -162,6 +193,18 @@ def op_determinism(enabled: bool) -> None:
         config.disable_op_determinism()
 
 
+def cross_device_ops_name(strategy: tf.distribute.MirroredStrategy) -> str:
+    """The class name of the cross-device ops `strategy` uses (what TF picked for "auto")."""
+    targeted("cross_device_ops_name")
+    return type(strategy.extended._cross_device_ops).__name__
+
+
+def worker_count(strategy: tf.distribute.MultiWorkerMirroredStrategy) -> int:
+    """How many worker processes `strategy` resolved from its cluster."""
+    targeted("worker_count")
+    return int(strategy.extended._num_workers)
+
+
 def replica_copy(variable):
     """The copy of distributed `variable` that this replica (or update) reads; others as given.
 
@@ -223,6 +266,10 @@ def keras_variables_save_asynchronously() -> None:
     create variables: the second asynchronous save fails. TF already keeps a
     host copy of the wrapped `tf.Variable` up to date, and the Keras variable
     saves exactly that value, so it can share that copy.
+
+    Process-wide and never undone, by design: TF's saver calls it on any
+    later save, from its own thread, for any Keras variable; the copy it
+    gives is the value upstream's would hold, so nothing else sees a change.
     """
     if _KERAS_COPY_TO_CPU is None:
         return  # upstream no longer copies Keras variables itself
@@ -238,17 +285,44 @@ def keras_variables_save_asynchronously() -> None:
 # Live objects -----------------------------------------------------------------------------
 
 
-def count_steps_atomically(optimizer: keras.optimizers.Optimizer) -> None:
-    """Makes `optimizer.iterations` count every step when workers step at once.
+def count_steps_atomically(counter: keras.Variable) -> None:
+    """Makes an optimizer's step counter (`optimizer.iterations`) count every step.
 
     Keras adds to its step counter by reading the value and assigning the sum;
-    asynchronous parameter-server workers then lose counts, so the job runs
-    past `train.steps` and its schedule lags. The TF variable's own
-    `assign_add` is atomic. Only this optimizer's counter changes.
+    asynchronous parameter-server workers, stepping at once, then lose counts,
+    so the job runs past `train.steps` and its schedule lags. The TF
+    variable's own `assign_add` is atomic. Only this counter changes, once,
+    and only `parameter_server` asks: elsewhere one process steps at a time.
     """
+    if "assign_add" in vars(counter):
+        return
     targeted("count_steps_atomically")
-    counter = optimizer.iterations
     counter.assign_add = lambda value: counter.value.assign_add(tf.cast(value, counter.dtype))
+
+
+def move_variable(variable: keras.Variable, new: tf.Variable) -> None:
+    """Keras `variable` wraps TF variable `new` from now on (the same Keras object).
+
+    Keras wraps an existing TF variable through `_initialize` (its
+    `keras.Variable(tf_variable)` path); there is no public way to give a
+    built variable another one.
+
+    Raises:
+      RuntimeError: this Keras wraps TF variables differently.
+    """
+    targeted("move_variable")
+    variable._initialize(new)
+    if variable.value is not new:
+        raise RuntimeError(
+            f"Could not give variable `{variable.path}` a new TF variable: this Keras "
+            "version wraps TF variables differently."
+        )
+
+
+def flat_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """Every layer inside `model`, nested ones included, each once (Keras's own walk)."""
+    targeted("flat_layers")
+    return list(model._flatten_layers(include_self=False))
 
 
 def swap_class(layer: keras.layers.Layer, new: type) -> None:
@@ -290,6 +364,10 @@ def tables_reach_workers_from_loops() -> None:
     for placeholder tensor ... Lookup/Placeholder"). Here the handle is captured
     once in the outermost function graph, which the call feeds, and the nested
     graph captures that tensor as any other.
+
+    Process-wide and never undone, by design: a function is traced again
+    at any later call (a new shape, a restored run), and outside nested
+    graphs the property is upstream's own (the same handle as before).
     """
     from tensorflow.python.distribute import ps_values  # noqa: PLC0415
     from tensorflow.python.framework import func_graph  # noqa: PLC0415

@@ -1,12 +1,15 @@
 """A stand-in for `python -m trainer` in the launcher's tests: a task that does as it is told.
 
     python -m tests.fake_task --pid_dir=DIR --sleep=60 --exit=worker:1=3@0.5 --grandchild
+    python -m tests.fake_task --pid_dir=DIR --listen
 
 It prints its task (from `TF_CONFIG`) and its arguments, one line to stderr,
 records its pid (and its child's, with `--grandchild`) as `DIR/<pid>.pid`,
 then sleeps and exits. `--exit=NAME=CODE@SECONDS` makes task NAME ("chief:0",
 "worker:1", "ps:0", "evaluator:0") exit with CODE after SECONDS; a negative
 CODE kills it with that signal. Other tasks exit 0 after `--sleep` seconds.
+`--listen` listens on its `TF_CONFIG` address's port on every interface, as
+TensorFlow's servers do, before it records its pid.
 """
 
 import argparse
@@ -14,6 +17,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +36,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=60.0)
     parser.add_argument("--exit", action="append", default=[], help="NAME=CODE@SECONDS")
     parser.add_argument("--grandchild", action="store_true", help="start a child that sleeps")
+    parser.add_argument("--listen", action="store_true", help="listen as TF's servers do")
     parser.add_argument("--ignore_term", action="store_true", help="ignore SIGTERM")
     parser.add_argument(
         "--save_s",
@@ -58,6 +63,9 @@ def main() -> None:
     if args.grandchild:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         _record(args.pid_dir, child.pid, f"{name} grandchild")
+    if args.listen:  # accepts connections (the kernel completes them), reads nothing
+        address = json.loads(os.environ["TF_CONFIG"])["cluster"][task["type"]][task["index"]]
+        server = socket.create_server(("0.0.0.0", int(address.rsplit(":", 1)[1])))  # noqa: F841
     _record(args.pid_dir, os.getpid(), name)
 
     code, seconds = 0, args.sleep

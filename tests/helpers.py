@@ -164,12 +164,21 @@ def launch(*args: str, cwd: str, timeout: float = TIMEOUT_S) -> subprocess.Compl
     return run_cli(*args, cwd=cwd, timeout=timeout, module="trainer.launch")
 
 
-def assert_exit(result: subprocess.CompletedProcess, code: int = 0) -> None:
-    """`result` (a finished command) exited with `code`; else the tail of its output is shown."""
+def assert_exit(
+    result: subprocess.CompletedProcess | subprocess.Popen, code: int = 0, output: str | None = None
+) -> None:
+    """`result` (a finished command or process) exited with `code`; else its output's tail shows.
+
+    Args:
+      result: a `subprocess.run` result, or a `Popen` that has ended.
+      code: the exit status expected.
+      output: what it printed, when `result` holds no text (a `Popen` read by the test);
+        None shows a `CompletedProcess`'s stdout and stderr.
+    """
+    if output is None:
+        output = (result.stdout or "")[-4000:] + (result.stderr or "")[-3000:]
     assert result.returncode == code, (
-        f"exit {result.returncode}, expected {code}:\n"
-        + (result.stdout or "")[-4000:]
-        + (result.stderr or "")[-3000:]
+        f"exit {result.returncode}, expected {code}:\n{output[-7000:]}"
     )
 
 

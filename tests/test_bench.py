@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import strategies
-from tests.helpers import run_cli, tiny_config
+from tests.helpers import assert_exit, run_cli, tiny_config
 from trainer import bench
 from trainer.bench import clock, data_service, hosts, straggling
 from trainer.loop import controller, train
@@ -106,7 +106,7 @@ def _bench(path, *flags) -> dict:
     done = run_cli(
         "--quick", f"--json={path}", *flags, cwd=str(path.parent), module="trainer.bench"
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_exit(done)
     assert "### small_mlp" in done.stdout
     return json.loads(path.read_text())
 
@@ -189,7 +189,7 @@ def test_case_details(results):
 )
 def test_bad_flags_are_one_line(flag, message, tmp_path):
     done = run_cli(flag, cwd=str(tmp_path), module="trainer.bench")
-    assert done.returncode == 2
+    assert_exit(done, 2)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
 

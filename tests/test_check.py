@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, run_cli, run_command
+from tests.helpers import REPO, assert_exit, run_cli, run_command
 from towerflow.errors import UserError
 from trainer import check
 
@@ -78,7 +78,7 @@ def test_bad_strategies_are_one_line(names, message):
 
 def test_the_command_exits_2_with_one_line_on_a_bad_flag(tmp_path):
     result = run_cli("--strategies=one_device", "--", cwd=str(tmp_path), module="trainer.check")
-    assert result.returncode == 2, result.stderr
+    assert_exit(result, 2)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "needs at least two strategies" in lines[0], result.stderr
 
@@ -94,7 +94,7 @@ def test_the_readmes_check_command_runs_as_written(tmp_path):
         "--strategies=one_device,mirrored,multi_worker",
     ]
     result = run_command([sys.executable, *argv[1:]], cwd=str(tmp_path))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_exit(result)
     out = result.stdout
     assert _row(out, "one_device").endswith("reference")
     assert " 2 " in _row(out, "mirrored"), "a replica per logical CPU (2 by default)"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import run_cli, tiny_config
+from tests.helpers import assert_exit, run_cli, tiny_config
 from towerflow.errors import NO_SPACE_EXIT_CODE
 from trainer.loop import deltas, train
 from trainer.loop.checkpoints import Checkpointer, NoSpace
@@ -119,7 +119,7 @@ def test_a_full_disk_under_the_command_line_is_one_line_and_exit_4(small_disk):
         "--config.train.export=False",
         cwd=str(small_disk),
     )
-    assert result.returncode == NO_SPACE_EXIT_CODE, result.stderr[-3000:]
+    assert_exit(result, NO_SPACE_EXIT_CODE)
     tf_log = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} )")
     lines = [line for line in result.stderr.splitlines() if not tf_log.match(line)]
     assert len(lines) == 1 and lines[0].startswith("error: no space left in `model_dir` run"), (

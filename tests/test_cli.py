@@ -11,7 +11,7 @@ import tensorflow as tf
 from absl import flags
 
 from strategies import devices
-from tests.helpers import run_cli, tiny_config
+from tests.helpers import assert_exit, run_cli, tiny_config
 from trainer import cli, data
 
 FAST = [
@@ -37,7 +37,7 @@ def mirrored_run(tmp_path_factory):
     """One real run of the default config under `mirrored`, from a foreign directory."""
     cwd = tmp_path_factory.mktemp("cwd")
     result = run_cli("--strategy=mirrored", "--model_dir=run", *FAST, cwd=str(cwd))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_exit(result)
     return cwd / "run", result
 
 
@@ -100,7 +100,7 @@ def test_rerun_with_more_steps_resumes(mirrored_run, tmp_path):
         "--config.train.steps=350",
         cwd=str(tmp_path),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_exit(result)
     assert "restored" in result.stdout and "at step 300" in result.stdout
     assert "train | step: 350/350" in result.stdout
     assert "step: 100/" not in result.stdout
@@ -123,7 +123,7 @@ def test_resume_matches_a_straight_run(tmp_path):
     first = run_cli(*common, "--model_dir=resumed", "--config.train.steps=20", cwd=str(tmp_path))
     second = run_cli(*common, "--model_dir=resumed", "--config.train.steps=40", cwd=str(tmp_path))
     for r in (straight, first, second):
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert_exit(r)
     a = tf.train.load_checkpoint(str(tmp_path / "straight" / "checkpoints"))
     b = tf.train.load_checkpoint(str(tmp_path / "resumed" / "checkpoints"))
     names = [n for n in a.get_variable_to_shape_map() if "VARIABLE_VALUE" in n]
@@ -134,7 +134,7 @@ def test_resume_matches_a_straight_run(tmp_path):
 
 def test_list_strategies(tmp_path):
     result = run_cli("--list_strategies", cwd=str(tmp_path))
-    assert result.returncode == 0
+    assert_exit(result)
     names = [line.split()[0] for line in result.stdout.splitlines()]
     assert {"default", "one_device", "mirrored", "central_storage"} <= set(names)
 

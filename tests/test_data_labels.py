@@ -22,6 +22,7 @@ import tensorflow as tf
 from configs import default
 from tests.helpers import (
     REPO,
+    assert_exit,
     one_line_error,
     run_cli,
     run_command,
@@ -276,7 +277,7 @@ def _penguins_data(tmp_path) -> list[str]:
     write, train = _penguins_commands()
     assert write[:3] == ["python", "-m", "examples.penguins"]
     result = run_command([sys.executable, *write[1:]], cwd=str(tmp_path))
-    assert result.returncode == 0, result.stderr
+    assert_exit(result)
     assert train[0] == "towerflow"
     return [flag for flag in train[1:] if not flag.startswith("--model_dir")]
 
@@ -320,7 +321,7 @@ def test_the_readme_penguins_command_trains_to_090(tmp_path, strategy):
     result = run_cli(
         *flags, f"--strategy={strategy}", f"--model_dir={model_dir}", cwd=str(tmp_path)
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_exit(result)
     assert "data: dropped 3 of 280 rows of `data.train_files`" in result.stdout
     _check_penguins(model_dir, json.loads((model_dir / "results.json").read_text()))
 

@@ -20,10 +20,10 @@ def test_one_replica_or_a_set_count_keeps_it():
 def test_plugins_count_their_replicas_before_tensorflow_starts():
     import strategies
 
-    assert strategies.plugin("one_device").local_replicas(None, 4) == 1
-    assert strategies.plugin("mirrored").local_replicas(None, 4) == 4
+    assert strategies.local_replicas(strategies.plugin("one_device"), None, 4) == 1
+    assert strategies.local_replicas(strategies.plugin("mirrored"), None, 4) == 4
     options = {"devices": "/cpu:0, /cpu:1"}
-    assert strategies.plugin("central_storage").local_replicas(options, 4) == 2
+    assert strategies.local_replicas(strategies.plugin("central_storage"), options, 4) == 2
 
 
 def test_negative_thread_count_is_a_user_error():

@@ -9,7 +9,7 @@ import pytest
 import configs.default
 from strategies.cluster import discovery
 from strategies.cluster import tf_config as cluster
-from tests.helpers import one_line_error, run_cli, tiny_config
+from tests.helpers import assert_exit, one_line_error, run_cli, tiny_config
 from trainer.loop import train
 
 # A Slurm step of 4 Slurm tasks on one node, as `srun -n4` sets it for its rank 3.
@@ -248,7 +248,7 @@ def test_the_old_ps_tasks_flag_is_accepted_with_a_one_line_warning(tmp_path):
 
 def test_the_cluster_flag_names_the_source_and_a_missing_one_is_one_line(tmp_path):
     result = run_cli("--cluster=jobset", "--model_dir=run", cwd=str(tmp_path))
-    assert result.returncode == 2, result.stderr[-2000:]
+    assert_exit(result, 2)
     (line,) = [line for line in result.stderr.splitlines() if line.strip()]
     assert line.startswith("error: the `jobset` cluster source needs `JOBSET_NAME`"), line
     assert not (tmp_path / "run").exists()

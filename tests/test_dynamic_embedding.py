@@ -11,12 +11,7 @@ import pytest
 import tensorflow as tf
 
 import configs.ctr
-from tests.helpers import (
-    config_flags,
-    launched,
-    run_command,
-    tensorboard_scalars,
-)
+from tests.helpers import assert_exit, config_flags, launched, run_command, tensorboard_scalars
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
 from trainer.layers import DynamicEmbedding, tables
@@ -403,7 +398,7 @@ def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(
     ids = [[1, 2, 3, 4, 5, 6, 7, 8], [2**40, 2**41, 3, 4, 5, 6, 7, 9]]
     export = str(tmp_path / "run" / "export")
     served = run_command([sys.executable, "-c", _SERVE, export, json.dumps(ids)], cwd=tmp_path)
-    assert served.returncode == 0, served.stderr[-3000:]
+    assert_exit(served)
     logits = np.array(json.loads(served.stdout.splitlines()[-1]))
     assert logits.shape == (2, 2) and np.isfinite(logits).all()
     results = json.loads((tmp_path / "run" / "results.json").read_text())
@@ -483,7 +478,7 @@ def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):
         [sys.executable, "-c", _SERVE, str(tmp_path / "run" / "export"), json.dumps(ids.tolist())],
         str(tmp_path),
     )
-    assert served.returncode == 0, served.stderr[-3000:]
+    assert_exit(served)
     logits = np.array(json.loads(served.stdout.strip().splitlines()[-1]))
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
 

@@ -115,7 +115,7 @@ def _serves_raw_rows(export_dir) -> None:
     served = helpers.run_command(
         [sys.executable, "-c", SERVE_CENSUS, str(export_dir)], cwd=str(export_dir)
     )
-    assert served.returncode == 0, served.stderr[-3000:]
+    helpers.assert_exit(served)
     line = next(x for x in served.stdout.splitlines() if x.startswith("SERVED"))
     assert line.endswith("[2]"), line  # every output: one row per row sent
 

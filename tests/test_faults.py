@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import run_cli, start_cli, tiny_config
+from tests.helpers import assert_exit, run_cli, start_cli, tiny_config
 from towerflow import errors
 from trainer.loop import faults, lock, train
 
@@ -60,7 +60,7 @@ def test_divergence_is_one_line_and_exit_code_3(tmp_path):
         "--model_dir=run",
         cwd=str(tmp_path),
     )
-    assert result.returncode == errors.DIVERGED_EXIT_CODE
+    assert_exit(result, errors.DIVERGED_EXIT_CODE)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "last good checkpoint" in lines[0], result.stderr
     assert _all_checkpoints_finite(tmp_path / "run")
@@ -112,7 +112,7 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
         "--config.eval.every=0",
         cwd=str(tmp_path),
     )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_exit(resumed)
     assert f"at step {step}" in resumed.stdout
     assert f"train | step: {step + 20}/{step + 20}" in resumed.stdout
 

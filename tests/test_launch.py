@@ -15,6 +15,7 @@ import time
 import pytest
 
 from strategies.cluster import tf_config as cluster
+from tests.helpers import assert_exit
 from towerflow.errors import UserError
 from trainer import launch
 
@@ -307,7 +308,7 @@ def test_command_line_passes_the_trainer_flags_through(tmp_path):
         out, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
         proc.kill()
-    assert proc.returncode == 0, err
+    assert_exit(proc, output=err)
     assert "[worker:0] task worker:0 args ['--sleep=1', '--exit=worker:0=0@0.5', 'x']" in out
     assert "[worker:1] task worker:1 args" in out
 
@@ -376,7 +377,7 @@ def test_an_interrupted_parameter_server_cluster_stops_its_servers_after_the_chi
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert_exit(proc, 128 + signal.SIGTERM, output=out)
     saved = float((tmp_path / "chief:0.saved").read_text())
     stopped = {p.stem: float(p.read_text()) for p in tmp_path.glob("*.term")}
     assert set(stopped) == {"chief:0", "worker:0", "worker:1", "ps:0"}, out

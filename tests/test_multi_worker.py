@@ -14,6 +14,7 @@ import pytest
 from strategies.cluster import tf_config as cluster
 from tests.helpers import (
     TIMEOUT_S,
+    assert_exit,
     checkpoint_values,
     kill,
     launch_and_signal,
@@ -94,7 +95,7 @@ def test_two_workers_match_mirrored_over_two_cpus(tmp_path):
         *EQUIVALENCE,
         cwd=str(tmp_path),
     )
-    assert mirrored.returncode == 0, mirrored.stderr[-3000:]
+    assert_exit(mirrored)
     a, b = checkpoint_values(tmp_path / "mw"), checkpoint_values(tmp_path / "mirrored")
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
@@ -112,7 +113,7 @@ def test_malformed_tf_config_is_one_line(tmp_path):
         else:
             os.environ["TF_CONFIG"] = env_before
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2
+    assert_exit(result, 2)
     assert len(lines) == 1 and "`TF_CONFIG`" in lines[0] and "99999" in lines[0], result.stderr
     assert not (tmp_path / "runs").exists()
 
@@ -228,7 +229,7 @@ def test_each_workers_thread_count_stays_flat_over_many_steps(tmp_path):
         proc.kill()
         proc.wait()
     output = "".join(lines)
-    assert proc.returncode == 0, output[-3000:]
+    assert_exit(proc, output=output[-3000:])
     assert "step: 600/600" in output
     for worker, seen in samples.items():
         assert seen and seen[-1][0] - seen[0][0] >= 400, (worker, seen, output[-2000:])
@@ -282,7 +283,7 @@ def test_workers_that_restored_different_steps_stop_with_one_line(two_workers, t
         kill(*procs)
     for proc, (out, err) in zip(procs, results, strict=True):
         lines = [line for line in err.splitlines() if line.strip()]
-        assert proc.returncode == 2, out[-2000:] + err[-3000:]
+        assert_exit(proc, 2, output=out[-2000:] + err[-3000:])
         assert len(lines) == 1, err
         assert "the workers restored different steps" in lines[0]
         assert "worker:0 step 300, worker:1 step 0" in lines[0] and "not shared" in lines[0]

@@ -16,7 +16,7 @@ import configs.ctr
 import configs.default
 import strategies
 from strategies.cluster import tf_config as cluster
-from tests.helpers import launch_and_signal, launched, run_cli, start_cli
+from tests.helpers import assert_exit, launch_and_signal, launched, run_cli, start_cli
 from tests.test_ps_sync import _histograms, _scalars
 from towerflow.errors import UserError
 from trainer import data
@@ -132,7 +132,7 @@ def test_ctr_shards_the_table_over_both_ps_and_learns(tmp_path):
 
 def test_without_tf_config_it_is_one_line_and_exit_2(tmp_path):
     result = run_cli("--strategy=parameter_server", "--model_dir=run", cwd=str(tmp_path))
-    assert result.returncode == 2
+    assert_exit(result, 2)
     tf_log = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} )")
     lines = [line for line in result.stderr.splitlines() if not tf_log.match(line)]
     assert len(lines) == 1, result.stderr

@@ -259,6 +259,6 @@ def test_the_strategy_contract_holds_without_a_model():
 
 def test_listed_by_list_strategies(tmp_path):
     result = helpers.run_cli("--list_strategies", cwd=str(tmp_path))
-    assert result.returncode == 0, result.stderr
+    helpers.assert_exit(result)
     listed = {line.split()[0]: line for line in result.stdout.splitlines()}
     assert "Model parallelism" in listed["pipeline"]

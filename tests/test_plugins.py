@@ -7,14 +7,19 @@ directory on `sys.path`, where `importlib.metadata` finds them.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import pathlib
+import re
 import sys
 
+import ml_collections
 import pytest
 
 import strategies
 from strategies import registry
-from tests.helpers import run_cli
+from strategies.base import read_options
+from tests.helpers import assert_exit, run_cli
 
 
 def _install(site: pathlib.Path, package: str, entry_points: dict[str, str], module: str = ""):
@@ -95,11 +100,63 @@ def test_a_broken_plugin_on_the_command_line(site, tmp_path, monkeypatch):
     _install(site, "broken-plugin", {"broken": "broken_plugin:Plugin"}, BROKEN)
     monkeypatch.setenv("PYTHONPATH", str(site))
     listed = run_cli("--list_strategies", cwd=str(tmp_path))
-    assert listed.returncode == 0, listed.stderr
+    assert_exit(listed)
     assert "broken           (broken: ModuleNotFoundError" in listed.stdout
     assert "one_device" in listed.stdout
     used = run_cli("--strategy=broken", f"--model_dir={tmp_path / 'run'}", cwd=str(tmp_path))
-    assert used.returncode == 2
+    assert_exit(used, 2)
     lines = [line for line in used.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "package `broken-plugin`" in lines[0], used.stderr
     assert not (tmp_path / "run").exists()
+
+
+# --- options: each plugin declares its own, once ---------------------------------------------
+
+
+def test_each_builtin_plugins_options_are_its_config_section():
+    import configs.default  # noqa: PLC0415
+
+    sections = configs.default.get_config().strategy
+    for name in strategies.available():
+        declared = read_options(strategies.plugin(name), None).to_dict()
+        section = sections.get(name)
+        assert (section.to_dict() if section is not None else {}) == declared, name
+
+
+def test_no_builtin_plugin_repeats_an_options_default_in_code():
+    for module in registry.BUILTIN_MODULES:
+        source = inspect.getsource(importlib.import_module(module))
+        assert not re.search(r"options\.get\(", source), module
+
+
+def test_an_option_a_plugin_does_not_declare_is_one_line():
+    with pytest.raises(strategies.UserError) as e:
+        strategies.get("one_device", ml_collections.ConfigDict({"devcie": "/cpu:0"}))
+    assert str(e.value) == (
+        "`strategy.one_device.devcie` is no option of `one_device`; its options: device, "
+        "gradient_dtype (as the plugin declares them)."
+    )
+
+
+def test_a_third_party_plugin_reads_the_options_it_declares():
+    from tests.toy_plugin import Toy  # noqa: PLC0415
+
+    Toy.name = "toy"  # as `@register` or its entry point names it
+    assert Toy().options.device == "/cpu:0"  # its declared default, with no config section
+    chosen = Toy(ml_collections.ConfigDict({"device": "/cpu:1"}))
+    assert (
+        chosen.options.device == "/cpu:1"
+        and "CPU:1" in chosen.tf_strategy.extended.worker_devices[0]
+    )
+    with pytest.raises(strategies.UserError, match=r"`strategy.toy.speed` is no option of `toy`"):
+        Toy(ml_collections.ConfigDict({"speed": 2}))
+
+
+def test_the_strategy_interface_is_the_sixteen_members_its_docstring_lists():
+    from strategies import base  # noqa: PLC0415
+
+    plugin = strategies.get("one_device")
+    public = {n for n in {*dir(type(plugin)), *vars(plugin)} if not n.startswith("_")}
+    assert len(public) <= 16, sorted(public)
+    documented = re.search(r"The interface the loop uses:(.*?)Those 16", base.__doc__, re.S)
+    assert public == set(re.findall(r"`(\w+)", documented.group(1))), sorted(public)

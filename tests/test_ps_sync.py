@@ -16,10 +16,18 @@ import tensorflow as tf
 
 import configs.default
 import strategies
+from strategies.base import Traits
 from strategies.cluster import tf_config as cluster
 from strategies.parameter_server import staleness as ps_staleness
 from strategies.parameter_server import sync as ps_sync
-from tests.helpers import launch_and_signal, launched, one_line_error, run_cli, tiny_config
+from tests.helpers import (
+    assert_exit,
+    launch_and_signal,
+    launched,
+    one_line_error,
+    run_cli,
+    tiny_config,
+)
 from towerflow.errors import UserError
 from trainer.bench import straggling
 from trainer.loop import train
@@ -311,8 +319,8 @@ def test_the_defaults_are_asynchronous_and_say_so(monkeypatch):
         "parameter_server", configs.default.get_config().strategy.parameter_server
     )
     assert (plugin.sync_replicas, plugin.staleness.mode, plugin.warmup_steps) == (0, "none", 0)
-    assert not plugin.splits_steps
-    assert "asynchronously" in plugin.communication
+    assert not plugin.traits.splits_steps
+    assert "asynchronously" in plugin.describe()["communication"]
 
 
 @pytest.mark.parametrize(
@@ -329,7 +337,7 @@ def test_the_update_mode_is_chosen_once_from_the_options(monkeypatch, options, m
     config.update(options)
     plugin = strategies.get("parameter_server", config)
     assert type(plugin.updates) is mode
-    assert plugin.splits_steps is splits and says in plugin.communication
+    assert plugin.traits.splits_steps is splits and says in plugin.describe()["communication"]
 
 
 def test_a_bad_option_on_the_command_line_exits_2_and_writes_nothing(monkeypatch, tmp_path):
@@ -341,7 +349,7 @@ def test_a_bad_option_on_the_command_line_exits_2_and_writes_nothing(monkeypatch
         cwd=str(tmp_path),
         keep_tf_config=True,
     )
-    assert result.returncode == 2, result.stderr[-2000:]
+    assert_exit(result, 2)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "sync_replicas` (5)" in errors[0], result.stderr[-2000:]
     assert "use 2 for one spare worker" in errors[0]
@@ -352,7 +360,7 @@ def test_a_tasks_own_train_step_under_a_plugin_that_splits_steps_is_one_line(tmp
     """Sync `parameter_server` runs a step's halves apart; a task's own step has none."""
 
     class Splitting(strategies.plugin("one_device")):  # as `sync_replicas` > 0 reports
-        splits_steps = True
+        traits = Traits(splits_steps=True)
 
     config = tiny_config(**{"task.name": "examples.custom_step:ConsistencyTask"})
     strategy = Splitting(config.strategy.one_device)

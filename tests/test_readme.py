@@ -30,7 +30,7 @@ import pytest
 
 import configs.default
 import strategies
-from tests.helpers import REPO, run_command
+from tests.helpers import REPO, assert_exit, run_command
 
 # The pages whose commands this test runs, in order (README.md first).
 RUN_PAGES = (
@@ -322,7 +322,7 @@ def _params():
 def test_readme_command(index, runner):
     run = runner.run(index)
     argv, output = run.argv, run.output
-    assert run.result.returncode == 0, f"{' '.join(argv)}:\n{output[-3000:]}"
+    assert_exit(run.result, output=f"{' '.join(argv)}:\n{output[-3000:]}")
     if "trainer.sweep" in argv:
         _check_sweep(run)
     elif "--list_strategies" in argv:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import TIMEOUT_S, kill, launched, start_task, tiny_config
+from tests.helpers import TIMEOUT_S, assert_exit, kill, launched, start_task, tiny_config
 from towerflow.errors import TaskLost, UserError
 from trainer.launch import pick_ports
 from trainer.loop import train
@@ -150,7 +150,7 @@ def test_the_cli_gives_up_on_missing_members_with_one_line(tmp_path, strategy):
         out, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
         kill(proc)
-    assert proc.returncode == 144, out + err
+    assert_exit(proc, 144, output=out + err)
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith(f"error: {missing[0]} did not answer within 3 s"), lines[0]

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import kill, start_task
+from tests.helpers import assert_exit, kill, start_task
 from towerflow.errors import UserError
 from trainer.launch import pick_ports
 
@@ -65,7 +65,7 @@ def test_an_own_host_that_does_not_resolve_is_one_line_and_exit_2(tmp_path, host
         _tf_config(host, strategy), f"--strategy={strategy}", "--model_dir=run", cwd=tmp_path
     )
     _, err, took = _finish(proc)
-    assert proc.returncode == 2, err
+    assert_exit(proc, 2, output=err)
     line = _one_line(err)
     assert line.startswith("error: `TF_CONFIG` gives this member"), line
     assert "its host does not resolve here" in line and "its own machine" in line, line
@@ -83,7 +83,7 @@ def test_tensorflows_own_join_of_the_cluster_ends_at_the_bound_with_exit_144(tmp
         cwd=tmp_path,
     )
     out, err, took = _finish(proc)
-    assert proc.returncode == 144, out + err
+    assert_exit(proc, 144, output=out + err)
     line = _one_line(err)
     assert line.startswith("error: TensorFlow did not join the cluster within 3 s as worker:0"), (
         line

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from strategies.base import SplitTrainStep, TrainStepProtocol
 from tests.helpers import tiny_config
 from trainer.loop import steps, train
 
@@ -58,7 +59,7 @@ def test_the_train_steps_halves_make_the_whole_step(tmp_path):
         return sums
 
     halves_sums = halves_job.strategy.run_steps(by_halves, iterator, 3)
-    assert step.has_halves and int(step.iterations.numpy()) == 3
+    assert isinstance(step, SplitTrainStep) and int(step.iterations.numpy()) == 3
     assert [v.name for v in step.variables] == [
         v.name for v in halves_job.model.trainable_variables
     ]
@@ -67,16 +68,13 @@ def test_the_train_steps_halves_make_the_whole_step(tmp_path):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
 
 
-def test_a_tasks_own_train_step_declares_it_has_no_halves(tmp_path):
+def test_a_tasks_own_train_step_is_a_step_without_halves(tmp_path):
     job = train.build(tiny_config(), str(tmp_path / "own"))
 
     def own(model, optimizer, x, y, weights, replica_loss):
         raise AssertionError("not run")
 
     step = steps.CustomTrainStep(own, job.model, job.optimizer, job.objective, 64)
-    assert not step.has_halves
+    assert isinstance(step, TrainStepProtocol) and not isinstance(step, SplitTrainStep)
     assert step.iterations is job.optimizer.iterations
-    with pytest.raises(TypeError, match="no gradient half"):
-        step.gradients(None)
-    with pytest.raises(TypeError, match="no update half"):
-        step.apply([])
+    assert not hasattr(step, "gradients") and not hasattr(step, "apply")

@@ -2,6 +2,8 @@
 
 import contextlib
 import importlib.metadata
+import os
+import re
 from collections.abc import Iterator
 from unittest import mock
 
@@ -13,6 +15,7 @@ import strategies
 from strategies import registry
 from strategies.base import variable_devices
 from strategies.cluster import tf_config as cluster
+from tests import cluster_contract, helpers
 from tests.conftest import LOGICAL_CPUS
 
 GLOBAL_BATCH = 8
@@ -55,15 +58,25 @@ def _expected_placement(name: str) -> list[str]:
     }.get(name, ["CPU:0"])  # the others: one copy, on the first device (or the host)
 
 
+_ON_CLUSTER: dict = {}  # the plugin a cluster's chief built (`tests.cluster_contract`)
+
+
 @pytest.fixture(params=PLUGINS)
 def strategy(request):
     """Each registered plugin, built in this process; one that needs a cluster says so."""
     with _toy_installed():
+        on_cluster = os.environ.get(cluster_contract.CONTRACT_ON_CLUSTER)
+        if on_cluster and request.param != on_cluster:
+            pytest.skip(f"the chief of a {on_cluster} cluster checks {on_cluster} only")
+        if on_cluster:  # one plugin for the process: it joined its cluster once
+            if on_cluster not in _ON_CLUSTER:
+                _ON_CLUSTER[on_cluster] = registry.get(on_cluster)
+            return _ON_CLUSTER[on_cluster]
         try:
             return registry.get(request.param)
         except strategies.UserError as e:
             assert "\n" not in str(e) and "TF_CONFIG" in str(e) and "trainer.launch" in str(e)
-            pytest.skip(f"{request.param} needs a cluster: its contract runs in its cluster tests")
+            pytest.skip(f"{request.param} needs a cluster: see the test on a local cluster below")
 
 
 def test_builtins_and_third_party_plugins_are_registered():
@@ -98,6 +111,8 @@ def _range_dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
 
 
 def test_distribute_dataset_splits_the_global_batch(strategy):
+    if not strategy.traits.ordered_input:  # parameter_server: each worker reads its own
+        pytest.skip("the workers read the batches, not this process: run_steps' sums check them")
     batch = next(iter(strategy.distribute_dataset(_range_dataset_fn)))
     parts = strategy.local_results(batch)
     replicas = strategy.num_replicas_in_sync
@@ -138,10 +153,11 @@ def test_run_steps_sums_over_replicas_and_steps(strategy):
         }
 
     iterator = iter(strategy.distribute_dataset(_range_dataset_fn))
-    out = strategy.run_steps(step, iterator, 5)
+    out, _, _ = strategy.report(strategy.run_steps(step, iterator, 5))  # the task's sums
     assert out == {"examples": 5 * GLOBAL_BATCH, "total": sum(range(5 * GLOBAL_BATCH))}
-    out = strategy.run_steps(step, iterator, 1)  # the iterator goes on where it stopped
-    assert out["total"] == sum(range(5 * GLOBAL_BATCH, 6 * GLOBAL_BATCH))
+    out, _, _ = strategy.report(strategy.run_steps(step, iterator, 1))  # goes on from there
+    if strategy.traits.ordered_input:  # else the workers take the batches as they come
+        assert out["total"] == sum(range(5 * GLOBAL_BATCH, 6 * GLOBAL_BATCH))
 
 
 def test_run_steps_reduces_the_sums_once_a_loop(strategy, monkeypatch):
@@ -157,8 +173,11 @@ def test_run_steps_reduces_the_sums_once_a_loop(strategy, monkeypatch):
         return {"examples": tf.cast(tf.size(batch), tf.float32), "loss": tf.constant(0.5)}
 
     out = strategy.run_steps(step, iter(strategy.distribute_dataset(_range_dataset_fn)), 5)
+    out, _, _ = strategy.report(out)  # the task's sums
     assert out == {"examples": 5 * GLOBAL_BATCH, "loss": 0.5 * 5 * strategy.num_replicas_in_sync}
-    assert len(reduced) == 2  # traced once: one reduction of each sum, none per step
+    # Traced once: one reduction of each sum, none per step; under parameter_server the
+    # chief adds up what the workers return, with no cross-replica reduction at all.
+    assert len(reduced) == (2 if strategy.traits.ordered_input else 0)
 
 
 def test_evaluate_sees_every_example_once(strategy):
@@ -218,3 +237,14 @@ def test_entry_point_plugins_are_discovered(monkeypatch):
     plugin = registry.get("toy")
     assert plugin.name == "toy" and plugin.num_replicas_in_sync == 1
     assert (plugin.membership.role, plugin.membership.is_chief) == ("train", False)
+
+
+def test_parameter_server_meets_the_contract_on_a_local_cluster(tmp_path):
+    result = helpers.launched(
+        "--workers=1", "--ps=1", "--module=tests.cluster_contract", "--",
+        "--strategy=parameter_server", f"--model_dir={tmp_path / 'run'}",
+        cwd=helpers.REPO,
+    )  # fmt: skip
+    # The chief ran this module's contract tests for parameter_server (`tests.cluster_contract`).
+    summary = re.search(r"\[chief\] (\d+) passed, 1 skipped, \d+ deselected", result.stdout)
+    assert summary and int(summary.group(1)) == 7, result.stdout[-3000:]

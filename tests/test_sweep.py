@@ -16,7 +16,7 @@ import time
 import pytest
 import tensorflow as tf
 
-from tests.helpers import REPO, TIMEOUT_S, one_line_error, run_cli, start_cli
+from tests.helpers import REPO, TIMEOUT_S, assert_exit, one_line_error, run_cli, start_cli
 from tests.test_hparams import dashboard
 from towerflow.errors import UserError
 from trainer.sweep import plan as sweep_plan
@@ -157,7 +157,7 @@ def swept(tmp_path_factory):
 
 def test_a_sweep_ranks_its_trials_and_a_bad_value_fails_only_its_row(swept):
     sweep_dir, first, _, _ = swept
-    assert first.returncode == 1, first.stderr[-2000:]  # a trial failed; the sweep went on
+    assert_exit(first, 1)  # a trial failed; the sweep went on
     summary = json.loads((sweep_dir / "sweep.json").read_text())
     rows = summary["trials"]
     assert [r["status"] for r in rows] == ["finished", "finished", "failed"]
@@ -183,7 +183,7 @@ def test_a_sweep_ranks_its_trials_and_a_bad_value_fails_only_its_row(swept):
 
 def test_rerunning_the_sweep_skips_finished_trials(swept):
     sweep_dir, first, again, untouched = swept
-    assert again.returncode == 1, again.stderr[-2000:]
+    assert_exit(again, 1)
     assert untouched  # the finished trial's results.json was not written again
     assert again.stdout.count("not run again") == 2
     assert "starting 01-" in again.stdout and "starting 00-" not in again.stdout
@@ -214,7 +214,7 @@ def test_a_bad_sweep_flag_is_one_line_exit_2_and_writes_nothing(tmp_path):
         cwd=str(tmp_path),
         module="trainer.sweep",
     )
-    assert result.returncode == 2
+    assert_exit(result, 2)
     assert result.stderr.strip().splitlines() == [
         "error: `--sweep.optimizer.learning_rat`: the config has no field "
         "`optimizer.learning_rat` (no `learning_rat` there); did you mean "
@@ -259,7 +259,7 @@ def test_ctrl_c_saves_every_trial_and_a_rerun_resumes_them(tmp_path):
             break
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=TIMEOUT_S)
-    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    assert_exit(proc, 128 + signal.SIGINT, output=out[-3000:])
     deadline = time.monotonic() + 60  # the sweep reaped them: nothing should be left at all
     while _trial_processes(sweep_dir) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -276,7 +276,7 @@ def test_ctrl_c_saves_every_trial_and_a_rerun_resumes_them(tmp_path):
     # The same sweep again (here with fewer steps, to end at once): each trial resumes
     # from its checkpoint, with nothing left to train.
     resumed = run_cli(*args, "--config.train.steps=10", cwd=str(tmp_path), module="trainer.sweep")
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert_exit(resumed)
     for trial, step in steps.items():
         assert "restored" in (sweep_dir / "logs" / f"{trial}.log").read_text()
         results = json.loads((sweep_dir / trial / "results.json").read_text())

@@ -66,12 +66,69 @@ def test_keras_assign_add_reads_then_assigns_and_the_patched_counter_adds_atomic
     with mock.patch.object(type(counter), "assign", autospec=True) as assign:
         counter.assign_add(1)
     assign.assert_called_once()  # upstream: value read, then the sum assigned
-    tf_patches.count_steps_atomically(optimizer)
+    tf_patches.count_steps_atomically(counter)
+    tf_patches.count_steps_atomically(counter)  # once only
     with mock.patch.object(type(counter), "assign", autospec=True) as assign:
         counter.assign_add(2)
     assign.assert_not_called()
     assert int(counter.numpy()) == 2
     assert "assign_add" not in vars(keras.optimizers.SGD(0.1).iterations)  # one optimizer only
+
+
+def test_an_optimizer_built_for_any_strategy_keeps_keras_own_step_counter():
+    from configs import default  # noqa: PLC0415
+    from trainer.loop import optim  # noqa: PLC0415
+
+    optimizer = optim.build(default.get_config().optimizer, total_steps=10)
+    assert "assign_add" not in vars(optimizer.iterations)  # only `parameter_server` patches it
+
+
+def test_the_parameter_server_plugin_makes_the_counter_atomic_before_its_steps():
+    from strategies import parameter_server  # noqa: PLC0415
+
+    source = inspect.getsource(parameter_server.ParameterServer.run_steps)
+    assert "tf_patches.count_steps_atomically(step_fn.iterations)" in source
+
+
+def test_keras_tf_optimizer_sums_gradients_over_replicas_in_a_private_method():
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer  # noqa: PLC0415
+
+    source = inspect.getsource(tf_optimizer.TFOptimizer)
+    assert "def _all_reduce_sum_gradients" in source
+    assert "self._all_reduce_sum_gradients(" in source  # called by its own apply
+    assert "all_reduce" in inspect.getsource(tf_optimizer.TFOptimizer._all_reduce_sum_gradients)
+
+
+def test_a_keras_variable_wraps_the_tf_variable_it_is_given():
+    variable = keras.Variable(np.ones(2, np.float32), name="moved")
+    new = tf.Variable(np.full(2, 3.0, np.float32))
+    tf_patches.move_variable(variable, new)
+    assert variable.value is new and float(np.sum(variable.numpy())) == 6.0
+
+
+def test_nested_layers_are_listed_by_keras_private_walk_only():
+    inner = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="inner_dense")])
+    model = keras.Sequential([keras.Input((2,)), inner, keras.layers.Dense(1, name="top")])
+    assert "inner_dense" not in [layer.name for layer in model.layers]  # public: top level
+    names = [layer.name for layer in tf_patches.flat_layers(model)]
+    assert "inner_dense" in names and "top" in names and model.name not in names
+
+
+def test_mirrored_keeps_its_cross_device_ops_in_a_private_field():
+    from tensorflow.python.distribute import cross_device_ops  # noqa: PLC0415
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert not hasattr(strategy.extended, "cross_device_ops")  # no public name
+    name = tf_patches.cross_device_ops_name(strategy)
+    assert issubclass(getattr(cross_device_ops, name), cross_device_ops.CrossDeviceOps)
+
+
+def test_multi_worker_keeps_its_worker_count_in_a_private_field():
+    from tensorflow.python.distribute import collective_all_reduce_strategy as mw  # noqa: PLC0415
+
+    source = inspect.getsource(mw.CollectiveAllReduceExtended)
+    assert "self._num_workers = " in source
+    assert not hasattr(mw.CollectiveAllReduceExtended, "num_workers")  # no public name
 
 
 def test_keras_batch_normalization_assigns_its_moving_statistics():

@@ -30,6 +30,6 @@ def test_the_command_prints_the_users_traceback(tmp_path):
         f"--model_dir={tmp_path / 'run'}",
         cwd=helpers.REPO,
     )
-    assert run.returncode == 1, run.stderr[-2000:]
+    helpers.assert_exit(run, 1)
     assert "Traceback" in run.stderr and "broken_builder" in run.stderr
     assert "ValueError: the user's builder is broken" in run.stderr

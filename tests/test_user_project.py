@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import assert_exit, run_cli
 from trainer import cli
 
 FAST = [
@@ -55,7 +55,7 @@ def project(tmp_path):
 
 
 def _trained_with_the_users_model(result: subprocess.CompletedProcess, model_dir) -> None:
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_exit(result)
     results = json.loads((model_dir / "results.json").read_text())
     assert results["step"] == 10
     layers = [name for name in results["placement"]["variables"] if "users_layer" in name]

@@ -9,7 +9,7 @@ fresh process, serves raw strings.
 import json
 import sys
 
-from tests.helpers import run_command, train_on_cluster
+from tests.helpers import assert_exit, run_command, train_on_cluster
 
 SERVE = """
 import sys
@@ -43,6 +43,6 @@ def test_vocabulary_layers_train_and_serve_strings_under_parameter_servers(tmp_p
     served = run_command(
         [sys.executable, "-c", SERVE, str(tmp_path / "model" / "export")], cwd=str(tmp_path)
     )
-    assert served.returncode == 0, served.stderr[-3000:]
+    assert_exit(served)
     line = next(x for x in served.stdout.splitlines() if x.startswith("CLASSES"))
     assert json.loads(line.split(" ", 1)[1])[:2] == [2, 0], line

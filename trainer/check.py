@@ -166,6 +166,7 @@ def train_once(config, strategy: str, steps: int, model_dir: str) -> Run:
     import keras
     import numpy as np
 
+    from strategies import tf_patches
     from trainer.loop import train
 
     config = config.copy_and_resolve_references()
@@ -180,7 +181,7 @@ def train_once(config, strategy: str, steps: int, model_dir: str) -> Run:
     train.say(f"check: training under {strategy} for {steps} steps")
     job = train.build(config, model_dir)
     results = train.run(job, "train_and_eval")
-    layers = list(job.model._flatten_layers(include_self=False))
+    layers = tf_patches.flat_layers(job.model)
     return Run(
         strategy=strategy,
         replicas=job.strategy.num_replicas_in_sync,

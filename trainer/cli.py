@@ -134,7 +134,45 @@ def parse_flags(defined: Flags, argv: list[str]) -> list[str]:
             f"Unexpected argument '{rest[1]}': the command takes only flags; "
             "give values as `--name=value` (e.g. `--strategy=mirrored`)."
         )
+    local_service_on_loopback(defined)
     return rest
+
+
+def local_service_on_loopback(defined: Flags) -> None:
+    """`data.service=local:N`: the trainer and its servers move to a loopback-only network.
+
+    Done here, before TensorFlow starts a thread (`towerflow.netns`). A member
+    of a cluster stays on the host's network, which its peers need; its own
+    server listens there already (the security page: a private network).
+    """
+    from strategies.cluster import discovery
+    from towerflow import netns
+    from towerflow.errors import UserError, one_line
+
+    config = defined.config.value
+    data = config.get("data") or {}
+    if not str(data.get("service", "")).startswith("local:"):
+        return
+    source = defined.cluster.value or (config.get("cluster") or {}).get("source", "auto")
+    if (discovery.detect(os.environ) if source == "auto" else source) != "local":
+        print("input: the local tf.data service listens on the cluster's network", flush=True)
+        return
+    values = [str(defined.model_dir.value or ""), *_strings(config)]
+    accept = "`--config.data.service_allow_network=True`"
+    allowed = bool(data.get("service_allow_network", False))
+    try:
+        netns.loopback_only("`data.service=local:N`", accept, values, allowed, print)
+    except UserError as e:
+        fail(one_line(e))
+
+
+def _strings(config: ml_collections.ConfigDict) -> Iterator[str]:
+    """Every string value in `config`, nested sections included."""
+    for value in config.values():
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from _strings(value)
+        elif isinstance(value, str):
+            yield value
 
 
 def main(defined: Flags, argv: list[str]) -> None:

@@ -8,7 +8,9 @@
     python -m trainer.launch --workers=2:4 -- --strategy=multi_worker --model_dir=runs/el
 
 Every task runs `python -m trainer <the flags after -->` with its own
-`TF_CONFIG`, on free ports of 127.0.0.1 only. Topologies:
+`TF_CONFIG`, on free ports of 127.0.0.1, in a network namespace of its own that
+has only loopback (`towerflow.netns`; `--allow_network` runs it on the host's
+network instead, reachable from other hosts). Topologies:
 
 * `--ps=0` (collective all-reduce): worker:0 .. worker:N-1; worker 0 is the chief
   unless `--chief` adds a `chief` task.
@@ -61,6 +63,7 @@ from absl import app, flags
 import configs.default
 from strategies.cluster import tf_config as cluster
 from strategies.cluster.roster import REFORM_VARIABLE, Roster
+from towerflow import netns
 from towerflow.errors import (
     PREEMPTED_EXIT_CODE,
     REFORM_EXIT_CODE,
@@ -117,6 +120,12 @@ _DATA_WORKERS = flags.DEFINE_integer(
     0,
     "Start a tf.data service dispatcher and this many data workers, and run every "
     "trainer's input on them (`--config.data.service=grpc://...`); 0 = input in the trainers.",
+)
+_ALLOW_NETWORK = flags.DEFINE_bool(
+    "allow_network",
+    False,
+    "Run the cluster on this host's network, its servers reachable from other hosts; by "
+    "default it runs in a network namespace of its own with only loopback (towerflow.netns).",
 )
 _MODULE = flags.DEFINE_string(
     "module", "trainer", "Module each task runs with `python -m` (for testing and advanced use)."
@@ -680,13 +689,17 @@ def _attempts(
 def main(argv: list[str]) -> None:
     console = Console()
     try:
-        command = [sys.executable, "-m", _MODULE.value, *argv[1:]]
+        args = argv[1:]
+        command = [sys.executable, "-m", _MODULE.value, *args]
         low, high, elastic = parse_workers(_WORKERS.value)
         if elastic and (_PS.value or _CHIEF.value or _EVALUATOR.value or _DATA_WORKERS.value):
             raise UserError(
                 f"`--workers={_WORKERS.value}` (elastic) runs `multi_worker` members only; "
                 "drop `--ps`, `--chief`, `--evaluator` and `--data_workers`, or pass a count."
             )
+        netns.loopback_only(
+            "the local cluster", "--allow_network", args, _ALLOW_NETWORK.value, console.log
+        )
         with Interrupt().catching() as interrupt:
             if elastic:
                 code = launch_elastic(

@@ -38,6 +38,7 @@ the plugin chooses its update mode once, at start, as one small runner
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 
@@ -45,7 +46,7 @@ import keras
 import tensorflow as tf
 
 from strategies import sharding, tf_patches
-from strategies.base import DatasetFn, StepFn, Strategy, TrainStepProtocol, _to_floats
+from strategies.base import DatasetFn, StepFn, Strategy, TrainStepProtocol, Traits, _to_floats
 from strategies.cluster import membership, tf_start
 from strategies.cluster import tf_config as cluster_lib
 from strategies.parameter_server import staleness as ps_staleness
@@ -54,17 +55,37 @@ from strategies.registry import register
 from towerflow.errors import UserError
 
 
+@dataclasses.dataclass(frozen=True)
+class ParameterServerOptions:
+    """`strategy.parameter_server` (configs/default.py says more of each)."""
+
+    # How big variables of `trainer.layers` are split over the ps tasks:
+    # none (whole variables, round-robin) | fixed | min_size | max_size.
+    partitioner: str = "none"
+    num_shards: int = 2  # fixed: shards per big variable
+    min_shard_bytes: int = sharding.DEFAULT_MIN_SHARD_BYTES  # min_size: bytes
+    max_shard_bytes: int = 64 << 20  # max_size: largest shard in bytes
+    # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
+    startup_timeout_seconds: float = cluster_lib.STARTUP_TIMEOUT_S
+    sync_replicas: int = 0  # spare replicas: the first k of n workers' gradients; 0 = async
+    staleness: str = "none"  # asynchronous: none | scale | drop_above=N
+    warmup_steps: int = 0  # asynchronous: first steps on one worker alone
+    gradient_dtype: str = "float32"  # workers push float32 gradients to the ps
+
+
 @register("parameter_server")
-class ParameterServer(Strategy):
+class ParameterServer(Strategy, options=ParameterServerOptions):
     """Variables (whole or sharded) on ps tasks, asynchronous workers driven by the chief."""
+
+    traits = Traits(ordered_input=False)  # workers take steps, and batches, as they come
 
     def _build(self) -> tf.distribute.Strategy:
         cluster = cluster_lib.from_env()
         self.policy = sharding.Policy(  # checked first: a bad option fails on any machine
-            partitioner=self.options.get("partitioner", "none"),
-            num_shards=self.options.get("num_shards", 2),
-            min_shard_bytes=self.options.get("min_shard_bytes", sharding.DEFAULT_MIN_SHARD_BYTES),
-            max_shard_bytes=self.options.get("max_shard_bytes", 0),
+            partitioner=self.options.partitioner,
+            num_shards=self.options.num_shards,
+            min_shard_bytes=self.options.min_shard_bytes,
+            max_shard_bytes=self.options.max_shard_bytes,
             num_ps=max(1, cluster.num_ps if cluster else 1),
         )
         self.membership = membership.Membership(
@@ -73,7 +94,7 @@ class ParameterServer(Strategy):
         self._cluster = self.membership.cluster  # the plugin reads it often
         self._check_update_options()
         self._block_steps = 0
-        timeout = self.options.get("startup_timeout_seconds", cluster_lib.STARTUP_TIMEOUT_S)
+        timeout = self.options.startup_timeout_seconds
         setting = "strategy.parameter_server.startup_timeout_seconds"
         if self.membership.role != "evaluate":  # the evaluator is not part of the training cluster
             cluster_lib.start_up(self._cluster, timeout, setting)
@@ -92,6 +113,7 @@ class ParameterServer(Strategy):
             self.updates = ps_staleness.AsyncUpdates(
                 strategy, self.coordinator, self.staleness, self.warmup_steps, workers
             )
+        self.traits = dataclasses.replace(self.traits, splits_steps=self.updates.splits_steps)
         return strategy
 
     def _coordinated_strategy(self) -> tf.distribute.ParameterServerStrategy:
@@ -109,9 +131,9 @@ class ParameterServer(Strategy):
     def _check_update_options(self) -> None:
         """Reads `sync_replicas`, `staleness`, `warmup_steps`; one line if bad."""
         workers = self._cluster.num_workers
-        self.sync_replicas = self.options.get("sync_replicas", 0)
-        self.staleness = ps_staleness.Staleness.parse(self.options.get("staleness", "none"))
-        self.warmup_steps = self.options.get("warmup_steps", 0)
+        self.sync_replicas = self.options.sync_replicas
+        self.staleness = ps_staleness.Staleness.parse(self.options.staleness)
+        self.warmup_steps = self.options.warmup_steps
         option = "`strategy.parameter_server.sync_replicas`"
         if not 0 <= self.sync_replicas <= workers:
             raise UserError(
@@ -131,16 +153,7 @@ class ParameterServer(Strategy):
             )
 
     @property
-    def ordered_input(self) -> bool:
-        """Workers take steps, and their batches, as they come."""
-        return False
-
-    @property
-    def splits_steps(self) -> bool:
-        return self.updates.splits_steps
-
-    @property
-    def compute_devices(self) -> list[str]:
+    def _compute_devices(self) -> list[str]:
         if self.membership.role != "train":
             return ["/device:CPU:0"]
         local = self.tf_strategy.extended.worker_devices  # the same on every worker
@@ -151,7 +164,7 @@ class ParameterServer(Strategy):
         ]
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         placement = "whole, round-robin"
         if self.policy.partitioner != "none":
             placement = (
@@ -164,7 +177,7 @@ class ParameterServer(Strategy):
         return {
             **super().describe(variables),
             "sync_replicas": self.sync_replicas,
-            "staleness": self.options.get("staleness", "none"),
+            "staleness": self.options.staleness,
             "warmup_steps": self.warmup_steps,
         }
 
@@ -182,7 +195,7 @@ class ParameterServer(Strategy):
         worker's read is overwritten and lost. `AtomicBatchNormalization` adds
         `(1 - momentum) * (batch - read)` instead, one atomic op on the ps.
         """
-        for layer in model._flatten_layers(include_self=False):
+        for layer in tf_patches.flat_layers(model):
             if type(layer) is keras.layers.BatchNormalization and not layer.renorm:
                 tf_patches.swap_class(layer, AtomicBatchNormalization)
 
@@ -211,7 +224,12 @@ class ParameterServer(Strategy):
         return self.coordinator.create_per_worker_dataset(per_worker_dataset)
 
     def run_steps(self, step_fn: TrainStepProtocol, iterator, n: int) -> dict[str, float]:
-        """Runs `n` steps in the update mode the options chose (`updates`)."""
+        """Runs `n` steps in the update mode the options chose (`updates`).
+
+        Workers step at once here: the optimizer's step counter counts atomically.
+        """
+        if hasattr(step_fn, "iterations"):  # a train step (a bare function counts nothing)
+            tf_patches.count_steps_atomically(step_fn.iterations)
         self._block_steps = n
         return _to_floats(self.updates.run(step_fn, iterator, n))
 

@@ -33,7 +33,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from strategies.base import TrainStepProtocol
+from strategies.base import SplitTrainStep, TrainStepProtocol
 from towerflow.errors import UserError
 
 BUCKETS = 32  # staleness 0, 1, ..., 30, and 31 or more
@@ -144,7 +144,7 @@ class AsyncUpdates:
 
     def _steps_done(self, step: TrainStepProtocol) -> int:
         """The job's step: the optimizer's counter, else the updates this run counted."""
-        return int((step.iterations if step.has_halves else self._updates).numpy())
+        return int((step.iterations if isinstance(step, SplitTrainStep) else self._updates).numpy())
 
 
 def _int64(value: int) -> tf.Tensor:

@@ -52,7 +52,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from strategies.base import TrainStepProtocol
+from strategies.base import SplitTrainStep
 
 # The sums each synchronous step adds to the task's (the task's metrics leave them out).
 SUMS = (
@@ -71,7 +71,7 @@ class _Group:
     """The variables of one ps task, and the accumulator beside them."""
 
     device: str
-    indices: list[int]  # positions in `TrainStepProtocol.variables`
+    indices: list[int]  # positions in `SplitTrainStep.variables`
     shapes: list[tf.TensorShape]
     accumulator: tf.Tensor = None
 
@@ -86,12 +86,12 @@ class SyncReplicas:
     Args:
       strategy: the chief's `tf.distribute.ParameterServerStrategy`.
       coordinator: its `ClusterCoordinator`.
-      step: the train step, whose halves run apart (`TrainStepProtocol`).
+      step: the train step, whose halves run apart (`SplitTrainStep`).
       replicas: k, the gradients averaged per update.
       workers: n, the worker tasks.
     """
 
-    def __init__(self, strategy, coordinator, step: TrainStepProtocol, replicas: int, workers: int):
+    def __init__(self, strategy, coordinator, step: SplitTrainStep, replicas: int, workers: int):
         self.strategy, self.coordinator, self.train_step = strategy, coordinator, step
         self.replicas, self.workers = replicas, workers
         self.step = 0  # steps taken so far by this process's accumulators
@@ -276,7 +276,7 @@ class SyncUpdates:
             f"{k}; late ones are dropped"
         )
 
-    def run(self, step: TrainStepProtocol, iterator, n: int) -> dict:
+    def run(self, step: SplitTrainStep, iterator, n: int) -> dict:
         """Runs `n` synchronous steps; returns the workers' sums and the block's records."""
         if self._sync is None:
             self._sync = SyncReplicas(

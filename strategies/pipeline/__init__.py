@@ -35,6 +35,7 @@ stages run: `strategies.pipeline.stages`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import keras
@@ -42,40 +43,50 @@ import ml_collections
 import tensorflow as tf
 
 from strategies import devices, tf_patches
-from strategies.base import DatasetFn, StepFn, Strategy
+from strategies.base import DatasetFn, StepFn, Strategy, Traits, read_options
 from strategies.pipeline.cuts import balanced_cuts, layers_and_cuts, named_cuts, symbolic
 from strategies.pipeline.stages import Stage, move, run_by_stages
 from strategies.registry import register
 from towerflow.errors import UserError
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """`strategy.pipeline`."""
+
+    stages: int = 2  # stages, balanced by parameter count (one device each)
+    boundaries: str = ""  # or the layers that start stages 1, 2, ... by name
+    micro_batches: int = 4  # GPipe: parts of each train batch, so stages overlap
+    devices: str = ""  # one per stage; "" = the GPUs, else the logical CPUs
+
+
 @register("pipeline")
-class Pipeline(Strategy):
+class Pipeline(Strategy, options=PipelineOptions):
     """Model parallelism: consecutive layers in stages on GPUs (else logical CPUs), GPipe."""
 
-    supports_jit_compile = False  # variables live away from the devices that compute
+    traits = Traits(jit_compile=False)  # variables live away from the devices that compute
 
     @classmethod
-    def local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
+    def _local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
         # One replica, but its stages compute side by side: each op gets one stage's
         # share of the cores (see `devices.op_threads`).
-        return _stage_count(options or ml_collections.ConfigDict())
+        return _stage_count(read_options(cls, options))
 
     def _build(self) -> tf.distribute.Strategy:
-        self.micro_batches = int(self.options.get("micro_batches", 1))
+        self.micro_batches = int(self.options.micro_batches)
         if self.micro_batches < 1:
             raise UserError(
                 f"`strategy.pipeline.micro_batches` ({self.micro_batches}) must be >= 1 "
                 "(1 = no micro-batches)."
             )
-        self.boundaries = _names(self.options.get("boundaries", ""))
+        self.boundaries = _names(self.options.boundaries)
         count = _stage_count(self.options)
         if count < 1:
             raise UserError(
                 f"`strategy.pipeline.stages` ({count}) must be >= 1; e.g. "
                 "`--config.strategy.pipeline.stages=2`."
             )
-        found = devices.parse_devices(self.options.get("devices", ""), "strategy.pipeline.devices")
+        found = devices.parse_devices(self.options.devices, "strategy.pipeline.devices")
         if len(found) < count:
             raise UserError(
                 f"`strategy.pipeline` has {count} stages, one per device, and only "
@@ -150,11 +161,11 @@ class Pipeline(Strategy):
             return super().evaluate(step_fn, dataset_fn)
 
     @property
-    def compute_devices(self) -> list[str]:
+    def _compute_devices(self) -> list[str]:
         return list(self.devices)
 
     @property
-    def communication(self) -> str:
+    def _communication(self) -> str:
         layout = (
             " -> ".join(
                 f"stage {i} on {s.device} ({', '.join(layer.name for layer in s.layers)})"
@@ -183,5 +194,5 @@ def _names(spec: str) -> list[str]:
 
 
 def _stage_count(options: ml_collections.ConfigDict) -> int:
-    names = _names(options.get("boundaries", ""))
-    return len(names) + 1 if names else int(options.get("stages", 2))
+    names = _names(options.boundaries)
+    return len(names) + 1 if names else int(options.stages)

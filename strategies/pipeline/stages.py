@@ -12,6 +12,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from strategies import tf_patches
+
 
 class Stage:
     """Consecutive layers on one device, run as a model from `inputs` to `outputs`.
@@ -172,10 +174,9 @@ def _split(inputs: Any, parts: int) -> list:
 def move(variable: keras.Variable, device: str) -> None:
     """Re-creates the TF variable behind Keras `variable` on `device`, with its value.
 
-    A Keras variable wraps one TF variable, made where it was built. Keras
-    itself wraps an existing TF variable through `_initialize` (its
-    `keras.Variable(tf_variable)` path); this gives it one on `device`. The
-    Keras object, which the model, checkpoints and optimizer hold, stays the same.
+    A Keras variable wraps one TF variable, made where it was built; this
+    gives it one on `device` (`tf_patches.move_variable`). The Keras object,
+    which the model, checkpoints and optimizer hold, stays the same.
     """
     old = variable.value
     if tf.DeviceSpec.from_string(old.device) == tf.DeviceSpec.from_string(device).replace(
@@ -190,9 +191,4 @@ def move(variable: keras.Variable, device: str) -> None:
             aggregation=old.aggregation,
             synchronization=old.synchronization,
         )
-    variable._initialize(new)  # noqa: SLF001 (Keras's own way to wrap a TF variable)
-    if variable.value is not new:
-        raise RuntimeError(
-            f"Could not move variable `{variable.path}` to {device}: this Keras version "
-            "wraps TF variables differently; `pipeline` needs Keras 3."
-        )
+    tf_patches.move_variable(variable, new)

@@ -284,7 +284,9 @@ def benchmark(cases: list[str], quick: bool, reps: int, in_process: bool = False
     import strategies
     from strategies import devices
 
-    replicas = strategies.plugin(case_strategy(cases[0])).local_replicas(None, LOGICAL_CPUS)
+    replicas = strategies.local_replicas(
+        strategies.plugin(case_strategy(cases[0])), None, LOGICAL_CPUS
+    )
     devices.configure(LOGICAL_CPUS, replicas=replicas)
     sizes = QUICK if quick else FULL
     results = {"machine": machine(), "quick": quick, "reps": reps, "cases": {}}

@@ -69,7 +69,6 @@ import tensorflow as tf
 
 from towerflow import errors, processes
 from towerflow.errors import UserError
-from trainer.data import wait
 from trainer.data.base import Dataset, DatasetFn, TrainStreamWrapper
 
 SHARDING = {
@@ -465,8 +464,6 @@ def wrap(dataset: Dataset, service: Service | None, model_dir: str) -> Dataset:
 
 def describe(dataset: Dataset) -> dict:
     """Where `dataset`'s input runs, for the start-up line and `results.json`."""
-    if isinstance(dataset, wait.TimedDataset):
-        dataset = dataset.inner
     if isinstance(dataset, ServiceDataset):
         return {**dataset.service.as_dict(), "line": dataset.service.line()}
     return IN_PROCESS

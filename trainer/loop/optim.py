@@ -312,6 +312,7 @@ def summed_by_caller(optimizer: keras.optimizers.Optimizer) -> Iterator[None]:
             "which towerflow turns off to sum them itself; set `gradient_dtype` to float32 "
             "and `bytes_per_pack` to 0."
         )
+    tf_patches.targeted("sum_gradients_in_caller")
     inner._summed_by_caller = True
     try:
         yield
@@ -638,5 +639,4 @@ def build(
     if fused:
         optimizer.sparse_updates = bool(config.get("sparse_updates", True))
         optimizer.options = config
-    tf_patches.count_steps_atomically(optimizer)
     return optimizer

@@ -36,7 +36,7 @@ class TrainStep:
     objective's sums. A plugin that runs the halves apart (synchronous
     `parameter_server` applies on the ps tasks; staleness-aware async looks at
     the update between them) calls `gradients` and `apply` by name; see
-    `strategies.base.TrainStepProtocol`, which this class implements.
+    `strategies.base.SplitTrainStep`, which this class implements.
 
     Args:
       model, optimizer: what is trained (built inside the strategy's scope).
@@ -55,8 +55,6 @@ class TrainStep:
         `strategies.transfer`) sums the gradients over replicas here; the
         optimizer applies the sum as given.
     """
-
-    has_halves = True
 
     def __init__(
         self,
@@ -132,8 +130,6 @@ class CustomTrainStep:
     plugin that runs a step's halves apart refuses it at start-up.
     """
 
-    has_halves = False
-
     def __init__(self, custom_step: Callable, model: keras.Model, optimizer, objective, batch: int):
         self.custom_step, self.global_batch_size = custom_step, batch
         self.model, self.optimizer, self.objective = model, optimizer, objective
@@ -145,12 +141,6 @@ class CustomTrainStep:
         return self.custom_step(
             self.model, self.optimizer, x, y, weights, self._replica_loss(x, y, weights)
         )
-
-    def gradients(self, batch) -> tuple[list, dict]:
-        raise TypeError("a task's own `train_step` has no gradient half (`has_halves` is False)")
-
-    def apply(self, grads: list) -> None:
-        raise TypeError("a task's own `train_step` has no update half (`has_halves` is False)")
 
     def _replica_loss(self, x, y, weights) -> Callable:
         model, objective, batch = self.model, self.objective, self.global_batch_size

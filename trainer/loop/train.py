@@ -103,7 +103,7 @@ def train_and_evaluate(
         return sidecar_evaluate(build(config, model_dir, strategy))
     if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service`)
         return run(build(config, model_dir, strategy), mode, extra_actions)
-    with data_service.started(config.data, strategy.ordered_input, say) as service:
+    with data_service.started(config.data, strategy.traits.ordered_input, say) as service:
         return run(build(config, model_dir, strategy, service), mode, extra_actions)
 
 
@@ -119,15 +119,15 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
     tf_patches.op_determinism(config.train.deterministic)
     name = config.strategy.name
     plugin, options = strategies.plugin(name), config.strategy.get(name)
-    if config.train.jit_compile and not plugin.supports_jit_compile:
+    if config.train.jit_compile and not plugin.traits.jit_compile:
         raise UserError(
             f"`train.jit_compile` does not work under `{name}`, whose variables live away from "
             "the devices that compute; set `--config.train.jit_compile=False`, or use "
             "`mirrored` or `one_device`."
         )
-    if not plugin.supports_gradient_transfer:
+    if not plugin.traits.gradient_transfer:
         transfer.refuse(options, name)
-    if config.train.precision == "mixed_float16" and not plugin.supports_loss_scaling:
+    if config.train.precision == "mixed_float16" and not plugin.traits.loss_scaling:
         raise UserError(
             f"`train.precision` 'mixed_float16' (loss scaling) does not work under `{name}`; "
             "use `--config.train.precision=mixed_bfloat16` (no loss scaling), or `mirrored`."
@@ -138,7 +138,7 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
         config.devices.gpu_memory_limit_mb,
         config.devices.log_placement,
         config.devices.intra_op_threads,
-        replicas=plugin.local_replicas(options, config.devices.logical_cpus),
+        replicas=strategies.local_replicas(plugin, options, config.devices.logical_cpus),
     )
     return plugin(options)
 
@@ -162,8 +162,8 @@ def build(
     if custom_step is not None:
         origin = f"`task.name` '{config.task.name}' `train_step`"
         custom_step = calls.adapt(custom_step, tasks.TRAIN_STEP, origin)
-    steps.check_custom_step(custom_step, config, strategy.gradient_transfer)
-    if custom_step is not None and strategy.splits_steps:
+    steps.check_custom_step(custom_step, config, strategy.traits.transfer)
+    if custom_step is not None and strategy.traits.splits_steps:
         raise UserError(
             f"`task.name` '{config.task.name}' brings its own `train_step`, which applies its "
             f"own gradients, and `strategy.{strategy.name}` as set runs a step's gradients and "
@@ -184,10 +184,8 @@ def build(
     follower = follow.follower_of(dataset)
     dataset = data_service.wrap(dataset, service, model_dir)
     # TensorFlow refuses clocks under op determinism (`train.deterministic`).
-    timed = strategy.ordered_input and not config.train.deterministic
+    timed = strategy.traits.ordered_input and not config.train.deterministic
     input_wait = wait.InputWait() if timed else None
-    if input_wait is not None:
-        dataset = wait.TimedDataset(dataset, input_wait)
     keras.utils.set_random_seed(config.seed)
     with strategy.scope(), precision.policy(config.train.precision):
         if user_task is None:
@@ -494,13 +492,15 @@ def _train(
             config.optimizer.clip_global_norm,
             config.train.jit_compile,
             config.train.accumulation_steps,
-            strategy.gradient_transfer,
+            strategy.traits.transfer,
         )
     if elastic.enabled(config):  # a survivor saves the step its variables hold
         job.counted = train_step = elastic.CountedStep(
             train_step, step, len(strategy.compute_devices)
         )
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
+    if job.input_wait is not None:  # each batch's wait, as the loop of steps reads it
+        iterator = job.input_wait.timed(iterator)
 
     def run_block(n: int) -> dict:
         sums = strategy.run_steps(train_step, iterator, n)

@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 
 from absl import app, flags
 
-from towerflow import processes, storage
+from towerflow import netns, processes, storage
 from towerflow.errors import PREEMPTED_EXIT_CODE, UserError, one_line
 from trainer import cli
 from trainer.sweep import plan as sweep_plan
@@ -86,6 +86,12 @@ _SHARE_INPUT = flags.DEFINE_bool(
     False,
     "Run the trials' input on one tf.data service (a dispatcher and a data worker the sweep "
     "starts); trials with identical pipelines read one shared stream, made once.",
+)
+_ALLOW_NETWORK = flags.DEFINE_bool(
+    "allow_network",
+    False,
+    "With --share_input: run the service on this host's network, reachable from other hosts; "
+    "by default the sweep moves into a network namespace with only loopback (towerflow.netns).",
 )
 _SWEEP_VALUES: dict[str, str] = {}  # `--sweep.<field>=<values>`, taken out before absl parses
 
@@ -305,6 +311,12 @@ def main(argv: list[str]) -> None:
     console = processes.Console(own="sweep")
     try:
         with processes.Interrupt().catching() as interrupt:
+            if _SHARE_INPUT.value:  # before TensorFlow starts a thread
+                values = [*argv[1:], _SWEEP_DIR.value or ""]
+                what = "the sweep's shared input"
+                netns.loopback_only(
+                    what, "--allow_network", values, _ALLOW_NETWORK.value, console.log
+                )
             code = sweep(argv[1:], console, interrupt)
     except UserError as e:
         cli.fail(one_line(e))
