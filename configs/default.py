@@ -97,7 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Times a lost member is started again (after a cool-down that doubles with each
     # failure, from `cooldown_s` seconds); then it stays out.
     c.cluster.elastic.max_restarts = 3
-    c.cluster.elastic.cooldown_s = 5.0
+    c.cluster.elastic.cooldown_s = 5.0  # seconds out after a member's first failure
 
     c.devices = ml_collections.ConfigDict()
     c.devices.logical_cpus = 2  # split the host CPU into N logical devices (0 = leave as is)

@@ -185,8 +185,8 @@ def test_an_unprivileged_user_gets_a_user_namespace_with_it():
 
 
 def _documented() -> list[tuple[str, str]]:
-    """docs/security-local.md's commands, each with the line it shows (the text block after)."""
-    page = pathlib.Path(helpers.REPO, "docs", "security-local.md").read_text()
+    """docs/security.md's commands, each with the line it shows (the text block after)."""
+    page = pathlib.Path(helpers.REPO, "docs", "security.md").read_text()
     return re.findall(r"```sh\n(.*?)\n```\s*```text\n(.*?)\n```", page, re.S)
 
 

@@ -99,6 +99,40 @@ ELSEWHERE = {
     "--config=examples/recsys.py": (
         "tests/test_recsys.py::test_the_readme_commands_train_the_recsys_example"
     ),
+    "python -m trainer.launch --workers=2:3 -- --strategy=multi_worker --model_dir=runs/elastic": (
+        "tests/test_elastic.py::"
+        "test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted_run_does"
+    ),
+    "python -m trainer.elastic --workers=2:3 --name=a": (
+        "tests/test_elastic_agents.py::"
+        "test_three_agents_go_on_without_a_lost_host_and_take_it_back_when_it_returns"
+    ),
+    "python -m trainer --config=configs/ctr.py --config.strategy.name=one_device "
+    "--config.data.ctr.id_space=raw": (
+        "tests/test_tables_docs.py::test_the_pages_training_command_runs_as_written"
+    ),
+    "python -m trainer --strategy=one_device --config=configs/ctr.py "
+    "--config.model.embedding=dynamic --config.model.table_optimizer=adagrad": (
+        "tests/test_table_training.py::test_the_pages_per_table_optimizer_command_runs_as_written"
+    ),
+    "python -m examples.ragged_padding": (
+        "tests/test_table_training.py::test_the_pages_padding_measurement_runs_and_prints_each_case"
+    ),
+    "python -m examples.online ": (
+        "tests/test_docs_online.py::"
+        "test_the_served_version_advances_while_training_and_matches_its_checkpoint"
+    ),
+    "python -m trainer --config=examples/online.py": (
+        "tests/test_docs_online.py::"
+        "test_the_served_version_advances_while_training_and_matches_its_checkpoint"
+    ),
+    "python -m trainer.launch --workers=2 -- --strategy=multi_worker --config.train.steps=20 "
+    "--model_dir=runs/local": (
+        "tests/test_local_network.py::test_the_pages_command_runs_as_written_and_shows_its_line"
+    ),
+    "python -m trainer.launch --workers=2 --allow_network": (
+        "tests/test_local_network.py::test_the_pages_command_runs_as_written_and_shows_its_line"
+    ),
     "tensorboard --logdir runs/profiled": (
         "tests/test_profile.py::test_tensorboard_lists_the_run_under_its_profile_plugin"
     ),

@@ -123,11 +123,12 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         evicted) reads one shared trainable default row; N > 0: it reads row
         `hash(id) % N` of a trainable `[N, output_dim]` fallback table (as a
         hashed embedding would), counted in `bytes_held`.
-      sketch_width, sketch_depth: with `min_count` > 1, the lookups of ids not
-        admitted yet are counted in a count-min sketch of `sketch_depth` rows
-        of `sketch_width` int32 cells (in `bytes_held`), no memory per id: a
+      sketch_width: with `min_count` > 1, the lookups of ids not admitted yet
+        are counted in a count-min sketch of `sketch_depth` rows of
+        `sketch_width` int32 cells (in `bytes_held`), no memory per id: a
         count is over by at most e/`sketch_width` x the lookups it took since
         it was last halved, with probability 1 - e**-`sketch_depth`.
+      sketch_depth: the sketch's rows (see `sketch_width`).
       mask_id: an id that means "no id" (padding): it reads zeros, is never
         admitted, and combiners leave it out.
       seed: keys the initial rows.
