@@ -99,6 +99,9 @@ ELSEWHERE = {
     "--config=examples/recsys.py": (
         "tests/test_recsys.py::test_the_readme_commands_train_the_recsys_example"
     ),
+    "srun python -m trainer.elastic --workers=2:4": (
+        "tests/test_slurm.py::test_docs_elastic_job_loses_a_slurm_task_and_ends_with_the_others"
+    ),
     "tensorboard --logdir runs/profiled": (
         "tests/test_profile.py::test_tensorboard_lists_the_run_under_its_profile_plugin"
     ),
