@@ -342,6 +342,19 @@ def consecutive_free_ports(count: int) -> int:
     raise AssertionError(f"no {count} consecutive free ports")
 
 
+def job_environ() -> dict[str, str]:
+    """The environment a job is submitted with: no `TF_CONFIG`, this repository importable."""
+    environ = {
+        **os.environ,
+        # The job runs the docs' `python`: this one, with this repository importable.
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+        "PYTHONPATH": REPO,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    }
+    environ.pop("TF_CONFIG", None)
+    return environ
+
+
 @pytest.fixture(scope="module")
 def slurm_node():
     """A single-node Slurm for this module's job tests; skips where one cannot start.
@@ -381,15 +394,7 @@ def test_readme_sbatch_command_trains_on_a_real_slurm(slurm_node, strategy, task
         f"--config.cluster.port={port}",
         *SMALL_RUN,
     ]
-    environ = {
-        **os.environ,
-        # The job runs the README's `python`: this one, with this repository importable.
-        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
-        "PYTHONPATH": REPO,
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-    }
-    environ.pop("TF_CONFIG", None)
-    job_id = slurm_node.submit(with_wrapped(argv, command), tmp_path, environ)
+    job_id = slurm_node.submit(with_wrapped(argv, command), tmp_path, job_environ())
     job = slurm_node.wait(job_id, timeout_s=TIMEOUT_S)
 
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.output
@@ -424,16 +429,9 @@ def elastic_job_script(model_dir: pathlib.Path) -> str:
 def test_docs_elastic_job_loses_a_slurm_task_and_ends_with_the_others(slurm_node, tmp_path):
     model_dir = tmp_path / "run"
     (tmp_path / "job.sh").write_text(elastic_job_script(model_dir))
-    environ = {
-        **os.environ,
-        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
-        "PYTHONPATH": REPO,
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-    }
-    environ.pop("TF_CONFIG", None)
     # The command line overrides the script's `#SBATCH` line: the one node runs 3 tasks.
     sbatch = ["sbatch", "--nodes=1", "--ntasks-per-node=3", "job.sh"]
-    job_id = slurm_node.submit(sbatch, tmp_path, environ)
+    job_id = slurm_node.submit(sbatch, tmp_path, job_environ())
     output = tmp_path / f"slurm-{job_id}.out"
     deadline = time.monotonic() + TIMEOUT_S
     while f"train | step: {KILL_AT}/" not in (text := _text(output)):
