@@ -240,8 +240,11 @@ def _kill_when_it_ends(proc: subprocess.Popen) -> None:
 
 def tagged(tags: set[str]) -> list[int]:
     """The live processes whose environment carries one of `tags` (zombies have none)."""
-    pids = []
-    prefix = f"{TAG_VARIABLE}=".encode()
+    return [pid for pid, environ in environs() if tags & set(environ.get(TAG_VARIABLE, "").split())]
+
+
+def environs() -> Iterator[tuple[int, dict[str, str]]]:
+    """Each live process's id and environment (zombies and other users' have none)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -249,10 +252,8 @@ def tagged(tags: set[str]) -> list[int]:
             environ = pathlib.Path(entry.path, "environ").read_bytes()
         except OSError:  # gone, a zombie, or another user's
             continue
-        for variable in environ.split(b"\0"):
-            if variable.startswith(prefix) and tags & set(variable[len(prefix) :].decode().split()):
-                pids.append(int(entry.name))
-    return pids
+        variables = (v.decode(errors="replace").partition("=") for v in environ.split(b"\0"))
+        yield int(entry.name), {name: value for name, _, value in variables if name}
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import threading
 import time
 
@@ -12,7 +13,7 @@ import pytest
 from tests.helpers import REPO, kill, run_cli, start_cli
 from tests.test_elastic import FAST  # short blocks, nothing but training, 1-s cool-down
 from towerflow.processes import pick_ports
-from trainer.elastic import Rendezvous, answering
+from trainer.elastic import Rendezvous, answering, default_identity
 
 DOC = os.path.join(REPO, "docs", "elastic.md")
 TIMEOUT_S = 240.0
@@ -138,3 +139,12 @@ def test_a_bad_agent_command_is_one_line_and_exit_2(tmp_path, args, expected):
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_in_a_slurm_step_each_task_is_an_agent_named_by_node_and_rank():
+    step = {"SLURM_JOB_ID": "7", "SLURMD_NODENAME": "node01"}
+    first = default_identity({**step, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"})
+    second = default_identity({**step, "SLURM_PROCID": "1", "SLURM_LOCALID": "1"})
+    assert (first, second) == (("node01-0", "node01"), ("node01-1", "node01"))
+    host = socket.gethostname()
+    assert default_identity({}) == (host, host)  # outside Slurm: the host's name

@@ -78,6 +78,9 @@ ELSEWHERE = {
     "srun -n3 python -m trainer.data_service --cluster=slurm": (
         "tests/test_data_service.py::test_a_slurm_step_is_a_dispatcher_and_data_workers"
     ),
+    "srun python -m trainer.elastic --workers=2:4": (
+        "tests/test_slurm.py::test_docs_elastic_job_loses_a_slurm_task_and_ends_with_the_others"
+    ),
     "kubectl apply -f deploy/volume.yaml -f deploy/jobset-data-service.yaml": (
         "tests/test_deploy.py::test_each_data_service_pod_derives_its_role_port_and_dispatcher"
     ),

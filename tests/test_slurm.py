@@ -20,8 +20,10 @@ import pathlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import tensorflow as tf
@@ -29,7 +31,7 @@ import tensorflow as tf
 from strategies.cluster import slurm
 from strategies.cluster import tf_config as cluster
 from tests import slurm_cluster
-from tests.helpers import REPO, TIMEOUT_S, one_line_error
+from tests.helpers import REPO, TIMEOUT_S, environs, one_line_error
 from towerflow.errors import UserError
 from towerflow.processes import pick_ports
 
@@ -340,6 +342,19 @@ def consecutive_free_ports(count: int) -> int:
     raise AssertionError(f"no {count} consecutive free ports")
 
 
+def job_environ() -> dict[str, str]:
+    """The environment a job is submitted with: no `TF_CONFIG`, this repository importable."""
+    environ = {
+        **os.environ,
+        # The job runs the docs' `python`: this one, with this repository importable.
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+        "PYTHONPATH": REPO,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    }
+    environ.pop("TF_CONFIG", None)
+    return environ
+
+
 @pytest.fixture(scope="module")
 def slurm_node():
     """A single-node Slurm for this module's job tests; skips where one cannot start.
@@ -379,15 +394,7 @@ def test_readme_sbatch_command_trains_on_a_real_slurm(slurm_node, strategy, task
         f"--config.cluster.port={port}",
         *SMALL_RUN,
     ]
-    environ = {
-        **os.environ,
-        # The job runs the README's `python`: this one, with this repository importable.
-        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
-        "PYTHONPATH": REPO,
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-    }
-    environ.pop("TF_CONFIG", None)
-    job_id = slurm_node.submit(with_wrapped(argv, command), tmp_path, environ)
+    job_id = slurm_node.submit(with_wrapped(argv, command), tmp_path, job_environ())
     job = slurm_node.wait(job_id, timeout_s=TIMEOUT_S)
 
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job.output
@@ -396,3 +403,64 @@ def test_readme_sbatch_command_trains_on_a_real_slurm(slurm_node, strategy, task
     for offset in range(count):
         assert f"{slurm_cluster.NODE}:{port + offset}" in job.output, job.output
     assert json.loads((model_dir / "results.json").read_text())["step"] == 20
+
+
+# What the elastic job test adds: a run of blocks of 10 steps, nothing but training.
+ELASTIC_RUN = (
+    "--config.train.steps=200",
+    "--config.train.steps_per_loop=10",
+    "--config.eval.every=0",
+    "--config.train.export=False",
+    "--config.model.dropout=0",
+)
+KILL_AT = 40  # the step after which one task is killed
+
+
+def elastic_job_script(model_dir: pathlib.Path) -> str:
+    """docs/elastic.md's Slurm job script: 3 agents on one node, `model_dir` in `tmp`, short."""
+    page = pathlib.Path(REPO, "docs", "elastic.md").read_text()
+    script = re.search(r"```sh\n(#!/bin/bash\n.*?)```", page, re.S)[1]
+    assert "srun python -m trainer.elastic --workers=2:4 -- " in script, script
+    script = script.replace("--workers=2:4", "--workers=2:3 --join_s=3")
+    script = script.replace("/shared/runs/el", str(model_dir))
+    return script.rstrip("\n") + " " + shlex.join(ELASTIC_RUN) + "\n"
+
+
+def test_docs_elastic_job_loses_a_slurm_task_and_ends_with_the_others(slurm_node, tmp_path):
+    model_dir = tmp_path / "run"
+    (tmp_path / "job.sh").write_text(elastic_job_script(model_dir))
+    # The command line overrides the script's `#SBATCH` line: the one node runs 3 tasks.
+    sbatch = ["sbatch", "--nodes=1", "--ntasks-per-node=3", "job.sh"]
+    job_id = slurm_node.submit(sbatch, tmp_path, job_environ())
+    output = tmp_path / f"slurm-{job_id}.out"
+    deadline = time.monotonic() + TIMEOUT_S
+    while f"train | step: {KILL_AT}/" not in (text := _text(output)):
+        assert time.monotonic() < deadline, f"no step {KILL_AT} in time:\n{text[-4000:]}"
+        time.sleep(0.5)
+    task = {"SLURM_JOB_ID": str(job_id), "SLURM_PROCID": "2"}
+    pids = [pid for pid, env in environs() if task.items() <= env.items()]
+    assert len(pids) >= 2, pids  # its agent and the agent's trainer
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job = slurm_node.wait(job_id, timeout_s=max(1.0, deadline - time.monotonic()))
+
+    # `srun` reports the lost task: the job is FAILED though the other two trained on.
+    assert "srun: error: localhost: task 2: Killed" in job.output, job.output
+    assert job.state == "FAILED", (job.state, job.output)
+    assert "round 1: group of 2: localhost-0 as worker:0, localhost-1 as worker:1" in job.output
+    saved = {int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", job.output)}
+    assert len(saved) == 1, job.output  # both survivors saved the same step
+    step = saved.pop()
+    assert step >= KILL_AT
+    restored = {int(s) for s in re.findall(r"\] restored \S+ at step (\d+)", job.output)}
+    assert restored == {step}, job.output  # 0 steps lost
+    results = json.loads((model_dir / "results.json").read_text())
+    assert results["step"] == 200, job.output
+    reforms = [(r["step"], r["from"], r["to"]) for r in results["elastic"]["reforms"]]
+    assert reforms == [(step, 3, 2)], reforms
+
+
+def _text(path: pathlib.Path) -> str:
+    """The text of `path` so far; empty while it does not exist."""
+    return path.read_text(errors="replace") if path.exists() else ""

@@ -31,7 +31,7 @@ import socketserver
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from absl import app, flags
 
@@ -57,10 +57,16 @@ DONE = "done"  # in a round's directory: the job trained to its end
 
 # `--workers=MIN:MAX` (agents, one member each) and `--grace_s` are `trainer.launch`'s flags.
 _NAME = flags.DEFINE_string(
-    "name", None, "This agent's name, unique in the job (default: the host's name)."
+    "name",
+    None,
+    "This agent's name, unique in the job (default: the host's name; in a Slurm step "
+    "`NODE-SLURM_PROCID`).",
 )
 _HOST = flags.DEFINE_string(
-    "host", None, "The address the other hosts reach this one at (default: the host's name)."
+    "host",
+    None,
+    "The address the other hosts reach this one at (default: the host's name; in a Slurm "
+    "step the node's, `SLURMD_NODENAME`).",
 )
 _PORT = flags.DEFINE_integer(
     "port", 0, "The port of this host's member; 0 picks a free one for every round."
@@ -365,6 +371,21 @@ def _model_dir(command: Sequence[str]) -> str:
     )
 
 
+def default_identity(environ: Mapping[str, str]) -> tuple[str, str]:
+    """This agent's default name and host: the host's name, or in a Slurm step its task's.
+
+    Several tasks of a step may share a node, hence a host name: each is named
+    `NODE-SLURM_PROCID` instead, at the node's Slurm name (the address
+    `--cluster=slurm` gives its members too). Their ports differ already: each
+    round picks a free one unless `--port` fixes it.
+    """
+    host = socket.gethostname()
+    if "SLURM_PROCID" not in environ:
+        return host, host
+    node = environ.get("SLURMD_NODENAME") or host
+    return f"{node}-{environ['SLURM_PROCID']}", node
+
+
 def _listdir(path: str) -> list[str]:
     """The names in directory `path`; none when it does not exist (yet)."""
     import tensorflow as tf  # as `towerflow.storage` does: on first use
@@ -378,7 +399,8 @@ def _listdir(path: str) -> list[str]:
 def main(argv: list[str]) -> None:
     try:
         low, high, _ = parse_workers(flags.FLAGS.workers)
-        name = _NAME.value or socket.gethostname()
+        default_name, default_host = default_identity(os.environ)
+        name = _NAME.value or default_name
         command = [sys.executable, "-m", "trainer", *argv[1:]]
         with Interrupt().catching() as interrupt:
             code = run_agent(
@@ -386,7 +408,7 @@ def main(argv: list[str]) -> None:
                 low,
                 high,
                 name,
-                _HOST.value or socket.gethostname(),
+                _HOST.value or default_host,
                 _PORT.value,
                 _JOIN_S.value,
                 flags.FLAGS.grace_s,
