@@ -367,17 +367,17 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
     except tf.errors.OpError as e:
         with contextlib.suppress(Exception):  # a save under way may need the lost task
             checkpointer.sync()
-        lost = faults.lost_tasks(e, member.lost_tasks())
+        lost = faults.lost_members(e, member.lost_members())
         if lost is None:
             raise
         if elastic.enabled(config):  # every survivor saves the step it completed
             why = f"{', '.join(lost)} stopped answering ({type(e).__name__})"
             step = job.counted.completed if job.counted else _step(job)
-            task, iterations = member.cluster.task_name, job.optimizer.iterations
+            task, iterations = member.cluster.member_name, job.optimizer.iterations
             raise elastic.reform(
                 why, checkpointer.checkpoint, job.model_dir, step, task, iterations
             ) from None
-        raise faults.lost_task_error(e, lost, checkpointer.directory) from None
+        raise faults.lost_member_error(e, lost, checkpointer.directory) from None
     finally:
         if job.follower:  # the input stream stops waiting for files, however the run ends
             job.follower.close()
@@ -546,7 +546,7 @@ def _actions(
 
     watch = member.watch_preemption()
     # Elastic: a silent peer ends the step (the survivors then save), not the process.
-    give_up = faults.abort_step if elastic.enabled(config) else faults.exit_task_lost
+    give_up = faults.abort_step if elastic.enabled(config) else faults.exit_member_lost
     built_in = [
         # First: the position in the files moves on with every block trained, rolled back or not.
         *_follow_actions(job, watch, checkpointer),
@@ -564,7 +564,7 @@ def _actions(
         *_export_actions(job),
         actions.preemption(watch, checkpointer.save, say),
         # A single process has no other task to lose; the watchdog then never reports.
-        actions.watchdog(faults.Watchdog(member.lost_tasks, say, give_up=give_up)),
+        actions.watchdog(faults.Watchdog(member.lost_members, say, give_up=give_up)),
     ]
     if config.train.profile_steps:  # on every task: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
