@@ -77,7 +77,7 @@ class MultiWorker(Strategy, options=MultiWorkerOptions):
         timeout = self.options.startup_timeout_seconds
         setting = "strategy.multi_worker.startup_timeout_seconds"
         cluster_lib.start_up(cluster, timeout, setting)
-        with tf_start.bounded(timeout, setting, cluster.task_name):
+        with tf_start.bounded(timeout, setting, cluster.member_name):
             return tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=self._resolver(), communication_options=options
             )

@@ -21,7 +21,7 @@ from absl import flags
 
 from strategies.cluster import discovery
 from strategies.cluster import tf_config as cluster
-from towerflow.errors import PREEMPTED_EXIT_CODE, TASK_LOST_EXIT_CODE
+from towerflow.errors import MEMBER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 from trainer import cli, data_service
 
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
@@ -156,7 +156,7 @@ def test_only_preemption_and_a_lost_task_restart_the_jobset(name):
     assert policy["maxRestarts"] >= 1
     (rule,) = policy["rules"]  # and by default: restart
     assert (rule["action"], rule["onJobFailureReasons"]) == ("FailJobSet", ["PodFailurePolicy"])
-    retried = sorted([PREEMPTED_EXIT_CODE, TASK_LOST_EXIT_CODE])
+    retried = sorted([PREEMPTED_EXIT_CODE, MEMBER_LOST_EXIT_CODE])
     for replicated in jobset["spec"]["replicatedJobs"]:
         job = replicated["template"]["spec"]
         assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"

@@ -138,8 +138,8 @@ def test_the_watchdog_names_tasks_that_do_not_answer_while_a_loop_is_overdue():
 
 def test_a_failed_step_names_the_lost_task_and_the_checkpoint_to_resume_from(tmp_path):
     error = tf.errors.UnavailableError(None, None, "Socket closed")
-    lost = faults.lost_task_error(error, ["ps:1 (127.0.0.1:5)"], str(tmp_path))
-    assert isinstance(lost, faults.TaskLost)
+    lost = faults.lost_member_error(error, ["ps:1 (127.0.0.1:5)"], str(tmp_path))
+    assert isinstance(lost, faults.MemberLost)
     assert str(lost).startswith("ps:1 (127.0.0.1:5) stopped answering (UnavailableError)")
     assert "resumes from the start" in str(lost) and "--restarts=N" in str(lost)
 
@@ -150,9 +150,9 @@ def test_a_hung_peer_is_named_from_the_error_and_other_errors_pass_through(tmp_p
         None,
         "tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1",
     )
-    assert str(faults.lost_task_error(hung, [], str(tmp_path))).startswith("worker:1 stopped")
+    assert str(faults.lost_member_error(hung, [], str(tmp_path))).startswith("worker:1 stopped")
     bad = tf.errors.InvalidArgumentError(None, None, "shapes differ")
-    assert faults.lost_task_error(bad, [], str(tmp_path)) is None
+    assert faults.lost_member_error(bad, [], str(tmp_path)) is None
 
 
 def _reply_to_every_connection(server: socket.socket) -> None:

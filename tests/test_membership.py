@@ -26,7 +26,7 @@ def test_the_module_docstring_example_runs():
 def test_one_process_trains_is_chief_and_watches_its_own_signal():
     alone = Membership()
     assert (alone.role, alone.is_chief, alone.evaluates_inline) == ("train", True, True)
-    assert alone.cluster is None and alone.lost_tasks() == [] and alone.agree(3) == 3
+    assert alone.cluster is None and alone.lost_members() == [] and alone.agree(3) == 3
     assert isinstance(alone.watch_preemption(), preemption.SignalWatch)
     alone.check_restored(5, "/nowhere")  # nothing to compare with
 
@@ -61,7 +61,7 @@ def test_lost_tasks_names_the_peers_that_do_not_answer():
         held.bind(("127.0.0.1", 0))
         port = held.getsockname()[1]
     jobs = {"worker": ["127.0.0.1:1", f"127.0.0.1:{port}"]}
-    assert Membership(_spec(jobs, "worker", 0)).lost_tasks() == [f"worker:1 (127.0.0.1:{port})"]
+    assert Membership(_spec(jobs, "worker", 0)).lost_members() == [f"worker:1 (127.0.0.1:{port})"]
 
 
 def test_agree_takes_the_chiefs_value_from_the_gather():

@@ -18,14 +18,14 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Being rewritten on their own: each joins the scan as its rewrite lands.
-PENDING = {"strategies/cluster/membership.py"}
+PENDING: set[str] = set()
 SCANNED = sorted(
     str(path.relative_to(ROOT))
     for path in [*ROOT.glob("strategies/cluster/*.py"), ROOT / "strategies/sharding.py"]
     if str(path.relative_to(ROOT)) not in PENDING
 ) + ["strategies/devices.py"]
 # Old names kept one release as plain aliases (`old = new  # renamed`) for callers elsewhere.
-ALIASES = {"task_name"}
+ALIASES: set[str] = set()
 
 ALLOWED = re.compile(
     "|".join(
@@ -36,7 +36,6 @@ ALLOWED = re.compile(
             r"Slurm\s+tasks?|SLURM_\w*TASKS\w*|tasks[_-]per[_-]node",  # Slurm's own tasks
             r"JOBSET_TASKS",  # the variable deploy/jobset-*.yaml sets
             r"\"ps_tasks\"",  # the old name of `cluster.ps_members`, a string key
-            r"TaskLost|TASK_LOST\w*",  # `towerflow.errors`' names
         ]
     ),
     re.IGNORECASE,
@@ -93,7 +92,6 @@ def test_the_scan_finds_a_process_called_a_task_and_spares_tensorflows_and_slurm
         "entry = config.get('task')  # `TF_CONFIG`'s `task` key",
         "raise UserError('`task.index` is 2; use one of the task types')",
         "total = environ['SLURM_STEP_NUM_TASKS']  # the step's Slurm tasks",
-        "task_name = member_name  # renamed",
         "def member_name(self): pass",
         "if spec.job or spec.task is not None: pass",
         'RENAMED = {"ps_tasks": "ps_members"}',

@@ -12,7 +12,7 @@ import pytest
 
 from strategies.cluster import tf_config as cluster
 from tests.helpers import TIMEOUT_S, assert_exit, kill, launched, start_task, tiny_config
-from towerflow.errors import TaskLost, UserError
+from towerflow.errors import MemberLost, UserError
 from trainer.launch import pick_ports
 from trainer.loop import train
 
@@ -26,7 +26,7 @@ def test_a_peer_that_never_answers_is_named_then_given_up_on_after_the_bound():
     spec = _spec([f"127.0.0.1:{mine}", f"127.0.0.1:{missing}"], 0)
     said: list[str] = []
     start = time.monotonic()
-    with pytest.raises(TaskLost) as error:
+    with pytest.raises(MemberLost) as error:
         cluster.start_up(spec, 2.0, "some.setting", report=said.append, interval_s=0.2)
     waited = time.monotonic() - start
     assert said == [f"waiting for worker:1 at 127.0.0.1:{missing}"]
@@ -43,7 +43,7 @@ def test_a_host_that_does_not_resolve_is_named_at_once():
     spec = _spec([f"127.0.0.1:{mine}", "no-such-host.invalid:2222"], 0)
     said: list[tuple[float, str]] = []
     start = time.monotonic()
-    with pytest.raises(TaskLost, match="no-such-host.invalid:2222 did not answer within 1 s"):
+    with pytest.raises(MemberLost, match="no-such-host.invalid:2222 did not answer within 1 s"):
         cluster.start_up(
             spec, 1.0, "s", report=lambda line: said.append((time.monotonic() - start, line))
         )

@@ -51,8 +51,8 @@ def test_a_task_that_answers_again_restarts_the_count():
 def test_the_message_names_the_task_and_how_to_resume(capfd, monkeypatch):
     codes = []
     monkeypatch.setattr(faults.os, "_exit", codes.append)
-    faults.exit_task_lost(["chief (127.0.0.1:5)"], 21.4)
+    faults.exit_member_lost(["chief (127.0.0.1:5)"], 21.4)
     err = capfd.readouterr().err
-    assert codes == [errors.TASK_LOST_EXIT_CODE]
+    assert codes == [errors.MEMBER_LOST_EXIT_CODE]
     assert err.startswith("error: chief (127.0.0.1:5) stopped answering (no reply to the ")
     assert "for 21 s" in err and "--restarts=N" in err and err.count("\n") == 1

@@ -1,6 +1,6 @@
 """towerflow's shared core: what every layer above may use, and nothing else.
 
-    towerflow/     errors.py    one-line errors (`UserError`, `TaskLost`, `one_line`)
+    towerflow/     errors.py    one-line errors (`UserError`, `MemberLost`, `one_line`)
                                 and every exit status of every command
                    registry.py  the one `Registry` type and "module.path:name" references
                    storage.py   files under `model_dir` and sweep directories (`tf.io.gfile`)

@@ -326,7 +326,7 @@ def guarded(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
         except NoSpace as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(errors.NO_SPACE_EXIT_CODE)
-        except faults.TaskLost as e:  # or `Reform`: elastic, saved for the group to re-form
+        except faults.MemberLost as e:  # or `Reform`: elastic, saved for the group to re-form
             print(e if isinstance(e, faults.Reform) else f"error: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             # No interpreter teardown: TensorFlow's would log connection errors to the

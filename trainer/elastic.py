@@ -38,7 +38,7 @@ from absl import app, flags
 from strategies.cluster import tf_config as cluster
 from strategies.cluster.roster import REFORM_VARIABLE, Roster
 from towerflow import storage
-from towerflow.errors import REFORM_EXIT_CODE, TASK_LOST_EXIT_CODE, UserError, one_line
+from towerflow.errors import MEMBER_LOST_EXIT_CODE, REFORM_EXIT_CODE, UserError, one_line
 from towerflow.processes import Console, Interrupt, pick_ports
 from trainer import cli
 from trainer.launch import (
@@ -236,7 +236,7 @@ def run_agent(
 
     Returns:
       0 when the job trained to its end; the trainer's 2 for a bad config;
-      `TASK_LOST_EXIT_CODE` when fewer than `low` agents joined a round for
+      `MEMBER_LOST_EXIT_CODE` when fewer than `low` agents joined a round for
       `rendezvous_timeout`, or this agent's trainer failed more than
       `max_restarts` times; 128 + the signal number after an interrupt.
     """
@@ -260,7 +260,7 @@ def run_agent(
             if stop():
                 return interrupt.code
             console.log(f"stopping: this agent's trainer is out: {own.missing()[0]}")
-            return TASK_LOST_EXIT_CODE
+            return MEMBER_LOST_EXIT_CODE
         address = f"{host}:{port or pick_ports(1)[0]}"
         with answering(address):
             plan = rendezvous.join(round_, address, stop)
@@ -272,7 +272,7 @@ def run_agent(
                 f"{rendezvous.timeout_s:g} s; missing: {rendezvous.missing(round_)}; the state "
                 "is saved in model_dir: start the agents again to resume"
             )
-            return TASK_LOST_EXIT_CODE
+            return MEMBER_LOST_EXIT_CODE
         if plan.get(DONE):
             console.log("the job ended while this agent waited to join")
             return 0

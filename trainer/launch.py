@@ -65,9 +65,9 @@ from strategies.cluster import tf_config as cluster
 from strategies.cluster.roster import REFORM_VARIABLE, Roster
 from towerflow import netns
 from towerflow.errors import (
+    MEMBER_LOST_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     REFORM_EXIT_CODE,
-    TASK_LOST_EXIT_CODE,
     USER_ERROR_EXIT_CODE,
     UserError,
     one_line,
@@ -87,7 +87,7 @@ GRACE_S = 15.0  # how long the other tasks may run on after the chief is done
 KILL_AFTER_S = 5.0  # how long a task may take to exit after SIGTERM before SIGKILL
 REPORT_S = 10.0  # how long the chief may take to report a failed task before the cluster stops
 _POLL_S = 0.1
-MAX_TASK_RESTARTS = 3  # a parameter-server worker that fails is started again this often
+MAX_MEMBER_RESTARTS = 3  # a parameter-server worker that fails is started again this often
 REFORM_WAIT_S = 60.0  # how long an elastic group's survivors may take to save and exit
 SETTLE_S = 15.0  # still running this long after a survivor saved: hung (> watchdog probes)
 _PROGRESS = "train | step: "  # the chief's progress line: the group trains
@@ -237,10 +237,10 @@ class Cluster:
         self.report_s = report_s
         self.interrupt = interrupt or Interrupt()
         self.env = dict(env or {})
-        self.max_task_restarts = MAX_TASK_RESTARTS
+        self.max_task_restarts = MAX_MEMBER_RESTARTS
         self._procs: dict[Member, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
-        self._task_restarts: dict[Member, int] = {}
+        self._member_restarts: dict[Member, int] = {}
 
     def run(self) -> int:
         """Starts every task and waits; returns the chief's exit status, or the failed task's.
@@ -313,8 +313,8 @@ class Cluster:
         has_ps = any(t.type == "ps" for t in self.tasks)
         if task.type != "worker" or not has_ps:
             return False
-        self._task_restarts[task] = self._task_restarts.get(task, 0) + 1
-        return self._task_restarts[task] <= self.max_task_restarts
+        self._member_restarts[task] = self._member_restarts.get(task, 0) + 1
+        return self._member_restarts[task] <= self.max_task_restarts
 
     def _wait(self) -> int:
         chief = next(task for task in self.tasks if task.is_chief)
@@ -328,7 +328,7 @@ class Cluster:
                 if self._restartable(task):
                     self.console.log(
                         f"{task.name} {_ended(proc.returncode)}; restarting it (attempt "
-                        f"{self._task_restarts[task]} of {self.max_task_restarts}); the "
+                        f"{self._member_restarts[task]} of {self.max_task_restarts}); the "
                         "coordinator re-schedules its work"
                     )
                     self._start(task)
@@ -490,7 +490,7 @@ def launch_elastic(
 
     Returns:
       0 when the job trained to its end; the members' 2 for a bad config;
-      `TASK_LOST_EXIT_CODE` when fewer than `low` members were ready for
+      `MEMBER_LOST_EXIT_CODE` when fewer than `low` members were ready for
       `rendezvous_timeout`; 128 + the signal number after an interrupt.
     """
     console = console or Console()
@@ -508,7 +508,7 @@ def launch_elastic(
                 f"{roster.rendezvous_timeout:g} s; missing: {', '.join(roster.missing())}; "
                 "the state is saved in model_dir: start the job again to resume"
             )
-            return TASK_LOST_EXIT_CODE
+            return MEMBER_LOST_EXIT_CODE
         tasks = [
             dataclasses.replace(task, label=name)
             for task, name in zip(plan_cluster(len(names), port_base=port_base), names, strict=True)

@@ -10,12 +10,12 @@ sets it as `TF_CONFIG`, `strategies.cluster` parses it) and reached as
 Glossary:
 
 - *role*: what this process does. "train" runs the loop; "serve" runs a
-  server for others (the ps and worker tasks of a parameter-server cluster);
+  server for others (the ps and worker members of a parameter-server cluster);
   "evaluate" evaluates checkpoints as they appear (a sidecar evaluator).
-- *chief*: the task that writes checkpoints, summaries and exports: the
-  `chief` task, or worker 0 when there is none.
-- *lost task*: another task of the cluster whose server no longer answers.
-- *agree*: one task's value on every task, for choices that must not differ
+- *chief*: the member that writes checkpoints, summaries and exports: the
+  `chief` member, or worker 0 when there is none.
+- *lost member*: another member of the cluster whose server no longer answers.
+- *agree*: one member's value on every member, for choices that must not differ
   between workers that step together (a measured loop length).
 - *restored step*: every worker must resume from the same checkpoint step.
 
@@ -23,7 +23,7 @@ One process (no cluster) trains, is the chief, loses no one, and agrees with
 itself (run by `tests/test_membership.py`):
 
 >>> alone = Membership()
->>> alone.role, alone.is_chief, alone.lost_tasks(), alone.agree(7)
+>>> alone.role, alone.is_chief, alone.lost_members(), alone.agree(7)
 ('train', True, [], 7)
 
 A plugin whose workers run collectives gives its membership the one
@@ -39,9 +39,9 @@ from collections.abc import Callable, Collection
 
 from strategies.cluster import preemption
 from strategies.cluster import tf_config as cluster_lib
-from towerflow.errors import TaskLost, UserError
+from towerflow.errors import MemberLost, UserError
 
-SERVER_STARTUP_S = 600.0  # how long a serving task waits for the chief to come up
+SERVER_STARTUP_S = 600.0  # how long a serving member waits for the chief to come up
 Gather = Callable[[int], list[int]]  # value -> every replica's value, the chief's first
 Watch = Callable[[], contextlib.AbstractContextManager]
 
@@ -51,10 +51,10 @@ class Membership:
 
     Args:
       cluster: the parsed `TF_CONFIG` (`cluster.ClusterSpec`); None for one process.
-      serving_jobs: the task types that run a server for the others (role "serve")
+      serving_jobs: the task types (TensorFlow's roles) serving the others (role "serve")
         instead of the loop, e.g. `("ps", "worker")` under `parameter_server`.
       gather: every replica's value of an int (one collective), for `agree` and
-        `check_restored` where workers step together; None: each task alone.
+        `check_restored` where workers step together; None: each member alone.
       watch: makes the preemption watch (`watch_preemption`); None: this
         process's own SIGTERM (`preemption.SignalWatch`).
     """
@@ -73,11 +73,11 @@ class Membership:
 
     @property
     def role(self) -> str:
-        """What this task does: "train", "serve" (a server for others) or "evaluate".
+        """What this member does: "train", "serve" (a server for others) or "evaluate".
 
-        Every task of a cluster runs the same program; the role says which part.
-        A "serve" task calls `serve()`, an "evaluate" task evaluates checkpoints
-        as they appear (sidecar evaluation), and "train" tasks run the loop.
+        Every member of a cluster runs the same program; the role says which part.
+        A "serve" member calls `serve()`, an "evaluate" member evaluates checkpoints
+        as they appear (sidecar evaluation), and "train" members run the loop.
         """
         task_type = self.cluster.task_type if self.cluster else None
         if task_type == "evaluator":
@@ -86,22 +86,22 @@ class Membership:
 
     @property
     def is_chief(self) -> bool:
-        """Whether this task writes checkpoints, summaries and exports."""
+        """Whether this member writes checkpoints, summaries and exports."""
         return self.cluster.is_chief if self.cluster else True
 
     @property
     def evaluates_inline(self) -> bool:
-        """Whether the training tasks evaluate (False when a sidecar evaluator does)."""
+        """Whether the training members evaluate (False when a sidecar evaluator does)."""
         return not (self.cluster and self.cluster.has_evaluator)
 
     def serve(self) -> None:
-        """Runs this task's server until the chief is gone (for role "serve").
+        """Runs this member's server until the chief is gone (for role "serve").
 
         Raises:
-          TaskLost: the chief did not come up within `SERVER_STARTUP_S`.
+          MemberLost: the chief did not come up within `SERVER_STARTUP_S`.
         """
         if self.role != "serve":
-            raise NotImplementedError(f"a {self.role!r} task has no server to run.")
+            raise NotImplementedError(f"a {self.role!r} member has no server to run.")
         import tensorflow as tf
 
         config = tf.compat.v1.ConfigProto(
@@ -118,28 +118,28 @@ class Membership:
         )
         chief = self.cluster.jobs["chief"][0]
         if not cluster_lib.wait_until_gone(chief, startup_s=SERVER_STARTUP_S):
-            raise TaskLost(
+            raise MemberLost(
                 f"the chief at {chief} did not come up within {SERVER_STARTUP_S:g} s; start it "
                 "with the same `TF_CONFIG` cluster."
             )
         del server  # the process ends, and the server with it
 
-    def lost_tasks(self) -> list[str]:
-        """The other tasks of this job's cluster that no longer answer, e.g. "ps:0 (host:port)".
+    def lost_members(self) -> list[str]:
+        """The other members of this job's cluster that no longer answer, e.g. "ps:0 (host:port)".
 
         Empty for a single process. Asked after a step fails, to say which
-        task to blame, and by the loop's watchdog while a step takes long.
+        member to blame, and by the loop's watchdog while a step takes long.
         """
         return self.cluster.unreachable() if self.cluster else []
 
     def agree(self, value: int) -> int:
-        """The chief's `value` on every task: for choices (loop lengths) that must not differ."""
+        """The chief's `value` on every member: for choices (loop lengths) that must not differ."""
         return self._gather(value)[0] if self._gather else value
 
     def watch_preemption(self) -> contextlib.AbstractContextManager:
         """A watch for SIGTERM, as a context manager around the training loop.
 
-        The loop calls its `check(save)` after every loop (on every task); it
+        The loop calls its `check(save)` after every loop (on every member); it
         saves and raises `preemption.Preempted` once the job is to stop. One
         process watches its own signal; workers that step together agree on
         the step (`preemption.CoordinatedWatch`).
@@ -149,7 +149,7 @@ class Membership:
     def check_restored(self, step: int, model_dir: str) -> None:
         """Checks that every training worker restored the same `step` from `model_dir`.
 
-        A no-op where each task restores alone. Where workers step together,
+        A no-op where each member restores alone. Where workers step together,
         each puts its step in one collective and all compare.
 
         Raises:

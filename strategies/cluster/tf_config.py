@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from typing import Any
 
 from strategies.cluster.preemption import Preempted
-from towerflow.errors import TaskLost, UserError
+from towerflow.errors import MemberLost, UserError
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 DEFAULT_RPC_LAYER = "grpc"
@@ -117,8 +117,6 @@ class ClusterSpec:
     def member_name(self) -> str:
         """This member as errors name it: "chief", "worker:1", "ps:0"."""
         return _member_name(self.task_type or "", self.task_index or 0)
-
-    task_name = member_name  # renamed
 
     @property
     def address(self) -> str | None:
@@ -255,7 +253,7 @@ def start_up(
     Here, cluster traffic is kept off proxies (`keep_off_proxies`), each member
     missing is named once ("waiting for worker:1 at host1:2222"), SIGTERM
     stops the wait at once (exit 143), and after `timeout_s` seconds the
-    first member still missing is named in a `TaskLost` with what to check.
+    first member still missing is named in a `MemberLost` with what to check.
     Meanwhile this member's own port is held open, so that its peers, waiting
     the same way, see it before its server starts.
 
@@ -269,7 +267,7 @@ def start_up(
     Raises:
       UserError: `timeout_s` is not a positive number, this member's own host does
         not resolve (TensorFlow would wait for itself for good), or its port is taken.
-      TaskLost: a member did not answer within `timeout_s`.
+      MemberLost: a member did not answer within `timeout_s`.
       Preempted: SIGTERM arrived while waiting.
     """
     if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -297,7 +295,7 @@ def start_up(
             if time.monotonic() >= deadline:
                 name, address = next(iter(missing.items()))
                 host = address.rpartition(":")[0]
-                raise TaskLost(
+                raise MemberLost(
                     f"{name} at {address} did not answer within {timeout_s:g} s; check that it "
                     f"runs with the same `TF_CONFIG` cluster, that `{host}` resolves here (DNS) "
                     f"to its machine, that its port is open to this host, and that no "

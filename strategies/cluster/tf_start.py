@@ -10,11 +10,11 @@ SIGTERM handler of its own there, which only records the signal.
 
 `bounded` runs those calls through `ctypes`, which releases the lock
 (`tf_patches.start_calls_unlocked`), in a thread of their own; this thread
-meanwhile waits in Python: after `timeout_s` it raises `TaskLost` (one
+meanwhile waits in Python: after `timeout_s` it raises `MemberLost` (one
 line, exit 144), and SIGTERM raises exit 143 (the handler is put back every
 few milliseconds, so TensorFlow's own cannot keep it). The call left running
 is abandoned with the process, which exits without interpreter teardown (the
-command's `TaskLost` path does the same), as the teardown would crash under
+command's `MemberLost` path does the same), as the teardown would crash under
 it.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 
 from strategies import tf_patches
 from strategies.cluster.preemption import Preempted
-from towerflow.errors import PREEMPTED_EXIT_CODE, TaskLost
+from towerflow.errors import PREEMPTED_EXIT_CODE, MemberLost
 
 POLL_S = 0.02  # how often the waiting thread looks at the clock and re-asserts its handler
 SAY_AFTER_S = 1.0  # a call still running after this long is named once
@@ -50,7 +50,7 @@ def bounded(
       report: prints one line for the user.
 
     Raises:
-      TaskLost: TensorFlow had not joined the cluster within `timeout_s`.
+      MemberLost: TensorFlow had not joined the cluster within `timeout_s`.
       Preempted: SIGTERM arrived meanwhile.
     """
     if threading.current_thread() is not threading.main_thread():
@@ -85,7 +85,7 @@ def bounded(
                     f"(at most {timeout_s:g} s)"
                 )
             if time.monotonic() >= deadline:
-                raise TaskLost(
+                raise MemberLost(
                     f"TensorFlow did not join the cluster within {timeout_s:g} s as {what}; "
                     "check that every member runs with the same `TF_CONFIG` cluster, that each "
                     "host resolves here (DNS) to its machine and that its port is open to "

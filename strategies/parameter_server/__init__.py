@@ -100,7 +100,7 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
             cluster_lib.start_up(self._cluster, timeout, setting)
         strategy, self.coordinator = tf.distribute.get_strategy(), None
         if self.membership.role == "train":  # servers and the evaluator: no cluster-wide strategy
-            with tf_start.bounded(timeout, setting, self._cluster.task_name):
+            with tf_start.bounded(timeout, setting, self._cluster.member_name):
                 strategy = self._coordinated_strategy()
             self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         # The update mode, chosen once: synchronous with spare replicas, or asynchronous.

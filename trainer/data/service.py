@@ -421,7 +421,7 @@ def _watched(
             flush=True,
         )
         sys.stdout.flush()
-        os._exit(errors.TASK_LOST_EXIT_CODE)  # the main thread waits in TF's client for ever
+        os._exit(errors.MEMBER_LOST_EXIT_CODE)  # the main thread waits in TF's client for ever
 
     def watch() -> None:
         silent_since = None

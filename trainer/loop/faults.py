@@ -1,16 +1,16 @@
-"""What the loop does when a job is preempted, a task is lost or its loss blows up.
+"""What the loop does when a job is preempted, a member is lost or its loss blows up.
 
 - Preemption: the strategy's watch (`strategies.cluster.preemption`) saves a checkpoint
-  at the step reached, on every task at the same step, and raises
+  at the step reached, on every member at the same step, and raises
   `Preempted`; the process exits with `PREEMPTED_EXIT_CODE` (143 = 128 +
   SIGTERM), a code schedulers treat as "restart me". The restarted job
   resumes from that checkpoint and loses no steps.
-- A lost task: a step that fails because another task of the cluster stopped
-  answering becomes `TaskLost`, one line naming that task, and exit status
-  `TASK_LOST_EXIT_CODE` (144, also in the 128-255 range schedulers retry).
-  While a loop runs long, a `Watchdog` says which tasks do not answer, so a
+- A lost member: a step that fails because another member of the cluster stopped
+  answering becomes `MemberLost`, one line naming that member, and exit status
+  `MEMBER_LOST_EXIT_CODE` (144, also in the 128-255 range schedulers retry).
+  While a loop runs long, a `Watchdog` says which members do not answer, so a
   hang is never silent, and ends the process the same way when one stays
-  silent for `GIVE_UP_S` (a hung task accepts connections but never replies,
+  silent for `GIVE_UP_S` (a hung member accepts connections but never replies,
   and a collective waits on it with no deadline).
 - Loss blow-ups: a non-finite loss, or one above `train.loss_upper_bound`,
   makes the loop restore the last good checkpoint and go on with fresh data,
@@ -31,11 +31,11 @@ from contextlib import contextmanager
 import tensorflow as tf
 
 from strategies.cluster.preemption import Preempted
-from towerflow.errors import TASK_LOST_EXIT_CODE, Reform, TaskLost
+from towerflow.errors import MEMBER_LOST_EXIT_CODE, MemberLost, Reform
 
-__all__ = ["Preempted", "Reform", "TaskLost"]
-WATCHDOG_AFTER_S = 10.0  # a loop running this long makes the watchdog look at the other tasks
-# A task not answering the watchdog's probes this long, while the loop waits on it, ends
+__all__ = ["Preempted", "Reform", "MemberLost"]
+WATCHDOG_AFTER_S = 10.0  # a loop running this long makes the watchdog look at the other members
+# A member not answering the watchdog's probes this long, while the loop waits on it, ends
 # the process: nothing else would (a collective has no timeout by default).
 GIVE_UP_S = 20.0
 _TF_TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
@@ -50,37 +50,37 @@ def loss_blew_up(loss: float, upper_bound: float) -> bool:
     return not math.isfinite(loss) or (upper_bound > 0 and loss > upper_bound)
 
 
-def lost_task_error(
+def lost_member_error(
     error: tf.errors.OpError, lost: list[str], checkpoint_dir: str
-) -> TaskLost | None:
-    """A `TaskLost` for a step that failed as other tasks stopped answering; else None.
+) -> MemberLost | None:
+    """A `MemberLost` for a step that failed as other members stopped answering; else None.
 
     Args:
       error: what the failed step raised.
-      lost: the tasks that do not answer now (`Membership.lost_tasks()`).
+      lost: the members that do not answer now (`Membership.lost_members()`).
       checkpoint_dir: where the restarted job will resume from.
     """
-    lost = lost_tasks(error, lost)
+    lost = lost_members(error, lost)
     if lost is None:
         return None
     resume = tf.train.latest_checkpoint(checkpoint_dir) or "the start (no checkpoint yet)"
-    return TaskLost(_lost_message(lost, type(error).__name__, resume))
+    return MemberLost(_lost_message(lost, type(error).__name__, resume))
 
 
-def lost_tasks(error: tf.errors.OpError, lost: list[str]) -> list[str] | None:
-    """The tasks whose loss made a step fail with `error`; None if it failed otherwise.
+def lost_members(error: tf.errors.OpError, lost: list[str]) -> list[str] | None:
+    """The members whose loss made a step fail with `error`; None if it failed otherwise.
 
     Args:
       error: what the failed step raised.
-      lost: the tasks that do not answer now (`Membership.lost_tasks()`).
+      lost: the members that do not answer now (`Membership.lost_members()`).
     """
     if lost:
         return lost
-    # None refuses a connection: fall back to the tasks TensorFlow names.
+    # None refuses a connection: fall back to the members TensorFlow names.
     if not isinstance(error, tf.errors.UnavailableError | tf.errors.DeadlineExceededError):
         return None
     named = sorted({f"{job}:{index}" for job, index in _TF_TASK.findall(error.message)})
-    return named or ["a task of the cluster"]
+    return named or ["a member of the cluster"]
 
 
 def _lost_message(lost: list[str], why: str, resume: str) -> str:
@@ -91,23 +91,23 @@ def _lost_message(lost: list[str], why: str, resume: str) -> str:
     )
 
 
-def exit_task_lost(lost: list[str], waited_s: float) -> None:
-    """Ends this process as `TaskLost` does: one line on stderr, exit status 144.
+def exit_member_lost(lost: list[str], waited_s: float) -> None:
+    """Ends this process as `MemberLost` does: one line on stderr, exit status 144.
 
     For the watchdog, whose main thread waits inside a step that may never
     return (TensorFlow holds it in a collective with no deadline): no
-    interpreter teardown, which could wait on the lost task too.
+    interpreter teardown, which could wait on the lost member too.
     """
     why = f"no reply to the watchdog's probes for {waited_s:.0f} s"
     print(
         f"error: {_lost_message(lost, why, 'its newest checkpoint')}", file=sys.stderr, flush=True
     )
     sys.stdout.flush()
-    os._exit(TASK_LOST_EXIT_CODE)
+    os._exit(MEMBER_LOST_EXIT_CODE)
 
 
 def abort_step(lost: list[str], waited_s: float) -> None:
-    """Ends the step waiting on a silent task with an error, so the loop goes on to handle it.
+    """Ends the step waiting on a silent member with an error, so the loop goes on to handle it.
 
     For elastic training (`trainer.loop.elastic`), where the survivors save the
     step they completed before they exit: TensorFlow's collectives abort, and the
@@ -120,13 +120,13 @@ def abort_step(lost: list[str], waited_s: float) -> None:
 
 
 class Watchdog:
-    """Says which tasks do not answer while a loop runs longer than `after_s`.
+    """Says which members do not answer while a loop runs longer than `after_s`.
 
     A context manager around training; `loop(step)` marks each loop. One
-    thread probes the cluster (`probe()`, e.g. `Membership.lost_tasks`) every
+    thread probes the cluster (`probe()`, e.g. `Membership.lost_members`) every
     `after_s` seconds while a loop is overdue, and reports what it finds.
-    When the probes have found tasks not answering for `give_up_s`, it calls
-    `give_up(lost, seconds)`, by default `exit_task_lost`.
+    When the probes have found members not answering for `give_up_s`, it calls
+    `give_up(lost, seconds)`, by default `exit_member_lost`.
     """
 
     def __init__(
@@ -135,7 +135,7 @@ class Watchdog:
         report: Callable[[str], None],
         after_s: float = WATCHDOG_AFTER_S,
         give_up_s: float = GIVE_UP_S,
-        give_up: Callable[[list[str], float], None] = exit_task_lost,
+        give_up: Callable[[list[str], float], None] = exit_member_lost,
     ):
         self._probe = probe
         self._report = report
@@ -164,7 +164,7 @@ class Watchdog:
             self._loop = None
 
     def _watch(self) -> None:
-        silent_since = None  # when the probes began to find a task not answering
+        silent_since = None  # when the probes began to find a member not answering
         while not self._done.wait(self._after_s):
             running = self._loop
             if running is None or time.monotonic() - running[1] < self._after_s:

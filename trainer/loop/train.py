@@ -293,45 +293,17 @@ def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections
 def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
     """Trains and/or evaluates a built `job`; the only function that writes `model_dir`."""
     start = time.time()
-    strategy, member, config = job.strategy, job.strategy.membership, job.config
+    member, config = job.strategy.membership, job.config
     say(f"model_dir: {job.model_dir}")
     # One trainer at a time writes model_dir (the chief); `--mode=eval` only reads it.
     lock = model_dir_lock.take(job.model_dir) if member.is_chief and mode != "eval" else None
     if member.is_chief:
         tf.io.gfile.makedirs(job.model_dir)
-    checkpointer = Checkpointer(
-        job.model_dir,
-        member.is_chief,
-        config.train.max_checkpoints,
-        async_save=config.train.async_checkpoint,
-        full_every=config.train.get("full_checkpoint_every", 0),
-        **checkpointed(job),
-    )
-    if config.train.get("full_checkpoint_every", 0) and not checkpointer.incremental:
-        say(
-            "note: `train.full_checkpoint_every` has no dynamic table to save rows of; every "
-            "checkpoint is full"
-        )
+    checkpointer = _checkpointer(job)
     summaries = Summaries(job.model_dir, member.is_chief)
     try:
-        # An elastic job's survivors may have saved a newer step than the newest checkpoint:
-        # a rerun resumes from it, elastic or not.
-        restored = elastic.restore(checkpointer, job.model_dir)
-        member.check_restored(_step(job), job.model_dir)  # every worker, the same step
-        if restored:
-            say(f"restored {restored} at step {_step(job)}")
-            if checkpointer.resplit:  # written with other table parts or shards
-                say(checkpointer.resplit)
-            if job.warm_start:
-                say("`train.warm_start` left aside: this run resumes from its own checkpoint")
-        elif mode == "eval":
-            raise UserError(
-                f"`--mode=eval` needs a checkpoint, and `{job.model_dir}` has none; "
-                "train first (`--mode=train_and_eval`)."
-            )
-        elif job.warm_start:
-            say(warm_start.apply(job.warm_start))
-        placement = strategy.describe(job.model.variables)
+        _restore_or_start(job, checkpointer, mode)
+        placement = job.strategy.describe(job.model.variables)
         _log_start(job, placement, summaries)
         train_metrics = {}
         evaluate = (
@@ -342,42 +314,21 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         if mode != "eval":
             train_metrics = _train(job, checkpointer, summaries, evaluate, extra_actions)
         eval_metrics = _evaluate(job, summaries) if evaluate else {}
-        results = {
-            "step": _step(job),
-            "train": train_metrics,
-            "eval": eval_metrics,
-            "wall_time_s": round(time.time() - start, 3),
-            "placement": placement,
-            "input": {k: v for k, v in data_service.describe(job.dataset).items() if k != "line"},
-        }
-        tables = layers.describe_tables(job.model)
-        if tables:  # each dynamic table's policy, where its parts are, the ids they hold
-            results["tables"] = {
-                name: {k: v for k, v in t.items() if k != "line"} for name, t in tables.items()
-            }
-        if elastic.enabled(config):
-            results["elastic"] = {"reforms": elastic.reforms(job.model_dir)}
-        if job.dataset.spec.class_names:  # what each class index of the metrics and export is
-            results["class_names"] = list(job.dataset.spec.class_names)
+        results = _results(job, train_metrics, eval_metrics, placement, time.time() - start)
         if mode != "eval" and config.train.export:
             _export(job)
         if member.is_chief:
             storage.write_json(os.path.join(job.model_dir, "results.json"), results)
         return results
     except tf.errors.OpError as e:
-        with contextlib.suppress(Exception):  # a save under way may need the lost task
+        with contextlib.suppress(Exception):  # a save under way may need the lost member
             checkpointer.sync()
-        lost = faults.lost_tasks(e, member.lost_tasks())
+        lost = faults.lost_members(e, member.lost_members())
         if lost is None:
             raise
         if elastic.enabled(config):  # every survivor saves the step it completed
-            why = f"{', '.join(lost)} stopped answering ({type(e).__name__})"
-            step = job.counted.completed if job.counted else _step(job)
-            task, iterations = member.cluster.task_name, job.optimizer.iterations
-            raise elastic.reform(
-                why, checkpointer.checkpoint, job.model_dir, step, task, iterations
-            ) from None
-        raise faults.lost_task_error(e, lost, checkpointer.directory) from None
+            raise _reform(job, checkpointer, lost, e) from None
+        raise faults.lost_member_error(e, lost, checkpointer.directory) from None
     finally:
         if job.follower:  # the input stream stops waiting for files, however the run ends
             job.follower.close()
@@ -385,6 +336,78 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         checkpointer.close()
         if lock:
             lock.release()
+
+
+def _checkpointer(job: Job) -> Checkpointer:
+    """The chief's checkpoints of `job` (every member restores through it)."""
+    config = job.config
+    checkpointer = Checkpointer(
+        job.model_dir,
+        job.strategy.membership.is_chief,
+        config.train.max_checkpoints,
+        async_save=config.train.async_checkpoint,
+        full_every=config.train.get("full_checkpoint_every", 0),
+        **checkpointed(job),
+    )
+    if config.train.get("full_checkpoint_every", 0) and not checkpointer.incremental:
+        say(
+            "note: `train.full_checkpoint_every` has no dynamic table to save rows of; every "
+            "checkpoint is full"
+        )
+    return checkpointer
+
+
+def _restore_or_start(job: Job, checkpointer: Checkpointer, mode: str) -> None:
+    """Resumes from the newest state in `model_dir`, or starts fresh (maybe warm)."""
+    # An elastic job's survivors may have saved a newer step than the newest checkpoint:
+    # a rerun resumes from it, elastic or not.
+    restored = elastic.restore(checkpointer, job.model_dir)
+    job.strategy.membership.check_restored(_step(job), job.model_dir)  # every worker, one step
+    if restored:
+        say(f"restored {restored} at step {_step(job)}")
+        if checkpointer.resplit:  # written with other table parts or shards
+            say(checkpointer.resplit)
+        if job.warm_start:
+            say("`train.warm_start` left aside: this run resumes from its own checkpoint")
+    elif mode == "eval":
+        raise UserError(
+            f"`--mode=eval` needs a checkpoint, and `{job.model_dir}` has none; "
+            "train first (`--mode=train_and_eval`)."
+        )
+    elif job.warm_start:
+        say(warm_start.apply(job.warm_start))
+
+
+def _results(job: Job, train: dict, evaluation: dict, placement: dict, wall_s: float) -> dict:
+    """What `results.json` holds: the step, metrics, wall time, placement, input, tables."""
+    results = {
+        "step": _step(job),
+        "train": train,
+        "eval": evaluation,
+        "wall_time_s": round(wall_s, 3),
+        "placement": placement,
+        "input": {k: v for k, v in data_service.describe(job.dataset).items() if k != "line"},
+    }
+    tables = layers.describe_tables(job.model)
+    if tables:  # each dynamic table's policy, where its parts are, the ids they hold
+        results["tables"] = {
+            name: {k: v for k, v in t.items() if k != "line"} for name, t in tables.items()
+        }
+    if elastic.enabled(job.config):
+        results["elastic"] = {"reforms": elastic.reforms(job.model_dir)}
+    if job.dataset.spec.class_names:  # what each class index of the metrics and export is
+        results["class_names"] = list(job.dataset.spec.class_names)
+    return results
+
+
+def _reform(job: Job, checkpointer: Checkpointer, lost: list[str], error: Exception):
+    """Elastic: this survivor saves the step it completed; the error that ends it (exit 145)."""
+    why = f"{', '.join(lost)} stopped answering ({type(error).__name__})"
+    step = job.counted.completed if job.counted else _step(job)
+    name = job.strategy.membership.cluster.member_name
+    return elastic.reform(
+        why, checkpointer.checkpoint, job.model_dir, step, name, job.optimizer.iterations
+    )
 
 
 def _export(job: Job) -> None:
@@ -546,7 +569,7 @@ def _actions(
 
     watch = member.watch_preemption()
     # Elastic: a silent peer ends the step (the survivors then save), not the process.
-    give_up = faults.abort_step if elastic.enabled(config) else faults.exit_task_lost
+    give_up = faults.abort_step if elastic.enabled(config) else faults.exit_member_lost
     built_in = [
         # First: the position in the files moves on with every block trained, rolled back or not.
         *_follow_actions(job, watch, checkpointer),
@@ -564,7 +587,7 @@ def _actions(
         *_export_actions(job),
         actions.preemption(watch, checkpointer.save, say),
         # A single process has no other task to lose; the watchdog then never reports.
-        actions.watchdog(faults.Watchdog(member.lost_tasks, say, give_up=give_up)),
+        actions.watchdog(faults.Watchdog(member.lost_members, say, give_up=give_up)),
     ]
     if config.train.profile_steps:  # on every task: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
