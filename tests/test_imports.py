@@ -228,3 +228,19 @@ def test_the_public_names_are_at_the_top_of_trainer():
     assert trainer.train_and_evaluate is train.train_and_evaluate
     with pytest.raises(AttributeError, match="no attribute 'Tsak'"):
         trainer.Tsak  # noqa: B018
+
+
+def test_the_cluster_commands_define_their_flags_beside_each_other():
+    # A test process imports several commands; absl refuses a flag two modules define.
+    import subprocess
+    import sys
+
+    commands = [
+        "trainer.launch",
+        "trainer.elastic",
+        "trainer.data_service",
+        "trainer.sweep.__main__",
+    ]
+    code = f"import importlib\nfor m in {commands!r}: importlib.import_module(m)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -246,13 +246,13 @@ def test_elastic_agents_go_on_without_a_cut_off_host_and_take_it_back_once_reach
 ):
     hosts = make_hosts(3)
     run = tmp_path / "run"
-    args = ["--workers=2:3", "--join_s=3", "--port=2222", "--", "--strategy=multi_worker"]
+    args = ["--workers=2:3", "--join_s=3", "--member_port=2222", "--", "--strategy=multi_worker"]
     args += [f"--model_dir={run}", "--config.train.steps=1000000", *TINY]
     args += ["--config.train.global_batch_size=48", "--config.cluster.elastic.cooldown_s=1"]
     procs = {
         f"h{i}": hosts.start_trainer(
             i,
-            [f"--name=h{i}", f"--host={hosts.address(i)}", *args],
+            [f"--name=h{i}", f"--address={hosts.address(i)}", *args],
             log=str(tmp_path / f"h{i}.log"),
             cwd=str(tmp_path),
             module="trainer.elastic",

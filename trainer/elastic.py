@@ -62,14 +62,14 @@ _NAME = flags.DEFINE_string(
     "This agent's name, unique in the job (default: the host's name; in a Slurm step "
     "`NODE-SLURM_PROCID`).",
 )
-_HOST = flags.DEFINE_string(
-    "host",
+_ADDRESS = flags.DEFINE_string(
+    "address",
     None,
     "The address the other hosts reach this one at (default: the host's name; in a Slurm "
     "step the node's, `SLURMD_NODENAME`).",
 )
-_PORT = flags.DEFINE_integer(
-    "port", 0, "The port of this host's member; 0 picks a free one for every round."
+_MEMBER_PORT = flags.DEFINE_integer(
+    "member_port", 0, "The port of this host's member; 0 picks a free one for every round."
 )
 _JOIN_S = flags.DEFINE_float(
     "join_s",
@@ -377,7 +377,7 @@ def default_identity(environ: Mapping[str, str]) -> tuple[str, str]:
     Several tasks of a step may share a node, hence a host name: each is named
     `NODE-SLURM_PROCID` instead, at the node's Slurm name (the address
     `--cluster=slurm` gives its members too). Their ports differ already: each
-    round picks a free one unless `--port` fixes it.
+    round picks a free one unless `--member_port` fixes it.
     """
     host = socket.gethostname()
     if "SLURM_PROCID" not in environ:
@@ -408,8 +408,8 @@ def main(argv: list[str]) -> None:
                 low,
                 high,
                 name,
-                _HOST.value or default_host,
-                _PORT.value,
+                _ADDRESS.value or default_host,
+                _MEMBER_PORT.value,
                 _JOIN_S.value,
                 flags.FLAGS.grace_s,
                 Console(own=f"agent {name}"),

@@ -126,6 +126,8 @@ _ALLOW_NETWORK = flags.DEFINE_bool(
     False,
     "Run the cluster on this host's network, its servers reachable from other hosts; by "
     "default it runs in a network namespace of its own with only loopback (towerflow.netns).",
+    # The launcher's and the sweep's flag mean the same; a process may import both.
+    allow_override=True,
 )
 _MODULE = flags.DEFINE_string(
     "module", "trainer", "Module each task runs with `python -m` (for testing and advanced use)."

@@ -92,6 +92,8 @@ _ALLOW_NETWORK = flags.DEFINE_bool(
     False,
     "With --share_input: run the service on this host's network, reachable from other hosts; "
     "by default the sweep moves into a network namespace with only loopback (towerflow.netns).",
+    # The launcher's and the sweep's flag mean the same; a process may import both.
+    allow_override=True,
 )
 _SWEEP_VALUES: dict[str, str] = {}  # `--sweep.<field>=<values>`, taken out before absl parses
 
