@@ -226,7 +226,7 @@ def test_the_counted_step_counts_each_step_once_over_the_replicas_of_a_process(t
     job = train.build(config, str(tmp_path / "run"))
     gb = config.train.global_batch_size
     step = steps.TrainStep(job.model, job.optimizer, job.objective, gb)
-    counted = elastic.CountedStep(step, 7, len(job.strategy.compute_devices))
+    counted = elastic.CountedStep(step, 7, len(job.strategy.tf_strategy.extended.worker_devices))
     iterator = iter(job.strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, 0)))
     job.strategy.run_steps(counted, iterator, 3)
     assert job.strategy.num_replicas_in_sync == 4

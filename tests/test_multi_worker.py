@@ -75,6 +75,7 @@ def test_two_workers_train_the_default_job(two_workers):
         "export",
         "results.json",
         "train",
+        "variables.json",
     ]
     assert sorted(os.listdir(cwd)) == ["run"]
 

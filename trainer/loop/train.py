@@ -518,9 +518,8 @@ def _train(
             strategy.traits.transfer,
         )
     if elastic.enabled(config):  # a survivor saves the step its variables hold
-        job.counted = train_step = elastic.CountedStep(
-            train_step, step, len(strategy.compute_devices)
-        )
+        local = len(strategy.tf_strategy.extended.worker_devices)  # this process's replicas
+        job.counted = train_step = elastic.CountedStep(train_step, step, local)
     iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
     if job.input_wait is not None:  # each batch's wait, as the loop of steps reads it
         iterator = job.input_wait.timed(iterator)
