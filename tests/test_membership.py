@@ -52,7 +52,7 @@ def test_without_a_chief_task_worker_0_is_the_chief(index, chief):
 
 
 def test_a_training_task_has_no_server_to_run():
-    with pytest.raises(NotImplementedError, match="'train' task has no server"):
+    with pytest.raises(NotImplementedError, match="'train' member has no server"):
         Membership(_spec(WORKERS, "worker", 0)).serve()
 
 
