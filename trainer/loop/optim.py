@@ -157,7 +157,9 @@ class _SparseRows:
             table = OPTIMIZERS[own.name](rate, self.options or _TABLE_DEFAULTS)
         table._routes_tables = False
         table.sparse_updates = self.sparse_updates
-        tf_patches.count_steps_atomically(table)  # it counts a step with this one, each step
+        # It counts a step with the model's optimizer, each step; asynchronous parameter-server
+        # workers step at once, and the plugin only sees the model optimizer's counter.
+        tf_patches.count_steps_atomically(table.iterations)
         return table
 
     def apply(self, grads, trainable_variables=None):
