@@ -102,9 +102,19 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+# Every case, quick, takes about 7 minutes on a quiet 2-core machine and more than 10 beside
+# the rest of the slow tier.
+EVERY_CASE_TIMEOUT_S = 1800
+
+
 def _bench(path, *flags) -> dict:
     done = run_cli(
-        "--quick", f"--json={path}", *flags, cwd=str(path.parent), module="trainer.bench"
+        "--quick",
+        f"--json={path}",
+        *flags,
+        cwd=str(path.parent),
+        module="trainer.bench",
+        timeout=EVERY_CASE_TIMEOUT_S,
     )
     assert_exit(done)
     assert "### small_mlp" in done.stdout
