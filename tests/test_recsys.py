@@ -81,6 +81,16 @@ def test_clicks_follow_the_hidden_weights_of_the_ids():
     assert auc.result().numpy() > 0.75, "a table that tells ids apart can learn the clicks"
 
 
+def test_the_hidden_clicks_are_the_examples_labels_and_their_probabilities():
+    config = configs.ctr.get_config().data
+    config.eval_fraction = 0.5
+    config.ctr.update({"num_examples": 4000, **RAW, "multi_valued": 3, "drift_every": 50})
+    _, y = _eval_examples(num_examples=4000, multi_valued=3, drift_every=50)
+    probabilities, labels = ctr.hidden_clicks(config.ctr, tf.range(2000, 4000))
+    np.testing.assert_array_equal(labels.numpy(), y)
+    assert abs(probabilities.numpy().mean() - y.mean()) < 0.03, "the labels are draws of them"
+
+
 @pytest.mark.parametrize(
     "options, expected",
     [

@@ -179,14 +179,27 @@ def hidden_weights(ids: tf.Tensor, scale: float) -> tf.Tensor:
 
 def _raw_decode(options: ml_collections.ConfigDict, fields: int, per_field: int, zipf_a: float):
     """Examples of raw ids: `fields` ids, then a list of up to `multi_valued` ids, padded."""
+    draw = _raw_examples(options, fields, per_field, zipf_a)
+    strings = options.id_dtype == "string"
+
+    def decode(indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        ids, _, labels = draw(indices)
+        if strings:
+            ids = tf.where(ids == 0, "", tf.strings.as_string(ids))
+        return ids, labels
+
+    return decode
+
+
+def _raw_examples(options: ml_collections.ConfigDict, fields: int, per_field: int, zipf_a: float):
+    """A function of example indices: their int64 ids (padded), click logits and labels."""
     listed = options.multi_valued
     columns = fields + listed
     # Column j's field: its own for the single ids, field `fields` for the whole list.
     field_of = tf.constant(list(range(fields)) + [fields] * listed, tf.int64)
     drift_every, scale, bias = options.drift_every, options.weight_scale, options.bias
-    strings = options.id_dtype == "string"
 
-    def decode(indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    def draw(indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         draws = _uniforms(indices, columns + 2)  # a rank per column, a click, a list length
         # float64: ranks up to 2**40 stay distinct.
         ranks = _zipf_ranks(tf.cast(draws[:, :columns], tf.float64), per_field, zipf_a)
@@ -203,8 +216,19 @@ def _raw_decode(options: ml_collections.ConfigDict, fields: int, per_field: int,
             padded = tf.concat([tf.ones_like(ids[:, :fields], tf.bool), present], axis=1)
             ids = tf.where(padded, ids, tf.zeros_like(ids))
         labels = tf.cast(draws[:, columns] < tf.sigmoid(logits), tf.int32)
-        if strings:
-            ids = tf.where(ids == 0, "", tf.strings.as_string(ids))
-        return ids, labels
+        return ids, logits, labels
 
-    return decode
+    return draw
+
+
+def hidden_clicks(options: ml_collections.ConfigDict, indices: tf.Tensor):
+    """The hidden click model's probability and the label of raw-id examples `indices`.
+
+    `options`: `data.ctr` with `id_space` "raw". The probabilities are what no
+    model can beat on these examples: their AUC is the stream's ceiling.
+    """
+    draw = _raw_examples(
+        options, options.num_fields, options.ids_per_field, _check_options(options)
+    )
+    _, logits, labels = draw(tf.cast(indices, tf.int64))
+    return tf.sigmoid(logits), labels
