@@ -203,7 +203,8 @@ def test_a_sparse_update_changes_only_the_rows_looked_up_as_keras_would(name):
 
 
 def test_a_new_id_in_a_reused_slot_starts_from_its_initial_row_and_fresh_slots():
-    layer = DynamicEmbedding(WIDTH, capacity=1, seed=3)
+    # LRU: a new id takes the slot whatever its count ("lfu" would keep 1, counted more).
+    layer = DynamicEmbedding(WIDTH, capacity=1, seed=3, eviction="lru")
     optimizer = optim.OPTIMIZERS["adam"](0.5, None)
     optimizer.build(layer.trainable_variables if layer.built else _built(layer))
 

@@ -184,12 +184,25 @@ def test_lfu_evicts_the_lowest_count_not_the_oldest():
     table = _table(capacity=3, eviction="lfu")
     _admit(table, [1, 1, 1, 2, 3])  # step 0: 1 seen three times
     _admit(table, [2, 3])  # step 1: 1 is now the least recently seen, but the most seen
-    _admit(table, [4])  # step 2: 2 and 3 were seen twice, 1 three times
+    _admit(table, [4, 4, 4])  # step 2: 2 and 3 were seen twice, 1 three times, 4 three times
     assert _held(table, [1, 2, 3, 4]) == [True, False, True, True]
     lru = _table(capacity=3, eviction="lru")
     for ids in ([1, 1, 1, 2, 3], [2, 3], [4]):
         _admit(lru, ids)
     assert _held(lru, [1, 2, 3, 4]) == [False, True, True, True]
+
+
+def test_lfu_admits_a_newcomer_only_over_an_id_of_a_lower_count():
+    table = _table(capacity=2, eviction="lfu")
+    _admit(table, [1, 1, 2, 2])  # step 0: both seen twice
+    _admit(table, [3, 4, 4, 4])  # step 1: 3 once (refused), 4 three times (takes 1's slot)
+    assert _held(table, [1, 2, 3, 4]) == [False, True, False, True]
+    figures = table.figures()
+    assert (figures["admitted"], figures["evicted"], figures["refused"]) == (3, 1, 1)
+    lru = _table(capacity=2, eviction="lru")
+    for ids in ([1, 1, 2, 2], [3, 4, 4, 4]):
+        _admit(lru, ids)
+    assert _held(lru, [1, 2, 3, 4]) == [False, False, True, True], "lru admits every newcomer"
 
 
 def test_lfu_counts_decay_with_age_so_a_drifted_head_gives_way():

@@ -116,9 +116,11 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         the variable and of each optimizer slot, the last one spare); default
         `trainer.layers.tables.DEFAULT_CAPACITY`.
       eviction: "lfu" (the default): a full table evicts the id of the lowest
-        count decayed by age (`trainer.layers.tables.HALF_LIFE`); "lru": the
-        least recently seen id; None: it refuses new ids (they read the
-        default row; `refused` counts them).
+        count decayed by age (`trainer.layers.tables.HALF_LIFE`), and only for
+        a new id counted more often (else the new id is refused and reads the
+        default or fallback row: a one-off id does not push out one that
+        recurs); "lru": the least recently seen id, for any new id; None: it
+        refuses new ids (they read the default row; `refused` counts them).
       fallback_rows: 0: every id without a row (not admitted yet, refused,
         evicted) reads one shared trainable default row; N > 0: it reads row
         `hash(id) % N` of a trainable `[N, output_dim]` fallback table (as a

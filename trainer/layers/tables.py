@@ -47,19 +47,25 @@ Eviction: when the table is full, a new id takes the slot of the held id of
 the lowest count decayed by age (`eviction="lfu"`, the default: the count
 halves every `half_life` steps unseen) or of the id seen longest ago
 (`"lru"`); ties go to the older, then the smaller id, and an id seen at the
-current step is never evicted. With `ttl_steps`, a sweep every
+current step is never evicted. Under "lfu" a new id takes that slot only if
+its own count (its lookups this step, plus the sketch's with `min_count` > 1)
+is higher (TinyLFU's admission): the step's new ids most counted first, each
+against the lowest held count left, until one does not beat it; the rest are
+refused (they read the default or fallback row, and are counted again when
+they come back). With `ttl_steps`, a sweep every
 `ceil(ttl_steps / 8)` steps frees ids not seen for `ttl_steps` steps. With
 eviction off (`eviction=None`) a full table refuses new ids: they read the
 default row and are counted (`refused`); which of a step's new ids are
-refused then follows their order.
+refused then follows their counts, then their order.
 
 The step is the optimizer's `iterations` once `trainer.loop.optim` has built for
 the rows (`use_clock`); a table used on its own counts its admission calls.
 
 Counters (`COUNTERS`, kept in the index and checkpointed with it) say what
-the table did: ids `admitted`, `evicted` (by LRU or the TTL), `refused` (a
-full table without eviction), and of the training lookups (each id of a
-step's global batch, leaving out the mask id), how many there were
+the table did: ids `admitted`, `evicted` (by LRU, LFU or the TTL), `refused`
+(a full table without eviction, or under "lfu" holding no lower count), and
+of the training lookups (each id of a step's global batch, leaving out the
+mask id), how many there were
 (`lookups`) and how many read the default row (`defaults`: ids without a row
 after the step's admission); `sketched`: lookups the sketch took since it was
 last halved. They are counted in the admission the step
@@ -475,7 +481,9 @@ class DynamicTable(tf.Module):
         counts = tf.minimum(counts, COUNT_LIMIT - 1)
         with tf.control_dependencies([touched]):
             wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
-            new_slots = self._allocate(tf.size(wanted, out_type=tf.int64), step)
+            # The most counted first (stable: then in the order of the batch).
+            wanted = tf.gather(wanted, tf.argsort(-tf.gather(counts, wanted), stable=True))
+            new_slots = self._allocate(tf.gather(counts, wanted), step)
         granted = wanted[: tf.size(new_slots)]
         new_keys = tf.gather(unique, granted)
         new_stamps = step * self.capacity + new_slots
@@ -581,26 +589,38 @@ class DynamicTable(tf.Module):
     # Allocation and eviction.
 
     def _allocate(self, wanted: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-        """Up to `wanted` free slots: freed ones, then never used, then (LRU) evicted."""
+        """Free slots for the newcomers of counts `wanted` (most counted first, in lookups).
+
+        Freed slots, then never used ones, then evicted ones: under "lru" the
+        ids seen longest ago; under "lfu" an id of a lower decayed count than
+        the newcomer's, for as many newcomers as beat one (`_evict`). As many
+        slots as newcomers get one, given in the order of `wanted`.
+        """
+        number = tf.size(wanted, out_type=tf.int64)
         free = self.counter("free")
-        reused = tf.minimum(wanted, free)
+        reused = tf.minimum(number, free)
         popped = tf.reshape(self.free.lookup(tf.range(free - reused, free)), [-1])
         fresh = self.counter("fresh")
-        more = tf.minimum(wanted - reused, self.capacity - fresh)
+        more = tf.minimum(number - reused, self.capacity - fresh)
         updates = [self._set("free", free - reused), self._set("fresh", fresh + more)]
         with tf.control_dependencies(updates):
             slots = [popped, tf.range(fresh, fresh + more)]
             if self.eviction is not None:
-                slots.append(self._evict(wanted - reused - more, step))
+                slots.append(self._evict(wanted[reused + more :], step))
             return tf.concat(slots, 0)
 
-    def _evict(self, count: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-        """Frees up to `count` slots of ids not seen at `step`: the lowest first.
+    def _evict(self, newcomers: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Frees a slot for each of the `newcomers` (their counts, highest first) it can.
 
-        "lru": the ids seen longest ago first; "lfu": the lowest decayed counts
-        first (then the oldest). Ties by id: the choice depends on neither slots
-        nor export order.
+        Only ids not seen at `step` are evicted, the lowest first. "lru": the ids
+        seen longest ago first, one per newcomer. "lfu": the lowest decayed
+        counts first (then the oldest), and a newcomer takes the slot of the
+        i-th lowest only if its count is higher (TinyLFU's admission: a one-off
+        id does not push out an id that keeps coming back; it reads the
+        fallback rows). Ties by id: the choice depends on neither slots nor
+        export order.
         """
+        count = tf.size(newcomers, out_type=tf.int64)
 
         def evict():
             slots, info = self._export()
@@ -610,7 +630,11 @@ class DynamicTable(tf.Module):
             order = tf.gather(order, tf.argsort(tf.gather(_last_seen(info), order), stable=True))
             if self.eviction == "lfu":
                 counts = tf.gather(self._decayed(info, step), order)
-                order = tf.gather(order, tf.argsort(counts, stable=True))
+                lowest = tf.argsort(counts, stable=True)[:count]
+                order = tf.gather(order, lowest)
+                # Newcomers highest first against victims lowest first: those that win are a prefix.
+                beaten = newcomers[: tf.size(order)] * COUNT_ONE > tf.gather(counts, lowest)
+                order = order[: tf.reduce_sum(tf.math.cumprod(tf.cast(beaten, tf.int64)))]
             chosen = tf.gather(slots, order[:count])
             with tf.control_dependencies([self._release(chosen, "evicted")]):
                 return tf.identity(chosen)
