@@ -98,6 +98,15 @@ def get_config() -> ml_collections.ConfigDict:
     # failure, from `cooldown_s` seconds); then it stays out.
     c.cluster.elastic.max_restarts = 3
     c.cluster.elastic.cooldown_s = 5.0  # seconds out after a member's first failure
+    # What a group of another size keeps: "global" (the global batch: each replica's batch
+    # grows or shrinks, the same trajectory at every size) or "per_replica" (the per-replica
+    # batch of the full group, `train.global_batch_size` over `max_workers` members' replicas:
+    # the global batch is that times the replicas of the group, the learning rate scaled).
+    c.cluster.elastic.batch = "global"
+    # `batch=per_replica`: the learning rate of a group whose global batch differs from the full
+    # group's: "linear" (`optimizer.learning_rate` x global batch / the full group's), "none",
+    # or "module.path:function" of (reference_lr, reference_batch, global_batch) -> the rate.
+    c.cluster.elastic.lr_scaling = "linear"
 
     c.devices = ml_collections.ConfigDict()
     c.devices.logical_cpus = 2  # split the host CPU into N logical devices (0 = leave as is)

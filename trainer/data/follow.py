@@ -207,8 +207,10 @@ class FollowedDataset(TrainStreamWrapper):
     follower: Follower | None = None
     decode: Decode | None = None
 
-    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
-        """The files from the checkpointed position on, in order; `seed`, `start_step` unused."""
+    def train_fn(
+        self, global_batch_size: int, seed: int, start_step: int = 0, start_batch: int | None = None
+    ) -> DatasetFn:
+        """The files from the checkpointed position on, in order; `seed`, `start_*` unused."""
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
             if context.num_input_pipelines != 1:

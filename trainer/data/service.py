@@ -139,13 +139,17 @@ class ServiceDataset(TrainStreamWrapper):
     service: Service
     name: str
 
-    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
+    def train_fn(
+        self, global_batch_size: int, seed: int, start_step: int = 0, start_batch: int | None = None
+    ) -> DatasetFn:
         """The source's training stream, made by the data workers (see the module docstring)."""
-        source = self.inner.train_fn(global_batch_size, seed, start_step)
+        source = self.inner.train_fn(global_batch_size, seed, start_step, start_batch)
+        # Where the stream starts names its jobs: a step, or a batch of the stream.
+        origin = start_step if start_batch is None else f"b{start_batch}"
         service = self.service
         if service.sharding == "dynamic":
             distribute = tf.data.experimental.service.distribute(
-                "distributed_epoch", service.address, job_name=f"{self.name}-from-{start_step}"
+                "distributed_epoch", service.address, job_name=f"{self.name}-from-{origin}"
             )
 
             def one_stream(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -159,7 +163,7 @@ class ServiceDataset(TrainStreamWrapper):
 
         def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
             # Trials resumed at another step make other batches: a stream of their own.
-            job = f"{service.job}-{start_step}-{context.input_pipeline_id}" if service.job else None
+            job = f"{service.job}-{origin}-{context.input_pipeline_id}" if service.job else None
             return source(context).apply(
                 tf.data.experimental.service.distribute(
                     "parallel_epochs", service.address, job_name=job, cross_trainer_cache=cache

@@ -69,6 +69,8 @@ class Job:
     follower: follow.Follower | None = None  # the files of `data.follow` and the position in them
     warm_start: warm_start.Plan | None = None  # what `train.warm_start` loads into a fresh run
     counted: elastic.CountedStep | None = None  # elastic: the step every variable holds
+    # Elastic `batch=per_replica`: the input position in per-replica batches, checkpointed.
+    input_position: elastic.InputPosition | None = None
 
 
 def train_and_evaluate(
@@ -154,8 +156,13 @@ def build(
     With a `service` (`data_service.started`), the training input runs on it.
     """
     strategy = strategy or make_strategy(config)
+    replicas = strategy.num_replicas_in_sync
+    if elastic.per_replica(config):  # each replica's batch kept, the global batch follows
+        cluster = strategy.membership.cluster
+        workers = cluster.num_workers if cluster else 1
+        elastic.keep_per_replica_batch(config, replicas, workers, say)
     if elastic.enabled(config):  # a re-formed group may not split the batch the user chose
-        elastic.fit_batches(config, strategy.num_replicas_in_sync, say)
+        elastic.fit_batches(config, replicas, say)
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
     custom_step = getattr(user_task, "train_step", None)
@@ -214,6 +221,7 @@ def build(
         input_wait,
         follower,
         warm,
+        input_position=elastic.InputPosition() if elastic.per_replica(config) else None,
     )
 
 
@@ -394,7 +402,13 @@ def _results(job: Job, train: dict, evaluation: dict, placement: dict, wall_s: f
             name: {k: v for k, v in t.items() if k != "line"} for name, t in tables.items()
         }
     if elastic.enabled(job.config):
-        results["elastic"] = {"reforms": elastic.reforms(job.model_dir)}
+        config = job.config
+        results["elastic"] = {
+            "batch": config.cluster.elastic.batch,  # what a group of another size keeps
+            "global_batch": config.train.global_batch_size,  # this, the last group's
+            "learning_rate": config.optimizer.learning_rate,  # its peak rate
+            "reforms": elastic.reforms(job.model_dir),
+        }
     if job.dataset.spec.class_names:  # what each class index of the metrics and export is
         results["class_names"] = list(job.dataset.spec.class_names)
     return results
@@ -465,7 +479,9 @@ def sidecar_evaluate(job: Job) -> dict:
 
 def checkpointed(job: Job) -> dict:
     """What a checkpoint of `job` holds: the `Checkpointer`'s objects (also the benchmark's)."""
-    follower = getattr(job, "follower", None)  # none where a job is a model and optimizer only
+    # None where a job is a model and optimizer only (the benchmark's).
+    follower = getattr(job, "follower", None)
+    position = getattr(job, "input_position", None)
     return {
         "model": job.model,
         "optimizer": job.optimizer,
@@ -478,6 +494,8 @@ def checkpointed(job: Job) -> dict:
         "tables": layers.table_indexes(job.model),
         # `data.follow`: the file being trained on and the records of it trained on.
         **({"input": follower.position} if follower else {}),
+        # Elastic `batch=per_replica`: the stream's batches before the group's first step.
+        **({"elastic_input": position} if position else {}),
     }
 
 
@@ -520,7 +538,7 @@ def _train(
     if elastic.enabled(config):  # a survivor saves the step its variables hold
         local = len(strategy.tf_strategy.extended.worker_devices)  # this process's replicas
         job.counted = train_step = elastic.CountedStep(train_step, step, local)
-    iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
+    iterator = iter(strategy.distribute_dataset(_train_stream(job, gb, step)))
     if job.input_wait is not None:  # each batch's wait, as the loop of steps reads it
         iterator = job.input_wait.timed(iterator)
 
@@ -543,6 +561,14 @@ def _train(
     if last and last.stopped:
         say(f"stopped at step {last.step}: {last.stopped}")
     return last.metrics if last else {}
+
+
+def _train_stream(job: Job, global_batch: int, step: int):
+    """The training `dataset_fn` from `step`: from the stream's batch, where groups differed."""
+    if job.input_position is None:
+        return job.dataset.train_fn(global_batch, job.config.seed, step)
+    first = job.input_position.start(step, job.strategy.num_replicas_in_sync)
+    return job.dataset.train_fn(global_batch, job.config.seed, step, start_batch=first)
 
 
 def _actions(
@@ -626,6 +652,7 @@ def _membership(job: Job, checkpointer: Checkpointer) -> actions.Action:
         member.cluster.num_workers if member.cluster else 1,
         strategy.num_replicas_in_sync,
         job.config.train.global_batch_size,
+        job.config.optimizer.learning_rate,
         job.model_dir,
         member.is_chief,
         checkpointer.save,
