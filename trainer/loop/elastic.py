@@ -25,8 +25,8 @@ new size. What a member does for that (`cluster.elastic.max_workers` > 0):
 - After the first block of a re-formed group, the chief records the re-form
   (`model_dir/elastic/reforms.json`, listed in `results.json`) and saves a
   checkpoint, after which the survivors' saves are removed; every block's
-  metrics carry the membership (`members`, `replicas`, `per_replica_batch`),
-  so the progress line and TensorBoard show it over time.
+  metrics carry the membership (`members`, `replicas`, `per_replica_batch`,
+  `global_batch`), so the progress line and TensorBoard show it over time.
 
 The launcher tells a re-formed group why and when it re-formed through the
 environment variable `REFORM_VARIABLE` (JSON: `from`, `to`, `why`, `at`).

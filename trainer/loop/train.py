@@ -750,7 +750,7 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
             parts.append(f"lr: {value:.2e}")
         elif name.endswith("_per_sec"):
             parts.append(f"{name.removesuffix('_per_sec')}/s: {value:.1f}")
-        elif name in ("examples", "members", "replicas", "per_replica_batch"):
+        elif name in ("examples", "members", "replicas", "per_replica_batch", "global_batch"):
             parts.append(f"{name}: {int(value)}")
         elif name == "ids_held":  # in the dynamic tables
             parts.append(f"ids: {int(value)}")
