@@ -43,12 +43,13 @@ FAST = [
 ]
 
 
-def _documented(model_dir) -> list[str]:
-    """The launcher flags of docs/elastic.md's command, its `model_dir` replaced."""
-    block = re.search(r"```sh\n(.*?)```", open(DOC).read(), re.S).group(1)
+def _documented(model_dir, run: str = "runs/elastic") -> list[str]:
+    """The launcher flags of docs/elastic.md's command into `run`, `model_dir` instead."""
+    blocks = re.findall(r"```sh\n(.*?)```", open(DOC).read(), re.S)
+    block = next(b for b in blocks if f"--model_dir={run} " in b)
     words = shlex.split(block.replace("\\\n", " "))
     assert words[:3] == ["python", "-m", "trainer.launch"], words
-    return [w.replace("runs/elastic", str(model_dir)) for w in words[3:]]
+    return [w.replace(run, str(model_dir)) for w in words[3:]]
 
 
 def _killed_at_60(tmp_path, worker: int, sig: int = signal.SIGKILL) -> str:
@@ -339,13 +340,13 @@ def test_the_stream_goes_on_at_the_next_example_when_the_group_shrinks_and_grows
 def test_a_per_replica_group_that_shrinks_keeps_each_replicas_batch_and_scales_the_rate(
     tmp_path,
 ):
-    """3 members (16 examples a replica, 48 a step) lose one for good and train on with 2."""
-    kept = ["--config.cluster.elastic.batch=per_replica", "--config.cluster.elastic.max_restarts=0"]
+    """The docs' `per_replica` command: 3 members (16 a replica, 48 a step) lose one for good."""
+    out = "--config.cluster.elastic.max_restarts=0"  # the lost member stays out
     short = ["--config.train.steps=100", "--config.optimizer.learning_rate=0.003"]
     code, lines, _ = launch_and_signal(
-        *_documented(tmp_path / "elastic"),
+        *_documented(tmp_path / "elastic", "runs/per_replica"),
         *FAST,
-        *kept,
+        out,
         *short,
         cwd=tmp_path,
         trigger="[member:0] train | step: 40/",
@@ -383,3 +384,14 @@ def test_a_per_replica_group_that_shrinks_keeps_each_replicas_batch_and_scales_t
         if name.startswith("elastic_input/")
     }
     assert position == {"batches": 3 * step, "step": step, "replicas": 2}, position
+
+
+def test_a_run_resumed_with_the_other_batch_choice_is_refused_in_one_line(tmp_path):
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(tiny_config().to_json())  # not elastic: 'global'
+    config = _per_replica(48)
+    with pytest.raises(UserError, match="trained with `cluster.elastic.batch` 'global'"):
+        elastic.check_batch_kept(config, str(model_dir))
+    (model_dir / "config.json").write_text(config.to_json())
+    elastic.check_batch_kept(config, str(model_dir))  # the same choice resumes

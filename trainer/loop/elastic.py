@@ -102,6 +102,31 @@ def per_replica(config: ml_collections.ConfigDict) -> bool:
     return enabled(config) and config.cluster.elastic.get("batch", "global") == "per_replica"
 
 
+def check_batch_kept(config: ml_collections.ConfigDict, model_dir: str) -> None:
+    """A run resuming in `model_dir` keeps the `cluster.elastic.batch` it was trained with.
+
+    Under `per_replica` every checkpoint holds the input position in
+    per-replica batches (`InputPosition`); under `global` (or not elastic) the
+    position is the step. Either read of the other's checkpoint would be wrong.
+
+    Raises:
+      UserError: `config.json` of an earlier run in `model_dir` records the other.
+    """
+    recorded = storage.read_json(os.path.join(model_dir, "config.json"))
+    if not recorded:
+        return
+    before = recorded.get("cluster", {}).get("elastic", {})
+    was = before.get("batch", "global") if before.get("max_workers", 0) > 0 else "global"
+    now = "per_replica" if per_replica(config) else "global"
+    if was != now:
+        raise UserError(
+            f"`--model_dir` '{model_dir}' was trained with `cluster.elastic.batch` '{was}' (its "
+            f"config.json; a non-elastic run counts as 'global'), and this run keeps '{now}', "
+            f"which counts the input position otherwise; resume with "
+            f"`--config.cluster.elastic.batch={was}`, or train into a new `--model_dir`."
+        )
+
+
 def lr_rule(reference: str) -> Callable[[float, int, int], float]:
     """The rule of `cluster.elastic.lr_scaling`: "linear", "none" or "module.path:function".
 

@@ -187,6 +187,8 @@ def build(
     else:  # every task reads model_dir; the chief alone checks that it can be written
         storage.check_scheme(model_dir, "--model_dir")
     _check_class_names(model_dir, dataset.spec.class_names)
+    if config.get("cluster"):  # the input position of a resumed run is read as it was written
+        elastic.check_batch_kept(config, model_dir)
     data.check(dataset)
     follower = follow.follower_of(dataset)
     dataset = data_service.wrap(dataset, service, model_dir)
