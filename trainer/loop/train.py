@@ -406,7 +406,7 @@ def _results(job: Job, train: dict, evaluation: dict, placement: dict, wall_s: f
     if elastic.enabled(job.config):
         config = job.config
         results["elastic"] = {
-            "batch": config.cluster.elastic.batch,  # what a group of another size keeps
+            "batch": "per_replica" if elastic.per_replica(config) else "global",
             "global_batch": config.train.global_batch_size,  # this, the last group's
             "learning_rate": config.optimizer.learning_rate,  # its peak rate
             "reforms": elastic.reforms(job.model_dir),
@@ -673,6 +673,8 @@ def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attem
             "`optimizer.learning_rate` or set `optimizer.clip_global_norm`, then rerun."
         )
     checkpointer.restore(good)
+    if job.input_position is not None:  # `good` may be an earlier group's: this group's origin
+        job.input_position.start(_step(job), job.strategy.num_replicas_in_sync)
     say(
         f"loss {loss:.4g} blew up by step {step}: restored {good} (step {_step(job)}), "
         f"recovery {attempt} of {limit}; going on with fresh data"
