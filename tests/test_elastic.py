@@ -180,6 +180,14 @@ def test_a_bad_elastic_field_is_one_line_and_exit_2(tmp_path, flag, expected):
         ({"cluster.elastic.rendezvous_timeout": -1.0}, "`cluster.elastic.rendezvous_timeout`"),
         ({"cluster.elastic.batch": "examples"}, "`cluster.elastic.batch` 'examples' must be"),
         ({"cluster.elastic.lr_scaling": "sqrt"}, "'sqrt' must be one of linear, none or"),
+        (
+            {
+                "cluster.elastic.max_workers": 2,
+                "cluster.elastic.batch": "per_replica",
+                "train.epochs": 1,
+            },
+            "`train.epochs` (1) would give each group size",
+        ),
     ],
 )
 def test_bad_elastic_settings_are_refused_before_anything_is_built(fields, expected):

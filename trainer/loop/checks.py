@@ -124,6 +124,12 @@ def _check_elastic(config: ml_collections.ConfigDict) -> None:
             f"{', '.join(ELASTIC_BATCHES)} (what a group of another size keeps); set e.g. "
             "`--config.cluster.elastic.batch=per_replica`."
         )
+    if high and elastic.get("batch") == "per_replica" and config.train.epochs:
+        raise UserError(
+            f"`train.epochs` ({config.train.epochs}) would give each group size of "
+            "`cluster.elastic.batch=per_replica` another number of steps (its global batch "
+            "follows the group); set `--config.train.steps` and `--config.train.epochs=0`."
+        )
     scaling = elastic.get("lr_scaling", "linear")
     if scaling not in ELASTIC_LR_SCALINGS and ":" not in scaling:
         raise UserError(
