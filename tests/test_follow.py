@@ -15,7 +15,7 @@ from tests.helpers import (
     checkpoint_values,
     config_flags,
     kill,
-    launched,
+    launch_and_signal,
     one_line_error,
     start_cli,
     tiny_config,
@@ -187,6 +187,23 @@ def test_a_dataset_fn_given_files_follows_them_once_each_across_restarts(tmp_pat
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
+def test_a_worker_whose_files_are_there_waits_with_its_peers_looking_as_often(tmp_path):
+    from trainer.data.follow import Follower
+
+    _write_csv(tmp_path / "train" / "clicks-1.csv", 1)
+
+    def read(name):  # the rows, past the header
+        return tf.data.TextLineDataset(name).skip(1)
+
+    follower = Follower(str(tmp_path / "train" / "*"), read, poll_secs=0.01)
+    follower.start()
+    peers_ready = iter([False, False, True])  # another worker finds the file two looks later
+    looks = []
+    follower.wait(ROWS, lambda: looks.append(1), everyone=lambda ready: ready and next(peers_ready))
+    # Each look is one preemption check: a coordinated watch needs as many on every worker.
+    assert len(looks) == 2 and next(peers_ready, None) is None
+
+
 def _write_tfrecord(path, rows: int, value: float) -> None:
     """`rows` examples whose features all hold `value` (their file's mark)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -247,7 +264,16 @@ def test_two_workers_train_each_record_once_over_files_written_before_and_during
         _write_csv(data_dir / "train" / f"clicks-{i}.csv", i, MW_ROWS)
     flags = ("--", "--strategy=multi_worker", f"--model_dir={run}")
     flags += tuple(config_flags(_config(data_dir), _CLUSTER_FIELDS))
-    launched("--workers=2", *flags, "--config.train.steps=4", cwd=tmp_path)
+    # Until stopped: a block of 4 steps, then both wait for a third file. SIGTERM to
+    # worker:1 while they wait: both save the position at one step and exit 143.
+    code, lines, _ = launch_and_signal(
+        "--workers=2", *flags, "--config.train.steps=0", cwd=tmp_path,
+        trigger="[worker:0] train | step: 4 ", task=("worker", 1), sig=signal.SIGTERM,
+    )  # fmt: skip
+    output = "\n".join(line for _, line in lines)
+    assert code == PREEMPTED_EXIT_CODE, output[-3000:]
+    for worker in ("worker:0", "worker:1"):
+        assert f"[{worker}] preempted (SIGTERM to a worker of the cluster) at step 4" in output
     assert _position(run) == ("clicks-2.csv", 4 * 16 - MW_ROWS)
 
     # The restart resumes there. Steps 4 to 8 need files 3 and 4, written as it starts;

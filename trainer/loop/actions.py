@@ -245,10 +245,11 @@ def follow(
     """Training on files as they arrive (`data.follow`): whole blocks, the position, the backlog.
 
     Blocks end at each multiple of `block_steps`, and each starts once the ready
-    files hold its examples on every worker (`everyone(ready)`, the membership's;
-    `while_waiting()` runs between looks: the preemption check). After every block the position moves on by the examples
-    trained on (written to the variables the checkpoint saves: so this action
-    runs first, before a recovery rolls the step back and before the
+    files hold its examples on every worker that steps with this one
+    (`everyone(ready)`, the membership's; `while_waiting()` runs between looks:
+    the preemption check). After every block the position moves on by the
+    examples trained on (written to the variables the checkpoint saves: so this
+    action runs first, before a recovery rolls the step back and before the
     checkpoint), and the backlog joins the metrics: `backlog_files`,
     `backlog_records` and `behind_s` (see `trainer.data.follow`).
     """
