@@ -15,8 +15,8 @@ from tests.helpers import (
     checkpoint_values,
     config_flags,
     kill,
-    launch_and_signal,
     one_line_error,
+    pid_of,
     start_cli,
     tiny_config,
 )
@@ -255,6 +255,28 @@ _CLUSTER_FIELDS = (
 )  # fmt: skip
 
 
+def _until_stopped_on_two_workers(cwd, flags, react) -> str:
+    """Two `multi_worker` workers training until stopped; `react(line)` for each line printed.
+
+    Returns what they printed; they must end preempted (exit 143) within `TIMEOUT_S`.
+    """
+    args = ("--workers=2", "--", "--strategy=multi_worker", *flags, "--config.train.steps=0")
+    proc = start_cli(*args, cwd=cwd, module="trainer.launch")
+    timer = threading.Timer(TIMEOUT_S, kill, (proc,))
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            react(line)
+        proc.wait()
+    finally:
+        timer.cancel()
+    output = "".join(lines)
+    assert_exit(proc, PREEMPTED_EXIT_CODE, output)
+    return output
+
+
 def test_two_workers_train_each_record_once_over_files_written_before_and_during_a_restart(
     tmp_path,
 ):
@@ -262,41 +284,35 @@ def test_two_workers_train_each_record_once_over_files_written_before_and_during
     _write_csv(data_dir / "eval.csv", 99)
     for i in (1, 2):
         _write_csv(data_dir / "train" / f"clicks-{i}.csv", i, MW_ROWS)
-    flags = ("--", "--strategy=multi_worker", f"--model_dir={run}")
-    flags += tuple(config_flags(_config(data_dir), _CLUSTER_FIELDS))
-    # Until stopped: a block of 4 steps, then both wait for a third file. SIGTERM to
-    # worker:1 while they wait: both save the position at one step and exit 143.
-    code, lines, _ = launch_and_signal(
-        "--workers=2", *flags, "--config.train.steps=0", cwd=tmp_path,
-        trigger="[worker:0] train | step: 4 ", task=("worker", 1), sig=signal.SIGTERM,
-    )  # fmt: skip
-    output = "\n".join(line for _, line in lines)
-    assert code == PREEMPTED_EXIT_CODE, output[-3000:]
+    flags = [f"--model_dir={run}", *config_flags(_config(data_dir), _CLUSTER_FIELDS)]
+
+    def stop_at(step: int):  # SIGTERM to worker:1 once the chief reports `step`
+        def react(line: str) -> None:
+            if line.startswith(f"[worker:0] train | step: {step} "):
+                os.kill(pid_of("worker", 1, str(tmp_path)), signal.SIGTERM)
+
+        return react
+
+    # A block of 4 steps, then both wait for a third file; a SIGTERM to worker:1 while
+    # they wait: both save the position at one step and exit 143.
+    output = _until_stopped_on_two_workers(tmp_path, flags, stop_at(4))
     for worker in ("worker:0", "worker:1"):
         assert f"[{worker}] preempted (SIGTERM to a worker of the cluster) at step 4" in output
     assert _position(run) == ("clicks-2.csv", 4 * 16 - MW_ROWS)
 
     # The restart resumes there. Steps 4 to 8 need files 3 and 4, written as it starts;
-    # steps 8 to 12 need file 5, written once step 8 is done: both workers wait for it.
-    proc = start_cli("--workers=2", *flags, "--config.train.steps=12", cwd=tmp_path,
-                     module="trainer.launch")  # fmt: skip
-    timer = threading.Timer(TIMEOUT_S, kill, (proc,))
-    timer.start()
-    lines = []
-    try:
-        for line in proc.stdout:
-            if not lines:
-                for i in (3, 4):
-                    _write_csv(data_dir / "train" / f"clicks-{i}.csv", i, MW_ROWS)
-            if "train | step: 8/12" in line:
-                _write_csv(data_dir / "train" / "clicks-5.csv", 5, MW_ROWS)
-            lines.append(line)
-        proc.wait()
-    finally:
-        timer.cancel()
-    output = "".join(lines)
-    assert_exit(proc, 0, output)
-    assert "[worker:0] train | step: 12/12" in output
+    # steps 8 to 12 need file 5, written once step 8 is done: both wait for it.
+    def write_and_stop(line: str) -> None:
+        if "[launch]" in line and not (data_dir / "train" / "clicks-3.csv").exists():
+            for i in (3, 4):
+                _write_csv(data_dir / "train" / f"clicks-{i}.csv", i, MW_ROWS)
+        if line.startswith("[worker:0] train | step: 8 "):
+            _write_csv(data_dir / "train" / "clicks-5.csv", 5, MW_ROWS)
+        stop_at(12)(line)
+
+    output = _until_stopped_on_two_workers(tmp_path, flags, write_and_stop)
+    assert f"[worker:0] restored {run / 'checkpoints' / 'ckpt-4'} at step 4" in output
+    assert "[worker:0] preempted (SIGTERM to a worker of the cluster) at step 12" in output
     assert _position(run) == ("clicks-5.csv", 12 * 16 - 4 * MW_ROWS)
 
     # One process over the same five files, the same global batches: the same weights.
