@@ -194,7 +194,9 @@ def get_config() -> ml_collections.ConfigDict:
     # tfrecord / csv: train on the files of `train_files` as they keep arriving (docs/online.md):
     # each once, in name order, unshuffled, the position saved in every checkpoint; a file counts
     # once its base name starts with neither "." nor "_" (write it so, then rename it into place).
-    # With `train.steps=0` training goes on until stopped (SIGTERM saves and exits).
+    # With `train.steps=0` training goes on until stopped (SIGTERM saves and exits). Under
+    # one_device, mirrored or multi_worker (every worker reads every file, keeps its share of
+    # each global batch); parameter_server is refused.
     c.data.follow = False
     c.data.follow_poll_secs = 1.0  # data.follow: seconds between looks for new files
     # tfrecord / csv: the features to read, "name:dtype[:shape|:var][=default],..." with dtype

@@ -127,6 +127,12 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
             "the devices that compute; set `--config.train.jit_compile=False`, or use "
             "`mirrored` or `one_device`."
         )
+    if config.data.get("follow", False) and not plugin.traits.ordered_input:
+        raise UserError(
+            f"`data.follow` trains on each record once, in order, and `strategy.name` '{name}' "
+            "lets workers take batches as they come, so records would train twice or never "
+            "across restarts; use `multi_worker`, `mirrored` or `one_device`."
+        )
     if not plugin.traits.gradient_transfer:
         transfer.refuse(options, name)
     if config.train.precision == "mixed_float16" and not plugin.traits.loss_scaling:
@@ -635,7 +641,10 @@ def _follow_actions(job: Job, watch, checkpointer: Checkpointer) -> list[actions
         actions.stop_if_preempted(watch, checkpointer.save, say, _step(job))
 
     block = config.train.steps_per_loop or _FOLLOW_BLOCK_STEPS
-    return actions.follow(job.follower, config.train.global_batch_size, block, while_waiting)
+    everyone = job.strategy.membership.everyone  # workers that step together start together
+    return actions.follow(
+        job.follower, config.train.global_batch_size, block, while_waiting, everyone
+    )
 
 
 def _export_actions(job: Job) -> list[actions.Action]:
