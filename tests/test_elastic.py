@@ -76,8 +76,10 @@ def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted
     output = _killed_at_60(tmp_path, worker=2)
     # The survivors saved the step they completed; the group of 2 restored exactly it.
     saved = {int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output)}
-    assert len(saved) == 1, output[-3000:]
-    step = saved.pop()
+    # Survivors save the last step they completed; one may have completed one more than
+    # another (docs/elastic.md): the newest save is the one restored.
+    assert saved and max(saved) - min(saved) <= 1, output[-3000:]
+    step = max(saved)
     assert step >= 60 and f"/elastic/ckpt-{step}-worker" in output
     restored = [int(s) for s in re.findall(r"\[member:0\] restored \S+ at step (\d+)", output)]
     grown = int(re.search(r"preempted \(SIGTERM.*? at step (\d+)", output).group(1))
@@ -106,7 +108,7 @@ def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted
 @pytest.mark.slow  # a second kill-and-rejoin run; the default tier's test above loses a worker
 def test_a_lost_chief_is_a_membership_change_like_any_other(tmp_path):
     output = _killed_at_60(tmp_path, worker=0)
-    step = int(re.search(r"\[member:1\] elastic: .* saved step (\d+) to", output).group(1))
+    step = max(int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output))  # newest
     assert "[launch] group of 2: member:1 as worker:0, member:2 as worker:1" in output
     assert f"[member:1] restored {tmp_path / 'elastic'}/elastic/ckpt-{step}-" in output
     assert re.search(r"\[member:1\] train \| step: .* members: 2", output)  # the new chief
@@ -363,7 +365,7 @@ def test_a_per_replica_group_that_shrinks_keeps_each_replicas_batch_and_scales_t
     )
     output = "\n".join(line for _, line in lines)
     assert code == 0, output[-3000:]
-    step = int(re.search(r"\[member:0\] elastic: .* saved step (\d+) to", output).group(1))
+    step = max(int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output))  # newest
     assert f"[member:0] restored {tmp_path / 'elastic'}/elastic/ckpt-{step}-" in output  # 0 lost
     assert "members: 3 | replicas: 3 | per_replica_batch: 16 | global_batch: 48" in output
     assert "members: 2 | replicas: 2 | per_replica_batch: 16 | global_batch: 32" in output
