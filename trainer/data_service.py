@@ -4,7 +4,7 @@
     python -m trainer.data_service --role=worker --port=5051 --dispatcher=host0:5050
 
 Trainers started with `--config.data.service=grpc://host0:5050` then run their
-input pipelines on the workers (see `trainer.data.service`). Without flags, the
+input pipelines on the workers (see `trainer.data.service_client`). Without flags, the
 role, the port, the dispatcher and a worker's host come from the cluster, found
 as the trainer finds its own (`--cluster`, `strategies.cluster.discovery`), with a
 `dispatcher` job and a `data_worker` job (or `data-worker`: Kubernetes names

@@ -77,6 +77,7 @@ from towerflow.processes import (
     Console,
     Interrupt,
     pick_ports,
+    reap,
     signal_group,
     start_process,
     terminate,
@@ -285,11 +286,7 @@ class Cluster:
         killed = not terminate(trainers, wait_s, self.interrupt, self.console)
         if not killed and rest:
             terminate(rest, self.kill_after_s, self.interrupt, self.console)
-        for proc in self._procs.values():
-            signal_group(proc, signal.SIGKILL)
-            proc.wait()
-        for pump in self._pumps:
-            pump.join(timeout=1.0)  # its pipe closed with the last process of the group
+        reap(list(self._procs.values()), self._pumps)
         self._procs.clear()
         self._pumps.clear()
         atexit.unregister(self.stop)
@@ -652,10 +649,9 @@ def launch(
 def _start_data_service(workers: int, console: Console, stack: contextlib.ExitStack) -> str:
     """A dispatcher and `workers` data workers, stopped with `stack`; the dispatcher's address."""
     with cli.native_stderr_silenced():  # it imports TensorFlow: only when asked for
-        from trainer.data import service
+        from trainer.data import service_client
 
-    servers = stack.enter_context(service.LocalService(pick_ports(workers + 1), console))
-    service.wait_until_served(servers.address, servers, service.TIMEOUT_S)
+    servers = stack.enter_context(service_client.serving_locally(workers, console))
     console.log(f"tf.data service at {servers.address}, data workers: {workers}")
     return servers.address
 
