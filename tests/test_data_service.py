@@ -354,7 +354,7 @@ def test_the_cluster_source_is_chosen_as_the_trainers():
     assert command.discover("auto", None, sagemaker).tf_config is None
     assert command.server("tf_config", None, 6000, None, environ={"TF_CONFIG": text}).port == 6000
     # `local:N`'s servers, started with `--role` in a trainer's Slurm step or JobSet pod.
-    pod = {"JOBSET_NAME": "j", "REPLICATED_JOB_NAME": "worker", "JOBSET_TASKS": "worker=2"}
+    pod = {"JOBSET_NAME": "j", "REPLICATED_JOB_NAME": "worker", "JOBSET_MEMBERS": "worker=2"}
     for environ in ({**SLURM_STEP, "SLURM_PROCID": "1"}, pod):
         beside = command.server("auto", "worker", 4242, "127.0.0.1:4241", "", "127.0.0.1", environ)
         assert (beside.port, beside.dispatcher) == (4242, "127.0.0.1:4241")

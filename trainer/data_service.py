@@ -195,6 +195,8 @@ def discover(
             )
         return discovery.Found("tf_config", environ["TF_CONFIG"])
     if source == "jobset":
+        for warning in discovery.renamed_variable_warnings(environ):
+            print(warning, file=sys.stderr, flush=True)
         hosts, own_type, index = discovery.jobset_pods(
             environ, ("dispatcher", *JOBS.values(), *ALIASES)
         )
