@@ -143,7 +143,7 @@ def get_config() -> ml_collections.ConfigDict:
     # How workers' input pipelines split the data: auto | file | data | off
     # (digits / synthetic / ctr are split by example under auto, file and data).
     c.data.sharding = "auto"
-    # Where the training input runs (trainer/data/service.py): "" = in the trainer's process;
+    # Where the training input runs (trainer/data/service_client.py): "" = in the trainer's process;
     # "local:N" = TensorFlow's tf.data service on a dispatcher and N data workers started
     # beside the trainer; "grpc://host:port" = a dispatcher elsewhere (`python -m
     # trainer.data_service`). Evaluation always reads in the trainer (exactly once).

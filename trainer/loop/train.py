@@ -23,8 +23,7 @@ from strategies.cluster import discovery, scratch
 from towerflow import calls, storage
 from towerflow.errors import UserError
 from trainer import data, layers
-from trainer.data import follow, labels, wait
-from trainer.data import service as data_service
+from trainer.data import follow, labels, service_client, wait
 from trainer.loop import (
     actions,
     checks,
@@ -103,16 +102,16 @@ def train_and_evaluate(
         return {}
     if member.role == "evaluate":
         return sidecar_evaluate(build(config, model_dir, strategy))
-    if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service`)
+    if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service_client`)
         return run(build(config, model_dir, strategy), mode, extra_actions)
-    with data_service.started(config.data, strategy.traits.ordered_input, say) as service:
+    with service_client.started(config.data, strategy.traits.ordered_input, say) as service:
         return run(build(config, model_dir, strategy, service), mode, extra_actions)
 
 
 def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
     """Checks the config, sets up devices and builds the strategy plugin."""
     checks.check_config(config)
-    data_service.check(config.data)  # before a cluster is joined
+    service_client.check(config.data)  # before a cluster is joined
     # The cluster becomes this process's `TF_CONFIG` before any plugin reads it.
     cluster_line = discovery.resolve(config.get("cluster"), config.strategy.name).line()
     if cluster_line:
@@ -155,11 +154,11 @@ def build(
     config: ml_collections.ConfigDict,
     model_dir: str,
     strategy: strategies.Strategy | None = None,
-    service: data_service.Service | None = None,
+    service: service_client.Service | None = None,
 ) -> Job:
     """Builds strategy, data, model and optimizer and checks them; writes nothing.
 
-    With a `service` (`data_service.started`), the training input runs on it.
+    With a `service` (`service_client.started`), the training input runs on it.
     """
     strategy = strategy or make_strategy(config)
     replicas = strategy.num_replicas_in_sync
@@ -197,7 +196,7 @@ def build(
         elastic.check_batch_kept(config, model_dir)
     data.check(dataset)
     follower = follow.follower_of(dataset)
-    dataset = data_service.wrap(dataset, service, model_dir)
+    dataset = service_client.wrap(dataset, service, model_dir)
     # TensorFlow refuses clocks under op determinism (`train.deterministic`).
     timed = strategy.traits.ordered_input and not config.train.deterministic
     input_wait = wait.InputWait() if timed else None
@@ -402,7 +401,7 @@ def _results(job: Job, train: dict, evaluation: dict, placement: dict, wall_s: f
         "eval": evaluation,
         "wall_time_s": round(wall_s, 3),
         "placement": placement,
-        "input": {k: v for k, v in data_service.describe(job.dataset).items() if k != "line"},
+        "input": {k: v for k, v in service_client.describe(job.dataset).items() if k != "line"},
     }
     tables = layers.describe_tables(job.model)
     if tables:  # each dynamic table's policy, where its parts are, the ids they hold
@@ -724,7 +723,7 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     _tell(job, f"{_what(job)} | steps: {steps} | global batch: {batch}{micro_batches}")
     for note in job.dataset.notes:
         _tell(job, note)
-    _tell(job, data_service.describe(job.dataset)["line"])
+    _tell(job, service_client.describe(job.dataset)["line"])
     for table in layers.describe_tables(job.model).values():
         _tell(job, table["line"])
     if strategy.membership.is_chief:
