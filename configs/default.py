@@ -98,6 +98,15 @@ def get_config() -> ml_collections.ConfigDict:
     # failure, from `cooldown_s` seconds); then it stays out.
     c.cluster.elastic.max_restarts = 3
     c.cluster.elastic.cooldown_s = 5.0  # seconds out after a member's first failure
+    # What a group of another size keeps: "global" (the global batch: each replica's batch
+    # grows or shrinks, the same trajectory at every size) or "per_replica" (the per-replica
+    # batch of the full group, `train.global_batch_size` over `max_workers` members' replicas:
+    # the global batch is that times the replicas of the group, the learning rate scaled).
+    c.cluster.elastic.batch = "global"
+    # `batch=per_replica`: the learning rate of a group whose global batch differs from the full
+    # group's: "linear" (`optimizer.learning_rate` x global batch / the full group's), "none",
+    # or "module.path:function" of (reference_lr, reference_batch, global_batch) -> the rate.
+    c.cluster.elastic.lr_scaling = "linear"
 
     c.devices = ml_collections.ConfigDict()
     c.devices.logical_cpus = 2  # split the host CPU into N logical devices (0 = leave as is)
@@ -134,7 +143,7 @@ def get_config() -> ml_collections.ConfigDict:
     # How workers' input pipelines split the data: auto | file | data | off
     # (digits / synthetic / ctr are split by example under auto, file and data).
     c.data.sharding = "auto"
-    # Where the training input runs (trainer/data/service.py): "" = in the trainer's process;
+    # Where the training input runs (trainer/data/service_client.py): "" = in the trainer's process;
     # "local:N" = TensorFlow's tf.data service on a dispatcher and N data workers started
     # beside the trainer; "grpc://host:port" = a dispatcher elsewhere (`python -m
     # trainer.data_service`). Evaluation always reads in the trainer (exactly once).
@@ -185,7 +194,9 @@ def get_config() -> ml_collections.ConfigDict:
     # tfrecord / csv: train on the files of `train_files` as they keep arriving (docs/online.md):
     # each once, in name order, unshuffled, the position saved in every checkpoint; a file counts
     # once its base name starts with neither "." nor "_" (write it so, then rename it into place).
-    # With `train.steps=0` training goes on until stopped (SIGTERM saves and exits).
+    # With `train.steps=0` training goes on until stopped (SIGTERM saves and exits). Under
+    # one_device, mirrored or multi_worker (every worker reads every file, keeps its share of
+    # each global batch); parameter_server is refused.
     c.data.follow = False
     c.data.follow_poll_secs = 1.0  # data.follow: seconds between looks for new files
     # tfrecord / csv: the features to read, "name:dtype[:shape|:var][=default],..." with dtype

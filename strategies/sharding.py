@@ -14,6 +14,10 @@ different ps members::
 
 The `parameter_server` plugin enters the policy of its config in `scope()`;
 everywhere else `num_shards` is 1 and a sharded layer is an ordinary one.
+The policy also says where the parts of a dynamic table go
+(`part_devices()`): one per ps member, placed on it by the coordinator of
+`parameter_server` (`on_ps`), else all on the strategy's own devices. A
+layer takes its parts from the policy, never from the strategy's type.
 The counts follow `tf.distribute.experimental.partitioners`:
 
 - "none": 1 (whole variables, placed round-robin);
@@ -32,6 +36,7 @@ from collections.abc import Iterator, Sequence
 
 import tensorflow as tf
 
+from strategies import tf_patches
 from towerflow.errors import UserError
 
 PARTITIONERS = ("none", "fixed", "min_size", "max_size")
@@ -53,7 +58,11 @@ class Policy:
       num_shards: "fixed": shards per variable.
       min_shard_bytes: "min_size": the smallest shard, in bytes.
       max_shard_bytes: "max_size": the largest shard, in bytes.
-      num_ps: the ps members the shards are spread over; caps "min_size".
+      num_ps: the ps members the shards are spread over; caps "min_size". A
+        dynamic table has one part per ps member.
+      on_ps: whether a dynamic table's parts are placed on the ps members'
+        devices (`/job:ps/task:N`; the coordinator of `parameter_server`),
+        or all stay on the strategy's own devices (every other process).
     """
 
     partitioner: str = "none"
@@ -61,6 +70,7 @@ class Policy:
     min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES
     max_shard_bytes: int = 0
     num_ps: int = 1
+    on_ps: bool = False
 
     def __post_init__(self):
         if self.partitioner not in PARTITIONERS:
@@ -98,6 +108,23 @@ class Policy:
             )
         return max(1, int(partitioner(shape, dtype)[0]))
 
+    def part_devices(self) -> list[str | None]:
+        """The device of each part of a dynamic table: a part per ps member.
+
+        On the ps members' CPUs with `on_ps`; otherwise None for each (the
+        strategy's own devices).
+        """
+        if not self.on_ps:
+            return [None] * self.num_ps
+        return [f"/job:ps/task:{member}/device:CPU:0" for member in range(self.num_ps)]
+
+    def with_parts(self, parts: int) -> Policy:
+        """This policy with whole variables and `parts` ps members, placed as this one.
+
+        A layer's twin of another split (`trainer.layers.portable.Portable.twin`).
+        """
+        return dataclasses.replace(self, partitioner="none", num_ps=parts)
+
 
 _ACTIVE: contextvars.ContextVar[Policy | None] = contextvars.ContextVar("sharding", default=None)
 
@@ -109,7 +136,7 @@ def policy(partitioner: str | Policy = "none", **options) -> Iterator[Policy]:
     Args:
       partitioner: one of `PARTITIONERS`, or a ready `Policy`.
       **options: the other `Policy` fields (num_shards, min_shard_bytes,
-        max_shard_bytes, num_ps).
+        max_shard_bytes, num_ps, on_ps).
 
     Raises:
       UserError: an unknown partitioner or a size below 1.
@@ -123,8 +150,28 @@ def policy(partitioner: str | Policy = "none", **options) -> Iterator[Policy]:
 
 
 def current() -> Policy | None:
-    """The active policy, or None outside a `policy` block."""
-    return _ACTIVE.get()
+    """The active policy, or None outside a `policy` block.
+
+    Under a bare `tf.distribute.experimental.ParameterServerStrategy` scope
+    (TensorFlow's own, no towerflow plugin, no `policy` block), the policy that
+    strategy implies: whole variables, a table's parts on each of its ps members.
+    """
+    active = _ACTIVE.get()
+    return active if active is not None else _of_bare_parameter_server()
+
+
+def _of_bare_parameter_server() -> Policy | None:
+    """The policy a bare `ParameterServerStrategy` implies; None under any other strategy.
+
+    The one place outside the plugins that asks a strategy's type: a layer
+    built in a user's own `ParameterServerStrategy` scope (or the benchmark's
+    `tables` case) has no plugin to enter a policy for it. Its ps count is a
+    private read (`tf_patches.ps_count`).
+    """
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        return None
+    return Policy(num_ps=tf_patches.ps_count(strategy), on_ps=True)
 
 
 def num_shards(shape: Sequence[int], dtype: tf.DType | str = tf.float32) -> int:

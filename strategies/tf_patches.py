@@ -39,7 +39,9 @@ it).
   `StagingError` of several lines; `trainer.layers`' row-aware refusal).
 - private reads, no change: `flat_layers` (every layer of a model, nested
   ones included), `cross_device_ops_name` (what `MirroredStrategy` picked),
-  `worker_count` (the workers `MultiWorkerMirroredStrategy` resolved).
+  `worker_count` (the workers `MultiWorkerMirroredStrategy` resolved),
+  `ps_count` (the ps members of a bare `ParameterServerStrategy`, whose
+  dynamic tables get a part on each: `strategies.sharding.current`).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 """
@@ -103,6 +105,12 @@ PATCHES = {
         "tensorflow",
         ("2.20", "2.21"),
         "MultiWorkerMirroredStrategy keeps its resolved worker count in extended._num_workers",
+    ),
+    "ps_count": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "ParameterServerStrategy keeps its ps count in extended._num_ps, and its public "
+        "cluster_resolver is None",
     ),
     "swap_class": Patch(
         "keras",
@@ -203,6 +211,12 @@ def worker_count(strategy: tf.distribute.MultiWorkerMirroredStrategy) -> int:
     """How many worker processes `strategy` resolved from its cluster."""
     targeted("worker_count")
     return int(strategy.extended._num_workers)
+
+
+def ps_count(strategy: tf.distribute.experimental.ParameterServerStrategy) -> int:
+    """How many ps members `strategy` connected to (no public name: see `PATCHES`)."""
+    targeted("ps_count")
+    return int(strategy.extended._num_ps)
 
 
 def replica_copy(variable):

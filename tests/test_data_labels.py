@@ -30,7 +30,7 @@ from tests.helpers import (
     train_on_cluster,
 )
 from trainer import data
-from trainer.data import service
+from trainer.data import service_client
 from trainer.loop import models, train
 
 
@@ -393,8 +393,8 @@ def test_a_tfrecord_string_label_trains_and_the_export_names_the_classes(tmp_pat
 def test_what_start_up_found_is_told_with_the_input_on_the_tf_data_service(tmp_path):
     rows = [*ROWS, "NA,red,2,Gentoo"]
     dataset = data.get(_csv(tmp_path, rows, ROWS, incomplete="drop"))
-    where = service.Service("grpc://127.0.0.1:1", 1, local=False, sharding="off")
-    served = service.ServiceDataset(dataset, where, "run")
+    where = service_client.Service("grpc://127.0.0.1:1", 1, local=False, sharding="off")
+    served = service_client.ServiceDataset(dataset, where, "run")
     assert served.notes == dataset.notes and "dropped 1 of 5 rows" in served.notes[0]
     assert served.spec.class_names == ("Adelie", "Chinstrap", "Gentoo")
 

@@ -40,7 +40,7 @@ from tests.helpers import (
     tiny_config,
 )
 from trainer import data_service as command
-from trainer.data import service
+from trainer.data import service_client
 from trainer.launch import pick_ports
 from trainer.loop import train
 
@@ -103,7 +103,7 @@ def dispatcher():
         cwd=REPO,
     )
     address = f"grpc://127.0.0.1:{ports[0]}"
-    assert service.wait_until_served(address, None, timeout_s=120) == 1
+    assert service_client.wait_until_served(address, None, timeout_s=120) == 1
     return address
 
 
@@ -142,8 +142,8 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, d
 
 def test_dynamic_sharding_sends_every_batch_once(dispatcher):
     config = tiny_config(**{"data.service": dispatcher, "data.service_sharding": "dynamic"})
-    with service.started(config.data, True, print) as running:
-        dataset = service.wrap(_digits(config), running, "run")
+    with service_client.started(config.data, True, print) as running:
+        dataset = service_client.wrap(_digits(config), running, "run")
         context = tf.distribute.InputContext(2, 1, 2)  # one of two trainers' pipelines
         whole = tf.distribute.InputContext(1, 0, 2)  # the one stream, for 2 replicas
         fresh = list(_digits(config).train_fn(16, seed=0)(whole).take(6))
@@ -242,7 +242,7 @@ def test_under_dynamic_sharding_the_other_worker_takes_over(tmp_path):
 )
 def test_a_bad_address_or_count_is_one_line(fields, match):
     config = tiny_config(**fields)
-    one_line_error(match, lambda: service.started(config.data, True, print).__enter__())
+    one_line_error(match, lambda: service_client.started(config.data, True, print).__enter__())
 
 
 def test_nothing_listening_is_one_line_within_the_timeout():
@@ -252,7 +252,7 @@ def test_nothing_listening_is_one_line_within_the_timeout():
     start = time.monotonic()
     one_line_error(
         r"nothing answers at grpc://127.0.0.1:\d+ within 1 s; start a dispatcher",
-        lambda: service.started(config.data, True, print).__enter__(),
+        lambda: service_client.started(config.data, True, print).__enter__(),
     )
     assert time.monotonic() - start < 10
 
@@ -354,7 +354,7 @@ def test_the_cluster_source_is_chosen_as_the_trainers():
     assert command.discover("auto", None, sagemaker).tf_config is None
     assert command.server("tf_config", None, 6000, None, environ={"TF_CONFIG": text}).port == 6000
     # `local:N`'s servers, started with `--role` in a trainer's Slurm step or JobSet pod.
-    pod = {"JOBSET_NAME": "j", "REPLICATED_JOB_NAME": "worker", "JOBSET_TASKS": "worker=2"}
+    pod = {"JOBSET_NAME": "j", "REPLICATED_JOB_NAME": "worker", "JOBSET_MEMBERS": "worker=2"}
     for environ in ({**SLURM_STEP, "SLURM_PROCID": "1"}, pod):
         beside = command.server("auto", "worker", 4242, "127.0.0.1:4241", "", "127.0.0.1", environ)
         assert (beside.port, beside.dispatcher) == (4242, "127.0.0.1:4241")

@@ -28,7 +28,7 @@ JOBSET_POD = {
     "REPLICATED_JOB_NAME": "worker",
     "JOB_INDEX": "0",
     "JOB_COMPLETION_INDEX": "1",
-    "JOBSET_TASKS": "chief=1,worker=2,ps=1",
+    "JOBSET_MEMBERS": "chief=1,worker=2,ps=1",
     "HOSTNAME": "run-worker-0-1",
 }
 SAGEMAKER = {"SM_HOSTS": '["algo-2", "algo-1"]', "SM_CURRENT_HOST": "algo-2"}
@@ -152,15 +152,38 @@ def test_a_jobset_pod_finds_every_member_at_its_dns_name():
     assert spec.address == "run-worker-0-1.svc:2222"
 
 
+def test_the_old_variable_jobset_tasks_still_counts_the_pods_and_says_its_new_name_once():
+    said = []
+    environ = {**JOBSET_POD, "JOBSET_TASKS": JOBSET_POD["JOBSET_MEMBERS"]}
+    del environ["JOBSET_MEMBERS"]
+    discovery.resolve({"port": 2222}, "parameter_server", environ, said.append)
+    assert cluster.from_env(environ).jobs["worker"] == (
+        "run-worker-0-0.run:2222",
+        "run-worker-0-1.run:2222",
+    )
+    assert said == [
+        "warning: `JOBSET_TASKS` is now `JOBSET_MEMBERS` (the processes of a cluster are its "
+        "members); the old name goes in the next release: set "
+        "`JOBSET_MEMBERS=chief=1,worker=2,ps=1` instead."
+    ]
+    message = one_line_error(
+        re.escape("`JOBSET_TASKS` (worker=3) and `JOBSET_MEMBERS` (chief=1,worker=2,ps=1)"),
+        discovery.jobset_tf_config,
+        {**JOBSET_POD, "JOBSET_TASKS": "worker=3"},
+        2222,
+    )
+    assert message.endswith("set only `JOBSET_MEMBERS`."), message
+
+
 @pytest.mark.parametrize(
     "change, names",
     [
-        ({"REPLICATED_JOB_NAME": "trainer"}, ["(trainer) is not in `JOBSET_TASKS`"]),
+        ({"REPLICATED_JOB_NAME": "trainer"}, ["(trainer) is not in `JOBSET_MEMBERS`"]),
         ({"JOB_INDEX": "1", "HOSTNAME": "run-worker-1-1"}, ["`replicas: 1`"]),
         ({"JOB_COMPLETION_INDEX": "2"}, ["`JOB_COMPLETION_INDEX` is 2", "`completions`"]),
         ({"JOB_COMPLETION_INDEX": "x"}, ["`JOB_COMPLETION_INDEX` must be a non-negative"]),
-        ({"JOBSET_TASKS": "workers=2"}, ["`type=pods`", "`evaluator`"]),
-        ({"JOBSET_TASKS": "worker=0"}, ["`type=pods`"]),
+        ({"JOBSET_MEMBERS": "workers=2"}, ["`type=pods`", "`evaluator`"]),
+        ({"JOBSET_MEMBERS": "worker=0"}, ["`type=pods`"]),
         ({"HOSTNAME": "run-worker-0-1-x7k2p"}, ["`network.enableDNSHostnames: true`"]),
     ],
 )

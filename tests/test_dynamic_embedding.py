@@ -467,6 +467,46 @@ print(json.dumps(outputs["logits"].numpy().tolist()))
 """
 
 
+# A bare `tf.distribute` ParameterServerStrategy over in-process servers on 127.0.0.1.
+_BARE_PARAMETER_SERVER = """
+import socket
+import tensorflow as tf
+from trainer.layers import DynamicEmbedding
+
+def address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+jobs = {"chief": [address()], "worker": [address()], "ps": [address(), address()]}
+cluster = tf.train.ClusterSpec(jobs)
+servers = [
+    tf.distribute.Server(cluster, job, task) for job, task in (("worker", 0), ("ps", 0), ("ps", 1))
+]
+resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+    cluster, task_type="chief", task_id=0, rpc_layer="grpc"
+)
+strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+with strategy.scope():
+    layer = DynamicEmbedding(4, capacity=10)
+    layer.build()
+print([part.rows.value.device for part in layer.parts])
+print(layer(tf.constant([0, 1], tf.int64), training=False).shape)
+"""
+
+
+def test_under_tensorflows_own_parameter_server_strategy_a_table_has_a_part_on_each_ps_member(
+    tmp_path,
+):
+    result = run_command([sys.executable, "-c", _BARE_PARAMETER_SERVER], cwd=str(tmp_path))
+    assert_exit(result, 0)
+    devices, shape = result.stdout.strip().splitlines()[-2:]
+    assert devices == str(
+        ["/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
+    )
+    assert shape == "(2, 4)"
+
+
 def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):
     config = _ctr_config("one_device", 10)
     config.train.export = True

@@ -79,8 +79,10 @@ def test_three_agents_go_on_without_a_lost_host_and_take_it_back_when_it_returns
         kill(*agents.procs.values())
     output = agents.output()
     saved = {int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output)}
-    assert len(saved) == 1, output[-4000:]
-    step = saved.pop()
+    # Survivors save the last step they completed; one may have completed one more than
+    # another (docs/elastic.md): the newest save is the one restored.
+    assert saved and max(saved) - min(saved) <= 1, output[-4000:]
+    step = max(saved)
     assert step >= 60
     restored = [int(s) for s in re.findall(r"\[a\] restored \S+ at step (\d+)", output)]
     assert restored[0] == step, output[-4000:]  # 0 steps lost

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -9,9 +10,13 @@ import tensorflow as tf
 
 from tests.helpers import (
     REPO,
+    TIMEOUT_S,
+    assert_exit,
     checkpoint_values,
     config_flags,
+    kill,
     one_line_error,
+    pid_of,
     start_cli,
     tiny_config,
 )
@@ -21,10 +26,10 @@ from trainer.loop import train
 ROWS = 64  # per file: one block of 4 steps of 16
 
 
-def _write_csv(path, seed: int) -> None:
-    """A file of `ROWS` examples, written under a hidden name and renamed into place."""
+def _write_csv(path, seed: int, rows: int = ROWS) -> None:
+    """A file of `rows` examples, written under a hidden name and renamed into place."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    x = np.random.default_rng(seed).random((ROWS, 4))
+    x = np.random.default_rng(seed).random((rows, 4))
     hidden = os.path.join(os.path.dirname(path), "." + os.path.basename(path))
     with open(hidden, "w") as f:
         f.write("a,b,c,d,label\n")
@@ -125,6 +130,10 @@ def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_p
         ({"data.follow_poll_secs": 0.0}, "`data.follow_poll_secs` \\(0.0\\) must be > 0"),
         ({"train.epochs": 2}, "`train.epochs` \\(2\\) counts passes over fixed data"),
         ({"data.service": "local:1"}, "`data.follow` reads its files in the trainer"),
+        (
+            {"strategy.name": "parameter_server"},
+            "`strategy.name` 'parameter_server' lets workers take batches as they come",
+        ),
     ],
 )
 def test_follow_without_files_to_follow_is_one_line_and_leaves_model_dir_alone(
@@ -178,6 +187,23 @@ def test_a_dataset_fn_given_files_follows_them_once_each_across_restarts(tmp_pat
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
+def test_a_worker_whose_files_are_there_waits_with_its_peers_looking_as_often(tmp_path):
+    from trainer.data.follow import Follower
+
+    _write_csv(tmp_path / "train" / "clicks-1.csv", 1)
+
+    def read(name):  # the rows, past the header
+        return tf.data.TextLineDataset(name).skip(1)
+
+    follower = Follower(str(tmp_path / "train" / "*"), read, poll_secs=0.01)
+    follower.start()
+    peers_ready = iter([False, False, True])  # another worker finds the file two looks later
+    looks = []
+    follower.wait(ROWS, lambda: looks.append(1), everyone=lambda ready: ready and next(peers_ready))
+    # Each look is one preemption check: a coordinated watch needs as many on every worker.
+    assert len(looks) == 2 and next(peers_ready, None) is None
+
+
 def _write_tfrecord(path, rows: int, value: float) -> None:
     """`rows` examples whose features all hold `value` (their file's mark)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -218,3 +244,83 @@ def test_a_tfrecord_stream_reads_a_new_file_once_it_is_found(tmp_path):
         assert float(next(batches)[0][0, 0]) == 2.0, "the new file's records come next"
     finally:
         follower.close()
+
+
+MW_ROWS = 40  # per file: global batches cross file ends, and positions fall inside files
+# The fields a cluster's workers take from `_config` (the rest are the defaults of both).
+_CLUSTER_FIELDS = (
+    "data.name", "data.train_files", "data.eval_files", "data.input_shape", "data.num_classes",
+    "data.follow", "data.follow_poll_secs", "train.global_batch_size", "train.steps_per_loop",
+    "train.checkpoint_every", "train.export", "eval.every", "model.hidden_units", "model.dropout",
+)  # fmt: skip
+
+
+def _until_stopped_on_two_workers(cwd, flags, react) -> str:
+    """Two `multi_worker` workers training until stopped; `react(line)` for each line printed.
+
+    Returns what they printed; they must end preempted (exit 143) within `TIMEOUT_S`.
+    """
+    args = ("--workers=2", "--", "--strategy=multi_worker", *flags, "--config.train.steps=0")
+    proc = start_cli(*args, cwd=cwd, module="trainer.launch")
+    timer = threading.Timer(TIMEOUT_S, kill, (proc,))
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            react(line)
+        proc.wait()
+    finally:
+        timer.cancel()
+    output = "".join(lines)
+    assert_exit(proc, PREEMPTED_EXIT_CODE, output)
+    return output
+
+
+def test_two_workers_train_each_record_once_over_files_written_before_and_during_a_restart(
+    tmp_path,
+):
+    data_dir, run = tmp_path / "data", tmp_path / "run"
+    _write_csv(data_dir / "eval.csv", 99)
+    for i in (1, 2):
+        _write_csv(data_dir / "train" / f"clicks-{i}.csv", i, MW_ROWS)
+    flags = [f"--model_dir={run}", *config_flags(_config(data_dir), _CLUSTER_FIELDS)]
+
+    def stop_at(step: int):  # SIGTERM to worker:1 once the chief reports `step`
+        def react(line: str) -> None:
+            if line.startswith(f"[worker:0] train | step: {step} "):
+                os.kill(pid_of("worker", 1, str(tmp_path)), signal.SIGTERM)
+
+        return react
+
+    # A block of 4 steps, then both wait for a third file; a SIGTERM to worker:1 while
+    # they wait: both save the position at one step and exit 143.
+    output = _until_stopped_on_two_workers(tmp_path, flags, stop_at(4))
+    for worker in ("worker:0", "worker:1"):
+        assert f"[{worker}] preempted (SIGTERM to a worker of the cluster) at step 4" in output
+    assert _position(run) == ("clicks-2.csv", 4 * 16 - MW_ROWS)
+
+    # The restart resumes there. Steps 4 to 8 need files 3 and 4, written as it starts;
+    # steps 8 to 12 need file 5, written once step 8 is done: both wait for it.
+    def write_and_stop(line: str) -> None:
+        if "[launch]" in line and not (data_dir / "train" / "clicks-3.csv").exists():
+            for i in (3, 4):
+                _write_csv(data_dir / "train" / f"clicks-{i}.csv", i, MW_ROWS)
+        if line.startswith("[worker:0] train | step: 8 "):
+            _write_csv(data_dir / "train" / "clicks-5.csv", 5, MW_ROWS)
+        stop_at(12)(line)
+
+    output = _until_stopped_on_two_workers(tmp_path, flags, write_and_stop)
+    for worker in ("worker:0", "worker:1"):  # the chief's checkpoint, the position in it
+        assert f"[{worker}] restored {run / 'checkpoints' / 'ckpt-4'} at step 4" in output
+    assert "[worker:0] preempted (SIGTERM to a worker of the cluster) at step 12" in output
+    assert _position(run) == ("clicks-5.csv", 12 * 16 - 4 * MW_ROWS)
+
+    # One process over the same five files, the same global batches: the same weights.
+    alone = tmp_path / "alone"
+    train.train_and_evaluate(_config(data_dir, **{"train.steps": 12}), str(alone), "train")
+    expected, got = checkpoint_values(alone), checkpoint_values(run)
+    weights = [name for name in expected if name.startswith("variables/")]
+    assert weights
+    for name in weights:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)

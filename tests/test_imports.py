@@ -121,8 +121,8 @@ LAYERS = (
     ("trainer.loop",),  # the loop: the job, controller, actions, step, checkpoints
     ("trainer",),  # the commands: __main__, cli, launch, sweep, bench, data_service, check
 )
-COMMANDS = {"__init__", "__main__", "cli", "launch", "elastic", "data_service", "check"}
-FOLDERS = {"assets", "bench", "data", "layers", "loop", "sweep"}
+COMMANDS = {"__init__", "__main__", "cli", "elastic", "data_service", "check"}
+FOLDERS = {"assets", "bench", "data", "launch", "layers", "loop", "sweep"}
 
 
 def _layer(name: str) -> int:

@@ -36,7 +36,7 @@ def test_a_timed_iterator_gives_the_batches_as_they_are_and_adds_up_its_waits():
 def test_a_slow_pipeline_shows_in_the_waits_and_a_ready_one_does_not():
     def slowly(x):
         m = tf.random.stateless_normal([128, 128], seed=[0, 0])
-        m = tf.foldl(lambda a, _: tf.linalg.normalize(a @ m)[0], tf.range(40), initializer=m)
+        m = tf.foldl(lambda a, _: tf.linalg.normalize(a @ m)[0], tf.range(400), initializer=m)
         return x + tf.cast(0 * tf.reduce_sum(m), tf.int64)
 
     waits = {}

@@ -113,6 +113,16 @@ def test_plan_chief_without_ps():
     assert specs["chief"].is_chief and not specs["worker:0"].is_chief
 
 
+def test_a_plan_makes_the_same_members_for_each_attempt_and_refuses_negative_restarts():
+    plan = launch.Plan(("python", "-m", "trainer"), workers=2, ps=1, restarts=1)
+    first, second = plan.members(), plan.members()
+    assert [m.name for m in first] == ["chief", "worker:0", "worker:1", "ps:0"]
+    assert [m.name for m in second] == [m.name for m in first]
+    assert plan.with_command("--x=1").command == ("python", "-m", "trainer", "--x=1")
+    with pytest.raises(UserError, match=r"`--restarts` \(-1\) must be 0 or more"):
+        launch.Plan(("python",), workers=1, restarts=-1)
+
+
 def test_plan_with_port_base_uses_consecutive_ports():
     for base in random.sample(range(20000, 30000, 10), 5):  # below Linux's ephemeral ports
         try:

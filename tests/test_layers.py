@@ -9,7 +9,7 @@ import strategies
 from strategies import sharding
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
-from trainer.layers import Dropout, ShardedDense, ShardedEmbedding
+from trainer.layers import Dropout, DynamicEmbedding, ShardedDense, ShardedEmbedding
 from trainer.loop import train
 from trainer.loop.export import export
 
@@ -139,6 +139,17 @@ def test_policies_count_shards_like_tf_partitioners(options, shape, expected):
     with sharding.policy(**options):
         assert sharding.num_shards(shape, tf.float32) == expected
     assert sharding.num_shards(shape, tf.float32) == 1, "no policy outside the block"
+
+
+def test_a_dynamic_table_takes_its_parts_and_their_devices_from_the_sharding_policy():
+    assert len(DynamicEmbedding(4).parts) == 1, "one part outside a policy"
+    with sharding.policy("none", num_ps=3):
+        assert [part.device for part in DynamicEmbedding(4).parts] == [None] * 3
+    placed = sharding.Policy("fixed", num_shards=2, num_ps=2, on_ps=True)
+    assert placed.part_devices() == ["/job:ps/task:0/device:CPU:0", "/job:ps/task:1/device:CPU:0"]
+    twin = placed.with_parts(3)  # another split's twin: placed as the policy it came from
+    assert (twin.partitioner, twin.num_ps, len(twin.part_devices())) == ("none", 3, 3)
+    assert twin.part_devices()[2] == "/job:ps/task:2/device:CPU:0"
 
 
 def test_split_rows_is_the_div_layout():

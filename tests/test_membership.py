@@ -75,6 +75,13 @@ def test_agree_takes_the_chiefs_value_from_the_gather():
     assert member.agree(4) == 11 and asked == [4]
 
 
+def test_everyone_holds_only_where_every_workers_flag_does():
+    gathered = {True: [1, 1, 1, 1], False: [1, 1, 0, 0]}  # worker:1 not ready in the second
+    member = Membership(_spec(WORKERS, "worker", 0), gather=lambda flag: gathered[bool(flag)])
+    assert member.everyone(True) and not member.everyone(False)
+    assert Membership().everyone(True) and not Membership().everyone(False)
+
+
 def test_check_restored_names_each_workers_step_when_they_differ():
     member = Membership(_spec(WORKERS, "worker", 0), gather=lambda step: [7, 7, 3, 3])
     with pytest.raises(UserError, match=r"\(worker:0 step 7, worker:1 step 3\): it is not shared"):

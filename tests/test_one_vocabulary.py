@@ -3,10 +3,12 @@
 "task" is the user's `trainer.Task`; a process of a cluster is a member.
 What stays is other projects' own words, quoted: TensorFlow's `TF_CONFIG`
 `task` key, its `task_type` / `task_index` / `task_id` (a role is a task
-type) and a `tf.DeviceSpec`'s `.task`; Slurm's tasks (`SLURM_NTASKS`, tasks per
-node); the `JOBSET_TASKS` variable the deploy/ manifests set; the config
-field `cluster.ps_tasks`, the old name of `cluster.ps_members` accepted for one
-release; and `towerflow.errors`' own names, which that module renames.
+type), a `tf.DeviceSpec`'s `.task` and a device name's `/task:`; Slurm's
+tasks (`SLURM_NTASKS`, tasks per node); the variable `JOBSET_TASKS` and the
+config field `cluster.ps_tasks`, the old names of `JOBSET_MEMBERS` and
+`cluster.ps_members` accepted for one release; and `towerflow.errors`' own
+names, which that module renames. No page a user reads (README, docs/,
+deploy/, BUILD.md) calls a ps member a ps task.
 """
 
 import io
@@ -33,8 +35,9 @@ ALLOWED = re.compile(
             r"task\s+types?|task_types?|TASK_TYPES",  # TensorFlow's name for a role
             r"task\s+index|task_index|task_id",  # TensorFlow's `ClusterResolver` names
             r"`task(\.\w+)?`|\"task\"|'task'|task_key|TASK_KEY",  # `TF_CONFIG`'s `task` key
+            r"/task:",  # TensorFlow's device names: `/job:ps/task:0/device:CPU:0`
             r"Slurm\s+tasks?|SLURM_\w*TASKS\w*|tasks[_-]per[_-]node",  # Slurm's own tasks
-            r"JOBSET_TASKS",  # the variable deploy/jobset-*.yaml sets
+            r"\"JOBSET_TASKS\"",  # the old name of `JOBSET_MEMBERS`, a string key
             r"\"ps_tasks\"",  # the old name of `cluster.ps_members`, a string key
         ]
     ),
@@ -95,6 +98,32 @@ def test_the_scan_finds_a_process_called_a_task_and_spares_tensorflows_and_slurm
         "def member_name(self): pass",
         "if spec.job or spec.task is not None: pass",
         'RENAMED = {"ps_tasks": "ps_members"}',
+        'device = f"/job:ps/task:{member}/device:CPU:0"',
     ]
     for line in right:
         assert not task_words(line + "\n"), line
+
+
+# The pages a user reads: the front page, the docs site, the deploy notes, BUILD.md.
+PAGES = sorted(
+    str(path.relative_to(ROOT))
+    for path in [ROOT / "README.md", ROOT / "BUILD.md", ROOT / "deploy/README.md"]
+    + list(ROOT.glob("docs/*.md"))
+)
+_PS_TASK = re.compile(r"\bps[ -]tasks?\b|\bps task\(s\)", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_no_page_calls_a_ps_member_a_ps_task(path):
+    found = [
+        f"line {number}: {line.strip()[:80]!r}"
+        for number, line in enumerate((ROOT / path).read_text().splitlines(), 1)
+        if _PS_TASK.search(line)
+    ]
+    assert not found, f"{path} calls a ps member a ps task: " + "; ".join(found)
+
+
+def test_the_page_scan_finds_a_ps_task_in_prose():
+    assert _PS_TASK.search("the table is split over the ps tasks")
+    assert _PS_TASK.search("variables on 2 ps task(s)")
+    assert not _PS_TASK.search("split over the ps members; `lookups_s_per_ps_task`")

@@ -106,6 +106,11 @@ ELSEWHERE = {
         "tests/test_elastic.py::"
         "test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted_run_does"
     ),
+    "python -m trainer.launch --workers=2:3 -- --strategy=multi_worker "
+    "--model_dir=runs/per_replica": (
+        "tests/test_elastic.py::"
+        "test_a_per_replica_group_that_shrinks_keeps_each_replicas_batch_and_scales_the_rate"
+    ),
     "python -m trainer.elastic --workers=2:3 --name=a": (
         "tests/test_elastic_agents.py::"
         "test_three_agents_go_on_without_a_lost_host_and_take_it_back_when_it_returns"

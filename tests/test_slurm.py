@@ -450,8 +450,9 @@ def test_docs_elastic_job_loses_a_slurm_task_and_ends_with_the_others(slurm_node
     assert job.state == "FAILED", (job.state, job.output)
     assert "round 1: group of 2: localhost-0 as worker:0, localhost-1 as worker:1" in job.output
     saved = {int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", job.output)}
-    assert len(saved) == 1, job.output  # both survivors saved the same step
-    step = saved.pop()
+    # The step each survivor completed; one may be a step ahead: the newest save is restored.
+    assert saved and max(saved) - min(saved) <= 1, job.output
+    step = max(saved)
     assert step >= KILL_AT
     restored = {int(s) for s in re.findall(r"\] restored \S+ at step (\d+)", job.output)}
     assert restored == {step}, job.output  # 0 steps lost

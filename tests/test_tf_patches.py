@@ -131,6 +131,16 @@ def test_multi_worker_keeps_its_worker_count_in_a_private_field():
     assert not hasattr(mw.CollectiveAllReduceExtended, "num_workers")  # no public name
 
 
+def test_parameter_server_keeps_its_ps_count_in_a_private_field():
+    from tensorflow.python.distribute import parameter_server_strategy_v2 as ps  # noqa: PLC0415
+
+    source = inspect.getsource(ps.ParameterServerStrategyV2Extended.__init__)
+    assert "self._num_ps = " in source
+    assert not hasattr(ps.ParameterServerStrategyV2Extended, "num_ps")  # no public name
+    # The public `cluster_resolver` reads the extended's resolver, which it never sets.
+    assert "self._cluster_resolver = " not in source
+
+
 def test_keras_batch_normalization_assigns_its_moving_statistics():
     layer = keras.layers.BatchNormalization()
     layer.build((None, 2))

@@ -1,7 +1,8 @@
 """Child processes in groups of their own, with their output prefixed and Ctrl-C handled.
 
-Shared by `python -m trainer.launch` (a local cluster's tasks) and
-`python -m trainer.sweep` (a sweep's trials): each process runs in its own
+Shared by `python -m trainer.launch` (a local cluster's members),
+`python -m trainer.sweep` (a sweep's trials) and a local tf.data service
+(`trainer.data.service_client.LocalService`): each process runs in its own
 process group, so stopping it stops its children too; it is stopped with
 SIGTERM, given a grace period to save, then killed; a signal to the parent is
 recorded (`Interrupt`) and acted on by the parent's wait loop.
@@ -82,7 +83,10 @@ def start_process(
 
 
 def terminate(
-    procs: Sequence[subprocess.Popen], wait_s: float, interrupt: Interrupt, console: Console
+    procs: Sequence[subprocess.Popen],
+    wait_s: float,
+    interrupt: Interrupt | None = None,
+    console: Console | None = None,
 ) -> bool:
     """SIGTERMs `procs` (their groups) and waits up to `wait_s` for them to exit.
 
@@ -92,11 +96,48 @@ def terminate(
         signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + wait_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if interrupt.count > 1:
-            console.log("killing them now")
+        if interrupt is not None and interrupt.count > 1:
+            if console is not None:
+                console.log("killing them now")
             return False
         time.sleep(POLL_S)
     return True
+
+
+def reap(procs: Sequence[subprocess.Popen], pumps: Sequence[threading.Thread] = ()) -> None:
+    """SIGKILLs what is left of each of `procs`' groups, waits for each, joins their `pumps`."""
+    for proc in procs:
+        signal_group(proc, signal.SIGKILL)
+        proc.wait()
+    for pump in pumps:
+        pump.join(timeout=1.0)  # its pipe closed with the last process of the group
+
+
+class Group:
+    """Named child processes started together, their output on one console, stopped together."""
+
+    def __init__(self, console: Console | None = None):
+        """Args: console: where their output lines go, each prefixed with its name."""
+        self.console = console or Console()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._pumps: list[threading.Thread] = []
+
+    def start(self, name: str, command: Sequence[str], env: dict[str, str]) -> None:
+        """Starts `command` as `name` (`start_process`)."""
+        proc, pump = start_process(command, env, lambda line: self.console.write(name, line))
+        self.procs[name] = proc
+        self._pumps.append(pump)
+
+    def ended(self) -> list[tuple[str, int]]:
+        """The processes that have exited, with their exit codes."""
+        return [(name, p.returncode) for name, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, wait_s: float) -> None:
+        """SIGTERM to each, SIGKILL to those still there after `wait_s`; every one reaped."""
+        procs = list(self.procs.values())
+        terminate(procs, wait_s)
+        reap(procs, self._pumps)
+        self._pumps.clear()
 
 
 def signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:

@@ -4,7 +4,7 @@
     python -m trainer.data_service --role=worker --port=5051 --dispatcher=host0:5050
 
 Trainers started with `--config.data.service=grpc://host0:5050` then run their
-input pipelines on the workers (see `trainer.data.service`). Without flags, the
+input pipelines on the workers (see `trainer.data.service_client`). Without flags, the
 role, the port, the dispatcher and a worker's host come from the cluster, found
 as the trainer finds its own (`--cluster`, `strategies.cluster.discovery`), with a
 `dispatcher` job and a `data_worker` job (or `data-worker`: Kubernetes names
@@ -195,6 +195,8 @@ def discover(
             )
         return discovery.Found("tf_config", environ["TF_CONFIG"])
     if source == "jobset":
+        for warning in discovery.renamed_variable_warnings(environ):
+            print(warning, file=sys.stderr, flush=True)
         hosts, own_type, index = discovery.jobset_pods(
             environ, ("dispatcher", *JOBS.values(), *ALIASES)
         )

@@ -55,14 +55,16 @@ RENAMED = {"ps_tasks": "ps_members"}
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_PROCID")
 # Set in every pod by deploy/jobset-*.yaml: the first three from the pod's JobSet labels
 # through the downward API, `JOB_COMPLETION_INDEX` by the Indexed Job itself, and
-# `JOBSET_TASKS` ("chief=1,worker=2,ps=1": each replicated job's pod count) by hand.
+# `JOBSET_MEMBERS` ("chief=1,worker=2,ps=1": each replicated job's pod count) by hand.
 JOBSET_VARIABLES = (
     "JOBSET_NAME",
     "REPLICATED_JOB_NAME",
     "JOB_INDEX",
     "JOB_COMPLETION_INDEX",
-    "JOBSET_TASKS",
+    "JOBSET_MEMBERS",
 )
+# Old environment variable names kept working for one release, with a warning: old -> new.
+RENAMED_VARIABLES = {"JOBSET_TASKS": "JOBSET_MEMBERS"}
 SAGEMAKER_VARIABLES = ("SM_HOSTS", "SM_CURRENT_HOST")
 _SHOWN_PER_JOB = 3  # addresses the start-up line shows of one role
 
@@ -130,6 +132,35 @@ def renamed_warnings(section: Mapping[str, Any] | None) -> list[str]:
     ]
 
 
+def renamed_variables(environ: Mapping[str, str]) -> Mapping[str, str]:
+    """`environ` with each variable set under its old name (`RENAMED_VARIABLES`) under its new one.
+
+    Raises:
+      UserError: a variable is set under both names, to different values.
+    """
+    renamed = {}
+    for old, new in RENAMED_VARIABLES.items():
+        if old not in environ:
+            continue
+        if environ.get(new, environ[old]) != environ[old]:
+            raise UserError(
+                f"`{old}` ({environ[old]}) and `{new}` ({environ[new]}) are one variable under "
+                f"its old and new name; set only `{new}`."
+            )
+        renamed[new] = environ[old]
+    return {**environ, **renamed} if renamed else environ
+
+
+def renamed_variable_warnings(environ: Mapping[str, str]) -> list[str]:
+    """One warning line for each variable that `environ` sets under its old name."""
+    return [
+        f"warning: `{old}` is now `{new}` (the processes of a cluster are its members); the "
+        f"old name goes in the next release: set `{new}={environ[old]}` instead."
+        for old, new in RENAMED_VARIABLES.items()
+        if old in environ
+    ]
+
+
 def find(
     section: Mapping[str, Any] | None, strategy: str, environ: Mapping[str, str] = os.environ
 ) -> Found:
@@ -165,13 +196,14 @@ def resolve(
     """Finds this process's cluster, checks it, and makes it the `TF_CONFIG` of `environ`.
 
     Call it before any strategy is built. `local` removes a `TF_CONFIG`. A field
-    set under its old name is reported, one line each (`renamed_warnings`).
+    set under its old name, or an environment variable (`renamed_variable_warnings`),
+    is reported, one line each (`renamed_warnings`).
 
     Raises:
       UserError: as `find`; a malformed cluster; or an evaluator member that the
         chief cannot know of (see the module docstring).
     """
-    for warning in renamed_warnings(section):
+    for warning in [*renamed_warnings(section), *renamed_variable_warnings(environ)]:
         report(warning)
     found = find(section, strategy, environ)
     spec = cluster.parse(found.tf_config)
@@ -237,20 +269,21 @@ def jobset_pods(
 
     Returns:
       Each replicated job's pods' DNS names (`<jobset>-<job>-0-<i>.<subdomain>`),
-      in `JOBSET_TASKS` order; this pod's replicated job and completion index.
+      in `JOBSET_MEMBERS` order; this pod's replicated job and completion index.
 
     Raises:
       UserError: as `jobset_tf_config`, or a replicated job not named in `job_names`.
     """
+    environ = renamed_variables(environ)
     _require(
         "jobset", environ, JOBSET_VARIABLES, "set them as deploy/jobset-multi-worker.yaml does"
     )
     jobset, own_type = environ["JOBSET_NAME"], environ["REPLICATED_JOB_NAME"]
-    counts = _jobset_pod_counts(environ["JOBSET_TASKS"], job_names)
+    counts = _jobset_pod_counts(environ["JOBSET_MEMBERS"], job_names)
     if own_type not in counts:
         raise UserError(
-            f"`REPLICATED_JOB_NAME` ({own_type}) is not in `JOBSET_TASKS` "
-            f"({environ['JOBSET_TASKS']}); list every replicated job there with its pod count."
+            f"`REPLICATED_JOB_NAME` ({own_type}) is not in `JOBSET_MEMBERS` "
+            f"({environ['JOBSET_MEMBERS']}); list every replicated job there with its pod count."
         )
     if _index(environ, "JOB_INDEX") != 0:
         raise UserError(
@@ -260,7 +293,8 @@ def jobset_pods(
     index = _index(environ, "JOB_COMPLETION_INDEX")
     if index >= counts[own_type]:
         raise UserError(
-            f"`JOB_COMPLETION_INDEX` is {index}, but `JOBSET_TASKS` ({environ['JOBSET_TASKS']}) "
+            f"`JOB_COMPLETION_INDEX` is {index}, but `JOBSET_MEMBERS` "
+            f"({environ['JOBSET_MEMBERS']}) "
             f"gives `{own_type}` {counts[own_type]} pod(s); make it match the replicated job's "
             "`completions`."
         )
@@ -362,14 +396,14 @@ def _sagemaker_hosts(environ: Mapping[str, str]) -> list[str]:
 
 
 def _jobset_pod_counts(text: str, job_names: tuple[str, ...]) -> dict[str, int]:
-    """`JOBSET_TASKS`, "chief=1,worker=2,ps=1", as replicated job -> pod count."""
+    """`JOBSET_MEMBERS`, "chief=1,worker=2,ps=1", as replicated job -> pod count."""
     counts: dict[str, int] = {}
     for part in text.split(","):
         job, _, count = part.strip().partition("=")
         if job not in job_names or not count.isdigit() or int(count) < 1:
             example = ",".join(f"{t}={n}" for t, n in zip(job_names, (1, 2, 1)))
             raise UserError(
-                f"`JOBSET_TASKS` ({text}) must list each replicated job as `type=pods`, the type "
+                f"`JOBSET_MEMBERS` ({text}) must list each replicated job as `type=pods`, the type "
                 f"one of {', '.join(f'`{t}`' for t in job_names)}, e.g. "
                 f"`{example}`; name the replicated jobs after their roles."
             )

@@ -16,7 +16,8 @@ Glossary:
   `chief` member, or worker 0 when there is none.
 - *lost member*: another member of the cluster whose server no longer answers.
 - *agree*: one member's value on every member, for choices that must not differ
-  between workers that step together (a measured loop length).
+  between workers that step together (a measured loop length); *everyone*:
+  whether a condition holds on every one of them (their input is ready).
 - *restored step*: every worker must resume from the same checkpoint step.
 
 One process (no cluster) trains, is the chief, loses no one, and agrees with
@@ -135,6 +136,14 @@ class Membership:
     def agree(self, value: int) -> int:
         """The chief's `value` on every member: for choices (loop lengths) that must not differ."""
         return self._gather(value)[0] if self._gather else value
+
+    def everyone(self, flag: bool) -> bool:
+        """Whether `flag` holds on every member that steps together (one collective).
+
+        Every such member must ask at the same point, as for `agree`: e.g. whether
+        each one's input is ready for the next block (`data.follow`).
+        """
+        return all(self._gather(int(flag))) if self._gather else flag
 
     def watch_preemption(self) -> contextlib.AbstractContextManager:
         """A watch for SIGTERM, as a context manager around the training loop.

@@ -103,6 +103,8 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
             with tf_start.bounded(timeout, setting, self._cluster.member_name):
                 strategy = self._coordinated_strategy()
             self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+            # The coordinator places each part of a dynamic table on its ps member.
+            self.policy = dataclasses.replace(self.policy, on_ps=True)
         # The update mode, chosen once: synchronous with spare replicas, or asynchronous.
         workers = self._cluster.num_workers
         if self.sync_replicas:

@@ -23,7 +23,7 @@ def towerflow(
     A `Clock` action notes when each block is done. One more step runs after
     the timed ones, untimed: the end-of-run checkpoint comes after it. The
     trainer's printed lines go nowhere (stdout holds the benchmark's table).
-    With a `service` (`trainer.data.service.Service`) the input runs on it.
+    With a `service` (`trainer.data.service_client.Service`) the input runs on it.
     `run.input_wait_ms` gets, for each repetition, the milliseconds a timed
     step waited for its input (the trainer's `input_wait_ms`), where the
     trainer measures it.

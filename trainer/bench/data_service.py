@@ -157,7 +157,7 @@ def _in_trainer_and_on_service(
     The trainer runs on one core and the data worker on another, so the service
     takes the input off the trainer's core.
     """
-    from trainer.data import service
+    from trainer.data import service_client
     from trainer.launch import pick_ports
 
     strategy = contenders.plugin("one_device")
@@ -165,12 +165,14 @@ def _in_trainer_and_on_service(
     steps = loop * sizes.small_loops
     with contextlib.ExitStack() as stack:
         stack.callback(pin, os.getpid(), cores)  # the sweeps after this use every core
-        servers = stack.enter_context(service.LocalService(pick_ports(2)))
+        servers = stack.enter_context(service_client.LocalService(pick_ports(2)))
         if len(cores) > 1:
             pin(os.getpid(), cores[:1])
             pin(servers.procs["data:worker:0"].pid, cores[1:2])
-        workers = service.wait_until_served(servers.address, servers, service.TIMEOUT_S)
-        on_service = service.Service(servers.address, workers, True, "off")
+        workers = service_client.wait_until_served(
+            servers.address, servers, service_client.TIMEOUT_S
+        )
+        on_service = service_client.Service(servers.address, workers, True, "off")
         runs = {}
         for job, config in jobs.items():
             for where, used in (("trainer", None), ("service", on_service)):

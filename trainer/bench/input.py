@@ -141,9 +141,9 @@ class OneBatchForever:
         self.spec = dataset.spec
         self.dataset = dataset
 
-    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0):
+    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0, start_batch=None):
         """The wrapped dataset's `train_fn`, taking its first batch and repeating it."""
-        make = self.dataset.train_fn(global_batch_size, seed, start_step)
+        make = self.dataset.train_fn(global_batch_size, seed, start_step, start_batch)
         return lambda context: make(context).take(1).cache().repeat()
 
 

@@ -329,7 +329,6 @@ def scale(ids: int, batch: int = 1 << 17) -> dict:
     import tensorflow as tf
 
     import configs.default
-    from strategies import sharding
     from trainer import layers
     from trainer.layers import tables
     from trainer.loop import optim
@@ -347,7 +346,7 @@ def scale(ids: int, batch: int = 1 << 17) -> dict:
     strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
 
     def table(capacity: int):
-        with strategy.scope(), sharding.policy("none", num_ps=2):
+        with strategy.scope():  # TF's own strategy: a part per ps member (`sharding.current`)
             layer = layers.DynamicEmbedding(SCALE_DIM, capacity=capacity)
             layer.build()
             optimizer = optim.build(configs.default.get_config().optimizer, 1)  # Adam

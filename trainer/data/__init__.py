@@ -13,8 +13,10 @@ only; features are one tensor, or a dict of named tensors::
 
 The train stream is endless, shuffled anew each epoch from `seed`, and the
 same on every run: `start_step=k` begins exactly where step `k` of a run from
-step 0 would be, so a restarted job sees the batches it would have seen. The
-eval stream is one ordered pass in which every example counts once.
+step 0 would be, so a restarted job sees the batches it would have seen
+(`start_batch=n` instead begins at per-replica batch `n` of the stream, for an
+elastic run whose groups trained other numbers of replicas). The eval stream
+is one ordered pass in which every example counts once.
 
 Sources, one module each, behind that one interface (`base.Dataset`):
 

@@ -78,8 +78,15 @@ class Dataset(Protocol):
     spec: DataSpec
     notes: tuple[str, ...]  # what start-up found worth telling (e.g. rows dropped)
 
-    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
-        """The endless training stream; `start_step=k` begins with the batches of step `k`."""
+    def train_fn(
+        self, global_batch_size: int, seed: int, start_step: int = 0, start_batch: int | None = None
+    ) -> DatasetFn:
+        """The endless training stream; `start_step=k` begins with the batches of step `k`.
+
+        `start_batch`, where given, is the position instead: the per-replica batches
+        of the stream trained before, for a run whose steps had other replica counts
+        (elastic `cluster.elastic.batch=per_replica`).
+        """
         ...
 
     def eval_fn(self, global_batch_size: int) -> DatasetFn:
@@ -171,17 +178,17 @@ class _IndexedSplit:
         """This pipeline's batches of indices, endlessly, a new permutation each epoch.
 
         There is one stream of batches for the whole split, whatever the number of
-        pipelines: pipeline `p` of `P` takes its batches `p, p + P, p + 2P, ...`.
-        So a step sees the same examples with one pipeline feeding every replica
-        (`mirrored`) as with one pipeline per worker (`multi_worker`), and the two
-        train to the same weights. Batch `first` of this pipeline comes first;
-        finding it costs nothing.
+        pipelines: from batch `first` of the stream, pipeline `p` of `P` takes
+        `first + p, first + p + P, first + p + 2P, ...`. So a step sees the same
+        examples with one pipeline feeding every replica (`mirrored`) as with one
+        pipeline per worker (`multi_worker`), and the two train to the same
+        weights; finding batch `first` costs nothing.
         """
         pipelines, pipeline = context.num_input_pipelines, context.input_pipeline_id
         last = tf.constant(self.size - 1, tf.int64)
 
         def indices(number: tf.Tensor) -> tf.Tensor:
-            stream_batch = number * pipelines + pipeline
+            stream_batch = first + number * pipelines + pipeline
             positions = stream_batch * batch + tf.range(batch, dtype=tf.int64)
             epochs, zeros = positions // self.size, tf.zeros([batch], tf.int64)
             # A new permutation of the split for each (seed, epoch).
@@ -192,7 +199,7 @@ class _IndexedSplit:
             )
             return self.begin + offsets
 
-        return tf.data.Dataset.counter(first).map(indices)
+        return tf.data.Dataset.counter().map(indices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,12 +244,14 @@ class _FileSplit:
     ) -> tf.data.Dataset:
         """This pipeline's records in batches, endlessly, reshuffled each epoch.
 
-        Batch `first` of the stream comes first; finding it reads (not parses) the
-        records before it.
+        Each pipeline reads a share of its own: from batch `first` of all of them,
+        this one skips its part, `first / P` batches; finding it reads (not parses)
+        the records before it.
         """
         records = self.records(context, seed)
         records = records.shuffle(self.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-        return records.repeat().skip(first * batch).batch(batch, drop_remainder=True)
+        skip = first // context.num_input_pipelines * batch
+        return records.repeat().skip(skip).batch(batch, drop_remainder=True)
 
 
 _Split = _IndexedSplit | _FileSplit
@@ -268,14 +277,18 @@ class SplitDataset:
     settings: Settings = Settings()
     notes: tuple[str, ...] = ()
 
-    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
+    def train_fn(
+        self, global_batch_size: int, seed: int, start_step: int = 0, start_batch: int | None = None
+    ) -> DatasetFn:
         """The endless, shuffled training stream, as a `dataset_fn` for `tf.distribute`.
 
         Args:
           global_batch_size: examples per step over all replicas.
           seed: fixes the shuffling; the same seed gives the same batches.
           start_step: begin with the batches of this step of a run from step 0.
-            Each step takes one batch for each replica a pipeline feeds.
+            Each step takes one batch for each replica.
+          start_batch: begin with this per-replica batch of the stream instead
+            (a run whose steps had other replica counts; see `stream_position`).
 
         Returns:
           `dataset_fn(input_context)`: full per-replica batches of this pipeline's shard.
@@ -283,7 +296,7 @@ class SplitDataset:
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
             batch = context.get_per_replica_batch_size(global_batch_size)
-            first = batches_before(start_step, context)
+            first = stream_position(start_step, context, start_batch)
             split = self.train_split
             batches = split.shuffled_batches(self.settings.context(context), seed, batch, first)
             return _decoded(batches, split.decode).with_options(self.settings.options())
@@ -340,6 +353,19 @@ def file_split(dataset: Dataset) -> _FileSplit | None:
 def batches_before(step: int, context: tf.distribute.InputContext) -> int:
     """How many batches this pipeline gave steps 0, ..., `step` - 1: one per replica it feeds."""
     return step * max(1, context.num_replicas_in_sync // context.num_input_pipelines)
+
+
+def stream_position(
+    step: int, context: tf.distribute.InputContext, start_batch: int | None = None
+) -> int:
+    """The per-replica batches of the whole stream (every pipeline's) before this run's first.
+
+    `start_batch` where the run says so (elastic `per_replica`: earlier groups
+    trained other counts per step), else `step` steps of this run's replicas.
+    """
+    if start_batch is not None:
+        return start_batch
+    return batches_before(step, context) * context.num_input_pipelines
 
 
 def _shard(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:

@@ -28,9 +28,18 @@ The backlog (records and files waiting, and how far the file being trained
 on is behind the newest: the difference of their modification times) is
 added to each block's metrics (`Follower.figures`).
 
-One input pipeline only: strategies of one process (`one_device`,
-`mirrored`); the sources' start-up checks (a CSV's every value) cover the
-files there at start, later ones are read with the spec found then.
+Strategies whose steps take their batches in order (`Traits.ordered_input`):
+`one_device`, `mirrored`, and `multi_worker`, where each worker's input
+pipeline follows the same files and keeps its share of each global batch of
+the one record stream (its per-replica batches of it, `Dataset.shard`), so a
+step trains on the next global batch whatever the number of workers, and the
+position (the same on every worker) is the chief's to save and every
+worker's to restore. A block starts once the files hold its examples on
+every worker (`Follower.wait`'s `everyone`: a worker whose view of the files
+lags holds the others back). Asynchronous workers (`parameter_server`) take
+batches as they come: refused (`trainer.loop.train`). The sources' start-up
+checks (a CSV's every value) cover the files there at start, later ones are
+read with the spec found then.
 """
 
 from __future__ import annotations
@@ -149,13 +158,21 @@ class Follower:
         while len(self._files) > 1 and self._offset >= self._files[0].records:
             self._offset -= self._files.pop(0).records
 
-    def wait(self, records: int, still_waiting: Callable[[], None]) -> None:
+    def wait(
+        self,
+        records: int,
+        still_waiting: Callable[[], None],
+        everyone: Callable[[bool], bool] = bool,
+    ) -> None:
         """Returns once the ready files hold `records` not trained on.
 
         `still_waiting()` is called between looks (on the main thread, so it
-        may act on SIGTERM: raise to stop waiting).
+        may act on SIGTERM: raise to stop waiting). `everyone(ready)` says
+        whether every worker that steps with this one is ready (it is this
+        one's `ready` alone): all of them look, and call `still_waiting`, the
+        same number of times, as a coordinated preemption watch needs.
         """
-        while self.waiting() < records:
+        while not everyone(self.waiting() >= records):
             still_waiting()
             time.sleep(self.poll_secs)
             self.refresh()
@@ -207,15 +224,17 @@ class FollowedDataset(TrainStreamWrapper):
     follower: Follower | None = None
     decode: Decode | None = None
 
-    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
-        """The files from the checkpointed position on, in order; `seed`, `start_step` unused."""
+    def train_fn(
+        self, global_batch_size: int, seed: int, start_step: int = 0, start_batch: int | None = None
+    ) -> DatasetFn:
+        """The files from the checkpointed position on, in order; `seed`, `start_*` unused.
+
+        Every pipeline reads the whole stream of records in per-replica batches
+        and keeps batches `p, p + P, ...` (pipeline `p` of `P`): each step takes
+        the stream's next `global_batch_size` records over all pipelines.
+        """
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-            if context.num_input_pipelines != 1:
-                raise UserError(
-                    f"`data.follow` reads its files in one input pipeline, and this strategy "
-                    f"runs {context.num_input_pipelines}; use `one_device` or `mirrored`."
-                )
             self.follower.start()
             names = tf.data.Dataset.from_generator(
                 self.follower.names,
@@ -224,6 +243,8 @@ class FollowedDataset(TrainStreamWrapper):
             records = names.flat_map(lambda name, skip: self.follower.read(name).skip(skip))
             batch = context.get_per_replica_batch_size(global_batch_size)
             batches = records.batch(batch, drop_remainder=True)
+            if context.num_input_pipelines > 1:  # this pipeline's share of each global batch
+                batches = batches.shard(context.num_input_pipelines, context.input_pipeline_id)
             batches = batches.map(self.decode, num_parallel_calls=tf.data.AUTOTUNE)
             return batches.prefetch(tf.data.AUTOTUNE)
 

@@ -64,10 +64,10 @@ from trainer.data.base import (
     DatasetFn,
     DataSpec,
     Settings,
-    batches_before,
     check_classes,
     listed,
     ready,
+    stream_position,
 )
 
 SIGNATURE = calls.Signature(
@@ -108,18 +108,23 @@ class PipelineDataset:
     notes: tuple[str, ...] = ()
     files: dict[str, tuple[str, ...]] | None = None
 
-    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
+    def train_fn(
+        self, global_batch_size: int, seed: int, start_step: int = 0, start_batch: int | None = None
+    ) -> DatasetFn:
         """The function's train stream, endless, from the batches of step `start_step`.
 
         Args:
           global_batch_size: examples per step over all replicas.
           seed: unused; the user's pipeline seeds its own shuffles.
           start_step: skip the batches that steps 0, ..., start_step - 1 took.
+          start_batch: skip this pipeline's share of these per-replica batches
+            instead (steps of other replica counts: `base.stream_position`).
         """
         del seed
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-            first = batches_before(start_step, context)
+            position = stream_position(start_step, context, start_batch)
+            first = position // context.num_input_pipelines
             batches = self._call(self.settings.context(context), "train", global_batch_size)
             return batches.repeat().skip(first).with_options(self.settings.options())
 

@@ -232,7 +232,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         return [(r, width) for r in rows] + [shared] + [(r,) for r in rows]
 
     def twin(self, parts: int) -> keras.layers.Layer:
-        with sharding.policy("none", num_ps=parts):
+        with sharding.policy((sharding.current() or sharding.Policy()).with_parts(parts)):
             twin = type(self).from_config(self.get_config())
         twin.table_optimizer = self.table_optimizer
         twin.build()
@@ -471,22 +471,14 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         }
 
 
-def _under_parameter_server() -> bool:
-    strategy = tf.distribute.get_strategy()
-    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
-
-
 def _part_devices() -> list[str | None]:
-    """The device of each part of a table: one per ps task under `parameter_server`.
+    """The device of each part of a table, as the sharding policy says (`part_devices`).
 
-    Elsewhere a part per ps task of the active sharding policy (one outside
-    a policy), all on the strategy's own devices (None).
+    A part per ps member, on it on the coordinator of `parameter_server`;
+    outside a policy one part, on the strategy's own devices (None).
     """
-    policy = sharding.current()  # the plugin's scope says how many ps tasks there are
-    if not _under_parameter_server():
-        return [None] * (policy.num_ps if policy else 1)
-    num_ps = policy.num_ps if policy else tf.distribute.get_strategy().extended._num_ps
-    return [f"/job:ps/task:{task}/device:CPU:0" for task in range(num_ps)]
+    policy = sharding.current()
+    return policy.part_devices() if policy else [None]
 
 
 class _Place:
@@ -520,6 +512,7 @@ class _TablePart:
 
     def __init__(self, layer: DynamicEmbedding, index: int, device: str | None, capacity: int):
         self.layer, self.index, self.device, self.capacity = layer, index, device, capacity
+        self.placed_by = tf.distribute.get_strategy()  # the strategy whose scope placed it
         self.suffix = "" if index == 0 else f"_{index}"
         self.optimizer_slots = 0  # slot variables beside the rows (`trained_by`)
         with self._on_device():
@@ -541,7 +534,7 @@ class _TablePart:
         Not in a traced export: a SavedModel keeps explicit devices, and the
         process that loads it has no ps tasks.
         """
-        placed = self.device and _under_parameter_server()
+        placed = self.device and tf.distribute.get_strategy() is self.placed_by
         return tf.device(self.device) if placed else contextlib.nullcontext()
 
     def build(self) -> None:

@@ -236,15 +236,20 @@ def stop_if_preempted(watch, save: Callable[[int], None], say: Callable[[str], N
 
 
 def follow(
-    follower: Follower, examples_per_step: int, block_steps: int, while_waiting: Callable[[], None]
+    follower: Follower,
+    examples_per_step: int,
+    block_steps: int,
+    while_waiting: Callable[[], None],
+    everyone: Callable[[bool], bool] = bool,
 ) -> list[Action]:
     """Training on files as they arrive (`data.follow`): whole blocks, the position, the backlog.
 
     Blocks end at each multiple of `block_steps`, and each starts once the ready
-    files hold its examples (`while_waiting()` runs between looks: the
-    preemption check). After every block the position moves on by the examples
-    trained on (written to the variables the checkpoint saves: so this action
-    runs first, before a recovery rolls the step back and before the
+    files hold its examples on every worker that steps with this one
+    (`everyone(ready)`, the membership's; `while_waiting()` runs between looks:
+    the preemption check). After every block the position moves on by the
+    examples trained on (written to the variables the checkpoint saves: so this
+    action runs first, before a recovery rolls the step back and before the
     checkpoint), and the backlog joins the metrics: `backlog_files`,
     `backlog_records` and `behind_s` (see `trainer.data.follow`).
     """
@@ -259,7 +264,8 @@ def follow(
 
     @contextlib.contextmanager
     def block(step: int) -> Iterator[None]:
-        follower.wait((block_steps - step % block_steps) * examples_per_step, while_waiting)
+        records = (block_steps - step % block_steps) * examples_per_step
+        follower.wait(records, while_waiting, everyone)
         yield
 
     @contextlib.contextmanager

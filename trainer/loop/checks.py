@@ -85,6 +85,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 ELASTIC_STRATEGIES = ("multi_worker",)  # whose group re-forms at another size
+ELASTIC_BATCHES = ("global", "per_replica")  # `cluster.elastic.batch`: what a re-form keeps
+ELASTIC_LR_SCALINGS = ("linear", "none")  # `cluster.elastic.lr_scaling`, or "module:function"
 
 
 def _check_elastic(config: ml_collections.ConfigDict) -> None:
@@ -116,6 +118,26 @@ def _check_elastic(config: ml_collections.ConfigDict) -> None:
                 f"`cluster.elastic.{field}` ({elastic[field]}) must be >= 0; use e.g. the "
                 "value in configs/default.py."
             )
+    if elastic.get("batch", "global") not in ELASTIC_BATCHES:
+        raise UserError(
+            f"`cluster.elastic.batch` '{elastic.batch}' must be one of "
+            f"{', '.join(ELASTIC_BATCHES)} (what a group of another size keeps); set e.g. "
+            "`--config.cluster.elastic.batch=per_replica`."
+        )
+    if high and elastic.get("batch") == "per_replica" and config.train.epochs:
+        raise UserError(
+            f"`train.epochs` ({config.train.epochs}) would give each group size of "
+            "`cluster.elastic.batch=per_replica` another number of steps (its global batch "
+            "follows the group); set `--config.train.steps` and `--config.train.epochs=0`."
+        )
+    scaling = elastic.get("lr_scaling", "linear")
+    if scaling not in ELASTIC_LR_SCALINGS and ":" not in scaling:
+        raise UserError(
+            f"`cluster.elastic.lr_scaling` '{scaling}' must be one of "
+            f"{', '.join(ELASTIC_LR_SCALINGS)} or 'module.path:function' (of reference_lr, "
+            "reference_batch, global_batch); set e.g. "
+            "`--config.cluster.elastic.lr_scaling=linear`."
+        )
 
 
 def _check_dynamic_table(model: ml_collections.ConfigDict) -> None:

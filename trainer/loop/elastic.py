@@ -17,12 +17,16 @@ new size. What a member does for that (`cluster.elastic.max_workers` > 0):
   trained twice or skipped, for a deterministic pipeline.
 - The global batch stays the same at every size (the optimizer sees the same
   updates); one that does not split over the replicas becomes the nearest
-  one that does, said in one line (`fit_batches`).
+  one that does, said in one line (`fit_batches`). Under
+  `cluster.elastic.batch=per_replica` the per-replica batch stays that of the
+  full group (`max_workers` members) instead, and the learning rate follows
+  the global batch (`keep_per_replica_batch`, `lr_rule`); the input position
+  is then counted in per-replica batches of the stream (`InputPosition`).
 - After the first block of a re-formed group, the chief records the re-form
   (`model_dir/elastic/reforms.json`, listed in `results.json`) and saves a
   checkpoint, after which the survivors' saves are removed; every block's
-  metrics carry the membership (`members`, `replicas`, `per_replica_batch`),
-  so the progress line and TensorBoard show it over time.
+  metrics carry the membership (`members`, `replicas`, `per_replica_batch`,
+  `global_batch`), so the progress line and TensorBoard show it over time.
 
 The launcher tells a re-formed group why and when it re-formed through the
 environment variable `REFORM_VARIABLE` (JSON: `from`, `to`, `why`, `at`).
@@ -40,12 +44,22 @@ import ml_collections
 import tensorflow as tf
 
 from strategies.cluster.roster import REFORM_VARIABLE
-from towerflow import storage
-from towerflow.errors import Reform
+from towerflow import calls, registry, storage
+from towerflow.errors import Reform, UserError
 from trainer.loop.controller import Action, Output
 
 DIRECTORY = "elastic"  # under model_dir: the survivors' saves and reforms.json
 _SAVE = re.compile(r"ckpt-(\d+)-[\w.]+\.index$")
+# The user's rule of `cluster.elastic.lr_scaling` ("module.path:function").
+LR_RULE = calls.Signature(
+    "lr_scaling", ("reference_lr", "reference_batch", "global_batch"), "the learning rate"
+)
+_LR_RULES = {
+    "linear": lambda reference_lr, reference_batch, global_batch: (
+        reference_lr * global_batch / reference_batch
+    ),
+    "none": lambda reference_lr, reference_batch, global_batch: reference_lr,
+}
 
 
 def enabled(config: ml_collections.ConfigDict) -> bool:
@@ -68,14 +82,142 @@ def fit_batches(
         batch = config[section].global_batch_size
         if batch % unit == 0:
             continue
-        lower = max(unit, batch - batch % unit)
-        fitted = lower if batch - lower < lower + unit - batch else lower + unit
+        fitted = _nearest_multiple(batch, unit)
         config[section].global_batch_size = fitted
         say(
             f"elastic: `{section}.global_batch_size` ({batch}) does not split over {unit} "
             f"replicas: using {fitted} ({fitted // unit} each) while this group trains; the "
             "trajectory differs from a run at a size that splits it"
         )
+
+
+def _nearest_multiple(batch: int, unit: int) -> int:
+    """The multiple of `unit` nearest `batch` (ties: the larger), at least `unit`."""
+    lower = max(unit, batch - batch % unit)
+    return lower if batch - lower < lower + unit - batch else lower + unit
+
+
+def per_replica(config: ml_collections.ConfigDict) -> bool:
+    """Whether an elastic job keeps the per-replica batch (`cluster.elastic.batch`)."""
+    return enabled(config) and config.cluster.elastic.get("batch", "global") == "per_replica"
+
+
+def check_batch_kept(config: ml_collections.ConfigDict, model_dir: str) -> None:
+    """A run resuming in `model_dir` keeps the `cluster.elastic.batch` it was trained with.
+
+    Under `per_replica` every checkpoint holds the input position in
+    per-replica batches (`InputPosition`); under `global` (or not elastic) the
+    position is the step. Either read of the other's checkpoint would be wrong.
+
+    Raises:
+      UserError: `config.json` of an earlier run in `model_dir` records the other.
+    """
+    recorded = storage.read_json(os.path.join(model_dir, "config.json"))
+    if not recorded:
+        return
+    before = recorded.get("cluster", {}).get("elastic", {})
+    was = before.get("batch", "global") if before.get("max_workers", 0) > 0 else "global"
+    now = "per_replica" if per_replica(config) else "global"
+    if was != now:
+        raise UserError(
+            f"`--model_dir` '{model_dir}' was trained with `cluster.elastic.batch` '{was}' (its "
+            f"config.json; a non-elastic run counts as 'global'), and this run keeps '{now}', "
+            f"which counts the input position otherwise; resume with "
+            f"`--config.cluster.elastic.batch={was}`, or train into a new `--model_dir`."
+        )
+
+
+def lr_rule(reference: str) -> Callable[[float, int, int], float]:
+    """The rule of `cluster.elastic.lr_scaling`: "linear", "none" or "module.path:function".
+
+    Returns `rule(reference_lr, reference_batch, global_batch)`, the learning
+    rate of a group training `global_batch` examples a step, where the full
+    group trains `reference_batch` at `reference_lr`.
+
+    Raises:
+      UserError: the function cannot be found or called with those parameters.
+    """
+    if reference in _LR_RULES:
+        return _LR_RULES[reference]
+    field = "cluster.elastic.lr_scaling"
+    fn = registry.resolve(
+        field, reference, "a function of (reference_lr, reference_batch, global_batch)"
+    )
+    return calls.adapt(fn, LR_RULE, f"`{field}` '{reference}'")
+
+
+def keep_per_replica_batch(
+    config: ml_collections.ConfigDict, replicas: int, workers: int, say: Callable[[str], None]
+) -> None:
+    """`batch=per_replica`: sets this group's global batch and learning rate, in one line.
+
+    The reference is the full group: `max_workers` members of this member's
+    replicas, training `train.global_batch_size` examples a step (the nearest
+    that splits over them, said) at `optimizer.learning_rate`. Each replica
+    keeps its batch at every size, so the global batch is that times
+    `replicas`, and the rate is the rule's (`lr_rule`) for it.
+
+    Raises:
+      UserError: the rule's rate is not a positive number.
+    """
+    elastic = config.cluster.elastic
+    full = elastic.max_workers * max(1, replicas // max(1, workers))  # the full group's replicas
+    asked = config.train.global_batch_size
+    reference = _nearest_multiple(asked, full * config.train.accumulation_steps)
+    each = reference // full
+    if reference != asked:
+        say(
+            f"elastic: `train.global_batch_size` ({asked}) does not split over the {full} "
+            f"replicas of {elastic.max_workers} members: using {reference} ({each} each) as the "
+            "full group's"
+        )
+    reference_lr, batch = config.optimizer.learning_rate, each * replicas
+    given = lr_rule(elastic.lr_scaling)(reference_lr, reference, batch)
+    try:
+        rate = float(given)
+    except (TypeError, ValueError):
+        rate = float("nan")
+    if not 0 < rate < float("inf"):
+        raise UserError(
+            f"`cluster.elastic.lr_scaling` '{elastic.lr_scaling}' gave {given!r} for a global "
+            f"batch of {batch}; it must return a positive number (the learning rate)."
+        )
+    config.train.global_batch_size, config.optimizer.learning_rate = batch, rate
+    say(
+        f"elastic: per-replica batch {each} kept on {replicas} replicas: global batch {batch} "
+        f"(the full group's: {reference}), learning rate {rate:.6g} (`lr_scaling` "
+        f"{elastic.lr_scaling} of {reference_lr:g})"
+    )
+
+
+class InputPosition(tf.Module):
+    """`batch=per_replica`: where training is in the input stream, in per-replica batches.
+
+    The built-in sources make one stream of per-replica batches whatever the
+    number of replicas; a group of R replicas trains R of them a step. Groups
+    of other sizes trained other numbers a step, so the step alone does not
+    say where the stream is. This holds the origin of the group that trains:
+    the stream's batches before its first step, that step and its replicas.
+    They stay fixed while it trains, so any save at any step (a checkpoint, a
+    survivor's) holds them, and the position at step `s` is
+    `batches + (s - step) * replicas`.
+    """
+
+    def __init__(self):
+        super().__init__(name="elastic_input")
+        self.batches = tf.Variable(0, dtype=tf.int64, trainable=False, name="batches")
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self.replicas = tf.Variable(0, dtype=tf.int64, trainable=False, name="replicas")
+
+    def start(self, step: int, replicas: int) -> int:
+        """The stream's batches before `step` (the restored state's); this group's origin then."""
+        before = int(self.batches.numpy()) + (step - int(self.step.numpy())) * int(
+            self.replicas.numpy()
+        )
+        self.batches.assign(before)
+        self.step.assign(step)
+        self.replicas.assign(replicas)
+        return before
 
 
 def _directory(model_dir: str) -> str:
@@ -186,6 +328,7 @@ def membership(
     members: int,
     replicas: int,
     global_batch: int,
+    learning_rate: float,
     model_dir: str,
     is_chief: bool,
     save: Callable[[int], object],
@@ -196,7 +339,10 @@ def membership(
     Args:
       members: worker processes in this group.
       replicas: replicas over all of them.
-      global_batch: the training global batch (`fit_batches` applied).
+      global_batch: the training global batch (`fit_batches` or
+        `keep_per_replica_batch` applied).
+      learning_rate: `optimizer.learning_rate` of this group (scaled under
+        `batch=per_replica`), for the record.
       model_dir: where the record and the survivors' saves are.
       is_chief: whether this task writes them.
       save: the checkpointer's `save(step)` (called on every task, as the loop does).
@@ -207,7 +353,10 @@ def membership(
 
     def act(output: Output) -> None:
         output.metrics.update(
-            members=members, replicas=replicas, per_replica_batch=global_batch // replicas
+            members=members,
+            replicas=replicas,
+            per_replica_batch=global_batch // replicas,
+            global_batch=global_batch,
         )
         if not first[0]:
             return
@@ -224,6 +373,9 @@ def membership(
             "to": change["to"],
             "why": change["why"],
             "seconds": seconds,
+            "global_batch": global_batch,
+            "per_replica_batch": global_batch // replicas,
+            "learning_rate": learning_rate,
         }
         storage.write_json(
             os.path.join(_directory(model_dir), "reforms.json"), [*reforms(model_dir), record]

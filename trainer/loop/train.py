@@ -23,8 +23,7 @@ from strategies.cluster import discovery, scratch
 from towerflow import calls, storage
 from towerflow.errors import UserError
 from trainer import data, layers
-from trainer.data import follow, labels, wait
-from trainer.data import service as data_service
+from trainer.data import follow, labels, service_client, wait
 from trainer.loop import (
     actions,
     checks,
@@ -69,6 +68,8 @@ class Job:
     follower: follow.Follower | None = None  # the files of `data.follow` and the position in them
     warm_start: warm_start.Plan | None = None  # what `train.warm_start` loads into a fresh run
     counted: elastic.CountedStep | None = None  # elastic: the step every variable holds
+    # Elastic `batch=per_replica`: the input position in per-replica batches, checkpointed.
+    input_position: elastic.InputPosition | None = None
 
 
 def train_and_evaluate(
@@ -101,16 +102,16 @@ def train_and_evaluate(
         return {}
     if member.role == "evaluate":
         return sidecar_evaluate(build(config, model_dir, strategy))
-    if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service`)
+    if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service_client`)
         return run(build(config, model_dir, strategy), mode, extra_actions)
-    with data_service.started(config.data, strategy.traits.ordered_input, say) as service:
+    with service_client.started(config.data, strategy.traits.ordered_input, say) as service:
         return run(build(config, model_dir, strategy, service), mode, extra_actions)
 
 
 def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
     """Checks the config, sets up devices and builds the strategy plugin."""
     checks.check_config(config)
-    data_service.check(config.data)  # before a cluster is joined
+    service_client.check(config.data)  # before a cluster is joined
     # The cluster becomes this process's `TF_CONFIG` before any plugin reads it.
     cluster_line = discovery.resolve(config.get("cluster"), config.strategy.name).line()
     if cluster_line:
@@ -124,6 +125,12 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
             f"`train.jit_compile` does not work under `{name}`, whose variables live away from "
             "the devices that compute; set `--config.train.jit_compile=False`, or use "
             "`mirrored` or `one_device`."
+        )
+    if config.data.get("follow", False) and not plugin.traits.ordered_input:
+        raise UserError(
+            f"`data.follow` trains on each record once, in order, and `strategy.name` '{name}' "
+            "lets workers take batches as they come, so records would train twice or never "
+            "across restarts; use `multi_worker`, `mirrored` or `one_device`."
         )
     if not plugin.traits.gradient_transfer:
         transfer.refuse(options, name)
@@ -147,15 +154,20 @@ def build(
     config: ml_collections.ConfigDict,
     model_dir: str,
     strategy: strategies.Strategy | None = None,
-    service: data_service.Service | None = None,
+    service: service_client.Service | None = None,
 ) -> Job:
     """Builds strategy, data, model and optimizer and checks them; writes nothing.
 
-    With a `service` (`data_service.started`), the training input runs on it.
+    With a `service` (`service_client.started`), the training input runs on it.
     """
     strategy = strategy or make_strategy(config)
+    replicas = strategy.num_replicas_in_sync
+    if elastic.per_replica(config):  # each replica's batch kept, the global batch follows
+        cluster = strategy.membership.cluster
+        workers = cluster.num_workers if cluster else 1
+        elastic.keep_per_replica_batch(config, replicas, workers, say)
     if elastic.enabled(config):  # a re-formed group may not split the batch the user chose
-        elastic.fit_batches(config, strategy.num_replicas_in_sync, say)
+        elastic.fit_batches(config, replicas, say)
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
     custom_step = getattr(user_task, "train_step", None)
@@ -180,9 +192,11 @@ def build(
     else:  # every task reads model_dir; the chief alone checks that it can be written
         storage.check_scheme(model_dir, "--model_dir")
     _check_class_names(model_dir, dataset.spec.class_names)
+    if config.get("cluster"):  # the input position of a resumed run is read as it was written
+        elastic.check_batch_kept(config, model_dir)
     data.check(dataset)
     follower = follow.follower_of(dataset)
-    dataset = data_service.wrap(dataset, service, model_dir)
+    dataset = service_client.wrap(dataset, service, model_dir)
     # TensorFlow refuses clocks under op determinism (`train.deterministic`).
     timed = strategy.traits.ordered_input and not config.train.deterministic
     input_wait = wait.InputWait() if timed else None
@@ -214,6 +228,7 @@ def build(
         input_wait,
         follower,
         warm,
+        input_position=elastic.InputPosition() if elastic.per_replica(config) else None,
     )
 
 
@@ -386,7 +401,7 @@ def _results(job: Job, train: dict, evaluation: dict, placement: dict, wall_s: f
         "eval": evaluation,
         "wall_time_s": round(wall_s, 3),
         "placement": placement,
-        "input": {k: v for k, v in data_service.describe(job.dataset).items() if k != "line"},
+        "input": {k: v for k, v in service_client.describe(job.dataset).items() if k != "line"},
     }
     tables = layers.describe_tables(job.model)
     if tables:  # each dynamic table's policy, where its parts are, the ids they hold
@@ -394,7 +409,13 @@ def _results(job: Job, train: dict, evaluation: dict, placement: dict, wall_s: f
             name: {k: v for k, v in t.items() if k != "line"} for name, t in tables.items()
         }
     if elastic.enabled(job.config):
-        results["elastic"] = {"reforms": elastic.reforms(job.model_dir)}
+        config = job.config
+        results["elastic"] = {
+            "batch": "per_replica" if elastic.per_replica(config) else "global",
+            "global_batch": config.train.global_batch_size,  # this, the last group's
+            "learning_rate": config.optimizer.learning_rate,  # its peak rate
+            "reforms": elastic.reforms(job.model_dir),
+        }
     if job.dataset.spec.class_names:  # what each class index of the metrics and export is
         results["class_names"] = list(job.dataset.spec.class_names)
     return results
@@ -465,7 +486,9 @@ def sidecar_evaluate(job: Job) -> dict:
 
 def checkpointed(job: Job) -> dict:
     """What a checkpoint of `job` holds: the `Checkpointer`'s objects (also the benchmark's)."""
-    follower = getattr(job, "follower", None)  # none where a job is a model and optimizer only
+    # None where a job is a model and optimizer only (the benchmark's).
+    follower = getattr(job, "follower", None)
+    position = getattr(job, "input_position", None)
     return {
         "model": job.model,
         "optimizer": job.optimizer,
@@ -478,6 +501,8 @@ def checkpointed(job: Job) -> dict:
         "tables": layers.table_indexes(job.model),
         # `data.follow`: the file being trained on and the records of it trained on.
         **({"input": follower.position} if follower else {}),
+        # Elastic `batch=per_replica`: the stream's batches before the group's first step.
+        **({"elastic_input": position} if position else {}),
     }
 
 
@@ -520,7 +545,7 @@ def _train(
     if elastic.enabled(config):  # a survivor saves the step its variables hold
         local = len(strategy.tf_strategy.extended.worker_devices)  # this process's replicas
         job.counted = train_step = elastic.CountedStep(train_step, step, local)
-    iterator = iter(strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, step)))
+    iterator = iter(strategy.distribute_dataset(_train_stream(job, gb, step)))
     if job.input_wait is not None:  # each batch's wait, as the loop of steps reads it
         iterator = job.input_wait.timed(iterator)
 
@@ -543,6 +568,14 @@ def _train(
     if last and last.stopped:
         say(f"stopped at step {last.step}: {last.stopped}")
     return last.metrics if last else {}
+
+
+def _train_stream(job: Job, global_batch: int, step: int):
+    """The training `dataset_fn` from `step`: from the stream's batch, where groups differed."""
+    if job.input_position is None:
+        return job.dataset.train_fn(global_batch, job.config.seed, step)
+    first = job.input_position.start(step, job.strategy.num_replicas_in_sync)
+    return job.dataset.train_fn(global_batch, job.config.seed, step, start_batch=first)
 
 
 def _actions(
@@ -607,7 +640,10 @@ def _follow_actions(job: Job, watch, checkpointer: Checkpointer) -> list[actions
         actions.stop_if_preempted(watch, checkpointer.save, say, _step(job))
 
     block = config.train.steps_per_loop or _FOLLOW_BLOCK_STEPS
-    return actions.follow(job.follower, config.train.global_batch_size, block, while_waiting)
+    everyone = job.strategy.membership.everyone  # workers that step together start together
+    return actions.follow(
+        job.follower, config.train.global_batch_size, block, while_waiting, everyone
+    )
 
 
 def _export_actions(job: Job) -> list[actions.Action]:
@@ -626,6 +662,7 @@ def _membership(job: Job, checkpointer: Checkpointer) -> actions.Action:
         member.cluster.num_workers if member.cluster else 1,
         strategy.num_replicas_in_sync,
         job.config.train.global_batch_size,
+        job.config.optimizer.learning_rate,
         job.model_dir,
         member.is_chief,
         checkpointer.save,
@@ -644,6 +681,8 @@ def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attem
             "`optimizer.learning_rate` or set `optimizer.clip_global_norm`, then rerun."
         )
     checkpointer.restore(good)
+    if job.input_position is not None:  # `good` may be an earlier group's: this group's origin
+        job.input_position.start(_step(job), job.strategy.num_replicas_in_sync)
     say(
         f"loss {loss:.4g} blew up by step {step}: restored {good} (step {_step(job)}), "
         f"recovery {attempt} of {limit}; going on with fresh data"
@@ -684,7 +723,7 @@ def _log_start(job: Job, placement: dict, summaries: Summaries) -> None:
     _tell(job, f"{_what(job)} | steps: {steps} | global batch: {batch}{micro_batches}")
     for note in job.dataset.notes:
         _tell(job, note)
-    _tell(job, data_service.describe(job.dataset)["line"])
+    _tell(job, service_client.describe(job.dataset)["line"])
     for table in layers.describe_tables(job.model).values():
         _tell(job, table["line"])
     if strategy.membership.is_chief:
@@ -723,7 +762,7 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
             parts.append(f"lr: {value:.2e}")
         elif name.endswith("_per_sec"):
             parts.append(f"{name.removesuffix('_per_sec')}/s: {value:.1f}")
-        elif name in ("examples", "members", "replicas", "per_replica_batch"):
+        elif name in ("examples", "members", "replicas", "per_replica_batch", "global_batch"):
             parts.append(f"{name}: {int(value)}")
         elif name == "ids_held":  # in the dynamic tables
             parts.append(f"ids: {int(value)}")

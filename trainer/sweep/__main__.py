@@ -298,9 +298,7 @@ def _stop(
     )
     procs = [run.proc for run in runs]
     processes.terminate(procs, grace_s, interrupt, console)
-    for proc in procs:
-        processes.signal_group(proc, signal.SIGKILL)
-        proc.wait()
+    processes.reap(procs)
     for run in runs:
         _finish(run, rows[run.trial.name], console)
         row = rows[run.trial.name]
@@ -381,11 +379,9 @@ def _sharing_input(
     cache). A trial joins the stream where it is when it starts: trials that run
     side by side read the same batches; one started later reads on from there.
     """
-    from towerflow.processes import pick_ports
-    from trainer.data import service  # TensorFlow, only when asked for
+    from trainer.data import service_client  # TensorFlow, only when asked for
 
-    servers = stack.enter_context(service.LocalService(pick_ports(2), console))
-    service.wait_until_served(servers.address, servers, service.TIMEOUT_S)
+    servers = stack.enter_context(service_client.serving_locally(1, console))
     groups: dict[str, list[Trial]] = {}
     for trial in trials:
         groups.setdefault(_pipeline_key(trial.config), []).append(trial)

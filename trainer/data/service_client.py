@@ -1,11 +1,12 @@
-"""Input on TensorFlow's tf.data service: `data.service`.
+"""`data.service`: the trainer's side (the client) of TensorFlow's tf.data service.
 
 A pipeline is still the source's `dataset_fn`; `data.service` only says where
 it runs:
 
 - `""`: in the trainer's own process (the default);
 - `"local:N"`: on a dispatcher and N data workers that the trainer starts as
-  child processes beside it (`python -m trainer.data_service`), and stops with
+  child processes beside it (the servers' command, `python -m
+  trainer.data_service`; `LocalService`), and stops with
   it; their output is prefixed `[data:dispatcher]`, `[data:worker:0]`, ...;
 - `"grpc://host:port"`: on a dispatcher (and its workers) that runs elsewhere.
 
@@ -56,9 +57,7 @@ import dataclasses
 import hashlib
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -139,13 +138,17 @@ class ServiceDataset(TrainStreamWrapper):
     service: Service
     name: str
 
-    def train_fn(self, global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
+    def train_fn(
+        self, global_batch_size: int, seed: int, start_step: int = 0, start_batch: int | None = None
+    ) -> DatasetFn:
         """The source's training stream, made by the data workers (see the module docstring)."""
-        source = self.inner.train_fn(global_batch_size, seed, start_step)
+        source = self.inner.train_fn(global_batch_size, seed, start_step, start_batch)
+        # Where the stream starts names its jobs: a step, or a batch of the stream.
+        origin = start_step if start_batch is None else f"b{start_batch}"
         service = self.service
         if service.sharding == "dynamic":
             distribute = tf.data.experimental.service.distribute(
-                "distributed_epoch", service.address, job_name=f"{self.name}-from-{start_step}"
+                "distributed_epoch", service.address, job_name=f"{self.name}-from-{origin}"
             )
 
             def one_stream(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -159,7 +162,7 @@ class ServiceDataset(TrainStreamWrapper):
 
         def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
             # Trials resumed at another step make other batches: a stream of their own.
-            job = f"{service.job}-{start_step}-{context.input_pipeline_id}" if service.job else None
+            job = f"{service.job}-{origin}-{context.input_pipeline_id}" if service.job else None
             return source(context).apply(
                 tf.data.experimental.service.distribute(
                     "parallel_epochs", service.address, job_name=job, cross_trainer_cache=cache
@@ -252,9 +255,7 @@ def started(
     with contextlib.ExitStack() as stack:
         local = None
         if workers is not None:
-            from towerflow.processes import pick_ports  # (the launcher itself imports this module)
-
-            local = stack.enter_context(LocalService(pick_ports(workers + 1)))
+            local = stack.enter_context(LocalService(processes.pick_ports(workers + 1)))
             address = local.address
         counted = wait_until_served(address, local, timeout_s)
         answering = workers if local is not None else counted  # local ones may still register
@@ -284,7 +285,6 @@ class LocalService:
 
         `console` gets their output, prefixed.
         """
-        self._console = console or processes.Console()
         self.address = f"grpc://{_LOOPBACK}:{ports[0]}"
         dispatcher = f"{_LOOPBACK}:{ports[0]}"
         module = [sys.executable, "-m", "trainer.data_service"]
@@ -302,17 +302,13 @@ class LocalService:
             },
         }
         self.ports = dict(zip(self.commands, ports, strict=True))
-        self.procs: dict[str, subprocess.Popen] = {}
-        self._pumps: list[threading.Thread] = []
+        self._group = processes.Group(console)
+        self.procs = self._group.procs  # name -> process, once started
 
     def __enter__(self) -> LocalService:
         env = {**os.environ, "TF_CONFIG": ""}
         for name, command in self.commands.items():
-            proc, pump = processes.start_process(
-                command, env, lambda line, name=name: self._console.write(name, line)
-            )
-            self.procs[name] = proc
-            self._pumps.append(pump)
+            self._group.start(name, command, env)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -320,24 +316,32 @@ class LocalService:
 
     def stop(self) -> None:
         """SIGTERM to every server, SIGKILL to those still there after a few seconds."""
-        for proc in self.procs.values():
-            processes.signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + _STOP_S
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            processes.signal_group(proc, signal.SIGKILL)
-            proc.wait()
-        for pump in self._pumps:
-            pump.join(timeout=1.0)
+        self._group.stop(_STOP_S)
 
     def ended(self) -> list[tuple[str, int]]:
         """The servers that have exited, with their exit codes."""
-        return [(name, p.returncode) for name, p in self.procs.items() if p.poll() is not None]
+        return self._group.ended()
 
     def describe(self, name: str) -> str:
         """E.g. "data:worker:1 (127.0.0.1:4242, pid 99)"."""
         return f"{name} ({_LOOPBACK}:{self.ports[name]}, pid {self.procs[name].pid})"
+
+
+@contextlib.contextmanager
+def serving_locally(
+    workers: int, console: processes.Console | None = None
+) -> Iterator[LocalService]:
+    """A dispatcher and `workers` data workers on free ports of 127.0.0.1, answering.
+
+    For the commands that start a service for their trainers (`trainer.launch
+    --data_workers`, `trainer.sweep --share_input`); stopped on the way out.
+
+    Raises:
+      UserError: a server exited, or none answered within `TIMEOUT_S`.
+    """
+    with LocalService(processes.pick_ports(workers + 1), console) as servers:
+        wait_until_served(servers.address, servers, TIMEOUT_S)
+        yield servers
 
 
 def _host_port(address: str) -> tuple[str, int]:

@@ -1,0 +1,173 @@
+"""What a local cluster starts: its members, their ports and `TF_CONFIG`s (`Plan`).
+
+`trainer.launch` plans a cluster here and runs the plan with
+`trainer.launch.running`; nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import configs.default
+from strategies.cluster import tf_config as cluster
+from towerflow.errors import UserError
+from towerflow.processes import LOOPBACK, pick_ports
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One member of a local cluster: a process (a TF_CONFIG "task").
+
+    Attributes:
+      type: "chief", "worker", "ps" or "evaluator".
+      index: the task's index within its type.
+      address: "127.0.0.1:port" of its server; None for the evaluator, which runs none.
+      tf_config: the `TF_CONFIG` it runs with.
+    """
+
+    type: str
+    index: int
+    address: str | None
+    tf_config: str
+    label: str = ""  # an elastic job's name for it, the same in every group ("member:2")
+
+    @property
+    def name(self) -> str:
+        """How its output lines are prefixed: "chief", "worker:1", "ps:0", "evaluator"."""
+        if self.label:
+            return self.label
+        return self.type if self.type in ("chief", "evaluator") else f"{self.type}:{self.index}"
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether the cluster ends with this task."""
+        return cluster.parse(self.tf_config).is_chief
+
+
+def plan_cluster(
+    workers: int, ps: int = 0, chief: bool = False, evaluator: bool = False, port_base: int = 0
+) -> list[Member]:
+    """The tasks of a local cluster, each with its address and `TF_CONFIG`.
+
+    Args:
+      workers: number of `worker` tasks (at least 1).
+      ps: number of parameter servers; more than 0 also adds a `chief` (the coordinator).
+      chief: add a `chief` task even without parameter servers.
+      evaluator: add an `evaluator`. It runs no server, but it is listed in every
+        task's `TF_CONFIG` so that the trainers know a sidecar evaluates for them.
+      port_base: 0 picks free ports on 127.0.0.1; otherwise the first of consecutive ports.
+
+    Raises:
+      UserError: a count is out of range, or a port given by `port_base` is in use.
+    """
+    if workers < 1:
+        raise UserError(f"`--workers` ({workers}) must be at least 1; pass e.g. `--workers=2`.")
+    if ps < 0:
+        raise UserError(f"`--ps` ({ps}) must be 0 or more; pass 0 for no parameter servers.")
+    servers = [("chief", 0)] if chief or ps else []
+    servers += [("worker", i) for i in range(workers)] + [("ps", i) for i in range(ps)]
+    ports = pick_ports(len(servers) + evaluator, port_base)
+    addresses = [f"{LOOPBACK}:{port}" for port in ports]
+    jobs: dict[str, list[str]] = {}
+    for (task_type, _), address in zip(servers, addresses, strict=False):
+        jobs.setdefault(task_type, []).append(address)
+    if evaluator:
+        jobs["evaluator"] = [addresses[-1]]
+    tasks = [
+        Member(task_type, index, address, cluster.make_tf_config(jobs, task_type, index))
+        for (task_type, index), address in zip(servers, addresses, strict=False)
+    ]
+    if evaluator:
+        tasks.append(Member("evaluator", 0, None, cluster.make_tf_config(jobs, "evaluator", 0)))
+    return tasks
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A local cluster to run: its topology, the command of its members, its restarts.
+
+    Attributes:
+      command: what every member runs, e.g. `(sys.executable, "-m", "trainer", ...)`.
+      workers: `worker` members (at least 1).
+      ps: parameter servers; more than 0 also adds a `chief` (the coordinator).
+      chief: a `chief` member even without parameter servers.
+      evaluator: an `evaluator` member beside training.
+      port_base: 0 picks free ports on 127.0.0.1; otherwise the first of consecutive ports.
+      restarts: how many times a failed cluster starts again, on fresh ports.
+    """
+
+    command: tuple[str, ...]
+    workers: int
+    ps: int = 0
+    chief: bool = False
+    evaluator: bool = False
+    port_base: int = 0
+    restarts: int = 0
+
+    def __post_init__(self):
+        if self.restarts < 0:
+            raise UserError(
+                f"`--restarts` ({self.restarts}) must be 0 or more; pass 0 for no restarts."
+            )
+
+    def members(self) -> list[Member]:
+        """The members of one attempt, on ports picked now (`plan_cluster`)."""
+        return plan_cluster(self.workers, self.ps, self.chief, self.evaluator, self.port_base)
+
+    def with_command(self, *more: str) -> Plan:
+        """This plan with `more` arguments after its command."""
+        return dataclasses.replace(self, command=(*self.command, *more))
+
+
+def elastic_command(command: Sequence[str], low: int, high: int) -> list[str]:
+    """`command` with the elastic job's size (`cluster.elastic.min_workers`, `max_workers`)."""
+    return [
+        *command,
+        f"--config.cluster.elastic.min_workers={low}",
+        f"--config.cluster.elastic.max_workers={high}",
+    ]
+
+
+def elastic_settings(command: Sequence[str]) -> dict:
+    """`cluster.elastic`'s launcher settings: from `--config.cluster.elastic.X=V`, else defaults."""
+    defaults = configs.default.get_config().cluster.elastic
+    settings = {
+        "max_restarts": defaults.max_restarts,
+        "cooldown_s": defaults.cooldown_s,
+        "rendezvous_timeout": defaults.rendezvous_timeout,
+    }
+    for arg in command:
+        name, _, value = arg.removeprefix("--config.cluster.elastic.").partition("=")
+        if arg.startswith("--config.cluster.elastic.") and name in settings:
+            try:
+                settings[name] = type(settings[name])(value)
+            except ValueError:
+                raise UserError(
+                    f"`cluster.elastic.{name}` ({value!r}) must be a number; e.g. "
+                    f"`--config.cluster.elastic.{name}={settings[name]}`."
+                ) from None
+    return settings
+
+
+def parse_workers(text: str) -> tuple[int, int, bool]:
+    """`--workers`: "N", or "MIN:MAX" for an elastic job; (low, high, elastic).
+
+    Raises:
+      UserError: not a count or a range of counts, or MIN > MAX.
+    """
+    low, colon, high = text.partition(":")
+    try:
+        counts = (int(low), int(high) if colon else int(low))
+    except ValueError:
+        raise UserError(
+            f"`--workers` ({text!r}) must be a count (`--workers=3`) or MIN:MAX for an elastic "
+            "job (`--workers=2:4`)."
+        ) from None
+    if colon and not 1 <= counts[0] <= counts[1]:
+        raise UserError(
+            f"`--workers` ({text}) must be MIN:MAX with 1 <= MIN <= MAX (an elastic job trains "
+            f"with at least MIN members, at most MAX); pass e.g. `--workers={counts[1]}:"
+            f"{max(counts)}`."
+        )
+    return counts[0], counts[1], bool(colon)

@@ -1,0 +1,346 @@
+"""Running a planned local cluster: its members as processes until the chief ends or one fails.
+
+`Cluster` runs one attempt of a `trainer.launch.plan.Plan`'s members,
+`ElasticGroup` one group of an elastic job, `run_attempts` a plan with its
+restarts. Each member runs in its own process group (`towerflow.processes`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from strategies.cluster.roster import Roster
+from towerflow.errors import (
+    PREEMPTED_EXIT_CODE,
+    REFORM_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+)
+from towerflow.processes import (
+    Console,
+    Interrupt,
+    reap,
+    signal_group,
+    start_process,
+    terminate,
+)
+from trainer.launch.plan import Member, Plan
+
+GRACE_S = 15.0  # how long the other tasks may run on after the chief is done
+KILL_AFTER_S = 5.0  # how long a task may take to exit after SIGTERM before SIGKILL
+REPORT_S = 10.0  # how long the chief may take to report a failed task before the cluster stops
+_POLL_S = 0.1
+MAX_MEMBER_RESTARTS = 3  # a parameter-server worker that fails is started again this often
+REFORM_WAIT_S = 60.0  # how long an elastic group's survivors may take to save and exit
+SETTLE_S = 15.0  # still running this long after a survivor saved: hung (> watchdog probes)
+_PROGRESS = "train | step: "  # the chief's progress line: the group trains
+
+
+class Cluster:
+    """Runs one set of tasks as local processes until the chief ends or a task fails.
+
+    Each task runs in its own process group, so stopping it stops its children too.
+    """
+
+    def __init__(
+        self,
+        tasks: Sequence[Member],
+        command: Sequence[str],
+        console: Console | None = None,
+        grace_s: float = GRACE_S,
+        kill_after_s: float = KILL_AFTER_S,
+        report_s: float = REPORT_S,
+        interrupt: Interrupt | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        """Creates the cluster; nothing starts before `run`.
+
+        Args:
+          tasks: from `plan_cluster`.
+          command: what every task runs, e.g. `[sys.executable, "-m", "trainer", ...]`.
+          console: where the tasks' prefixed output goes (default: stdout).
+          grace_s: how long the other tasks may run on after the chief ends.
+          kill_after_s: how long a task may take to exit after SIGTERM before SIGKILL.
+          report_s: how long the chief may take to report a failed task before the stop.
+          interrupt: a signal recorded here stops the cluster; `run` then returns its code.
+          env: more environment variables for every task.
+        """
+        self.tasks = list(tasks)
+        self.command = list(command)
+        self.console = console or Console()
+        self.grace_s = grace_s
+        self.kill_after_s = kill_after_s
+        self.report_s = report_s
+        self.interrupt = interrupt or Interrupt()
+        self.env = dict(env or {})
+        self.max_task_restarts = MAX_MEMBER_RESTARTS
+        self._procs: dict[Member, subprocess.Popen] = {}
+        self._pumps: list[threading.Thread] = []
+        self._member_restarts: dict[Member, int] = {}
+
+    def run(self) -> int:
+        """Starts every task and waits; returns the chief's exit status, or the failed task's.
+
+        Every process is stopped on the way out, whatever happens.
+        """
+        atexit.register(self.stop)
+        try:
+            for task in self.tasks:
+                self._start(task)
+            return self._wait()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stops every task and its children: SIGTERM, then SIGKILL after `kill_after_s`.
+
+        The trainers go first (the chief; under `multi_worker` every worker, as
+        they save at one agreed step), then the servers of a parameter-server
+        cluster (its ps and worker tasks), once the trainers have exited or
+        their time is up: the chief's final save reads the variables from the
+        ps tasks and may still run steps on the workers. Stopped by a signal,
+        the trainers get `grace_s` instead (if longer) to save. A second signal
+        kills them all at once. If an exception cuts this short, the `atexit`
+        hook, still registered, runs it again.
+        """
+        wait_s = self.kill_after_s
+        running = [task.name for task, proc in self._procs.items() if proc.poll() is None]
+        if running and self.interrupt.signal is not None:
+            wait_s = max(wait_s, self.grace_s)
+            self.console.log(
+                f"stopping {', '.join(running)}: up to {wait_s:g} s to save and exit "
+                "(signal again to kill them now)"
+            )
+        elif running:
+            self.console.log(f"stopping {', '.join(running)}")
+        servers = self._servers()
+        trainers = [proc for task, proc in self._procs.items() if task not in servers]
+        rest = [proc for task, proc in self._procs.items() if task in servers]
+        killed = not terminate(trainers, wait_s, self.interrupt, self.console)
+        if not killed and rest:
+            terminate(rest, self.kill_after_s, self.interrupt, self.console)
+        reap(list(self._procs.values()), self._pumps)
+        self._procs.clear()
+        self._pumps.clear()
+        atexit.unregister(self.stop)
+
+    def _servers(self) -> set[Member]:
+        """The tasks that only serve the chief: the ps and workers of a parameter-server cluster."""
+        if not any(task.type == "ps" for task in self.tasks):
+            return set()
+        return {task for task in self.tasks if task.type in ("ps", "worker")}
+
+    def _start(self, task: Member) -> None:
+        env = {**os.environ, **self.env, "TF_CONFIG": task.tf_config}
+        proc, pump = start_process(self.command, env, self._writer(task))
+        self._procs[task] = proc
+        self._pumps.append(pump)
+
+    def _writer(self, task: Member) -> Callable[[str], None]:
+        """Where `task`'s output lines go: the console, prefixed with its name."""
+        return functools.partial(self.console.write, task.name)
+
+    def _restartable(self, task: Member) -> bool:
+        """A parameter-server cluster tolerates a lost worker: start it again, a few times."""
+        has_ps = any(t.type == "ps" for t in self.tasks)
+        if task.type != "worker" or not has_ps:
+            return False
+        self._member_restarts[task] = self._member_restarts.get(task, 0) + 1
+        return self._member_restarts[task] <= self.max_task_restarts
+
+    def _wait(self) -> int:
+        chief = next(task for task in self.tasks if task.is_chief)
+        others = {task: proc for task, proc in self._procs.items() if task != chief}
+        while (code := self._procs[chief].poll()) is None:
+            if self._interrupted():
+                return self.interrupt.code
+            for task, proc in list(others.items()):
+                if not proc.poll():  # running, or ended well
+                    continue
+                if self._restartable(task):
+                    self.console.log(
+                        f"{task.name} {_ended(proc.returncode)}; restarting it (attempt "
+                        f"{self._member_restarts[task]} of {self.max_task_restarts}); the "
+                        "coordinator re-schedules its work"
+                    )
+                    self._start(task)
+                    others[task] = self._procs[task]
+                    continue
+                return self._after_failure(task, proc.returncode, chief)
+            time.sleep(_POLL_S)
+        label = chief.name if chief.type == "chief" else f"{chief.name} (the chief)"
+        self.console.log(f"{label} {_ended(code)}")
+        if code == 0 and any(proc.poll() is None for proc in others.values()):
+            self.console.log(f"waiting up to {self.grace_s:g} s for the other tasks to end")
+            deadline = time.monotonic() + self.grace_s
+            while time.monotonic() < deadline and any(p.poll() is None for p in others.values()):
+                if self._interrupted():
+                    return self.interrupt.code
+                time.sleep(_POLL_S)
+        return _exit_status(code)
+
+    def _interrupted(self) -> bool:
+        if self.interrupt.signal is None:
+            return False
+        self.console.log(f"got {signal.Signals(self.interrupt.signal).name}")
+        return True
+
+    def _after_failure(self, task: Member, code: int, chief: Member) -> int:
+        """A task other than the chief failed: let the chief end on its own first, briefly.
+
+        A preempted task (exit 143) is saving with the others at one agreed step:
+        they get `grace_s` to finish. Otherwise the chief gets `report_s` to
+        notice the loss and say which task it lost, before the cluster is stopped.
+        """
+        preempted = code == PREEMPTED_EXIT_CODE
+        wait_s = self.grace_s if preempted else self.report_s
+        action = "letting the others save" if preempted else "letting the chief report"
+        self.console.log(f"{task.name} {_ended(code)}; {action} (up to {wait_s:g} s)")
+        deadline = time.monotonic() + wait_s
+        while self._procs[chief].poll() is None and time.monotonic() < deadline:
+            if self._interrupted():
+                return self.interrupt.code
+            time.sleep(_POLL_S)
+        chief_code = self._procs[chief].poll()
+        if chief_code is not None:
+            self.console.log(f"{chief.name} {_ended(chief_code)}")
+            if preempted:
+                return _exit_status(chief_code)
+        return _exit_status(code)
+
+
+class ElasticGroup(Cluster):
+    """One group of an elastic `multi_worker` job: it trains until the job ends or it re-forms.
+
+    A member that fails makes the others save the step they all completed and
+    exit with `REFORM_EXIT_CODE` (`trainer.loop.elastic`); a member of the
+    roster that becomes ready again (its cool-down over), once the group has
+    trained a block, makes the group save at its next block boundary (SIGTERM
+    to every member: they agree on the step, exit 143). Either way `run`
+    returns `REFORM_EXIT_CODE`, with `lost` the members to cool down and `why`
+    the change, for the launcher to form the next group.
+    """
+
+    def __init__(self, tasks, command, roster: Roster, console, grace_s, interrupt, env):
+        super().__init__(tasks, command, console, grace_s, interrupt=interrupt, env=env)
+        self.roster = roster
+        self.lost: list[str] = []
+        self.why = ""
+        self.changed_at = 0.0  # time.time() when the change began
+        self._trained = threading.Event()  # the chief reported a block
+
+    def _writer(self, task: Member) -> Callable[[str], None]:
+        write = super()._writer(task)
+
+        def watched(line: str) -> None:
+            if task is self.tasks[0] and _PROGRESS in line:
+                self._trained.set()
+            write(line)
+
+        return watched
+
+    def _wait(self) -> int:
+        chief, growing = self.tasks[0], False
+        while (code := self._procs[chief].poll()) != 0:
+            if self._interrupted():
+                return self.interrupt.code
+            ended = {task: proc.returncode for task, proc in self._procs.items() if proc.poll()}
+            if ended:
+                return self._reformed(ended, growing)
+            back = self._returning()
+            if back and not growing and self._trained.is_set():
+                growing, self.why, self.changed_at = True, f"{back[0]} returned", time.time()
+                self.console.log(
+                    f"{', '.join(back)} ready again: the group saves at its next block "
+                    "boundary and re-forms larger"
+                )
+                for proc in self._procs.values():
+                    signal_group(proc, signal.SIGTERM)
+            time.sleep(_POLL_S)
+        self.console.log(f"{chief.name} (the chief) {_ended(code)}")
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
+            time.sleep(_POLL_S)
+        return 0
+
+    def _running(self) -> int:
+        return sum(proc.poll() is None for proc in self._procs.values())
+
+    def _settled(self, since: float) -> bool:
+        """Whether survivors saved and nobody else ended for `SETTLE_S`: the rest are hung."""
+        saved = any(proc.poll() == REFORM_EXIT_CODE for proc in self._procs.values())
+        return saved and time.monotonic() - since >= SETTLE_S
+
+    def _returning(self) -> list[str]:
+        """Ready members of the roster that are not in this group."""
+        members = {task.name for task in self.tasks}
+        return [name for name in self.roster.ready() if name not in members]
+
+    def _reformed(self, ended: dict[Member, int], growing: bool) -> int:
+        """A member ended: the others save and exit (bounded); who was lost, and why."""
+        if not growing:
+            self.changed_at = time.time()
+        first, code = next(iter(ended.items()))
+        self.console.log(
+            f"{first.name} {_ended(code)}; waiting up to {REFORM_WAIT_S:g} s for the others "
+            "to save the step they completed"
+        )
+        deadline = time.monotonic() + REFORM_WAIT_S
+        settled = time.monotonic()  # when the last member ended
+        while time.monotonic() < deadline and self._running() and not self._settled(settled):
+            if self._interrupted():
+                return self.interrupt.code
+            running = self._running()
+            time.sleep(_POLL_S)
+            if self._running() < running:
+                settled = time.monotonic()
+        codes = {task: proc.poll() for task, proc in self._procs.items()}
+        if USER_ERROR_EXIT_CODE in codes.values():
+            return USER_ERROR_EXIT_CODE
+        saved = (REFORM_EXIT_CODE, PREEMPTED_EXIT_CODE)
+        self.lost = [task.name for task, code in codes.items() if code not in saved]
+        if self.lost:
+            self.why = f"{', '.join(self.lost)} lost"
+        return REFORM_EXIT_CODE
+
+
+def _ended(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _exit_status(code: int) -> int:
+    """A child's return code as a shell reports it: 128 + N for death by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def run_attempts(
+    plan: Plan, console: Console, interrupt: Interrupt, grace_s: float, report_s: float
+) -> int:
+    """Runs `plan`'s cluster up to `plan.restarts` + 1 times, while it fails; the last status.
+
+    A user error (exit status 2) or an interrupt is not retried.
+    """
+    attempts = plan.restarts + 1
+    for attempt in range(1, attempts + 1):
+        if attempt > 1:
+            console.log(f"restarting cluster (attempt {attempt} of {attempts})")
+        attempt_cluster = Cluster(
+            plan.members(),
+            plan.command,
+            console,
+            grace_s,
+            report_s=report_s,
+            interrupt=interrupt,
+        )
+        code = attempt_cluster.run()
+        if code in (0, USER_ERROR_EXIT_CODE) or interrupt.signal is not None:
+            break
+    return code
