@@ -10,20 +10,22 @@ the ids of every field (the ctr model's).
 
 For each share of the distinct ids the training split holds (counted first,
 `distinct_ids`): a hashed table (`keras.layers.Hashing` + an embedding) of
-that many rows, and a `DynamicEmbedding` (`lfu` eviction, the default;
-`min_count` 2, counted in the sketch; `FALLBACK_SHARE` of its bytes in
-fallback rows: the best of the policies measured) fitted into the same
-bytes (`fit`): rows, Adam's two slots, the row stamps, the index
-(`trainer.layers.tables.ENTRY_BYTES` and `INFO_ENTRY_BYTES` per id held), the
-sketch and the fallback rows. At the 15% share, beside them, the policy one
-change at a time (`VARIANTS`): LRU, `min_count` 1, no fallback rows.
+that many rows, and a `DynamicEmbedding` (`lfu` eviction and `min_count` 1,
+the defaults; `FALLBACK_SHARE` of its bytes in fallback rows) fitted into the
+same bytes (`fit`): rows, Adam's two slots, the row stamps, the index
+(`trainer.layers.tables.ENTRY_BYTES` and `INFO_ENTRY_BYTES` per id held),
+the sketch (`min_count` > 1) and the fallback rows. At the 15% share, beside
+them, the policy one change at a time (`VARIANTS`): LRU, `min_count` 2, no
+fallback rows; and the same rows as the hashed table with own rows at a
+hashed row's bytes (`free_index`: what own rows are worth if the index cost
+nothing; not equal bytes).
 
-Beside the AUC, what explains it (`reasons`), from the same run: the bytes
-of an own row against a hashed row's, so how many own rows fit in the
-hashed table's bytes; how much hashed AUC rises from the target share to
-every id holding a row (the most that collisions cost there); and the AUC
-of the stream's hidden click model on the eval examples (`oracle_auc`: the
-ceiling no table reaches).
+Beside the AUC, what explains it (`reasons`), from the same run: the AUC
+with an index that cost nothing; the bytes of an own row against a hashed
+row's, so how many own rows fit in the hashed table's bytes; how much hashed
+AUC rises from the target share to every id holding a row (the most that
+collisions cost there); and the AUC of the stream's hidden click model on
+the eval examples (`oracle_auc`: the ceiling no table reaches).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ TARGET_SHARE = 0.15  # where dynamic must win by `TARGET_GAIN`
 TARGET_GAIN = 0.01
 WIDTH = 8
 FALLBACK_SHARE = 0.75  # of a dynamic table's bytes, its fallback rows (0: none)
-MIN_COUNT = 2  # one-off ids train the fallback rows instead of taking a row for one step
+MIN_COUNT = 1  # the default: LFU's admission keeps one-off ids in the fallback rows
 STREAM = {
     "data.ctr.id_space": "raw",
     "data.ctr.zipf_a": 1.1,
@@ -52,7 +54,7 @@ STREAM = {
 # (name, eviction, min_count, fallback share): the policies compared at `TARGET_SHARE`.
 VARIANTS = (
     ("lru", "lru", MIN_COUNT, FALLBACK_SHARE),
-    ("lfu_min_count1", "lfu", 1, FALLBACK_SHARE),
+    ("lfu_min_count2", "lfu", 2, FALLBACK_SHARE),
     ("lfu_no_fallback", "lfu", MIN_COUNT, 0.0),
 )
 
@@ -87,6 +89,14 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
                     sizes, workdir, f"{name}_{label}", capacity, eviction, fallback, min_count
                 )
                 figures[f"auc_{name}_{label}"] = auc
+            # The same rows as the hashed table, own rows at a hashed row's bytes: what the
+            # own rows are worth with an index that cost nothing (not equal bytes).
+            fallback = fit(hashed_bytes, FALLBACK_SHARE, MIN_COUNT)[1]
+            auc, _ = train_auc(
+                sizes, workdir, f"free_index_{label}", hashed_rows - fallback, "lfu", fallback
+            )
+            figures[f"auc_free_index_{label}"] = auc
+            free_index = (hashed_rows - fallback, fallback)
     table = [
         "| rows / distinct ids | hashed rows | hashed bytes | hashed AUC | dynamic rows + "
         "fallback | dynamic bytes | dynamic AUC | dynamic - hashed |",
@@ -96,7 +106,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     for line in table:
         note(line)
     target = f"{round(TARGET_SHARE * 100)}pct"
-    reasons = explain(figures, target, oracle)
+    reasons = explain(figures, target, oracle, free_index)
     for line in reasons:
         note(f"  {line}")
     ratios = {
@@ -188,11 +198,15 @@ def row_bytes() -> tuple[int, int]:
     return hashed, hashed + 8 + tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES
 
 
-def explain(figures: dict, target: str, oracle: float) -> list[str]:
+def explain(figures: dict, target: str, oracle: float, free_index: tuple[int, int]) -> list[str]:
     """What the run's own figures say about dynamic against hashed (`reasons`)."""
     hashed_row, own_row = row_bytes()
     collisions = figures["auc_hashed_100pct"] - figures[f"auc_hashed_{target}"]
+    own, fallback = free_index
     return [
+        f"with an index that cost nothing ({own} own rows + {fallback} fallback rows, the "
+        f"hashed table's {own + fallback} rows): AUC {figures[f'auc_free_index_{target}']:.4f} "
+        f"against hashed {figures[f'auc_hashed_{target}']:.4f} at {target}",
         f"an own row costs {own_row} bytes (row, Adam's slots, stamp, index) against a hashed "
         f"row's {hashed_row}: in the same bytes, {hashed_row / own_row:.2f} own rows per "
         "hashed row",
