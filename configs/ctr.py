@@ -6,7 +6,7 @@
 Synthetic click logs (`data.ctr`: 8 categorical fields hashed into one
 vocabulary of 200,000 ids, clicks drawn from a hidden logistic model, 35%
 clicks) train a 200,000 x 32 embedding table (25.6 MB) split into 2 shards,
-one on each ps task, under a small MLP; 2 workers step asynchronously. 600
+one on each ps member, under a small MLP; 2 workers step asynchronously. 600
 steps of 256 take about 75 s on 2 CPU cores, start-up included, and reach
 eval AUC 0.82 and accuracy 0.77 on 20,000 held-out examples (always "no
 click" scores 0.65; the hidden model itself about 0.86 AUC). The same config
@@ -20,9 +20,9 @@ which updates every row of every replica's copy, 5.9 to 9.3 times faster on
 per admitted id, no vocabulary size; `model.capacity`, `model.min_count`,
 `model.ttl_steps`): under `mirrored`, eval AUC 0.81 in 600 steps, at about
 0.85 times the hashed table's steps/s (docs/recommendation.md).
-Under `parameter_server` its table is split by id over the ps tasks (2
+Under `parameter_server` its table is split by id over the ps members (2
 workers and 2 ps: eval AUC 0.74 in 100 steps). Either table's checkpoints
-restore under any number of ps tasks and any strategy (`--mode=eval` on one
+restore under any number of ps members and any strategy (`--mode=eval` on one
 device from a cluster's `model_dir`; docs/recommendation.md).
 
 `--config.data.ctr.id_space=raw` makes the ids raw int64 (or, with
@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = default.get_config()
     c.strategy.name = "parameter_server"
     c.strategy.parameter_server.partitioner = "fixed"  # split the table ...
-    c.strategy.parameter_server.num_shards = 2  # ... in two, one shard per ps task
+    c.strategy.parameter_server.num_shards = 2  # ... in two, one shard per ps member
 
     c.data.name = "ctr"
     c.data.eval_fraction = 0.02  # 20,000 held-out examples

@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategy.pipeline.micro_batches = 4  # GPipe: parts of each train batch, so stages overlap
     c.strategy.pipeline.devices = ""  # one per stage; "" = the GPUs, else the logical CPUs
     c.strategy.parameter_server = ml_collections.ConfigDict()
-    # How big variables of `trainer.layers` are split over the ps tasks:
+    # How big variables of `trainer.layers` are split over the ps members:
     # none (whole variables, round-robin) | fixed | min_size | max_size.
     c.strategy.parameter_server.partitioner = "none"
     c.strategy.parameter_server.num_shards = 2  # fixed: shards per big variable

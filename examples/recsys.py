@@ -46,7 +46,7 @@ def get_config():
         drift_every=1000,
     )
     c.model.name = "examples.recsys:build"
-    c.model.capacity = 100_000  # rows of each table, split over the ps tasks
+    c.model.capacity = 100_000  # rows of each table, split over the ps members
     c.model.min_count = 2  # lookups before an id gets its own row
     c.train.steps = 300
     c.train.global_batch_size = 256

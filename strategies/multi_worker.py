@@ -63,7 +63,7 @@ class MultiWorker(Strategy, options=MultiWorkerOptions):
             return tf.distribute.get_strategy()
         if cluster and cluster.num_ps:
             raise UserError(
-                f"`TF_CONFIG` lists {cluster.num_ps} ps tasks, which `multi_worker` does "
+                f"`TF_CONFIG` lists {cluster.num_ps} ps members, which `multi_worker` does "
                 "not use; use `--strategy=parameter_server`, or drop the ps job."
             )
         # Checked first: a bad option fails at once.

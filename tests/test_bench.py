@@ -175,7 +175,7 @@ def test_case_details(results):
         # The wait is taken where batches are read (the prefetch beside the step): about
         # the whole step, no more, when the input is the bottleneck.
         assert _positive(split["step"]) and 0 <= split["input_wait"] < 1.5 * split["step"]
-    scale = cases["tables"]["scale"]  # every id held, split over the 2 ps tasks
+    scale = cases["tables"]["scale"]  # every id held, split over the 2 ps members
     assert scale["ids"] == bench.QUICK.table_ids == sum(p["ids_held"] for p in scale["parts"])
     assert [p["device"].split("/")[-2] for p in scale["parts"]] == ["task:0", "task:1"]
     assert "failed" not in cases["tables"], "incremental checkpoints are measured"

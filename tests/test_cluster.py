@@ -184,7 +184,7 @@ def test_make_tf_config_refuses_a_bad_cluster():
             json.dumps({"cluster": {"worker": ["h:1"]}, "rpc_layer": 7}),
             ["`rpc_layer` must be a string", "7"],
         ),
-        # TFJob's `enableDynamicWorker` gives a worker only itself (and the ps tasks).
+        # TFJob's `enableDynamicWorker` gives a worker only itself (and the ps members).
         (
             _with({"type": "worker", "index": 1}, worker={"1": "h:1"}, ps=["h:2"]),
             ["`cluster.worker` lists only index(es) [1]", "`enableDynamicWorker: false`"],

@@ -395,7 +395,7 @@ def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(
         "--model_dir=run",
         cwd=str(tmp_path),
     )
-    # The export (tables from both ps tasks) serves raw ids in a fresh process with no ps.
+    # The export (tables from both ps members) serves raw ids in a fresh process with no ps.
     ids = [[1, 2, 3, 4, 5, 6, 7, 8], [2**40, 2**41, 3, 4, 5, 6, 7, 9]]
     export = str(tmp_path / "run" / "export")
     served = run_command([sys.executable, "-c", _SERVE, export, json.dumps(ids)], cwd=tmp_path)
@@ -405,7 +405,7 @@ def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     table = results["tables"]["embedding"]
     ps = [f"/job:ps/replica:0/task:{task}/device:CPU:0" for task in (0, 1)]
-    # Each part's index, lock and variables on its own ps task; ids spread over both.
+    # Each part's index, lock and variables on its own ps member; ids spread over both.
     assert [part["device"] for part in table["parts"]] == ps
     assert [part["lock"] for part in table["parts"]] == ps
     assert [part["capacity"] for part in table["parts"]] == [100_000, 100_000]
@@ -418,7 +418,7 @@ def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(
         result.stdout
     )
     assert "split by id hash over 2 parts" in result.stdout
-    # TensorBoard has each part's figures, read from its ps task, and the table's.
+    # TensorBoard has each part's figures, read from its ps member, and the table's.
     scalars = tensorboard_scalars(tmp_path / "run", "tables/embedding/")
     for index, part in enumerate(table["parts"]):
         figures = f"tables/embedding/part_{index}"
@@ -430,8 +430,8 @@ def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(
         assert scalars[f"tables/embedding/{figure}"][100] == sum(by_part) > 0, figure
     assert results["eval"]["auc"] >= 0.7, results["eval"]  # ~0.74 here at 100 steps
 
-    # Portable: the 2 ps tasks' checkpoint evaluates on one device, the same eval as
-    # the chief's, and trains on with 1 ps task.
+    # Portable: the 2 ps members' checkpoint evaluates on one device, the same eval as
+    # the chief's, and trains on with 1 ps member.
     config = configs.ctr.get_config()
     config.model.embedding, config.strategy.name = "dynamic", "one_device"
     here = train.train_and_evaluate(config, str(tmp_path / "run"), mode="eval")

@@ -111,7 +111,7 @@ def test_parameter_server_on_four_hosts(make_hosts, tmp_path):
     run = f"--model_dir={tmp_path / 'run'}"
     # The workers and the ps serve until the chief is gone, then exit 0 too.
     results = _trained(tmp_path, hosts, layout, 40, "--strategy=parameter_server", run)
-    assert "variables on 1 ps task(s)" in results["placement"]["communication"]
+    assert "variables on 1 ps member(s)" in results["placement"]["communication"]
     ps = "/job:ps/replica:0/task:0/device:CPU:0"
     assert results["placement"]["variables"]["dense/kernel"] == [ps]
 

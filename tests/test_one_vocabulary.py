@@ -104,11 +104,17 @@ def test_the_scan_finds_a_process_called_a_task_and_spares_tensorflows_and_slurm
         assert not task_words(line + "\n"), line
 
 
-# The pages a user reads: the front page, the docs site, the deploy notes, BUILD.md.
+# The pages a user reads: the front page, the docs site, the deploy notes, BUILD.md; and
+# the code, whose messages and docstrings they read too.
 PAGES = sorted(
     str(path.relative_to(ROOT))
     for path in [ROOT / "README.md", ROOT / "BUILD.md", ROOT / "deploy/README.md"]
     + list(ROOT.glob("docs/*.md"))
+    + [
+        path
+        for folder in ("strategies", "trainer", "towerflow", "configs", "examples")
+        for path in (ROOT / folder).rglob("*.py")
+    ]
 )
 _PS_TASK = re.compile(r"\bps[ -]tasks?\b|\bps task\(s\)", re.IGNORECASE)
 

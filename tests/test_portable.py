@@ -55,7 +55,7 @@ def _batches(steps: int, seed: int) -> list[tf.Tensor]:
 def _dynamic_model(
     parts: int, capacity: int = CAPACITY, units: int = 1, ttl_steps: int = 0
 ) -> keras.Model:
-    with sharding.policy("none", num_ps=parts):  # a part per ps task, here on this host
+    with sharding.policy("none", num_ps=parts):  # a part per ps member, here on this host
         inputs = keras.Input((3,), dtype="int64")
         table = DynamicEmbedding(
             WIDTH,
@@ -328,7 +328,7 @@ def test_a_table_split_otherwise_and_another_difference_is_refused(tmp_path, oth
         _checkpointer(tmp_path, again, _adam(again)).restore()
 
 
-# A parameter-server cluster's checkpoint, under one_device and on fewer ps tasks.
+# A parameter-server cluster's checkpoint, under one_device and on fewer ps members.
 
 # The small ctr job of the equivalence tests; op determinism is of no use to async workers.
 # Incremental checkpoints: the cluster's at steps 10 and 20 are deltas of step 0's.
@@ -346,7 +346,7 @@ def test_a_table_trained_on_2_ps_evaluates_exports_on_one_device_and_resumes_on_
     on_cluster = train_on_cluster(tmp_path, "--strategy=parameter_server", *flags, ps=2)
     assert [p["ids_held"] > 0 for p in on_cluster["tables"]["embedding"]["parts"]] == [True] * 2
     newest = tf.train.load_checkpoint(str(tmp_path / "model" / "checkpoints"))
-    assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0, "the ps tasks wrote deltas"
+    assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0, "the ps members wrote deltas"
 
     config.strategy.name = "one_device"
     here = train.train_and_evaluate(config, str(tmp_path / "model"), mode="eval")

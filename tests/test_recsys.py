@@ -183,7 +183,7 @@ def test_the_readme_commands_train_the_recsys_example(where, tmp_path):
     results = json.loads((model_dir / "results.json").read_text())
     assert results["step"] == 6 and (model_dir / "export" / "saved_model.pb").exists()
     parts = results["tables"]["ids_table"]["parts"]
-    if where == "parameter_server":  # split by id over both ps tasks
+    if where == "parameter_server":  # split by id over both ps members
         assert [part["device"] for part in parts] == [
             f"/job:ps/replica:0/task:{task}/device:CPU:0" for task in (0, 1)
         ]

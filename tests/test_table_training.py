@@ -250,7 +250,7 @@ def test_the_pages_padding_measurement_runs_and_prints_each_case(tmp_path):
         assert re.search(rf"^{case}: CPU \d+\.\d+ ms/step", result.stdout, re.MULTILINE), case
 
 
-@pytest.mark.slow  # a local cluster of 2 workers and 2 ps tasks
+@pytest.mark.slow  # a local cluster of 2 workers and 2 ps members
 def test_under_parameter_server_a_table_trains_with_its_own_optimizer_beside_its_rows(tmp_path):
     flags = {**SMALL_CTR, "train.deterministic": False, "train.steps": 40}
     flags.update({"model.table_optimizer": "adagrad", "model.table_learning_rate": 0.5})

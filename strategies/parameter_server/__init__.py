@@ -1,4 +1,4 @@
-"""`parameter_server`: variables on ps tasks, workers step asynchronously, the chief coordinates.
+"""`parameter_server`: variables on ps members, workers step asynchronously, the chief coordinates.
 
     python -m trainer.launch --workers=2 --ps=2 -- --strategy=parameter_server
 
@@ -8,12 +8,12 @@ picks its part (`role`):
 - `ps` and `worker` tasks start a `tf.distribute.Server` and serve until the
   chief is gone ("serve");
 - the `chief` is the coordinator ("train"): it creates the variables on the
-  ps tasks, schedules training steps on the workers with a
+  ps members, schedules training steps on the workers with a
   `tf.distribute.coordinator.ClusterCoordinator`, evaluates, checkpoints
   and exports;
 - an `evaluator` evaluates checkpoints on the side ("evaluate").
 
-Variables are placed round-robin over the ps tasks, whole. Big ones are split
+Variables are placed round-robin over the ps members, whole. Big ones are split
 by the layers of `trainer.layers` under the sharding policy of the options
 (`partitioner`: none | fixed | min_size | max_size, see
 `strategies.sharding`), which `scope()` makes active; TF's own
@@ -59,7 +59,7 @@ from towerflow.errors import UserError
 class ParameterServerOptions:
     """`strategy.parameter_server` (configs/default.py says more of each)."""
 
-    # How big variables of `trainer.layers` are split over the ps tasks:
+    # How big variables of `trainer.layers` are split over the ps members:
     # none (whole variables, round-robin) | fixed | min_size | max_size.
     partitioner: str = "none"
     num_shards: int = 2  # fixed: shards per big variable
@@ -75,7 +75,7 @@ class ParameterServerOptions:
 
 @register("parameter_server")
 class ParameterServer(Strategy, options=ParameterServerOptions):
-    """Variables (whole or sharded) on ps tasks, asynchronous workers driven by the chief."""
+    """Variables (whole or sharded) on ps members, asynchronous workers driven by the chief."""
 
     traits = Traits(ordered_input=False)  # workers take steps, and batches, as they come
 
@@ -172,7 +172,7 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
             placement = (
                 f"round-robin, big ones sharded by the {self.policy.partitioner} partitioner"
             )
-        where = f"variables on {self._cluster.num_ps} ps task(s) ({placement}); "
+        where = f"variables on {self._cluster.num_ps} ps member(s) ({placement}); "
         return where + self.updates.describe()
 
     def describe(self, variables=()) -> dict:
@@ -185,7 +185,7 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
-        """Variables go to the ps tasks; sharded layers follow the sharding policy."""
+        """Variables go to the ps members; sharded layers follow the sharding policy."""
         with self.tf_strategy.scope(), sharding.policy(self.policy):
             yield
 
@@ -241,7 +241,7 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
         return task_sums, *self.updates.report(sums, self._block_steps)
 
     def evaluate(self, step_fn: StepFn, dataset_fn: DatasetFn) -> dict[str, float]:
-        """One pass over the eval data on the chief, reading the variables from the ps tasks."""
+        """One pass over the eval data on the chief, reading the variables from the ps members."""
         loop = self._compile("eval", step_fn, self._make_eval_loop)
         return _to_floats(loop(dataset_fn(tf.distribute.InputContext())))
 

@@ -5,7 +5,7 @@
 
 An asynchronous update is *stale* by the updates other workers applied
 between this worker's read of the variables and its own update. A counter
-on a ps task counts updates: a worker reads it before its step and again
+on a ps member counts updates: a worker reads it before its step and again
 just before it applies, and the difference is the update's staleness. Each
 block reports a histogram of it and its mean (TensorBoard: `staleness`,
 `staleness_mean`).
@@ -99,7 +99,7 @@ class AsyncUpdates:
     def __init__(self, strategy, coordinator, policy: Staleness, warmup_steps: int, workers: int):
         self.strategy, self.coordinator = strategy, coordinator
         self.policy, self.warmup_steps, self.workers = policy, warmup_steps, workers
-        self._updates = None  # the cluster's update counter, on a ps task; made on first use
+        self._updates = None  # the cluster's update counter, on a ps member; made on first use
         self._loops: dict = {}  # train step -> its traced loop
 
     @property
@@ -121,7 +121,7 @@ class AsyncUpdates:
     def run(self, step: TrainStepProtocol, iterator, n: int) -> dict:
         """Runs `n` steps split over the workers; returns their sums and the staleness records."""
         if self._updates is None:
-            with self.strategy.scope():  # on a ps task; counts this run's updates
+            with self.strategy.scope():  # on a ps member; counts this run's updates
                 self._updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates")
         if step not in self._loops:
             self._loops[step] = make_loop(self.strategy, step, self.policy, self._updates)

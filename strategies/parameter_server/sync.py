@@ -6,13 +6,13 @@
 TF1's `SyncReplicasOptimizer(replicas_to_aggregate=k, total_num_replicas=n)`,
 rebuilt from the TensorFlow pieces it stood on and driven by the coordinator:
 
-- On every ps task, one gradient accumulator
+- On every ps member, one gradient accumulator
   (`tf.raw_ops.ResourceConditionalAccumulator`) for the variables that task
   holds: a worker pushes their gradients, flattened into one vector, tagged
   with the step they were computed at. The accumulator drops a push whose
   step is below its own (a late gradient), and hands out the aggregate once
   k pushes are in, moving its step on by one.
-- On the first ps task, one queue of announced steps per worker.
+- On the first ps member, one queue of announced steps per worker.
 - Each block of steps, the chief schedules one closure per worker and runs
   the block's steps itself, in one `tf.function`: per step, it takes the
   aggregate of each accumulator (waiting for k pushes), applies their
@@ -33,7 +33,7 @@ Each worker's gradient is that of a whole `train.global_batch_size` batch (as
 in async training, and as with `SyncReplicasOptimizer`), so one update
 averages k batches. The average is over the pushes in when the take runs:
 exactly k when the take is waiting as the k-th arrives (as it normally is),
-more if more arrived first. With several ps tasks, each task's variables are
+more if more arrived first. With several ps members, each task's variables are
 averaged over the pushes that reached that task first; all of them were
 computed at the update's step. Sparse gradients (embedding tables, sharded
 or not) are pushed dense: right, but a table's full size per push.
@@ -68,7 +68,7 @@ _MARKS = 2  # after a push's gradients: its count (1.0), its step within the blo
 
 @dataclasses.dataclass
 class _Group:
-    """The variables of one ps task, and the accumulator beside them."""
+    """The variables of one ps member, and the accumulator beside them."""
 
     device: str
     indices: list[int]  # positions in `SplitTrainStep.variables`
@@ -95,7 +95,7 @@ class SyncReplicas:
         self.strategy, self.coordinator, self.train_step = strategy, coordinator, step
         self.replicas, self.workers = replicas, workers
         self.step = 0  # steps taken so far by this process's accumulators
-        name = f"towerflow_sync_{uuid.uuid4().hex}"  # fresh resources on the ps tasks per run
+        name = f"towerflow_sync_{uuid.uuid4().hex}"  # fresh resources on the ps members per run
         self.groups = _groups(step.variables)
         for i, group in enumerate(self.groups):
             with tf.device(group.device):
@@ -115,7 +115,7 @@ class SyncReplicas:
                 )
                 for w in range(workers)
             ]
-        with strategy.scope():  # on a ps task; not in checkpoints (it counts this run's steps)
+        with strategy.scope():  # on a ps member; not in checkpoints (it counts this run's steps)
             self.announced = tf.Variable(0, dtype=tf.int64, trainable=False, name="sync_step")
         self._work = tf.function(self._work_fn)
         self._coordinate = tf.function(self._coordinate_fn)
@@ -255,7 +255,7 @@ class SyncReplicas:
 class SyncUpdates:
     """`parameter_server`'s synchronous mode with spare replicas (`sync_replicas` = k > 0).
 
-    Builds its `SyncReplicas` (accumulators and queues on the ps tasks) for
+    Builds its `SyncReplicas` (accumulators and queues on the ps members) for
     the train step it is first given; the step's halves always run apart.
     """
 
@@ -272,7 +272,7 @@ class SyncUpdates:
         k, n = self.replicas, self.workers
         return (
             f"synchronous with {n - k} spare worker(s): each step all {n} workers push their "
-            f"gradients to accumulators on the ps tasks, and one update averages the first "
+            f"gradients to accumulators on the ps members, and one update averages the first "
             f"{k}; late ones are dropped"
         )
 
@@ -310,7 +310,7 @@ def report(sums: dict, steps: int) -> tuple[dict[str, float], dict[str, np.ndarr
 
 
 def _groups(variables: list) -> list[_Group]:
-    """The variables by ps task, in the order tasks first hold one."""
+    """The variables by ps member, in the order tasks first hold one."""
     groups: dict[str, _Group] = {}
     for index, variable in enumerate(variables):
         inner = _tf_variable(variable)

@@ -68,7 +68,7 @@ class Sizes:
     table_cluster_steps: int = 1000  # timed steps of each (300 swung the ratio 1.2 to 1.6)
     table_mirrored_steps: int = 100  # timed steps of each mirrored run, sparse and dense
     table_steps: int = 600  # steps of each quality run (the ctr job's own)
-    table_ids: int = 10_000_000  # distinct ids of the scale run, over 2 ps tasks
+    table_ids: int = 10_000_000  # distinct ids of the scale run, over 2 ps members
     # tables_quality: the drifting Zipf(1.1) stream, hashed against dynamic at equal bytes.
     quality_steps: int = 2400  # steps of 256 of each run
     quality_ids_per_field: int = 20_000  # ranks a field's values are drawn over

@@ -22,11 +22,11 @@ Figures, measured side by side in one run:
    count. On today's ctr source (no drifting long-tail id option yet), whose
    ids are permuted into the vocabulary without collisions.
 4. Scale: `Sizes.table_ids` distinct ids inserted into a `DynamicEmbedding`
-   split over 2 ps tasks (in-process `tf.distribute.Server`s on 127.0.0.1,
+   split over 2 ps members (in-process `tf.distribute.Server`s on 127.0.0.1,
    in a child process: `python -m trainer.bench.tables scale`), with Adam's slots:
    bytes held per id, by the process's RSS growth and by the table's own
    figures (`describe()`), against `(dim + slots) x 4`; lookups per second
-   per ps task.
+   per ps member.
 5. Incremental against full checkpoints (`train.full_checkpoint_every`,
    `trainer.loop.deltas`): the ctr job with a dynamic table of
    `Sizes.incremental_rows` rows on the drifting long tail (`DRIFTING`), one
@@ -318,7 +318,7 @@ def _child_json(run: str, arguments: list[str], workdir: str):
 
 
 def scale(ids: int, batch: int = 1 << 17) -> dict:
-    """`ids` distinct ids into a `DynamicEmbedding` over 2 in-process ps tasks; its figures.
+    """`ids` distinct ids into a `DynamicEmbedding` over 2 in-process ps members; its figures.
 
     Bytes per id: the RSS growth from before the table was built to after
     every id was inserted, over the ids; and `describe()`'s bytes held. The

@@ -104,7 +104,7 @@ class Cluster:
         they save at one agreed step), then the servers of a parameter-server
         cluster (its ps and worker tasks), once the trainers have exited or
         their time is up: the chief's final save reads the variables from the
-        ps tasks and may still run steps on the workers. Stopped by a signal,
+        ps members and may still run steps on the workers. Stopped by a signal,
         the trainers get `grace_s` instead (if longer) to save. A second signal
         kills them all at once. If an exception cuts this short, the `atexit`
         hook, still registered, runs it again.

@@ -6,12 +6,12 @@ global batch, so they do not depend on how the batch is split over replicas
 along axis 0.
 
 Under `parameter_server` with a partitioner (see `strategies.sharding`), a big
-embedding table or kernel should not sit whole on one ps task. TF can shard a
+embedding table or kernel should not sit whole on one ps member. TF can shard a
 variable itself, but a Keras 3 variable cannot wrap TF's `ShardedVariable`;
 these layers shard instead. Each shard is an ordinary Keras weight
 (`embeddings_0`, `embeddings_1`, ...) holding a contiguous block of rows, the
 strategy places the weights round-robin, so consecutive shards land on
-different ps tasks. The math is that of one unsharded variable: the same
+different ps members. The math is that of one unsharded variable: the same
 lookups and products, the same gradients, and with a seeded initializer the
 very same initial values. Outside a sharding policy there is one shard and
 the layers behave like `keras.layers.Embedding` and `keras.layers.Dense`.
@@ -25,7 +25,7 @@ here are `Portable`: `trainer.loop.portable` re-splits their logical content).
 
 `DynamicEmbedding` looks raw ids (int64 or strings) up in a table that grows
 as ids arrive (`trainer.layers.tables`): no vocabulary size, no collisions. Under
-`parameter_server` its table is split by id over the ps tasks.
+`parameter_server` its table is split by id over the ps members.
 `DynamicEmbeddings` speaks Keras-RS's words (`TableConfig`, `FeatureConfig`):
 a dict of features, several of which may share one table.
 

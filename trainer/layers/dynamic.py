@@ -2,7 +2,7 @@
 
 The table (`trainer.layers.tables`) creates a row when an id is admitted and
 frees it on eviction: no vocabulary size, no collisions. Under
-`parameter_server` it is split by id into one part per ps task.
+`parameter_server` it is split by id into one part per ps member.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     (ragged lists padded with `mask_id`; a ragged batch there is a one-line
     error saying so).
     Under `parameter_server` the table is split by id (`tables.part_of`) into
-    one part per ps task, each part's index, lock and variables on its task
+    one part per ps member, each part's index, lock and variables on its task
     (`capacity` split evenly); the workers hold no table (`describe()` says
     where each part is). A checkpoint restores into any number of parts
     (`Portable`; an id goes to its part by the same hash).
@@ -177,7 +177,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         self.eviction = eviction
         self.mask_id = mask_id
         self.seed = int(seed)
-        # One part per ps task under `parameter_server` (ids split by `tables.part_of`),
+        # One part per ps member under `parameter_server` (ids split by `tables.part_of`),
         # each with its index, lock, rows and row stamps on that task; else one, here.
         devices = _part_devices()
         capacities = sharding.split_rows(self.capacity, len(devices))
@@ -485,7 +485,7 @@ class _Place:
     """Where to put a variable under `parameter_server`: the `colocate_with` of its creator.
 
     `ParameterServerStrategy` places a variable created `colocate_with`
-    something on that thing's device (otherwise round-robin over the ps tasks,
+    something on that thing's device (otherwise round-robin over the ps members,
     whatever the device scope); it reads the thing's `name` and `device`.
     """
 
@@ -504,7 +504,7 @@ class _Place:
 class _TablePart:
     """One part of a `DynamicEmbedding`'s table: its index, rows and row stamps, on one device.
 
-    Under `parameter_server` a part sits on one ps task: its index and lock are
+    Under `parameter_server` a part sits on one ps member: its index and lock are
     created there, its variables placed there, and its lookups, admissions and
     updates run there (inside the workers' scheduled steps). The optimizers of
     `trainer.loop.optim` find a part from its rows (`tables.owner_of`).
@@ -529,10 +529,10 @@ class _TablePart:
             setattr(layer, f"table{self.suffix}", self.table)  # tracked: saved in checkpoints
 
     def _on_device(self):
-        """On this part's ps task, while the strategy that placed it is the current one.
+        """On this part's ps member, while the strategy that placed it is the current one.
 
         Not in a traced export: a SavedModel keeps explicit devices, and the
-        process that loads it has no ps tasks.
+        process that loads it has no ps members.
         """
         placed = self.device and tf.distribute.get_strategy() is self.placed_by
         return tf.device(self.device) if placed else contextlib.nullcontext()
@@ -598,7 +598,7 @@ class _TablePart:
         The slots of `DynamicTable.changed_slots` and the spare row past the
         capacity (every step's lookups read it); their values in each of
         `variables` (the rows, the row stamps, the rows' optimizer slots),
-        gathered on this part's device (its ps task under `parameter_server`).
+        gathered on this part's device (its ps member under `parameter_server`).
         """
         with self._on_device():
             slots = tf.concat([self.table.changed_slots(step), [self.capacity]], 0)

@@ -41,7 +41,7 @@ class TableConfig:
       combiner: how a feature's list of ids is reduced: "mean", "sum" or "sqrtn"
         (a `FeatureConfig` may choose its own).
       placement: "auto" or "default_device": the strategy places the table
-        (split over the ps tasks under `parameter_server`).
+        (split over the ps members under `parameter_server`).
       optimizer: the name of the table's own optimizer ("sgd", "momentum",
         "adam", "adamw", "adagrad", "ftrl"); None: the model's kind.
       learning_rate: the table's own peak learning rate (the model's schedule

@@ -255,7 +255,7 @@ class DynamicTable(tf.Module):
         """The current step, on this table's device.
 
         A step read from the clock is copied here once: ops of the index that
-        read the clock's variable where it lives (another ps task) made a
+        read the clock's variable where it lives (another ps member) made a
         step's admission exchange control messages with that task.
         """
         if self._clock is not None:
@@ -287,7 +287,7 @@ class DynamicTable(tf.Module):
         """Every counter, the ids held, and the index's bytes (an estimate: `ENTRY_BYTES`).
 
         Eager: from the coordinator under `parameter_server`, a few small reads
-        on the table's ps task. The index holds an entry per id held or counted
+        on the table's ps member. The index holds an entry per id held or counted
         (`index`), one more per id held (`slot_info`) and one per slot ever
         freed (`free`).
         """

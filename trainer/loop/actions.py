@@ -90,7 +90,7 @@ def block_table_metrics(before: TableFigures, now: TableFigures) -> dict[str, fl
     """Each table's figures in a block, from the readings `before` and `now` it.
 
     `tables/<layer>/<figure>` for each table, `tables/<layer>/part_<i>/<figure>`
-    for each part of a table split over ps tasks, and `ids_held` over all
+    for each part of a table split over ps members, and `ids_held` over all
     tables (the progress line's `ids`). Figures: `ids_held` and `bytes_held`
     now; `admitted` and `evicted` in the block, and `default_row_share`, the
     share of the block's training lookups that read the default row.

@@ -21,7 +21,7 @@ the state file still names the one before. A full disk stops training with
 `NoSpace`, one line naming `model_dir` and the space a checkpoint needs.
 
 A checkpoint written with other splits of the tables and sharded layers
-(another number of ps tasks, or none) restores through `trainer.loop.portable`.
+(another number of ps members, or none) restores through `trainer.loop.portable`.
 
 With `full_every` (`train.full_checkpoint_every`) the checkpoints between two
 full ones are deltas holding only the table rows changed since the full one

@@ -226,7 +226,7 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     """Click-through model: ids -> one embedding table -> `hidden_units` ReLU -> logits.
 
     `model.embedding` "hashed": a `ShardedEmbedding` of `model.vocab_size` rows
-    (under `parameter_server` with a partitioner, split over the ps tasks);
+    (under `parameter_server` with a partitioner, split over the ps members);
     "dynamic": a `DynamicEmbedding` of the raw ids, at most `model.capacity`
     rows, admitting ids seen `model.min_count` times, freeing those unseen for
     `model.ttl_steps` steps, evicting by `model.eviction`, ids without a row

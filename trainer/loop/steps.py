@@ -34,7 +34,7 @@ class TrainStep:
 
     `step(batch)` is `step.apply(step.gradients(batch)[0])` and returns the
     objective's sums. A plugin that runs the halves apart (synchronous
-    `parameter_server` applies on the ps tasks; staleness-aware async looks at
+    `parameter_server` applies on the ps members; staleness-aware async looks at
     the update between them) calls `gradients` and `apply` by name; see
     `strategies.base.SplitTrainStep`, which this class implements.
 

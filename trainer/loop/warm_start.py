@@ -15,7 +15,7 @@ each dynamic table part's layer and key dtype. It applies only when the
 run's own `model_dir` has no checkpoint: a resume wins (`train.py` says so).
 
 A table or sharded layer (`trainer.layers.Portable`) split into another
-number of parts there (2 ps tasks there, one process here, or the reverse)
+number of parts there (2 ps members there, one process here, or the reverse)
 loads through a `twin` split as there: the checkpoint's parts go into the
 twin, and its logical content (every id's row, or the whole kernel) into
 this model's layer (`import_logical`), as `trainer.loop.portable` restores.
