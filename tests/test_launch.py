@@ -211,7 +211,11 @@ def test_a_task_killed_by_a_signal_fails_the_cluster(tmp_path):
 
 def test_the_chief_may_end_on_its_own_after_a_task_fails(tmp_path):
     code, out = _run(
-        launch.plan_cluster(workers=2), "--exit=worker:1=5@0.2", "--exit=worker:0=144@0.4"
+        # 2 s apart: each time counts from its own start, and a loaded machine starts them apart.
+        launch.plan_cluster(workers=2),
+        "--exit=worker:1=5@0.2",
+        "--exit=worker:0=144@2.2",
+        report_s=10.0,
     )
     assert code == 5, "the task that failed first sets the exit status"
     assert "[launch] worker:0 exited with code 144" in out and "stopping" not in out
