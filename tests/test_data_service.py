@@ -448,6 +448,7 @@ def _tensorboard(model_dir, tag: str) -> list[float]:
 # --- sweeps: python -m trainer.sweep --share_input -----------------------------------------
 
 
+@pytest.mark.slow  # about 40 s; the launcher's data workers stay in the default tier
 def test_sweep_trials_with_one_pipeline_share_one_stream(tmp_path):
     result = run_cli(
         "--sweep.optimizer.learning_rate=1e-3,3e-3",

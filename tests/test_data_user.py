@@ -152,6 +152,7 @@ def test_a_user_pipeline_of_named_features_and_weights_trains(tmp_path, strategy
     assert 0.0 <= results["eval"]["accuracy"] <= 1.0
 
 
+@pytest.mark.slow  # about 80 s; user pipelines train and export in the default tier
 def test_features_the_model_does_not_take_are_left_out_and_the_export_asks_for_its_own(tmp_path):
     config = _config(
         **{"model.name": f"{MODULE}:numbers_only", "strategy.name": "mirrored"},

@@ -48,6 +48,7 @@ def test_the_newest_version_serves_the_final_checkpoints_weights(tmp_path):
     np.testing.assert_allclose(served(inputs=x)["logits"], job.model(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # about 75 s of a clock; export.every_steps stays in the default tier
 def test_exports_every_few_seconds_follow_the_clock_after_each_block(tmp_path):
     # A clock this short is due after every block of 5 steps.
     overrides = {"export.every_steps": 0, "export.every_secs": 1e-6, "export.keep": 0}

@@ -426,6 +426,7 @@ def elastic_job_script(model_dir: pathlib.Path) -> str:
     return script.rstrip("\n") + " " + shlex.join(ELASTIC_RUN) + "\n"
 
 
+@pytest.mark.slow  # about 65 s; the launcher and agent re-forms stay in the default tier
 def test_docs_elastic_job_loses_a_slurm_task_and_ends_with_the_others(slurm_node, tmp_path):
     model_dir = tmp_path / "run"
     (tmp_path / "job.sh").write_text(elastic_job_script(model_dir))

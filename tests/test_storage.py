@@ -147,6 +147,7 @@ def test_the_export_loads_back_from_ram(ram_run):
     np.testing.assert_allclose(outputs["probabilities"].numpy().sum(axis=1), 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow  # about 75 s; the run on ram:// and its export stay in the default tier
 def test_a_second_run_resumes_from_ram_and_eval_mode_reads_it(ram_run, capsys):
     config = tiny_config(**{"train.steps": 30})
     with contextlib.chdir(ram_run.cwd), _local_file_calls() as calls:

@@ -27,6 +27,8 @@ def _raw_ctr_config(strategy: str, steps: int):
     return config
 
 
+# Two 80-second runs; the default tier has the admission alike under both (test_dynamic_embedding).
+@pytest.mark.slow
 def test_one_device_and_mirrored_evict_alike_and_train_the_same_fallback_rows(tmp_path):
     """Under `mirrored` every replica admits the gathered batch: one admission a step."""
     found = {}
