@@ -79,6 +79,8 @@ def _value(variable: dict, labels: dict, annotations: dict) -> str:
     if "value" in variable:
         return str(variable["value"])
     path = variable["valueFrom"]["fieldRef"]["fieldPath"]
+    if path == "status.podIP":  # known once the pod runs
+        return "<the pod's IP>"
     match = _FIELD.fullmatch(path)
     assert match, f"{variable['name']}: a field this test cannot resolve: {path}"
     kind, key = match.groups()
@@ -230,3 +232,36 @@ def test_the_dispatcher_journals_on_the_shared_volume():
     for pod in pods:  # a crashed server restarts in place, at its DNS name
         assert pod.spec["template"]["spec"]["restartPolicy"] == "OnFailure"
         assert pod.spec["backoffLimit"] >= 1
+
+
+def test_the_elastic_jobset_runs_an_agent_per_pod_and_recreates_only_a_lost_one():
+    import trainer.elastic  # noqa: F401  (defines the agent's own flags)
+    from trainer.launch import parse_workers
+
+    jobset = _jobset("jobset-elastic.yaml")
+    assert "failurePolicy" not in jobset["spec"], "a lost member must not restart every pod"
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] == "OnFailure" and job["backoffLimit"] > 0
+    (container,) = pod["containers"]
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "trainer.elastic"]
+    split = command.index("--")
+    own = dict(arg.removeprefix("--").split("=", 1) for arg in command[3:split])
+    assert all(name in flags.FLAGS for name in own), own  # the agent's flags, as it defines them
+    low, high, _ = parse_workers(own["workers"])
+    assert 1 <= low <= high == job["completions"] == job["parallelism"]
+    env = {variable["name"]: variable for variable in container["env"]}
+    assert own["address"] == "$(POD_IP)"  # Kubernetes expands it from the variable below
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    argv = ["towerflow", *command[split + 1 :]]
+    defined = cli.define_flags(flags.FlagValues(), argv)
+    cli.parse_flags(defined, argv)
+    assert defined.strategy.value == "multi_worker"
+    (mount,) = container["volumeMounts"]
+    assert defined.model_dir.value.startswith(mount["mountPath"] + "/")  # the rendezvous
+    claim = {v["name"]: v for v in pod["volumes"]}[mount["name"]]["persistentVolumeClaim"]
+    assert claim["claimName"] == "towerflow-runs"  # deploy/volume.yaml's, ReadWriteMany
+    hostnames = [p.hostname for p in _pods(jobset)]  # each agent's default name: its pod's
+    assert len(set(hostnames)) == len(hostnames) == high
