@@ -411,11 +411,15 @@ def test_a_local_cluster_trains_on_the_launchers_data_workers(tmp_path, topology
 
 
 def slow_pipeline(input_context, split, global_batch_size):
-    """`pipeline`, each batch after 2 GFLOP of busy work (tens of ms): input-bound training."""
+    """`pipeline`, each batch after 10 GFLOP of busy work (about 0.1 s): input-bound training.
+
+    A data worker reads ahead: the work must outlast the step by far, even on a loaded
+    machine, for the steps to wait on it.
+    """
 
     def slowly(x, y):
         m = tf.random.stateless_normal([256, 256], seed=[0, 0])
-        m = tf.foldl(lambda a, _: tf.linalg.normalize(a @ m)[0], tf.range(60), initializer=m)
+        m = tf.foldl(lambda a, _: tf.linalg.normalize(a @ m)[0], tf.range(300), initializer=m)
         return x + 0 * tf.reduce_sum(m), y  # made to depend on the busy work
 
     return pipeline(input_context, split, global_batch_size).map(slowly)
