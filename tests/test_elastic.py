@@ -102,7 +102,11 @@ def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted
     got, want = checkpoint_values(tmp_path / "elastic"), checkpoint_values(tmp_path / "fixed")
     assert got.keys() == want.keys()
     for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+        # A hidden unit near ReLU's kink may move by 1e-4 under another summation order; a
+        # batch trained twice or skipped moves most weights by far more.
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=2e-4, err_msg=name)
+        close = np.isclose(got[name], want[name], rtol=1e-4, atol=1e-5)
+        assert close.mean() > 0.999, (name, close.mean())
 
 
 @pytest.mark.slow  # a second kill-and-rejoin run; the default tier's test above loses a worker
