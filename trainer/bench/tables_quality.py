@@ -83,20 +83,19 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             f"{fallback} | {dynamic_bytes} | {dynamic_auc:.4f} | {gains[label]:+.4f} |"
         )
         if share == TARGET_SHARE:
+            # The same rows as the hashed table, own rows at a hashed row's bytes: what the
+            # own rows are worth with an index that cost nothing (not equal bytes).
+            free_index = (hashed_rows - fallback, fallback)
+            auc, _ = train_auc(
+                sizes, workdir, f"free_index_{label}", free_index[0], "lfu", fallback
+            )
+            figures[f"auc_free_index_{label}"] = auc
             for name, eviction, min_count, fallback_share in VARIANTS:
                 capacity, fallback = fit(hashed_bytes, fallback_share, min_count)
                 auc, _ = train_auc(
                     sizes, workdir, f"{name}_{label}", capacity, eviction, fallback, min_count
                 )
                 figures[f"auc_{name}_{label}"] = auc
-            # The same rows as the hashed table, own rows at a hashed row's bytes: what the
-            # own rows are worth with an index that cost nothing (not equal bytes).
-            fallback = fit(hashed_bytes, FALLBACK_SHARE, MIN_COUNT)[1]
-            auc, _ = train_auc(
-                sizes, workdir, f"free_index_{label}", hashed_rows - fallback, "lfu", fallback
-            )
-            figures[f"auc_free_index_{label}"] = auc
-            free_index = (hashed_rows - fallback, fallback)
     table = [
         "| rows / distinct ids | hashed rows | hashed bytes | hashed AUC | dynamic rows + "
         "fallback | dynamic bytes | dynamic AUC | dynamic - hashed |",
