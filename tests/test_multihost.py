@@ -265,8 +265,14 @@ def test_elastic_agents_go_on_without_a_cut_off_host_and_take_it_back_once_reach
     shrunk = "round 1: group of 2: h0 as worker:0, h1 as worker:1"
     _until(lambda: "members: 2" in log.read_text().partition(shrunk)[2], procs, tmp_path)
     hosts.set_link(2, up=True)
-    grown = "round 2: group of 3: h0 as worker:0, h1 as worker:1, h2 as worker:2"
-    _until(lambda: "members: 3" in log.read_text().partition(grown)[2], procs, tmp_path)
+    # A member slow to save under load may miss round 2's join window: a later round takes it.
+    grown = ": group of 3: h0 as worker:0, h1 as worker:1, h2 as worker:2"
+
+    def grown_back() -> bool:
+        _, found, after = log.read_text().partition(shrunk)[2].rpartition(grown)
+        return bool(found) and "members: 3" in after
+
+    _until(grown_back, procs, tmp_path)
     for proc in procs.values():  # the job could go on: stop it, each member saving
         os.killpg(proc.pid, signal.SIGTERM)
     assert set(_wait(procs).values()) == {143}, _logs(tmp_path)
