@@ -276,6 +276,9 @@ def test_elastic_agents_go_on_without_a_cut_off_host_and_take_it_back_once_reach
     for proc in procs.values():  # the job could go on: stop it, each member saving
         os.killpg(proc.pid, signal.SIGTERM)
     assert set(_wait(procs).values()) == {143}, _logs(tmp_path)
-    saved = re.findall(r"elastic: .* saved step (\d+) to", log.read_text())
+    # Survivors may save steps one apart (one completed a step the other did not): the newest
+    # of all their saves is restored (docs/elastic.md), so 0 steps are lost.
+    logs = "".join((tmp_path / f"h{i}.log").read_text() for i in range(3))
+    saved = re.findall(r"\] elastic: .* saved step (\d+) to", logs)
     restored = re.findall(r"\[h0\] restored \S+ at step (\d+)", log.read_text())
-    assert saved and restored[0] == max(saved, key=int), _logs(tmp_path)  # 0 steps lost
+    assert saved and restored[0] == max(saved, key=int), _logs(tmp_path)
