@@ -224,13 +224,28 @@ def kill(*procs: subprocess.Popen) -> None:
     # again until none is left, as one may have started another meanwhile (bounded: a
     # process stuck in the kernel dies only when its I/O ends).
     deadline = time.monotonic() + 60
+    signalled: set[int] = set()
     while (pids := tagged(tags)) and time.monotonic() < deadline:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+        signalled.update(pids)
+        time.sleep(0.01)
+    # A process on its way out no longer shows its environment: wait until it is gone
+    # (or a zombie), so that a caller never sees it still running.
+    while [pid for pid in signalled if running(pid)] and time.monotonic() < deadline:
         time.sleep(0.01)
     for proc in procs:
         proc.wait()
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as dead."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def _kill_when_it_ends(proc: subprocess.Popen) -> None:

@@ -10,15 +10,6 @@ import pytest
 from tests import helpers
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie (dead, not yet reaped by its parent) counts as dead."""
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _recorded(pid_dir: pathlib.Path) -> dict[int, str]:
     """The pids `tests.fake_task` recorded: pid -> "worker:0" or "worker:0 grandchild"."""
     return {int(p.stem): p.read_text() for p in pid_dir.glob("*.pid")}
@@ -54,7 +45,7 @@ def test_a_finished_child_leaves_no_grandchild(one_task, tmp_path):
     assert done.returncode == 0, done.stderr
     pids = _recorded(tmp_path)
     assert sorted(pids.values()) == ["worker:0", "worker:0 grandchild"]
-    assert not [pid for pid in pids if _alive(pid)], "the grandchild outlived run_cli"
+    assert not [pid for pid in pids if helpers.running(pid)], "the grandchild outlived run_cli"
 
 
 def test_a_timed_out_child_leaves_nothing(one_task, tmp_path):
@@ -70,7 +61,7 @@ def test_a_timed_out_child_leaves_nothing(one_task, tmp_path):
         )
     pids = _recorded(tmp_path)
     assert "worker:0 grandchild" in pids.values()
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if helpers.running(pid)]
 
 
 def test_a_failed_test_leaves_no_cluster_behind(tmp_path):
@@ -94,7 +85,9 @@ def test_a_failed_test_leaves_no_cluster_behind(tmp_path):
         raise AssertionError("a failing test")
     assert len(pids) == 4, pids
     assert launcher.returncode is not None
-    assert not [pid for pid in [launcher.pid, *pids] if _alive(pid)], "processes left behind"
+    assert not [pid for pid in [launcher.pid, *pids] if helpers.running(pid)], (
+        "processes left behind"
+    )
 
 
 def test_assert_exit_shows_the_tail_of_the_output_when_the_code_differs():

@@ -244,3 +244,19 @@ def test_the_cluster_commands_define_their_flags_beside_each_other():
     code = f"import importlib\nfor m in {commands!r}: importlib.import_module(m)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+LONGEST_FUNCTION = 80  # lines; a function longer than this reads as several steps: split it
+
+
+def test_every_function_outside_configs_reads_in_under_80_lines():
+    long = []
+    for module, path in _modules().items():
+        if module.startswith("configs"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines >= LONGEST_FUNCTION:
+                    long.append(f"{module}.{node.name}: {lines} lines")
+    assert not long, long

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import assert_exit
+from tests.helpers import assert_exit, running
 from towerflow.errors import UserError
 from trainer import launch
 
@@ -31,20 +31,6 @@ def _repo_on_path(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{path}" if path else str(REPO))
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie (dead, not yet reaped by init) counts as dead."""
-    if os.path.exists("/proc/self/stat"):
-        try:
-            return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _pids(pid_dir: pathlib.Path) -> dict[int, str]:
     """The pids the fake tasks recorded: pid -> "worker:1" or "worker:1 grandchild"."""
     return {int(p.stem): p.read_text() for p in pid_dir.glob("*.pid")}
@@ -52,9 +38,9 @@ def _pids(pid_dir: pathlib.Path) -> dict[int, str]:
 
 def _assert_all_dead(pids, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [pid for pid in pids if _alive(pid)], "processes left behind"
+    assert not [pid for pid in pids if running(pid)], "processes left behind"
 
 
 def _run(tasks, *args, grace_s=10.0, kill_after_s=2.0, report_s=0.5):

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import TIMEOUT_S
+from tests.helpers import TIMEOUT_S, running
 from trainer.bench import hosts as hosts_lib
 from trainer.loop import faults
 
@@ -191,15 +191,6 @@ def _namespace_pids(namespace: str) -> list[int]:
     return [int(pid) for pid in listed.stdout.split()]
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a killed one may stay a zombie until its new parent reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 # A task with a descendant in a session of its own; it prints what `b` resolves to there.
 _TASK = """
 import socket, subprocess, time
@@ -236,7 +227,7 @@ def test_hosts_are_isolated_and_torn_down_and_a_killed_runs_are_removed():
         straggler.wait()
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
     assert not own & _namespaces()
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if running(pid)]
     assert not [n for n in own if os.path.exists(os.path.join(hosts_lib.NETNS_ETC, n))]
 
 

@@ -150,6 +150,23 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
     return plugin(options)
 
 
+def _custom_step(user_task, config: ml_collections.ConfigDict, strategy: strategies.Strategy):
+    """The user task's own `train_step`, adapted and checked against the strategy; or None."""
+    custom_step = getattr(user_task, "train_step", None)
+    if custom_step is not None:
+        origin = f"`task.name` '{config.task.name}' `train_step`"
+        custom_step = calls.adapt(custom_step, tasks.TRAIN_STEP, origin)
+    steps.check_custom_step(custom_step, config, strategy.traits.transfer)
+    if custom_step is not None and strategy.traits.splits_steps:
+        raise UserError(
+            f"`task.name` '{config.task.name}' brings its own `train_step`, which applies its "
+            f"own gradients, and `strategy.{strategy.name}` as set runs a step's gradients and "
+            f"its update apart; leave `strategy.{strategy.name}`'s update options at their "
+            "defaults (e.g. `sync_replicas=0`, `staleness=none`)."
+        )
+    return custom_step
+
+
 def build(
     config: ml_collections.ConfigDict,
     model_dir: str,
@@ -170,18 +187,7 @@ def build(
         elastic.fit_batches(config, replicas, say)
     checks.check_batch(config, strategy)
     user_task = tasks.user_task(config)
-    custom_step = getattr(user_task, "train_step", None)
-    if custom_step is not None:
-        origin = f"`task.name` '{config.task.name}' `train_step`"
-        custom_step = calls.adapt(custom_step, tasks.TRAIN_STEP, origin)
-    steps.check_custom_step(custom_step, config, strategy.traits.transfer)
-    if custom_step is not None and strategy.traits.splits_steps:
-        raise UserError(
-            f"`task.name` '{config.task.name}' brings its own `train_step`, which applies its "
-            f"own gradients, and `strategy.{strategy.name}` as set runs a step's gradients and "
-            f"its update apart; leave `strategy.{strategy.name}`'s update options at their "
-            "defaults (e.g. `sync_replicas=0`, `staleness=none`)."
-        )
+    custom_step = _custom_step(user_task, config, strategy)
     if user_task is None:
         dataset = data.get(config.data)
     else:
