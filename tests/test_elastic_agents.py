@@ -62,6 +62,7 @@ class _Agents:
             return "\n".join(self.lines)
 
 
+@pytest.mark.slow  # three agents, a lost host and two re-forms: over a minute in the suite
 def test_three_agents_go_on_without_a_lost_host_and_take_it_back_when_it_returns(tmp_path):
     agents = _Agents(tmp_path)
     deadline = time.monotonic() + TIMEOUT_S
