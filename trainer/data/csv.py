@@ -51,31 +51,8 @@ def _csv(config: ml_collections.ConfigDict) -> Dataset:
     names = labels.vocabulary(config)
     classes = 0 if names else check_classes("data.num_classes", config.num_classes)
     files = glob_files(config, "CSV")
-    first, *others = files["train_files"] + files["eval_files"]
-    columns = _header(first)
-    for path in others:
-        if (header := _header(path)) != columns:
-            raise UserError(
-                f"CSV file '{path}' has columns {listed(header)}, unlike '{first}' "
-                f"({listed(columns)}); give every file the same header."
-            )
-    if config.label not in columns:
-        raise UserError(
-            f"`data.label` '{config.label}' is not a column of '{first}'; its columns: "
-            f"{listed(columns)}; set `data.label` to the label column."
-        )
-    shape = None
-    if config.features:
-        features = _named_columns(config, columns, first)
-    else:
-        shape = check_shape("data.input_shape", config.input_shape)
-        features = [Feature(c, tf.float32) for c in columns if c != config.label]
-        if len(features) != math.prod(shape):
-            raise UserError(
-                f"'{first}' has {len(features)} feature columns besides `data.label` "
-                f"'{config.label}', but `data.input_shape` {shape} needs {math.prod(shape)}; "
-                "make them agree."
-            )
+    first, columns = _columns(config, files["train_files"] + files["eval_files"])
+    features, shape = _features(config, columns, first)
     rows = _Rows(
         tuple(columns), tuple(features), config.label, missing(config), names, bool(config.features)
     )
@@ -115,6 +92,41 @@ def _csv(config: ml_collections.ConfigDict) -> Dataset:
     return file_dataset(
         config, files, read, decode, shape, classes, layout, sizes, rows.names, notes
     )
+
+
+def _columns(config: ml_collections.ConfigDict, paths: list[str]) -> tuple[str, list[str]]:
+    """The first file and its header's columns, checked: every file has them, the label too."""
+    first, *others = paths
+    columns = _header(first)
+    for path in others:
+        if (header := _header(path)) != columns:
+            raise UserError(
+                f"CSV file '{path}' has columns {listed(header)}, unlike '{first}' "
+                f"({listed(columns)}); give every file the same header."
+            )
+    if config.label not in columns:
+        raise UserError(
+            f"`data.label` '{config.label}' is not a column of '{first}'; its columns: "
+            f"{listed(columns)}; set `data.label` to the label column."
+        )
+    return first, columns
+
+
+def _features(
+    config: ml_collections.ConfigDict, columns: list[str], first: str
+) -> tuple[list, tuple[int, ...] | None]:
+    """The feature columns to read, and the shape of one tensor of them (None: a dict)."""
+    if config.features:
+        return _named_columns(config, columns, first), None
+    shape = check_shape("data.input_shape", config.input_shape)
+    features = [Feature(c, tf.float32) for c in columns if c != config.label]
+    if len(features) != math.prod(shape):
+        raise UserError(
+            f"'{first}' has {len(features)} feature columns besides `data.label` "
+            f"'{config.label}', but `data.input_shape` {shape} needs {math.prod(shape)}; "
+            "make them agree."
+        )
+    return features, shape
 
 
 def _named_columns(config: ml_collections.ConfigDict, columns: list[str], path: str) -> list:

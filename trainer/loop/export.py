@@ -71,20 +71,7 @@ def export(
         outputs = model(inputs, training=False)
         if raw_outputs:
             return _named_outputs(model, outputs)
-        outputs = tf.cast(outputs, tf.float32)
-        if num_classes > 0:
-            probabilities = objectives.Classification(num_classes, kind).probabilities(outputs)
-            classes = tf.argmax(probabilities, axis=-1)
-            named = {}
-            if class_names:
-                named["class_names"] = tf.gather(tf.constant(class_names), classes)
-            return {
-                "logits": outputs if kind == "logits" else tf.math.log(probabilities),
-                "probabilities": probabilities,
-                "classes": classes,
-                **named,
-            }
-        return {"predictions": tf.squeeze(outputs, -1)}
+        return _task_outputs(tf.cast(outputs, tf.float32), num_classes, kind, class_names)
 
     specs = _input_specs(model, input_shape)
 
@@ -102,6 +89,24 @@ def export(
     tf.saved_model.save(module, staging, signatures={"serving_default": signature})
     storage.replace_dir(staging, path)
     return path
+
+
+def _task_outputs(
+    outputs: tf.Tensor, num_classes: int, kind: str, class_names: tuple[str, ...]
+) -> dict[str, tf.Tensor]:
+    """The built-in task's outputs by name: a classifier's logits, probabilities and
+    classes (and `class_names`), or a regression's `predictions`."""
+    if num_classes <= 0:
+        return {"predictions": tf.squeeze(outputs, -1)}
+    probabilities = objectives.Classification(num_classes, kind).probabilities(outputs)
+    classes = tf.argmax(probabilities, axis=-1)
+    named = {"class_names": tf.gather(tf.constant(class_names), classes)} if class_names else {}
+    return {
+        "logits": outputs if kind == "logits" else tf.math.log(probabilities),
+        "probabilities": probabilities,
+        "classes": classes,
+        **named,
+    }
 
 
 def versions(base: str) -> list[int]:
