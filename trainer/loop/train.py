@@ -354,11 +354,10 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
     finally:
         if job.follower:  # the input stream stops waiting for files, however the run ends
             job.follower.close()
-        # The run's input pipelines end with it: a tf.data iterator left to a later
-        # garbage collection may wait minutes for its threads there, stalling whatever
-        # runs then (a notebook's next cell, the next run of a sweep); and a reader of
-        # the tf.data service ends while the service still answers.
-        gc.collect()
+        if config.data.get("service"):
+            # The service's readers end now, while it answers: left to a later garbage
+            # collection, a reader's end may wait minutes, stalling whatever runs then.
+            gc.collect()
         summaries.close()
         checkpointer.close()
         if lock:
