@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -354,10 +353,6 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
     finally:
         if job.follower:  # the input stream stops waiting for files, however the run ends
             job.follower.close()
-        if config.data.get("service"):
-            # The service's readers end now, while it answers: left to a later garbage
-            # collection, a reader's end may wait minutes, stalling whatever runs then.
-            gc.collect()
         summaries.close()
         checkpointer.close()
         if lock:
