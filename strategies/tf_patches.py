@@ -34,6 +34,11 @@ it).
 - `replica_copy`: this replica's own copy of a distributed variable, which
   can be read row by row (`tf.gather` of a `mirrored` variable reads it whole;
   `trainer.layers`' tables, `trainer.loop.optim`'s sparse updates).
+- `super_leaves_no_frames`: AutoGraph's `super()` in a traced function finds
+  its class without leaving the caller's frames in a reference cycle
+  (process-wide; every frame of the stack that traced it, a run's input
+  iterators with them, lived until a garbage collection, whose end of an
+  iterator then waited minutes for tf.data's threads).
 - `raised_through_autograph`: an error raised while a `tf.function` is traced
   reaches the caller as it is, one line (AutoGraph would wrap it in a
   `StagingError` of several lines; `trainer.layers`' row-aware refusal).
@@ -53,11 +58,13 @@ import ctypes
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 
 import keras
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.autograph.operators import py_builtins
 from tensorflow.python.framework import errors
 
 
@@ -151,6 +158,12 @@ PATCHES = {
         "tensorflow",
         ("2.20", "2.21"),
         "pywrap_tfe's cluster start-up bindings hold the interpreter lock until they return",
+    ),
+    "super_leaves_no_frames": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "AutoGraph's super() finds its frame from inspect.currentframe(), whose f_locals "
+        "keeps that frame: a cycle holding every frame of the stack that traced it",
     ),
     "raised_through_autograph": Patch(
         "tensorflow",
@@ -412,6 +425,46 @@ def tables_reach_workers_from_loops() -> None:
     table._towerflow_upstream_resource_handle = per_graph
     table.resource_handle = property(resource_handle)
     table._towerflow_outermost_capture = True
+
+
+def super_leaves_no_frames() -> None:
+    """AutoGraph's `super()` leaves no frame of its caller's stack behind.
+
+    Converted code calls `super()` through `py_builtins`, which walks the
+    stack from `inspect.currentframe()` reading each frame's `f_locals`: its
+    own frame's locals then hold that frame, a cycle through `f_back` that
+    keeps every frame of the stack alive, and their locals (a run's step,
+    its input iterators), until Python's next full garbage collection. An
+    input iterator ended there waits for tf.data's threads, for minutes
+    (TensorFlow 2.21 on 2 cores), stalling whatever runs at that moment.
+    Here the walk starts at the caller's frame and keeps no frame.
+
+    Process-wide and never undone, by design: it finds the same frame as
+    upstream's for any traced `super()` (towerflow's optimizers call it from
+    their update steps, users' code may too), only without the cycle.
+    """
+    if py_builtins._find_originating_frame is _originating_frame:
+        return
+    targeted("super_leaves_no_frames")
+    py_builtins._find_originating_frame = _originating_frame
+
+
+_AUTOGRAPH_ORIGINATING_FRAME = py_builtins._find_originating_frame  # upstream's
+
+
+def _originating_frame(caller_fn_scope, innermost: bool = True):
+    """The frame of the converted function whose scope is `caller_fn_scope` (upstream's
+    search, from the caller's frame on)."""
+    frame, found = sys._getframe(1), None
+    while frame is not None:
+        if frame.f_locals.get(caller_fn_scope.name) is caller_fn_scope:
+            found = frame
+            if innermost:
+                break
+        frame = frame.f_back
+    if found is None:  # upstream asserts it too
+        raise AssertionError("the converted caller of super() is not on the stack")
+    return found
 
 
 def take_async_checkpoint_error(checkpoint: tf.train.Checkpoint) -> Exception | None:

@@ -6,15 +6,18 @@ what it says.
 """
 
 import ctypes
+import gc
 import inspect
 import logging
 import threading
+import weakref
 from unittest import mock
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.autograph.operators import py_builtins
 from tensorflow.python.util import object_identity
 
 from strategies import tf_patches
@@ -316,3 +319,42 @@ def test_autograph_rewraps_an_error_raised_in_a_traced_function_unless_marked():
     with pytest.raises(OneLine) as marked:
         fails(True)()
     assert str(marked.value) == "one line"
+
+
+class _Base:
+    def value(self, x):
+        return x + 1
+
+
+class _Traced(_Base):
+    def value(self, x):
+        if x.shape.rank == 0:  # Python control flow that AutoGraph converts
+            return super().value(x)
+        return x
+
+
+class _Held:
+    """Something the tracing caller holds (as a run holds its input iterator)."""
+
+
+def _trace_super_while_holding() -> weakref.ref:
+    held = _Held()
+    tf.function(lambda x: _Traced().value(x)).get_concrete_function(tf.constant(1.0))
+    return weakref.ref(held)
+
+
+def test_autograph_super_keeps_the_tracing_frames_until_a_collection_unless_patched():
+    gc.disable()
+    try:
+        with mock.patch.object(
+            py_builtins, "_find_originating_frame", tf_patches._AUTOGRAPH_ORIGINATING_FRAME
+        ):
+            held = _trace_super_while_holding()
+            assert held() is not None  # a cycle of frames holds the caller's locals
+            gc.collect()
+            assert held() is None
+            tf_patches.super_leaves_no_frames()
+            held = _trace_super_while_holding()
+            assert held() is None  # freed as the call returned, no collection needed
+    finally:
+        gc.enable()

@@ -118,6 +118,8 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
         say(cluster_line)
     # Same inputs, same bits, every run; off again for a later run in this process without it.
     tf_patches.op_determinism(config.train.deterministic)
+    # A traced `super()` (the optimizers' update steps) keeps no frame, nor its iterators.
+    tf_patches.super_leaves_no_frames()
     name = config.strategy.name
     plugin, options = strategies.plugin(name), config.strategy.get(name)
     if config.train.jit_compile and not plugin.traits.jit_compile:
