@@ -435,7 +435,7 @@ def super_leaves_no_frames() -> None:
     own frame's locals then hold that frame, a cycle through `f_back` that
     keeps every frame of the stack alive, and their locals (a run's step,
     its input iterators), until Python's next full garbage collection. An
-    input iterator ended there waits for tf.data's threads, for minutes
+    input iterator ended there may wait minutes for tf.data's threads
     (TensorFlow 2.21 on 2 cores), stalling whatever runs at that moment.
     Here the walk starts at the caller's frame and keeps no frame.
 
@@ -443,13 +443,14 @@ def super_leaves_no_frames() -> None:
     upstream's for any traced `super()` (towerflow's optimizers call it from
     their update steps, users' code may too), only without the cycle.
     """
-    if py_builtins._find_originating_frame is _originating_frame:
-        return
+    upstream = getattr(py_builtins, "_find_originating_frame", None)
+    if upstream is None or upstream is _originating_frame:
+        return  # upstream finds super()'s frame another way now, or it is patched already
     targeted("super_leaves_no_frames")
     py_builtins._find_originating_frame = _originating_frame
 
 
-_AUTOGRAPH_ORIGINATING_FRAME = py_builtins._find_originating_frame  # upstream's
+_AUTOGRAPH_ORIGINATING_FRAME = getattr(py_builtins, "_find_originating_frame", None)  # upstream's
 
 
 def _originating_frame(caller_fn_scope, innermost: bool = True):
