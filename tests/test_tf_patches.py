@@ -328,9 +328,7 @@ class _Base:
 
 class _Traced(_Base):
     def value(self, x):
-        if x.shape.rank == 0:  # Python control flow that AutoGraph converts
-            return super().value(x)
-        return x
+        return super().value(x)  # traced, AutoGraph calls it through `py_builtins`
 
 
 class _Held:

@@ -119,6 +119,9 @@ class _SparseRows:
         # Untracked (Keras would track the variables, TF the dict's keys as names).
         object.__setattr__(self, "_table_optimizers", {})  # variable key -> the table's own
         object.__setattr__(self, "_built_on", var_list)
+        # The update steps below call `super()` once traced: outside the trainer too (plain
+        # Keras), that call must not keep the tracing stack (and its input iterators) alive.
+        tf_patches.super_leaves_no_frames()
         owned: dict = {}
         for variable in var_list:
             owner = tables.owner_of(variable) if self._routes_tables else None
