@@ -161,6 +161,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Trainers naming the same job with identical pipelines read one stream, each every batch
     # (a sweep's `--share_input`); "" = each its own.
     c.data.service_job = ""
+    # tf.data's autotuning model (off: AUTOTUNE maps use every core; on, a long-lived pipeline
+    # may take up to a minute to delete, docs/troubleshooting.md); a RAM budget turns it on.
+    c.data.autotune = False
     c.data.autotune_ram_budget_mb = 0  # tf.data autotuning memory budget, MiB (0 = half the RAM)
     c.data.eval_fraction = 0.2  # digits / synthetic / ctr: share of examples held out for eval
     # synthetic: a deterministic, learnable problem of any size.

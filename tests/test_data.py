@@ -485,12 +485,30 @@ def test_empty_files_are_caught_by_check(tmp_path):
     one_line_error("`data.eval_files` .* holds no examples", data.check, data.get(config))
 
 
-def test_autotune_ram_budget_reaches_both_pipelines():
-    config = _synthetic()
-    config.autotune_ram_budget_mb = 64
+def _autotune(config) -> list[tuple[bool, int | None]]:
+    """Both pipelines' (autotune enabled, RAM budget) under `config`."""
     dataset = data.get(config)
-    for pipeline in (dataset.train_fn(8, seed=0), dataset.eval_fn(8)):
-        options = pipeline(_context()).options()
-        assert options.autotune.enabled and options.autotune.ram_budget == 64 << 20
+    pipelines = (dataset.train_fn(8, seed=0), dataset.eval_fn(8))
+    return [
+        (p(_context()).options().autotune.enabled, p(_context()).options().autotune.ram_budget)
+        for p in pipelines
+    ]
+
+
+def test_autotune_is_off_unless_asked_for_and_a_ram_budget_turns_it_on():
+    config = _synthetic()
+    assert _autotune(config) == [(False, None)] * 2
+    config.autotune = True
+    assert _autotune(config) == [(True, None)] * 2
+    config.autotune = False
+    config.autotune_ram_budget_mb = 64
+    assert _autotune(config) == [(True, 64 << 20)] * 2
     config.autotune_ram_budget_mb = -1
     one_line_error(r"`data.autotune_ram_budget_mb` \(-1\) must be >= 0", data.get, config)
+
+
+def test_a_pipelines_own_autotune_choice_stands():
+    own = tf.data.Options()
+    own.autotune.enabled = True
+    pipeline = tf.data.Dataset.range(4).with_options(own)
+    assert data.base.Settings().apply(pipeline).options().autotune.enabled

@@ -129,13 +129,15 @@ class TrainStreamWrapper:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """How any source's pipelines run: `data.autotune_ram_budget_mb` and `data.sharding`.
+    """How any source's pipelines run: `data.autotune`, its RAM budget and `data.sharding`.
 
     Attributes:
+      autotune: whether tf.data's autotuning model runs (a RAM budget turns it on).
       ram_budget_mb: tf.data autotuning's memory budget in MiB (0 = TF's default).
       sharding: how pipelines split the data (see `SHARDING`).
     """
 
+    autotune: bool = False
     ram_budget_mb: int = 0
     sharding: str = "auto"
 
@@ -145,13 +147,24 @@ class Settings:
             return context
         return tf.distribute.InputContext(1, 0, context.num_replicas_in_sync)
 
-    def options(self) -> tf.data.Options:
-        """tf.data autotunes parallelism and prefetch depths within the memory budget."""
+    def apply(self, pipeline: tf.data.Dataset) -> tf.data.Dataset:
+        """`pipeline` with tf.data's autotuning model only when asked for.
+
+        An autotuning choice the pipeline makes itself (a user's `with_options`)
+        stands. Without the model, `AUTOTUNE` maps and interleaves run a
+        parallelism sized to the machine's cores and prefetch buffers grow as they
+        run dry (TensorFlow's own fallbacks). With it, a pipeline that lived a
+        minute may take up to a minute to delete: the model's thread can miss its
+        wake-up (TensorFlow sets "cancelled" only after running the callbacks that
+        notify it) and sleeps out its period, which doubles up to 60 s, while the
+        deleting thread holds Python's lock (docs/troubleshooting.md).
+        """
         options = tf.data.Options()
-        options.autotune.enabled = True
+        if pipeline.options().autotune.enabled is None:
+            options.autotune.enabled = self.autotune or self.ram_budget_mb > 0
         if self.ram_budget_mb:
             options.autotune.ram_budget = self.ram_budget_mb << 20
-        return options
+        return pipeline.with_options(options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +312,7 @@ class SplitDataset:
             first = stream_position(start_step, context, start_batch)
             split = self.train_split
             batches = split.shuffled_batches(self.settings.context(context), seed, batch, first)
-            return _decoded(batches, split.decode).with_options(self.settings.options())
+            return self.settings.apply(_decoded(batches, split.decode))
 
         return dataset_fn
 
@@ -318,7 +331,7 @@ class SplitDataset:
             batch = context.get_per_replica_batch_size(global_batch_size)
             records = self.eval_split.records(self.settings.context(context))
             batches = _decoded(records.batch(batch), self.eval_split.decode)
-            return batches.with_options(self.settings.options())
+            return self.settings.apply(batches)
 
         return dataset_fn
 
@@ -408,7 +421,7 @@ def names() -> list[str]:
 
 
 def settings(config: ml_collections.ConfigDict) -> Settings:
-    """`data.autotune_ram_budget_mb` and `data.sharding`, checked.
+    """`data.autotune`, `data.autotune_ram_budget_mb` and `data.sharding`, checked.
 
     Raises:
       UserError: a negative budget or an unknown sharding.
@@ -422,7 +435,7 @@ def settings(config: ml_collections.ConfigDict) -> Settings:
     sharding = config.get("sharding", "auto")
     if sharding not in SHARDING:
         raise UserError(f"Unknown `data.sharding` '{sharding}'; known: {', '.join(SHARDING)}.")
-    return Settings(budget, sharding)
+    return Settings(bool(config.get("autotune", False)), budget, sharding)
 
 
 def with_settings(dataset: Dataset, settings: Settings) -> Dataset:

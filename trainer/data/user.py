@@ -126,7 +126,7 @@ class PipelineDataset:
             position = stream_position(start_step, context, start_batch)
             first = position // context.num_input_pipelines
             batches = self._call(self.settings.context(context), "train", global_batch_size)
-            return batches.repeat().skip(first).with_options(self.settings.options())
+            return self.settings.apply(batches.repeat().skip(first))
 
         return dataset_fn
 
@@ -135,7 +135,7 @@ class PipelineDataset:
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
             batches = self._call(self.settings.context(context), "eval", global_batch_size)
-            return batches.with_options(self.settings.options())
+            return self.settings.apply(batches)
 
         return dataset_fn
 
