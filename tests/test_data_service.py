@@ -147,7 +147,9 @@ def test_dynamic_sharding_sends_every_batch_once(dispatcher):
         context = tf.distribute.InputContext(2, 1, 2)  # one of two trainers' pipelines
         whole = tf.distribute.InputContext(1, 0, 2)  # the one stream, for 2 replicas
         fresh = list(_digits(config).train_fn(16, seed=0)(whole).take(6))
-        served = list(dataset.train_fn(16, seed=0)(context).take(6))
+        reader = dataset.train_fn(16, seed=0)(context)
+        assert reader.options().autotune.enabled is False, "the client's reader has the settings"
+        served = list(reader.take(6))
     for (x, y), (want_x, want_y) in zip(served, fresh, strict=True):
         np.testing.assert_array_equal(y, want_y)  # one worker: the one stream, in order
         np.testing.assert_allclose(x, want_x)

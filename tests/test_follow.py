@@ -229,7 +229,9 @@ def test_a_tfrecord_stream_reads_a_new_file_once_it_is_found(tmp_path):
     )
     dataset = data.get(config.data)
     follower = follow.follower_of(dataset)
-    batches = iter(dataset.train_fn(16, seed=0)(tf.distribute.InputContext()))
+    pipeline = dataset.train_fn(16, seed=0)(tf.distribute.InputContext())
+    assert pipeline.options().autotune.enabled is False, "the source's data settings hold"
+    batches = iter(pipeline)
     try:
         assert [float(next(batches)[0][0, 0]) for _ in range(4)] == [1.0] * 4
         follower.advance(ROWS)

@@ -118,6 +118,11 @@ class TrainStreamWrapper:
         """The inner source's start-up notes."""
         return self.inner.notes
 
+    @property
+    def settings(self) -> Settings:
+        """The inner source's pipeline settings, for the stream this wrapper makes."""
+        return getattr(self.inner, "settings", Settings())
+
     def eval_fn(self, global_batch_size: int) -> DatasetFn:
         """The inner source's eval pass, unchanged."""
         return self.inner.eval_fn(global_batch_size)
@@ -343,7 +348,7 @@ class SplitDataset:
         """
         context = tf.distribute.InputContext()
         for split in (self.train_split, self.eval_split):
-            batches = _decoded(split.records(context).batch(1), split.decode)
+            batches = self.settings.apply(_decoded(split.records(context).batch(1), split.decode))
             try:
                 next(iter(batches))
             except StopIteration:

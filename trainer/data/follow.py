@@ -246,7 +246,7 @@ class FollowedDataset(TrainStreamWrapper):
             if context.num_input_pipelines > 1:  # this pipeline's share of each global batch
                 batches = batches.shard(context.num_input_pipelines, context.input_pipeline_id)
             batches = batches.map(self.decode, num_parallel_calls=tf.data.AUTOTUNE)
-            return batches.prefetch(tf.data.AUTOTUNE)
+            return self.settings.apply(batches.prefetch(tf.data.AUTOTUNE))
 
         return dataset_fn
 

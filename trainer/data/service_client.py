@@ -145,7 +145,7 @@ class ServiceDataset(TrainStreamWrapper):
         source = self.inner.train_fn(global_batch_size, seed, start_step, start_batch)
         # Where the stream starts names its jobs: a step, or a batch of the stream.
         origin = start_step if start_batch is None else f"b{start_batch}"
-        service = self.service
+        service, settings = self.service, self.settings  # the client's reader is a new pipeline
         if service.sharding == "dynamic":
             distribute = tf.data.experimental.service.distribute(
                 "distributed_epoch", service.address, job_name=f"{self.name}-from-{origin}"
@@ -153,7 +153,7 @@ class ServiceDataset(TrainStreamWrapper):
 
             def one_stream(context: tf.distribute.InputContext) -> tf.data.Dataset:
                 whole = tf.distribute.InputContext(1, 0, context.num_replicas_in_sync)
-                return source(whole).apply(distribute)
+                return settings.apply(source(whole).apply(distribute))
 
             return one_stream
         cache = None
@@ -163,9 +163,11 @@ class ServiceDataset(TrainStreamWrapper):
         def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
             # Trials resumed at another step make other batches: a stream of their own.
             job = f"{service.job}-{origin}-{context.input_pipeline_id}" if service.job else None
-            return source(context).apply(
-                tf.data.experimental.service.distribute(
-                    "parallel_epochs", service.address, job_name=job, cross_trainer_cache=cache
+            return settings.apply(
+                source(context).apply(
+                    tf.data.experimental.service.distribute(
+                        "parallel_epochs", service.address, job_name=job, cross_trainer_cache=cache
+                    )
                 )
             )
 
