@@ -243,14 +243,8 @@ def run_agent(
     console = console or Console(own=f"agent {name}")
     interrupt = interrupt or Interrupt()
     settings = elastic_settings(command)
-    rendezvous = Rendezvous(
-        os.path.join(_model_dir(command), "elastic", "rendezvous"),
-        name,
-        low,
-        high,
-        settings["rendezvous_timeout"],
-        join_s,
-    )
+    where = os.path.join(_model_dir(command), "elastic", "rendezvous")
+    rendezvous = Rendezvous(where, name, low, high, settings["rendezvous_timeout"], join_s)
     own = Roster(1, 1, **settings)  # this agent's own failures and cool-downs
     command = elastic_command(command, low, high)
     stop = lambda: interrupt.signal is not None  # noqa: E731
@@ -265,14 +259,7 @@ def run_agent(
         with answering(address):
             plan = rendezvous.join(round_, address, stop)
         if plan is None:
-            if stop():
-                return interrupt.code
-            console.log(
-                f"stopping: fewer than `min_workers` ({low}) agents joined round {round_} in "
-                f"{rendezvous.timeout_s:g} s; missing: {rendezvous.missing(round_)}; the state "
-                "is saved in model_dir: start the agents again to resume"
-            )
-            return MEMBER_LOST_EXIT_CODE
+            return interrupt.code if stop() else _too_few(rendezvous, round_, console)
         if plan.get(DONE):
             console.log("the job ended while this agent waited to join")
             return 0
@@ -290,6 +277,16 @@ def run_agent(
         if lost:
             console.log(f"{name} lost: {own.lost('member:0')}")
         round_ += 1
+
+
+def _too_few(rendezvous: Rendezvous, round_: int, console: Console) -> int:
+    """Says who is missing from a round that never formed; the job's exit code."""
+    console.log(
+        f"stopping: fewer than `min_workers` ({rendezvous.low}) agents joined round {round_} "
+        f"in {rendezvous.timeout_s:g} s; missing: {rendezvous.missing(round_)}; the state "
+        "is saved in model_dir: start the agents again to resume"
+    )
+    return MEMBER_LOST_EXIT_CODE
 
 
 def _member(

@@ -239,6 +239,17 @@ def wait_until_gone(
     return True
 
 
+def _no_answer(name: str, address: str, timeout_s: float, setting: str) -> MemberLost:
+    """The one line for a member that did not answer at `address` in time."""
+    host = address.rpartition(":")[0]
+    return MemberLost(
+        f"{name} at {address} did not answer within {timeout_s:g} s; check that it "
+        f"runs with the same `TF_CONFIG` cluster, that `{host}` resolves here (DNS) "
+        f"to its machine, that its port is open to this host, and that no "
+        f"`http_proxy`/`grpc_proxy` applies; `{setting}` sets this wait."
+    )
+
+
 def start_up(
     spec: ClusterSpec,
     timeout_s: float,
@@ -293,14 +304,7 @@ def start_up(
             if not missing:
                 return
             if time.monotonic() >= deadline:
-                name, address = next(iter(missing.items()))
-                host = address.rpartition(":")[0]
-                raise MemberLost(
-                    f"{name} at {address} did not answer within {timeout_s:g} s; check that it "
-                    f"runs with the same `TF_CONFIG` cluster, that `{host}` resolves here (DNS) "
-                    f"to its machine, that its port is open to this host, and that no "
-                    f"`http_proxy`/`grpc_proxy` applies; `{setting}` sets this wait."
-                )
+                raise _no_answer(*next(iter(missing.items())), timeout_s, setting)
             time.sleep(interval_s)
 
 

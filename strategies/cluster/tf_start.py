@@ -36,6 +36,16 @@ POLL_S = 0.02  # how often the waiting thread looks at the clock and re-asserts 
 SAY_AFTER_S = 1.0  # a call still running after this long is named once
 
 
+def _not_joined(timeout_s: float, setting: str, what: str) -> MemberLost:
+    """The one line for a member TensorFlow did not join to its cluster in time."""
+    return MemberLost(
+        f"TensorFlow did not join the cluster within {timeout_s:g} s as {what}; "
+        "check that every member runs with the same `TF_CONFIG` cluster, that each "
+        "host resolves here (DNS) to its machine and that its port is open to "
+        f"this host; `{setting}` sets this wait."
+    )
+
+
 @contextlib.contextmanager
 def bounded(
     timeout_s: float, setting: str, what: str, report: Callable[[str], None] = print
@@ -85,12 +95,7 @@ def bounded(
                     f"(at most {timeout_s:g} s)"
                 )
             if time.monotonic() >= deadline:
-                raise MemberLost(
-                    f"TensorFlow did not join the cluster within {timeout_s:g} s as {what}; "
-                    "check that every member runs with the same `TF_CONFIG` cluster, that each "
-                    "host resolves here (DNS) to its machine and that its port is open to "
-                    f"this host; `{setting}` sets this wait."
-                )
+                raise _not_joined(timeout_s, setting, what)
             thread.join(POLL_S)
         in_flight.remove(name)
         if outcome[0] is not None:

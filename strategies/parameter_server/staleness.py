@@ -162,6 +162,33 @@ def make_loop(
     policy between them. Returns the steps' sums plus `staleness_histogram`,
     `staleness_sum` and `stale_dropped`.
     """
+    if policy.mode == "none":
+        one_step = _whole_step(strategy, step_fn, updates)
+    else:
+        one_step = _split_step(strategy, step_fn, policy, updates)
+
+    def with_records(batch) -> dict:
+        sums, stale, dropped = one_step(batch)
+        bucket = tf.cast(tf.minimum(stale, BUCKETS - 1), tf.int32)
+        return {
+            **sums,
+            "staleness_histogram": tf.one_hot(bucket, BUCKETS, dtype=tf.float32),
+            "staleness_sum": tf.cast(stale, tf.float32),
+            "stale_dropped": dropped,
+        }
+
+    @tf.function
+    def loop(iterator, n):
+        totals = with_records(next(iterator))
+        for _ in tf.range(n - 1):
+            totals = tf.nest.map_structure(tf.add, totals, with_records(next(iterator)))
+        return totals
+
+    return loop
+
+
+def _whole_step(strategy: tf.distribute.Strategy, step_fn: TrainStepProtocol, updates):
+    """The step as it always ran (`none`); the counter moves once it is done."""
 
     def whole_step(batch) -> tuple[dict, tf.Tensor, tf.Tensor]:
         read = updates.read_value()
@@ -170,6 +197,14 @@ def make_loop(
         with tf.control_dependencies(tf.nest.flatten(sums)):
             stale = updates.assign_add(1) - 1 - read
         return sums, stale, tf.constant(0.0)
+
+    return whole_step
+
+
+def _split_step(
+    strategy: tf.distribute.Strategy, step_fn: TrainStepProtocol, policy: Staleness, updates
+):
+    """The step's halves apart, with the staleness policy between them."""
 
     def split_step(batch) -> tuple[dict, tf.Tensor, tf.Tensor]:
         read = updates.read_value()
@@ -194,26 +229,7 @@ def make_loop(
         dropped = tf.cond(stale <= policy.limit, apply, lambda: tf.constant(1.0))
         return sums, stale, dropped
 
-    one_step = whole_step if policy.mode == "none" else split_step
-
-    def with_records(batch) -> dict:
-        sums, stale, dropped = one_step(batch)
-        bucket = tf.cast(tf.minimum(stale, BUCKETS - 1), tf.int32)
-        return {
-            **sums,
-            "staleness_histogram": tf.one_hot(bucket, BUCKETS, dtype=tf.float32),
-            "staleness_sum": tf.cast(stale, tf.float32),
-            "stale_dropped": dropped,
-        }
-
-    @tf.function
-    def loop(iterator, n):
-        totals = with_records(next(iterator))
-        for _ in tf.range(n - 1):
-            totals = tf.nest.map_structure(tf.add, totals, with_records(next(iterator)))
-        return totals
-
-    return loop
+    return split_step
 
 
 def report(sums: dict, steps: int, policy: Staleness) -> tuple[dict, dict]:

@@ -105,14 +105,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     )
     saves = incremental(sizes, workdir)
     samples.update(saves)
-    for interval in sizes.checkpoint_intervals:
-        for what in ("bytes", "save_s", "rows_touched_share"):
-            names = [f"{kind}_{what}_every{interval}" for kind in ("full", "incremental")]
-            figures.update(medians({n: saves[n] for n in names if n in saves}))
-        for what in ("bytes", "save_s"):
-            ratios[f"incremental/full {what} every {interval} steps"] = _ratio(
-                saves, f"incremental_{what}_every{interval}", f"full_{what}_every{interval}"
-            )
+    _add_saves(saves, sizes.checkpoint_intervals, figures, ratios)
     return result(
         "s/step, examples/s, AUC, bytes, lookups/s",
         figures,
@@ -136,6 +129,18 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             "full one of the same step; rows_touched_share: the delta's rows over the ids held",
         ],
     )
+
+
+def _add_saves(saves: dict, intervals, figures: dict, ratios: dict) -> None:
+    """The incremental and full checkpoints' medians into `figures`, their ratios into `ratios`."""
+    for interval in intervals:
+        for what in ("bytes", "save_s", "rows_touched_share"):
+            names = [f"{kind}_{what}_every{interval}" for kind in ("full", "incremental")]
+            figures.update(medians({n: saves[n] for n in names if n in saves}))
+        for what in ("bytes", "save_s"):
+            ratios[f"incremental/full {what} every {interval} steps"] = _ratio(
+                saves, f"incremental_{what}_every{interval}", f"full_{what}_every{interval}"
+            )
 
 
 def _total(figures: dict[str, float], kind: str) -> float:
@@ -317,6 +322,26 @@ def _child_json(run: str, arguments: list[str], workdir: str):
         return json.load(f)
 
 
+_SERVERS: list = []  # an in-process cluster's servers, held: they serve until the process ends
+
+
+def _in_process_ps():
+    """TF's `ParameterServerStrategy` over a worker and 2 ps members in this process."""
+    import tensorflow as tf
+
+    cluster = tf.train.ClusterSpec(
+        {"chief": [_address()], "worker": [_address()], "ps": [_address(), _address()]}
+    )
+    _SERVERS.extend(
+        tf.distribute.Server(cluster, job_name=job, task_index=task)
+        for job, task in (("worker", 0), ("ps", 0), ("ps", 1))
+    )
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        cluster, rpc_layer="grpc", task_type="chief", task_id=0
+    )
+    return tf.distribute.experimental.ParameterServerStrategy(resolver)
+
+
 def scale(ids: int, batch: int = 1 << 17) -> dict:
     """`ids` distinct ids into a `DynamicEmbedding` over 2 in-process ps members; its figures.
 
@@ -333,17 +358,7 @@ def scale(ids: int, batch: int = 1 << 17) -> dict:
     from trainer.layers import tables
     from trainer.loop import optim
 
-    cluster = tf.train.ClusterSpec(
-        {"chief": [_address()], "worker": [_address()], "ps": [_address(), _address()]}
-    )
-    servers = [  # noqa: F841 (held: they serve until the process ends)
-        tf.distribute.Server(cluster, job_name=job, task_index=task)
-        for job, task in (("worker", 0), ("ps", 0), ("ps", 1))
-    ]
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        cluster, rpc_layer="grpc", task_type="chief", task_id=0
-    )
-    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+    strategy = _in_process_ps()
 
     def table(capacity: int):
         with strategy.scope():  # TF's own strategy: a part per ps member (`sharding.current`)

@@ -83,19 +83,8 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             f"{fallback} | {dynamic_bytes} | {dynamic_auc:.4f} | {gains[label]:+.4f} |"
         )
         if share == TARGET_SHARE:
-            # The same rows as the hashed table, own rows at a hashed row's bytes: what the
-            # own rows are worth with an index that cost nothing (not equal bytes).
             free_index = (hashed_rows - fallback, fallback)
-            auc, _ = train_auc(
-                sizes, workdir, f"free_index_{label}", free_index[0], "lfu", fallback
-            )
-            figures[f"auc_free_index_{label}"] = auc
-            for name, eviction, min_count, fallback_share in VARIANTS:
-                capacity, fallback = fit(hashed_bytes, fallback_share, min_count)
-                auc, _ = train_auc(
-                    sizes, workdir, f"{name}_{label}", capacity, eviction, fallback, min_count
-                )
-                figures[f"auc_{name}_{label}"] = auc
+            figures.update(_at_target(sizes, workdir, label, free_index, hashed_bytes))
     table = [
         "| rows / distinct ids | hashed rows | hashed bytes | hashed AUC | dynamic rows + "
         "fallback | dynamic bytes | dynamic AUC | dynamic - hashed |",
@@ -136,6 +125,27 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             "bytes as `describe()` counts them at the end (rows, Adam's slots, stamps, index)",
         ],
     )
+
+
+def _at_target(
+    sizes: Sizes, workdir: str, label: str, free_index: tuple[int, int], hashed_bytes: int
+) -> dict:
+    """At the target share: own rows with an index that cost nothing, and each policy.
+
+    `free_index` is (own rows, fallback rows) making the hashed table's rows: own
+    rows at a hashed row's bytes, what they are worth without the index (not equal
+    bytes). The policies (`VARIANTS`) run at equal bytes.
+    """
+    own, fallback = free_index
+    auc, _ = train_auc(sizes, workdir, f"free_index_{label}", own, "lfu", fallback)
+    figures = {f"auc_free_index_{label}": auc}
+    for name, eviction, min_count, fallback_share in VARIANTS:
+        capacity, fallback = fit(hashed_bytes, fallback_share, min_count)
+        auc, _ = train_auc(
+            sizes, workdir, f"{name}_{label}", capacity, eviction, fallback, min_count
+        )
+        figures[f"auc_{name}_{label}"] = auc
+    return figures
 
 
 def config(sizes: Sizes, **fields):

@@ -64,19 +64,7 @@ def _tfrecord(config: ml_collections.ConfigDict) -> Dataset:
             "class names set `data.label_vocabulary`)."
         )
     label_dtype = tf.string if names else _LABEL_DTYPES[config.label_dtype]
-    shape = None
-    if config.features:
-        features = parse_features(config.features)
-    else:  # as before named features: one float feature `x` of `data.input_shape`
-        shape = check_shape("data.input_shape", config.input_shape)
-        features = [Feature("x", tf.float32, (math.prod(shape),))]
-    if one_tensor(features):
-        shape = check_shape("data.input_shape", config.input_shape)
-        if features[0].size != math.prod(shape):
-            raise UserError(
-                f"`data.features` '{config.features}' holds {features[0].size} values but "
-                f"`data.input_shape` {shape} needs {math.prod(shape)}; make them agree."
-            )
+    features, shape = _features(config)
     files = glob_files(config, "TFRecord")
     _check_records(files["train_files"][0], features, config.label, label_dtype)
     records = _Records(tuple(features), config.label, label_dtype, missing(config), names)
@@ -117,6 +105,28 @@ def _tfrecord(config: ml_collections.ConfigDict) -> Dataset:
     return file_dataset(
         config, files, read, decode, shape, classes, layout, (None, None), records.names, notes
     )
+
+
+def _features(config: ml_collections.ConfigDict) -> tuple[list[Feature], tuple | None]:
+    """The features to read, and the shape of one tensor of them (None: a dict of features).
+
+    Raises:
+      UserError: a bad `data.features`, or one tensor whose size `data.input_shape` does
+        not match.
+    """
+    if not config.features:  # as before named features: one float feature `x`
+        shape = check_shape("data.input_shape", config.input_shape)
+        return [Feature("x", tf.float32, (math.prod(shape),))], shape
+    features = parse_features(config.features)
+    if not one_tensor(features):
+        return features, None
+    shape = check_shape("data.input_shape", config.input_shape)
+    if features[0].size != math.prod(shape):
+        raise UserError(
+            f"`data.features` '{config.features}' holds {features[0].size} values but "
+            f"`data.input_shape` {shape} needs {math.prod(shape)}; make them agree."
+        )
+    return features, shape
 
 
 def _parsed_as(feature: Feature) -> tf.io.FixedLenFeature | tf.io.RaggedFeature:

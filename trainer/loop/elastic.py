@@ -364,29 +364,42 @@ def membership(
         if change is None:
             return
         save(output.step)  # the group's state is in a checkpoint: the survivors' saves can go
-        if not is_chief:
-            return
-        seconds = round(time.time() - change["at"], 2)
-        record = {
-            "step": output.step - output.steps,
-            "from": change["from"],
-            "to": change["to"],
-            "why": change["why"],
-            "seconds": seconds,
-            "global_batch": global_batch,
-            "per_replica_batch": global_batch // replicas,
-            "learning_rate": learning_rate,
-        }
-        storage.write_json(
-            os.path.join(_directory(model_dir), "reforms.json"), [*reforms(model_dir), record]
-        )
-        for name in _listed(model_dir):
-            if name.startswith("ckpt-"):  # a survivor's save: the checkpoint now holds its state
-                tf.io.gfile.remove(os.path.join(_directory(model_dir), name))
-        say(
-            f"elastic: re-formed {change['from']} -> {change['to']} members at step "
-            f"{record['step']} ({change['why']}); {seconds:.1f} s from the change to this "
-            "group's first block"
-        )
+        if is_chief:
+            step = output.step - output.steps
+            _record_reform(model_dir, change, step, global_batch, replicas, learning_rate, say)
 
     return Action(act, name="membership")
+
+
+def _record_reform(
+    model_dir: str,
+    change: dict,
+    step: int,
+    global_batch: int,
+    replicas: int,
+    learning_rate: float,
+    say: Callable[[str], None],
+) -> None:
+    """Appends the re-form to `reforms.json`, drops the survivors' saves, says it (the chief)."""
+    seconds = round(time.time() - change["at"], 2)
+    record = {
+        "step": step,
+        "from": change["from"],
+        "to": change["to"],
+        "why": change["why"],
+        "seconds": seconds,
+        "global_batch": global_batch,
+        "per_replica_batch": global_batch // replicas,
+        "learning_rate": learning_rate,
+    }
+    storage.write_json(
+        os.path.join(_directory(model_dir), "reforms.json"), [*reforms(model_dir), record]
+    )
+    for name in _listed(model_dir):
+        if name.startswith("ckpt-"):  # a survivor's save: the checkpoint now holds its state
+            tf.io.gfile.remove(os.path.join(_directory(model_dir), name))
+    say(
+        f"elastic: re-formed {change['from']} -> {change['to']} members at step "
+        f"{step} ({change['why']}); {seconds:.1f} s from the change to this "
+        "group's first block"
+    )

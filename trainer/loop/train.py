@@ -180,14 +180,7 @@ def build(
     With a `service` (`service_client.started`), the training input runs on it.
     """
     strategy = strategy or make_strategy(config)
-    replicas = strategy.num_replicas_in_sync
-    if elastic.per_replica(config):  # each replica's batch kept, the global batch follows
-        cluster = strategy.membership.cluster
-        workers = cluster.num_workers if cluster else 1
-        elastic.keep_per_replica_batch(config, replicas, workers, say)
-    if elastic.enabled(config):  # a re-formed group may not split the batch the user chose
-        elastic.fit_batches(config, replicas, say)
-    checks.check_batch(config, strategy)
+    _fit_batch(config, strategy)
     user_task = tasks.user_task(config)
     custom_step = _custom_step(user_task, config, strategy)
     if user_task is None:
@@ -238,6 +231,18 @@ def build(
         warm,
         input_position=elastic.InputPosition() if elastic.per_replica(config) else None,
     )
+
+
+def _fit_batch(config: ml_collections.ConfigDict, strategy: strategies.Strategy) -> None:
+    """The global batch this group of replicas trains, checked (elastic runs may change it)."""
+    replicas = strategy.num_replicas_in_sync
+    if elastic.per_replica(config):  # each replica's batch kept, the global batch follows
+        cluster = strategy.membership.cluster
+        workers = cluster.num_workers if cluster else 1
+        elastic.keep_per_replica_batch(config, replicas, workers, say)
+    if elastic.enabled(config):  # a re-formed group may not split the batch the user chose
+        elastic.fit_batches(config, replicas, say)
+    checks.check_batch(config, strategy)
 
 
 def _check_class_names(model_dir: str, names: tuple[str, ...]) -> None:
@@ -535,21 +540,7 @@ def _train(
     if checkpointer.latest is None:
         checkpointer.save(step)  # a good state to fall back to if the loss blows up
     gb = config.train.global_batch_size
-    if job.custom_step is not None:  # a task's own step, which applies its own gradients
-        train_step = steps.CustomTrainStep(
-            job.custom_step, job.model, job.optimizer, job.objective, gb
-        )
-    else:
-        train_step = steps.TrainStep(
-            job.model,
-            job.optimizer,
-            job.objective,
-            gb,
-            config.optimizer.clip_global_norm,
-            config.train.jit_compile,
-            config.train.accumulation_steps,
-            strategy.traits.transfer,
-        )
+    train_step = _train_step(job)
     if elastic.enabled(config):  # a survivor saves the step its variables hold
         local = len(strategy.tf_strategy.extended.worker_devices)  # this process's replicas
         job.counted = train_step = elastic.CountedStep(train_step, step, local)
@@ -576,6 +567,23 @@ def _train(
     if last and last.stopped:
         say(f"stopped at step {last.step}: {last.stopped}")
     return last.metrics if last else {}
+
+
+def _train_step(job: Job) -> steps.TrainStep | steps.CustomTrainStep:
+    """The step of a block: towerflow's, or a task's own (which applies its own gradients)."""
+    config, gb = job.config, job.config.train.global_batch_size
+    if job.custom_step is not None:
+        return steps.CustomTrainStep(job.custom_step, job.model, job.optimizer, job.objective, gb)
+    return steps.TrainStep(
+        job.model,
+        job.optimizer,
+        job.objective,
+        gb,
+        config.optimizer.clip_global_norm,
+        config.train.jit_compile,
+        config.train.accumulation_steps,
+        job.strategy.traits.transfer,
+    )
 
 
 def _train_stream(job: Job, global_batch: int, step: int):

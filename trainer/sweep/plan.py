@@ -174,6 +174,37 @@ def plan_trials(
       UserError: no `--sweep.` field, a field not in the config or also in the
         trainer flags, a value of the wrong type, or a bad `--trials`/`--search`.
     """
+    _check_flags(sweeps, trainer_args, search, trials)
+    base = load_config(config_path, trainer_args)
+    choices = {
+        field: _field_values(base, config_path, field, text) for field, text in sweeps.items()
+    }
+    grid = list(itertools.product(*choices.values()))
+    if search == "random":
+        if trials > len(grid):
+            raise UserError(
+                f"`--trials` ({trials}) is more than the {len(grid)} distinct combinations of "
+                f"the swept values; pass `--trials={len(grid)}` or fewer, or add values."
+            )
+        grid = random.Random(seed).sample(grid, trials)
+    elif trials:
+        grid = grid[:trials]
+    fields = list(choices)
+    return [
+        _trial(index, tuple(zip(fields, values, strict=True)), config_path, trainer_args)
+        for index, values in enumerate(grid)
+    ]
+
+
+def _check_flags(
+    sweeps: dict[str, str], trainer_args: Sequence[str], search: str, trials: int
+) -> None:
+    """The sweep's own flags, and trainer flags that would clash with them.
+
+    Raises:
+      UserError: no `--sweep.` field, a bad `--search` or `--trials`, or a trainer
+        flag the sweep sets (`--model_dir`, `--config`, a swept field).
+    """
     if not sweeps:
         raise UserError(
             "no `--sweep.<field>=v1,v2,...` flag: give at least one field to sweep, "
@@ -196,25 +227,6 @@ def plan_trials(
                 f"`{name}` is swept (`--sweep.{name.removeprefix('--config.')}`); "
                 "drop it from the trainer flags."
             )
-    base = load_config(config_path, trainer_args)
-    choices = {
-        field: _field_values(base, config_path, field, text) for field, text in sweeps.items()
-    }
-    grid = list(itertools.product(*choices.values()))
-    if search == "random":
-        if trials > len(grid):
-            raise UserError(
-                f"`--trials` ({trials}) is more than the {len(grid)} distinct combinations of "
-                f"the swept values; pass `--trials={len(grid)}` or fewer, or add values."
-            )
-        grid = random.Random(seed).sample(grid, trials)
-    elif trials:
-        grid = grid[:trials]
-    fields = list(choices)
-    return [
-        _trial(index, tuple(zip(fields, values, strict=True)), config_path, trainer_args)
-        for index, values in enumerate(grid)
-    ]
 
 
 def _field_values(
