@@ -31,7 +31,9 @@ a dict of features, several of which may share one table.
 
 Each layer family has its module (`sharded`, `dropout`, `dynamic`,
 `feature_configs`; `portable` the protocol, `tables` the dynamic tables' index,
-`table_training` who may train a table's rows: `TableOptimizer`), re-exported here.
+with `table_policy` its admission, count sketch and eviction and `table_encoding`
+the hashes and packed counts they share, `table_training` who may train a
+table's rows: `TableOptimizer`), re-exported here.
 """
 
 from __future__ import annotations

@@ -76,6 +76,14 @@ sizes of the index, for the per-block summaries of `trainer.loop.actions.tables`
 does not depend on its slots or capacity (ids, admission and last-seen
 steps, counts, the sketch), so a split table restores into another split
 (`trainer.loop.portable`).
+
+The code, to read in steps: `DynamicTable` here owns the index (every hash
+table, the lock and the clock; checkpoints hold them under its attribute
+names) and reads it: counters, `figures()`, `contents()` and `load()`,
+`find()`. Its policies are mixins of `trainer.layers.table_policy`, with no
+state of their own: `AdmissionPolicy` (`admit`), `CountMinSketch` and
+`EvictionPolicy` (slots for newcomers, LFU and LRU, the TTL sweep). The hash
+and the packing of counts and steps they share are `trainer.layers.table_encoding`'s.
 """
 
 from __future__ import annotations
@@ -87,16 +95,23 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+# COUNT_LIMIT, COUNT_MAX and COUNT_ONE are re-exported (callers read `tables.COUNT_ONE`).
+from trainer.layers.table_encoding import (  # noqa: F401
+    COUNT_LIMIT,
+    COUNT_MAX,
+    COUNT_ONE,
+    GOLDEN,
+    STEP_BITS,
+    last_seen,
+    splitmix64,
+    u64,
+)
+from trainer.layers.table_policy import AdmissionPolicy, CountMinSketch, EvictionPolicy
+
 DEFAULT_CAPACITY = 2**18  # rows per table: 32 MB of float32 rows at width 32
 ROW_SCALE = 0.05  # initial rows are uniform in [-ROW_SCALE, ROW_SCALE), as Keras's "uniform"
 EVICTIONS = ("lfu", "lru", None)
 DEFAULT_EVICTION = "lfu"  # measured better than "lru" on a drifting long tail (docs/tables.md)
-COUNT_LIMIT = 2**16  # counts of ids not admitted yet stop at COUNT_LIMIT - 1
-# A held id's (decayed) count shares the int64 of its last-seen step: the step in the low
-# STEP_BITS bits, the count in units of 1 / COUNT_ONE lookups above them (no byte per id).
-STEP_BITS = 40
-COUNT_ONE = 16
-COUNT_MAX = 2 ** (63 - STEP_BITS) - 1
 HALF_LIFE = 500  # steps over which an id's count halves when it is not seen ("lfu")
 # Counts of ids not admitted yet (`min_count` > 1): a count-min sketch of SKETCH_DEPTH rows of
 # SKETCH_WIDTH int32 cells, halved whenever SKETCH_WIDTH lookups were added since the last.
@@ -124,21 +139,6 @@ ENTRY_BYTES = 42  # int64 -> int64
 INFO_ENTRY_BYTES = 78  # int64 -> three int64 (a slot's stamp, last-seen step and id)
 _NO_SLOT = (-1, -1, 0)  # what `slot_info` gives for a free slot
 
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
-
-
-def _u64(value: int) -> tf.Tensor:
-    return tf.constant(value, tf.uint64)
-
-
-def _splitmix64(x: tf.Tensor) -> tf.Tensor:
-    """SplitMix64's finaliser on uint64 (multiplication wraps modulo 2**64)."""
-    shift = tf.bitwise.right_shift
-    x = (x ^ shift(x, _u64(30))) * _u64(_MIX[0])
-    x = (x ^ shift(x, _u64(27))) * _u64(_MIX[1])
-    return x ^ shift(x, _u64(31))
-
 
 def key64(keys: tf.Tensor) -> tf.Tensor:
     """Ids as int64: int ids as they are, strings by their 64-bit fingerprint."""
@@ -154,9 +154,9 @@ def initial_rows(seed: int, keys: tf.Tensor, dim: int) -> tf.Tensor:
     """
     ids = tf.bitcast(key64(keys), tf.uint64)[:, None]
     columns = tf.range(dim, dtype=tf.int64)
-    base = _splitmix64(_u64(seed % 2**64) ^ _splitmix64(ids * _u64(_GOLDEN)))
-    bits = _splitmix64(base + tf.bitcast(columns, tf.uint64)[None, :] * _u64(_GOLDEN))
-    top = tf.cast(tf.bitwise.right_shift(bits, _u64(40)), tf.float32)  # 24 bits: exact
+    base = splitmix64(u64(seed % 2**64) ^ splitmix64(ids * u64(GOLDEN)))
+    bits = splitmix64(base + tf.bitcast(columns, tf.uint64)[None, :] * u64(GOLDEN))
+    top = tf.cast(tf.bitwise.right_shift(bits, u64(40)), tf.float32)  # 24 bits: exact
     return (top / 2.0**24 * 2.0 - 1.0) * ROW_SCALE
 
 
@@ -165,8 +165,8 @@ def part_of(keys: tf.Tensor, parts: int) -> tf.Tensor:
 
     By a hash of the id, so that consecutive ids spread evenly.
     """
-    mixed = _splitmix64(tf.bitcast(keys, tf.uint64))
-    return tf.cast(mixed % _u64(parts), tf.int32)
+    mixed = splitmix64(tf.bitcast(keys, tf.uint64))
+    return tf.cast(mixed % u64(parts), tf.int32)
 
 
 def bucket_of(keys: tf.Tensor, buckets: int) -> tf.Tensor:
@@ -174,12 +174,20 @@ def bucket_of(keys: tf.Tensor, buckets: int) -> tf.Tensor:
 
     By a hash salted apart from `part_of`'s, so that a part's ids spread over every bucket.
     """
-    mixed = _splitmix64(tf.bitcast(keys, tf.uint64) + _u64(_GOLDEN))
-    return tf.cast(mixed % _u64(buckets), tf.int64)
+    mixed = splitmix64(tf.bitcast(keys, tf.uint64) + u64(GOLDEN))
+    return tf.cast(mixed % u64(buckets), tf.int64)
 
 
-class DynamicTable(tf.Module):
+class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
     """The index of one dynamic table: int64 ids -> row slots, admission and eviction.
+
+    This class owns the index's state (made in `__init__`: the hash tables,
+    the sketch, the counters, the lock, the clock) and its reads: the step,
+    the counters and sizes (`figures`), the content whatever the slots
+    (`contents`, `load`) and the lookups (`find`, `stamps`, `changed_slots`).
+    How ids get a row and lose it comes from the mixins of
+    `trainer.layers.table_policy`: `AdmissionPolicy` (`admit`),
+    `CountMinSketch` (the counts of ids not admitted yet) and `EvictionPolicy`.
 
     Args:
       capacity: the most rows (slots) the table holds.
@@ -218,8 +226,9 @@ class DynamicTable(tf.Module):
             self.free = self._hash_table(-1)
             self.counters = self._hash_table(0)
             # The global batches admitted at each step (fingerprint -> step), so that every
-            # replica may admit a step's batch and only the first changes the index. Not
-            # checkpointed (a list hides it from tracking): it matters within a step only.
+            # replica may admit a step's batch and only the first changes the index. It
+            # matters within a step only, yet checkpoints hold it (`_batches/0`: the list is
+            # tracked); kept so, for the checkpoints' keys.
             self._batches = [self._hash_table(-1)]
             self.sketch = None
             if self.min_count > 1:  # a row of cells per key 0 .. depth - 1
@@ -300,10 +309,6 @@ class DynamicTable(tf.Module):
             "index_bytes": entries * ENTRY_BYTES + held * INFO_ENTRY_BYTES + self.sketch_bytes(),
         }
 
-    def sketch_bytes(self) -> int:
-        """The bytes of the count-min sketch: its cells (0 without one)."""
-        return 0 if self.sketch is None else self.sketch_depth * self.sketch_width * 4
-
     # Contents, whatever the slots and capacity.
 
     def contents(self) -> dict[str, np.ndarray]:
@@ -334,13 +339,6 @@ class DynamicTable(tf.Module):
             "sketch": self._sketch_rows().numpy(),
             "counters": counters,
         }
-
-    def _sketch_rows(self) -> tf.Tensor:
-        """The sketch's cells `[depth, width]` (int32; `[0, width]` without a sketch)."""
-        if self.sketch is None:
-            return tf.zeros([0, self.sketch_width], tf.int32)
-        rows = self.sketch.lookup(tf.range(self.sketch_depth, dtype=tf.int64))
-        return tf.reshape(rows, [self.sketch_depth, self.sketch_width])
 
     def load(
         self,
@@ -394,7 +392,7 @@ class DynamicTable(tf.Module):
         by the TTL sweep, perhaps written before): a release leaves no step.
         """
         slots, info = self._export()
-        seen = tf.boolean_mask(slots, _last_seen(info) >= since)
+        seen = tf.boolean_mask(slots, last_seen(info) >= since)
         free = tf.reshape(self.free.lookup(tf.range(self.counter("free"))), [-1])
         return tf.sort(tf.concat([seen, free], 0))
 
@@ -415,279 +413,6 @@ class DynamicTable(tf.Module):
     def _info(self, slots: tf.Tensor) -> tf.Tensor:
         """The (stamp, last-seen step, id) of each of `slots`; `_NO_SLOT` where free."""
         return tf.reshape(self.slot_info.lookup(slots), [-1, 3])
-
-    def admit(
-        self, keys: tf.Tensor, step: tf.Tensor | None = None, once: bool = False
-    ) -> tf.Tensor:
-        """Counts int64 `keys` (1-D, a step's), admits those seen `min_count` times.
-
-        Every key's last-seen step becomes the current step: `step`, as `now()`
-        gave it (read here if None), or without a clock the count of calls,
-        read inside the lock. Ids admitted now are found at once (`find` after
-        this). Then, if due, the TTL sweep. With `once` (the replicas of a
-        step, each admitting the same gathered batch), a batch already admitted
-        at this step changes nothing: whichever replica comes first admits it,
-        and every replica's `find` that follows its own call sees the admission.
-        """
-        # The clock is read outside the lock: the parts of a split table share it,
-        # and a lock claims every resource read inside it for itself alone.
-        if self._clock is None:
-            step = None
-        elif step is None:
-            step = self.now()
-        if not once or step is None:
-            return self._lock.execute(lambda: self._admit(keys, step))
-        mark = tf.bitcast(tf.fingerprint(keys[None, :]), tf.int64)[0]
-        return self._lock.execute(lambda: self._admit_once(keys, step, mark))
-
-    def _admit_once(self, keys: tf.Tensor, step: tf.Tensor, mark: tf.Tensor) -> tf.Tensor:
-        """`_admit` unless the batch of fingerprint `mark` was admitted at `step`."""
-        batches = self._batches[0]
-        done = tf.equal(tf.reshape(batches.lookup(mark[None]), []), step)
-
-        def admit():
-            marked, steps = batches.export()
-            old = tf.boolean_mask(marked, tf.reshape(steps, [-1]) < step)
-            with tf.control_dependencies([batches.remove(old)]):
-                noted = batches.insert(mark[None], step[None])
-            with tf.control_dependencies([noted]):
-                return self._admit(keys, step)
-
-        return tf.cond(done, lambda: tf.constant(False), admit)
-
-    def _admit(self, keys: tf.Tensor, clock: tf.Tensor | None) -> tf.Tensor:
-        step = self.now() if clock is None else clock
-        unique, position = tf.unique(keys)
-        seen = tf.math.unsorted_segment_sum(
-            tf.ones_like(position, tf.int64), position, tf.size(unique)
-        )
-        value = tf.reshape(self.index.lookup(unique), [-1])
-        held = value >= 0
-        held_slots = tf.boolean_mask(value, held)
-        held_info = self._info(held_slots)
-        held_seen = tf.boolean_mask(seen, held)
-        touched = self._touch(
-            held_slots,
-            held_info[:, 0],
-            tf.boolean_mask(unique, held),
-            step,
-            self._decayed(held_info, step) + held_seen * COUNT_ONE,
-        )
-        if self.sketch is None:
-            counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
-        else:
-            cells, columns = self._sketch_rows(), self._columns(unique)
-            counts = tf.where(held, tf.zeros_like(value), self._estimate(cells, columns) + seen)
-        counts = tf.minimum(counts, COUNT_LIMIT - 1)
-        with tf.control_dependencies([touched]):
-            wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
-            # The most counted first (stable: then in the order of the batch).
-            wanted = tf.gather(wanted, tf.argsort(-tf.gather(counts, wanted), stable=True))
-            new_slots = self._allocate(tf.gather(counts, wanted), step)
-        granted = wanted[: tf.size(new_slots)]
-        new_keys = tf.gather(unique, granted)
-        new_stamps = step * self.capacity + new_slots
-        admitted = tf.scatter_nd(
-            granted[:, None], tf.ones_like(granted, tf.bool), tf.shape(held, out_type=tf.int64)
-        )
-        # Ids left waiting keep their count, unless one lookup admits (it says nothing then):
-        # refused or not, a table admitting at the first lookup grows no entry per id.
-        waiting = ~held & ~admitted & (self.min_count > 1)
-        if self.sketch is not None:
-            waiting_counts = self._counted(cells, columns, waiting, counts, seen)
-        else:
-            waiting_counts = self.index.insert(  # the count, and the step it was last seen at
-                tf.boolean_mask(unique, waiting),
-                -1 - (tf.boolean_mask(counts, waiting) + step * COUNT_LIMIT),
-            )
-        # What the step's lookups read: a row where the id holds one now, else the default.
-        read_rows = tf.reduce_sum(tf.boolean_mask(seen, held | admitted))
-        updates = [
-            self.index.insert(new_keys, new_slots),
-            self._touch(
-                new_slots, new_stamps, new_keys, step, tf.gather(counts, granted) * COUNT_ONE
-            ),
-            self._add(
-                admitted=tf.size(new_slots),
-                refused=tf.size(wanted) - tf.size(new_slots),
-                lookups=tf.size(keys),
-                defaults=tf.size(keys, out_type=tf.int64) - read_rows,
-            ),
-            waiting_counts,
-        ]
-        if self._clock is None:
-            updates.append(self._set("calls", step + 1))
-        with tf.control_dependencies(updates):
-            if self.ttl_steps:  # after the touch: an id seen now is never swept now
-                return self._maybe_sweep(step)
-            return tf.constant(True)
-
-    def _touch(
-        self,
-        slots: tf.Tensor,
-        stamps: tf.Tensor,
-        keys: tf.Tensor,
-        step: tf.Tensor,
-        counts: tf.Tensor,
-    ):
-        """Marks `slots` (holding `stamps` of `keys`) seen at `step`, with `counts` then."""
-        packed = step + tf.bitwise.left_shift(tf.minimum(counts, COUNT_MAX), STEP_BITS)
-        seen = tf.stack([stamps, packed, keys], 1)
-        return self.slot_info.insert(slots, seen)
-
-    # The count-min sketch of the ids not admitted yet.
-
-    def _columns(self, keys: tf.Tensor) -> tf.Tensor:
-        """The cell of each of `keys` in each row of the sketch, `[depth, n]` (int64)."""
-        rows = tf.bitcast(tf.range(1, self.sketch_depth + 1, dtype=tf.int64), tf.uint64)
-        salts = _splitmix64(rows * _u64(_GOLDEN))
-        mixed = _splitmix64(tf.bitcast(keys, tf.uint64)[None, :] ^ salts[:, None])
-        return tf.cast(mixed % _u64(self.sketch_width), tf.int64)
-
-    def _estimate(self, cells: tf.Tensor, columns: tf.Tensor) -> tf.Tensor:
-        """The counts of the keys of `columns`: their smallest cell (an overestimate), int64."""
-        rows = tf.range(self.sketch_depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
-        found = tf.gather_nd(cells, tf.stack([rows, columns], -1))
-        return tf.cast(tf.reduce_min(found, 0), tf.int64)
-
-    def _counted(self, cells, columns, waiting, counts, seen) -> tf.Operation:
-        """Raises the cells of the `waiting` keys to their `counts` (a conservative update).
-
-        Then, once the sketch has taken `sketch_width` lookups since it was last
-        halved, halves every cell, so that counts age and the overestimate stays
-        within the bound of docs/tables.md.
-        """
-        columns = tf.boolean_mask(columns, waiting, axis=1)
-        rows = tf.range(self.sketch_depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
-        cells = tf.tensor_scatter_nd_max(
-            cells,
-            tf.reshape(tf.stack([rows, columns], -1), [-1, 2]),
-            tf.reshape(
-                tf.cast(tf.boolean_mask(counts, waiting)[None, :] + rows * 0, tf.int32), [-1]
-            ),
-        )
-        taken = self.counter("sketched") + tf.reduce_sum(tf.boolean_mask(seen, waiting))
-        full = taken >= self.sketch_width
-        cells = tf.where(full, tf.bitwise.right_shift(cells, 1), cells)
-        keys = tf.range(self.sketch_depth, dtype=tf.int64)
-        return tf.group(
-            self.sketch.insert(keys, cells),
-            self._set("sketched", tf.where(full, tf.zeros_like(taken), taken)),
-        )
-
-    def _decayed(self, info: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-        """The counts of slots of `info` decayed from their last-seen step to `step` (int64).
-
-        Halved every `half_life` steps unseen (exactly: by 2**(-age / half_life),
-        rounded down), in float64 on the host: the same on every device and run.
-        """
-        age = tf.cast(step - _last_seen(info), tf.float64)
-        counts = tf.cast(_count(info), tf.float64)
-        decay = tf.pow(tf.constant(2.0, tf.float64), -age / self.half_life)
-        return tf.cast(tf.floor(counts * decay), tf.int64)
-
-    # Allocation and eviction.
-
-    def _allocate(self, wanted: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-        """Free slots for the newcomers of counts `wanted` (most counted first, in lookups).
-
-        Freed slots, then never used ones, then evicted ones: under "lru" the
-        ids seen longest ago; under "lfu" an id of a lower decayed count than
-        the newcomer's, for as many newcomers as beat one (`_evict`). As many
-        slots as newcomers get one, given in the order of `wanted`.
-        """
-        number = tf.size(wanted, out_type=tf.int64)
-        free = self.counter("free")
-        reused = tf.minimum(number, free)
-        popped = tf.reshape(self.free.lookup(tf.range(free - reused, free)), [-1])
-        fresh = self.counter("fresh")
-        more = tf.minimum(number - reused, self.capacity - fresh)
-        updates = [self._set("free", free - reused), self._set("fresh", fresh + more)]
-        with tf.control_dependencies(updates):
-            slots = [popped, tf.range(fresh, fresh + more)]
-            if self.eviction is not None:
-                slots.append(self._evict(wanted[reused + more :], step))
-            return tf.concat(slots, 0)
-
-    def _evict(self, newcomers: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-        """Frees a slot for each of the `newcomers` (their counts, highest first) it can.
-
-        Only ids not seen at `step` are evicted, the lowest first. "lru": the ids
-        seen longest ago first, one per newcomer. "lfu": the lowest decayed
-        counts first (then the oldest), and a newcomer takes the slot of the
-        i-th lowest only if its count is higher (TinyLFU's admission: a one-off
-        id does not push out an id that keeps coming back; it reads the
-        fallback rows). Ties by id: the choice depends on neither slots nor
-        export order.
-        """
-        count = tf.size(newcomers, out_type=tf.int64)
-
-        def evict():
-            slots, info = self._export()
-            older = _last_seen(info) < step
-            slots, info = tf.boolean_mask(slots, older), tf.boolean_mask(info, older)
-            order = tf.argsort(info[:, 2], stable=True)
-            order = tf.gather(order, tf.argsort(tf.gather(_last_seen(info), order), stable=True))
-            if self.eviction == "lfu":
-                counts = tf.gather(self._decayed(info, step), order)
-                lowest = tf.argsort(counts, stable=True)[:count]
-                order = tf.gather(order, lowest)
-                # Newcomers highest first against victims lowest first: those that win are a prefix.
-                beaten = newcomers[: tf.size(order)] * COUNT_ONE > tf.gather(counts, lowest)
-                order = order[: tf.reduce_sum(tf.math.cumprod(tf.cast(beaten, tf.int64)))]
-            chosen = tf.gather(slots, order[:count])
-            with tf.control_dependencies([self._release(chosen, "evicted")]):
-                return tf.identity(chosen)
-
-        return tf.cond(count > 0, evict, lambda: tf.zeros([0], tf.int64))
-
-    def _export(self) -> tuple[tf.Tensor, tf.Tensor]:
-        """Every held slot and its (stamp, last-seen step)."""
-        slots, info = self.slot_info.export()
-        return tf.reshape(slots, [-1]), tf.reshape(info, [-1, 3])
-
-    def _release(self, slots: tf.Tensor, counter: str):
-        """Forgets the ids of `slots` (they are counted from zero if they come back)."""
-        return tf.group(
-            self.index.remove(self.keys_of(slots)),
-            self.slot_info.remove(slots),
-            self._add(**{counter: tf.size(slots)}),
-        )
-
-    def _maybe_sweep(self, step: tf.Tensor) -> tf.Tensor:
-        """Every `sweep_every` steps (once a step), frees the rows of ids older than the TTL."""
-        due = tf.equal(step % self.sweep_every, 0) & tf.not_equal(self.counter("swept"), step + 1)
-
-        def sweep():
-            keys, values = self.index.export()
-            keys, values = tf.reshape(keys, [-1]), tf.reshape(values, [-1])
-            counted_until = (-values - 1) // COUNT_LIMIT
-            forgotten = (values < 0) & (counted_until <= step - self.ttl_steps)
-            slots, info = self._export()
-            expired = tf.boolean_mask(slots, _last_seen(info) <= step - self.ttl_steps)
-            free = self.counter("free")
-            count = tf.size(expired, out_type=tf.int64)
-            with tf.control_dependencies([self._release(expired, "evicted")]):
-                done = tf.group(
-                    self.index.remove(tf.boolean_mask(keys, forgotten)),
-                    self.free.insert(tf.range(free, free + count), expired),
-                    self._set("free", free + count),
-                    self._set("swept", step + 1),
-                )
-            with tf.control_dependencies([done]):
-                return tf.constant(True)
-
-        return tf.cond(due, sweep, lambda: tf.constant(False))
-
-
-def _last_seen(info: tf.Tensor) -> tf.Tensor:
-    """The last-seen steps of slots' (stamp, seen, id) `info` rows (their counts left out)."""
-    return tf.bitwise.bitwise_and(info[:, 1], 2**STEP_BITS - 1)
-
-
-def _count(info: tf.Tensor) -> tf.Tensor:
-    """The counts (at their last-seen step, in 1 / `COUNT_ONE` lookups) of slots' `info`."""
-    return tf.bitwise.right_shift(info[:, 1], STEP_BITS)
 
 
 def merged_counters(counters: list[np.ndarray]) -> np.ndarray:

@@ -1,0 +1,391 @@
+"""A dynamic table's policies: which ids get a row, how waiting ids are counted, who leaves.
+
+Three mixins of `trainer.layers.tables.DynamicTable`, each one policy of
+its index (the module docstring of `tables` tells what they do together):
+
+* `AdmissionPolicy`: `admit`, a step's ids counted and those seen
+  `min_count` times given a slot, inside the table's lock.
+* `CountMinSketch`: the counts of the ids not admitted yet, in a sketch of
+  fixed size (with `min_count` > 1).
+* `EvictionPolicy`: where the newcomers' slots come from (freed, never used,
+  or evicted by "lfu" or "lru"), and the TTL sweep.
+
+They hold no state of their own: every lookup table, variable and counter
+is the `DynamicTable`'s (made in its `__init__`), so a checkpoint's keys are
+those of the table alone. They use its index (`index`, `slot_info`, `free`,
+`sketch`), its settings, its counters (`counter`, `_set`, `_add`) and its
+reads (`now`, `_info`, `keys_of`), and one another's steps.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from trainer.layers.table_encoding import (
+    COUNT_LIMIT,
+    COUNT_MAX,
+    COUNT_ONE,
+    GOLDEN,
+    STEP_BITS,
+    count_of,
+    last_seen,
+    splitmix64,
+    u64,
+)
+
+
+class AdmissionPolicy:
+    """Which of a step's ids get a row: those counted `min_count` times, most counted first.
+
+    `admit` takes the table's lock (once per gathered batch with `once`);
+    `_admit` then marks the held ids seen, counts the others (in the index
+    or the `CountMinSketch`), gives slots to those due one (`_allocate` of
+    the `EvictionPolicy`), keeps the counts of those left waiting, and adds
+    to the counters. Then the TTL sweep, if due.
+    """
+
+    def admit(
+        self, keys: tf.Tensor, step: tf.Tensor | None = None, once: bool = False
+    ) -> tf.Tensor:
+        """Counts int64 `keys` (1-D, a step's), admits those seen `min_count` times.
+
+        Every key's last-seen step becomes the current step: `step`, as `now()`
+        gave it (read here if None), or without a clock the count of calls,
+        read inside the lock. Ids admitted now are found at once (`find` after
+        this). Then, if due, the TTL sweep. With `once` (the replicas of a
+        step, each admitting the same gathered batch), a batch already admitted
+        at this step changes nothing: whichever replica comes first admits it,
+        and every replica's `find` that follows its own call sees the admission.
+        """
+        # The clock is read outside the lock: the parts of a split table share it,
+        # and a lock claims every resource read inside it for itself alone.
+        if self._clock is None:
+            step = None
+        elif step is None:
+            step = self.now()
+        if not once or step is None:
+            return self._lock.execute(lambda: self._admit(keys, step))
+        mark = tf.bitcast(tf.fingerprint(keys[None, :]), tf.int64)[0]
+        return self._lock.execute(lambda: self._admit_once(keys, step, mark))
+
+    def _admit_once(self, keys: tf.Tensor, step: tf.Tensor, mark: tf.Tensor) -> tf.Tensor:
+        """`_admit` unless the batch of fingerprint `mark` was admitted at `step`."""
+        batches = self._batches[0]
+        done = tf.equal(tf.reshape(batches.lookup(mark[None]), []), step)
+
+        def admit():
+            marked, steps = batches.export()
+            old = tf.boolean_mask(marked, tf.reshape(steps, [-1]) < step)
+            with tf.control_dependencies([batches.remove(old)]):
+                noted = batches.insert(mark[None], step[None])
+            with tf.control_dependencies([noted]):
+                return self._admit(keys, step)
+
+        return tf.cond(done, lambda: tf.constant(False), admit)
+
+    def _admit(self, keys: tf.Tensor, clock: tf.Tensor | None) -> tf.Tensor:
+        """`admit`'s work, inside the lock, at step `clock` (None: the count of calls).
+
+        Returns whether the TTL sweep ran (True without a TTL).
+        """
+        step = self.now() if clock is None else clock
+        unique, position = tf.unique(keys)
+        seen = tf.math.unsorted_segment_sum(
+            tf.ones_like(position, tf.int64), position, tf.size(unique)
+        )
+        value = tf.reshape(self.index.lookup(unique), [-1])
+        held = value >= 0
+        touched = self._touch_held(unique, value, held, seen, step)
+        counts, sketched = self._waiting_counts(unique, value, held, seen)
+        with tf.control_dependencies([touched]):
+            wanted, new_slots = self._grant(counts, held, step)
+        granted = wanted[: tf.size(new_slots)]
+        new_keys = tf.gather(unique, granted)
+        new_stamps = step * self.capacity + new_slots
+        admitted = tf.scatter_nd(
+            granted[:, None], tf.ones_like(granted, tf.bool), tf.shape(held, out_type=tf.int64)
+        )
+        # Ids left waiting keep their count, unless one lookup admits (it says nothing then):
+        # refused or not, a table admitting at the first lookup grows no entry per id.
+        waiting = ~held & ~admitted & (self.min_count > 1)
+        kept = self._keep_counts(unique, waiting, counts, seen, step, sketched)
+        # What the step's lookups read: a row where the id holds one now, else the default.
+        read_rows = tf.reduce_sum(tf.boolean_mask(seen, held | admitted))
+        updates = [
+            self.index.insert(new_keys, new_slots),
+            self._touch(
+                new_slots, new_stamps, new_keys, step, tf.gather(counts, granted) * COUNT_ONE
+            ),
+            self._add(
+                admitted=tf.size(new_slots),
+                refused=tf.size(wanted) - tf.size(new_slots),
+                lookups=tf.size(keys),
+                defaults=tf.size(keys, out_type=tf.int64) - read_rows,
+            ),
+            kept,
+        ]
+        if self._clock is None:
+            updates.append(self._set("calls", step + 1))
+        with tf.control_dependencies(updates):
+            if self.ttl_steps:  # after the touch: an id seen now is never swept now
+                return self._maybe_sweep(step)
+            return tf.constant(True)
+
+    def _touch_held(
+        self,
+        unique: tf.Tensor,
+        value: tf.Tensor,
+        held: tf.Tensor,
+        seen: tf.Tensor,
+        step: tf.Tensor,
+    ):
+        """Marks the `held` ids of `unique` seen at `step`: their counts decayed, plus `seen`.
+
+        `value` is each id's in the index (its slot where held).
+        """
+        held_slots = tf.boolean_mask(value, held)
+        held_info = self._info(held_slots)
+        held_seen = tf.boolean_mask(seen, held)
+        return self._touch(
+            held_slots,
+            held_info[:, 0],
+            tf.boolean_mask(unique, held),
+            step,
+            self._decayed(held_info, step) + held_seen * COUNT_ONE,
+        )
+
+    def _waiting_counts(
+        self, unique: tf.Tensor, value: tf.Tensor, held: tf.Tensor, seen: tf.Tensor
+    ) -> tuple[tf.Tensor, tuple[tf.Tensor, tf.Tensor] | None]:
+        """The counts of the ids of `unique` not `held`, this step's `seen` lookups included.
+
+        From the index's `value` (without a sketch) or the sketch's estimate;
+        0 for held ids; at most `COUNT_LIMIT - 1`. And the sketch's cells and
+        the ids' columns, read for `_keep_counts` (None without a sketch).
+        """
+        if self.sketch is None:
+            counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
+            sketched = None
+        else:
+            cells, columns = self._sketch_rows(), self._columns(unique)
+            counts = tf.where(held, tf.zeros_like(value), self._estimate(cells, columns) + seen)
+            sketched = (cells, columns)
+        return tf.minimum(counts, COUNT_LIMIT - 1), sketched
+
+    def _grant(
+        self, counts: tf.Tensor, held: tf.Tensor, step: tf.Tensor
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        """The ids due a slot (positions, the most counted first) and the slots they get.
+
+        Ids not `held` and counted `min_count` times want a slot; `_allocate`
+        gives as many as it can, to the first of them: the others are refused.
+        """
+        wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
+        # The most counted first (stable: then in the order of the batch).
+        wanted = tf.gather(wanted, tf.argsort(-tf.gather(counts, wanted), stable=True))
+        return wanted, self._allocate(tf.gather(counts, wanted), step)
+
+    def _keep_counts(
+        self,
+        unique: tf.Tensor,
+        waiting: tf.Tensor,
+        counts: tf.Tensor,
+        seen: tf.Tensor,
+        step: tf.Tensor,
+        sketched: tuple[tf.Tensor, tf.Tensor] | None,
+    ):
+        """Keeps the `counts` of the `waiting` ids of `unique`, for their next lookups.
+
+        In the sketch (`_counted`, with the cells and columns `sketched`), or
+        else in the index: the count, and the step it was last seen at.
+        """
+        if sketched is not None:
+            return self._counted(*sketched, waiting, counts, seen)
+        return self.index.insert(
+            tf.boolean_mask(unique, waiting),
+            -1 - (tf.boolean_mask(counts, waiting) + step * COUNT_LIMIT),
+        )
+
+    def _touch(
+        self,
+        slots: tf.Tensor,
+        stamps: tf.Tensor,
+        keys: tf.Tensor,
+        step: tf.Tensor,
+        counts: tf.Tensor,
+    ):
+        """Marks `slots` (holding `stamps` of `keys`) seen at `step`, with `counts` then."""
+        packed = step + tf.bitwise.left_shift(tf.minimum(counts, COUNT_MAX), STEP_BITS)
+        seen = tf.stack([stamps, packed, keys], 1)
+        return self.slot_info.insert(slots, seen)
+
+
+class CountMinSketch:
+    """The counts of the ids not admitted yet: `sketch_depth` rows of `sketch_width` cells.
+
+    The table's `sketch` (None with `min_count` 1) maps each row number to
+    its int32 cells. A key counts in one cell per row (`_columns`); its count
+    is its smallest cell (`_estimate`), an overestimate within the bound of
+    docs/tables.md, which halving every cell now and then keeps (`_counted`).
+    """
+
+    def sketch_bytes(self) -> int:
+        """The bytes of the count-min sketch: its cells (0 without one)."""
+        return 0 if self.sketch is None else self.sketch_depth * self.sketch_width * 4
+
+    def _sketch_rows(self) -> tf.Tensor:
+        """The sketch's cells `[depth, width]` (int32; `[0, width]` without a sketch)."""
+        if self.sketch is None:
+            return tf.zeros([0, self.sketch_width], tf.int32)
+        rows = self.sketch.lookup(tf.range(self.sketch_depth, dtype=tf.int64))
+        return tf.reshape(rows, [self.sketch_depth, self.sketch_width])
+
+    def _columns(self, keys: tf.Tensor) -> tf.Tensor:
+        """The cell of each of `keys` in each row of the sketch, `[depth, n]` (int64)."""
+        rows = tf.bitcast(tf.range(1, self.sketch_depth + 1, dtype=tf.int64), tf.uint64)
+        salts = splitmix64(rows * u64(GOLDEN))
+        mixed = splitmix64(tf.bitcast(keys, tf.uint64)[None, :] ^ salts[:, None])
+        return tf.cast(mixed % u64(self.sketch_width), tf.int64)
+
+    def _estimate(self, cells: tf.Tensor, columns: tf.Tensor) -> tf.Tensor:
+        """The counts of the keys of `columns`: their smallest cell (an overestimate), int64."""
+        rows = tf.range(self.sketch_depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
+        found = tf.gather_nd(cells, tf.stack([rows, columns], -1))
+        return tf.cast(tf.reduce_min(found, 0), tf.int64)
+
+    def _counted(self, cells, columns, waiting, counts, seen) -> tf.Operation:
+        """Raises the cells of the `waiting` keys to their `counts` (a conservative update).
+
+        Then, once the sketch has taken `sketch_width` lookups since it was last
+        halved, halves every cell, so that counts age and the overestimate stays
+        within the bound of docs/tables.md.
+        """
+        columns = tf.boolean_mask(columns, waiting, axis=1)
+        rows = tf.range(self.sketch_depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
+        cells = tf.tensor_scatter_nd_max(
+            cells,
+            tf.reshape(tf.stack([rows, columns], -1), [-1, 2]),
+            tf.reshape(
+                tf.cast(tf.boolean_mask(counts, waiting)[None, :] + rows * 0, tf.int32), [-1]
+            ),
+        )
+        taken = self.counter("sketched") + tf.reduce_sum(tf.boolean_mask(seen, waiting))
+        full = taken >= self.sketch_width
+        cells = tf.where(full, tf.bitwise.right_shift(cells, 1), cells)
+        keys = tf.range(self.sketch_depth, dtype=tf.int64)
+        return tf.group(
+            self.sketch.insert(keys, cells),
+            self._set("sketched", tf.where(full, tf.zeros_like(taken), taken)),
+        )
+
+
+class EvictionPolicy:
+    """Where newcomers' slots come from, and which held ids lose theirs.
+
+    `_allocate` gives freed slots, then never used ones, then (with
+    `eviction` "lfu" or "lru") evicted ones (`_evict`); `_maybe_sweep` frees
+    the ids not seen for `ttl_steps`. An evicted or swept id is forgotten
+    (`_release`): it is counted from zero if it comes back.
+    """
+
+    def _decayed(self, info: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """The counts of slots of `info` decayed from their last-seen step to `step` (int64).
+
+        Halved every `half_life` steps unseen (exactly: by 2**(-age / half_life),
+        rounded down), in float64 on the host: the same on every device and run.
+        """
+        age = tf.cast(step - last_seen(info), tf.float64)
+        counts = tf.cast(count_of(info), tf.float64)
+        decay = tf.pow(tf.constant(2.0, tf.float64), -age / self.half_life)
+        return tf.cast(tf.floor(counts * decay), tf.int64)
+
+    def _allocate(self, wanted: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Free slots for the newcomers of counts `wanted` (most counted first, in lookups).
+
+        Freed slots, then never used ones, then evicted ones: under "lru" the
+        ids seen longest ago; under "lfu" an id of a lower decayed count than
+        the newcomer's, for as many newcomers as beat one (`_evict`). As many
+        slots as newcomers get one, given in the order of `wanted`.
+        """
+        number = tf.size(wanted, out_type=tf.int64)
+        free = self.counter("free")
+        reused = tf.minimum(number, free)
+        popped = tf.reshape(self.free.lookup(tf.range(free - reused, free)), [-1])
+        fresh = self.counter("fresh")
+        more = tf.minimum(number - reused, self.capacity - fresh)
+        updates = [self._set("free", free - reused), self._set("fresh", fresh + more)]
+        with tf.control_dependencies(updates):
+            slots = [popped, tf.range(fresh, fresh + more)]
+            if self.eviction is not None:
+                slots.append(self._evict(wanted[reused + more :], step))
+            return tf.concat(slots, 0)
+
+    def _evict(self, newcomers: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Frees a slot for each of the `newcomers` (their counts, highest first) it can.
+
+        Only ids not seen at `step` are evicted, the lowest first. "lru": the ids
+        seen longest ago first, one per newcomer. "lfu": the lowest decayed
+        counts first (then the oldest), and a newcomer takes the slot of the
+        i-th lowest only if its count is higher (TinyLFU's admission: a one-off
+        id does not push out an id that keeps coming back; it reads the
+        fallback rows). Ties by id: the choice depends on neither slots nor
+        export order.
+        """
+        count = tf.size(newcomers, out_type=tf.int64)
+
+        def evict():
+            slots, info = self._export()
+            older = last_seen(info) < step
+            slots, info = tf.boolean_mask(slots, older), tf.boolean_mask(info, older)
+            order = tf.argsort(info[:, 2], stable=True)
+            order = tf.gather(order, tf.argsort(tf.gather(last_seen(info), order), stable=True))
+            if self.eviction == "lfu":
+                counts = tf.gather(self._decayed(info, step), order)
+                lowest = tf.argsort(counts, stable=True)[:count]
+                order = tf.gather(order, lowest)
+                # Newcomers highest first against victims lowest first: those that win are a prefix.
+                beaten = newcomers[: tf.size(order)] * COUNT_ONE > tf.gather(counts, lowest)
+                order = order[: tf.reduce_sum(tf.math.cumprod(tf.cast(beaten, tf.int64)))]
+            chosen = tf.gather(slots, order[:count])
+            with tf.control_dependencies([self._release(chosen, "evicted")]):
+                return tf.identity(chosen)
+
+        return tf.cond(count > 0, evict, lambda: tf.zeros([0], tf.int64))
+
+    def _export(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """Every held slot and its (stamp, last-seen step)."""
+        slots, info = self.slot_info.export()
+        return tf.reshape(slots, [-1]), tf.reshape(info, [-1, 3])
+
+    def _release(self, slots: tf.Tensor, counter: str):
+        """Forgets the ids of `slots` (they are counted from zero if they come back)."""
+        return tf.group(
+            self.index.remove(self.keys_of(slots)),
+            self.slot_info.remove(slots),
+            self._add(**{counter: tf.size(slots)}),
+        )
+
+    def _maybe_sweep(self, step: tf.Tensor) -> tf.Tensor:
+        """Every `sweep_every` steps (once a step), frees the rows of ids older than the TTL."""
+        due = tf.equal(step % self.sweep_every, 0) & tf.not_equal(self.counter("swept"), step + 1)
+
+        def sweep():
+            keys, values = self.index.export()
+            keys, values = tf.reshape(keys, [-1]), tf.reshape(values, [-1])
+            counted_until = (-values - 1) // COUNT_LIMIT
+            forgotten = (values < 0) & (counted_until <= step - self.ttl_steps)
+            slots, info = self._export()
+            expired = tf.boolean_mask(slots, last_seen(info) <= step - self.ttl_steps)
+            free = self.counter("free")
+            count = tf.size(expired, out_type=tf.int64)
+            with tf.control_dependencies([self._release(expired, "evicted")]):
+                done = tf.group(
+                    self.index.remove(tf.boolean_mask(keys, forgotten)),
+                    self.free.insert(tf.range(free, free + count), expired),
+                    self._set("free", free + count),
+                    self._set("swept", step + 1),
+                )
+            with tf.control_dependencies([done]):
+                return tf.constant(True)
+
+        return tf.cond(due, sweep, lambda: tf.constant(False))
