@@ -42,24 +42,34 @@ import ml_collections
 
 # Each source module registers itself on import.
 from trainer.data import csv, ctr, digits, follow, synthetic, tfrecord, user  # noqa: F401
-from trainer.data.base import BUILDERS, SHARDING, Dataset, DataSpec, check, names, settings
+from trainer.data.base import (
+    BUILDERS,
+    SHARDING,
+    Dataset,
+    DataSpec,
+    Settings,
+    check,
+    names,
+    settings,
+)
 from trainer.data.base import with_settings as _with_settings
 
 __all__ = ["SHARDING", "DataSpec", "Dataset", "check", "from_function", "get", "names"]
 
 
-def get(config: ml_collections.ConfigDict) -> Dataset:
+def get(config: ml_collections.ConfigDict, checked: Settings | None = None) -> Dataset:
     """Builds the dataset that `config` (the `data` part of a config) describes.
 
     `data.name` is a built-in source (`names()`) or the user's own input
-    pipeline as "module.path:function" (see `trainer.data.user`).
+    pipeline as "module.path:function" (see `trainer.data.user`). `checked` is
+    `settings(config)`, where the caller already has it.
 
     Raises:
       UserError: an unknown name, a reference that does not resolve, or a bad
         value; the message names the field. An exception raised by the user's
         own code keeps its traceback.
     """
-    checked = settings(config)  # before any file is read
+    checked = checked or settings(config)  # before any file is read
     if config.name in BUILDERS:
         dataset = BUILDERS[config.name](config)
     else:
@@ -67,15 +77,21 @@ def get(config: ml_collections.ConfigDict) -> Dataset:
     return follow.wrap(_with_settings(dataset, checked), config)
 
 
-def from_function(config: ml_collections.ConfigDict, fn: user.PipelineFn, name: str) -> Dataset:
+def from_function(
+    config: ml_collections.ConfigDict,
+    fn: user.PipelineFn,
+    name: str,
+    checked: Settings | None = None,
+) -> Dataset:
     """The `Dataset` of a task's own `dataset_fn`, with the `data` config's settings.
 
     Args:
       config: the `data` part of a config (its memory budget, sharding and class count).
       fn: `fn(input_context, split, global_batch_size) -> tf.data.Dataset`.
       name: how messages name it: the task's `task.name`.
+      checked: `settings(config)`, where the caller already has it.
     """
-    checked = settings(config)
+    checked = checked or settings(config)
     named = config.copy_and_resolve_references()
     named.name = name
     origin = f"`task.name` '{name}' `dataset_fn`"

@@ -1,11 +1,18 @@
 """Config checks that run before anything is built or written.
 
+`check_config` checks every field that needs nothing but the config, in one
+pass at start-up, and returns what the build takes from them (`Checked`).
+What needs more waits for it: the batch for the replica count
+(`check_batch`), the steps for the data's size (`total_steps`), `model_dir`
+(`check_model_dir`); a source checks its own files as it opens them.
+
 Each failure is a `UserError` naming the field, the bad value, the rule and
 the fix, so a mistake never reaches TensorFlow or `model_dir`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -14,6 +21,9 @@ import tensorflow as tf
 
 from towerflow import storage
 from towerflow.errors import UserError
+from trainer import data
+from trainer.data import service_client
+from trainer.loop import optim, precision
 
 # `train.steps=0` with `data.follow`: a step no run reaches (the loop ends at SIGTERM).
 UNTIL_STOPPED = 2**62
@@ -41,12 +51,35 @@ def _get(config: ml_collections.ConfigDict, dotted: str):
     return value
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
-    """Checks numbers, sizes and counts in `config`.
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What the build takes from a config that `check_config` passed.
+
+    Attributes:
+      precision: `train.precision`, a known name.
+      data: how every pipeline runs (`data.autotune`, its RAM budget, `data.sharding`).
+    """
+
+    precision: str
+    data: data.base.Settings
+
+
+def check_config(config: ml_collections.ConfigDict) -> Checked:
+    """Checks every field of `config` that needs nothing else, in one pass.
 
     Raises:
-      UserError: a float that is not finite, or a value below its minimum.
+      UserError: a float that is not finite, a value below its minimum, an
+        unknown name (precision, optimizer, schedule, sharding, data service
+        mode), or settings that exclude one another.
     """
+    _check_scalars(config)
+    optim.check(config.optimizer)
+    service_client.check(config.data)
+    return Checked(precision.check(config.train.precision), data.settings(config.data))
+
+
+def _check_scalars(config: ml_collections.ConfigDict) -> None:
+    """Numbers, sizes and counts, and the settings that exclude one another."""
     _check_finite(config)
     for field, minimum, meaning in _MINIMUMS:
         value = _get(config, field)

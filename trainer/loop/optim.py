@@ -602,8 +602,16 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         }
 
 
-def schedule(config: ml_collections.ConfigDict, total_steps: int) -> WarmupSchedule:
-    """The learning-rate schedule of `config` (the `optimizer` section)."""
+def check(config: ml_collections.ConfigDict) -> None:
+    """Checks the `optimizer` section: its name, schedule, rate and warm-up.
+
+    Raises:
+      UserError: an unknown optimizer or schedule name, or a bad rate or warm-up.
+    """
+    if config.name not in OPTIMIZERS:
+        raise UserError(
+            f"Unknown `optimizer.name` '{config.name}'; known: {', '.join(OPTIMIZERS)}."
+        )
     if config.schedule not in SCHEDULES:
         raise UserError(
             f"Unknown `optimizer.schedule` '{config.schedule}'; known: {', '.join(SCHEDULES)}."
@@ -612,6 +620,10 @@ def schedule(config: ml_collections.ConfigDict, total_steps: int) -> WarmupSched
         raise UserError(f"`optimizer.learning_rate` ({config.learning_rate}) must be positive.")
     if config.warmup_steps < 0:
         raise UserError(f"`optimizer.warmup_steps` ({config.warmup_steps}) must be >= 0.")
+
+
+def schedule(config: ml_collections.ConfigDict, total_steps: int) -> WarmupSchedule:
+    """The learning-rate schedule of `config` (the `optimizer` section, as `check` allows)."""
     return WarmupSchedule(
         config.learning_rate,
         config.schedule,
@@ -633,12 +645,9 @@ def build(
     over all replicas (Keras would clip each replica's part separately).
 
     Raises:
-      UserError: an unknown optimizer or schedule name, or a bad rate.
+      UserError: an unknown optimizer or schedule name, or a bad rate (`check`).
     """
-    if config.name not in OPTIMIZERS:
-        raise UserError(
-            f"Unknown `optimizer.name` '{config.name}'; known: {', '.join(OPTIMIZERS)}."
-        )
+    check(config)
     kinds = OPTIMIZERS if fused else KERAS_OPTIMIZERS
     optimizer = kinds[config.name](schedule(config, total_steps), config)
     if fused:

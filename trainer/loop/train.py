@@ -94,24 +94,30 @@ def train_and_evaluate(
     """
     if mode not in MODES:
         raise UserError(f"Unknown `--mode` '{mode}'; known: {', '.join(MODES)}.")
-    strategy = make_strategy(config)
+    checked = checks.check_config(config)  # every field that needs nothing else, once
+    strategy = make_strategy(config, checked)
     member = strategy.membership
     if member.role == "serve":  # a ps or worker task of a parameter-server cluster
         say(f"serving as a {strategy.name} task until the chief ends the job")
         member.serve()
         return {}
     if member.role == "evaluate":
-        return sidecar_evaluate(build(config, model_dir, strategy))
+        return sidecar_evaluate(build(config, model_dir, strategy, checked=checked))
     if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service_client`)
-        return run(build(config, model_dir, strategy), mode, extra_actions)
+        return run(build(config, model_dir, strategy, checked=checked), mode, extra_actions)
     with service_client.started(config.data, strategy.traits.ordered_input, say) as service:
-        return run(build(config, model_dir, strategy, service), mode, extra_actions)
+        job = build(config, model_dir, strategy, service, checked)
+        return run(job, mode, extra_actions)
 
 
-def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
-    """Checks the config, sets up devices and builds the strategy plugin."""
-    checks.check_config(config)
-    service_client.check(config.data)  # before a cluster is joined
+def make_strategy(
+    config: ml_collections.ConfigDict, checked: checks.Checked | None = None
+) -> strategies.Strategy:
+    """Checks the config (before a cluster is joined), sets up devices, builds the plugin.
+
+    `checked`: `checks.check_config(config)`, where the caller already has it.
+    """
+    checked = checked or checks.check_config(config)
     # The cluster becomes this process's `TF_CONFIG` before any plugin reads it.
     cluster_line = discovery.resolve(config.get("cluster"), config.strategy.name).line()
     if cluster_line:
@@ -136,7 +142,7 @@ def make_strategy(config: ml_collections.ConfigDict) -> strategies.Strategy:
         )
     if not plugin.traits.gradient_transfer:
         transfer.refuse(options, name)
-    if config.train.precision == "mixed_float16" and not plugin.traits.loss_scaling:
+    if checked.precision == "mixed_float16" and not plugin.traits.loss_scaling:
         raise UserError(
             f"`train.precision` 'mixed_float16' (loss scaling) does not work under `{name}`; "
             "use `--config.train.precision=mixed_bfloat16` (no loss scaling), or `mirrored`."
@@ -174,19 +180,23 @@ def build(
     model_dir: str,
     strategy: strategies.Strategy | None = None,
     service: service_client.Service | None = None,
+    checked: checks.Checked | None = None,
 ) -> Job:
     """Builds strategy, data, model and optimizer and checks them; writes nothing.
 
     With a `service` (`service_client.started`), the training input runs on it.
+    `checked` is `checks.check_config(config)`, where the caller already has it.
     """
-    strategy = strategy or make_strategy(config)
+    checked = checked or checks.check_config(config)
+    strategy = strategy or make_strategy(config, checked)
     _fit_batch(config, strategy)
     user_task = tasks.user_task(config)
     custom_step = _custom_step(user_task, config, strategy)
     if user_task is None:
-        dataset = data.get(config.data)
+        dataset = data.get(config.data, checked.data)
     else:
-        dataset = data.from_function(config.data, user_task.dataset_fn, config.task.name)
+        fn, name = user_task.dataset_fn, config.task.name
+        dataset = data.from_function(config.data, fn, name, checked.data)
     total_steps = checks.total_steps(config, dataset.spec)
     if strategy.membership.is_chief:
         checks.check_model_dir(model_dir)
@@ -202,7 +212,7 @@ def build(
     timed = strategy.traits.ordered_input and not config.train.deterministic
     input_wait = wait.InputWait() if timed else None
     keras.utils.set_random_seed(config.seed)
-    with strategy.scope(), precision.policy(config.train.precision):
+    with strategy.scope(), precision.policy(checked.precision):
         if user_task is None:
             model = models.build(config.model, dataset.spec)
         else:
@@ -210,7 +220,7 @@ def build(
         _build_on_data(model, dataset)
         strategy.place_model(model)  # a model-parallel plugin moves layers to their devices
         optimizer = optim.build(config.optimizer, total_steps)
-        optimizer = precision.wrap_optimizer(optimizer, config.train.precision)
+        optimizer = precision.wrap_optimizer(optimizer, checked.precision)
         optimizer.build(model.trainable_variables)
         objective = _objective(model, dataset, config)
     user_actions = actions.user_actions(config.train.get("actions", ""), config)
