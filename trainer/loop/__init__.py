@@ -5,9 +5,10 @@
     actions.py      the built-in actions (checkpoint, evaluation, progress, ...) and the user's
     steps.py        the per-replica train and eval steps (`TrainStep`)
     checkpoints.py, summaries.py, export.py   what the chief writes
+    restore.py, retention.py                  a checkpointer's restores and its bookkeeping
     portable.py     checkpoints written with another split of the tables and shards
-    faults.py, lock.py, checks.py             lost tasks and blow-ups, one trainer per
-                                              `model_dir`, config checks before anything runs
+    faults.py, lock.py, checks.py             lost members and blow-ups, one trainer per
+                                              `model_dir`, the config checked in one pass
     loop_length.py, precision.py, optim.py    steps per loop, mixed precision, optimizers
     objectives.py, tasks.py, compiled.py,     what is trained: objectives, the user's Task,
     models.py                                 model builders
