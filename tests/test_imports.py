@@ -246,10 +246,10 @@ def test_the_cluster_commands_define_their_flags_beside_each_other():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-LONGEST_FUNCTION = 80  # lines; a function longer than this reads as several steps: split it
+LONGEST_FUNCTION = 70  # lines; a function longer than this reads as several steps: split it
 
 
-def test_every_function_outside_configs_reads_in_under_80_lines():
+def test_every_function_outside_configs_reads_in_under_70_lines():
     long = []
     for module, path in _modules().items():
         if module.startswith("configs"):

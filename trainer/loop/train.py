@@ -198,13 +198,7 @@ def build(
         fn, name = user_task.dataset_fn, config.task.name
         dataset = data.from_function(config.data, fn, name, checked.data)
     total_steps = checks.total_steps(config, dataset.spec)
-    if strategy.membership.is_chief:
-        checks.check_model_dir(model_dir)
-    else:  # every task reads model_dir; the chief alone checks that it can be written
-        storage.check_scheme(model_dir, "--model_dir")
-    _check_class_names(model_dir, dataset.spec.class_names)
-    if config.get("cluster"):  # the input position of a resumed run is read as it was written
-        elastic.check_batch_kept(config, model_dir)
+    _check_model_dir(config, model_dir, strategy.membership.is_chief, dataset.spec)
     data.check(dataset)
     follower = follow.follower_of(dataset)
     dataset = service_client.wrap(dataset, service, model_dir)
@@ -253,6 +247,19 @@ def _fit_batch(config: ml_collections.ConfigDict, strategy: strategies.Strategy)
     if elastic.enabled(config):  # a re-formed group may not split the batch the user chose
         elastic.fit_batches(config, replicas, say)
     checks.check_batch(config, strategy)
+
+
+def _check_model_dir(
+    config: ml_collections.ConfigDict, model_dir: str, is_chief: bool, spec: data.DataSpec
+) -> None:
+    """`model_dir` can be written (the chief) or read, and an earlier run there agrees."""
+    if is_chief:
+        checks.check_model_dir(model_dir)
+    else:  # every member reads model_dir; the chief alone checks that it can be written
+        storage.check_scheme(model_dir, "--model_dir")
+    _check_class_names(model_dir, spec.class_names)
+    if config.get("cluster"):  # the input position of a resumed run is read as it was written
+        elastic.check_batch_kept(config, model_dir)
 
 
 def _check_class_names(model_dir: str, names: tuple[str, ...]) -> None:
