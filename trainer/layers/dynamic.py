@@ -3,11 +3,20 @@
 The table (`trainer.layers.tables`) creates a row when an id is admitted and
 frees it on eviction: no vocabulary size, no collisions. Under
 `parameter_server` it is split by id into one part per ps member.
+
+The layer here holds its settings (checked by `check_dynamic`), its
+variables and its Keras and `Portable` interface; the rest is read in its
+own module, beside this one:
+
+* `dynamic_parts`: the table's parts, where each goes per strategy, the
+  variables each creates, and what they report (`describe`, `figures`).
+* `dynamic_lookup`: a call's steps, from ids to vectors: the training-time
+  admission of the global batch and new ids reading their initial rows.
+* `dynamic_content`: the logical content of a table (`export_logical`,
+  `import_logical`), for a checkpoint written with another number of parts.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import keras
 import numpy as np
@@ -15,9 +24,9 @@ import tensorflow as tf
 
 from strategies import sharding, tf_patches
 from towerflow.errors import UserError
-from trainer.layers import tables
-from trainer.layers.portable import Portable, Slots, with_slots
-from trainer.layers.table_training import RowAwareOnly, TableOptimizer
+from trainer.layers import dynamic_content, dynamic_lookup, dynamic_parts, tables
+from trainer.layers.portable import Portable, Slots
+from trainer.layers.table_training import TableOptimizer
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
 KEY_DTYPES = {"int64": tf.int64, "string": tf.string}
@@ -177,14 +186,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         self.eviction = eviction
         self.mask_id = mask_id
         self.seed = int(seed)
-        # One part per ps member under `parameter_server` (ids split by `tables.part_of`),
-        # each with its index, lock, rows and row stamps on that task; else one, here.
-        devices = _part_devices()
-        capacities = sharding.split_rows(self.capacity, len(devices))
-        self.parts = [
-            _TablePart(self, index, device, part_capacity)
-            for index, (device, part_capacity) in enumerate(zip(devices, capacities, strict=True))
-        ]
+        # One part per ps member under `parameter_server`, else one, here.
+        self.parts = dynamic_parts.make_parts(self)
         self.table = self.parts[0].table
 
     def build(self, input_shape=None):
@@ -214,7 +217,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         rows = tf.gather(tf_patches.replica_copy(self.fallback.value), buckets)
         return tf.where(valid[:, None], rows, 0.0)
 
-    # `Portable`: the rows of every id, whatever the number of parts.
+    # `Portable`: the rows of every id, whatever the number of parts (`dynamic_content`).
 
     @property
     def num_parts(self) -> int:
@@ -244,158 +247,27 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         `fresh` marks rows not written since their id was admitted (they read
         the id's initial row). `spare/...` is the spare row past the capacity.
         """
-        parts = []
-        for part in self.parts:
-            content = part.table.contents()
-            held = content.pop("slots")
-            stamps = content.pop("stamps")
-            content["fresh"] = part.row_stamps.numpy()[held] != stamps
-            for name, variable, _ in with_slots(part.rows, slots, "rows"):
-                value = variable.numpy()
-                content[name], content[f"spare/{name}"] = value[held], value[-1:]
-            parts.append(content)
-        counters = tables.merged_counters([content.pop("counters") for content in parts])
-        # An id's count is in its part's sketch: the parts' largest cell is at least as large.
-        sketch = np.max([content.pop("sketch") for content in parts], axis=0)
-        merged = {name: np.concatenate([c[name] for c in parts]) for name in parts[0]}
-        merged["sketch"] = sketch
-        for name, variable, _ in self._shared(slots):
-            merged[name] = variable.numpy()
-        return {**merged, "counters": counters}
+        return dynamic_content.export_logical(self, slots)
 
     def import_logical(self, content: dict[str, np.ndarray], slots: Slots) -> list[str]:
         """Each id goes to its part (`tables.part_of`); a part over its capacity evicts LRU."""
-        keys, last_seen = content["keys"], content["last_seen"]
-        owners = tables.part_of(tf.constant(keys, tf.int64), len(self.parts)).numpy()
-        waiting = content["waiting"]
-        waiting_owners = tables.part_of(tf.constant(waiting, tf.int64), len(self.parts)).numpy()
-        counters = tables.split_counters(content["counters"], len(self.parts))
-        counts = content.get("counts")  # None from a checkpoint written before counts were kept
-        sketch = content.get("sketch")  # the parts' largest cells: each part takes them all
-        warnings = []
-        for part in self.parts:
-            mine = np.flatnonzero(owners == part.index)
-            evicted = max(0, len(mine) - part.capacity)
-            if evicted:  # the least recently seen first, ties by id, as the table evicts
-                mine = mine[np.lexsort((keys[mine], last_seen[mine]))[evicted:]]
-                warnings.append(
-                    f"table {self.name} part {part.index} holds {part.capacity} rows and the "
-                    f"checkpoint {len(mine) + evicted} of its ids: evicted the {evicted} least "
-                    "recently seen"
-                )
-            mine = mine[np.argsort(keys[mine], kind="stable")]
-            waits = waiting_owners == part.index
-            stamps = part.table.load(
-                keys[mine],
-                content["admitted"][mine],
-                last_seen[mine],
-                waiting[waits],
-                content["waiting_values"][waits],
-                counters[part.index],
-                evicted,
-                counts[mine] if counts is not None else None,
-                sketch,
-            )
-            row_stamps = np.full(part.row_stamps.shape, -1, np.int64)
-            row_stamps[: len(mine)] = np.where(content["fresh"][mine], -1, stamps)
-            part.row_stamps.assign(row_stamps)
-            for name, variable, initial in with_slots(part.rows, slots, "rows"):
-                value = np.full(variable.shape, initial, variable.dtype)
-                value[: len(mine)], value[-1] = content[name][mine], content[f"spare/{name}"][0]
-                variable.assign(value)
-        for name, variable, _ in self._shared(slots):
-            variable.assign(content[name])
-        return warnings
+        return dynamic_content.import_logical(self, content, slots)
 
-    def _shared(self, slots: Slots) -> list[tuple]:
-        """`with_slots` of the variable every part shares: the fallback rows or the default row."""
-        if self.fallback is not None:
-            return with_slots(self.fallback, slots, "fallback")
-        return with_slots(self.default_row, slots, "default")
+    # What the table holds and where (`dynamic_parts`).
 
     def describe(self) -> dict:
         """The table's policy, its parts (where each is, its bound, ids and bytes held), a line."""
-        parts = []
-        for part in self.parts:
-            figures = part.figures()
-            parts.append(
-                {
-                    "part": part.index,
-                    "device": part.table.index.resource_handle.device,  # where the index is
-                    "lock": part.table.lock_device(),
-                    "capacity": part.capacity,
-                    "ids_held": figures["ids_held"],
-                    "bytes_held": figures["bytes_held"],
-                }
-            )
-        policy = {
-            "key_dtype": self.key_dtype,
-            "width": self.output_dim,
-            "capacity": self.capacity,
-            "min_count": self.min_count,
-            "ttl_steps": self.ttl_steps,
-            "eviction": self.eviction,
-            "fallback_rows": self.fallback_rows,
-            "sketch_width": self.sketch_width,
-            "sketch_depth": self.sketch_depth,
-        }
-        where = ", ".join(
-            f"part {p['part']} on {p['device']} ({p['capacity']} rows)" for p in parts
-        )
-        split = f"split by id hash over {len(parts)} parts: " if len(parts) > 1 else ""
-        line = (
-            f"table {self.name}: dynamic {self.key_dtype} ids, {self.output_dim} wide, at most "
-            f"{self.capacity} rows (eviction {self.eviction}), min_count {self.min_count}, "
-            f"ttl_steps {self.ttl_steps}, fallback_rows {self.fallback_rows}; {split}{where}"
-        )
-        held = sum(p["ids_held"] for p in parts)
-        size = sum(p["bytes_held"] for p in parts)
-        return {**policy, "ids_held": held, "bytes_held": size, "parts": parts, "line": line}
+        return dynamic_parts.describe(self)
 
     def figures(self) -> list[dict[str, int]]:
-        """Each part's counters, ids held and bytes held (`_TablePart.figures`), read now."""
+        """Each part's counters, ids held and bytes held (`TablePart.figures`), read now."""
         return [part.figures() for part in self.parts]
+
+    # The lookup, in its steps (`dynamic_lookup`); `DynamicEmbeddings` calls them too.
 
     def call(self, inputs, training=False):
         keys, valid = self._keys(inputs)
         return self._shaped(inputs, self._vectors(keys, valid, training), valid, self.combiner)
-
-    def _keys(self, inputs) -> tuple[tf.Tensor, tf.Tensor]:
-        """The ids of `inputs` as flat int64 keys (`tables.key64`), and which are not `mask_id`."""
-        ids = inputs.flat_values if isinstance(inputs, tf.RaggedTensor) else inputs
-        ids = tf.convert_to_tensor(ids)
-        if ids.dtype != tf.string:
-            ids = tf.cast(ids, tf.int64)
-        flat = tf.reshape(ids, [-1])
-        valid = tf.ones_like(flat, tf.bool)
-        if self.mask_id is not None:
-            valid = tf.not_equal(flat, tf.constant(self.mask_id, flat.dtype))
-        return tables.key64(flat), valid
-
-    def _shaped(self, inputs, vectors: tf.Tensor, valid: tf.Tensor, combiner: str | None):
-        """The flat `vectors` of the ids of `inputs` in their shape, or reduced by `combiner`."""
-        ragged = isinstance(inputs, tf.RaggedTensor)
-        ids = inputs.flat_values if ragged else tf.convert_to_tensor(inputs)
-        flat = tf.reshape(ids, [-1])
-        if combiner is None:
-            vectors = tf.reshape(vectors, tf.concat([tf.shape(ids), [self.output_dim]], 0))
-            return inputs.with_flat_values(vectors) if ragged else vectors
-        if ragged:
-            segments, groups = inputs.value_rowids(), inputs.nrows()
-            shape = tf.stack([groups, self.output_dim])
-        else:
-            width = tf.shape(ids, out_type=tf.int64)[-1]
-            segments = tf.range(tf.size(flat, out_type=tf.int64)) // width
-            groups = tf.size(flat, out_type=tf.int64) // width
-            shape = tf.concat([tf.shape(ids)[:-1], [self.output_dim]], 0)
-        total = tf.math.unsorted_segment_sum(vectors, segments, groups)
-        count = tf.math.unsorted_segment_sum(tf.cast(valid, tf.float32), segments, groups)
-        count = tf.maximum(count, 1.0)[:, None]
-        if combiner == "mean":
-            total /= count
-        elif combiner == "sqrtn":
-            total /= tf.sqrt(count)
-        return tf.reshape(total, shape)
 
     def __call__(self, inputs, *args, **kwargs):
         # Checked before Keras's `__call__`, which adds lines about the call to any error.
@@ -403,50 +275,20 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         return super().__call__(inputs, *args, **kwargs)
 
     def _check_ids(self, inputs, what: str) -> None:
-        """Raises `UserError` if `inputs` (fed to `what`) are not ids this table can take.
+        """Raises `UserError` if `inputs` (fed to `what`) are not ids this table can take."""
+        dynamic_lookup.check_ids(inputs, self.key_dtype, what)
 
-        That is ids of `key_dtype`, and under a strategy of several processes
-        (`multi_worker`) ids of one shape: its collectives (the ids gathered for
-        admission, the rows' sparse gradient) need one shape on every worker,
-        and a ragged batch of one worker holds more ids than another's.
-        """
-        if getattr(inputs, "ragged", False) or isinstance(inputs, tf.RaggedTensor):
-            strategy = tf.distribute.get_strategy()
-            replicas = strategy.num_replicas_in_sync  # 1 for the default strategy
-            if replicas > 1 and replicas > len(strategy.extended.worker_devices):
-                raise UserError(
-                    f"{what} cannot take lists of ids of no fixed length (ragged) under a "
-                    "strategy of several processes, whose collectives need one shape on every "
-                    "worker; pad each list to one width and set `mask_id` (e.g. "
-                    "`ids.to_tensor(default_value=0, shape=[None, WIDTH])`, `mask_id=0`)."
-                )
-        dtype = keras.backend.standardize_dtype(inputs.dtype)
-        strings = dtype == "string"
-        if strings != (self.key_dtype == "string") or dtype.startswith(("float", "bool")):
-            other = "int64" if self.key_dtype == "string" else "string"
-            raise UserError(
-                f"{what} has `key_dtype` {self.key_dtype} but got {dtype} ids; pass "
-                f'{self.key_dtype} ids, or build it with `key_dtype="{other}"`.'
-            )
+    def _keys(self, inputs) -> tuple[tf.Tensor, tf.Tensor]:
+        """The ids of `inputs` as flat int64 keys (`tables.key64`), and which are not `mask_id`."""
+        return dynamic_lookup.keys_of(inputs, self.mask_id)
 
     def _vectors(self, keys: tf.Tensor, valid: tf.Tensor, training) -> tf.Tensor:
-        """The vector of each of `keys` (1-D int64): its row, the default row, or 0 if not `valid`.
+        """The vector of each of `keys` (1-D int64): its row, the default row, or 0 if not valid."""
+        return dynamic_lookup.vectors_by_part(self.parts, keys, valid, training)
 
-        With several parts, each part looks up (and admits) its own ids on its device.
-        """
-        if len(self.parts) == 1:
-            return self.parts[0].vectors(keys, valid, training)
-        parts = tables.part_of(keys, len(self.parts))
-        positions = tf.dynamic_partition(tf.range(tf.size(keys)), parts, len(self.parts))
-        keys_by_part = tf.dynamic_partition(keys, parts, len(self.parts))
-        valid_by_part = tf.dynamic_partition(valid, parts, len(self.parts))
-        vectors = [
-            part.vectors(part_keys, part_valid, training)
-            for part, part_keys, part_valid in zip(
-                self.parts, keys_by_part, valid_by_part, strict=True
-            )
-        ]
-        return tf.dynamic_stitch(positions, vectors)
+    def _shaped(self, inputs, vectors: tf.Tensor, valid: tf.Tensor, combiner: str | None):
+        """The flat `vectors` of the ids of `inputs` in their shape, or reduced by `combiner`."""
+        return dynamic_lookup.shaped(inputs, vectors, valid, combiner, self.output_dim)
 
     def compute_output_shape(self, input_shape):
         if self.combiner is None:
@@ -469,199 +311,3 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             "sketch_width": self.sketch_width,
             "sketch_depth": self.sketch_depth,
         }
-
-
-def _part_devices() -> list[str | None]:
-    """The device of each part of a table, as the sharding policy says (`part_devices`).
-
-    A part per ps member, on it on the coordinator of `parameter_server`;
-    outside a policy one part, on the strategy's own devices (None).
-    """
-    policy = sharding.current()
-    return policy.part_devices() if policy else [None]
-
-
-class _Place:
-    """Where to put a variable under `parameter_server`: the `colocate_with` of its creator.
-
-    `ParameterServerStrategy` places a variable created `colocate_with`
-    something on that thing's device (otherwise round-robin over the ps members,
-    whatever the device scope); it reads the thing's `name` and `device`.
-    """
-
-    def __init__(self, name: str, device: str):
-        self.name, self.device = name, device
-
-    def scope(self):
-        """Variables created inside go to `device`."""
-
-        def creator(next_creator, **kwargs):
-            return next_creator(**kwargs, use_resource=True, colocate_with=self)
-
-        return tf.variable_creator_scope(creator)
-
-
-class _TablePart:
-    """One part of a `DynamicEmbedding`'s table: its index, rows and row stamps, on one device.
-
-    Under `parameter_server` a part sits on one ps member: its index and lock are
-    created there, its variables placed there, and its lookups, admissions and
-    updates run there (inside the workers' scheduled steps). The optimizers of
-    `trainer.loop.optim` find a part from its rows (`tables.owner_of`).
-    """
-
-    def __init__(self, layer: DynamicEmbedding, index: int, device: str | None, capacity: int):
-        self.layer, self.index, self.device, self.capacity = layer, index, device, capacity
-        self.placed_by = tf.distribute.get_strategy()  # the strategy whose scope placed it
-        self.suffix = "" if index == 0 else f"_{index}"
-        self.optimizer_slots = 0  # slot variables beside the rows (`trained_by`)
-        with self._on_device():
-            self.table = tables.DynamicTable(
-                capacity,
-                layer.min_count,
-                layer.ttl_steps,
-                layer.eviction,
-                name=layer.name + self.suffix,
-                sketch_width=layer.sketch_width,
-                sketch_depth=layer.sketch_depth,
-            )
-        if index:
-            setattr(layer, f"table{self.suffix}", self.table)  # tracked: saved in checkpoints
-
-    def _on_device(self):
-        """On this part's ps member, while the strategy that placed it is the current one.
-
-        Not in a traced export: a SavedModel keeps explicit devices, and the
-        process that loads it has no ps members.
-        """
-        placed = self.device and tf.distribute.get_strategy() is self.placed_by
-        return tf.device(self.device) if placed else contextlib.nullcontext()
-
-    def build(self) -> None:
-        placed = contextlib.nullcontext()
-        if self.device:
-            placed = _Place(self.table.name, self.device).scope()
-        # One row past the capacity, which no id holds, is read by every lookup (with
-        # no effect) so that the rows' gradient is never empty: an empty sparse
-        # gradient crashes the cross-worker all-reduce of `multi_worker` (TF 2.21).
-        rows = self.capacity + 1
-        with placed:
-            # Refuses an optimizer that is not row-aware, at its first update (`RowAwareOnly`).
-            self.rows = self.layer.add_weight(
-                (rows, self.layer.output_dim),
-                "zeros",
-                name="rows" + self.suffix,
-                constraint=RowAwareOnly(self.layer.name),
-            )
-            # Which admission each row's values belong to (see `trainer.layers.tables`); every
-            # copy sets its own in the optimizer's update.
-            self.row_stamps = self.layer.add_weight(
-                (rows,),
-                keras.initializers.Constant(-1),
-                dtype="int64",
-                trainable=False,
-                aggregation="none",
-                name="row_stamps" + self.suffix,
-            )
-        if self.index:  # tracked as attributes of the layer: exported with it
-            setattr(self.layer, f"rows{self.suffix}", self.rows)
-            setattr(self.layer, f"row_stamps{self.suffix}", self.row_stamps)
-        tables.register_rows(self.rows, self)
-
-    def trained_by(self, step: tf.Variable, optimizer_slots: int) -> None:
-        """Called by the optimizer that trains the rows: its step, and its slots per row."""
-        self.table.use_clock(step)
-        self.optimizer_slots = optimizer_slots
-
-    def figures(self) -> dict[str, int]:
-        """The table's counters and ids held (`DynamicTable.figures`), and `bytes_held`.
-
-        `bytes_held` is the memory of one copy of the part (the replicas of
-        `mirrored` each hold one): its rows, their optimizer slots and row
-        stamps, allocated whole for `capacity + 1` rows up front, and its
-        index, which grows with the ids held and counted (an estimate, see
-        `trainer.layers.tables.ENTRY_BYTES`); the first part's also the layer's
-        `fallback_rows` and their optimizer slots.
-        """
-        figures = self.table.figures()
-        width, itemsize = self.layer.output_dim, tf.as_dtype(self.rows.dtype).size
-        row_bytes = width * itemsize * (1 + self.optimizer_slots) + 8  # + its int64 stamp
-        figures["bytes_held"] = (self.capacity + 1) * row_bytes + figures.pop("index_bytes")
-        if self.index == 0:  # the layer's fallback rows (and their slots), counted once
-            fallback_bytes = width * itemsize * (1 + self.optimizer_slots)
-            figures["bytes_held"] += self.layer.fallback_rows * fallback_bytes
-        return figures
-
-    def changed_since(self, step: int, variables: list) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        """The slots whose rows changed at `step` or later, and their rows in `variables`.
-
-        The slots of `DynamicTable.changed_slots` and the spare row past the
-        capacity (every step's lookups read it); their values in each of
-        `variables` (the rows, the row stamps, the rows' optimizer slots),
-        gathered on this part's device (its ps member under `parameter_server`).
-        """
-        with self._on_device():
-            slots = tf.concat([self.table.changed_slots(step), [self.capacity]], 0)
-            return slots, [tf.gather(tf.convert_to_tensor(v), slots) for v in variables]
-
-    def initial_rows(self, slots: tf.Tensor) -> tf.Tensor:
-        """The initial values of the rows of `slots` for the ids they hold now."""
-        layer = self.layer
-        return tables.initial_rows(layer.seed, self.table.keys_of(slots), layer.output_dim)
-
-    def vectors(self, keys: tf.Tensor, valid: tf.Tensor, training) -> tf.Tensor:
-        """The vector of each of `keys` (this part's ids): its row, the default row, or 0.
-
-        Every key reads a row, a missing one the spare row past the capacity
-        (no id holds it), and its vector is then replaced: the rows' sparse
-        gradient has a row per key, so it has the same length on every worker
-        for inputs of one shape, and is never empty (an empty one, or ones of
-        different lengths, break the cross-worker all-reduce of `multi_worker`
-        in TF 2.21).
-        """
-        seed, width = self.layer.seed, self.layer.output_dim
-        with self._on_device():
-            admitted = self._admit(keys, valid, self.table.now()) if training else None
-            with tf.control_dependencies([admitted] if admitted is not None else []):
-                slots, stamps = self.table.find(keys)  # ids admitted now read their own row
-            hit = (slots >= 0) & valid
-            slots = tf.where(hit, slots, self.capacity)
-            rows = tf.gather(tf_patches.replica_copy(self.rows.value), slots)
-            # A new id, or a reused slot, reads the id's initial value; the gradient
-            # still reaches the row, which the optimizer resets before applying it.
-            row_stamps = tf_patches.replica_copy(self.row_stamps.value)
-            stale = tf.where(tf.not_equal(tf.gather(row_stamps, slots), stamps))
-            initial = tables.initial_rows(seed, tf.gather_nd(keys, stale), width)
-            fresh = tf.scatter_nd(
-                stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64)
-            )
-        rows += tf.stop_gradient(fresh)
-        return tf.where(hit[:, None], rows, self.layer.defaults(keys, valid))
-
-    def _admit(self, keys: tf.Tensor, valid: tf.Tensor, step: tf.Tensor) -> tf.Tensor | None:
-        """Admits the `valid` ids of the whole global batch, once per process.
-
-        Each replica gathers every replica's ids and admits them all, the table
-        changed by whichever replica comes first (`DynamicTable.admit`'s `once`):
-        the same ids in the same step under any split, every worker's table the
-        same, and each replica's lookups after the admission. `step`: the
-        table's `now()`. A table without the optimizer's clock (`use_clock`)
-        cannot tell the replicas' calls of one step apart: there the first
-        replica of each worker admits, and the others may read the default row
-        for ids admitted at that step.
-        """
-        replica = tf.distribute.get_replica_context()
-        if replica is None or replica.num_replicas_in_sync == 1:
-            return self.table.admit(tf.boolean_mask(keys, valid), step)
-        keys, valid = replica.all_gather([keys, tf.cast(valid, tf.int64)], 0)
-        everyone = tf.boolean_mask(keys, tf.cast(valid, tf.bool))
-        if self.table.clocked:
-            return self.table.admit(everyone, step, once=True)
-        local = len(tf.distribute.get_strategy().extended.worker_devices)
-        first = tf.equal(replica.replica_id_in_sync_group % local, 0)
-        if tf.get_static_value(first) is not None:
-            return self.table.admit(everyone, step) if tf.get_static_value(first) else None
-        return tf.cond(first, lambda: self.table.admit(everyone, step), lambda: tf.constant(False))
-
-
-# The vocabulary of Keras-RS (`keras_rs.layers.TableConfig`, `FeatureConfig`,

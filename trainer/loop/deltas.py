@@ -9,7 +9,7 @@ are *deltas* of the last full one, written (synchronously: they are small)
 under the same names (`ckpt-<step>`). A delta holds:
 
 * for each part of each `DynamicEmbedding`'s table, the rows changed since
-  the full checkpoint (`_TablePart.changed_since`: the slots whose ids were
+  the full checkpoint (`dynamic_parts.TablePart.changed_since`: the slots whose ids were
   looked up in training since, the free ones and the spare row), with
   their optimizer slots and row stamps, and those slots' numbers;
 * everything else whole: the tables' indexes (ids, counts, last-seen steps,
@@ -47,7 +47,7 @@ BASE_KEY = "delta/.ATTRIBUTES/base_step"  # where a delta names its full checkpo
 class Family:
     """One part of a dynamic table: its rows, row stamps and the rows' optimizer slots."""
 
-    part: object  # the `trainer.layers.dynamic._TablePart` (`tables.owner_of` the rows)
+    part: object  # the `trainer.layers.dynamic_parts.TablePart` (`tables.owner_of` the rows)
     rows: keras.Variable
     stamps: keras.Variable
     slots: list[keras.Variable]

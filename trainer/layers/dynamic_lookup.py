@@ -1,0 +1,192 @@
+"""How a `DynamicEmbedding` turns ids into vectors, in the order a call takes its steps.
+
+1. `check_ids`: ids of the layer's `key_dtype`, and of one shape under a
+   strategy of several processes (a one-line `UserError` otherwise).
+2. `keys_of`: the ids as flat int64 keys (`tables.key64`), and which are not
+   `mask_id`.
+3. `vectors_by_part`: each part of the table (`trainer.layers.dynamic_parts`)
+   looks up its own ids on its device (`part_vectors`). In training it
+   first admits the ids of the whole global batch (`admit_global_batch`); a
+   new id, or one whose slot was reused, reads its initial row
+   (`_with_initial_rows`); an id without a row reads the default or fallback
+   row (`DynamicEmbedding.defaults`).
+4. `shaped`: the vectors in the ids' shape, or reduced over each example's
+   list by the `combiner`.
+
+Plain functions of the layer's settings and parts: every variable and index
+they read is the layer's (`DynamicEmbeddings` calls them through the layer for
+several features at once).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import keras
+import tensorflow as tf
+
+from strategies import tf_patches
+from towerflow.errors import UserError
+from trainer.layers import tables
+
+if TYPE_CHECKING:
+    from trainer.layers.dynamic_parts import TablePart
+
+
+def check_ids(inputs, key_dtype: str, what: str) -> None:
+    """Raises `UserError` if `inputs` (fed to `what`) are not ids a table of `key_dtype` takes.
+
+    That is ids of `key_dtype`, and under a strategy of several processes
+    (`multi_worker`) ids of one shape: its collectives (the ids gathered for
+    admission, the rows' sparse gradient) need one shape on every worker,
+    and a ragged batch of one worker holds more ids than another's.
+    """
+    if getattr(inputs, "ragged", False) or isinstance(inputs, tf.RaggedTensor):
+        strategy = tf.distribute.get_strategy()
+        replicas = strategy.num_replicas_in_sync  # 1 for the default strategy
+        if replicas > 1 and replicas > len(strategy.extended.worker_devices):
+            raise UserError(
+                f"{what} cannot take lists of ids of no fixed length (ragged) under a "
+                "strategy of several processes, whose collectives need one shape on every "
+                "worker; pad each list to one width and set `mask_id` (e.g. "
+                "`ids.to_tensor(default_value=0, shape=[None, WIDTH])`, `mask_id=0`)."
+            )
+    dtype = keras.backend.standardize_dtype(inputs.dtype)
+    strings = dtype == "string"
+    if strings != (key_dtype == "string") or dtype.startswith(("float", "bool")):
+        other = "int64" if key_dtype == "string" else "string"
+        raise UserError(
+            f"{what} has `key_dtype` {key_dtype} but got {dtype} ids; pass "
+            f'{key_dtype} ids, or build it with `key_dtype="{other}"`.'
+        )
+
+
+def keys_of(inputs, mask_id) -> tuple[tf.Tensor, tf.Tensor]:
+    """The ids of `inputs` as flat int64 keys (`tables.key64`), and which are not `mask_id`."""
+    ids = inputs.flat_values if isinstance(inputs, tf.RaggedTensor) else inputs
+    ids = tf.convert_to_tensor(ids)
+    if ids.dtype != tf.string:
+        ids = tf.cast(ids, tf.int64)
+    flat = tf.reshape(ids, [-1])
+    valid = tf.ones_like(flat, tf.bool)
+    if mask_id is not None:
+        valid = tf.not_equal(flat, tf.constant(mask_id, flat.dtype))
+    return tables.key64(flat), valid
+
+
+def vectors_by_part(
+    parts: list[TablePart], keys: tf.Tensor, valid: tf.Tensor, training
+) -> tf.Tensor:
+    """The vector of each of `keys` (1-D int64): its row, the default row, or 0 if not `valid`.
+
+    With several parts, each part looks up (and admits) its own ids on its device.
+    """
+    if len(parts) == 1:
+        return part_vectors(parts[0], keys, valid, training)
+    owners = tables.part_of(keys, len(parts))
+    positions = tf.dynamic_partition(tf.range(tf.size(keys)), owners, len(parts))
+    keys_by_part = tf.dynamic_partition(keys, owners, len(parts))
+    valid_by_part = tf.dynamic_partition(valid, owners, len(parts))
+    vectors = [
+        part_vectors(part, part_keys, part_valid, training)
+        for part, part_keys, part_valid in zip(parts, keys_by_part, valid_by_part, strict=True)
+    ]
+    return tf.dynamic_stitch(positions, vectors)
+
+
+def part_vectors(part: TablePart, keys: tf.Tensor, valid: tf.Tensor, training) -> tf.Tensor:
+    """The vector of each of `keys` (`part`'s ids): its row, the default row, or 0.
+
+    Every key reads a row, a missing one the spare row past the capacity
+    (no id holds it), and its vector is then replaced: the rows' sparse
+    gradient has a row per key, so it has the same length on every worker
+    for inputs of one shape, and is never empty (an empty one, or ones of
+    different lengths, break the cross-worker all-reduce of `multi_worker`
+    in TF 2.21).
+    """
+    table = part.table
+    with part.on_device():
+        admitted = admit_global_batch(table, keys, valid, table.now()) if training else None
+        with tf.control_dependencies([admitted] if admitted is not None else []):
+            slots, stamps = table.find(keys)  # ids admitted now read their own row
+        hit = (slots >= 0) & valid
+        slots = tf.where(hit, slots, part.capacity)
+        rows, fresh = _with_initial_rows(part, keys, slots, stamps)
+    rows += tf.stop_gradient(fresh)
+    return tf.where(hit[:, None], rows, part.layer.defaults(keys, valid))
+
+
+def _with_initial_rows(
+    part: TablePart, keys: tf.Tensor, slots: tf.Tensor, stamps: tf.Tensor
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """The rows of `slots`, and what to add to them so that a new id reads its initial row.
+
+    A new id, or a reused slot (its row's stamp is not the one the index
+    holds: `stamps`), reads the id's initial value; the gradient still
+    reaches the row, which the optimizer resets before applying it.
+    """
+    seed, width = part.layer.seed, part.layer.output_dim
+    rows = tf.gather(tf_patches.replica_copy(part.rows.value), slots)
+    row_stamps = tf_patches.replica_copy(part.row_stamps.value)
+    stale = tf.where(tf.not_equal(tf.gather(row_stamps, slots), stamps))
+    initial = tables.initial_rows(seed, tf.gather_nd(keys, stale), width)
+    fresh = tf.scatter_nd(stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64))
+    return rows, fresh
+
+
+def admit_global_batch(
+    table: tables.DynamicTable, keys: tf.Tensor, valid: tf.Tensor, step: tf.Tensor
+) -> tf.Tensor | None:
+    """Admits the `valid` ids of the whole global batch into `table`, once per process.
+
+    Each replica gathers every replica's ids and admits them all, the table
+    changed by whichever replica comes first (`DynamicTable.admit`'s `once`):
+    the same ids in the same step under any split, every worker's table the
+    same, and each replica's lookups after the admission. `step`: the
+    table's `now()`. A table without the optimizer's clock (`use_clock`)
+    cannot tell the replicas' calls of one step apart: there the first
+    replica of each worker admits, and the others may read the default row
+    for ids admitted at that step.
+    """
+    replica = tf.distribute.get_replica_context()
+    if replica is None or replica.num_replicas_in_sync == 1:
+        return table.admit(tf.boolean_mask(keys, valid), step)
+    keys, valid = replica.all_gather([keys, tf.cast(valid, tf.int64)], 0)
+    everyone = tf.boolean_mask(keys, tf.cast(valid, tf.bool))
+    if table.clocked:
+        return table.admit(everyone, step, once=True)
+    local = len(tf.distribute.get_strategy().extended.worker_devices)
+    first = tf.equal(replica.replica_id_in_sync_group % local, 0)
+    if tf.get_static_value(first) is not None:
+        return table.admit(everyone, step) if tf.get_static_value(first) else None
+    return tf.cond(first, lambda: table.admit(everyone, step), lambda: tf.constant(False))
+
+
+def shaped(inputs, vectors: tf.Tensor, valid: tf.Tensor, combiner: str | None, width: int):
+    """The flat `vectors` (`width` wide) of the ids of `inputs` in their shape, or combined.
+
+    With a `combiner` ("sum", "mean", "sqrtn"), reduced over the last axis
+    (each example's list), leaving out the ids not `valid`.
+    """
+    ragged = isinstance(inputs, tf.RaggedTensor)
+    ids = inputs.flat_values if ragged else tf.convert_to_tensor(inputs)
+    flat = tf.reshape(ids, [-1])
+    if combiner is None:
+        vectors = tf.reshape(vectors, tf.concat([tf.shape(ids), [width]], 0))
+        return inputs.with_flat_values(vectors) if ragged else vectors
+    if ragged:
+        segments, groups = inputs.value_rowids(), inputs.nrows()
+        shape = tf.stack([groups, width])
+    else:
+        columns = tf.shape(ids, out_type=tf.int64)[-1]
+        segments = tf.range(tf.size(flat, out_type=tf.int64)) // columns
+        groups = tf.size(flat, out_type=tf.int64) // columns
+        shape = tf.concat([tf.shape(ids)[:-1], [width]], 0)
+    total = tf.math.unsorted_segment_sum(vectors, segments, groups)
+    count = tf.math.unsorted_segment_sum(tf.cast(valid, tf.float32), segments, groups)
+    count = tf.maximum(count, 1.0)[:, None]
+    if combiner == "mean":
+        total /= count
+    elif combiner == "sqrtn":
+        total /= tf.sqrt(count)
+    return tf.reshape(total, shape)
