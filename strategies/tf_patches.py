@@ -39,6 +39,12 @@ it).
   (process-wide; every frame of the stack that traced it, a run's input
   iterators with them, lived until a garbage collection, whose end of an
   iterator then waited minutes for tf.data's threads).
+- `device_datasets_untuned`: the per-device datasets of a `MultiDeviceIterator`
+  (`mirrored`, `multi_worker`) run without tf.data's autotuning model, as
+  towerflow's own pipelines do (`data.autotune`): they are new pipelines
+  that inherit no options, with nothing to tune (a generator and a fixed
+  prefetch), whose model thread made each iterator's end wait up to a minute
+  (process-wide).
 - `raised_through_autograph`: an error raised while a `tf.function` is traced
   reaches the caller as it is, one line (AutoGraph would wrap it in a
   `StagingError` of several lines; `trainer.layers`' row-aware refusal).
@@ -65,6 +71,7 @@ import keras
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.autograph.operators import py_builtins
+from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.framework import errors
 
 
@@ -164,6 +171,13 @@ PATCHES = {
         ("2.20", "2.21"),
         "AutoGraph's super() finds its frame from inspect.currentframe(), whose f_locals "
         "keeps that frame: a cycle holding every frame of the stack that traced it",
+    ),
+    "device_datasets_untuned": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "MultiDeviceIterator's per-device datasets (_create_device_dataset) are new "
+        "pipelines with TF's default options: each runs an autotuning thread, which can "
+        "miss its cancellation and sleep out its period (up to 60 s) when deleted",
     ),
     "raised_through_autograph": Patch(
         "tensorflow",
@@ -448,6 +462,37 @@ def super_leaves_no_frames() -> None:
         return  # upstream finds super()'s frame another way now, or it is patched already
     targeted("super_leaves_no_frames")
     py_builtins._find_originating_frame = _originating_frame
+
+
+_UPSTREAM_DEVICE_DATASET = getattr(multi_device_iterator_ops, "_create_device_dataset", None)
+
+
+def device_datasets_untuned() -> None:
+    """A `MultiDeviceIterator`'s per-device datasets run without tf.data's autotuning model.
+
+    Each device of a `mirrored` (or `multi_worker`) iterator reads through a
+    pipeline of its own (a generator from the host buffer, a fixed prefetch)
+    that TensorFlow makes with default options, so each runs an autotuning
+    thread with nothing to tune. Deleting the iterator cancels those threads,
+    and TensorFlow marks them cancelled only after running the callbacks that
+    wake them: one that wakes in between sleeps out its period (doubling to
+    60 s over the iterator's life) while the deleting thread holds Python's
+    lock (docs/troubleshooting.md). Without the model there is no such
+    thread. Process-wide and never undone: what it removes tuned nothing.
+    """
+    original = getattr(multi_device_iterator_ops, "_create_device_dataset", None)
+    if original is None or getattr(original, "_towerflow_untuned", False):
+        return  # upstream makes device datasets another way now, or it is patched already
+    targeted("device_datasets_untuned")
+
+    def untuned(*args, **kwargs) -> tf.data.Dataset:
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        return original(*args, **kwargs).with_options(options)
+
+    untuned._towerflow_untuned = True
+    untuned.__wrapped__ = original
+    multi_device_iterator_ops._create_device_dataset = untuned
 
 
 _AUTOGRAPH_ORIGINATING_FRAME = getattr(py_builtins, "_find_originating_frame", None)  # upstream's

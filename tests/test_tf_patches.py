@@ -356,3 +356,32 @@ def test_autograph_super_keeps_the_tracing_frames_until_a_collection_unless_patc
             assert held() is None  # freed as the call returned, no collection needed
     finally:
         gc.enable()
+
+
+def test_a_multi_device_iterators_device_datasets_autotune_by_default_unless_patched():
+    from tensorflow.python.data.ops import multi_device_iterator_ops as ops
+
+    def device_dataset_autotune():
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        untuned = tf.data.Options()
+        untuned.autotune.enabled = False  # the source pipeline, as towerflow's run
+        made = []
+        create = ops._create_device_dataset
+
+        def recorded(*args, **kwargs):
+            made.append(create(*args, **kwargs))
+            return made[-1]
+
+        source = tf.data.Dataset.range(8).batch(2).with_options(untuned)
+        with mock.patch.object(ops, "_create_device_dataset", recorded):
+            iter(strategy.experimental_distribute_dataset(source))
+        return {dataset.options().autotune.enabled for dataset in made}
+
+    # Upstream: a new pipeline per device, with TensorFlow's default options (autotuning).
+    upstream = tf_patches._UPSTREAM_DEVICE_DATASET  # as imported: another test may have patched
+    with mock.patch.object(ops, "_create_device_dataset", upstream):
+        assert device_dataset_autotune() == {None}
+        tf_patches.device_datasets_untuned()
+        tf_patches.device_datasets_untuned()  # once only
+        assert ops._create_device_dataset.__wrapped__ is upstream
+        assert device_dataset_autotune() == {False}

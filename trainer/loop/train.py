@@ -126,6 +126,8 @@ def make_strategy(
     tf_patches.op_determinism(config.train.deterministic)
     # A traced `super()` (the optimizers' update steps) keeps no frame, nor its iterators.
     tf_patches.super_leaves_no_frames()
+    # A replica's device pipeline has nothing to tune; its tuning thread delays its end.
+    tf_patches.device_datasets_untuned()
     name = config.strategy.name
     plugin, options = strategies.plugin(name), config.strategy.get(name)
     if config.train.jit_compile and not plugin.traits.jit_compile:
