@@ -489,10 +489,8 @@ def _autotune(config) -> list[tuple[bool, int | None]]:
     """Both pipelines' (autotune enabled, RAM budget) under `config`."""
     dataset = data.get(config)
     pipelines = (dataset.train_fn(8, seed=0), dataset.eval_fn(8))
-    return [
-        (p(_context()).options().autotune.enabled, p(_context()).options().autotune.ram_budget)
-        for p in pipelines
-    ]
+    autotune = [p(_context()).options().autotune for p in pipelines]
+    return [(a.enabled, a.ram_budget) for a in autotune]
 
 
 def test_autotune_is_off_unless_asked_for_and_a_ram_budget_turns_it_on():
