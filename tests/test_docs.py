@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_exit
 
 SITE_TIMEOUT_S = 300
 DOCS = pathlib.Path(REPO, "docs")
@@ -52,7 +52,7 @@ def site(tmp_path_factory) -> pathlib.Path:
         timeout=SITE_TIMEOUT_S,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert_exit(result)
     return out
 
 

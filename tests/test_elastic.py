@@ -149,7 +149,7 @@ def test_bad_elastic_launches_are_one_line_and_exit_2(tmp_path, args, expected):
     result = launch(*args[:-1], args[-1], f"--model_dir={tmp_path / 'run'}", cwd=tmp_path)
     errors = [line for line in result.stdout.splitlines() + result.stderr.splitlines()]
     errors = [line for line in errors if "error:" in line]
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert_exit(result, 2)
     assert errors and expected in errors[0], errors
     assert not (tmp_path / "run").exists()
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, kill, run_cli, start_cli
+from tests.helpers import REPO, assert_exit, kill, run_cli, start_cli
 from tests.test_elastic import FAST  # short blocks, nothing but training, 1-s cool-down
 from towerflow.processes import pick_ports
 from trainer.elastic import Rendezvous, answering, default_identity
@@ -139,7 +139,7 @@ def test_the_lowest_answering_agent_decides_and_the_change_names_who_left_and_ca
 )
 def test_a_bad_agent_command_is_one_line_and_exit_2(tmp_path, args, expected):
     result = run_cli(*args, cwd=tmp_path, module="trainer.elastic")
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert_exit(result, 2)
     assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
     assert list(tmp_path.iterdir()) == []
 

@@ -42,7 +42,7 @@ def test_a_finished_child_leaves_no_grandchild(one_task, tmp_path):
         keep_tf_config=True,
         timeout=60,  # its grandchild sleeps 120 s: no waiting for it
     )
-    assert done.returncode == 0, done.stderr
+    helpers.assert_exit(done)
     pids = _recorded(tmp_path)
     assert sorted(pids.values()) == ["worker:0", "worker:0 grandchild"]
     assert not [pid for pid in pids if helpers.running(pid)], "the grandchild outlived run_cli"

@@ -17,6 +17,8 @@ import re
 
 import pytest
 
+from tests.helpers import assert_exit
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("towerflow", "strategies", "trainer", "configs")
 
@@ -243,7 +245,7 @@ def test_the_cluster_commands_define_their_flags_beside_each_other():
     ]
     code = f"import importlib\nfor m in {commands!r}: importlib.import_module(m)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_exit(result)
 
 
 LONGEST_FUNCTION = 70  # lines; a function longer than this reads as several steps: split it

@@ -327,7 +327,7 @@ def test_a_signal_to_the_launcher_stops_every_task(tmp_path, sig):
         out = got + _rest(proc)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + sig
+    assert_exit(proc, 128 + sig, output=out)
     assert f"[launch] got {sig.name}" in out and "[launch] stopping chief" in out
     _assert_all_dead(_pids(tmp_path))
 
@@ -351,7 +351,7 @@ def test_an_interrupted_cluster_may_save_once_and_is_killed_on_the_second(tmp_pa
         took = time.monotonic() - start
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert_exit(proc, 128 + signal.SIGTERM, output=out)
     assert "up to 30 s to save and exit" in out
     saved = sorted(p.name for p in tmp_path.glob("*.saved"))
     if times == 1:
@@ -404,6 +404,6 @@ def test_bad_flags_are_one_line_and_exit_2(flag, expected):
         _, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
         proc.kill()
-    assert proc.returncode == 2
+    assert_exit(proc, 2, output=err)
     lines = _own_lines(err)
     assert len(lines) == 1 and lines[0].startswith(expected), err

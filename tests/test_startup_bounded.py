@@ -114,7 +114,7 @@ def test_sigterm_while_tensorflow_joins_the_cluster_exits_143_at_once(tmp_path):
         out = proc.stdout.read()
     finally:
         kill(proc)
-    assert proc.returncode == 143
+    assert_exit(proc, 143, output=out)
     assert "SIGTERM while TensorFlow joined the cluster: stopping" in out
     assert took < 10, "stops at the signal, not at the end of the bound"
     assert not (tmp_path / "run").exists()

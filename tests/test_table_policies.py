@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import run_cli
+from tests.helpers import assert_exit, run_cli
 from tests.test_models import tiny_ctr_config
 from trainer.layers import tables
 from trainer.loop import train
@@ -70,7 +70,7 @@ def test_bad_table_options_are_one_line_and_exit_2_leaving_model_dir_alone(flag,
         f"--model_dir={tmp_path / 'run'}",
         cwd=tmp_path,
     )
-    assert result.returncode == 2, result.stderr[-2000:]
+    assert_exit(result, 2)
     last = result.stderr.strip().splitlines()[-1]
     assert message in last and "--config.model." in last
     assert not (tmp_path / "run").exists()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import REPO, launched, run_command, tensorboard_scalars
+from tests.helpers import REPO, assert_exit, launched, run_command, tensorboard_scalars
 from tests.test_dynamic_embedding import SMALL_CTR, _restored_job, _rows_by_id, state_of
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
@@ -222,7 +222,7 @@ def test_the_pages_plain_keras_example_runs_as_written_and_learns(tmp_path):
     (example,) = _blocks("python")
     (tmp_path / "example.py").write_text(example)
     result = run_command([sys.executable, "example.py"], cwd=str(tmp_path))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_exit(result)
     printed = re.search(r"held-out AUC (0\.\d+), ids held (\d+)", result.stdout)
     assert printed and float(printed[1]) > 0.8 and printed[2] == "2000", result.stdout
 
@@ -235,7 +235,7 @@ def test_the_pages_per_table_optimizer_command_runs_as_written(tmp_path):
     (command,) = [c for c in _commands() if "--config=configs/ctr.py" in c]
     (tmp_path / "configs").symlink_to(pathlib.Path(REPO) / "configs")  # as from a clone
     result = run_command([sys.executable, *command[1:]], cwd=str(tmp_path))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_exit(result)
     results = json.loads((tmp_path / "runs" / "ctr_adagrad" / "results.json").read_text())
     assert results["step"] == 200 and results["eval"]["auc"] > 0.7, results["eval"]
 
@@ -246,7 +246,7 @@ def test_the_pages_padding_measurement_runs_and_prints_each_case(tmp_path):
     (command,) = [c for c in _commands() if "examples.ragged_padding" in c]
     assert command[3:] == ["--rounds=3", "--steps=200"]
     result = run_command([sys.executable, *command[1:3], "--rounds=1", "--steps=20"], cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_exit(result)
     for case in ("one_device:ragged", "one_device:padded", "mirrored:ragged", "mirrored:padded"):
         assert re.search(rf"^{case}: CPU \d+\.\d+ ms/step", result.stdout, re.MULTILINE), case
 

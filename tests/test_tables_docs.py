@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from tests.helpers import run_command
+from tests.helpers import assert_exit, run_command
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "tables.md"
@@ -28,7 +28,7 @@ def _run(command: str, tmp_path, timeout: float, *more: str):
 def test_the_pages_training_command_runs_as_written(tmp_path):
     (command,) = [c for c in _commands() if c.startswith("python -m trainer ")]
     done = _run(command, tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_exit(done)
     out = done.stdout + done.stderr
     assert "at most 2000 rows (eviction lfu), min_count 2, ttl_steps 0, fallback_rows 500" in out
     assert "step: 40/40" in out and (tmp_path / "tables-run").is_dir()
@@ -38,7 +38,7 @@ def test_the_pages_training_command_runs_as_written(tmp_path):
 def test_the_pages_bench_command_prints_the_auc_table(tmp_path):
     (command,) = [c for c in _commands() if c.startswith("python -m trainer.bench")]
     done = _run(command, tmp_path, 900, f"--json={tmp_path / 'bench.json'}")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_exit(done)
     assert "| rows / distinct ids | hashed rows |" in done.stderr
     case = json.loads((tmp_path / "bench.json").read_text())["cases"]["tables_quality"]
     for share in ("5pct", "15pct", "50pct", "100pct"):
