@@ -78,18 +78,24 @@ class GradientTransfer:
 def from_options(options: ml_collections.ConfigDict, name: str) -> GradientTransfer:
     """The transfer the `config.strategy.<name>` options ask for.
 
+    `options` are the plugin's own (`strategies.base.read_options`), with its
+    declared defaults: `gradient_dtype`, and `bytes_per_pack` where the plugin
+    packs (a plugin that declares no packing all-reduces in one pack).
+
     Raises:
       UserError: an unknown `gradient_dtype`, or a `bytes_per_pack` that is not
         "auto" or a number of bytes >= 0.
     """
-    dtype = options.get("gradient_dtype", "float32")
+    dtype = options.gradient_dtype
     if dtype not in GRADIENT_DTYPES:
         raise UserError(
             f"Unknown `strategy.{name}.gradient_dtype` '{dtype}'; known: "
             f"{', '.join(GRADIENT_DTYPES)}; e.g. "
             f"`--config.strategy.{name}.gradient_dtype=bfloat16`."
         )
-    return GradientTransfer(dtype, _bytes_per_pack(options.get("bytes_per_pack", 0), name))
+    if "bytes_per_pack" not in options:
+        return GradientTransfer(dtype)
+    return GradientTransfer(dtype, _bytes_per_pack(options.bytes_per_pack, name))
 
 
 def _bytes_per_pack(value, name: str) -> int:
@@ -105,15 +111,18 @@ def _bytes_per_pack(value, name: str) -> int:
     )
 
 
-def refuse(options: ml_collections.ConfigDict | None, name: str) -> None:
+def refuse(options: ml_collections.ConfigDict, name: str) -> None:
     """Refuses a `gradient_dtype` other than float32 under a plugin `name` that does not all-reduce.
+
+    `options` are the plugin's own (`strategies.base.read_options`); one that
+    declares no `gradient_dtype` has nothing to refuse.
 
     Raises:
       UserError: `config.strategy.<name>.gradient_dtype` is set to another dtype.
     """
-    dtype = (options or ml_collections.ConfigDict()).get("gradient_dtype", "float32")
-    if dtype == "float32":
+    if "gradient_dtype" not in options or options.gradient_dtype == "float32":
         return
+    dtype = options.gradient_dtype
     raise UserError(
         f"`strategy.{name}.gradient_dtype` '{dtype}' does not apply to `{name}`: its "
         "gradients are not all-reduced across replicas; use `--strategy=multi_worker`, "

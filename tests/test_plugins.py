@@ -160,3 +160,26 @@ def test_the_strategy_interface_is_the_sixteen_members_its_docstring_lists():
     assert len(public) <= 16, sorted(public)
     documented = re.search(r"The interface the loop uses:(.*?)Those 16", base.__doc__, re.S)
     assert public == set(re.findall(r"`(\w+)", documented.group(1))), sorted(public)
+
+
+def test_an_installed_plugins_options_take_overrides_from_a_users_config(
+    site, tmp_path, monkeypatch
+):
+    """docs/plugins.md's config: the plugin's section from its declared defaults, then flags."""
+    _install(site, "toy-plugin", {"toy": "toy_plugin:Plugin"}, WORKING)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    (tmp_path / "my_config.py").write_text(
+        "import dataclasses\n\nimport ml_collections\nfrom configs import default\n"
+        "from tests.toy_plugin import ToyOptions\n\n\ndef get_config():\n"
+        "    c = default.get_config()\n    c.strategy.name = 'toy'\n"
+        "    c.strategy.toy = ml_collections.ConfigDict(dataclasses.asdict(ToyOptions()))\n"
+        "    c.train.steps = 20\n    c.eval.steps = 2\n    return c\n"
+    )
+    flags = ["--config=my_config.py", "--model_dir=run", "--mode=train"]
+    trained = run_cli(*flags, "--config.strategy.toy.device=/cpu:1", cwd=str(tmp_path))
+    assert_exit(trained)
+    assert (
+        "strategy: toy | replicas: 1 | devices: /job:localhost/replica:0/task:0/device:CPU:1"
+        in (trained.stdout)
+    )
+    assert "step: 20/20" in trained.stdout

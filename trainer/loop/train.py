@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import strategies
 from strategies import devices, tf_patches, transfer
+from strategies.base import read_options
 from strategies.cluster import discovery, scratch
 from towerflow import calls, storage
 from towerflow.errors import UserError
@@ -143,7 +144,7 @@ def make_strategy(
             "across restarts; use `multi_worker`, `mirrored` or `one_device`."
         )
     if not plugin.traits.gradient_transfer:
-        transfer.refuse(options, name)
+        transfer.refuse(read_options(plugin, options), name)
     if checked.precision == "mixed_float16" and not plugin.traits.loss_scaling:
         raise UserError(
             f"`train.precision` 'mixed_float16' (loss scaling) does not work under `{name}`; "
