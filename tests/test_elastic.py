@@ -238,11 +238,8 @@ def test_below_min_workers_the_group_does_not_form_and_the_missing_are_named():
     [(48, 3, 48), (32, 3, 33), (50, 4, 52), (10, 4, 12), (9, 4, 8)],
 )
 def test_a_global_batch_that_does_not_split_becomes_the_nearest_that_does(batch, replicas, fitted):
-    config = tiny_config()
-    config.train.global_batch_size = config.eval.global_batch_size = batch
     said = []
-    elastic.fit_batches(config, replicas, said.append)
-    assert config.train.global_batch_size == fitted == config.eval.global_batch_size
+    assert elastic.fit_batches(batch, batch, replicas, 1, said.append) == (fitted, fitted)
     assert len(said) == (0 if fitted == batch else 2)
     if said:
         assert f"({batch}) does not split over {replicas} replicas: using {fitted}" in said[0]
@@ -315,11 +312,15 @@ def test_per_replica_keeps_the_full_groups_per_replica_batch_and_scales_the_rate
 ):
     config = _per_replica(batch, **{"cluster.elastic.lr_scaling": rule})
     said = []
-    elastic.keep_per_replica_batch(config, replicas, workers, said.append)
-    assert config.train.global_batch_size == global_batch
-    assert config.optimizer.learning_rate == pytest.approx(rate)
-    assert said[-1].startswith(f"elastic: per-replica batch {global_batch // replicas} kept on")
-    assert len(said) == (2 if batch == 49 else 1)
+    batches = elastic.group_batches(config, replicas, workers, said.append)
+    assert batches.train == global_batch and batches.learning_rate == pytest.approx(rate)
+    assert config.train.global_batch_size == batch, "the config as written stays"
+    group = elastic.for_group(config, batches)
+    assert group.train.global_batch_size == global_batch
+    assert group.optimizer.learning_rate == batches.learning_rate
+    training = [line for line in said if "`eval.global_batch_size`" not in line]
+    assert training[-1].startswith(f"elastic: per-replica batch {global_batch // replicas} kept")
+    assert len(training) == (2 if batch == 49 else 1)
 
 
 def no_rate(reference_lr, reference_batch, global_batch):

@@ -17,7 +17,8 @@ new size. What a member does for that (`cluster.elastic.max_workers` > 0):
   trained twice or skipped, for a deterministic pipeline.
 - The global batch stays the same at every size (the optimizer sees the same
   updates); one that does not split over the replicas becomes the nearest
-  one that does, said in one line (`fit_batches`). Under
+  one that does, said in one line (`fit_batches`); the group runs a copy of
+  the config with its batches and rate (`group_batches`, `for_group`). Under
   `cluster.elastic.batch=per_replica` the per-replica batch stays that of the
   full group (`max_workers` members) instead, and the learning rate follows
   the global batch (`keep_per_replica_batch`, `lr_rule`); the input position
@@ -34,6 +35,7 @@ environment variable `REFORM_VARIABLE` (JSON: `from`, `to`, `why`, `at`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -68,27 +70,71 @@ def enabled(config: ml_collections.ConfigDict) -> bool:
     return bool(cluster.get("elastic") and cluster.elastic.max_workers > 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupBatches:
+    """What one group of replicas trains with: its global batches and peak learning rate."""
+
+    train: int  # `train.global_batch_size` for this group
+    eval: int  # `eval.global_batch_size` for this group
+    learning_rate: float  # `optimizer.learning_rate` for this group
+
+
+def group_batches(
+    config: ml_collections.ConfigDict, replicas: int, workers: int, say: Callable[[str], None]
+) -> GroupBatches:
+    """The batches and rate this group of `replicas` (on `workers` members) trains with.
+
+    The config's own unless the job is elastic: then the per-replica batch
+    kept (`keep_per_replica_batch`) and batches that split over the replicas
+    (`fit_batches`), each change said in one line. `config` is not changed.
+
+    Raises:
+      UserError: `cluster.elastic.lr_scaling` gave no positive rate.
+    """
+    train, rate = config.train.global_batch_size, config.optimizer.learning_rate
+    evaluation = config.eval.global_batch_size
+    if not enabled(config):
+        return GroupBatches(train, evaluation, rate)
+    if per_replica(config):  # each replica's batch kept, the global batch follows
+        train, rate = keep_per_replica_batch(config, replicas, workers, say)
+    accumulation = config.train.accumulation_steps
+    train, evaluation = fit_batches(train, evaluation, replicas, accumulation, say)
+    return GroupBatches(train, evaluation, rate)
+
+
+def for_group(
+    config: ml_collections.ConfigDict, batches: GroupBatches
+) -> ml_collections.ConfigDict:
+    """A copy of `config` with this group's batches and rate: the config the group runs."""
+    config = config.copy_and_resolve_references()
+    config.train.global_batch_size, config.eval.global_batch_size = batches.train, batches.eval
+    config.optimizer.learning_rate = batches.learning_rate
+    return config
+
+
 def fit_batches(
-    config: ml_collections.ConfigDict, replicas: int, say: Callable[[str], None]
-) -> None:
-    """Makes the global batches split over `replicas`: the nearest that does, in one line.
+    train: int, evaluation: int, replicas: int, accumulation: int, say: Callable[[str], None]
+) -> tuple[int, int]:
+    """The global batches (`train`, `evaluation`) made to split over `replicas`, in one line.
 
     A group re-formed at another size may not split the global batch the
     user chose (48 over 5 replicas): rather than stop, the batch becomes the
-    nearest multiple of the replicas (ties: the larger), and the run says so.
+    nearest multiple of the replicas (x `accumulation` micro-batches for
+    training; ties: the larger), and the run says so.
     """
-    parts = replicas * config.train.accumulation_steps
-    for section, unit in (("train", parts), ("eval", replicas)):
-        batch = config[section].global_batch_size
-        if batch % unit == 0:
-            continue
-        fitted = _nearest_multiple(batch, unit)
-        config[section].global_batch_size = fitted
-        say(
-            f"elastic: `{section}.global_batch_size` ({batch}) does not split over {unit} "
-            f"replicas: using {fitted} ({fitted // unit} each) while this group trains; the "
-            "trajectory differs from a run at a size that splits it"
-        )
+    fitted = []
+    for section, batch, unit in (
+        ("train", train, replicas * accumulation),
+        ("eval", evaluation, replicas),
+    ):
+        fitted.append(batch if batch % unit == 0 else _nearest_multiple(batch, unit))
+        if fitted[-1] != batch:
+            say(
+                f"elastic: `{section}.global_batch_size` ({batch}) does not split over {unit} "
+                f"replicas: using {fitted[-1]} ({fitted[-1] // unit} each) while this group "
+                "trains; the trajectory differs from a run at a size that splits it"
+            )
+    return fitted[0], fitted[1]
 
 
 def _nearest_multiple(batch: int, unit: int) -> int:
@@ -148,8 +194,8 @@ def lr_rule(reference: str) -> Callable[[float, int, int], float]:
 
 def keep_per_replica_batch(
     config: ml_collections.ConfigDict, replicas: int, workers: int, say: Callable[[str], None]
-) -> None:
-    """`batch=per_replica`: sets this group's global batch and learning rate, in one line.
+) -> tuple[int, float]:
+    """`batch=per_replica`: this group's global batch and learning rate, said in one line.
 
     The reference is the full group: `max_workers` members of this member's
     replicas, training `train.global_batch_size` examples a step (the nearest
@@ -182,12 +228,12 @@ def keep_per_replica_batch(
             f"`cluster.elastic.lr_scaling` '{elastic.lr_scaling}' gave {given!r} for a global "
             f"batch of {batch}; it must return a positive number (the learning rate)."
         )
-    config.train.global_batch_size, config.optimizer.learning_rate = batch, rate
     say(
         f"elastic: per-replica batch {each} kept on {replicas} replicas: global batch {batch} "
         f"(the full group's: {reference}), learning rate {rate:.6g} (`lr_scaling` "
         f"{elastic.lr_scaling} of {reference_lr:g})"
     )
+    return batch, rate
 
 
 class InputPosition(tf.Module):

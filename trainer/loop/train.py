@@ -192,7 +192,7 @@ def build(
     """
     checked = checked or checks.check_config(config)
     strategy = strategy or make_strategy(config, checked)
-    _fit_batch(config, strategy)
+    config = _group_config(config, strategy)
     user_task = tasks.user_task(config)
     custom_step = _custom_step(user_task, config, strategy)
     if user_task is None:
@@ -240,16 +240,23 @@ def build(
     )
 
 
-def _fit_batch(config: ml_collections.ConfigDict, strategy: strategies.Strategy) -> None:
-    """The global batch this group of replicas trains, checked (elastic runs may change it)."""
-    replicas = strategy.num_replicas_in_sync
-    if elastic.per_replica(config):  # each replica's batch kept, the global batch follows
+def _group_config(
+    config: ml_collections.ConfigDict, strategy: strategies.Strategy
+) -> ml_collections.ConfigDict:
+    """The config this group of replicas runs, its batches checked against them.
+
+    An elastic group may train other batches and another rate than the config
+    gives (`elastic.group_batches`): it runs a copy with them; the caller's
+    config is not changed.
+    """
+    if elastic.enabled(config):
         cluster = strategy.membership.cluster
         workers = cluster.num_workers if cluster else 1
-        elastic.keep_per_replica_batch(config, replicas, workers, say)
-    if elastic.enabled(config):  # a re-formed group may not split the batch the user chose
-        elastic.fit_batches(config, replicas, say)
+        replicas = strategy.num_replicas_in_sync
+        batches = elastic.group_batches(config, replicas, workers, say)
+        config = elastic.for_group(config, batches)
     checks.check_batch(config, strategy)
+    return config
 
 
 def _check_model_dir(
