@@ -5,6 +5,7 @@ multi-replica code on a CPU-only machine. No process a test starts outlives
 it: the fixtures below kill what is left (see `tests.helpers.kill`).
 """
 
+import gc
 import os
 
 import pytest
@@ -33,6 +34,19 @@ def _no_process_outlives_its_test():
     """Whatever a test started ends with it: passed, failed, timed out or interrupted."""
     with helpers.killed_when_done():
         yield
+
+
+@pytest.fixture
+def iterators_end_with_the_test():
+    """A test that expects a run to fail: the run's input iterators end with the test.
+
+    The error `pytest.raises` keeps holds the failed run's frames, and with them
+    its iterators, in a reference cycle; left to a later collection, in another
+    test, an old iterator's destructor may wait out tf.data's autotuning period
+    (BUILD.md, "Tests").
+    """
+    yield
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)

@@ -87,6 +87,7 @@ def _committed_checkpoints_are_whole(directory: pathlib.Path) -> str:
 
 
 @pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.usefixtures("iterators_end_with_the_test")
 def test_a_full_disk_stops_with_one_line_and_keeps_the_last_good_checkpoint(small_disk, async_save):
     model_dir = small_disk / "run"
     config = tiny_config(**FILLS_UP, **{"train.async_checkpoint": async_save})

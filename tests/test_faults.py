@@ -29,6 +29,7 @@ def _all_checkpoints_finite(model_dir) -> bool:
     return True
 
 
+@pytest.mark.usefixtures("iterators_end_with_the_test")
 def test_a_blown_up_loss_recovers_then_stops_cleanly(tmp_path, capsys):
     config = tiny_config(
         **{

@@ -74,6 +74,7 @@ KERAS_OWN = {"adam": lambda: keras.optimizers.Adam(0.05), "sgd": lambda: keras.o
 
 
 @pytest.mark.parametrize("name", sorted(KERAS_OWN))
+@pytest.mark.usefixtures("iterators_end_with_the_test")
 def test_model_fit_with_a_keras_optimizer_stops_at_the_first_step_in_one_line(name):
     model = _model()
     model.compile(KERAS_OWN[name](), "binary_crossentropy")
@@ -84,6 +85,7 @@ def test_model_fit_with_a_keras_optimizer_stops_at_the_first_step_in_one_line(na
     assert int(model.optimizer.iterations) == 0 and not _rows(model).any()
 
 
+@pytest.mark.usefixtures("iterators_end_with_the_test")
 def test_a_gradient_tape_loop_with_a_keras_optimizer_stops_at_the_first_step_in_one_line():
     model = _model()
     optimizer = keras.optimizers.Adam(0.05)
@@ -202,6 +204,7 @@ def test_one_device_and_mirrored_train_a_table_with_its_own_optimizer_alike(tmp_
         ({"embedding": "hashed"}, "train a dynamic table; set `--config.model.embedding=dynamic`"),
     ],
 )
+@pytest.mark.usefixtures("iterators_end_with_the_test")
 def test_a_bad_table_optimizer_in_the_config_is_one_line_and_exit_2(tmp_path, overrides, match):
     config = _ctr_config("one_device", 2, **overrides)
     with pytest.raises(UserError, match=match) as error:
