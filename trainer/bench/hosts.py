@@ -1,17 +1,17 @@
 """Simulated hosts on one machine: a network namespace per host, joined by a bridge.
 
 The multi-host tests (`tests/test_multihost.py`) and the `multi_host`
-benchmark case run a cluster's tasks as on separate machines, each in a
+benchmark case run a cluster's members as on separate machines, each in a
 network namespace of its own with a real address (10.77.0.1, 10.77.0.2, ...)
-that exists only inside these namespaces: no loopback shortcut between tasks,
+that exists only inside these namespaces: no loopback shortcut between members,
 and nothing reaches or touches the machine's own interfaces. The bridge that
 joins the hosts lives in a namespace of its own too, one port per host, so a
 host's link can be shaped (`Hosts.shape`: a rate limit, delay, loss) or cut
 (`Hosts.set_link`) on its own.
 
-`Hosts(count, names)` makes the hosts, `Hosts.cluster` lays a cluster's tasks
-out on them with each task's `TF_CONFIG`, and `Hosts.start_trainer` runs one.
-A task runs the per-host command of docs/beyond-one-machine.md, `TF_CONFIG=...
+`Hosts(count, names)` makes the hosts, `Hosts.cluster` lays a cluster's members
+out on them with each member's `TF_CONFIG`, and `Hosts.start_trainer` runs one.
+A member runs the per-host command of docs/beyond-one-machine.md, `TF_CONFIG=...
 python -m trainer ...`, through `ip netns exec` (optionally pinned to one core
 with `taskset`, to stand for a host of its own). Names resolve through an
 /etc/hosts-style file that `ip netns exec` mounts over /etc/hosts.
@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -45,26 +43,22 @@ import weakref
 from collections.abc import Mapping, Sequence
 
 from strategies.cluster import tf_config as cluster
+from trainer.bench import links
+from trainer.bench.links import PREFIX, Unavailable, available
 
-PREFIX = "towerflow-"  # every namespace this module makes starts with it: "towerflow-<pid>-..."
 SUBNET = "10.77.0"  # hosts are SUBNET.1, SUBNET.2, ...: addresses that exist only in here
-HOST_DEVICE = "eth0"  # a host's end of its link, in its own namespace
-PORT = 2222  # every task listens on this port of its own host, as on real machines
+PORT = 2222  # every member listens on this port of its own host, as on real machines
 NETNS_ETC = "/etc/netns"  # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc/*
 _TEARDOWN_S = 30.0  # how long killed processes may take to leave a namespace
 _serial = itertools.count()
 
 
-class Unavailable(RuntimeError):
-    """Namespaces (or a shaping tool) cannot be used here; the message says why."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Member:
-    """One member of a cluster laid out on the hosts (a TF_CONFIG "task").
+    """One member of a cluster laid out on the hosts (a `TF_CONFIG` entry).
 
     Attributes:
-      type: the task type ("chief", "worker", "ps").
+      type: its role, TensorFlow's task type ("chief", "worker", "ps").
       index: its index within `type`.
       host: the host (index into `Hosts`) it runs on.
       tf_config: its `TF_CONFIG`.
@@ -77,54 +71,11 @@ class Member:
 
     @property
     def name(self) -> str:
-        """The task as towerflow's messages name it: "chief", "worker:1"."""
+        """The member as towerflow's messages name it: "chief", "worker:1"."""
         return self.type if self.type == "chief" else f"{self.type}:{self.index}"
 
 
-def available() -> str | None:
-    """None when simulated hosts can be made here; else why not, in one line."""
-    return _probe()
-
-
-@functools.cache
-def _probe() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root (CI runs as root)"
-    missing = [tool for tool in ("ip", "tc", "taskset") if not shutil.which(tool)]
-    if missing:
-        return f"{', '.join(missing)} not installed (iproute2, util-linux)"
-    probe = f"{PREFIX}{os.getpid()}-probe"
-    try:
-        _ip("netns", "add", probe)
-        _ip("-n", probe, "link", "add", "name", "br0", "type", "bridge")
-        _ip("-n", probe, "link", "add", "name", "va", "type", "veth", "peer", "name", "vb")
-    except subprocess.CalledProcessError as e:
-        return f"cannot make a network namespace with a bridge and a veth pair: {_why(e)}"
-    finally:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            _ip("netns", "del", probe)
-    return None
-
-
-@functools.cache
-def netem() -> bool:
-    """Whether this kernel has `sch_netem` (delay and loss on a link)."""
-    if available():
-        return False
-    probe = f"{PREFIX}{os.getpid()}-netem"
-    try:
-        _ip("netns", "add", probe)
-        _ip("-n", probe, "link", "add", "name", "va", "type", "veth", "peer", "name", "vb")
-        _run("tc", "-n", probe, "qdisc", "add", "dev", "va", "root", "netem", "delay", "1ms")
-        return True
-    except subprocess.CalledProcessError:
-        return False
-    finally:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            _ip("netns", "del", probe)
-
-
-class Hosts:
+class Hosts(links.Links):
     """`count` simulated hosts on a bridge; a context manager that tears all down on exit.
 
     Args:
@@ -175,20 +126,22 @@ class Hosts:
         self._teardown()
 
     def _build(self) -> None:
-        _ip("netns", "add", self.bridge)
-        _ip("-n", self.bridge, "link", "add", "name", "br0", "type", "bridge")
-        _ip("-n", self.bridge, "link", "set", "br0", "up")
+        links.ip("netns", "add", self.bridge)
+        links.ip("-n", self.bridge, "link", "add", "name", "br0", "type", "bridge")
+        links.ip("-n", self.bridge, "link", "set", "br0", "up")
         for i, namespace in enumerate(self.namespaces):
-            _ip("netns", "add", namespace)
+            links.ip("netns", "add", namespace)
             # Made inside the bridge's namespace, its peer straight in the host's: no
             # interface of this link ever exists in the machine's own namespace.
-            port = _port(i)
-            link = f"link add name {port} type veth peer name {HOST_DEVICE} netns {namespace}"
-            _ip("-n", self.bridge, *link.split())
-            _ip("-n", self.bridge, "link", "set", port, "master", "br0", "up")
-            _ip("-n", namespace, "addr", "add", f"{self.address(i)}/24", "dev", HOST_DEVICE)
-            _ip("-n", namespace, "link", "set", HOST_DEVICE, "up")
-            _ip("-n", namespace, "link", "set", "lo", "up")
+            port = links.port(i)
+            link = f"link add name {port} type veth peer name {links.HOST_DEVICE} netns {namespace}"
+            links.ip("-n", self.bridge, *link.split())
+            links.ip("-n", self.bridge, "link", "set", port, "master", "br0", "up")
+            links.ip(
+                "-n", namespace, "addr", "add", f"{self.address(i)}/24", "dev", links.HOST_DEVICE
+            )
+            links.ip("-n", namespace, "link", "set", links.HOST_DEVICE, "up")
+            links.ip("-n", namespace, "link", "set", "lo", "up")
             if self.names:
                 self._write_hosts_file(namespace)
 
@@ -210,15 +163,15 @@ class Hosts:
         return self.names[host] if self.names and by_name else self.address(host)
 
     def cluster(self, layout: Mapping[str, Sequence[int]], by_name: bool = False) -> list[Member]:
-        """A cluster's tasks laid out on the hosts, each with its `TF_CONFIG`.
+        """A cluster's members laid out on the hosts, each with its `TF_CONFIG`.
 
         Args:
-          layout: task type -> the host of each of its tasks, in index order,
+          layout: task type -> the host of each of its members, in index order,
             e.g. `{"chief": [0], "worker": [1, 2], "ps": [3]}`.
-          by_name: address tasks by host name instead of by address.
+          by_name: address members by host name instead of by address.
 
         Returns:
-          The tasks, in `layout` order.
+          The members, in `layout` order.
         """
         jobs = {
             job: [f"{self.hostname(h, by_name)}:{PORT}" for h in hosts]
@@ -230,7 +183,7 @@ class Hosts:
             for index, host in enumerate(hosts)
         ]
 
-    # --- running tasks ----------------------------------------------------------------
+    # --- running members ----------------------------------------------------------------
 
     def start(
         self,
@@ -256,7 +209,7 @@ class Hosts:
 
     def start_trainer(
         self,
-        task: Member | int,
+        member: Member | int,
         args: Sequence[str],
         log: str,
         cwd: str | None = None,
@@ -264,10 +217,10 @@ class Hosts:
         env: Mapping[str, str] | None = None,
         module: str = "trainer",
     ) -> subprocess.Popen:
-        """Starts the per-host command for `task`: `TF_CONFIG=... python -m trainer ARGS`.
+        """Starts the per-host command for `member`: `TF_CONFIG=... python -m trainer ARGS`.
 
         Args:
-          task: the task (from `cluster`), which runs on its host; or a host, to
+          member: the member (from `cluster`), which runs on its host; or a host, to
             run one process there without `TF_CONFIG`.
           args: the trainer's flags.
           log: the file its stdout and stderr go to.
@@ -280,11 +233,11 @@ class Hosts:
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, environ.get("PYTHONPATH")]))
         environ.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **(env or {}))
-        if isinstance(task, Member):
-            environ["TF_CONFIG"] = task.tf_config
+        if isinstance(member, Member):
+            environ["TF_CONFIG"] = member.tf_config
         with open(log, "w") as output:
             return self.start(
-                task.host if isinstance(task, Member) else task,
+                member.host if isinstance(member, Member) else member,
                 [sys.executable, "-m", module, *args],
                 env=environ,
                 cpu=cpu,
@@ -292,97 +245,6 @@ class Hosts:
                 stdout=output,
                 stderr=subprocess.STDOUT,
             )
-
-    # --- the links ----------------------------------------------------------------------
-
-    def set_link(self, host: int, up: bool) -> None:
-        """Takes `host`'s link down (its bridge port: the host is cut off) or up again."""
-        _ip("-n", self.bridge, "link", "set", _port(host), "up" if up else "down")
-
-    def shape(
-        self, host: int, rate_mbit: float = 0.0, delay_ms: float = 0.0, loss: float = 0.0
-    ) -> None:
-        """Shapes `host`'s link, both directions alike, in place of any shaping before.
-
-        Args:
-          host: the host.
-          rate_mbit: an HTB rate limit in Mbit/s (0: none).
-          delay_ms: added one-way delay in ms (needs `sch_netem`: see `netem()`).
-          loss: the fraction of packets dropped each way: by netem where the
-            kernel has it, else by `iptables`' `statistic` match at the receiving end.
-
-        Raises:
-          Unavailable: delay without netem, or loss with neither netem nor iptables.
-        """
-        if delay_ms and not netem():
-            raise Unavailable("added delay needs `sch_netem`, which this kernel lacks")
-        use_netem = netem() and bool(delay_ms or loss)
-        if loss and not use_netem and not shutil.which("iptables"):
-            raise Unavailable("loss without `sch_netem` needs iptables (apt-get install iptables)")
-        self._unshape(host)
-        for namespace, device in self._link_ends(host):
-            tc = ["tc", "-n", namespace]
-            parent = "root"
-            if rate_mbit:
-                # HTB lets a class send `burst` bytes at once before it waits for its
-                # timer; the default (one timer tick's worth) holds one TCP stream to
-                # 60% of a 10 Gbit/s rate here, 2 ms' worth to about 90%. quantum: bytes
-                # per turn; the default (rate / r2q) is over HTB's limit at these rates.
-                rate = f"{rate_mbit:g}mbit"
-                burst = f"{max(64_000, int(rate_mbit * 1e6 / 8 * 0.002))}b"
-                htb = f"rate {rate} ceil {rate} burst {burst} cburst {burst} quantum 200000"
-                _run(*tc, *f"qdisc add dev {device} root handle 1: htb default 1".split())
-                _run(*tc, *f"class add dev {device} parent 1: classid 1:1 htb {htb}".split())
-                parent = "parent 1:1"
-            if use_netem:
-                netem_args = f"delay {delay_ms:g}ms " if delay_ms else ""
-                netem_args += f"loss {loss * 100:g}%" if loss else ""
-                _run(*tc, *f"qdisc add dev {device} {parent} netem {netem_args}".split())
-        if loss and not use_netem:
-            self._drop(host, loss)
-
-    def counters(self, host: int) -> dict[str, int]:
-        """What `host`'s link shaping saw: bytes through its queues (both ways), packets dropped."""
-        counts = {"shaped_bytes": 0, "dropped_packets": 0}
-        for namespace, device in self._link_ends(host):
-            shown = _run("tc", "-n", namespace, "-s", "-j", "qdisc", "show", "dev", device).stdout
-            for qdisc in json.loads(shown):
-                if qdisc.get("root") and qdisc["kind"] != "noqueue":
-                    counts["shaped_bytes"] += qdisc["bytes"]
-                if qdisc["kind"] == "netem":
-                    counts["dropped_packets"] += qdisc["drops"]
-        for namespace, rule in self._drops.get(host, []):
-            # Listed as "-A INPUT [-s 10.77.0.2/32] -m statistic ... -c PACKETS BYTES -j DROP".
-            source = f"-s {rule[1]}/32" if rule[0] == "-s" else None
-            listed = _run("ip", "netns", "exec", namespace, "iptables", "-S", "INPUT", "-v").stdout
-            for line in listed.splitlines():
-                if "statistic" in line and (source in line if source else " -s " not in line):
-                    counts["dropped_packets"] += int(line.split(" -c ")[1].split()[0])
-        return counts
-
-    def _link_ends(self, host: int) -> list[tuple[str, str]]:
-        """(namespace, device) of both ends of `host`'s link: its own, and the bridge's port."""
-        return [(self.namespaces[host], HOST_DEVICE), (self.bridge, _port(host))]
-
-    def _unshape(self, host: int) -> None:
-        for namespace, device in self._link_ends(host):
-            with contextlib.suppress(subprocess.CalledProcessError):  # none there yet
-                _run("tc", "-n", namespace, "qdisc", "del", "dev", device, "root")
-        for namespace, rule in self._drops.pop(host, []):
-            _run("ip", "netns", "exec", namespace, "iptables", "-D", "INPUT", *rule)
-
-    def _drop(self, host: int, loss: float) -> None:
-        """Drops `loss` of the packets each way over `host`'s link, where they arrive."""
-        statistic = ["-m", "statistic", "--mode", "random", "--probability", f"{loss:g}", "-j"]
-        rules = [(self.namespaces[host], [*statistic, "DROP"])]  # into the host
-        rules += [  # out of it, into the others
-            (namespace, ["-s", self.address(host), *statistic, "DROP"])
-            for other, namespace in enumerate(self.namespaces)
-            if other != host
-        ]
-        for namespace, rule in rules:
-            _run("ip", "netns", "exec", namespace, "iptables", "-A", "INPUT", *rule)
-        self._drops[host] = rules
 
 
 def remove_stale() -> list[str]:
@@ -397,7 +259,7 @@ def remove_stale() -> list[str]:
 
 
 def _namespaces() -> list[str]:
-    listing = _run("ip", "netns", "list").stdout
+    listing = links.run("ip", "netns", "list").stdout
     return [line.split()[0] for line in listing.splitlines() if line.startswith(PREFIX)]
 
 
@@ -415,7 +277,7 @@ def _teardown(namespaces: list[str], procs: list[subprocess.Popen]) -> None:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
         with contextlib.suppress(subprocess.CalledProcessError):
-            _ip("netns", "del", namespace)
+            links.ip("netns", "del", namespace)
         shutil.rmtree(os.path.join(NETNS_ETC, namespace), ignore_errors=True)
     for proc in procs:  # reaped, so that none stays a zombie
         with contextlib.suppress(ProcessLookupError):
@@ -425,23 +287,6 @@ def _teardown(namespaces: list[str], procs: list[subprocess.Popen]) -> None:
 
 def _pids(namespace: str) -> list[int]:
     try:
-        return [int(pid) for pid in _ip("netns", "pids", namespace).stdout.split()]
+        return [int(pid) for pid in links.ip("netns", "pids", namespace).stdout.split()]
     except subprocess.CalledProcessError:  # gone already
         return []
-
-
-def _port(host: int) -> str:
-    """The bridge's port for `host`'s link, in the bridge's namespace."""
-    return f"p{host}"
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return _run("ip", *args)
-
-
-def _run(*command: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command, check=True, capture_output=True, text=True)
-
-
-def _why(error: subprocess.CalledProcessError) -> str:
-    return (error.stderr or error.stdout or str(error)).strip().splitlines()[-1]

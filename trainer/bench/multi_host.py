@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from trainer.bench import clock, hosts
+from trainer.bench import clock, hosts, links
 from trainer.bench.harness import note, paired, result, tail
 from trainer.bench.sizes import Sizes
 
@@ -69,7 +69,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         if key.endswith("/bf16"):
             base = key.removesuffix("/bf16")
             ratios[f"{key}/float32"] = paired(samples, lambda r, k=key, b=base: r[k] / r[b])
-    netem = hosts.netem()
+    netem = links.netem()
     return result(
         "examples/s",
         figures,
@@ -151,7 +151,7 @@ def _bf16_transfer() -> bool:
 
 def _link(link: dict) -> dict:
     """`link` as `Hosts.shape` takes it here: without the delay where there is no netem."""
-    return {k: v for k, v in link.items() if k != "delay_ms" or hosts.netem()}
+    return {k: v for k, v in link.items() if k != "delay_ms" or links.netem()}
 
 
 def _describe(link: dict) -> str:
