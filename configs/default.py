@@ -43,7 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
     # within about 15-40 s by heartbeats and the watchdog). Any timeout costs one sleeping
     # thread per collective op for its whole length: keep it 0 unless you need one.
     c.strategy.multi_worker.timeout_seconds = 0.0
-    # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
+    # Seconds every member waits for the others of `TF_CONFIG` to answer before it starts.
     c.strategy.multi_worker.startup_timeout_seconds = 120.0
     # pipeline: model parallelism, the model's layers in consecutive stages, one per device.
     c.strategy.pipeline = ml_collections.ConfigDict()
@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategy.parameter_server.num_shards = 2  # fixed: shards per big variable
     c.strategy.parameter_server.min_shard_bytes = 256 << 10  # min_size: bytes (<= 1 shard per ps)
     c.strategy.parameter_server.max_shard_bytes = 64 << 20  # max_size: largest shard in bytes
-    # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
+    # Seconds every member waits for the others of `TF_CONFIG` to answer before it starts.
     c.strategy.parameter_server.startup_timeout_seconds = 120.0
     # Spare replicas: each update averages the first k of the n workers' gradients, late ones
     # are dropped (synchronous; k = n: no spare). 0 = asynchronous, each worker updates alone.
@@ -277,7 +277,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 500  # steps between evaluations (and one at the end); 0 = end only
     c.eval.global_batch_size = 256  # examples per eval step over all replicas
-    c.eval.sidecar_timeout = 600.0  # evaluator task: seconds to wait for a new checkpoint
+    c.eval.sidecar_timeout = 600.0  # evaluator member: seconds to wait for a new checkpoint
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "adam"  # sgd | momentum | adam | adamw | adagrad | ftrl

@@ -3,9 +3,10 @@
 Glossary (the classic distributed-TensorFlow terms, as `tf.distribute` uses them):
 
 - *replica* (tower): one copy of the model's computation, on one device.
-- *worker*: a process that runs replicas; one machine may hold several.
-- *chief*: the task that writes checkpoints, summaries and exports.
-- *parameter server* (ps): a task that only holds variables.
+- *member*: one process of a cluster (chief, worker, ps, evaluator); `TF_CONFIG` calls it a `task`.
+- *worker*: a member that runs replicas; one machine may hold several.
+- *chief*: the member that writes checkpoints, summaries and exports.
+- *parameter server* (ps): a member that only holds variables.
 - *replica context* vs *cross-replica context*: code passed to
   `call_for_each_replica` runs once per replica (replica context); code around
   it, inside `scope()`, sees all replicas at once (cross-replica context).
@@ -14,7 +15,7 @@ Glossary (the classic distributed-TensorFlow terms, as `tf.distribute` uses them
   each worker apply its own updates as it goes.
 - *membership* (`strategy.membership`, `strategies.cluster.membership.Membership`):
   who this process is in its cluster (role, chief) and whether the others
-  are alive (lost tasks, agreement, preemption, restored steps). It is not
+  are alive (lost members, agreement, preemption, restored steps). It is not
   part of distributing a step, so it is not part of this interface; a
   plugin of several processes builds it from its cluster in `_build()`.
 
@@ -68,8 +69,8 @@ DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 class TrainStepProtocol(Protocol):
     """The train step as a plugin sees it: `step(batch)` in replica context, the task's sums.
 
-    `trainer.loop.steps.TrainStep` and `CustomTrainStep` (a task's own
-    `train_step`, which applies its own gradients) implement it. A step that
+    `trainer.loop.steps.TrainStep` and `CustomTrainStep` (a user task's
+    own `train_step`, which applies its own gradients) implement it. A step that
     also splits into halves is a `SplitTrainStep`.
     """
 
@@ -86,7 +87,7 @@ class SplitTrainStep(TrainStepProtocol, Protocol):
     A plugin that runs the halves apart uses them by name: synchronous
     `parameter_server` with spare replicas computes gradients on the workers
     and applies their average on the ps; staleness-aware async looks at the
-    update between the two. `trainer.loop.steps.TrainStep` is one; a task's
+    update between the two. `trainer.loop.steps.TrainStep` is one; a user task's
     own `train_step` is not, and a plugin that splits steps (`Traits`) refuses it.
     """
 
@@ -116,8 +117,8 @@ class Traits:
     # Steps take an input pipeline's batches in its order (exact resume); False where
     # workers take steps as they come (asynchronous `parameter_server`).
     ordered_input: bool = True
-    # `run_steps` runs the step's halves apart (`SplitTrainStep`): a task's own
-    # `train_step` has none, so it cannot run (synchronous `parameter_server`).
+    # `run_steps` runs the step's halves apart (`SplitTrainStep`): a user task's
+    # own `train_step` has none, so it cannot run (synchronous `parameter_server`).
     splits_steps: bool = False
 
 
@@ -288,7 +289,7 @@ class Strategy(abc.ABC):
         }
 
     def report(self, sums: dict) -> tuple[dict, dict[str, float], dict[str, Any]]:
-        """A block's `run_steps` sums split into the task's and the plugin's own figures.
+        """A block's `run_steps` sums split into the task's sums and the plugin's own figures.
 
         Returns the task's sums (what the train step returned, for its
         metrics), then the plugin's scalars (shown with the train metrics,

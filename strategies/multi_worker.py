@@ -7,8 +7,8 @@ heartbeats name a dead peer in about 11 s) and by the loop's watchdog, and
 its peers stop naming it. A collective has no timeout of its own by default
 (`timeout_seconds = 0`): TensorFlow keeps one sleeping thread per collective
 op for the whole timeout, which grows the thread count with the step rate.
-Before the TensorFlow strategy starts, every task waits (boundedly, saying
-for whom) until the other tasks of `TF_CONFIG` answer (`cluster.start_up`).
+Before the TensorFlow strategy starts, every member waits (boundedly, saying
+for whom) until the other members of `TF_CONFIG` answer (`cluster.start_up`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class MultiWorkerOptions:
     gradient_dtype: str = "float32"  # float32 | bfloat16, as for mirrored
     bytes_per_pack: str = "0"  # gradients all-reduced in packs of about this many bytes
     timeout_seconds: float = 0.0  # a collective waiting longer is an error; 0 = none
-    # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
+    # Seconds every member waits for the others of `TF_CONFIG` to answer before it starts.
     startup_timeout_seconds: float = cluster_lib.STARTUP_TIMEOUT_S
 
 

@@ -534,7 +534,7 @@ def disarm_preemption_handler(handler) -> None:
 
     It has no public close; its `__del__` joins its watcher threads, one of
     which waits on the coordination service's leader (an RPC without
-    deadline) and never returns when that task is gone. Its local signal
+    deadline) and never returns when that member is gone. Its local signal
     poller is told to stop, and both threads (daemons, ending with the
     process) are forgotten.
     """

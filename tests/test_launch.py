@@ -221,7 +221,7 @@ def test_after_the_chief_the_rest_get_a_grace_period_then_sigkill(tmp_path):
     code, out = _run(tasks, *args, grace_s=0.5, kill_after_s=0.5)
     assert code == 0
     assert "[launch] chief exited with code 0" in out
-    assert "[launch] waiting up to 0.5 s for the other tasks to end" in out
+    assert "[launch] waiting up to 0.5 s for the other members to end" in out
     assert "[launch] stopping worker:0, ps:0" in out
     pids = _pids(tmp_path)
     assert len(pids) == 6

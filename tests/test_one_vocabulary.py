@@ -1,13 +1,16 @@
-"""One vocabulary: no name, message or comment of `strategies/cluster` calls a process a task.
+"""One vocabulary: no name, message or comment of the cluster's code calls a process a task.
 
-"task" is the user's `trainer.Task`; a process of a cluster is a member.
-What stays is other projects' own words, quoted: TensorFlow's `TF_CONFIG`
-`task` key, its `task_type` / `task_index` / `task_id` (a role is a task
-type), a `tf.DeviceSpec`'s `.task` and a device name's `/task:`; Slurm's
-tasks (`SLURM_NTASKS`, tasks per node); the variable `JOBSET_TASKS` and the
-config field `cluster.ps_tasks`, the old names of `JOBSET_MEMBERS` and
-`cluster.ps_members` accepted for one release; and `towerflow.errors`' own
-names, which that module renames. No page a user reads (README, docs/,
+The scan reads every module under `strategies/` and `trainer/launch/`, and
+`trainer/elastic.py`. "task" is the user's `trainer.Task` (a user task) and
+what is trained (the task's sums and metrics, which a plugin's own figures
+are split from); a process of a cluster is a member. What stays besides is
+other projects' own words, quoted: TensorFlow's `TF_CONFIG` `task` key, its
+`task_type` / `task_index` / `task_id` (a role is a task type), a
+`tf.DeviceSpec`'s `.task` and a device name's `/task:`; Slurm's tasks
+(`SLURM_NTASKS`, a Slurm task, tasks per node); the variable `JOBSET_TASKS`
+and the config field `cluster.ps_tasks`, the old names of `JOBSET_MEMBERS`
+and `cluster.ps_members` accepted for one release; and `towerflow.errors`'
+own names, which that module renames. No page a user reads (README, docs/,
 deploy/, BUILD.md) calls a ps member a ps task.
 """
 
@@ -23,9 +26,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PENDING: set[str] = set()
 SCANNED = sorted(
     str(path.relative_to(ROOT))
-    for path in [*ROOT.glob("strategies/cluster/*.py"), ROOT / "strategies/sharding.py"]
+    for path in [
+        *ROOT.glob("strategies/**/*.py"),
+        *ROOT.glob("trainer/launch/**/*.py"),
+        ROOT / "trainer/elastic.py",
+    ]
     if str(path.relative_to(ROOT)) not in PENDING
-) + ["strategies/devices.py"]
+)
 # Old names kept one release as plain aliases (`old = new  # renamed`) for callers elsewhere.
 ALIASES: set[str] = set()
 
@@ -39,6 +46,8 @@ ALLOWED = re.compile(
             r"Slurm\s+tasks?|SLURM_\w*TASKS\w*|tasks[_-]per[_-]node",  # Slurm's own tasks
             r"\"JOBSET_TASKS\"",  # the old name of `JOBSET_MEMBERS`, a string key
             r"\"ps_tasks\"",  # the old name of `cluster.ps_members`, a string key
+            r"user\s+task",  # the user's `trainer.Task`: "a user task's own `train_step`"
+            r"task(?:'s\s+|_)(?:sums|metrics)",  # what the train step returns for the task
         ]
     ),
     re.IGNORECASE,
@@ -87,6 +96,8 @@ def test_the_scan_finds_a_process_called_a_task_and_spares_tensorflows_and_slurm
         "# a server task holds variables",
         'f"this task {name}"',
         "ps_tasks = section['ps_members']",
+        "# the variables that a ps task holds",
+        "for task in self.tasks: pass",
     ]
     for line in wrong:
         assert task_words(line + "\n"), line
@@ -99,6 +110,9 @@ def test_the_scan_finds_a_process_called_a_task_and_spares_tensorflows_and_slurm
         "if spec.job or spec.task is not None: pass",
         'RENAMED = {"ps_tasks": "ps_members"}',
         'device = f"/job:ps/task:{member}/device:CPU:0"',
+        "# a user task's own `train_step` applies its own gradients",
+        "task_sums = {k: v for k, v in sums.items() if k not in own}  # the task's sums",
+        '"""In a Slurm step, the name of its Slurm task."""',
     ]
     for line in right:
         assert not task_words(line + "\n"), line

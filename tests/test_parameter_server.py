@@ -95,9 +95,9 @@ def test_digits_on_two_workers_and_two_ps(tmp_path):
     }
     where = [d for devices in placement["variables"].values() for d in devices]
     assert _tasks(where) == {"/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
-    for task in ("ps:0", "ps:1", "worker:0", "worker:1"):  # their role: serve
-        assert f"[{task}] serving as a parameter_server task" in out
-    assert "stopping" not in out, "ps and worker tasks end by themselves after the chief"
+    for member in ("ps:0", "ps:1", "worker:0", "worker:1"):  # their role: serve
+        assert f"[{member}] serving as a parameter_server member" in out
+    assert "stopping" not in out, "ps and worker members end by themselves after the chief"
 
     # The SavedModel the chief exported from the ps variables serves on its own.
     serve = tf.saved_model.load(str(tmp_path / "run" / "export")).signatures["serving_default"]
@@ -150,9 +150,9 @@ def _plugin(monkeypatch, task_type: str, index: int = 0):
 
 
 def test_the_evaluator_builds_sharded_layers_as_the_training_tasks_do(monkeypatch):
-    """In this process: ps and worker tasks wait for their cluster at start-up.
+    """In this process: ps and worker members wait for their cluster at start-up.
 
-    The real clusters above show those roles (`serving as a parameter_server task`).
+    The real clusters above show those roles (`serving as a parameter_server member`).
     """
     strategy = _plugin(monkeypatch, "evaluator")
     member = strategy.membership

@@ -17,7 +17,7 @@ USER_ERROR_EXIT_CODE = 2  # a bad config value, name, size or path: fix it and r
 DIVERGED_EXIT_CODE = 3  # the loss blew up more than `train.max_recoveries` times
 NO_SPACE_EXIT_CODE = 4  # a checkpoint did not fit on its file system
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: saved at an agreed step; restart to resume
-MEMBER_LOST_EXIT_CODE = 144  # another task of the cluster stopped answering; restart the cluster
+MEMBER_LOST_EXIT_CODE = 144  # another member of the cluster stopped answering; restart the cluster
 # Elastic training: a member was lost, this one saved the step every survivor completed;
 # start the group again at its new size (`cluster.elastic`) and it resumes from that step.
 REFORM_EXIT_CODE = 145
@@ -28,7 +28,7 @@ class UserError(ValueError):
 
 
 class MemberLost(Exception):
-    """Another task of the cluster stopped answering (or never came up); restart the cluster."""
+    """Another member of the cluster stopped answering (or never came up); restart the cluster."""
 
     exit_code = MEMBER_LOST_EXIT_CODE
 

@@ -156,7 +156,7 @@ class Interrupt:
 
     def __init__(self) -> None:
         self.signal: int | None = None  # the first one: what the exit status reports
-        self.count = 0  # how many arrived: a second one cuts the tasks' grace short
+        self.count = 0  # how many arrived: a second one cuts the members' grace short
 
     @property
     def code(self) -> int:
@@ -184,7 +184,7 @@ def pick_ports(count: int, base: int = 0) -> list[int]:
     """`count` ports on 127.0.0.1 that are free now.
 
     Picked ports lie below the kernel's ephemeral range: a port the OS would hand
-    out as the source of an outgoing connection (any task's gRPC channel) can be
+    out as the source of an outgoing connection (any member's gRPC channel) can be
     taken by one between this check and the server's bind.
 
     Args:
@@ -258,7 +258,7 @@ def _bind(port: int) -> socket.socket:
 
 
 def member_pid(task_type: str, index: int, marker: str) -> int | None:
-    """The live process whose `TF_CONFIG` names this task and whose command line holds `marker`.
+    """The live process whose `TF_CONFIG` is that of this member and whose command holds `marker`.
 
     For tests and the benchmark, which signal one member of a local cluster.
     """
@@ -272,7 +272,7 @@ def member_pid(task_type: str, index: int, marker: str) -> int | None:
             continue
         for entry in environ:
             if entry.startswith("TF_CONFIG="):
-                task = json.loads(entry.removeprefix("TF_CONFIG="))["task"]
-                if task == {"type": task_type, "index": index}:
+                named = json.loads(entry.removeprefix("TF_CONFIG="))["task"]
+                if named == {"type": task_type, "index": index}:
                     return int(proc.name)
     return None

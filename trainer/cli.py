@@ -88,7 +88,7 @@ def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -
             None,
             list(discovery.SOURCES),
             "Where the cluster comes from (default auto: TF_CONFIG, else a Slurm step, JobSet "
-            "or SageMaker job of several tasks, else one process). Shorthand for "
+            "or SageMaker job of several members, else one process). Shorthand for "
             "--config.cluster.source.",
             flag_values=flag_values,
         ),
@@ -330,7 +330,7 @@ def guarded(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
             print(e if isinstance(e, faults.Reform) else f"error: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             # No interpreter teardown: TensorFlow's would log connection errors to the
-            # lost task for a while, or wait on it.
+            # lost member for a while, or wait on it.
             os._exit(e.exit_code)
 
     return wrapper

@@ -117,7 +117,7 @@ def plan(
         role = {job: r for r, job in JOBS.items()}.get(own_type)
     if role is None:
         raise UserError(
-            "`--role` is not given and `TF_CONFIG` names no `dispatcher` or `data_worker` task; "
+            "`--role` is not given and `TF_CONFIG` names no `dispatcher` or `data_worker` member; "
             "pass `--role=dispatcher` or `--role=worker`."
         )
     if port is None and own_type == JOBS[role]:
@@ -217,7 +217,7 @@ def discover(
 
 
 def _tf_config(text: str | None) -> tuple[dict[str, list[str]], str, int]:
-    """`TF_CONFIG`'s jobs, and this task's type and index ("" and 0 when it names none)."""
+    """`TF_CONFIG`'s jobs, and this member's type and index ("" and 0 when it names none)."""
     if not text:
         return {}, "", 0
     try:
@@ -226,8 +226,8 @@ def _tf_config(text: str | None) -> tuple[dict[str, list[str]], str, int]:
             ALIASES.get(job, job): list(addresses)
             for job, addresses in loaded.get("cluster", {}).items()
         }
-        task = loaded.get("task", {})
-        own_type, own_index = task.get("type", ""), int(task.get("index", 0))
+        own = loaded.get("task", {})
+        own_type, own_index = own.get("type", ""), int(own.get("index", 0))
         own_type = ALIASES.get(own_type, own_type)
         if own_type in JOBS.values():
             int(jobs[own_type][own_index].rpartition(":")[2])  # its own address has a port

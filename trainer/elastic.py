@@ -312,10 +312,10 @@ def _member(
         f"round {round_}: group of {len(addresses)}: "
         + ", ".join(f"{n} as worker:{i}" for i, (n, _) in enumerate(plan["members"]))
     )
-    task = Member("worker", index, addresses[index], tf_config, label=name)
+    member = Member("worker", index, addresses[index], tf_config, label=name)
     env = {REFORM_VARIABLE: json.dumps(plan["change"])} if plan.get("change") else {}
     group = ElasticGroup(
-        [task], command, _NextRound(rendezvous, round_ + 1), console, grace_s, interrupt, env
+        [member], command, _NextRound(rendezvous, round_ + 1), console, grace_s, interrupt, env
     )
     code = group.run()
     return code, bool(group.lost)
@@ -369,9 +369,9 @@ def _model_dir(command: Sequence[str]) -> str:
 
 
 def default_identity(environ: Mapping[str, str]) -> tuple[str, str]:
-    """This agent's default name and host: the host's name, or in a Slurm step its task's.
+    """This agent's default name and host: the host's name, or in a Slurm step its Slurm task's.
 
-    Several tasks of a step may share a node, hence a host name: each is named
+    Several Slurm tasks of a step may share a node, hence a host name: each is named
     `NODE-SLURM_PROCID` instead, at the node's Slurm name (the address
     `--cluster=slurm` gives its members too). Their ports differ already: each
     round picks a free one unless `--member_port` fixes it.

@@ -2,10 +2,10 @@
 
     python -m trainer.launch --workers=2 --ps=2 -- --strategy=parameter_server
 
-Every task of the `TF_CONFIG` cluster runs the same program; its task type
+Every member of the `TF_CONFIG` cluster runs the same program; its task type
 picks its part (`role`):
 
-- `ps` and `worker` tasks start a `tf.distribute.Server` and serve until the
+- `ps` and `worker` members start a `tf.distribute.Server` and serve until the
   chief is gone ("serve");
 - the `chief` is the coordinator ("train"): it creates the variables on the
   ps members, schedules training steps on the workers with a
@@ -65,7 +65,7 @@ class ParameterServerOptions:
     num_shards: int = 2  # fixed: shards per big variable
     min_shard_bytes: int = sharding.DEFAULT_MIN_SHARD_BYTES  # min_size: bytes
     max_shard_bytes: int = 64 << 20  # max_size: largest shard in bytes
-    # Seconds every task waits for the others of `TF_CONFIG` to answer before it starts.
+    # Seconds every member waits for the others of `TF_CONFIG` to answer before it starts.
     startup_timeout_seconds: float = cluster_lib.STARTUP_TIMEOUT_S
     sync_replicas: int = 0  # spare replicas: the first k of n workers' gradients; 0 = async
     staleness: str = "none"  # asynchronous: none | scale | drop_above=N
@@ -160,8 +160,8 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
             return ["/device:CPU:0"]
         local = self.tf_strategy.extended.worker_devices  # the same on every worker
         return [
-            f"/job:worker/replica:0/task:{task}{device}"
-            for task in range(self._cluster.num_workers)
+            f"/job:worker/replica:0/task:{index}{device}"
+            for index in range(self._cluster.num_workers)
             for device in local
         ]
 

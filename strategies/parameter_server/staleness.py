@@ -38,7 +38,7 @@ from towerflow.errors import UserError
 
 BUCKETS = 32  # staleness 0, 1, ..., 30, and 31 or more
 MODES = ("none", "scale", "drop_above=N")
-# The sums each async step adds to the task's (the task's metrics leave them out).
+# The sums each async step adds to the task's sums (the task's metrics leave them out).
 SUMS = ("staleness_histogram", "staleness_sum", "stale_dropped")
 
 
@@ -91,7 +91,7 @@ class AsyncUpdates:
       coordinator: its `ClusterCoordinator`.
       policy: what to do with a stale update.
       warmup_steps: the job's first steps, run on one worker alone.
-      workers: the worker tasks.
+      workers: the worker members.
     """
 
     own_sums = SUMS
@@ -157,7 +157,7 @@ def make_loop(
     """A worker's loop of n asynchronous steps that records each update's staleness.
 
     `updates` is the cluster's update counter (an int64 variable on a ps
-    task). Under `none` the step runs as it always did, and the counter
+    member). Under `none` the step runs as it always did, and the counter
     moves once it is done; otherwise the step's halves run apart, with the
     policy between them. Returns the steps' sums plus `staleness_histogram`,
     `staleness_sum` and `stale_dropped`.

@@ -7,7 +7,7 @@ TF1's `SyncReplicasOptimizer(replicas_to_aggregate=k, total_num_replicas=n)`,
 rebuilt from the TensorFlow pieces it stood on and driven by the coordinator:
 
 - On every ps member, one gradient accumulator
-  (`tf.raw_ops.ResourceConditionalAccumulator`) for the variables that task
+  (`tf.raw_ops.ResourceConditionalAccumulator`) for the variables that member
   holds: a worker pushes their gradients, flattened into one vector, tagged
   with the step they were computed at. The accumulator drops a push whose
   step is below its own (a late gradient), and hands out the aggregate once
@@ -33,8 +33,8 @@ Each worker's gradient is that of a whole `train.global_batch_size` batch (as
 in async training, and as with `SyncReplicasOptimizer`), so one update
 averages k batches. The average is over the pushes in when the take runs:
 exactly k when the take is waiting as the k-th arrives (as it normally is),
-more if more arrived first. With several ps members, each task's variables are
-averaged over the pushes that reached that task first; all of them were
+more if more arrived first. With several ps members, each member's variables are
+averaged over the pushes that reached that member first; all of them were
 computed at the update's step. Sparse gradients (embedding tables, sharded
 or not) are pushed dense: right, but a table's full size per push.
 """
@@ -54,7 +54,7 @@ import tensorflow as tf
 
 from strategies.base import SplitTrainStep
 
-# The sums each synchronous step adds to the task's (the task's metrics leave them out).
+# The sums each synchronous step adds to the task's sums (the task's metrics leave them out).
 SUMS = (
     "sync_pushed_by_worker",
     "sync_applied_by_worker",
@@ -88,7 +88,7 @@ class SyncReplicas:
       coordinator: its `ClusterCoordinator`.
       step: the train step, whose halves run apart (`SplitTrainStep`).
       replicas: k, the gradients averaged per update.
-      workers: n, the worker tasks.
+      workers: n, the worker members.
     """
 
     def __init__(self, strategy, coordinator, step: SplitTrainStep, replicas: int, workers: int):
@@ -310,7 +310,7 @@ def report(sums: dict, steps: int) -> tuple[dict[str, float], dict[str, np.ndarr
 
 
 def _groups(variables: list) -> list[_Group]:
-    """The variables by ps member, in the order tasks first hold one."""
+    """The variables by ps member, in the order members first hold one."""
     groups: dict[str, _Group] = {}
     for index, variable in enumerate(variables):
         inner = _tf_variable(variable)

@@ -14,6 +14,9 @@ import tensorflow as tf
 
 from strategies import tf_patches
 
+# What TensorFlow fills into a device name without a process: `/job:localhost/replica:0/task:0`.
+_LOCAL_PROCESS = {"job": "localhost", "replica": 0, "task": 0}
+
 
 class Stage:
     """Consecutive layers on one device, run as a model from `inputs` to `outputs`.
@@ -180,7 +183,7 @@ def move(variable: keras.Variable, device: str) -> None:
     """
     old = variable.value
     if tf.DeviceSpec.from_string(old.device) == tf.DeviceSpec.from_string(device).replace(
-        job="localhost", replica=0, task=0
+        **_LOCAL_PROCESS
     ):
         return
     with tf.init_scope(), tf.device(device):

@@ -7,21 +7,21 @@
         --model_dir=runs/mw
     python -m trainer.launch --workers=2:4 -- --strategy=multi_worker --model_dir=runs/el
 
-Every task runs `python -m trainer <the flags after -->` with its own
+Every member runs `python -m trainer <the flags after -->` with its own
 `TF_CONFIG`, on free ports of 127.0.0.1, in a network namespace of its own that
 has only loopback (`towerflow.netns`; `--allow_network` runs it on the host's
 network instead, reachable from other hosts). Topologies:
 
 * `--ps=0` (collective all-reduce): worker:0 .. worker:N-1; worker 0 is the chief
-  unless `--chief` adds a `chief` task.
+  unless `--chief` adds a `chief` member.
 * `--ps=M` (parameter servers): a `chief` (the coordinator), N workers and M ps.
 * `--evaluator` adds an evaluator, which runs outside the training cluster.
 
-Each output line is prefixed with its task (`[worker:1] ...`); the launcher's own
+Each output line is prefixed with its member (`[worker:1] ...`); the launcher's own
 lines with `[launch]`. When the chief ends, the others get `--grace_s` seconds to
-end too and are then stopped; when any task fails first, the chief gets a few
-seconds to report it, then every task is stopped and the launcher exits with
-that task's code. A task preempted by SIGTERM (exit 143) makes the others save
+end too and are then stopped; when any member fails first, the chief gets a few
+seconds to report it, then every member is stopped and the launcher exits with
+that member's code. A member preempted by SIGTERM (exit 143) makes the others save
 at the same step: they get `--grace_s` to finish. The exception is a worker of a
 parameter-server cluster: it is started again (up to 3 times) and rejoins,
 while the coordinator re-schedules the work it lost. `--restarts` starts a failed
@@ -42,7 +42,7 @@ The command plans the cluster (`trainer.launch.plan`: members, ports,
 `TF_CONFIG`s) and runs the plan (`trainer.launch.running`).
 
 Beyond one machine, run `python -m trainer` on every host with the `TF_CONFIG`
-that the scheduler gives each task; for an elastic job, the agent
+that the scheduler gives each member; for an elastic job, the agent
 `python -m trainer.elastic` on every host (`trainer/elastic.py`).
 """
 
@@ -109,8 +109,8 @@ _WORKERS = flags.DEFINE_string(
 _PS = flags.DEFINE_integer(
     "ps", 0, "Number of parameter servers; more than 0 also adds a `chief` (the coordinator)."
 )
-_CHIEF = flags.DEFINE_bool("chief", False, "Add a `chief` task (always there when --ps > 0).")
-_EVALUATOR = flags.DEFINE_bool("evaluator", False, "Add an `evaluator` task.")
+_CHIEF = flags.DEFINE_bool("chief", False, "Add a `chief` member (always there when --ps > 0).")
+_EVALUATOR = flags.DEFINE_bool("evaluator", False, "Add an `evaluator` member.")
 _RESTARTS = flags.DEFINE_integer(
     "restarts", 0, "Start the whole cluster again this many times after it fails."
 )
@@ -120,8 +120,8 @@ _PORT_BASE = flags.DEFINE_integer(
 _GRACE_S = flags.DEFINE_float(
     "grace_s",
     GRACE_S,
-    "Seconds the other tasks may run after the chief ends, before SIGTERM; also how long "
-    "tasks may take to save and exit when the launcher is interrupted.",
+    "Seconds the other members may run after the chief ends, before SIGTERM; also how long "
+    "members may take to save and exit when the launcher is interrupted.",
 )
 _DATA_WORKERS = flags.DEFINE_integer(
     "data_workers",
@@ -138,7 +138,7 @@ _ALLOW_NETWORK = flags.DEFINE_bool(
     allow_override=True,
 )
 _MODULE = flags.DEFINE_string(
-    "module", "trainer", "Module each task runs with `python -m` (for testing and advanced use)."
+    "module", "trainer", "Module each member runs with `python -m` (for testing and advanced use)."
 )
 
 
@@ -159,20 +159,20 @@ def launch(
     """Runs a local cluster, starting it again after a failure up to `restarts` times.
 
     Args:
-      command: what every task runs, e.g. `[sys.executable, "-m", "trainer", ...]`.
+      command: what every member runs, e.g. `[sys.executable, "-m", "trainer", ...]`.
       workers, ps, chief, evaluator, port_base: the topology, as in `plan_cluster`.
       restarts: how many times to start a failed cluster again, on fresh ports. A
         user error (exit status 2) is not retried: it would fail the same way.
-      grace_s: how long the other tasks may run on after the chief ends.
+      grace_s: how long the other members may run on after the chief ends.
       console: where the prefixed output goes (default: stdout).
-      report_s: how long the chief may take to report a failed task before the stop.
+      report_s: how long the chief may take to report a failed member before the stop.
       interrupt: a signal recorded here stops the cluster, with no restart.
       data_workers: more than 0 starts a tf.data service (a dispatcher and this many
         workers, prefixed `[data:...]`) for the whole run, restarts included, and
-        points every task's input at it.
+        points every member's input at it.
 
     Returns:
-      The exit status of the last attempt: the chief's, that of the task that failed,
+      The exit status of the last attempt: the chief's, that of the member that failed,
       or 128 + the signal number after an interrupt.
 
     Raises:
@@ -241,22 +241,24 @@ def launch_elastic(
                 "the state is saved in model_dir: start the job again to resume"
             )
             return MEMBER_LOST_EXIT_CODE
-        tasks = [
-            dataclasses.replace(task, label=name)
-            for task, name in zip(plan_cluster(len(names), port_base=port_base), names, strict=True)
+        members = [
+            dataclasses.replace(member, label=name)
+            for member, name in zip(
+                plan_cluster(len(names), port_base=port_base), names, strict=True
+            )
         ]
         console.log(
-            f"group of {len(tasks)}: "
-            + ", ".join(f"{task.name} as worker:{task.index}" for task in tasks)
+            f"group of {len(members)}: "
+            + ", ".join(f"{member.name} as worker:{member.index}" for member in members)
         )
-        env = {REFORM_VARIABLE: json.dumps({**change, "to": len(tasks)})} if change else {}
-        group = ElasticGroup(tasks, command, roster, console, grace_s, interrupt, env)
+        env = {REFORM_VARIABLE: json.dumps({**change, "to": len(members)})} if change else {}
+        group = ElasticGroup(members, command, roster, console, grace_s, interrupt, env)
         code = group.run()
         if code != REFORM_EXIT_CODE:
             return code
         for name in group.lost:
             console.log(f"{name} lost: {roster.lost(name)}")
-        change = {"from": len(tasks), "why": group.why, "at": group.changed_at}
+        change = {"from": len(members), "why": group.why, "at": group.changed_at}
 
 
 def main(argv: list[str]) -> None:

@@ -21,7 +21,7 @@ class Member:
 
     Attributes:
       type: "chief", "worker", "ps" or "evaluator".
-      index: the task's index within its type.
+      index: its index within its type (`TF_CONFIG`'s `task.index`).
       address: "127.0.0.1:port" of its server; None for the evaluator, which runs none.
       tf_config: the `TF_CONFIG` it runs with.
     """
@@ -41,21 +41,21 @@ class Member:
 
     @property
     def is_chief(self) -> bool:
-        """Whether the cluster ends with this task."""
+        """Whether the cluster ends with this member."""
         return cluster.parse(self.tf_config).is_chief
 
 
 def plan_cluster(
     workers: int, ps: int = 0, chief: bool = False, evaluator: bool = False, port_base: int = 0
 ) -> list[Member]:
-    """The tasks of a local cluster, each with its address and `TF_CONFIG`.
+    """The members of a local cluster, each with its address and `TF_CONFIG`.
 
     Args:
-      workers: number of `worker` tasks (at least 1).
+      workers: number of `worker` members (at least 1).
       ps: number of parameter servers; more than 0 also adds a `chief` (the coordinator).
-      chief: add a `chief` task even without parameter servers.
+      chief: add a `chief` member even without parameter servers.
       evaluator: add an `evaluator`. It runs no server, but it is listed in every
-        task's `TF_CONFIG` so that the trainers know a sidecar evaluates for them.
+        member's `TF_CONFIG` so that the trainers know a sidecar evaluates for them.
       port_base: 0 picks free ports on 127.0.0.1; otherwise the first of consecutive ports.
 
     Raises:
@@ -74,13 +74,13 @@ def plan_cluster(
         jobs.setdefault(task_type, []).append(address)
     if evaluator:
         jobs["evaluator"] = [addresses[-1]]
-    tasks = [
+    members = [
         Member(task_type, index, address, cluster.make_tf_config(jobs, task_type, index))
         for (task_type, index), address in zip(servers, addresses, strict=False)
     ]
     if evaluator:
-        tasks.append(Member("evaluator", 0, None, cluster.make_tf_config(jobs, "evaluator", 0)))
-    return tasks
+        members.append(Member("evaluator", 0, None, cluster.make_tf_config(jobs, "evaluator", 0)))
+    return members
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,9 +32,9 @@ from towerflow.processes import (
 )
 from trainer.launch.plan import Member, Plan
 
-GRACE_S = 15.0  # how long the other tasks may run on after the chief is done
-KILL_AFTER_S = 5.0  # how long a task may take to exit after SIGTERM before SIGKILL
-REPORT_S = 10.0  # how long the chief may take to report a failed task before the cluster stops
+GRACE_S = 15.0  # how long the other members may run on after the chief is done
+KILL_AFTER_S = 5.0  # how long a member may take to exit after SIGTERM before SIGKILL
+REPORT_S = 10.0  # how long the chief may take to report a failed member before the cluster stops
 _POLL_S = 0.1
 MAX_MEMBER_RESTARTS = 3  # a parameter-server worker that fails is started again this often
 REFORM_WAIT_S = 60.0  # how long an elastic group's survivors may take to save and exit
@@ -43,14 +43,14 @@ _PROGRESS = "train | step: "  # the chief's progress line: the group trains
 
 
 class Cluster:
-    """Runs one set of tasks as local processes until the chief ends or a task fails.
+    """Runs one set of members as local processes until the chief ends or a member fails.
 
-    Each task runs in its own process group, so stopping it stops its children too.
+    Each member runs in its own process group, so stopping it stops its children too.
     """
 
     def __init__(
         self,
-        tasks: Sequence[Member],
+        members: Sequence[Member],
         command: Sequence[str],
         console: Console | None = None,
         grace_s: float = GRACE_S,
@@ -62,16 +62,16 @@ class Cluster:
         """Creates the cluster; nothing starts before `run`.
 
         Args:
-          tasks: from `plan_cluster`.
-          command: what every task runs, e.g. `[sys.executable, "-m", "trainer", ...]`.
-          console: where the tasks' prefixed output goes (default: stdout).
-          grace_s: how long the other tasks may run on after the chief ends.
-          kill_after_s: how long a task may take to exit after SIGTERM before SIGKILL.
-          report_s: how long the chief may take to report a failed task before the stop.
+          members: from `plan_cluster`.
+          command: what every member runs, e.g. `[sys.executable, "-m", "trainer", ...]`.
+          console: where the members' prefixed output goes (default: stdout).
+          grace_s: how long the other members may run on after the chief ends.
+          kill_after_s: how long a member may take to exit after SIGTERM before SIGKILL.
+          report_s: how long the chief may take to report a failed member before the stop.
           interrupt: a signal recorded here stops the cluster; `run` then returns its code.
-          env: more environment variables for every task.
+          env: more environment variables for every member.
         """
-        self.tasks = list(tasks)
+        self.members = list(members)
         self.command = list(command)
         self.console = console or Console()
         self.grace_s = grace_s
@@ -79,30 +79,30 @@ class Cluster:
         self.report_s = report_s
         self.interrupt = interrupt or Interrupt()
         self.env = dict(env or {})
-        self.max_task_restarts = MAX_MEMBER_RESTARTS
+        self.max_member_restarts = MAX_MEMBER_RESTARTS
         self._procs: dict[Member, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
         self._member_restarts: dict[Member, int] = {}
 
     def run(self) -> int:
-        """Starts every task and waits; returns the chief's exit status, or the failed task's.
+        """Starts every member and waits; returns the chief's exit status, or the failed member's.
 
         Every process is stopped on the way out, whatever happens.
         """
         atexit.register(self.stop)
         try:
-            for task in self.tasks:
-                self._start(task)
+            for member in self.members:
+                self._start(member)
             return self._wait()
         finally:
             self.stop()
 
     def stop(self) -> None:
-        """Stops every task and its children: SIGTERM, then SIGKILL after `kill_after_s`.
+        """Stops every member and its children: SIGTERM, then SIGKILL after `kill_after_s`.
 
         The trainers go first (the chief; under `multi_worker` every worker, as
         they save at one agreed step), then the servers of a parameter-server
-        cluster (its ps and worker tasks), once the trainers have exited or
+        cluster (its ps and worker members), once the trainers have exited or
         their time is up: the chief's final save reads the variables from the
         ps members and may still run steps on the workers. Stopped by a signal,
         the trainers get `grace_s` instead (if longer) to save. A second signal
@@ -110,7 +110,7 @@ class Cluster:
         hook, still registered, runs it again.
         """
         wait_s = self.kill_after_s
-        running = [task.name for task, proc in self._procs.items() if proc.poll() is None]
+        running = [member.name for member, proc in self._procs.items() if proc.poll() is None]
         if running and self.interrupt.signal is not None:
             wait_s = max(wait_s, self.grace_s)
             self.console.log(
@@ -120,8 +120,8 @@ class Cluster:
         elif running:
             self.console.log(f"stopping {', '.join(running)}")
         servers = self._servers()
-        trainers = [proc for task, proc in self._procs.items() if task not in servers]
-        rest = [proc for task, proc in self._procs.items() if task in servers]
+        trainers = [proc for member, proc in self._procs.items() if member not in servers]
+        rest = [proc for member, proc in self._procs.items() if member in servers]
         killed = not terminate(trainers, wait_s, self.interrupt, self.console)
         if not killed and rest:
             terminate(rest, self.kill_after_s, self.interrupt, self.console)
@@ -131,53 +131,53 @@ class Cluster:
         atexit.unregister(self.stop)
 
     def _servers(self) -> set[Member]:
-        """The tasks that only serve the chief: the ps and workers of a parameter-server cluster."""
-        if not any(task.type == "ps" for task in self.tasks):
+        """The members that only serve the chief: a parameter-server cluster's ps and workers."""
+        if not any(member.type == "ps" for member in self.members):
             return set()
-        return {task for task in self.tasks if task.type in ("ps", "worker")}
+        return {member for member in self.members if member.type in ("ps", "worker")}
 
-    def _start(self, task: Member) -> None:
-        env = {**os.environ, **self.env, "TF_CONFIG": task.tf_config}
-        proc, pump = start_process(self.command, env, self._writer(task))
-        self._procs[task] = proc
+    def _start(self, member: Member) -> None:
+        env = {**os.environ, **self.env, "TF_CONFIG": member.tf_config}
+        proc, pump = start_process(self.command, env, self._writer(member))
+        self._procs[member] = proc
         self._pumps.append(pump)
 
-    def _writer(self, task: Member) -> Callable[[str], None]:
-        """Where `task`'s output lines go: the console, prefixed with its name."""
-        return functools.partial(self.console.write, task.name)
+    def _writer(self, member: Member) -> Callable[[str], None]:
+        """Where `member`'s output lines go: the console, prefixed with its name."""
+        return functools.partial(self.console.write, member.name)
 
-    def _restartable(self, task: Member) -> bool:
+    def _restartable(self, member: Member) -> bool:
         """A parameter-server cluster tolerates a lost worker: start it again, a few times."""
-        has_ps = any(t.type == "ps" for t in self.tasks)
-        if task.type != "worker" or not has_ps:
+        has_ps = any(m.type == "ps" for m in self.members)
+        if member.type != "worker" or not has_ps:
             return False
-        self._member_restarts[task] = self._member_restarts.get(task, 0) + 1
-        return self._member_restarts[task] <= self.max_task_restarts
+        self._member_restarts[member] = self._member_restarts.get(member, 0) + 1
+        return self._member_restarts[member] <= self.max_member_restarts
 
     def _wait(self) -> int:
-        chief = next(task for task in self.tasks if task.is_chief)
-        others = {task: proc for task, proc in self._procs.items() if task != chief}
+        chief = next(member for member in self.members if member.is_chief)
+        others = {member: proc for member, proc in self._procs.items() if member != chief}
         while (code := self._procs[chief].poll()) is None:
             if self._interrupted():
                 return self.interrupt.code
-            for task, proc in list(others.items()):
+            for member, proc in list(others.items()):
                 if not proc.poll():  # running, or ended well
                     continue
-                if self._restartable(task):
+                if self._restartable(member):
                     self.console.log(
-                        f"{task.name} {_ended(proc.returncode)}; restarting it (attempt "
-                        f"{self._member_restarts[task]} of {self.max_task_restarts}); the "
+                        f"{member.name} {_ended(proc.returncode)}; restarting it (attempt "
+                        f"{self._member_restarts[member]} of {self.max_member_restarts}); the "
                         "coordinator re-schedules its work"
                     )
-                    self._start(task)
-                    others[task] = self._procs[task]
+                    self._start(member)
+                    others[member] = self._procs[member]
                     continue
-                return self._after_failure(task, proc.returncode, chief)
+                return self._after_failure(member, proc.returncode, chief)
             time.sleep(_POLL_S)
         label = chief.name if chief.type == "chief" else f"{chief.name} (the chief)"
         self.console.log(f"{label} {_ended(code)}")
         if code == 0 and any(proc.poll() is None for proc in others.values()):
-            self.console.log(f"waiting up to {self.grace_s:g} s for the other tasks to end")
+            self.console.log(f"waiting up to {self.grace_s:g} s for the other members to end")
             deadline = time.monotonic() + self.grace_s
             while time.monotonic() < deadline and any(p.poll() is None for p in others.values()):
                 if self._interrupted():
@@ -191,17 +191,17 @@ class Cluster:
         self.console.log(f"got {signal.Signals(self.interrupt.signal).name}")
         return True
 
-    def _after_failure(self, task: Member, code: int, chief: Member) -> int:
-        """A task other than the chief failed: let the chief end on its own first, briefly.
+    def _after_failure(self, member: Member, code: int, chief: Member) -> int:
+        """A member other than the chief failed: let the chief end on its own first, briefly.
 
-        A preempted task (exit 143) is saving with the others at one agreed step:
+        A preempted member (exit 143) is saving with the others at one agreed step:
         they get `grace_s` to finish. Otherwise the chief gets `report_s` to
-        notice the loss and say which task it lost, before the cluster is stopped.
+        notice the loss and say which member it lost, before the cluster is stopped.
         """
         preempted = code == PREEMPTED_EXIT_CODE
         wait_s = self.grace_s if preempted else self.report_s
         action = "letting the others save" if preempted else "letting the chief report"
-        self.console.log(f"{task.name} {_ended(code)}; {action} (up to {wait_s:g} s)")
+        self.console.log(f"{member.name} {_ended(code)}; {action} (up to {wait_s:g} s)")
         deadline = time.monotonic() + wait_s
         while self._procs[chief].poll() is None and time.monotonic() < deadline:
             if self._interrupted():
@@ -227,30 +227,30 @@ class ElasticGroup(Cluster):
     the change, for the launcher to form the next group.
     """
 
-    def __init__(self, tasks, command, roster: Roster, console, grace_s, interrupt, env):
-        super().__init__(tasks, command, console, grace_s, interrupt=interrupt, env=env)
+    def __init__(self, members, command, roster: Roster, console, grace_s, interrupt, env):
+        super().__init__(members, command, console, grace_s, interrupt=interrupt, env=env)
         self.roster = roster
         self.lost: list[str] = []
         self.why = ""
         self.changed_at = 0.0  # time.time() when the change began
         self._trained = threading.Event()  # the chief reported a block
 
-    def _writer(self, task: Member) -> Callable[[str], None]:
-        write = super()._writer(task)
+    def _writer(self, member: Member) -> Callable[[str], None]:
+        write = super()._writer(member)
 
         def watched(line: str) -> None:
-            if task is self.tasks[0] and _PROGRESS in line:
+            if member is self.members[0] and _PROGRESS in line:
                 self._trained.set()
             write(line)
 
         return watched
 
     def _wait(self) -> int:
-        chief, growing = self.tasks[0], False
+        chief, growing = self.members[0], False
         while (code := self._procs[chief].poll()) != 0:
             if self._interrupted():
                 return self.interrupt.code
-            ended = {task: proc.returncode for task, proc in self._procs.items() if proc.poll()}
+            ended = {member: proc.returncode for member, proc in self._procs.items() if proc.poll()}
             if ended:
                 return self._reformed(ended, growing)
             back = self._returning()
@@ -279,8 +279,8 @@ class ElasticGroup(Cluster):
 
     def _returning(self) -> list[str]:
         """Ready members of the roster that are not in this group."""
-        members = {task.name for task in self.tasks}
-        return [name for name in self.roster.ready() if name not in members]
+        in_group = {member.name for member in self.members}
+        return [name for name in self.roster.ready() if name not in in_group]
 
     def _reformed(self, ended: dict[Member, int], growing: bool) -> int:
         """A member ended: the others save and exit (bounded); who was lost, and why."""
@@ -300,11 +300,11 @@ class ElasticGroup(Cluster):
             time.sleep(_POLL_S)
             if self._running() < running:
                 settled = time.monotonic()
-        codes = {task: proc.poll() for task, proc in self._procs.items()}
+        codes = {member: proc.poll() for member, proc in self._procs.items()}
         if USER_ERROR_EXIT_CODE in codes.values():
             return USER_ERROR_EXIT_CODE
         saved = (REFORM_EXIT_CODE, PREEMPTED_EXIT_CODE)
-        self.lost = [task.name for task, code in codes.items() if code not in saved]
+        self.lost = [member.name for member, code in codes.items() if code not in saved]
         if self.lost:
             self.why = f"{', '.join(self.lost)} lost"
         return REFORM_EXIT_CODE

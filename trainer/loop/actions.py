@@ -135,7 +135,7 @@ def exports(
     """`write(step)` every `every_steps` steps and/or after the first block `every_secs` on.
 
     The seconds count from the loop's start and from each export, on the
-    chief's clock: `agree` (`Membership.agree`) hands every task of a cluster
+    chief's clock: `agree` (`Membership.agree`) hands every member of a cluster
     the chief's decision, since some strategies export collectively. With both
     set, blocks still end at each multiple of `every_steps` and the clock is
     checked after every block. Empty when both are 0 (the run's own
@@ -289,7 +289,7 @@ class Profile:
     `profile`), so the trace holds those steps and the loop's work between
     them. It lands in `logdir/plugins/profile/<time>/<host>.xplane.pb`, where
     TensorBoard's Profile tab finds it (`pip install "towerflow[profile]"`).
-    Every task of a cluster has the action, so all end their blocks at the same
+    Every member of a cluster has the action, so all end their blocks at the same
     steps (workers that step together must); only an `enabled` one profiles.
     """
 
@@ -357,7 +357,7 @@ def profile(
 
 
 def watchdog(dog: faults.Watchdog) -> Action:
-    """Says which tasks of the cluster do not answer while a block runs long.
+    """Says which members of the cluster do not answer while a block runs long.
 
     Nothing to do between blocks: the watchdog runs around the loop and marks
     each block.

@@ -8,7 +8,7 @@ new size. What a member does for that (`cluster.elastic.max_workers` > 0):
 - A lost member makes the survivors' step fail (a reset connection at once, a
   silent peer through the watchdog). Every worker holds the same variables
   after each completed step, so each survivor writes the state of the last
-  step it completed to `model_dir/elastic/ckpt-STEP-TASK` (`survivor_save`)
+  step it completed to `model_dir/elastic/ckpt-STEP-workerN` (`survivor_save`)
   and exits with `REFORM_EXIT_CODE` (`Reform`). A step some survivors
   completed and others did not is not lost: the newest save wins.
 - A member that starts restores the newest state of `model_dir`: that save
@@ -270,13 +270,13 @@ def _directory(model_dir: str) -> str:
     return os.path.join(model_dir, DIRECTORY)
 
 
-def survivor_save(checkpoint: tf.train.Checkpoint, model_dir: str, step: int, task: str) -> str:
+def survivor_save(checkpoint: tf.train.Checkpoint, model_dir: str, step: int, member: str) -> str:
     """Writes this survivor's state (the step it completed) beside the others'; its path.
 
     Each survivor writes its own files (`ckpt-STEP-worker1`), so none waits on
     another or on the lost member; they hold the same values at the same step.
     """
-    prefix = os.path.join(_directory(model_dir), f"ckpt-{step}-{task.replace(':', '')}")
+    prefix = os.path.join(_directory(model_dir), f"ckpt-{step}-{member.replace(':', '')}")
     tf.io.gfile.makedirs(_directory(model_dir))
     return checkpoint.write(prefix)
 
@@ -344,7 +344,7 @@ class CountedStep:
 
 
 def reform(
-    why: str, checkpoint: tf.train.Checkpoint, model_dir: str, step: int, task: str, iterations
+    why: str, checkpoint: tf.train.Checkpoint, model_dir: str, step: int, member: str, iterations
 ) -> Reform:
     """Saves this survivor's state after losing a member (`why`); the `Reform` to exit with.
 
@@ -353,12 +353,12 @@ def reform(
       checkpoint: what a checkpoint holds.
       model_dir: where the saves go (`model_dir/elastic`).
       step: the step the variables hold (`CountedStep.completed`).
-      task: this process's task name, which names its save.
+      member: this process's member name ("worker:1"), which names its save.
       iterations: the optimizer's step counter, set to `step` before the save.
     """
     start = time.monotonic()
     iterations.assign(step)
-    path = survivor_save(checkpoint, model_dir, step, task)
+    path = survivor_save(checkpoint, model_dir, step, member)
     return Reform(
         f"elastic: {why}: saved step {step} to {path} in {time.monotonic() - start:.2f} s; "
         "the group re-forms without it"
@@ -390,8 +390,8 @@ def membership(
       learning_rate: `optimizer.learning_rate` of this group (scaled under
         `batch=per_replica`), for the record.
       model_dir: where the record and the survivors' saves are.
-      is_chief: whether this task writes them.
-      save: the checkpointer's `save(step)` (called on every task, as the loop does).
+      is_chief: whether this member writes them.
+      save: the checkpointer's `save(step)` (called on every member, as the loop does).
       say: prints a line.
     """
     change = json.loads(os.environ.get(REFORM_VARIABLE) or "null")

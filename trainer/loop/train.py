@@ -98,8 +98,8 @@ def train_and_evaluate(
     checked = checks.check_config(config)  # every field that needs nothing else, once
     strategy = make_strategy(config, checked)
     member = strategy.membership
-    if member.role == "serve":  # a ps or worker task of a parameter-server cluster
-        say(f"serving as a {strategy.name} task until the chief ends the job")
+    if member.role == "serve":  # a ps or worker member of a parameter-server cluster
+        say(f"serving as a {strategy.name} member until the chief ends the job")
         member.serve()
         return {}
     if member.role == "evaluate":
@@ -472,7 +472,7 @@ def _reform(job: Job, checkpointer: Checkpointer, lost: list[str], error: Except
 
 
 def _export(job: Job) -> None:
-    """Every task exports (some strategies save collectively); only the chief's is kept.
+    """Every member exports (some strategies save collectively); only the chief's is kept.
 
     With exports while training (`export.every_steps`, `export.every_secs`),
     `model_dir/export` holds versions, this one `export/<step>/`; else the
@@ -502,7 +502,7 @@ def _exports_while_training(config: ml_collections.ConfigDict) -> bool:
 
 
 def sidecar_evaluate(job: Job) -> dict:
-    """Evaluates each new checkpoint in `model_dir` until the last step's (the evaluator task)."""
+    """Evaluates each new checkpoint in `model_dir` until the last step's (the evaluator member)."""
     config = job.config
     checkpointer = Checkpointer(job.model_dir, False, 1, **checkpointed(job))
     summaries = Summaries(job.model_dir, enabled=True)
@@ -661,10 +661,10 @@ def _actions(
         # After the checkpoint: an export is the model of the checkpoint at its step.
         *_export_actions(job),
         actions.preemption(watch, checkpointer.save, say),
-        # A single process has no other task to lose; the watchdog then never reports.
+        # A single process has no other member to lose; the watchdog then never reports.
         actions.watchdog(faults.Watchdog(member.lost_members, say, give_up=give_up)),
     ]
-    if config.train.profile_steps:  # on every task: all end their blocks at the same steps
+    if config.train.profile_steps:  # on every member: all end their blocks at the same steps
         logdir = os.path.join(job.model_dir, "train")  # TensorBoard's run "train"
         profile_steps, step = config.train.profile_steps, lambda: _step(job)
         built_in.append(actions.profile(profile_steps, logdir, step, say, member.is_chief))
@@ -690,11 +690,11 @@ def _follow_actions(job: Job, watch, checkpointer: Checkpointer) -> list[actions
 
 
 def _export_actions(job: Job) -> list[actions.Action]:
-    """Exports while training (`export.every_steps`, `export.every_secs`), on every task."""
+    """Exports while training (`export.every_steps`, `export.every_secs`), on every member."""
     if not _exports_while_training(job.config):
         return []
     every = job.config.export
-    agree = job.strategy.membership.agree  # the chief's clock decides for every task
+    agree = job.strategy.membership.agree  # the chief's clock decides for every member
     return actions.exports(lambda step: _export(job), every.every_steps, every.every_secs, agree)
 
 

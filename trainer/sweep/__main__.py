@@ -289,7 +289,7 @@ def _stop(
     interrupt: processes.Interrupt,
     grace_s: float,
 ) -> None:
-    """Stops the running trials as `trainer.launch` stops its tasks: SIGTERM, a grace, SIGKILL."""
+    """Stops the running trials as `trainer.launch` stops its members: SIGTERM, a grace, SIGKILL."""
     if not runs:
         return
     console.log(
