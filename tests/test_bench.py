@@ -80,7 +80,7 @@ EXPECTED = {
         "auc_dynamic_min_count2",
         "bytes_per_id_rss",
         "bytes_per_id_tables",
-        "lookups_s_per_ps_task",
+        "lookups_s_per_ps_member",
         *(  # full against incremental checkpoints, at each interval
             f"{kind}_{what}_every{interval}"
             for interval in bench.QUICK.checkpoint_intervals

@@ -70,7 +70,7 @@ module each, named after the case:
    against a hashed `ShardedEmbedding` of as many rows; `mirrored` sparse
    against dense updates (`optimizer.sparse_updates`); eval AUC of a dynamic
    table admitting ids seen twice against a hashed one of as many rows; 10M
-   ids over 2 ps members (bytes per id, lookups/s per task); incremental
+   ids over 2 ps members (bytes per id, lookups/s per member); incremental
    checkpoints reported as not built.
 12. `elastic`: an elastic `multi_worker` job (`trainer.launch --workers=2:3`) on
    digits losing a member (SIGKILL): seconds from the loss to the next completed

@@ -1,6 +1,6 @@
 """One worker of an all-reduce timing: `python -m trainer.bench.allreduce OUT SHAPES REPS`.
 
-Run on every task of a `multi_worker` `TF_CONFIG` cluster (the `gradients`
+Run on every member of a `multi_worker` `TF_CONFIG` cluster (the `gradients`
 case starts them). Each times `REPS` cross-replica sums of tensors of
 `SHAPES` (a JSON list of shapes: a model's gradients) through towerflow's
 `multi_worker` plugin and `GradientTransfer.all_reduce`, as the train step

@@ -76,7 +76,7 @@ def to_file(config: ml_collections.ConfigDict) -> Action:
     Only the chief writes (under `multi_worker` every worker runs the loop);
     each mark is one line, "step seconds", written whole as it is taken.
     """
-    del config  # the file comes from the environment, which a launcher passes to every task
+    del config  # the file comes from the environment, which a launcher passes to every member
     path = os.environ[FILE_VARIABLE]
     spec = cluster.from_env()
     if spec is not None and not spec.is_chief:

@@ -228,9 +228,9 @@ def pin(pid: int, cores: list[int]) -> None:
     `os.sched_setaffinity(pid)` alone moves one thread (Linux): TensorFlow's
     thread pools, started with the process, would keep every core.
     """
-    for task in os.listdir(f"/proc/{pid}/task"):
+    for thread in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that has ended meanwhile
-            os.sched_setaffinity(int(task), cores)
+            os.sched_setaffinity(int(thread), cores)
 
 
 def _step_time(runs: dict, samples: dict, batch: int) -> dict[str, dict[str, float]]:

@@ -153,7 +153,7 @@ def _pinned_cluster(command: list[str], workers: int, stem: str, marks: str | No
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     cores = sorted(os.sched_getaffinity(0))
     addresses = [f"127.0.0.1:{port}" for port in pick_ports(workers)]
-    tasks = [
+    members = [
         {
             "TF_CONFIG": json.dumps(
                 {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}}
@@ -171,12 +171,12 @@ def _pinned_cluster(command: list[str], workers: int, stem: str, marks: str | No
                     env,
                 )
             )
-            for i, env in enumerate(tasks)
+            for i, env in enumerate(members)
         ]
         for i, proc in enumerate(procs):
             if proc.wait(timeout=RUN_TIMEOUT_S):
                 raise RuntimeError(
-                    f"{stem} task {i} exited with {proc.returncode}:\n{tail(f'{stem}-{i}.log')}"
+                    f"{stem} member {i} exited with {proc.returncode}:\n{tail(f'{stem}-{i}.log')}"
                 )
 
 

@@ -124,7 +124,7 @@ def child(
       log: the file its stdout and stderr go to (`tail` reads it for errors).
       marks: where a trainer given `train.actions=trainer.bench.clock:to_file`
         writes its clock's marks.
-      env: more environment variables (e.g. a cluster task's `TF_CONFIG`).
+      env: more environment variables (e.g. a cluster member's `TF_CONFIG`).
     """
     extra = env or {}
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
@@ -217,7 +217,7 @@ def cluster_cpu_ms(process: subprocess.Popen, marks: str, steps: int) -> dict[st
 
 
 def cluster_cpu_s(root: int) -> dict[str, float]:
-    """CPU seconds of the cluster tasks descended from process `root`, by task type."""
+    """CPU seconds of the cluster's members descended from process `root`, by task type."""
     seconds: dict[str, float] = {}
     for pid, (_, used) in descendants_cpu_s(root).items():
         kind = _task_type(pid)

@@ -103,8 +103,8 @@ def input_wait(config: ml_collections.ConfigDict, strategy, dataset, steps: int)
     batch = config.train.global_batch_size
     with strategy.scope():
         optimizer.build(model.trainable_variables)
-    task = objectives.for_spec(dataset.spec.num_classes)
-    train_step = steps_lib.TrainStep(model, optimizer, task, batch)
+    objective = objectives.for_spec(dataset.spec.num_classes)
+    train_step = steps_lib.TrainStep(model, optimizer, objective, batch)
 
     def step(inputs):
         train_step(inputs)

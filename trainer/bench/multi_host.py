@@ -117,21 +117,21 @@ def _rate(flags: list[str], per_step: int, link: dict | None, stem: str, rep: in
     model_dir = f"--model_dir={stem}-{rep}"
     with hosts.Hosts(1 if link is None else 2) as simulated:
         if link is None:
-            tasks, strategy = [0], "--strategy=one_device"
+            members, strategy = [0], "--strategy=one_device"
         else:
             for host in (0, 1):
                 simulated.shape(host, **link)
-            tasks, strategy = simulated.cluster({"worker": [0, 1]}), "--strategy=multi_worker"
+            members, strategy = simulated.cluster({"worker": [0, 1]}), "--strategy=multi_worker"
         cores = sorted(os.sched_getaffinity(0))
         procs = [
             simulated.start_trainer(
-                task,
+                member,
                 [strategy, model_dir, *flags],
                 f"{stem}-{rep}-{i}.log",
                 cpu=cores[i % len(cores)],
                 env=env,
             )
-            for i, task in enumerate(tasks)
+            for i, member in enumerate(members)
         ]
         for i, proc in enumerate(procs):
             if proc.wait(timeout=RUN_TIMEOUT_S):

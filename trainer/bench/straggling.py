@@ -10,7 +10,7 @@ worker reads its own pipeline, so worker `PIPELINE` straggles::
         --strategy=parameter_server --config.data.name=trainer.bench.straggling:digits \\
         --config.data.num_classes=10
 
-The variable reaches every task of a local cluster (the launcher passes its
+The variable reaches every member of a local cluster (the launcher passes its
 environment on).
 """
 

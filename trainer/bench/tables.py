@@ -98,7 +98,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     figures.update(aucs)
     scale = scale_run(sizes, workdir)
     figures.update({k: scale[k] for k in ("bytes_per_id_rss", "bytes_per_id_tables")})
-    figures["lookups_s_per_ps_task"] = scale["lookups_s_per_ps_task"]
+    figures["lookups_s_per_ps_member"] = scale["lookups_s_per_ps_member"]
     ratios["bytes per id (rss) / (dim + slots) x 4"] = scale["bytes_per_id_rss"] / scale["floor"]
     ratios["bytes per id (tables) / (dim + slots) x 4"] = (
         scale["bytes_per_id_tables"] / scale["floor"]
@@ -199,7 +199,7 @@ def cluster_step_s(sizes: Sizes, embedding: str, workdir: str) -> tuple[float, d
     """Seconds per step of the ctr job on 2 workers and 2 ps with `embedding`.
 
     And each task type's CPU milliseconds per step (`harness.cluster_cpu_ms`,
-    the tasks of a type summed): on cores the cluster's processes share, the
+    the members of a type summed): on cores the cluster's processes share, the
     step costs what they use together.
     """
     config = ctr_config(sizes, "parameter_server")
@@ -333,8 +333,8 @@ def _in_process_ps():
         {"chief": [_address()], "worker": [_address()], "ps": [_address(), _address()]}
     )
     _SERVERS.extend(
-        tf.distribute.Server(cluster, job_name=job, task_index=task)
-        for job, task in (("worker", 0), ("ps", 0), ("ps", 1))
+        tf.distribute.Server(cluster, job_name=job, task_index=index)
+        for job, index in (("worker", 0), ("ps", 0), ("ps", 1))
     )
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         cluster, rpc_layer="grpc", task_type="chief", task_id=0
@@ -348,7 +348,7 @@ def scale(ids: int, batch: int = 1 << 17) -> dict:
     Bytes per id: the RSS growth from before the table was built to after
     every id was inserted, over the ids; and `describe()`'s bytes held. The
     floor is `(dim + slots) x 4`: the row and Adam's two slots, float32.
-    Lookups: eval lookups of every id, in batches of `batch`, over 2 tasks.
+    Lookups: eval lookups of every id, in batches of `batch`, over 2 ps members.
     """
     import numpy as np
     import tensorflow as tf
@@ -400,7 +400,7 @@ def scale(ids: int, batch: int = 1 << 17) -> dict:
         "bytes_per_id_rss": grown / ids,
         "bytes_per_id_tables": described["bytes_held"] / ids,
         "insert_s": insert_s,
-        "lookups_s_per_ps_task": ids / lookup_s / len(layer.parts),
+        "lookups_s_per_ps_member": ids / lookup_s / len(layer.parts),
         "parts": [{k: p[k] for k in ("device", "ids_held")} for p in described["parts"]],
     }
 
