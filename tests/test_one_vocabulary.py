@@ -1,13 +1,15 @@
 """One vocabulary: no name, message or comment of the cluster's code calls a process a task.
 
-The scan reads every module under `strategies/` and `trainer/launch/`, and
-`trainer/elastic.py`. "task" is the user's `trainer.Task` (a user task) and
-what is trained (the task's sums and metrics, which a plugin's own figures
-are split from); a process of a cluster is a member. What stays besides is
-other projects' own words, quoted: TensorFlow's `TF_CONFIG` `task` key, its
+The scan reads every module under `strategies/` and `trainer/launch/`,
+`trainer/elastic.py` and the benchmark's modules (`trainer/bench/*.py`).
+"task" is the user's `trainer.Task` (a user task) and what is trained (the
+task's sums and metrics, which a plugin's own figures are split from); a
+process of a cluster is a member. What stays besides is other
+projects' own words, quoted: TensorFlow's `TF_CONFIG` `task` key, its
 `task_type` / `task_index` / `task_id` (a role is a task type), a
 `tf.DeviceSpec`'s `.task` and a device name's `/task:`; Slurm's tasks
-(`SLURM_NTASKS`, a Slurm task, tasks per node); the variable `JOBSET_TASKS`
+(`SLURM_NTASKS`, a Slurm task, tasks per node); Linux's `taskset` command and
+a process's threads, `/proc/<pid>/task`; the variable `JOBSET_TASKS`
 and the config field `cluster.ps_tasks`, the old names of `JOBSET_MEMBERS`
 and `cluster.ps_members` accepted for one release; and `towerflow.errors`'
 own names, which that module renames. No page a user reads (README, docs/,
@@ -30,6 +32,7 @@ SCANNED = sorted(
         *ROOT.glob("strategies/**/*.py"),
         *ROOT.glob("trainer/launch/**/*.py"),
         ROOT / "trainer/elastic.py",
+        *ROOT.glob("trainer/bench/*.py"),
     ]
     if str(path.relative_to(ROOT)) not in PENDING
 )
@@ -48,6 +51,9 @@ ALLOWED = re.compile(
             r"\"ps_tasks\"",  # the old name of `cluster.ps_members`, a string key
             r"user\s+task",  # the user's `trainer.Task`: "a user task's own `train_step`"
             r"task(?:'s\s+|_)(?:sums|metrics)",  # what the train step returns for the task
+            r"\btaskset\b",  # Linux's command that pins a process to cores
+            # Linux's threads of a process; Python 3.12 tokenizes an f-string's "/task" apart
+            r"/proc/(?:\{\w+\}|\d+|self)/task\b|^/task$",
         ]
     ),
     re.IGNORECASE,
@@ -113,6 +119,8 @@ def test_the_scan_finds_a_process_called_a_task_and_spares_tensorflows_and_slurm
         "# a user task's own `train_step` applies its own gradients",
         "task_sums = {k: v for k, v in sums.items() if k not in own}  # the task's sums",
         '"""In a Slurm step, the name of its Slurm task."""',
+        'pin = ["taskset", "-c", str(cpu)]  # `taskset` pins it to a core',
+        'for thread in os.listdir(f"/proc/{pid}/task"): pass',
     ]
     for line in right:
         assert not task_words(line + "\n"), line
@@ -146,4 +154,4 @@ def test_no_page_calls_a_ps_member_a_ps_task(path):
 def test_the_page_scan_finds_a_ps_task_in_prose():
     assert _PS_TASK.search("the table is split over the ps tasks")
     assert _PS_TASK.search("variables on 2 ps task(s)")
-    assert not _PS_TASK.search("split over the ps members; `lookups_s_per_ps_task`")
+    assert not _PS_TASK.search("split over the ps members; the old field `cluster.ps_tasks`")
