@@ -14,7 +14,7 @@ size; the padding reads zeros), pools the list (sum over sqrt(length),
 `trainer.loop.models.single_and_listed`), crosses every pair of the resulting
 vectors with dot products (DLRM's interaction) and puts an MLP on top
 (Adam). Under `parameter_server` the table is split by id over the ps
-tasks. Under `mirrored`, 300 steps of 256 take about a minute on 2 CPU
+members. Under `mirrored`, 300 steps of 256 take about a minute on 2 CPU
 cores and reach eval AUC 0.65 on the 20,000 newest examples (0.73 on the
 training stream: the newest ids are unseen); the export serves the raw
 strings.
