@@ -100,7 +100,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     (ragged lists padded with `mask_id`; a ragged batch there is a one-line
     error saying so).
     Under `parameter_server` the table is split by id (`tables.part_of`) into
-    one part per ps member, each part's index, lock and variables on its task
+    one part per ps member, each part's index, lock and variables on its member
     (`capacity` split evenly); the workers hold no table (`describe()` says
     where each part is). A checkpoint restores into any number of parts
     (`Portable`; an id goes to its part by the same hash).

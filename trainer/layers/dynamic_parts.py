@@ -46,7 +46,7 @@ def make_parts(layer: DynamicEmbedding) -> list[TablePart]:
 
     One part per ps member under `parameter_server` (ids split by
     `tables.part_of`), each with its index, lock, rows and row stamps on that
-    task; else one, here.
+    member; else one, here.
     """
     devices = part_devices()
     capacities = sharding.split_rows(layer.capacity, len(devices))

@@ -265,7 +265,7 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
 
         A step read from the clock is copied here once: ops of the index that
         read the clock's variable where it lives (another ps member) made a
-        step's admission exchange control messages with that task.
+        step's admission exchange control messages with that member.
         """
         if self._clock is not None:
             with tf.device(self.lock_device()):

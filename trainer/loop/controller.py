@@ -124,7 +124,7 @@ class Controller:
       total_steps: where training ends.
       actions: called in order after each block, as their schedules say.
       loop_length: the blocks' length (`train.steps_per_loop`, or measured).
-      agree: makes a measured length the same on every task of a cluster.
+      agree: makes a measured length the same on every member of a cluster.
     """
 
     def __init__(

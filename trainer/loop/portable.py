@@ -5,7 +5,7 @@ a `ShardedEmbedding` or `ShardedDense`, the part of a `DynamicEmbedding`'s
 table on one ps member) as variables of its own in the `Checkpointer`'s list of
 model variables, with the optimizer's slots beside each. When that list
 differs from the model's only by how such layers are split (a cluster of 2 ps
-tasks restored under `one_device`, or on 3 ps members), `plan` finds each
+members restored under `one_device`, or on 3 ps members), `plan` finds each
 layer's split in the checkpoint, and `restore`:
 
 1. builds a `twin` of each layer split as in the checkpoint, on this host,
