@@ -2,7 +2,7 @@
 
 Every process a test starts through these helpers runs in a session (process
 group) of its own and carries a tag in its environment, which its descendants
-inherit: a local cluster's tasks, which the launcher starts in sessions of
+inherit: a local cluster's members, which the launcher starts in sessions of
 their own and which outlive a killed launcher, are found by it too. `kill`
 ends a process with all its descendants; `killed_when_done` (an autouse
 fixture in `conftest.py`) ends whatever a test started, however it ended.
@@ -145,8 +145,8 @@ def start_cli(*args: str, cwd, module: str = "trainer") -> subprocess.Popen:
     )
 
 
-def start_task(tf_config: str, *args: str, cwd) -> subprocess.Popen:
-    """Starts `python -m trainer ARGS` as one task of a cluster; stdout and stderr piped apart.
+def start_member(tf_config: str, *args: str, cwd) -> subprocess.Popen:
+    """Starts `python -m trainer ARGS` as one member of a cluster; stdout and stderr piped apart.
 
     The test's end kills it (and what it started) if it still runs.
     """
@@ -196,7 +196,7 @@ def train_on_cluster(
 ) -> dict:
     """Trains on a local cluster into `tmp_path / "model"`; returns its results.json.
 
-    `trainer_flags` go to every task (e.g. `--strategy=parameter_server`); the
+    `trainer_flags` go to every member (e.g. `--strategy=parameter_server`); the
     cluster must succeed.
     """
     model_dir = tmp_path / "model"
@@ -220,7 +220,7 @@ def kill(*procs: subprocess.Popen) -> None:
     for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
             os.killpg(proc.pid, signal.SIGKILL)
-    # Descendants in sessions of their own (a launcher's tasks) are found by their tag;
+    # Descendants in sessions of their own (a launcher's members) are found by their tag;
     # again until none is left, as one may have started another meanwhile (bounded: a
     # process stuck in the kernel dies only when its I/O ends).
     deadline = time.monotonic() + 60
@@ -301,16 +301,16 @@ def checkpoint_values(model_dir) -> dict:
 
 
 def pid_of(task_type: str, index: int, marker: str) -> int | None:
-    """The live trainer process whose `TF_CONFIG` names this task, in the test's cluster."""
+    """The live trainer process whose `TF_CONFIG` names this member, in the test's cluster."""
     return member_pid(task_type, index, marker)
 
 
 def launch_and_signal(
-    *args: str, cwd, trigger: str, task: tuple[str, int], sig: int, timeout: float = TIMEOUT_S
+    *args: str, cwd, trigger: str, member: tuple[str, int], sig: int, timeout: float = TIMEOUT_S
 ) -> tuple[int, list[tuple[float, str]], float]:
-    """Runs `python -m trainer.launch ARGS`; at the first line holding `trigger`, signals `task`.
+    """Runs `python -m trainer.launch ARGS`; at the first line holding `trigger`, signals `member`.
 
-    The task is found by its `TF_CONFIG` among processes whose command line
+    The member is found by its `TF_CONFIG` among processes whose command line
     holds `cwd`, so pass `--model_dir` under `cwd`.
 
     Returns:
@@ -331,8 +331,8 @@ def launch_and_signal(
         for line in proc.stdout:
             lines.append((time.monotonic() - start, line.rstrip("\n")))
             if sent is None and trigger in line:
-                pid = pid_of(*task, str(cwd))
-                assert pid, f"{task} not found"
+                pid = pid_of(*member, str(cwd))
+                assert pid, f"{member} not found"
                 os.kill(pid, sig)
                 sent = time.monotonic() - start
         code = proc.wait()

@@ -62,7 +62,7 @@ def _killed_at_60(tmp_path, worker: int, sig: int = signal.SIGKILL) -> str:
         *FAST,
         cwd=tmp_path,
         trigger="[member:0] train | step: 60/",
-        task=("worker", worker),
+        member=("worker", worker),
         sig=sig,
     )
     output = "\n".join(line for _, line in lines)
@@ -365,7 +365,7 @@ def test_a_per_replica_group_that_shrinks_keeps_each_replicas_batch_and_scales_t
         *short,
         cwd=tmp_path,
         trigger="[member:0] train | step: 40/",
-        task=("worker", 2),
+        member=("worker", 2),
         sig=signal.SIGKILL,
     )
     output = "\n".join(line for _, line in lines)

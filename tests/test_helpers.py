@@ -11,7 +11,7 @@ from tests import helpers
 
 
 def _recorded(pid_dir: pathlib.Path) -> dict[int, str]:
-    """The pids `tests.fake_task` recorded: pid -> "worker:0" or "worker:0 grandchild"."""
+    """The pids `tests.fake_member` recorded: pid -> "worker:0" or "worker:0 grandchild"."""
     return {int(p.stem): p.read_text() for p in pid_dir.glob("*.pid")}
 
 
@@ -25,20 +25,20 @@ def _wait_for_records(pid_dir: pathlib.Path, count: int, proc: subprocess.Popen)
 
 
 @pytest.fixture
-def one_task(monkeypatch):
-    """`tests.fake_task` run on its own, as worker 0."""
-    task = {"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}
-    monkeypatch.setenv("TF_CONFIG", json.dumps(task))
+def one_member(monkeypatch):
+    """`tests.fake_member` run on its own, as worker 0."""
+    tf_config = {"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
 
 
-def test_a_finished_child_leaves_no_grandchild(one_task, tmp_path):
-    # The task starts a child that sleeps for 120 s, and exits at once.
+def test_a_finished_child_leaves_no_grandchild(one_member, tmp_path):
+    # The member starts a child that sleeps for 120 s, and exits at once.
     done = helpers.run_cli(
         f"--pid_dir={tmp_path}",
         "--grandchild",
         "--sleep=0",
         cwd=str(tmp_path),
-        module="tests.fake_task",
+        module="tests.fake_member",
         keep_tf_config=True,
         timeout=60,  # its grandchild sleeps 120 s: no waiting for it
     )
@@ -48,16 +48,16 @@ def test_a_finished_child_leaves_no_grandchild(one_task, tmp_path):
     assert not [pid for pid in pids if helpers.running(pid)], "the grandchild outlived run_cli"
 
 
-def test_a_timed_out_child_leaves_nothing(one_task, tmp_path):
+def test_a_timed_out_child_leaves_nothing(one_member, tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         helpers.run_cli(
             f"--pid_dir={tmp_path}",
             "--grandchild",
             "--sleep=600",
             cwd=str(tmp_path),
-            module="tests.fake_task",
+            module="tests.fake_member",
             keep_tf_config=True,
-            timeout=5,  # the fake task records its pids within a second even under load
+            timeout=5,  # the fake member records its pids within a second even under load
         )
     pids = _recorded(tmp_path)
     assert "worker:0 grandchild" in pids.values()
@@ -65,15 +65,15 @@ def test_a_timed_out_child_leaves_nothing(one_task, tmp_path):
 
 
 def test_a_failed_test_leaves_no_cluster_behind(tmp_path):
-    """The autouse fixture's cleanup, on an assertion: the launcher and its tasks' children.
+    """The autouse fixture's cleanup, on an assertion: the launcher and its members' children.
 
-    The launcher starts each task in a session of its own, so killing the
+    The launcher starts each member in a session of its own, so killing the
     launcher's process group alone would miss them.
     """
     with pytest.raises(AssertionError), helpers.killed_when_done():
         launcher = helpers.start_cli(
             "--workers=2",
-            "--module=tests.fake_task",
+            "--module=tests.fake_member",
             "--",
             f"--pid_dir={tmp_path}",
             "--grandchild",
@@ -81,7 +81,7 @@ def test_a_failed_test_leaves_no_cluster_behind(tmp_path):
             cwd=str(tmp_path),
             module="trainer.launch",
         )
-        pids = _wait_for_records(tmp_path, 4, launcher)  # 2 tasks, each with a grandchild
+        pids = _wait_for_records(tmp_path, 4, launcher)  # 2 members, each with a grandchild
         raise AssertionError("a failing test")
     assert len(pids) == 4, pids
     assert launcher.returncode is not None

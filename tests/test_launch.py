@@ -1,4 +1,4 @@
-"""The local cluster launcher, with real processes on 127.0.0.1 (tasks are `tests.fake_task`)."""
+"""The local cluster launcher, with real processes on 127.0.0.1 (members: `tests.fake_member`)."""
 
 import io
 import json
@@ -20,19 +20,19 @@ from towerflow.errors import UserError
 from trainer import launch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-FAKE = [sys.executable, "-m", "tests.fake_task"]
+FAKE = [sys.executable, "-m", "tests.fake_member"]
 TIMEOUT_S = 60
 
 
 @pytest.fixture(autouse=True)
 def _repo_on_path(monkeypatch):
-    """Lets every task import `tests.fake_task`, whatever the working directory."""
+    """Lets every member import `tests.fake_member`, whatever the working directory."""
     path = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{path}" if path else str(REPO))
 
 
 def _pids(pid_dir: pathlib.Path) -> dict[int, str]:
-    """The pids the fake tasks recorded: pid -> "worker:1" or "worker:1 grandchild"."""
+    """The pids the fake members recorded: pid -> "worker:1" or "worker:1 grandchild"."""
     return {int(p.stem): p.read_text() for p in pid_dir.glob("*.pid")}
 
 
@@ -43,11 +43,11 @@ def _assert_all_dead(pids, timeout_s: float = 10.0) -> None:
     assert not [pid for pid in pids if running(pid)], "processes left behind"
 
 
-def _run(tasks, *args, grace_s=10.0, kill_after_s=2.0, report_s=0.5):
+def _run(members, *args, grace_s=10.0, kill_after_s=2.0, report_s=0.5):
     out = io.StringIO()
     start = time.monotonic()
     console = launch.Console(out)
-    code = launch.Cluster(tasks, [*FAKE, *args], console, grace_s, kill_after_s, report_s).run()
+    code = launch.Cluster(members, [*FAKE, *args], console, grace_s, kill_after_s, report_s).run()
     assert time.monotonic() - start < TIMEOUT_S
     return code, out.getvalue()
 
@@ -55,30 +55,30 @@ def _run(tasks, *args, grace_s=10.0, kill_after_s=2.0, report_s=0.5):
 # Plans.
 
 
-def _parsed(tasks):
-    return {task.name: cluster.parse(task.tf_config) for task in tasks}
+def _parsed(members):
+    return {member.name: cluster.parse(member.tf_config) for member in members}
 
 
 def test_plan_multi_worker():
-    tasks = launch.plan_cluster(workers=3)
-    specs = _parsed(tasks)
+    members = launch.plan_cluster(workers=3)
+    specs = _parsed(members)
     assert list(specs) == ["worker:0", "worker:1", "worker:2"]
-    addresses = [task.address for task in tasks]
+    addresses = [member.address for member in members]
     assert len(set(addresses)) == 3
     assert all(re.fullmatch(r"127\.0\.0\.1:\d+", address) for address in addresses)
-    for task, spec in zip(tasks, specs.values(), strict=True):
+    for member, spec in zip(members, specs.values(), strict=True):
         assert spec.as_dict() == {"worker": addresses}
         assert (spec.task_type, spec.task_index, spec.address) == (
-            task.type,
-            task.index,
-            task.address,
+            member.type,
+            member.index,
+            member.address,
         )
-    assert [task.is_chief for task in tasks] == [True, False, False]
+    assert [member.is_chief for member in members] == [True, False, False]
 
 
 def test_plan_parameter_server_with_evaluator():
-    tasks = launch.plan_cluster(workers=2, ps=2, evaluator=True)
-    specs = _parsed(tasks)
+    members = launch.plan_cluster(workers=2, ps=2, evaluator=True)
+    specs = _parsed(members)
     assert list(specs) == ["chief", "worker:0", "worker:1", "ps:0", "ps:1", "evaluator"]
     jobs = specs["chief"].as_dict()
     assert [len(jobs[job]) for job in ("chief", "worker", "ps")] == [1, 2, 2]
@@ -87,10 +87,10 @@ def test_plan_parameter_server_with_evaluator():
     assert all(spec.as_dict() == jobs for spec in specs.values())
     assert [name for name, spec in specs.items() if spec.is_chief] == ["chief"]
     evaluator = specs["evaluator"]
-    assert evaluator.task_type == "evaluator" and tasks[-1].address is None  # runs no server
-    # Listed for every task, so the chief knows a sidecar evaluates; kept out of `as_dict`.
+    assert evaluator.task_type == "evaluator" and members[-1].address is None  # runs no server
+    # Listed for every member, so the chief knows a sidecar evaluates; kept out of `as_dict`.
     assert all(spec.has_evaluator for spec in specs.values())
-    assert all("evaluator" in json.loads(t.tf_config)["cluster"] for t in tasks)
+    assert all("evaluator" in json.loads(t.tf_config)["cluster"] for t in members)
 
 
 def test_plan_chief_without_ps():
@@ -112,10 +112,10 @@ def test_a_plan_makes_the_same_members_for_each_attempt_and_refuses_negative_res
 def test_plan_with_port_base_uses_consecutive_ports():
     for base in random.sample(range(20000, 30000, 10), 5):  # below Linux's ephemeral ports
         try:
-            tasks = launch.plan_cluster(workers=2, ps=1, port_base=base)
+            members = launch.plan_cluster(workers=2, ps=1, port_base=base)
         except UserError:  # taken by something else on this machine: try another
             continue
-        assert [task.address for task in tasks] == [f"127.0.0.1:{base + i}" for i in range(4)]
+        assert [member.address for member in members] == [f"127.0.0.1:{base + i}" for i in range(4)]
         return
     pytest.fail("no 4 consecutive free ports found")
 
@@ -157,31 +157,31 @@ def test_free_ports_differ_and_lie_below_the_ephemeral_range():
 
 
 def test_output_is_prefixed_and_the_exit_code_is_the_chiefs(tmp_path):
-    tasks = launch.plan_cluster(workers=2)
-    code, out = _run(tasks, f"--pid_dir={tmp_path}", "--exit=worker:0=7@1", "a b")
+    members = launch.plan_cluster(workers=2)
+    code, out = _run(members, f"--pid_dir={tmp_path}", "--exit=worker:0=7@1", "a b")
     assert code == 7
-    assert f"[worker:0] task worker:0 args ['--pid_dir={tmp_path}'" in out
-    assert "[worker:1] task worker:1 args" in out and "'a b']" in out
+    assert f"[worker:0] member worker:0 args ['--pid_dir={tmp_path}'" in out
+    assert "[worker:1] member worker:1 args" in out and "'a b']" in out
     assert "[worker:1] stderr of worker:1" in out
     assert "[launch] worker:0 (the chief) exited with code 7" in out
     _assert_all_dead(_pids(tmp_path))
 
 
-def test_a_failing_task_stops_the_whole_cluster(tmp_path):
-    tasks = launch.plan_cluster(workers=2, ps=1, evaluator=True)
-    code, out = _run(tasks, f"--pid_dir={tmp_path}", "--grandchild", "--exit=ps:0=3@2")
+def test_a_failing_member_stops_the_whole_cluster(tmp_path):
+    members = launch.plan_cluster(workers=2, ps=1, evaluator=True)
+    code, out = _run(members, f"--pid_dir={tmp_path}", "--grandchild", "--exit=ps:0=3@2")
     assert code == 3
     assert "[launch] ps:0 exited with code 3; letting the chief report (up to 0.5 s)" in out
     assert "[launch] stopping chief, worker:0, worker:1, evaluator" in out
     pids = _pids(tmp_path)
     assert sorted(pids.values()).count("chief:0 grandchild") == 1
-    assert len(pids) == 2 * len(tasks), "every task and its child recorded its pid"
+    assert len(pids) == 2 * len(members), "every member and its child recorded its pid"
     _assert_all_dead(pids)
 
 
 def test_a_failing_parameter_server_worker_is_restarted_a_few_times(tmp_path):
-    tasks = launch.plan_cluster(workers=2, ps=1)
-    code, out = _run(tasks, f"--pid_dir={tmp_path}", "--exit=worker:1=3@1")
+    members = launch.plan_cluster(workers=2, ps=1)
+    code, out = _run(members, f"--pid_dir={tmp_path}", "--exit=worker:1=3@1")
     for attempt in (1, 2, 3):
         assert f"worker:1 exited with code 3; restarting it (attempt {attempt} of 3)" in out
     assert "[launch] worker:1 exited with code 3; letting the chief report" in out
@@ -189,13 +189,13 @@ def test_a_failing_parameter_server_worker_is_restarted_a_few_times(tmp_path):
     _assert_all_dead(_pids(tmp_path))
 
 
-def test_a_task_killed_by_a_signal_fails_the_cluster(tmp_path):
+def test_a_member_killed_by_a_signal_fails_the_cluster(tmp_path):
     code, out = _run(launch.plan_cluster(workers=2), "--exit=worker:1=-9@0.5")
     assert code == 128 + 9
     assert "[launch] worker:1 was killed by SIGKILL; letting the chief report" in out
 
 
-def test_the_chief_may_end_on_its_own_after_a_task_fails(tmp_path):
+def test_the_chief_may_end_on_its_own_after_a_member_fails(tmp_path):
     code, out = _run(
         # 2 s apart: each time counts from its own start, and a loaded machine starts them apart.
         launch.plan_cluster(workers=2),
@@ -203,11 +203,11 @@ def test_the_chief_may_end_on_its_own_after_a_task_fails(tmp_path):
         "--exit=worker:0=144@2.2",
         report_s=10.0,
     )
-    assert code == 5, "the task that failed first sets the exit status"
+    assert code == 5, "the member that failed first sets the exit status"
     assert "[launch] worker:0 exited with code 144" in out and "stopping" not in out
 
 
-def test_a_preempted_task_lets_the_others_save_at_the_same_step(tmp_path):
+def test_a_preempted_member_lets_the_others_save_at_the_same_step(tmp_path):
     args = ["--exit=worker:1=143@0.2", "--exit=worker:0=143@1.5"]
     code, out = _run(launch.plan_cluster(workers=2), *args, report_s=0.1)
     assert code == 143
@@ -216,9 +216,9 @@ def test_a_preempted_task_lets_the_others_save_at_the_same_step(tmp_path):
 
 
 def test_after_the_chief_the_rest_get_a_grace_period_then_sigkill(tmp_path):
-    tasks = launch.plan_cluster(workers=1, ps=1)
+    members = launch.plan_cluster(workers=1, ps=1)
     args = [f"--pid_dir={tmp_path}", "--grandchild", "--ignore_term", "--exit=chief:0=0@1"]
-    code, out = _run(tasks, *args, grace_s=0.5, kill_after_s=0.5)
+    code, out = _run(members, *args, grace_s=0.5, kill_after_s=0.5)
     assert code == 0
     assert "[launch] chief exited with code 0" in out
     assert "[launch] waiting up to 0.5 s for the other members to end" in out
@@ -228,7 +228,7 @@ def test_after_the_chief_the_rest_get_a_grace_period_then_sigkill(tmp_path):
     _assert_all_dead(pids)
 
 
-def test_tasks_that_end_with_the_chief_are_not_stopped():
+def test_members_that_end_with_the_chief_are_not_stopped():
     start = time.monotonic()
     code, out = _run(launch.plan_cluster(workers=2), "--sleep=1", "--exit=worker:0=0@0.5")
     assert code == 0 and "stopping" not in out
@@ -239,8 +239,8 @@ def test_tasks_that_end_with_the_chief_are_not_stopped():
 def test_an_evaluator_that_ends_early_fails_the_cluster_only_when_non_zero(
     evaluator_code, expected
 ):
-    tasks = launch.plan_cluster(workers=1, evaluator=True)
-    code, out = _run(tasks, f"--exit=evaluator:0={evaluator_code}@0.2", "--exit=worker:0=0@2")
+    members = launch.plan_cluster(workers=1, evaluator=True)
+    code, out = _run(members, f"--exit=evaluator:0={evaluator_code}@0.2", "--exit=worker:0=0@2")
     assert code == expected
     assert ("evaluator exited with code 4; letting the chief" in out) == (evaluator_code == 4)
 
@@ -279,7 +279,7 @@ def test_negative_restarts_are_refused():
 
 
 def _launcher(*args, **kwargs):
-    command = [sys.executable, "-m", "trainer.launch", "--module=tests.fake_task", *args]
+    command = [sys.executable, "-m", "trainer.launch", "--module=tests.fake_member", *args]
     return subprocess.Popen(
         command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
     )
@@ -309,18 +309,18 @@ def test_command_line_passes_the_trainer_flags_through(tmp_path):
     finally:
         proc.kill()
     assert_exit(proc, output=err)
-    assert "[worker:0] task worker:0 args ['--sleep=1', '--exit=worker:0=0@0.5', 'x']" in out
-    assert "[worker:1] task worker:1 args" in out
+    assert "[worker:0] member worker:0 args ['--sleep=1', '--exit=worker:0=0@0.5', 'x']" in out
+    assert "[worker:1] member worker:1 args" in out
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_to_the_launcher_stops_every_task(tmp_path, sig):
+def test_a_signal_to_the_launcher_stops_every_member(tmp_path, sig):
     proc = _launcher("--workers=2", "--ps=1", "--", f"--pid_dir={tmp_path}", "--grandchild")
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while len(_pids(tmp_path)) < 8 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(_pids(tmp_path)) == 8, "4 tasks and their children started"
+        assert len(_pids(tmp_path)) == 8, "4 members and their children started"
         proc.send_signal(sig)
         got = _read_until(proc, f"[launch] got {sig.name}")
         proc.send_signal(sig)  # pressed twice: the cleanup still runs to the end

@@ -97,7 +97,7 @@ def test_another_host_reaches_a_local_cluster_only_with_allow_network(tmp_path, 
     with _other_host() as (from_other_host, our_address), helpers.killed_when_done():
         flags = ["--allow_network"] if allow_network else []
         proc = helpers.start_cli(
-            "--workers=2", "--module=tests.fake_task", *flags, "--",
+            "--workers=2", "--module=tests.fake_member", *flags, "--",
             "--listen", "--sleep=120", f"--pid_dir={tmp_path}",
             cwd=tmp_path, module="trainer.launch",
         )  # fmt: skip

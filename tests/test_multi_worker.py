@@ -22,7 +22,7 @@ from tests.helpers import (
     pid_of,
     run_cli,
     start_cli,
-    start_task,
+    start_member,
 )
 from trainer.launch import pick_ports
 
@@ -139,7 +139,7 @@ def _fault_run(tmp_path, sig):
         *FAULT_RUN,
         cwd=tmp_path,
         trigger="[worker:0] train | step: 120/",
-        task=("worker", 1),
+        member=("worker", 1),
         sig=sig,
     )
     output = "\n".join(line for _, line in lines)
@@ -253,7 +253,7 @@ def test_a_hung_chief_is_named_and_its_peer_exits(tmp_path):
         "--config.train.export=False",
         cwd=tmp_path,
         trigger="[worker:0] train | step: 100/",
-        task=("worker", 0),
+        member=("worker", 0),
         sig=signal.SIGSTOP,
     )
     seconds, _ = _named(lines, "worker:1", "worker:0")
@@ -268,7 +268,7 @@ def test_workers_that_restored_different_steps_stop_with_one_line(two_workers, t
     # A rerun where worker 1 sees another `model_dir`, as when it is not shared.
     addresses = [f"127.0.0.1:{port}" for port in pick_ports(2)]
     procs = [
-        start_task(
+        start_member(
             cluster.make_tf_config({"worker": addresses}, "worker", index),
             "--strategy=multi_worker",
             f"--model_dir={model_dir}",

@@ -235,8 +235,8 @@ def test_the_ctr_table_follows_the_vocabulary():
     assert config.model.vocab_size == 5000, "the table follows the vocabulary"
 
 
-def _signalled_cluster(tmp_path, topology, task, trigger, *trainer_flags) -> str:
-    """Runs a parameter-server job, SIGKILLs `task` at `trigger`; checks it completes."""
+def _signalled_cluster(tmp_path, topology, member, trigger, *trainer_flags) -> str:
+    """Runs a parameter-server job, SIGKILLs `member` at `trigger`; checks it completes."""
     model_dir = tmp_path / "run"
     code, lines, _ = launch_and_signal(
         *topology,
@@ -248,7 +248,7 @@ def _signalled_cluster(tmp_path, topology, task, trigger, *trainer_flags) -> str
         *trainer_flags,
         cwd=tmp_path,
         trigger=trigger,
-        task=task,
+        member=member,
         sig=signal.SIGKILL,
         timeout=CLUSTER_TIMEOUT_S,
     )
@@ -279,7 +279,7 @@ def test_a_killed_worker_is_restarted_and_the_job_completes(tmp_path):
 def test_a_lost_ps_is_named_by_the_chief_and_the_cluster_restarts_from_its_checkpoint(tmp_path):
     """SIGKILL a ps 20 steps after an asynchronous checkpoint started: it is not lost.
 
-    The chief says which task it lost, and `--restarts` resumes the whole job
+    The chief says which member it lost, and `--restarts` resumes the whole job
     from a checkpoint at most `checkpoint_every` steps back.
     """
     output = _signalled_cluster(

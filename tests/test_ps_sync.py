@@ -205,7 +205,7 @@ def _spare_run(tmp_path, model_dir):
         "--config.train.checkpoint_every=0",
         cwd=tmp_path,
         trigger="[chief] train | step: 40/",
-        task=("worker", 2),
+        member=("worker", 2),
         sig=signal.SIGKILL,
         timeout=CLUSTER_TIMEOUT_S,
     )

@@ -72,7 +72,7 @@ def test_a_non_chief_leaves_no_scratch_when_killed_or_at_the_end(tmp_path, temp_
         "--config.train.export=False",
         cwd=tmp_path,
         trigger="[worker:0] train | step: 80/",
-        task=("worker", 1),
+        member=("worker", 1),
         sig=signal.SIGKILL,
     )
     output = "\n".join(line for _, line in lines)

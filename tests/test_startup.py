@@ -11,7 +11,7 @@ import time
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import TIMEOUT_S, assert_exit, kill, launched, start_task, tiny_config
+from tests.helpers import TIMEOUT_S, assert_exit, kill, launched, start_member, tiny_config
 from towerflow.errors import MemberLost, UserError
 from trainer.launch import pick_ports
 from trainer.loop import train
@@ -127,7 +127,9 @@ def _start_worker_0(tmp_path, missing_port: int, *flags: str) -> subprocess.Pope
     tf_config = cluster.make_tf_config(
         {"worker": [f"127.0.0.1:{mine}", f"127.0.0.1:{missing_port}"]}, "worker", 0
     )
-    return start_task(tf_config, "--strategy=multi_worker", "--model_dir=run", *flags, cwd=tmp_path)
+    return start_member(
+        tf_config, "--strategy=multi_worker", "--model_dir=run", *flags, cwd=tmp_path
+    )
 
 
 @pytest.mark.parametrize("strategy", ["multi_worker", "parameter_server"])
@@ -139,7 +141,7 @@ def test_the_cli_gives_up_on_missing_members_with_one_line(tmp_path, strategy):
         jobs = {"chief": [f"127.0.0.1:{chief}"], "worker": [f"127.0.0.1:{worker}"]}
         jobs["ps"] = [f"127.0.0.1:{ps}"]
         missing = [f"worker:0 at 127.0.0.1:{worker}", f"ps:0 at 127.0.0.1:{ps}"]
-    proc = start_task(
+    proc = start_member(
         cluster.make_tf_config(jobs, "chief" if "chief" in jobs else "worker", 0),
         f"--strategy={strategy}",
         "--model_dir=run",

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import assert_exit, kill, start_task
+from tests.helpers import assert_exit, kill, start_member
 from towerflow.errors import UserError
 from trainer.launch import pick_ports
 
@@ -61,7 +61,7 @@ def _one_line(err: str) -> str:
     ids=["unknown-host", "long-garbage-host", "unknown-chief-host-ps"],
 )
 def test_an_own_host_that_does_not_resolve_is_one_line_and_exit_2(tmp_path, host, strategy):
-    proc = start_task(
+    proc = start_member(
         _tf_config(host, strategy), f"--strategy={strategy}", "--model_dir=run", cwd=tmp_path
     )
     _, err, took = _finish(proc)
@@ -75,7 +75,7 @@ def test_an_own_host_that_does_not_resolve_is_one_line_and_exit_2(tmp_path, host
 
 
 def test_tensorflows_own_join_of_the_cluster_ends_at_the_bound_with_exit_144(tmp_path):
-    proc = start_task(
+    proc = start_member(
         _tf_config(UNROUTED, "multi_worker"),
         "--strategy=multi_worker",
         "--model_dir=run",
@@ -96,7 +96,7 @@ def test_tensorflows_own_join_of_the_cluster_ends_at_the_bound_with_exit_144(tmp
 
 
 def test_sigterm_while_tensorflow_joins_the_cluster_exits_143_at_once(tmp_path):
-    proc = start_task(
+    proc = start_member(
         _tf_config(UNROUTED, "multi_worker"),  # the default bound: 120 s
         "--strategy=multi_worker",
         "--model_dir=run",

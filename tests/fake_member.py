@@ -1,13 +1,13 @@
-"""A stand-in for `python -m trainer` in the launcher's tests: a task that does as it is told.
+"""A stand-in for `python -m trainer` in the launcher's tests: a member that does as it is told.
 
-    python -m tests.fake_task --pid_dir=DIR --sleep=60 --exit=worker:1=3@0.5 --grandchild
-    python -m tests.fake_task --pid_dir=DIR --listen
+    python -m tests.fake_member --pid_dir=DIR --sleep=60 --exit=worker:1=3@0.5 --grandchild
+    python -m tests.fake_member --pid_dir=DIR --listen
 
-It prints its task (from `TF_CONFIG`) and its arguments, one line to stderr,
-records its pid (and its child's, with `--grandchild`) as `DIR/<pid>.pid`,
-then sleeps and exits. `--exit=NAME=CODE@SECONDS` makes task NAME ("chief:0",
+It prints its name (from `TF_CONFIG`'s `task`) and its arguments, one line
+to stderr, records its pid (and its child's, with `--grandchild`) as
+`DIR/<pid>.pid`, then sleeps and exits. `--exit=NAME=CODE@SECONDS` makes member NAME ("chief:0",
 "worker:1", "ps:0", "evaluator:0") exit with CODE after SECONDS; a negative
-CODE kills it with that signal. Other tasks exit 0 after `--sleep` seconds.
+CODE kills it with that signal. Other members exit 0 after `--sleep` seconds.
 `--listen` listens on its `TF_CONFIG` address's port on every interface, as
 TensorFlow's servers do, before it records its pid.
 """
@@ -45,8 +45,8 @@ def main() -> None:
     )
     args, _ = parser.parse_known_args()
 
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
-    name = f"{task['type']}:{task['index']}"
+    entry = json.loads(os.environ["TF_CONFIG"])["task"]
+    name = f"{entry['type']}:{entry['index']}"
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the grandchild too
     if args.save_s is not None:
@@ -58,13 +58,13 @@ def main() -> None:
             sys.exit(143)
 
         signal.signal(signal.SIGTERM, save_and_exit)
-    print(f"task {name} args {sys.argv[1:]}")
+    print(f"member {name} args {sys.argv[1:]}")
     print(f"stderr of {name}", file=sys.stderr)
     if args.grandchild:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         _record(args.pid_dir, child.pid, f"{name} grandchild")
     if args.listen:  # accepts connections (the kernel completes them), reads nothing
-        address = json.loads(os.environ["TF_CONFIG"])["cluster"][task["type"]][task["index"]]
+        address = json.loads(os.environ["TF_CONFIG"])["cluster"][entry["type"]][entry["index"]]
         server = socket.create_server(("0.0.0.0", int(address.rsplit(":", 1)[1])))  # noqa: F841
     _record(args.pid_dir, os.getpid(), name)
 
