@@ -60,11 +60,11 @@ def test_from_env_reads_tf_config():
         ({"type": "evaluator", "index": 0}, False),
     ],
 )
-def test_chief_is_the_chief_task(task, is_chief):
+def test_chief_is_the_chief_member(task, is_chief):
     assert cluster.parse(json.dumps({**FULL, "task": task})).is_chief == is_chief
 
 
-def test_worker_0_is_chief_without_a_chief_task():
+def test_worker_0_is_chief_without_a_chief_member():
     jobs = {"worker": ["h:1", "h:2"]}
     assert cluster.parse(_with({"type": "worker", "index": 0}, **jobs)).is_chief
     assert not cluster.parse(_with({"type": "worker", "index": 1}, **jobs)).is_chief
@@ -83,12 +83,12 @@ def test_a_job_given_by_index_as_tensorflow_takes_it_is_a_list():
     assert spec.address == "h:2"
 
 
-def test_one_task_cluster_needs_no_task():
+def test_a_one_member_cluster_needs_no_task_key():
     spec = cluster.parse(_with(worker=["localhost:2222"]))
     assert (spec.task_type, spec.task_index, spec.is_chief) == ("worker", 0, True)
 
 
-def test_index_defaults_to_0_for_a_one_task_job():
+def test_index_defaults_to_0_for_a_one_member_job():
     spec = cluster.parse(_with({"type": "chief"}, chief=["h:1"], worker=["h:2"]))
     assert spec.task_index == 0
 

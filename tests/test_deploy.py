@@ -5,7 +5,7 @@ pod's environment (the downward-API values of its JobSet labels, the
 completion index its Indexed Job adds, its DNS hostname), the command it
 runs, and the `TF_CONFIG` `--cluster=jobset` derives from them, for every
 pod of every replicated job. Every pod must see the same cluster, name a
-different task, and find each task at the DNS name of the pod that runs it.
+different member, and find each member at the DNS name of the pod that runs it.
 The tf.data service's JobSet likewise: each pod's role, port, dispatcher and
 the host name trainers reach it at, from `python -m trainer.data_service`'s
 own derivation.
@@ -101,17 +101,17 @@ def _tf_config(pod: Pod) -> cluster.ClusterSpec:
 
 
 @pytest.mark.parametrize("name", MANIFESTS)
-def test_every_pod_derives_the_same_cluster_and_its_own_task(name):
+def test_every_pod_derives_the_same_cluster_and_its_own_member(name):
     jobset = _jobset(name)
     pods = _pods(jobset)
     specs = [_tf_config(pod) for pod in pods]
     jobs = specs[0].jobs
     assert all(spec.jobs == jobs for spec in specs), "one cluster on every pod"
-    tasks = [(spec.task_type, spec.task_index) for spec in specs]
-    every_task = [
+    members = [(spec.task_type, spec.task_index) for spec in specs]
+    every_member = [
         (job, index) for job, addresses in jobs.items() for index in range(len(addresses))
     ]
-    assert sorted(tasks) == sorted(every_task), "each task exactly once"
+    assert sorted(members) == sorted(every_member), "each member exactly once"
     counts = {
         r["name"]: r.get("replicas", 1) * r["template"]["spec"]["completions"]
         for r in jobset["spec"]["replicatedJobs"]
@@ -136,7 +136,7 @@ def test_the_topologies_fit_their_strategies():
 def test_the_same_command_on_every_pod_with_a_shared_model_dir(name):
     jobset = _jobset(name)
     pods = _pods(jobset)
-    assert len({tuple(pod.command) for pod in pods}) == 1, "the same command on every task"
+    assert len({tuple(pod.command) for pod in pods}) == 1, "the same command on every member"
     assert f"--strategy={MANIFESTS[name]}" in pods[0].command
     (claim,) = [d for d in yaml.safe_load_all((DEPLOY / "volume.yaml").read_text()) if d]
     assert "ReadWriteMany" in claim["spec"]["accessModes"]
@@ -151,7 +151,7 @@ def test_the_same_command_on_every_pod_with_a_shared_model_dir(name):
 
 
 @pytest.mark.parametrize("name", MANIFESTS)
-def test_only_preemption_and_a_lost_task_restart_the_jobset(name):
+def test_only_preemption_and_a_lost_member_restart_the_jobset(name):
     jobset = _jobset(name)
     assert jobset["spec"]["network"]["enableDNSHostnames"] is True
     policy = jobset["spec"]["failurePolicy"]

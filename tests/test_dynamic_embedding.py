@@ -382,7 +382,7 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_pat
 
 
 @pytest.mark.slow  # 4 members, the export served in a fresh process: over a minute
-def test_under_parameter_server_the_table_is_split_over_the_ps_tasks_and_learns(tmp_path, capsys):
+def test_under_parameter_server_the_table_is_split_over_the_ps_members_and_learns(tmp_path, capsys):
     result = launched(
         "--workers=2",
         "--ps=2",

@@ -118,7 +118,7 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
     assert f"train | step: {step + 20}/{step + 20}" in resumed.stdout
 
 
-def test_the_watchdog_names_tasks_that_do_not_answer_while_a_loop_is_overdue():
+def test_the_watchdog_names_members_that_do_not_answer_while_a_loop_is_overdue():
     reports = []
     said = threading.Event()
 
@@ -137,7 +137,7 @@ def test_the_watchdog_names_tasks_that_do_not_answer_while_a_loop_is_overdue():
     assert "not answering: worker:1 (127.0.0.1:9)" in reports[0]
 
 
-def test_a_failed_step_names_the_lost_task_and_the_checkpoint_to_resume_from(tmp_path):
+def test_a_failed_step_names_the_lost_member_and_the_checkpoint_to_resume_from(tmp_path):
     error = tf.errors.UnavailableError(None, None, "Socket closed")
     lost = faults.lost_member_error(error, ["ps:1 (127.0.0.1:5)"], str(tmp_path))
     assert isinstance(lost, faults.MemberLost)
@@ -157,7 +157,7 @@ def test_a_hung_peer_is_named_from_the_error_and_other_errors_pass_through(tmp_p
 
 
 def _reply_to_every_connection(server: socket.socket) -> None:
-    """Plays a serving task: answers each connection as a gRPC server opens HTTP/2."""
+    """Plays a serving member: answers each connection as a gRPC server opens HTTP/2."""
     while True:
         try:
             connection, _ = server.accept()
@@ -167,7 +167,7 @@ def _reply_to_every_connection(server: socket.socket) -> None:
             connection.sendall(bytes(9))  # the size of the SETTINGS frame a server sends first
 
 
-def test_unreachable_lists_the_other_tasks_that_are_gone_or_hung():
+def test_unreachable_lists_the_other_members_that_are_gone_or_hung():
     with socket.socket() as alive, socket.socket() as gone, socket.socket() as hung:
         for s in (alive, gone, hung):
             s.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""Cluster membership (`strategies.cluster.membership`): roles, the chief, lost tasks, agreement."""
+"""Cluster membership (`strategies.cluster.membership`): roles, chief, lost members, agreement."""
 
 import doctest
 import socket
@@ -46,17 +46,17 @@ def test_serving_jobs_serve_and_the_chief_trains(task_type, index, role, chief):
 
 
 @pytest.mark.parametrize("index, chief", [(0, True), (1, False)])
-def test_without_a_chief_task_worker_0_is_the_chief(index, chief):
+def test_without_a_chief_member_worker_0_is_the_chief(index, chief):
     member = Membership(_spec(WORKERS, "worker", index))
     assert (member.role, member.is_chief, member.evaluates_inline) == ("train", chief, True)
 
 
-def test_a_training_task_has_no_server_to_run():
+def test_a_training_member_has_no_server_to_run():
     with pytest.raises(NotImplementedError, match="'train' member has no server"):
         Membership(_spec(WORKERS, "worker", 0)).serve()
 
 
-def test_lost_tasks_names_the_peers_that_do_not_answer():
+def test_lost_members_names_the_peers_that_do_not_answer():
     with socket.socket() as held:  # a port nothing listens on: refused at once
         held.bind(("127.0.0.1", 0))
         port = held.getsockname()[1]

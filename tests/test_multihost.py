@@ -1,7 +1,7 @@
 """Clusters across simulated hosts: a network namespace per host, real addresses, a bridge.
 
-Each task runs the README's per-host command (`TF_CONFIG=... python -m
-trainer ...`) in its own namespace (`trainer.bench.hosts`), so tasks talk over
+Each member runs the README's per-host command (`TF_CONFIG=... python -m
+trainer ...`) in its own namespace (`trainer.bench.hosts`), so members talk over
 10.77.0.x addresses through a bridge, as separate machines would, and a link
 can be shaped or cut. The model_dir is a directory every host sees (the
 namespaces share the file system). Needs root and iproute2, and netem or
@@ -32,7 +32,7 @@ TINY = [
     "--config.train.export=False",
     "--config.model.hidden_units=(32,)",
 ]
-# The longest path the README documents for naming a lost task: the watchdog looks once a
+# The longest path the README documents for naming a lost member: the watchdog looks once a
 # loop has run `WATCHDOG_AFTER_S` (checking every as often), and gives up after `GIVE_UP_S`
 # of probes that each wait up to `PROBE_S`. The coordination service's heartbeats name a
 # cut-off host sooner (about 12 s here).
@@ -61,33 +61,33 @@ def make_hosts():
         hosts.close()
 
 
-def _start(hosts, tasks, tmp_path, *args: str) -> dict[str, subprocess.Popen]:
-    """Each task's per-host command, on its host; its output to `tmp_path/<task>.log`."""
+def _start(hosts, members, tmp_path, *args: str) -> dict[str, subprocess.Popen]:
+    """Each member's per-host command, on its host; its output to `tmp_path/<member>.log`."""
     return {
-        task.name: hosts.start_trainer(
-            task, args, log=str(tmp_path / f"{task.name}.log"), cwd=str(tmp_path)
+        member.name: hosts.start_trainer(
+            member, args, log=str(tmp_path / f"{member.name}.log"), cwd=str(tmp_path)
         )
-        for task in tasks
+        for member in members
     }
 
 
 def _wait(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
-    """Each task's exit code, all within `TIMEOUT_S` (generous: a loaded machine)."""
+    """Each member's exit code, all within `TIMEOUT_S` (generous: a loaded machine)."""
     deadline = time.monotonic() + TIMEOUT_S
     return {name: p.wait(timeout=max(1, deadline - time.monotonic())) for name, p in procs.items()}
 
 
 def _logs(tmp_path) -> str:
-    """Every task's output (its end), for a failure's message."""
+    """Every member's output (its end), for a failure's message."""
     return "\n".join(
         f"--- {log.name}\n{log.read_text()[-2000:]}" for log in sorted(tmp_path.glob("*.log"))
     )
 
 
 def _trained(tmp_path, hosts, layout: dict, steps: int, *args: str, by_name=False) -> dict:
-    """Trains a tiny job on `hosts` as `layout` says; every task exits 0. Its results.json."""
-    tasks = hosts.cluster(layout, by_name=by_name)
-    procs = _start(hosts, tasks, tmp_path, *args, f"--config.train.steps={steps}", *TINY)
+    """Trains a tiny job on `hosts` as `layout` says; every member exits 0. Its results.json."""
+    members = hosts.cluster(layout, by_name=by_name)
+    procs = _start(hosts, members, tmp_path, *args, f"--config.train.steps={steps}", *TINY)
     assert set(_wait(procs).values()) == {0}, _logs(tmp_path)
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["step"] == steps
@@ -117,7 +117,7 @@ def test_parameter_server_on_four_hosts(make_hosts, tmp_path):
 
 
 def _until(condition, procs, tmp_path) -> None:
-    """Waits for `condition()` while every task runs (bounded)."""
+    """Waits for `condition()` while every member runs (bounded)."""
     deadline = time.monotonic() + TIMEOUT_S
     while not condition():
         running = all(p.poll() is None for p in procs.values())
@@ -130,11 +130,11 @@ def test_a_cut_link_is_named_on_both_sides_within_the_bound_and_the_rerun_resume
     make_hosts, tmp_path
 ):
     hosts = make_hosts(2)
-    tasks = hosts.cluster({"worker": [0, 1]})
+    members = hosts.cluster({"worker": [0, 1]})
     run = tmp_path / "run"
     args = ["--strategy=multi_worker", f"--model_dir={run}", "--config.train.steps=600", *TINY]
     args.append("--config.train.checkpoint_every=20")
-    procs = _start(hosts, tasks, tmp_path, *args)
+    procs = _start(hosts, members, tmp_path, *args)
     _until((run / "checkpoints" / "checkpoint").exists, procs, tmp_path)
     hosts.set_link(1, up=False)  # worker:1's host is cut off; both processes still run
     cut, ended = time.monotonic(), {}
@@ -149,8 +149,8 @@ def test_a_cut_link_is_named_on_both_sides_within_the_bound_and_the_rerun_resume
     assert max(ended.values()) < DETECTION_BOUND_S, (ended, _logs(tmp_path))
     resumes = set()
     peers = {"worker:0": "worker:1 (10.77.0.2:2222)", "worker:1": "worker:0 (10.77.0.1:2222)"}
-    for task, lost in peers.items():
-        log = (tmp_path / f"{task}.log").read_text()
+    for member, lost in peers.items():
+        log = (tmp_path / f"{member}.log").read_text()
         pattern = rf"^error: {re.escape(lost)} stopped answering .* resumes from (\S+)\.$"
         named = re.search(pattern, log, re.M)
         assert named, log[-3000:]
@@ -160,7 +160,7 @@ def test_a_cut_link_is_named_on_both_sides_within_the_bound_and_the_rerun_resume
     assert step >= 20
 
     # The restart recipe: the same commands again, with the same model_dir.
-    procs = _start(hosts, tasks, tmp_path, *args)
+    procs = _start(hosts, members, tmp_path, *args)
     assert _wait(procs) == {"worker:0": 0, "worker:1": 0}, _logs(tmp_path)
     assert f"restored {checkpoint} at step {step}" in (tmp_path / "worker:0.log").read_text()
     assert json.loads((run / "results.json").read_text())["step"] == 600
@@ -191,8 +191,8 @@ def _namespace_pids(namespace: str) -> list[int]:
     return [int(pid) for pid in listed.stdout.split()]
 
 
-# A task with a descendant in a session of its own; it prints what `b` resolves to there.
-_TASK = """
+# A process with a descendant in a session of its own; it prints what `b` resolves to there.
+_PROCESS = """
 import socket, subprocess, time
 subprocess.Popen(["sleep", "600"], start_new_session=True)
 print(socket.gethostbyname("b"), flush=True)
@@ -218,7 +218,9 @@ def test_hosts_are_isolated_and_torn_down_and_a_killed_runs_are_removed():
             # None of their addresses or links is in the machine's own namespace.
             addresses = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True)
             assert hosts_lib.SUBNET not in addresses.stdout
-            proc = hosts.start(1, [sys.executable, "-c", _TASK], stdout=subprocess.PIPE, text=True)
+            proc = hosts.start(
+                1, [sys.executable, "-c", _PROCESS], stdout=subprocess.PIPE, text=True
+            )
             assert proc.stdout.readline() == "10.77.0.2\n"  # the name, from its hosts file
             pids = _namespace_pids(hosts.namespaces[1])
             assert len(pids) == 2, pids

@@ -149,7 +149,7 @@ def _plugin(monkeypatch, task_type: str, index: int = 0):
     return strategies.get("parameter_server", configs.ctr.get_config().strategy.parameter_server)
 
 
-def test_the_evaluator_builds_sharded_layers_as_the_training_tasks_do(monkeypatch):
+def test_the_evaluator_builds_sharded_layers_as_the_training_members_do(monkeypatch):
     """In this process: ps and worker members wait for their cluster at start-up.
 
     The real clusters above show those roles (`serving as a parameter_server member`).
@@ -184,7 +184,7 @@ def test_an_unknown_partitioner_lists_the_known_ones(monkeypatch):
         strategies.get("parameter_server", options)
 
 
-def test_wait_until_gone_sees_a_task_come_and_go():
+def test_wait_until_gone_sees_a_member_come_and_go():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()

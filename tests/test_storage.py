@@ -248,8 +248,8 @@ def test_a_sweep_directory_on_ram_holds_logs_rows_and_results(tmp_path):
     tf.io.gfile.rmtree(sweep_dir)
 
 
-def test_a_non_chief_task_names_an_unknown_scheme_in_one_line(monkeypatch):
-    """Only the chief checks that model_dir can be written; every task checks its scheme."""
+def test_a_non_chief_member_names_an_unknown_scheme_in_one_line(monkeypatch):
+    """Only the chief checks that model_dir can be written; every member checks its scheme."""
     config = tiny_config(**{"strategy.name": "one_device"})
     strategy = train.make_strategy(config)
     monkeypatch.setattr(type(strategy.membership), "is_chief", property(lambda self: False))

@@ -1,4 +1,4 @@
-"""The watchdog ends a loop that waits on a task which stopped answering."""
+"""The watchdog ends a loop that waits on a member which stopped answering."""
 
 import itertools
 import threading
@@ -7,7 +7,7 @@ from towerflow import errors
 from trainer.loop import faults
 
 
-def test_a_task_silent_for_the_bound_makes_the_watchdog_give_up():
+def test_a_member_silent_for_the_bound_makes_the_watchdog_give_up():
     given_up = []
     done = threading.Event()
 
@@ -25,7 +25,7 @@ def test_a_task_silent_for_the_bound_makes_the_watchdog_give_up():
     assert len(reports) >= 2 and all("not answering: worker:0" in r for r in reports)
 
 
-def test_a_task_that_answers_again_restarts_the_count():
+def test_a_member_that_answers_again_restarts_the_count():
     answers = itertools.cycle([["worker:1 (h:1)"], [], ["worker:1 (h:1)"], []])
     probes = itertools.count(1)
     probed_enough = threading.Event()  # well past `give_up_s` of silences, had they added up
@@ -48,7 +48,7 @@ def test_a_task_that_answers_again_restarts_the_count():
     assert given_up == []
 
 
-def test_the_message_names_the_task_and_how_to_resume(capfd, monkeypatch):
+def test_the_message_names_the_member_and_how_to_resume(capfd, monkeypatch):
     codes = []
     monkeypatch.setattr(faults.os, "_exit", codes.append)
     faults.exit_member_lost(["chief (127.0.0.1:5)"], 21.4)
