@@ -1,11 +1,11 @@
-"""The strategy contract on a local cluster, each task run by `trainer.launch`.
+"""The strategy contract on a local cluster, each member run by `trainer.launch`.
 
     python -m trainer.launch --workers=1 --ps=1 --module=tests.cluster_contract -- \\
         --strategy=parameter_server --model_dir=DIR
 
 The chief runs `tests/test_strategies.py`'s contract tests for the plugin
 (`CONTRACT_ON_CLUSTER` names it, so the fixture builds it instead of skipping);
-every other task serves, as `python -m trainer` does for it.
+every other member serves, as `python -m trainer` does for it.
 """
 
 import json
@@ -18,9 +18,9 @@ CONTRACT_ON_CLUSTER = "TOWERFLOW_CONTRACT_ON_CLUSTER"  # the plugin the chief's 
 
 
 def main() -> None:
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    entry = json.loads(os.environ["TF_CONFIG"])["task"]
     strategy = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--strategy="))
-    if task["type"] != "chief":  # a ps or worker task: serve, as the trainer does
+    if entry["type"] != "chief":  # a ps or worker member: serve, as the trainer does
         os.execv(sys.executable, [sys.executable, "-m", "trainer", *sys.argv[1:]])
     os.environ[CONTRACT_ON_CLUSTER] = strategy
     tests = os.path.join(os.path.dirname(__file__), "test_strategies.py")

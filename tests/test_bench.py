@@ -307,11 +307,11 @@ def test_pinning_moves_every_thread_of_a_running_process():
     proc = subprocess.Popen([sys.executable, "-c", threads], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "up\n"
-        tasks = os.listdir(f"/proc/{proc.pid}/task")
-        assert len(tasks) == 4
+        threads = os.listdir(f"/proc/{proc.pid}/task")
+        assert len(threads) == 4
         core = sorted(os.sched_getaffinity(0))[-1]
         data_service.pin(proc.pid, [core])
-        assert [os.sched_getaffinity(int(t)) for t in tasks] == [{core}] * 4
+        assert [os.sched_getaffinity(int(t)) for t in threads] == [{core}] * 4
     finally:
         proc.kill()
         proc.wait()

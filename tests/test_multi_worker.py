@@ -150,7 +150,7 @@ def _fault_run(tmp_path, sig):
 
 
 def _named(lines: list[tuple[float, str]], by: str, lost: str) -> tuple[float, str]:
-    """The first (second, line) in which task `by` says task `lost`, with its address, stopped."""
+    """The first (second, line) in which member `by` says member `lost` (its address) stopped."""
     pattern = rf"\[{by}\] error: {lost} \(127\.0\.0\.1:\d+\) stopped answering"
     named = [(t, line) for t, line in lines if re.match(pattern, line)]
     assert named, "\n".join(line for _, line in lines)[-3000:]

@@ -64,7 +64,7 @@ def _run_cluster(tmp_path, *trainer_flags: str) -> tuple[dict, str]:
     return json.loads((model_dir / "results.json").read_text()), result.stdout
 
 
-def _tasks(devices: list[str]) -> set[str]:
+def _members(devices: list[str]) -> set[str]:
     return {re.sub(r"/device:.*", "", d) for d in devices}
 
 
@@ -89,12 +89,12 @@ def test_digits_on_two_workers_and_two_ps(tmp_path):
         assert counts.sum() == 50, "each update of the block recorded once"
         assert means[step] == pytest.approx(np.arange(len(counts)) @ counts / 50)
     assert results["train"]["staleness_mean"] == pytest.approx(means[150])
-    assert _tasks(placement["compute_devices"]) == {
+    assert _members(placement["compute_devices"]) == {
         "/job:worker/replica:0/task:0",
         "/job:worker/replica:0/task:1",
     }
     where = [d for devices in placement["variables"].values() for d in devices]
-    assert _tasks(where) == {"/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
+    assert _members(where) == {"/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
     for member in ("ps:0", "ps:1", "worker:0", "worker:1"):  # their role: serve
         assert f"[{member}] serving as a parameter_server member" in out
     assert "stopping" not in out, "ps and worker members end by themselves after the chief"
@@ -120,7 +120,7 @@ def test_ctr_shards_the_table_over_both_ps_and_learns(tmp_path):
     variables = results["placement"]["variables"]
     shards = {name: devices for name, devices in variables.items() if "embeddings_" in name}
     assert len(shards) == 2
-    assert _tasks([d for devices in shards.values() for d in devices]) == {
+    assert _members([d for devices in shards.values() for d in devices]) == {
         "/job:ps/replica:0/task:0",
         "/job:ps/replica:0/task:1",
     }
@@ -161,7 +161,7 @@ def test_the_evaluator_builds_sharded_layers_as_the_training_members_do(monkeypa
         False,
         False,
     )
-    # Every task builds the model the same way, so checkpoints match across tasks.
+    # Every member builds the model the same way, so checkpoints match across members.
     with strategy.scope():
         layer = ShardedEmbedding(100, 4)
         layer.build()
@@ -335,7 +335,7 @@ def test_sigterm_to_the_launcher_saves_the_step_reached_and_a_rerun_resumes_ther
         lines += proc.stdout.readlines()
         code = proc.wait(timeout=CLUSTER_TIMEOUT_S)
     finally:
-        proc.kill()  # and its tasks, in sessions of their own, with it (`start_cli`)
+        proc.kill()  # and its members, in sessions of their own, with it (`start_cli`)
         proc.wait()
     output = "".join(lines)
     assert code == 128 + signal.SIGTERM, output[-3000:]

@@ -211,7 +211,7 @@ def _spare_run(tmp_path, model_dir):
     )
 
 
-@pytest.mark.slow  # a 4-task cluster with a spare
+@pytest.mark.slow  # a 4-member cluster with a spare
 def test_no_gradient_is_applied_twice_or_at_another_step(spare):
     model_dir, _, _ = spare
     blocks = _scalars(model_dir, "wrong_step_pushes")
@@ -224,7 +224,7 @@ def test_no_gradient_is_applied_twice_or_at_another_step(spare):
     assert sum(_scalars(model_dir, "late_dropped").values()) > 0, "the straggler's were dropped"
 
 
-@pytest.mark.slow  # a 4-task cluster with a spare
+@pytest.mark.slow  # a 4-member cluster with a spare
 def test_a_killed_worker_does_not_stop_training_with_a_spare(spare):
     model_dir, lines, killed_at = spare
     restarted = next(

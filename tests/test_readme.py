@@ -311,7 +311,7 @@ def _flag(argv: list[str], name: str) -> str | None:
 
 
 def _printed(output: str, key: str) -> str:
-    """The value after `key: ` on the start-up lines (a cluster's lines carry a `[task] `)."""
+    """The value after `key: ` on the start-up lines (a cluster's lines carry `[member] `)."""
     match = re.search(rf"^(?:\[\S+\] )?{key}: (\S+)", output, re.MULTILINE)
     assert match, f"no `{key}:` line in:\n{output[-3000:]}"
     return match.group(1)

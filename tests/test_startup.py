@@ -156,7 +156,7 @@ def test_the_cli_gives_up_on_missing_members_with_one_line(tmp_path, strategy):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith(f"error: {missing[0]} did not answer within 3 s"), lines[0]
-    assert all(f"waiting for {task}" in out for task in missing), out
+    assert all(f"waiting for {member}" in out for member in missing), out
     assert not (tmp_path / "run").exists()
 
 
