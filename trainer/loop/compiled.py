@@ -65,8 +65,11 @@ class CompiledObjective:
 
         Keras's own share, as `fit` uses it: the mean over the replica's batch
         (regularisers included) divided by the replicas in sync, so the
-        replicas' equal batches add up to the global batch's mean.
+        replicas' equal batches add up to the global batch's mean. `weights`
+        None (a dataset that yields none) weighs every example 1.
         """
+        if weights is None:
+            weights = tf.ones(tf.shape(tf.nest.flatten(labels)[0])[:1], tf.float32)
         return self._stateless(features, labels, outputs, weights, training=True)
 
     def eval_sums(self, features, labels, outputs, weights, examples) -> dict:

@@ -39,12 +39,13 @@ class _Objective:
         shares add up to the global batch's mean; regularisers (`model.losses`)
         are the same on every replica, so each adds its equal part.
         """
-        per_example = self.per_example_loss(labels, outputs)
-        loss = tf.reduce_sum(weights * tf.cast(per_example, tf.float32)) / global_batch_size
+        per_example = tf.cast(self.per_example_loss(labels, outputs), tf.float32)
+        sums = self.sums(labels, outputs, per_example, weights)
+        loss = sums["loss"] / global_batch_size
         if model.losses:
             replicas = tf.distribute.get_replica_context().num_replicas_in_sync
             loss += tf.cast(tf.add_n(model.losses), tf.float32) / replicas
-        return loss, self.sums(labels, outputs, per_example, weights)
+        return loss, sums
 
     def eval_sums(self, features, labels, outputs, weights, examples) -> dict:
         """One eval batch's sums; padding rows have weight 0, `examples` counts the real ones."""
@@ -58,22 +59,28 @@ class _Objective:
         weights: tf.Tensor | None = None,
         examples: tf.Tensor | None = None,
     ) -> dict:
-        """Weighted sums of one batch; `weights` default to 1, `examples` to the batch size."""
+        """Weighted sums of one batch; `weights` default to 1, `examples` to the batch size.
+
+        Without `weights` (a training batch of a dataset that yields none) every
+        example weighs 1 and no weight is multiplied in: on a small model each
+        op of the step counts.
+        """
         per_example_loss = tf.cast(per_example_loss, tf.float32)
+        rows = tf.cast(tf.size(per_example_loss), tf.float32)
         if weights is None:
-            weights = tf.ones_like(per_example_loss)
-        weights = tf.cast(weights, tf.float32)
-        if examples is None:
-            examples = tf.size(per_example_loss)
+            loss, weight = tf.reduce_sum(per_example_loss), rows
+        else:
+            weights = tf.cast(weights, tf.float32)
+            loss, weight = tf.reduce_sum(weights * per_example_loss), tf.reduce_sum(weights)
         return {
-            "loss": tf.reduce_sum(weights * per_example_loss),
-            "weight": tf.reduce_sum(weights),
-            "examples": tf.cast(examples, tf.float32),
+            "loss": loss,
+            "weight": weight,
+            "examples": rows if examples is None else tf.cast(examples, tf.float32),
             **self._metric_sums(labels, outputs, per_example_loss, weights),
         }
 
     def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
-        """The task's own weighted sums, besides loss, weight and examples."""
+        """The task's own weighted sums, besides loss, weight and examples (`weights`: or None)."""
         raise NotImplementedError
 
 
@@ -120,16 +127,19 @@ class Classification(_Objective):
 
     def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
         labels = tf.cast(labels, tf.int32)
-        probabilities = self.probabilities(outputs)
-        predicted = tf.argmax(probabilities, axis=-1, output_type=tf.int32)
+        # Softmax keeps the order of the logits: the prediction needs no probabilities.
+        scores = outputs if self.outputs == "logits" else self.probabilities(outputs)
+        predicted = tf.argmax(scores, axis=-1, output_type=tf.int32)
         correct = tf.cast(tf.equal(predicted, labels), tf.float32)
-        sums = {"correct": tf.reduce_sum(weights * correct)}
+        sums = {"correct": tf.reduce_sum(correct if weights is None else weights * correct)}
+        if weights is None and (self.class_names or self.num_classes == 2):
+            weights = tf.ones_like(correct)
         if self.class_names:  # per class: the weight of its examples, and of those right
             classes = len(self.class_names)
             sums["class_weight"] = tf.math.unsorted_segment_sum(weights, labels, classes)
             sums["class_correct"] = tf.math.unsorted_segment_sum(weights * correct, labels, classes)
         if self.num_classes == 2:
-            sums.update(_score_histograms(labels, probabilities, weights))
+            sums.update(_score_histograms(labels, self.probabilities(outputs), weights))
         return sums
 
     def metrics(self, sums: dict) -> dict[str, float]:
@@ -157,7 +167,8 @@ class Regression(_Objective):
         return tf.square(error)
 
     def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
-        return {"abs_error": tf.reduce_sum(weights * tf.sqrt(per_example_loss))}
+        errors = tf.sqrt(per_example_loss)
+        return {"abs_error": tf.reduce_sum(errors if weights is None else weights * errors)}
 
     def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """Means over the weighted examples."""

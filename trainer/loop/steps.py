@@ -89,8 +89,9 @@ class TrainStep:
     def gradients(self, batch) -> tuple[list, dict]:
         """The gradients of `variables` on this replica's `batch`, and the objective's sums."""
         x, y, weights = unpack(batch)
-        batch = (x, y, _weights(weights, y))
-        return _accumulated(self._micro_gradients, batch, self.accumulation_steps)
+        if weights is not None:  # none: every example weighs 1, and the objective adds no op
+            weights = _weights(weights, y)
+        return _accumulated(self._micro_gradients, (x, y, weights), self.accumulation_steps)
 
     def apply(self, grads: list) -> None:
         """One optimizer update from this replica's `grads` (in replica context)."""
@@ -187,7 +188,7 @@ def _accumulated(gradients: Callable, batch: tuple, k: int) -> tuple:
         part = _micro_batch(batch, i, k)
         if grads is not None:
             with tf.control_dependencies(_tensors(grads)):
-                part = tf.nest.map_structure(tf.identity, part, expand_composites=True)
+                part = tf.nest.map_structure(_identity, part, expand_composites=True)
         more, more_sums = gradients(*part)
         if grads is None:
             grads, sums = list(more), more_sums
@@ -198,9 +199,11 @@ def _accumulated(gradients: Callable, batch: tuple, k: int) -> tuple:
 
 
 def _micro_batch(batch, i: int, k: int):
-    """Rows `[i * n/k, (i + 1) * n/k)` of every tensor of `batch` (n rows each)."""
+    """Rows `[i * n/k, (i + 1) * n/k)` of every tensor of `batch` (n rows each); None stays."""
 
     def part(tensor):
+        if tensor is None:  # no weights: every example weighs 1
+            return None
         rows = tensor.shape[0]  # static where the pipeline batches with a fixed size
         if rows is None:
             ragged = isinstance(tensor, tf.RaggedTensor)
@@ -209,6 +212,10 @@ def _micro_batch(batch, i: int, k: int):
         return tensor[i * size : (i + 1) * size]
 
     return tf.nest.map_structure(part, batch)
+
+
+def _identity(tensor):
+    return None if tensor is None else tf.identity(tensor)
 
 
 def _add(a, b):
