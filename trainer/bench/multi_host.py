@@ -25,8 +25,9 @@ from __future__ import annotations
 import os
 import statistics
 
-from trainer.bench import clock, hosts, links
+from trainer.bench import clock, hosts
 from trainer.bench.harness import note, paired, result, tail
+from trainer.bench.links import netem as has_netem
 from trainer.bench.sizes import Sizes
 
 # Each host's link, both ways: HTB rate in Mbit/s, and added one-way delay (netem only).
@@ -69,7 +70,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         if key.endswith("/bf16"):
             base = key.removesuffix("/bf16")
             ratios[f"{key}/float32"] = paired(samples, lambda r, k=key, b=base: r[k] / r[b])
-    netem = links.netem()
+    netem = has_netem()
     return result(
         "examples/s",
         figures,
@@ -151,7 +152,7 @@ def _bf16_transfer() -> bool:
 
 def _link(link: dict) -> dict:
     """`link` as `Hosts.shape` takes it here: without the delay where there is no netem."""
-    return {k: v for k, v in link.items() if k != "delay_ms" or links.netem()}
+    return {k: v for k, v in link.items() if k != "delay_ms" or has_netem()}
 
 
 def _describe(link: dict) -> str:
