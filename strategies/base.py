@@ -187,6 +187,8 @@ class Strategy(abc.ABC):
 
     def __init__(self, options: ml_collections.ConfigDict | None = None):
         self.options = read_options(type(self), options)
+        if not self.traits.gradient_transfer:  # nothing all-reduced: float32 only
+            transfer.refuse(self.options, self.name)
         # One process until `_build` says otherwise: a plugin of several processes sets
         # its own from the cluster (`membership.Membership(cluster, ...)`).
         self.membership = membership.Membership()

@@ -115,7 +115,8 @@ def refuse(options: ml_collections.ConfigDict, name: str) -> None:
     """Refuses a `gradient_dtype` other than float32 under a plugin `name` that does not all-reduce.
 
     `options` are the plugin's own (`strategies.base.read_options`); one that
-    declares no `gradient_dtype` has nothing to refuse.
+    declares no `gradient_dtype` has nothing to refuse. Every plugin without
+    `Traits.gradient_transfer` calls it as it is made (`Strategy.__init__`).
 
     Raises:
       UserError: `config.strategy.<name>.gradient_dtype` is set to another dtype.

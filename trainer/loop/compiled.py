@@ -25,6 +25,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from trainer.loop import objectives
+
 _STATE = "metric_state/"  # sums keys of the metrics' state additions
 
 
@@ -69,7 +71,7 @@ class CompiledObjective:
         None (a dataset that yields none) weighs every example 1.
         """
         if weights is None:
-            weights = tf.ones(tf.shape(tf.nest.flatten(labels)[0])[:1], tf.float32)
+            weights = objectives.unit_weights(labels)
         return self._stateless(features, labels, outputs, weights, training=True)
 
     def eval_sums(self, features, labels, outputs, weights, examples) -> dict:

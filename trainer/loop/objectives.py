@@ -29,6 +29,16 @@ OUTPUT_KINDS = ("logits", "probabilities", "sigmoid")  # see `models.output_kind
 _EPSILON = 1e-7  # probabilities are clipped to [eps, 1] before the log, as Keras does
 
 
+def rows(labels) -> tf.Tensor:
+    """The number of examples in a batch (rows of its first label tensor)."""
+    return tf.shape(tf.nest.flatten(labels)[0], out_type=tf.int32)[0]
+
+
+def unit_weights(labels) -> tf.Tensor:
+    """A weight of 1 for every example of a batch, float32."""
+    return tf.ones([rows(labels)], tf.float32)
+
+
 class _Objective:
     """What every objective shares: weighted sums of the loss, the weight and the examples."""
 

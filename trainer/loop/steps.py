@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from strategies.transfer import GradientTransfer
 from towerflow.errors import UserError
-from trainer.loop import compiled, optim
+from trainer.loop import compiled, objectives, optim
 
 
 class TrainStep:
@@ -255,7 +255,7 @@ def make_eval_step(model: keras.Model, objective) -> Callable:
 
     def step(batch) -> dict:
         x, y, weights = unpack(batch)
-        examples = _rows(y)
+        examples = objectives.rows(y)
         real = tf.maximum(examples, 1)
         x, y, weights = tf.nest.map_structure(
             lambda t: _pad_to(t, real), (x, y, _weights(weights, y))
@@ -277,15 +277,10 @@ def unpack(batch) -> tuple:
     return (*batch, None) if len(batch) == 2 else tuple(batch)
 
 
-def _rows(labels) -> tf.Tensor:
-    """The number of examples in a batch (rows of its first label tensor)."""
-    return tf.shape(tf.nest.flatten(labels)[0], out_type=tf.int32)[0]
-
-
 def _weights(weights, labels) -> tf.Tensor:
     """Per-example weights as float32: the dataset's, or 1 for every example."""
     if weights is None:
-        return tf.ones([_rows(labels)], tf.float32)
+        return objectives.unit_weights(labels)
     return tf.reshape(tf.cast(weights, tf.float32), [-1])
 
 

@@ -18,8 +18,7 @@ import ml_collections
 import tensorflow as tf
 
 import strategies
-from strategies import devices, tf_patches, transfer
-from strategies.base import read_options
+from strategies import devices, tf_patches
 from strategies.cluster import discovery, scratch
 from towerflow import calls, storage
 from towerflow.errors import UserError
@@ -143,8 +142,6 @@ def make_strategy(
             "lets workers take batches as they come, so records would train twice or never "
             "across restarts; use `multi_worker`, `mirrored` or `one_device`."
         )
-    if not plugin.traits.gradient_transfer:
-        transfer.refuse(read_options(plugin, options), name)
     if checked.precision == "mixed_float16" and not plugin.traits.loss_scaling:
         raise UserError(
             f"`train.precision` 'mixed_float16' (loss scaling) does not work under `{name}`; "
