@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -70,6 +71,11 @@ class Job:
     counted: elastic.CountedStep | None = None  # elastic: the step every variable holds
     # Elastic `batch=per_replica`: the input position in per-replica batches, checkpointed.
     input_position: elastic.InputPosition | None = None
+
+    @functools.cached_property
+    def eval_step(self) -> Callable:
+        """The eval step, made once: the strategy traces an eval pass once per step function."""
+        return steps.make_eval_step(self.model, self.objective)
 
 
 def train_and_evaluate(
@@ -732,8 +738,9 @@ def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attem
 
 def _evaluate(job: Job, summaries: Summaries) -> dict:
     """One pass over the eval split; logs and returns its metrics."""
-    eval_step = steps.make_eval_step(job.model, job.objective)
-    sums = job.strategy.evaluate(eval_step, job.dataset.eval_fn(job.config.eval.global_batch_size))
+    sums = job.strategy.evaluate(
+        job.eval_step, job.dataset.eval_fn(job.config.eval.global_batch_size)
+    )
     metrics = job.objective.metrics(sums)
     metrics["examples"] = sums.get("examples", 0.0)
     step = _step(job)
