@@ -52,8 +52,11 @@ def test_the_first_lookup_of_an_admitted_id_trains_its_row():
     np.testing.assert_array_equal(layer.default_row.numpy(), np.zeros(WIDTH))
 
 
-def test_ids_without_a_row_read_and_train_their_hashed_fallback_row():
-    layer = DynamicEmbedding(WIDTH, capacity=1, eviction=None, fallback_rows=3)
+@pytest.mark.parametrize("hashes", [1, 2])
+def test_ids_without_a_row_read_and_train_the_sum_of_their_hashed_fallback_rows(hashes):
+    layer = DynamicEmbedding(
+        WIDTH, capacity=1, eviction=None, fallback_rows=3, fallback_hashes=hashes
+    )
     optimizer = optim.OPTIMIZERS["sgd"](1.0, None)
     optimizer.build(_built(layer))
     ids = [1, 2, 3, 4, 5, 6]  # 1 takes the only row; the rest are refused
@@ -61,19 +64,38 @@ def test_ids_without_a_row_read_and_train_their_hashed_fallback_row():
         loss = tf.reduce_sum(layer(tf.constant(ids, tf.int64), training=True))
     grads = tape.gradient(loss, layer.trainable_variables)
     optimizer.apply_gradients(zip(grads, layer.trainable_variables))
-    buckets = tables.bucket_of(tf.constant(ids[1:], tf.int64), 3).numpy()
-    lookups = np.bincount(buckets, minlength=3).astype(np.float32)
+    buckets = tables.buckets_of(tf.constant(ids[1:], tf.int64), 3, hashes).numpy()
+    assert buckets.shape == (5, hashes)
+    lookups = np.bincount(buckets.ravel(), minlength=3).astype(np.float32)
     np.testing.assert_allclose(layer.fallback.numpy(), -lookups[:, None] * np.ones(WIDTH))
-    np.testing.assert_allclose(_rows_of(layer, ids[1:]), layer.fallback.numpy()[buckets])
+    read = layer.fallback.numpy()[buckets].sum(axis=1)
+    np.testing.assert_allclose(_rows_of(layer, ids[1:]), read)
     width_bytes = WIDTH * 4 * (1 + 0)  # sgd: no slots
     described = layer.describe()
-    assert described["fallback_rows"] == 3
+    assert described["fallback_rows"] == 3 and described["fallback_hashes"] == hashes
+    assert f"fallback_rows 3 (read {hashes} at a time)" in described["line"]
     plain = DynamicEmbedding(WIDTH, capacity=1)
     plain.build()
     index_bytes = tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES  # 1 id held; refused: none
     assert described["bytes_held"] - plain.describe()["bytes_held"] == (
         3 * width_bytes + index_bytes
     )
+
+
+def test_one_fallback_hash_is_the_single_hashed_row_and_two_rarely_share_both():
+    keys = tf.constant(np.arange(1, 2001, dtype=np.int64) * 7919)
+    one, two = tables.buckets_of(keys, 200, 1).numpy(), tables.buckets_of(keys, 200, 2).numpy()
+    mixed = tables.splitmix64(tf.bitcast(keys, tf.uint64) + tables.u64(tables.GOLDEN))
+    np.testing.assert_array_equal(one[:, 0], (mixed % tables.u64(200)).numpy())  # as before
+    np.testing.assert_array_equal(two[:, 0], one[:, 0])  # the first of two is the same row
+    assert (two[:, 0] != two[:, 1]).mean() > 0.9  # independent hashes, not one row twice
+
+    def sharing(buckets: np.ndarray) -> int:  # ids whose every row another id reads too
+        _, index, counts = np.unique(buckets, axis=0, return_inverse=True, return_counts=True)
+        return int((counts[index.ravel()] > 1).sum())
+
+    # 2,000 ids in 200 rows: each shares its one row; of 40,000 pairs of rows, few are shared.
+    assert sharing(one) == 2000 and sharing(two) < 200
 
 
 def test_the_docstring_example_gives_a_vector_per_list():
@@ -118,6 +140,7 @@ def test_without_a_combiner_ragged_ids_give_ragged_vectors_and_the_mask_id_zeros
         ({"key_dtype": "int32"}, r"`key_dtype` 'int32' must be one of int64, string"),
         ({"eviction": "lfru"}, r"`eviction` 'lfru' must be one of 'lfu', 'lru', None"),
         ({"fallback_rows": -1}, r"`fallback_rows` \(-1\) must be >= 0"),
+        ({"fallback_hashes": 0}, r"`fallback_hashes` \(0\) must be >= 1"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argument, match):

@@ -59,6 +59,7 @@ def test_one_device_and_mirrored_evict_alike_and_train_the_same_fallback_rows(tm
     [
         ("--config.model.eviction=mru", "`model.eviction` 'mru' is not an eviction policy"),
         ("--config.model.fallback_rows=-1", "`model.fallback_rows` (-1) must be >= 0"),
+        ("--config.model.fallback_hashes=0", "`model.fallback_hashes` (0) must be >= 1"),
     ],
 )
 def test_bad_table_options_are_one_line_and_exit_2_leaving_model_dir_alone(flag, message, tmp_path):

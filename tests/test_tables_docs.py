@@ -30,11 +30,12 @@ def test_the_pages_training_command_runs_as_written(tmp_path):
     done = _run(command, tmp_path, timeout=300)
     assert_exit(done)
     out = done.stdout + done.stderr
-    assert "at most 2000 rows (eviction lfu), min_count 2, ttl_steps 0, fallback_rows 500" in out
+    line = "at most 2000 rows (eviction lfu), min_count 2, ttl_steps 0, fallback_rows 500 (read 2"
+    assert line in out
     assert "step: 40/40" in out and (tmp_path / "tables-run").is_dir()
 
 
-@pytest.mark.slow  # eleven short training runs: about three minutes
+@pytest.mark.slow  # thirteen short training runs: about a minute
 def test_the_pages_bench_command_prints_the_auc_table(tmp_path):
     (command,) = [c for c in _commands() if c.startswith("python -m trainer.bench")]
     done = _run(command, tmp_path, 900, f"--json={tmp_path / 'bench.json'}")

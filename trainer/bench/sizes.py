@@ -72,6 +72,8 @@ class Sizes:
     # tables_quality: the drifting Zipf(1.1) stream, hashed against dynamic at equal bytes.
     quality_steps: int = 2400  # steps of 256 of each run
     quality_ids_per_field: int = 20_000  # ranks a field's values are drawn over
+    # Runs of each table, seeded 0, 1, ...: one run's AUC moves by up to 0.01 with the seed.
+    quality_seeds: int = 3
     # Full against incremental checkpoints: one run of this many steps, saving every
     # `checkpoint_intervals` steps, into a dynamic table of `incremental_rows` rows.
     incremental_steps: int = 400
@@ -123,6 +125,7 @@ QUICK = Sizes(
     table_ids=10_000,
     quality_steps=100,
     quality_ids_per_field=2_000,
+    quality_seeds=1,
     incremental_steps=30,
     checkpoint_intervals=(5, 10),
     incremental_rows=5_000,

@@ -10,15 +10,19 @@ the ids of every field (the ctr model's).
 
 For each share of the distinct ids the training split holds (counted first,
 `distinct_ids`): a hashed table (`keras.layers.Hashing` + an embedding) of
-that many rows, and a `DynamicEmbedding` (`lfu` eviction and `min_count` 1,
-the defaults; `FALLBACK_SHARE` of its bytes in fallback rows) fitted into the
-same bytes (`fit`): rows, Adam's two slots, the row stamps, the index
-(`trainer.layers.tables.ENTRY_BYTES` and `INFO_ENTRY_BYTES` per id held),
-the sketch (`min_count` > 1) and the fallback rows. At the 15% share, beside
-them, the policy one change at a time (`VARIANTS`): LRU, `min_count` 2, no
-fallback rows; and the same rows as the hashed table with own rows at a
-hashed row's bytes (`free_index`: what own rows are worth if the index cost
-nothing; not equal bytes).
+that many rows, and a `DynamicEmbedding` (`lfu` eviction, `min_count` 1 and
+2 fallback rows read per id, the defaults; `FALLBACK_SHARE` of its bytes in
+fallback rows) fitted into the same bytes (`fit`): rows, Adam's two slots,
+the row stamps, the index (`trainer.layers.tables.ENTRY_BYTES` and
+`INFO_ENTRY_BYTES` per id held), the sketch (`min_count` > 1) and the
+fallback rows. At the 15% share, beside them, the policy one change at a
+time (`VARIANTS`): LRU, `min_count` 2, no fallback rows, one fallback row
+per id; and the same rows as the hashed table with own rows at a hashed
+row's bytes (`free_index`: what own rows are worth if the index cost
+nothing; not equal bytes). Every table runs `Sizes.quality_seeds` times
+(seeds 0, 1, ...: the model's initial values, the data's order, the table's
+initial rows): a single run's AUC moves by up to 0.01 with the seed, so the
+figures are the runs' means and the gains the means of paired differences.
 
 Beside the AUC, what explains it (`reasons`), from the same run: the AUC
 with an index that cost nothing; the bytes of an own row against a hashed
@@ -31,7 +35,9 @@ the eval examples (`oracle_auc`: the ceiling no table reaches).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import statistics
 
 from trainer.bench.harness import note, result
 from trainer.bench.sizes import Sizes, timing_only
@@ -51,44 +57,61 @@ STREAM = {
     "model.embedding_dim": WIDTH,
     "strategy.name": "one_device",
 }
-# (name, eviction, min_count, fallback share): the policies compared at `TARGET_SHARE`.
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """The table of one run: hashed of `rows` rows, or dynamic of capacity `rows` (`eviction`)."""
+
+    rows: int
+    eviction: str | None = None
+    fallback: int = 0
+    min_count: int = MIN_COUNT
+    hashes: int = 2  # fallback rows an id reads (the layer's default, `tables.FALLBACK_HASHES`)
+
+
+# (name, eviction, min_count, fallback share, fallback hashes): the policies compared at
+# `TARGET_SHARE`, one change at a time from the default.
 VARIANTS = (
-    ("lru", "lru", MIN_COUNT, FALLBACK_SHARE),
-    ("lfu_min_count2", "lfu", 2, FALLBACK_SHARE),
-    ("lfu_no_fallback", "lfu", MIN_COUNT, 0.0),
+    ("lru", "lru", MIN_COUNT, FALLBACK_SHARE, 2),
+    ("lfu_min_count2", "lfu", 2, FALLBACK_SHARE, 2),
+    ("lfu_no_fallback", "lfu", MIN_COUNT, 0.0, 2),
+    ("lfu_one_hash", "lfu", MIN_COUNT, FALLBACK_SHARE, 1),
 )
 
 
 def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     """The AUC per share, hashed and dynamic at equal bytes; the policies at 15%."""
-    del reps  # one run each: a quality figure, not a timing
+    del reps  # `sizes.quality_seeds` runs each: a quality figure, not a timing
     distinct = distinct_ids(sizes)
     note(f"  distinct ids in the training split: {distinct}")
     oracle = oracle_auc(sizes)
     note(f"  the hidden click model's own AUC on the eval examples: {oracle:.4f}")
-    figures, rows, gains = {}, [], {}
+    samples, rows, gains = {}, [], {}
     for share in SHARES:
         label = f"{round(share * 100)}pct"
         hashed_rows = max(1, round(share * distinct))
-        hashed_auc, hashed_bytes = train_auc(sizes, workdir, f"hashed_{label}", hashed_rows)
+        hashed, hashed_bytes = measure(sizes, workdir, f"hashed_{label}", Table(hashed_rows))
         capacity, fallback = fit(hashed_bytes, FALLBACK_SHARE, MIN_COUNT)
-        dynamic_auc, dynamic_bytes = train_auc(
-            sizes, workdir, f"dynamic_{label}", capacity, "lfu", fallback, MIN_COUNT
+        dynamic, dynamic_bytes = measure(
+            sizes, workdir, f"dynamic_{label}", Table(capacity, "lfu", fallback)
         )
-        figures[f"auc_hashed_{label}"] = hashed_auc
-        figures[f"auc_dynamic_{label}"] = dynamic_auc
-        gains[label] = dynamic_auc - hashed_auc
+        samples.update({f"auc_hashed_{label}": hashed, f"auc_dynamic_{label}": dynamic})
+        paired = [d - h for d, h in zip(dynamic, hashed, strict=True)]
+        gains[label] = statistics.fmean(paired)
         rows.append(
-            f"| {share:.0%} | {hashed_rows} | {hashed_bytes} | {hashed_auc:.4f} | {capacity} + "
-            f"{fallback} | {dynamic_bytes} | {dynamic_auc:.4f} | {gains[label]:+.4f} |"
+            f"| {share:.0%} | {hashed_rows} | {hashed_bytes} | {statistics.fmean(hashed):.4f} | "
+            f"{capacity} + {fallback} | {dynamic_bytes} | {statistics.fmean(dynamic):.4f} | "
+            f"{gains[label]:+.4f} | {min(paired):+.4f} .. {max(paired):+.4f} |"
         )
         if share == TARGET_SHARE:
             free_index = (hashed_rows - fallback, fallback)
-            figures.update(_at_target(sizes, workdir, label, free_index, hashed_bytes))
+            samples.update(_at_target(sizes, workdir, label, free_index, hashed_bytes))
+    figures = {name: statistics.fmean(aucs) for name, aucs in samples.items()}
     table = [
         "| rows / distinct ids | hashed rows | hashed bytes | hashed AUC | dynamic rows + "
-        "fallback | dynamic bytes | dynamic AUC | dynamic - hashed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "fallback | dynamic bytes | dynamic AUC | dynamic - hashed | per seed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
     ]
     for line in table:
@@ -106,7 +129,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         "AUC",
         figures,
         ratios,
-        {},
+        samples,
         distinct_ids=distinct,
         oracle_auc=oracle,
         auc_gain=gains,
@@ -120,8 +143,11 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         notes=[
             f"{sizes.quality_steps} steps of 256 on one_device; ids Zipf(1.1) over "
             f"{sizes.quality_ids_per_field} ranks a field, drifting every 300 examples",
+            f"each AUC the mean of {sizes.quality_seeds} runs (seeds 0 .. "
+            f"{sizes.quality_seeds - 1}: the model's initial values, the data's order, the "
+            "table's initial rows); per seed: the range of the paired differences",
             f"dynamic: eviction lfu, min_count {MIN_COUNT}, {FALLBACK_SHARE:.0%} of its bytes "
-            "in fallback rows; "
+            "in fallback rows read 2 at a time; "
             "bytes as `describe()` counts them at the end (rows, Adam's slots, stamps, index)",
         ],
     )
@@ -129,23 +155,21 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
 
 def _at_target(
     sizes: Sizes, workdir: str, label: str, free_index: tuple[int, int], hashed_bytes: int
-) -> dict:
-    """At the target share: own rows with an index that cost nothing, and each policy.
+) -> dict[str, list[float]]:
+    """At the target share, each seed's AUC: own rows with a free index, and each policy.
 
     `free_index` is (own rows, fallback rows) making the hashed table's rows: own
     rows at a hashed row's bytes, what they are worth without the index (not equal
     bytes). The policies (`VARIANTS`) run at equal bytes.
     """
     own, fallback = free_index
-    auc, _ = train_auc(sizes, workdir, f"free_index_{label}", own, "lfu", fallback)
-    figures = {f"auc_free_index_{label}": auc}
-    for name, eviction, min_count, fallback_share in VARIANTS:
+    free, _ = measure(sizes, workdir, f"free_index_{label}", Table(own, "lfu", fallback))
+    samples = {f"auc_free_index_{label}": free}
+    for name, eviction, min_count, fallback_share, hashes in VARIANTS:
         capacity, fallback = fit(hashed_bytes, fallback_share, min_count)
-        auc, _ = train_auc(
-            sizes, workdir, f"{name}_{label}", capacity, eviction, fallback, min_count
-        )
-        figures[f"auc_{name}_{label}"] = auc
-    return figures
+        table = Table(capacity, eviction, fallback, min_count, hashes)
+        samples[f"auc_{name}_{label}"], _ = measure(sizes, workdir, f"{name}_{label}", table)
+    return samples
 
 
 def config(sizes: Sizes, **fields):
@@ -243,16 +267,17 @@ def fit(budget: int, fallback_share: float, min_count: int = 1) -> tuple[int, in
     return capacity, fallback
 
 
-def train_auc(
-    sizes: Sizes,
-    workdir: str,
-    name: str,
-    rows: int,
-    eviction: str | None = None,
-    fallback: int = 0,
-    min_count: int = 1,
-) -> tuple[float, int]:
-    """Eval AUC and bytes of the ctr job: hashed of `rows` rows, or dynamic given `eviction`.
+def measure(sizes: Sizes, workdir: str, name: str, table: Table) -> tuple[list[float], int]:
+    """The eval AUC of each seed's run of the ctr job with `table`, and its bytes (the most)."""
+    runs = [
+        train_auc(sizes, workdir, f"{name}_seed{seed}", table, seed)
+        for seed in range(sizes.quality_seeds)
+    ]
+    return [auc for auc, _ in runs], max(size for _, size in runs)
+
+
+def train_auc(sizes: Sizes, workdir: str, name: str, table: Table, seed: int) -> tuple[float, int]:
+    """Eval AUC and bytes of the ctr job with `table`, seeded by `seed`.
 
     Bytes: the rows and Adam's slots of a hashed table; `describe()`'s
     `bytes_held` of a dynamic one (its index as it ends).
@@ -260,20 +285,20 @@ def train_auc(
     from trainer import layers
     from trainer.loop import train
 
-    if eviction is None:
-        fields = {"model.embedding": "hashed", "model.vocab_size": rows}
+    fields = {"seed": seed, "model.table_seed": seed}
+    if table.eviction is None:
+        fields.update({"model.embedding": "hashed", "model.vocab_size": table.rows})
     else:
-        fields = {"model.embedding": "dynamic", "model.capacity": rows}
-        fields.update({"model.eviction": eviction, "model.fallback_rows": fallback})
-        fields["model.min_count"] = min_count
+        fields.update({"model.embedding": "dynamic", "model.capacity": table.rows})
+        fields.update({"model.eviction": table.eviction, "model.fallback_rows": table.fallback})
+        fields.update({"model.min_count": table.min_count, "model.fallback_hashes": table.hashes})
     job = train.build(config(sizes, **fields), os.path.join(workdir, f"quality-{name}"))
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         results = train.run(job, "train_and_eval")
     auc = float(results["eval"]["auc"])
-    if eviction is None:
-        size = rows * row_bytes()[0]
+    if table.eviction is None:
+        size = table.rows * row_bytes()[0]
     else:
         size = sum(part["bytes_held"] for part in layers.table_figures(job.model)["embedding"])
-    note(f"  {name}: rows {rows}, fallback {fallback}, min_count {min_count}, bytes {size}")
-    note(f"  {name}: AUC {auc:.4f}")
+    note(f"  {name}: {table}, bytes {size}: AUC {auc:.4f}")
     return auc, size

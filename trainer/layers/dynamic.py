@@ -42,6 +42,7 @@ def check_dynamic(
     where: str = "`DynamicEmbedding`",
     fallback_rows: int = 0,
     sketch: tuple[int, int] = (tables.SKETCH_WIDTH, tables.SKETCH_DEPTH),
+    fallback_hashes: int = tables.FALLBACK_HASHES,
 ) -> None:
     """Raises `UserError` naming the first bad argument of a dynamic table (`where`)."""
     rules = [
@@ -66,6 +67,11 @@ def check_dynamic(
             fallback_rows >= 0,
             f"`fallback_rows` ({fallback_rows}) must be >= 0; 0 gives every id without a row "
             "one shared default row",
+        ),
+        (
+            fallback_hashes >= 1,
+            f"`fallback_hashes` ({fallback_hashes}) must be >= 1 fallback row read per id; "
+            f"e.g. {tables.FALLBACK_HASHES}",
         ),
         (
             sketch[0] >= 1,
@@ -131,9 +137,12 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         recurs); "lru": the least recently seen id, for any new id; None: it
         refuses new ids (they read the default row; `refused` counts them).
       fallback_rows: 0: every id without a row (not admitted yet, refused,
-        evicted) reads one shared trainable default row; N > 0: it reads row
-        `hash(id) % N` of a trainable `[N, output_dim]` fallback table (as a
-        hashed embedding would), counted in `bytes_held`.
+        evicted) reads one shared trainable default row; N > 0: it reads the
+        sum of `fallback_hashes` rows of a trainable `[N, output_dim]` fallback
+        table, rows `hash_k(id) % N` (a hashed embedding of several hashes, so
+        that two ids rarely share all their rows), counted in `bytes_held`.
+      fallback_hashes: the fallback rows an id reads (1: `hash(id) % N` alone,
+        as a hashed embedding); default `trainer.layers.tables.FALLBACK_HASHES`.
       sketch_width: with `min_count` > 1, the lookups of ids not admitted yet
         are counted in a count-min sketch of `sketch_depth` rows of
         `sketch_width` int32 cells (in `bytes_held`), no memory per id: a
@@ -162,6 +171,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         fallback_rows: int = 0,
         sketch_width: int = tables.SKETCH_WIDTH,
         sketch_depth: int = tables.SKETCH_DEPTH,
+        fallback_hashes: int = tables.FALLBACK_HASHES,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -174,8 +184,10 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             eviction,
             fallback_rows=fallback_rows,
             sketch=(sketch_width, sketch_depth),
+            fallback_hashes=fallback_hashes,
         )
         self.fallback_rows = int(fallback_rows)
+        self.fallback_hashes = int(fallback_hashes)
         self.sketch_width, self.sketch_depth = int(sketch_width), int(sketch_depth)
         self.output_dim = int(output_dim)
         self.key_dtype = key_dtype
@@ -208,14 +220,15 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
 
         Zeros where not `valid`.
 
-        A fallback row is gathered for every key (`tf.gather`: a sparse gradient
-        of one row per key, never empty), then masked by the caller.
+        A key's fallback value is the sum of its `fallback_hashes` rows, gathered
+        for every key (`tf.gather`: a sparse gradient of `fallback_hashes` rows
+        per key, never empty), then masked by the caller.
         """
         if self.fallback is None:
             return tf.where(valid[:, None], self.default_row.value[None, :], 0.0)
-        buckets = tables.bucket_of(keys, self.fallback_rows)
+        buckets = tables.buckets_of(keys, self.fallback_rows, self.fallback_hashes)
         rows = tf.gather(tf_patches.replica_copy(self.fallback.value), buckets)
-        return tf.where(valid[:, None], rows, 0.0)
+        return tf.where(valid[:, None], tf.reduce_sum(rows, axis=1), 0.0)
 
     # `Portable`: the rows of every id, whatever the number of parts (`dynamic_content`).
 
@@ -310,4 +323,5 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             "fallback_rows": self.fallback_rows,
             "sketch_width": self.sketch_width,
             "sketch_depth": self.sketch_depth,
+            "fallback_hashes": self.fallback_hashes,
         }

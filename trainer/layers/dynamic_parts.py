@@ -197,15 +197,17 @@ def describe(layer: DynamicEmbedding) -> dict:
         "ttl_steps": layer.ttl_steps,
         "eviction": layer.eviction,
         "fallback_rows": layer.fallback_rows,
+        "fallback_hashes": layer.fallback_hashes,
         "sketch_width": layer.sketch_width,
         "sketch_depth": layer.sketch_depth,
     }
     where = ", ".join(f"part {p['part']} on {p['device']} ({p['capacity']} rows)" for p in parts)
     split = f"split by id hash over {len(parts)} parts: " if len(parts) > 1 else ""
+    hashes = f" (read {layer.fallback_hashes} at a time)" if layer.fallback_rows else ""
     line = (
         f"table {layer.name}: dynamic {layer.key_dtype} ids, {layer.output_dim} wide, at most "
         f"{layer.capacity} rows (eviction {layer.eviction}), min_count {layer.min_count}, "
-        f"ttl_steps {layer.ttl_steps}, fallback_rows {layer.fallback_rows}; {split}{where}"
+        f"ttl_steps {layer.ttl_steps}, fallback_rows {layer.fallback_rows}{hashes}; {split}{where}"
     )
     held = sum(p["ids_held"] for p in parts)
     size = sum(p["bytes_held"] for p in parts)

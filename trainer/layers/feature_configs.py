@@ -27,8 +27,8 @@ class TableConfig:
     optional and bounds the rows (a `DynamicEmbedding`'s `capacity`: ids past
     it evict by `eviction`, where Keras-RS's would be an error). The
     rest are `DynamicEmbedding`'s (`key_dtype`, `min_count`, `ttl_steps`,
-    `eviction`, `mask_id`, `seed`, `fallback_rows`). Keras-RS's `initializer` has no
-    counterpart here: a row starts from a value of (`seed`, id). `optimizer`
+    `eviction`, `mask_id`, `seed`, `fallback_rows`, `fallback_hashes`). Keras-RS's
+    `initializer` has no counterpart here: a row starts from a value of (`seed`, id). `optimizer`
     (a name, `trainer.layers.table_training.OPTIMIZER_NAMES`) and
     `learning_rate` give the table its own optimizer (e.g. "adagrad" for the
     tables, Adam for the dense layers); left out, the model's optimizer
@@ -60,6 +60,7 @@ class TableConfig:
     ttl_steps: int = 0
     eviction: str | None = tables.DEFAULT_EVICTION
     fallback_rows: int = 0
+    fallback_hashes: int = tables.FALLBACK_HASHES
     mask_id: object = None
     seed: int = 0
     learning_rate: float | None = None
@@ -123,6 +124,7 @@ class TableConfig:
             "mask_id",
             "seed",
             "fallback_rows",
+            "fallback_hashes",
         )
         options = {name: getattr(self, name) for name in names}
         width, capacity = self.embedding_dim, self.capacity

@@ -117,6 +117,9 @@ HALF_LIFE = 500  # steps over which an id's count halves when it is not seen ("l
 # SKETCH_WIDTH int32 cells, halved whenever SKETCH_WIDTH lookups were added since the last.
 SKETCH_WIDTH = 2**13
 SKETCH_DEPTH = 2
+# The fallback rows an id without a row of its own reads, summed: two measured better than one
+# and three on a drifting long tail at equal bytes (docs/tables.md).
+FALLBACK_HASHES = 2
 COUNTERS = (
     "fresh",
     "free",
@@ -169,12 +172,17 @@ def part_of(keys: tf.Tensor, parts: int) -> tf.Tensor:
     return tf.cast(mixed % u64(parts), tf.int32)
 
 
-def bucket_of(keys: tf.Tensor, buckets: int) -> tf.Tensor:
-    """Which of `buckets` hashed rows each of int64 `keys` reads without a row of its own (int64).
+def buckets_of(keys: tf.Tensor, buckets: int, hashes: int) -> tf.Tensor:
+    """Which `hashes` of `buckets` hashed rows each of int64 `keys` reads without a row of its own.
 
-    By a hash salted apart from `part_of`'s, so that a part's ids spread over every bucket.
+    `[n, hashes]` int64: one hash of the id per column, each salted apart from
+    the others and from `part_of`'s (so that a part's ids spread over every
+    bucket). Two ids share one bucket about `hashes` times more often than
+    with one hash, and all of them about `buckets ** (hashes - 1)` times more
+    rarely.
     """
-    mixed = splitmix64(tf.bitcast(keys, tf.uint64) + u64(GOLDEN))
+    salts = u64([GOLDEN * (2 * h + 1) % 2**64 for h in range(hashes)])
+    mixed = splitmix64(tf.bitcast(keys, tf.uint64)[:, None] + salts[None, :])
     return tf.cast(mixed % u64(buckets), tf.int64)
 
 

@@ -189,6 +189,12 @@ def _check_dynamic_table(model: ml_collections.ConfigDict) -> None:
             f"`model.fallback_rows` ({fallback}) must be >= 0 (hashed rows for ids without "
             "a row; 0: one shared default row); set e.g. `--config.model.fallback_rows=1000`."
         )
+    hashes = model.get("fallback_hashes", 2)
+    if hashes < 1:
+        raise UserError(
+            f"`model.fallback_hashes` ({hashes}) must be >= 1 (the fallback rows an id without "
+            "a row reads, summed); set e.g. `--config.model.fallback_hashes=2`."
+        )
     for field, example in (("sketch_width", 8192), ("sketch_depth", 2)):
         value = model.get(field, example)
         if value < 1:

@@ -266,6 +266,7 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
             ttl_steps=config.ttl_steps,
             eviction=config.get("eviction", "lfu") or None,
             fallback_rows=config.get("fallback_rows", 0),
+            fallback_hashes=config.get("fallback_hashes", 2),
             sketch_width=config.get("sketch_width", 8192),
             sketch_depth=config.get("sketch_depth", 2),
             mask_id=padding,
