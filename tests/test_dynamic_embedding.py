@@ -14,6 +14,7 @@ import configs.ctr
 from tests.helpers import assert_exit, config_flags, launched, run_command, tensorboard_scalars
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
+from trainer import layers
 from trainer.layers import DynamicEmbedding, tables
 from trainer.loop import optim, train
 from trainer.loop.checkpoints import Checkpointer
@@ -96,6 +97,17 @@ def test_one_fallback_hash_is_the_single_hashed_row_and_two_rarely_share_both():
 
     # 2,000 ids in 200 rows: each shares its one row; of 40,000 pairs of rows, few are shared.
     assert sharing(one) == 2000 and sharing(two) < 200
+
+
+def test_a_layer_saved_before_fallback_hashes_reads_one_fallback_row():
+    layer = DynamicEmbedding(WIDTH, fallback_rows=8)
+    assert DynamicEmbedding.from_config(layer.get_config()).fallback_hashes == 2
+    older = {k: v for k, v in layer.get_config().items() if k != "fallback_hashes"}
+    assert DynamicEmbedding.from_config(older).fallback_hashes == 1
+    table = layers.TableConfig("t", embedding_dim=4, fallback_rows=8)
+    assert layers.TableConfig.from_config(table.get_config()).layer().fallback_hashes == 2
+    older = {k: v for k, v in table.get_config().items() if k != "fallback_hashes"}
+    assert layers.TableConfig.from_config(older).layer().fallback_hashes == 1
 
 
 def test_the_docstring_example_gives_a_vector_per_list():

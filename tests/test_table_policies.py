@@ -1,5 +1,6 @@
 """Dynamic tables' policies under the trainer: LFU eviction, fallback rows, their bad config."""
 
+import json
 import pathlib
 
 import numpy as np
@@ -8,8 +9,9 @@ import tensorflow as tf
 
 from tests.helpers import assert_exit, run_cli
 from tests.test_models import tiny_ctr_config
+from towerflow.errors import UserError
 from trainer.layers import tables
-from trainer.loop import train
+from trainer.loop import checks, train
 from trainer.loop.checkpoints import Checkpointer
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -75,6 +77,28 @@ def test_bad_table_options_are_one_line_and_exit_2_leaving_model_dir_alone(flag,
     last = result.stderr.strip().splitlines()[-1]
     assert message in last and "--config.model." in last
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "recorded, now, refused", [(None, 2, True), (None, 1, False), (2, 2, False)]
+)
+def test_a_resumed_run_reads_as_many_fallback_rows_per_id_as_it_trained(
+    recorded, now, refused, tmp_path
+):
+    """A config.json without `fallback_hashes` (written before it existed) read one row."""
+    before = {"embedding": "dynamic", "fallback_rows": 16}
+    if recorded is not None:
+        before["fallback_hashes"] = recorded
+    (tmp_path / "config.json").write_text(json.dumps({"model": before}))
+    config = _raw_ctr_config("one_device", 1)
+    config.model.fallback_hashes = now
+    if not refused:
+        checks.check_fallback_kept(config.model, str(tmp_path))
+        return
+    with pytest.raises(UserError) as error:
+        checks.check_fallback_kept(config.model, str(tmp_path))
+    assert "read 1 per id" in str(error.value)
+    assert "`--config.model.fallback_hashes=1`" in str(error.value)
 
 
 def test_the_bytes_of_a_held_id_do_not_grow_with_its_count():

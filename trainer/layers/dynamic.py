@@ -308,6 +308,11 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             return (*input_shape, self.output_dim)
         return (*input_shape[:-1], self.output_dim)
 
+    @classmethod
+    def from_config(cls, config: dict) -> DynamicEmbedding:
+        # A layer saved before `fallback_hashes` existed read one fallback row per id.
+        return cls(**{"fallback_hashes": 1, **config})
+
     def get_config(self) -> dict:
         return {
             **super().get_config(),

@@ -137,7 +137,8 @@ class TableConfig:
 
     @classmethod
     def from_config(cls, config: dict) -> TableConfig:
-        return cls(**config)
+        # A table saved before `fallback_hashes` existed read one fallback row per id.
+        return cls(**{"fallback_hashes": 1, **config})
 
 
 @dataclasses.dataclass(frozen=True)

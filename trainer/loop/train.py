@@ -271,6 +271,8 @@ def _check_model_dir(
     else:  # every member reads model_dir; the chief alone checks that it can be written
         storage.check_scheme(model_dir, "--model_dir")
     _check_class_names(model_dir, spec.class_names)
+    if "model" in config:
+        checks.check_fallback_kept(config.model, model_dir)
     if config.get("cluster"):  # the input position of a resumed run is read as it was written
         elastic.check_batch_kept(config, model_dir)
 
