@@ -300,5 +300,6 @@ def train_auc(sizes: Sizes, workdir: str, name: str, table: Table, seed: int) ->
         size = table.rows * row_bytes()[0]
     else:
         size = sum(part["bytes_held"] for part in layers.table_figures(job.model)["embedding"])
-    note(f"  {name}: {table}, bytes {size}: AUC {auc:.4f}")
+    what = f"hashed, {table.rows} rows" if table.eviction is None else str(table)
+    note(f"  {name}: {what}, bytes {size}: AUC {auc:.4f}")
     return auc, size
