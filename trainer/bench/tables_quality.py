@@ -16,8 +16,8 @@ fallback rows) fitted into the same bytes (`fit`): rows, Adam's two slots,
 the row stamps, the index (`trainer.layers.tables.ENTRY_BYTES` and
 `INFO_ENTRY_BYTES` per id held), the sketch (`min_count` > 1) and the
 fallback rows. At the 15% share, beside them, the policy one change at a
-time (`VARIANTS`): LRU, `min_count` 2, no fallback rows, one fallback row
-per id; and the same rows as the hashed table with own rows at a hashed
+time (`VARIANTS`): LRU, `min_count` 2, no fallback rows, one or three
+fallback rows per id; and the same rows as the hashed table with own rows at a hashed
 row's bytes (`free_index`: what own rows are worth if the index cost
 nothing; not equal bytes). Every table runs `Sizes.quality_seeds` times
 (seeds 0, 1, ...: the model's initial values, the data's order, the table's
@@ -77,6 +77,7 @@ VARIANTS = (
     ("lfu_min_count2", "lfu", 2, FALLBACK_SHARE, 2),
     ("lfu_no_fallback", "lfu", MIN_COUNT, 0.0, 2),
     ("lfu_one_hash", "lfu", MIN_COUNT, FALLBACK_SHARE, 1),
+    ("lfu_three_hashes", "lfu", MIN_COUNT, FALLBACK_SHARE, 3),
 )
 
 
@@ -87,26 +88,13 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     note(f"  distinct ids in the training split: {distinct}")
     oracle = oracle_auc(sizes)
     note(f"  the hidden click model's own AUC on the eval examples: {oracle:.4f}")
-    samples, rows, gains = {}, [], {}
+    samples, rows, gains, free_index = {}, [], {}, {}
     for share in SHARES:
         label = f"{round(share * 100)}pct"
-        hashed_rows = max(1, round(share * distinct))
-        hashed, hashed_bytes = measure(sizes, workdir, f"hashed_{label}", Table(hashed_rows))
-        capacity, fallback = fit(hashed_bytes, FALLBACK_SHARE, MIN_COUNT)
-        dynamic, dynamic_bytes = measure(
-            sizes, workdir, f"dynamic_{label}", Table(capacity, "lfu", fallback)
-        )
-        samples.update({f"auc_hashed_{label}": hashed, f"auc_dynamic_{label}": dynamic})
-        paired = [d - h for d, h in zip(dynamic, hashed, strict=True)]
-        gains[label] = statistics.fmean(paired)
-        rows.append(
-            f"| {share:.0%} | {hashed_rows} | {hashed_bytes} | {statistics.fmean(hashed):.4f} | "
-            f"{capacity} + {fallback} | {dynamic_bytes} | {statistics.fmean(dynamic):.4f} | "
-            f"{gains[label]:+.4f} | {min(paired):+.4f} .. {max(paired):+.4f} |"
-        )
-        if share == TARGET_SHARE:
-            free_index = (hashed_rows - fallback, fallback)
-            samples.update(_at_target(sizes, workdir, label, free_index, hashed_bytes))
+        row, free_index[label] = _share(sizes, workdir, share, round(share * distinct), samples)
+        rows.append(row)
+        hashed, dynamic = samples[f"auc_hashed_{label}"], samples[f"auc_dynamic_{label}"]
+        gains[label] = statistics.fmean(dynamic) - statistics.fmean(hashed)
     figures = {name: statistics.fmean(aucs) for name, aucs in samples.items()}
     table = [
         "| rows / distinct ids | hashed rows | hashed bytes | hashed AUC | dynamic rows + "
@@ -117,7 +105,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     for line in table:
         note(line)
     target = f"{round(TARGET_SHARE * 100)}pct"
-    reasons = explain(figures, target, oracle, free_index)
+    reasons = explain(figures, target, oracle, free_index[target])
     for line in reasons:
         note(f"  {line}")
     ratios = {
@@ -151,6 +139,34 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             "bytes as `describe()` counts them at the end (rows, Adam's slots, stamps, index)",
         ],
     )
+
+
+def _share(
+    sizes: Sizes, workdir: str, share: float, rows: int, samples: dict
+) -> tuple[str, tuple[int, int]]:
+    """Hashed of `rows` rows and dynamic at its bytes (each seed's AUC into `samples`).
+
+    At the target share, also `_at_target`'s. Returns the row of the table and
+    the (own rows, fallback rows) of the dynamic table with a free index.
+    """
+    label = f"{round(share * 100)}pct"
+    rows = max(1, rows)
+    hashed, hashed_bytes = measure(sizes, workdir, f"hashed_{label}", Table(rows))
+    capacity, fallback = fit(hashed_bytes, FALLBACK_SHARE, MIN_COUNT)
+    dynamic, dynamic_bytes = measure(
+        sizes, workdir, f"dynamic_{label}", Table(capacity, "lfu", fallback)
+    )
+    samples.update({f"auc_hashed_{label}": hashed, f"auc_dynamic_{label}": dynamic})
+    free_index = (rows - fallback, fallback)
+    if share == TARGET_SHARE:
+        samples.update(_at_target(sizes, workdir, label, free_index, hashed_bytes))
+    paired = [d - h for d, h in zip(dynamic, hashed, strict=True)]
+    row = (
+        f"| {share:.0%} | {rows} | {hashed_bytes} | {statistics.fmean(hashed):.4f} | "
+        f"{capacity} + {fallback} | {dynamic_bytes} | {statistics.fmean(dynamic):.4f} | "
+        f"{statistics.fmean(paired):+.4f} | {min(paired):+.4f} .. {max(paired):+.4f} |"
+    )
+    return row, free_index
 
 
 def _at_target(
