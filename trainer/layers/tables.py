@@ -178,8 +178,8 @@ def buckets_of(keys: tf.Tensor, buckets: int, hashes: int) -> tf.Tensor:
     `[n, hashes]` int64: one hash of the id per column, each salted apart from
     the others and from `part_of`'s (so that a part's ids spread over every
     bucket). Two ids share one bucket about `hashes` times more often than
-    with one hash, and all of them about `buckets ** (hashes - 1)` times more
-    rarely.
+    with one hash, and all of them far more rarely (with two hashes, about
+    `buckets / 2` times).
     """
     salts = u64([GOLDEN * (2 * h + 1) % 2**64 for h in range(hashes)])
     mixed = splitmix64(tf.bitcast(keys, tf.uint64)[:, None] + salts[None, :])

@@ -327,9 +327,11 @@ def check_fallback_kept(model: ml_collections.ConfigDict, model_dir: str) -> Non
         rows per id: its trained rows would silently mean something else.
     """
     recorded = storage.read_json(os.path.join(model_dir, "config.json")) or {}
-    before = recorded.get("model", {})
+    before = recorded.get("model")
     now = model.get("fallback_hashes", 2)
-    if before.get("embedding") != "dynamic" or not before.get("fallback_rows"):
+    if not isinstance(before, dict) or before.get("embedding") != "dynamic":
+        return
+    if not before.get("fallback_rows"):
         return
     if model.get("embedding") == "dynamic" and before.get("fallback_hashes", 1) != now:
         hashes = before.get("fallback_hashes", 1)
