@@ -123,6 +123,24 @@ def test_a_warm_start_that_cannot_load_is_one_line_and_leaves_model_dir_alone(
     assert not model_dir.exists()
 
 
+def test_fallback_rows_warm_start_only_read_as_many_at_a_time_as_they_trained(tmp_path):
+    fallback = {"model.fallback_rows": 16, "model.capacity": 50}
+    first = tmp_path / "first"
+    keras.backend.clear_session()
+    train.train_and_evaluate(
+        _config(**fallback, **{"model.fallback_hashes": 1}), str(first), mode="train"
+    )
+    config = _config(**fallback, **{"train.warm_start": str(first)})
+    keras.backend.clear_session()
+    match = "read its fallback rows 1 per id there and 2 here"
+    one_line_error(match, train.train_and_evaluate, config, str(tmp_path / "second"))
+    assert not (tmp_path / "second").exists()
+    config.model.fallback_hashes = 1
+    job = _build(config, tmp_path / "third")
+    line = warm_start.apply(warm_start.plan(config, job.model, list(job.model.variables)))
+    assert "the ids of embedding" in line
+
+
 def _held(model) -> dict[int, np.ndarray]:
     """The table's rows by id."""
     content = model.get_layer("embedding").export_logical(lambda v: [])

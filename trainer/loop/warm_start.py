@@ -44,7 +44,12 @@ def record(model: keras.Model, variables: list, model_dir: str) -> None:
     """Writes `model_dir/variables.json`: the checkpoint's variables and table parts, in order."""
     names = [{"name": _name(v), "shape": list(v.shape)} for v in variables]
     tables = [
-        {"layer": layer.name, "part": i, "key_dtype": layer.key_dtype}
+        {
+            "layer": layer.name,
+            "part": i,
+            "key_dtype": layer.key_dtype,
+            "fallback_hashes": layer.fallback_hashes,
+        }
         for layer in layers.dynamic_tables(model)
         for i in range(layer.num_parts)
     ]
@@ -215,11 +220,28 @@ def _tables(
                 f"`train.warm_start` '{source}': table `{layer.name}` has {key_dtype} keys there "
                 f"and {layer.key_dtype} here; leave it out with `train.warm_start_include`."
             )
+        _check_fallback_hashes(source, recorded, layer, parts[0][1].get("fallback_hashes", 1))
         if id(layer) in resplit:
             continue  # loaded through a twin split as there (`_resplit`)
         pairs = zip(parts, layer.indexes(), strict=True)
         matched[layer.name] = [(position, index) for (position, _), index in pairs]
     return matched
+
+
+def _check_fallback_hashes(source: str, recorded: dict, layer, there: int) -> None:
+    """A table's fallback rows, loaded, are read as many at a time as they were trained.
+
+    `there`: the fallback rows an id read there (1 where `variables.json` does not say).
+    """
+    if layer.fallback is None or there == layer.fallback_hashes:
+        return
+    if _name(layer.fallback) in {v["name"] for v in recorded["variables"]}:
+        raise UserError(
+            f"`train.warm_start` '{source}': table `{layer.name}` read its fallback rows "
+            f"{there} per id there and {layer.fallback_hashes} here; set "
+            f"`--config.model.fallback_hashes={there}`, or leave the table out with "
+            "`train.warm_start_include`."
+        )
 
 
 def apply(warm: Plan) -> str:
