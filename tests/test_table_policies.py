@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from tests.helpers import assert_exit, run_cli
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
 from trainer.layers import tables
-from trainer.loop import checks, train
+from trainer.loop import train
 from trainer.loop.checkpoints import Checkpointer
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -79,26 +80,40 @@ def test_bad_table_options_are_one_line_and_exit_2_leaving_model_dir_alone(flag,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.fixture(scope="module")
+def fallback_run(tmp_path_factory):
+    """A model_dir trained 2 steps with fallback rows read 2 at a time."""
+    model_dir = tmp_path_factory.mktemp("fallback") / "run"
+    train.train_and_evaluate(_raw_ctr_config("one_device", 2), str(model_dir), mode="train")
+    return model_dir
+
+
 @pytest.mark.parametrize(
-    "recorded, now, refused", [(None, 2, True), (None, 1, False), (2, 2, False)]
+    "older, now, refused_naming",
+    [(False, 2, None), (False, 1, 2), (True, 2, 1), (True, 1, None)],
 )
 def test_a_resumed_run_reads_as_many_fallback_rows_per_id_as_it_trained(
-    recorded, now, refused, tmp_path
+    fallback_run, older, now, refused_naming, tmp_path
 ):
-    """A config.json without `fallback_hashes` (written before it existed) read one row."""
-    before = {"embedding": "dynamic", "fallback_rows": 16}
-    if recorded is not None:
-        before["fallback_hashes"] = recorded
-    (tmp_path / "config.json").write_text(json.dumps({"model": before}))
-    config = _raw_ctr_config("one_device", 1)
+    """A `variables.json` without `fallback_hashes` (written before it existed) read one row."""
+    model_dir = tmp_path / "run"
+    shutil.copytree(fallback_run, model_dir)
+    if older:
+        names = json.loads((model_dir / "variables.json").read_text())
+        for part in names["tables"]:
+            del part["fallback_hashes"]
+        (model_dir / "variables.json").write_text(json.dumps(names))
+    config = _raw_ctr_config("one_device", 4)
     config.model.fallback_hashes = now
-    if not refused:
-        checks.check_fallback_kept(config.model, str(tmp_path))
+    if refused_naming is None:
+        train.build(config, str(model_dir))
         return
     with pytest.raises(UserError) as error:
-        checks.check_fallback_kept(config.model, str(tmp_path))
-    assert "read 1 per id" in str(error.value)
-    assert "`--config.model.fallback_hashes=1`" in str(error.value)
+        train.build(config, str(model_dir))
+    assert f"read its fallback rows {refused_naming} per id there and {now} here" in str(
+        error.value
+    )
+    assert f"`--config.model.fallback_hashes={refused_naming}`" in str(error.value)
 
 
 def test_the_bytes_of_a_held_id_do_not_grow_with_its_count():

@@ -311,7 +311,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     @classmethod
     def from_config(cls, config: dict) -> DynamicEmbedding:
         # A layer saved before `fallback_hashes` existed read one fallback row per id.
-        return cls(**{"fallback_hashes": 1, **config})
+        return super().from_config({"fallback_hashes": 1, **config})
 
     def get_config(self) -> dict:
         return {

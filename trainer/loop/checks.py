@@ -317,31 +317,6 @@ def _memory_bytes() -> int:
         return 0
 
 
-def check_fallback_kept(model: ml_collections.ConfigDict, model_dir: str) -> None:
-    """A run that resumes a dynamic table's fallback rows reads as many of them per id.
-
-    A `config.json` written before `model.fallback_hashes` existed read one row.
-
-    Raises:
-      UserError: the earlier run in `model_dir` read another number of fallback
-        rows per id: its trained rows would silently mean something else.
-    """
-    recorded = storage.read_json(os.path.join(model_dir, "config.json")) or {}
-    before = recorded.get("model")
-    now = model.get("fallback_hashes", 2)
-    if not isinstance(before, dict) or before.get("embedding") != "dynamic":
-        return
-    if not before.get("fallback_rows"):
-        return
-    if model.get("embedding") == "dynamic" and before.get("fallback_hashes", 1) != now:
-        hashes = before.get("fallback_hashes", 1)
-        raise UserError(
-            f"`--model_dir` '{model_dir}' trained its fallback rows read {hashes} per id (its "
-            f"config.json), and `model.fallback_hashes` is now {now}; resume with "
-            f"`--config.model.fallback_hashes={hashes}`, or train into a new `--model_dir`."
-        )
-
-
 def check_model_dir(model_dir: str) -> None:
     """`model_dir` must be a directory we can create or write, locally or on a remote file system.
 

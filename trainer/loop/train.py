@@ -224,7 +224,8 @@ def build(
         optimizer.build(model.trainable_variables)
         objective = _objective(model, dataset, config)
     user_actions = actions.user_actions(config.train.get("actions", ""), config)
-    warm = warm_start.plan(config, model, list(model.variables))  # checked before any write
+    warm_start.check_resumed(model, model_dir)  # both checked before any write
+    warm = warm_start.plan(config, model, list(model.variables))
     return Job(
         config,
         model_dir,
@@ -271,8 +272,6 @@ def _check_model_dir(
     else:  # every member reads model_dir; the chief alone checks that it can be written
         storage.check_scheme(model_dir, "--model_dir")
     _check_class_names(model_dir, spec.class_names)
-    if "model" in config:
-        checks.check_fallback_kept(config.model, model_dir)
     if config.get("cluster"):  # the input position of a resumed run is read as it was written
         elastic.check_batch_kept(config, model_dir)
 

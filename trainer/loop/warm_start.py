@@ -13,6 +13,9 @@ Names come from `variables.json`, which every run writes beside its
 `config.json` (`record`): each checkpoint variable's name and shape, and
 each dynamic table part's layer and key dtype. It applies only when the
 run's own `model_dir` has no checkpoint: a resume wins (`train.py` says so).
+The same file tells how each table read its fallback rows (`fallback_hashes`):
+a warm start or a resume (`check_resumed`) that would read trained fallback
+rows another number at a time stops in one line.
 
 A table or sharded layer (`trainer.layers.Portable`) split into another
 number of parts there (2 ps members there, one process here, or the reverse)
@@ -220,7 +223,8 @@ def _tables(
                 f"`train.warm_start` '{source}': table `{layer.name}` has {key_dtype} keys there "
                 f"and {layer.key_dtype} here; leave it out with `train.warm_start_include`."
             )
-        _check_fallback_hashes(source, recorded, layer, parts[0][1].get("fallback_hashes", 1))
+        there = parts[0][1].get("fallback_hashes", 1)
+        _check_fallback_hashes(f"`train.warm_start` '{source}'", recorded, layer, there)
         if id(layer) in resplit:
             continue  # loaded through a twin split as there (`_resplit`)
         pairs = zip(parts, layer.indexes(), strict=True)
@@ -228,8 +232,31 @@ def _tables(
     return matched
 
 
-def _check_fallback_hashes(source: str, recorded: dict, layer, there: int) -> None:
-    """A table's fallback rows, loaded, are read as many at a time as they were trained.
+def check_resumed(model: keras.Model, model_dir: str) -> None:
+    """A run that resumes in `model_dir` reads its tables' fallback rows as they trained.
+
+    From the `variables.json` of the run that wrote `model_dir`'s checkpoints
+    (none, or no checkpoint: nothing to resume). A table part recorded without
+    `fallback_hashes` (written before it existed) read one row.
+
+    Raises:
+      UserError: a table here reads another number of fallback rows per id.
+    """
+    if tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints")) is None:
+        return
+    recorded = storage.read_json(os.path.join(model_dir, NAMES_FILE))
+    if not recorded:
+        return
+    there = {part["layer"]: part.get("fallback_hashes", 1) for part in recorded["tables"]}
+    for layer in layers.dynamic_tables(model):
+        if layer.name in there:
+            _check_fallback_hashes(
+                f"`--model_dir` '{model_dir}'", recorded, layer, there[layer.name]
+            )
+
+
+def _check_fallback_hashes(where: str, recorded: dict, layer, there: int) -> None:
+    """`layer`'s fallback rows, if `where` (`recorded`) holds them, read as they trained there.
 
     `there`: the fallback rows an id read there (1 where `variables.json` does not say).
     """
@@ -237,10 +264,10 @@ def _check_fallback_hashes(source: str, recorded: dict, layer, there: int) -> No
         return
     if _name(layer.fallback) in {v["name"] for v in recorded["variables"]}:
         raise UserError(
-            f"`train.warm_start` '{source}': table `{layer.name}` read its fallback rows "
-            f"{there} per id there and {layer.fallback_hashes} here; set "
-            f"`--config.model.fallback_hashes={there}`, or leave the table out with "
-            "`train.warm_start_include`."
+            f"{where}: table `{layer.name}` read its fallback rows {there} per id there and "
+            f"{layer.fallback_hashes} here; build it with `fallback_hashes={there}` "
+            f"(`--config.model.fallback_hashes={there}` for configs/ctr.py), or start it "
+            "afresh (another `--model_dir`, or leave it out of `train.warm_start_include`)."
         )
 
 
