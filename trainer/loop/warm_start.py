@@ -224,7 +224,11 @@ def _tables(
                 f"and {layer.key_dtype} here; leave it out with `train.warm_start_include`."
             )
         there = parts[0][1].get("fallback_hashes", 1)
-        _check_fallback_hashes(f"`train.warm_start` '{source}'", recorded, layer, there)
+        where, afresh = (
+            f"`train.warm_start` '{source}'",
+            "leave it out with `train.warm_start_include`",
+        )
+        _check_fallback_hashes(where, afresh, recorded, layer, there)
         if id(layer) in resplit:
             continue  # loaded through a twin split as there (`_resplit`)
         pairs = zip(parts, layer.indexes(), strict=True)
@@ -248,17 +252,17 @@ def check_resumed(model: keras.Model, model_dir: str) -> None:
     if not recorded:
         return
     there = {part["layer"]: part.get("fallback_hashes", 1) for part in recorded["tables"]}
+    where, afresh = f"`--model_dir` '{model_dir}'", "train into another `--model_dir`"
     for layer in layers.dynamic_tables(model):
         if layer.name in there:
-            _check_fallback_hashes(
-                f"`--model_dir` '{model_dir}'", recorded, layer, there[layer.name]
-            )
+            _check_fallback_hashes(where, afresh, recorded, layer, there[layer.name])
 
 
-def _check_fallback_hashes(where: str, recorded: dict, layer, there: int) -> None:
+def _check_fallback_hashes(where: str, afresh: str, recorded: dict, layer, there: int) -> None:
     """`layer`'s fallback rows, if `where` (`recorded`) holds them, read as they trained there.
 
-    `there`: the fallback rows an id read there (1 where `variables.json` does not say).
+    `there`: the fallback rows an id read there (1 where `variables.json` does not say);
+    `afresh`: how to start the table afresh instead, for the error.
     """
     if layer.fallback is None or there == layer.fallback_hashes:
         return
@@ -266,8 +270,7 @@ def _check_fallback_hashes(where: str, recorded: dict, layer, there: int) -> Non
         raise UserError(
             f"{where}: table `{layer.name}` read its fallback rows {there} per id there and "
             f"{layer.fallback_hashes} here; build it with `fallback_hashes={there}` "
-            f"(`--config.model.fallback_hashes={there}` for configs/ctr.py), or start it "
-            "afresh (another `--model_dir`, or leave it out of `train.warm_start_include`)."
+            f"(`--config.model.fallback_hashes={there}` for configs/ctr.py), or {afresh}."
         )
 
 
