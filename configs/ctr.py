@@ -70,7 +70,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.capacity = 0  # dynamic: most rows held (0: `vocab_size`); evicts when full
     c.model.min_count = 1  # dynamic: lookups an id needs before it gets its own row
     c.model.ttl_steps = 0  # dynamic: free rows (and forget counts) of ids unseen this long; 0: keep
-    c.model.table_seed = 0  # dynamic: keys each id's initial row
+    # Keys which raw ids share a row (hashed: Keras's `Hashing` salted by it, 0: unsalted;
+    # dynamic: its fallback rows) and each id's initial row (dynamic); a resume keeps it.
+    c.model.table_seed = 0
     # dynamic: the table's own optimizer, e.g. "adagrad" or "ftrl" (`optimizer.name`'s names;
     # "": the model's `optimizer.name`), and its peak learning rate on the model's schedule
     # (0: `optimizer.learning_rate`); the dense layers keep `optimizer`.

@@ -99,6 +99,20 @@ def test_one_fallback_hash_is_the_single_hashed_row_and_two_rarely_share_both():
     assert sharing(one) == 2000 and sharing(two) < 200
 
 
+def test_a_tables_seed_keys_which_ids_share_fallback_rows():
+    keys = tf.constant(np.arange(1, 2001, dtype=np.int64) * 7919)
+    unseeded = tables.buckets_of(keys, 200, 2).numpy()
+    np.testing.assert_array_equal(tables.buckets_of(keys, 200, 2, seed=0).numpy(), unseeded)
+    seeded = tables.buckets_of(keys, 200, 2, seed=3).numpy()
+    assert (seeded != unseeded).mean() > 0.9  # another draw of who collides with whom
+    np.testing.assert_array_equal(tables.buckets_of(keys, 200, 2, seed=3).numpy(), seeded)
+    layer = DynamicEmbedding(WIDTH, capacity=1, eviction=None, fallback_rows=200, seed=3)
+    layer.build()
+    layer.fallback.assign(np.arange(200, dtype=np.float32)[:, None] * np.ones(WIDTH, np.float32))
+    read = layer.defaults(keys, tf.ones_like(keys, tf.bool)).numpy()[:, 0]
+    np.testing.assert_array_equal(read, seeded.sum(axis=1))
+
+
 def test_a_layer_saved_before_fallback_hashes_reads_one_fallback_row():
     layer = DynamicEmbedding(WIDTH, fallback_rows=8)
     assert DynamicEmbedding.from_config(layer.get_config()).fallback_hashes == 2

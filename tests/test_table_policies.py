@@ -116,6 +116,40 @@ def test_a_resumed_run_reads_as_many_fallback_rows_per_id_as_it_trained(
     assert f"`--config.model.fallback_hashes={refused_naming}`" in str(error.value)
 
 
+@pytest.mark.parametrize("older", [False, True])
+def test_a_resumed_run_keeps_the_seed_its_fallback_rows_trained_with(fallback_run, older, tmp_path):
+    """A `variables.json` without `fallback_seed` (written before it existed) read unsalted rows."""
+    model_dir = tmp_path / "run"
+    shutil.copytree(fallback_run, model_dir)
+    config = _raw_ctr_config("one_device", 4)
+    if older:
+        names = json.loads((model_dir / "variables.json").read_text())
+        for part in names["tables"]:
+            del part["fallback_seed"]
+        (model_dir / "variables.json").write_text(json.dumps(names))
+    train.build(config, str(model_dir))  # the seed it trained with: 0
+    config.model.table_seed = 5
+    with pytest.raises(UserError) as error:
+        train.build(config, str(model_dir))
+    assert "with seed 0 there and 5 here" in str(error.value)
+    assert "`--config.model.table_seed=0`" in str(error.value)
+
+
+def test_a_resumed_hashed_run_keeps_the_salt_of_its_hashing(tmp_path):
+    config = _raw_ctr_config("one_device", 2)
+    config.model.embedding, config.model.table_seed = "hashed", 3
+    model_dir = tmp_path / "run"
+    train.train_and_evaluate(config, str(model_dir), mode="train")
+    names = json.loads((model_dir / "variables.json").read_text())
+    assert names["hashing"] == {"hashing": [3, 3]}
+    config.train.steps = 4
+    train.build(config, str(model_dir))
+    config.model.table_seed = 0
+    with pytest.raises(UserError) as error:
+        train.build(config, str(model_dir))
+    assert "hashed ids with salt [3, 3] there and None here" in str(error.value)
+
+
 def test_the_bytes_of_a_held_id_do_not_grow_with_its_count():
     table = tables.DynamicTable(4, eviction="lfu")
     table.admit(tf.constant([1] * 1000, tf.int64))

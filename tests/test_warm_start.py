@@ -135,7 +135,11 @@ def test_fallback_rows_warm_start_only_read_as_many_at_a_time_as_they_trained(tm
     match = "read its fallback rows 1 per id there and 2 here"
     one_line_error(match, train.train_and_evaluate, config, str(tmp_path / "second"))
     assert not (tmp_path / "second").exists()
-    config.model.fallback_hashes = 1
+    config.model.fallback_hashes, config.model.table_seed = 1, 4
+    keras.backend.clear_session()
+    match = "hashed ids into its fallback rows with seed 0 there and 4 here"
+    one_line_error(match, train.train_and_evaluate, config, str(tmp_path / "second"))
+    config.model.table_seed = 0
     job = _build(config, tmp_path / "third")
     line = warm_start.apply(warm_start.plan(config, job.model, list(job.model.variables)))
     assert "the ids of embedding" in line

@@ -151,7 +151,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
       sketch_depth: the sketch's rows (see `sketch_width`).
       mask_id: an id that means "no id" (padding): it reads zeros, is never
         admitted, and combiners leave it out.
-      seed: keys the initial rows.
+      seed: keys the initial rows, and which ids share fallback rows (their
+        hashes' salt: a resume or warm start keeps it, see `trainer.loop.warm_start`).
     """
 
     # The optimizer of the rows where it is not the model's (`TableConfig(optimizer=...)`).
@@ -226,7 +227,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         """
         if self.fallback is None:
             return tf.where(valid[:, None], self.default_row.value[None, :], 0.0)
-        buckets = tables.buckets_of(keys, self.fallback_rows, self.fallback_hashes)
+        buckets = tables.buckets_of(keys, self.fallback_rows, self.fallback_hashes, self.seed)
         rows = tf.gather(tf_patches.replica_copy(self.fallback.value), buckets)
         return tf.where(valid[:, None], tf.reduce_sum(rows, axis=1), 0.0)
 

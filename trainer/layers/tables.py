@@ -120,6 +120,7 @@ SKETCH_DEPTH = 2
 # The fallback rows an id without a row of its own reads, summed: two measured better than one
 # and three on a drifting long tail at equal bytes (docs/tables.md).
 FALLBACK_HASHES = 2
+SEED_SALT = 0xD1B54A32D192ED03  # odd: a table's seed moves its fallback rows' salts (`buckets_of`)
 COUNTERS = (
     "fresh",
     "free",
@@ -172,16 +173,18 @@ def part_of(keys: tf.Tensor, parts: int) -> tf.Tensor:
     return tf.cast(mixed % u64(parts), tf.int32)
 
 
-def buckets_of(keys: tf.Tensor, buckets: int, hashes: int) -> tf.Tensor:
+def buckets_of(keys: tf.Tensor, buckets: int, hashes: int, seed: int = 0) -> tf.Tensor:
     """Which `hashes` of `buckets` hashed rows each of int64 `keys` reads without a row of its own.
 
     `[n, hashes]` int64: one hash of the id per column, each salted apart from
     the others and from `part_of`'s (so that a part's ids spread over every
     bucket). Two ids share one bucket about `hashes` times more often than
     with one hash, and all of them far more rarely (with two hashes, about
-    `buckets / 2` times).
+    `buckets / 2` times). `seed` keys which ids share a bucket (0: the
+    salts alone, as tables written before the seed keyed them).
     """
-    salts = u64([GOLDEN * (2 * h + 1) % 2**64 for h in range(hashes)])
+    offset = seed * SEED_SALT
+    salts = u64([(GOLDEN * (2 * h + 1) + offset) % 2**64 for h in range(hashes)])
     mixed = splitmix64(tf.bitcast(keys, tf.uint64)[:, None] + salts[None, :])
     return tf.cast(mixed % u64(buckets), tf.int64)
 

@@ -276,7 +276,9 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
         table.table_optimizer = own
         x = table(inputs if raw else keras.ops.cast(inputs, "int64"))
     else:
-        ids = keras.layers.Hashing(vocab, name="hashing")(inputs) if raw else inputs
+        # `model.table_seed` keys which ids share a row (0: Keras's unsalted hash, as before).
+        salt = config.get("table_seed", 0) or None
+        ids = keras.layers.Hashing(vocab, salt=salt, name="hashing")(inputs) if raw else inputs
         x = ShardedEmbedding(vocab, width, name="embedding")(ids)
     if listed:
         x = single_and_listed(inputs, x, listed, padding)

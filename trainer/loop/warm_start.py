@@ -13,9 +13,11 @@ Names come from `variables.json`, which every run writes beside its
 `config.json` (`record`): each checkpoint variable's name and shape, and
 each dynamic table part's layer and key dtype. It applies only when the
 run's own `model_dir` has no checkpoint: a resume wins (`train.py` says so).
-The same file tells how each table read its fallback rows (`fallback_hashes`):
-a warm start or a resume (`check_resumed`) that would read trained fallback
-rows another number at a time stops in one line.
+The same file tells how each table read its fallback rows (`fallback_hashes`,
+and the `fallback_seed` salting their hashes) and the salt of each
+`keras.layers.Hashing` layer: a warm start or a resume (`check_resumed`) that
+would read trained fallback rows another number at a time or at other rows,
+or a resume that would hash ids into other rows, stops in one line.
 
 A table or sharded layer (`trainer.layers.Portable`) split into another
 number of parts there (2 ps members there, one process here, or the reverse)
@@ -52,11 +54,25 @@ def record(model: keras.Model, variables: list, model_dir: str) -> None:
             "part": i,
             "key_dtype": layer.key_dtype,
             "fallback_hashes": layer.fallback_hashes,
+            "fallback_seed": layer.seed,
         }
         for layer in layers.dynamic_tables(model)
         for i in range(layer.num_parts)
     ]
-    storage.write_json(os.path.join(model_dir, NAMES_FILE), {"variables": names, "tables": tables})
+    hashing = {layer.name: _salt(layer) for layer in _hashing_layers(model)}
+    storage.write_json(
+        os.path.join(model_dir, NAMES_FILE),
+        {"variables": names, "tables": tables, "hashing": hashing},
+    )
+
+
+def _hashing_layers(model: keras.Model) -> list[keras.layers.Hashing]:
+    return [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Hashing)]
+
+
+def _salt(layer: keras.layers.Hashing) -> list[int] | None:
+    """A `Hashing` layer's salt as JSON holds it (None: unsalted)."""
+    return None if layer.salt is None else [int(v) for v in np.ravel(layer.salt)]
 
 
 def _name(variable) -> str:
@@ -223,12 +239,11 @@ def _tables(
                 f"`train.warm_start` '{source}': table `{layer.name}` has {key_dtype} keys there "
                 f"and {layer.key_dtype} here; leave it out with `train.warm_start_include`."
             )
-        there = parts[0][1].get("fallback_hashes", 1)
         where, afresh = (
             f"`train.warm_start` '{source}'",
             "leave it out with `train.warm_start_include`",
         )
-        _check_fallback_hashes(where, afresh, recorded, layer, there)
+        _check_fallback_kept(where, afresh, recorded, layer, parts[0][1])
         if id(layer) in resplit:
             continue  # loaded through a twin split as there (`_resplit`)
         pairs = zip(parts, layer.indexes(), strict=True)
@@ -241,37 +256,56 @@ def check_resumed(model: keras.Model, model_dir: str) -> None:
 
     From the `variables.json` of the run that wrote `model_dir`'s checkpoints
     (none, or no checkpoint: nothing to resume). A table part recorded without
-    `fallback_hashes` (written before it existed) read one row.
+    `fallback_hashes` or `fallback_seed` (written before they existed) read
+    one row, unsalted; a `Hashing` layer's salt is checked where recorded.
 
     Raises:
-      UserError: a table here reads another number of fallback rows per id.
+      UserError: a table here reads another number of fallback rows per id, or
+        other rows; a `Hashing` layer here has another salt.
     """
     if tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints")) is None:
         return
     recorded = storage.read_json(os.path.join(model_dir, NAMES_FILE))
     if not recorded:
         return
-    there = {part["layer"]: part.get("fallback_hashes", 1) for part in recorded["tables"]}
+    there = {part["layer"]: part for part in recorded["tables"]}
     where, afresh = f"`--model_dir` '{model_dir}'", "train into another `--model_dir`"
     for layer in layers.dynamic_tables(model):
         if layer.name in there:
-            _check_fallback_hashes(where, afresh, recorded, layer, there[layer.name])
+            _check_fallback_kept(where, afresh, recorded, layer, there[layer.name])
+    salts = recorded.get("hashing", {})
+    for layer in _hashing_layers(model):
+        if layer.name in salts and salts[layer.name] != _salt(layer):
+            raise UserError(
+                f"{where}: layer `{layer.name}` hashed ids with salt {salts[layer.name]} there "
+                f"and {_salt(layer)} here, which puts them in other rows; keep its salt "
+                f"(configs/ctr.py: the `--config.model.table_seed` it trained with), or {afresh}."
+            )
 
 
-def _check_fallback_hashes(where: str, afresh: str, recorded: dict, layer, there: int) -> None:
+def _check_fallback_kept(where: str, afresh: str, recorded: dict, layer, part: dict) -> None:
     """`layer`'s fallback rows, if `where` (`recorded`) holds them, read as they trained there.
 
-    `there`: the fallback rows an id read there (1 where `variables.json` does not say);
-    `afresh`: how to start the table afresh instead, for the error.
+    `part`: a part of the table as `variables.json` records it (without
+    `fallback_hashes`: 1; without `fallback_seed`: 0, unsalted); `afresh`:
+    how to start the table afresh instead, for the error.
     """
-    if layer.fallback is None or there == layer.fallback_hashes:
+    hashes, seed = part.get("fallback_hashes", 1), part.get("fallback_seed", 0)
+    if layer.fallback is None or (hashes, seed) == (layer.fallback_hashes, layer.seed):
         return
-    if _name(layer.fallback) in {v["name"] for v in recorded["variables"]}:
+    if _name(layer.fallback) not in {v["name"] for v in recorded["variables"]}:
+        return
+    if hashes != layer.fallback_hashes:
         raise UserError(
-            f"{where}: table `{layer.name}` read its fallback rows {there} per id there and "
-            f"{layer.fallback_hashes} here; build it with `fallback_hashes={there}` "
-            f"(`--config.model.fallback_hashes={there}` for configs/ctr.py), or {afresh}."
+            f"{where}: table `{layer.name}` read its fallback rows {hashes} per id there and "
+            f"{layer.fallback_hashes} here; build it with `fallback_hashes={hashes}` "
+            f"(`--config.model.fallback_hashes={hashes}` for configs/ctr.py), or {afresh}."
         )
+    raise UserError(
+        f"{where}: table `{layer.name}` hashed ids into its fallback rows with seed {seed} there "
+        f"and {layer.seed} here, which reads other rows; build it with `seed={seed}` "
+        f"(`--config.model.table_seed={seed}` for configs/ctr.py), or {afresh}."
+    )
 
 
 def apply(warm: Plan) -> str:
