@@ -73,7 +73,7 @@ class Sizes:
     quality_steps: int = 2400  # steps of 256 of each run
     quality_ids_per_field: int = 20_000  # ranks a field's values are drawn over
     # Runs of each table, seeded 0, 1, ...: one run's AUC moves by up to 0.01 with the seed.
-    quality_seeds: int = 3
+    quality_seeds: int = 5
     # Full against incremental checkpoints: one run of this many steps, saving every
     # `checkpoint_intervals` steps, into a dynamic table of `incremental_rows` rows.
     incremental_steps: int = 400

@@ -21,8 +21,12 @@ fallback rows per id; and the same rows as the hashed table with own rows at a h
 row's bytes (`free_index`: what own rows are worth if the index cost
 nothing; not equal bytes). Every table runs `Sizes.quality_seeds` times
 (seeds 0, 1, ...: the model's initial values, the data's order, the table's
-initial rows): a single run's AUC moves by up to 0.01 with the seed, so the
-figures are the runs' means and the gains the means of paired differences.
+initial rows, and which ids share a row: `model.table_seed` salts the hashed
+table's `Hashing` and the fallback rows' hashes, 0 unsalted): a single run's
+AUC moves by up to 0.01 with the seed, as much with which ids collide as with
+the rest (the same table one row larger or smaller may gain or lose 0.01 by
+collisions alone), so the figures are the runs' means and the gains the
+means of paired differences.
 
 Beside the AUC, what explains it (`reasons`), from the same run: the AUC
 with an index that cost nothing; the bytes of an own row against a hashed
