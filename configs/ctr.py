@@ -81,11 +81,12 @@ def get_config() -> ml_collections.ConfigDict:
     # dynamic: which id a full table evicts: lfu (lowest count, halved every 500 steps unseen),
     # lru (least recently seen), or "" (none: a full table refuses new ids).
     c.model.eviction = "lfu"
-    # dynamic: rows of a trained hashed fallback table that ids without a row read (the sum of
-    # rows hash_k(id) % fallback_rows, k < fallback_hashes; counted in the table's bytes);
-    # 0: one shared default row.
+    # dynamic: rows of a trained hashed fallback table that ids without a row read (the
+    # fallback_combiner, mean or sum, of rows hash_k(id) % fallback_rows, k < fallback_hashes;
+    # counted in the table's bytes); 0: one shared default row.
     c.model.fallback_rows = 0
     c.model.fallback_hashes = 2
+    c.model.fallback_combiner = "mean"
     # dynamic, min_count > 1: the counts of ids not admitted yet live in a count-min sketch of
     # sketch_depth rows of sketch_width int32 cells (no memory per id; docs/tables.md: its bound).
     c.model.sketch_width = 8192

@@ -53,10 +53,15 @@ def test_the_first_lookup_of_an_admitted_id_trains_its_row():
     np.testing.assert_array_equal(layer.default_row.numpy(), np.zeros(WIDTH))
 
 
-@pytest.mark.parametrize("hashes", [1, 2])
-def test_ids_without_a_row_read_and_train_the_sum_of_their_hashed_fallback_rows(hashes):
+@pytest.mark.parametrize(("hashes", "combiner"), [(1, "mean"), (2, "mean"), (2, "sum")])
+def test_ids_without_a_row_read_and_train_the_mean_or_sum_of_their_fallback_rows(hashes, combiner):
     layer = DynamicEmbedding(
-        WIDTH, capacity=1, eviction=None, fallback_rows=3, fallback_hashes=hashes
+        WIDTH,
+        capacity=1,
+        eviction=None,
+        fallback_rows=3,
+        fallback_hashes=hashes,
+        fallback_combiner=combiner,
     )
     optimizer = optim.OPTIMIZERS["sgd"](1.0, None)
     optimizer.build(_built(layer))
@@ -67,14 +72,15 @@ def test_ids_without_a_row_read_and_train_the_sum_of_their_hashed_fallback_rows(
     optimizer.apply_gradients(zip(grads, layer.trainable_variables))
     buckets = tables.buckets_of(tf.constant(ids[1:], tf.int64), 3, hashes).numpy()
     assert buckets.shape == (5, hashes)
+    share = 1.0 / hashes if combiner == "mean" else 1.0  # each row's part of an id's vector
     lookups = np.bincount(buckets.ravel(), minlength=3).astype(np.float32)
-    np.testing.assert_allclose(layer.fallback.numpy(), -lookups[:, None] * np.ones(WIDTH))
-    read = layer.fallback.numpy()[buckets].sum(axis=1)
+    np.testing.assert_allclose(layer.fallback.numpy(), -share * lookups[:, None] * np.ones(WIDTH))
+    read = share * layer.fallback.numpy()[buckets].sum(axis=1)
     np.testing.assert_allclose(_rows_of(layer, ids[1:]), read)
     width_bytes = WIDTH * 4 * (1 + 0)  # sgd: no slots
     described = layer.describe()
     assert described["fallback_rows"] == 3 and described["fallback_hashes"] == hashes
-    assert f"fallback_rows 3 (read {hashes} at a time)" in described["line"]
+    assert f"fallback_rows 3 (read {hashes} at a time, {combiner})" in described["line"]
     plain = DynamicEmbedding(WIDTH, capacity=1)
     plain.build()
     index_bytes = tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES  # 1 id held; refused: none
@@ -110,18 +116,22 @@ def test_a_tables_seed_keys_which_ids_share_fallback_rows():
     layer.build()
     layer.fallback.assign(np.arange(200, dtype=np.float32)[:, None] * np.ones(WIDTH, np.float32))
     read = layer.defaults(keys, tf.ones_like(keys, tf.bool)).numpy()[:, 0]
-    np.testing.assert_array_equal(read, seeded.sum(axis=1))
+    np.testing.assert_array_equal(read, seeded.mean(axis=1))  # the default: their mean
 
 
-def test_a_layer_saved_before_fallback_hashes_reads_one_fallback_row():
+@pytest.mark.parametrize(
+    ("field", "now", "before"), [("fallback_hashes", 2, 1), ("fallback_combiner", "mean", "sum")]
+)
+def test_a_layer_saved_before_a_fallback_field_reads_its_rows_as_it_did(field, now, before):
+    """Saved without `fallback_hashes`, a layer read one row; without `fallback_combiner`, sums."""
     layer = DynamicEmbedding(WIDTH, fallback_rows=8)
-    assert DynamicEmbedding.from_config(layer.get_config()).fallback_hashes == 2
-    older = {k: v for k, v in layer.get_config().items() if k != "fallback_hashes"}
-    assert DynamicEmbedding.from_config(older).fallback_hashes == 1
+    assert getattr(DynamicEmbedding.from_config(layer.get_config()), field) == now
+    older = {k: v for k, v in layer.get_config().items() if k != field}
+    assert getattr(DynamicEmbedding.from_config(older), field) == before
     table = layers.TableConfig("t", embedding_dim=4, fallback_rows=8)
-    assert layers.TableConfig.from_config(table.get_config()).layer().fallback_hashes == 2
-    older = {k: v for k, v in table.get_config().items() if k != "fallback_hashes"}
-    assert layers.TableConfig.from_config(older).layer().fallback_hashes == 1
+    assert getattr(layers.TableConfig.from_config(table.get_config()).layer(), field) == now
+    older = {k: v for k, v in table.get_config().items() if k != field}
+    assert getattr(layers.TableConfig.from_config(older).layer(), field) == before
 
 
 def test_the_docstring_example_gives_a_vector_per_list():
@@ -167,6 +177,7 @@ def test_without_a_combiner_ragged_ids_give_ragged_vectors_and_the_mask_id_zeros
         ({"eviction": "lfru"}, r"`eviction` 'lfru' must be one of 'lfu', 'lru', None"),
         ({"fallback_rows": -1}, r"`fallback_rows` \(-1\) must be >= 0"),
         ({"fallback_hashes": 0}, r"`fallback_hashes` \(0\) must be >= 1"),
+        ({"fallback_combiner": "max"}, r"`fallback_combiner` 'max' must be one of mean, sum"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argument, match):

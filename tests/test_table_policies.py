@@ -63,6 +63,10 @@ def test_one_device_and_mirrored_evict_alike_and_train_the_same_fallback_rows(tm
         ("--config.model.eviction=mru", "`model.eviction` 'mru' is not an eviction policy"),
         ("--config.model.fallback_rows=-1", "`model.fallback_rows` (-1) must be >= 0"),
         ("--config.model.fallback_hashes=0", "`model.fallback_hashes` (0) must be >= 1"),
+        (
+            "--config.model.fallback_combiner=max",
+            "`model.fallback_combiner` 'max' is not a way to combine fallback rows",
+        ),
     ],
 )
 def test_bad_table_options_are_one_line_and_exit_2_leaving_model_dir_alone(flag, message, tmp_path):
@@ -114,6 +118,23 @@ def test_a_resumed_run_reads_as_many_fallback_rows_per_id_as_it_trained(
         error.value
     )
     assert f"`--config.model.fallback_hashes={refused_naming}`" in str(error.value)
+
+
+def test_a_resumed_run_combines_its_fallback_rows_as_it_trained(fallback_run, tmp_path):
+    """A `variables.json` without `fallback_combiner` (written before it existed) summed them."""
+    model_dir = tmp_path / "run"
+    shutil.copytree(fallback_run, model_dir)
+    names = json.loads((model_dir / "variables.json").read_text())
+    for part in names["tables"]:
+        assert part.pop("fallback_combiner") == "mean"
+    (model_dir / "variables.json").write_text(json.dumps(names))
+    config = _raw_ctr_config("one_device", 4)
+    with pytest.raises(UserError) as error:
+        train.build(config, str(model_dir))
+    assert "read the sum of its fallback rows there and the mean here" in str(error.value)
+    assert "`--config.model.fallback_combiner=sum`" in str(error.value)
+    config.model.fallback_combiner = "sum"
+    train.build(config, str(model_dir))
 
 
 @pytest.mark.parametrize("older", [False, True])

@@ -43,6 +43,7 @@ def check_dynamic(
     fallback_rows: int = 0,
     sketch: tuple[int, int] = (tables.SKETCH_WIDTH, tables.SKETCH_DEPTH),
     fallback_hashes: int = tables.FALLBACK_HASHES,
+    fallback_combiner: str = tables.FALLBACK_COMBINER,
 ) -> None:
     """Raises `UserError` naming the first bad argument of a dynamic table (`where`)."""
     rules = [
@@ -72,6 +73,11 @@ def check_dynamic(
             fallback_hashes >= 1,
             f"`fallback_hashes` ({fallback_hashes}) must be >= 1 fallback row read per id; "
             f"e.g. {tables.FALLBACK_HASHES}",
+        ),
+        (
+            fallback_combiner in tables.FALLBACK_COMBINERS,
+            f"`fallback_combiner` '{fallback_combiner}' must be one of mean, sum; e.g. "
+            f"'{tables.FALLBACK_COMBINER}'",
         ),
         (
             sketch[0] >= 1,
@@ -138,11 +144,14 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         refuses new ids (they read the default row; `refused` counts them).
       fallback_rows: 0: every id without a row (not admitted yet, refused,
         evicted) reads one shared trainable default row; N > 0: it reads the
-        sum of `fallback_hashes` rows of a trainable `[N, output_dim]` fallback
+        mean of `fallback_hashes` rows of a trainable `[N, output_dim]` fallback
         table, rows `hash_k(id) % N` (a hashed embedding of several hashes, so
         that two ids rarely share all their rows), counted in `bytes_held`.
       fallback_hashes: the fallback rows an id reads (1: `hash(id) % N` alone,
         as a hashed embedding); default `trainer.layers.tables.FALLBACK_HASHES`.
+      fallback_combiner: "mean" (the default: an id's vector trains at one
+        row's pace) or "sum" (as layers saved before this option read them) of
+        an id's fallback rows.
       sketch_width: with `min_count` > 1, the lookups of ids not admitted yet
         are counted in a count-min sketch of `sketch_depth` rows of
         `sketch_width` int32 cells (in `bytes_held`), no memory per id: a
@@ -173,6 +182,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         sketch_width: int = tables.SKETCH_WIDTH,
         sketch_depth: int = tables.SKETCH_DEPTH,
         fallback_hashes: int = tables.FALLBACK_HASHES,
+        fallback_combiner: str = tables.FALLBACK_COMBINER,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -186,9 +196,11 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             fallback_rows=fallback_rows,
             sketch=(sketch_width, sketch_depth),
             fallback_hashes=fallback_hashes,
+            fallback_combiner=fallback_combiner,
         )
         self.fallback_rows = int(fallback_rows)
         self.fallback_hashes = int(fallback_hashes)
+        self.fallback_combiner = fallback_combiner
         self.sketch_width, self.sketch_depth = int(sketch_width), int(sketch_depth)
         self.output_dim = int(output_dim)
         self.key_dtype = key_dtype
@@ -221,7 +233,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
 
         Zeros where not `valid`.
 
-        A key's fallback value is the sum of its `fallback_hashes` rows, gathered
+        A key's fallback value is the mean (or sum: `fallback_combiner`) of its
+        `fallback_hashes` rows, gathered
         for every key (`tf.gather`: a sparse gradient of `fallback_hashes` rows
         per key, never empty), then masked by the caller.
         """
@@ -229,7 +242,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             return tf.where(valid[:, None], self.default_row.value[None, :], 0.0)
         buckets = tables.buckets_of(keys, self.fallback_rows, self.fallback_hashes, self.seed)
         rows = tf.gather(tf_patches.replica_copy(self.fallback.value), buckets)
-        return tf.where(valid[:, None], tf.reduce_sum(rows, axis=1), 0.0)
+        combine = tf.reduce_mean if self.fallback_combiner == "mean" else tf.reduce_sum
+        return tf.where(valid[:, None], combine(rows, axis=1), 0.0)
 
     # `Portable`: the rows of every id, whatever the number of parts (`dynamic_content`).
 
@@ -311,8 +325,9 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config: dict) -> DynamicEmbedding:
-        # A layer saved before `fallback_hashes` existed read one fallback row per id.
-        return super().from_config({"fallback_hashes": 1, **config})
+        # A layer saved before `fallback_hashes` existed read one fallback row per id; one
+        # saved before `fallback_combiner`, their sum.
+        return super().from_config({"fallback_hashes": 1, "fallback_combiner": "sum", **config})
 
     def get_config(self) -> dict:
         return {
@@ -330,4 +345,5 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             "sketch_width": self.sketch_width,
             "sketch_depth": self.sketch_depth,
             "fallback_hashes": self.fallback_hashes,
+            "fallback_combiner": self.fallback_combiner,
         }

@@ -198,12 +198,15 @@ def describe(layer: DynamicEmbedding) -> dict:
         "eviction": layer.eviction,
         "fallback_rows": layer.fallback_rows,
         "fallback_hashes": layer.fallback_hashes,
+        "fallback_combiner": layer.fallback_combiner,
         "sketch_width": layer.sketch_width,
         "sketch_depth": layer.sketch_depth,
     }
     where = ", ".join(f"part {p['part']} on {p['device']} ({p['capacity']} rows)" for p in parts)
     split = f"split by id hash over {len(parts)} parts: " if len(parts) > 1 else ""
-    hashes = f" (read {layer.fallback_hashes} at a time)" if layer.fallback_rows else ""
+    hashes = ""
+    if layer.fallback_rows:
+        hashes = f" (read {layer.fallback_hashes} at a time, {layer.fallback_combiner})"
     line = (
         f"table {layer.name}: dynamic {layer.key_dtype} ids, {layer.output_dim} wide, at most "
         f"{layer.capacity} rows (eviction {layer.eviction}), min_count {layer.min_count}, "

@@ -27,7 +27,8 @@ class TableConfig:
     optional and bounds the rows (a `DynamicEmbedding`'s `capacity`: ids past
     it evict by `eviction`, where Keras-RS's would be an error). The
     rest are `DynamicEmbedding`'s (`key_dtype`, `min_count`, `ttl_steps`,
-    `eviction`, `mask_id`, `seed`, `fallback_rows`, `fallback_hashes`). Keras-RS's
+    `eviction`, `mask_id`, `seed`, `fallback_rows`, `fallback_hashes`,
+    `fallback_combiner`). Keras-RS's
     `initializer` has no counterpart here: a row starts from a value of (`seed`, id). `optimizer`
     (a name, `trainer.layers.table_training.OPTIMIZER_NAMES`) and
     `learning_rate` give the table its own optimizer (e.g. "adagrad" for the
@@ -61,6 +62,7 @@ class TableConfig:
     eviction: str | None = tables.DEFAULT_EVICTION
     fallback_rows: int = 0
     fallback_hashes: int = tables.FALLBACK_HASHES
+    fallback_combiner: str = tables.FALLBACK_COMBINER
     mask_id: object = None
     seed: int = 0
     learning_rate: float | None = None
@@ -125,6 +127,7 @@ class TableConfig:
             "seed",
             "fallback_rows",
             "fallback_hashes",
+            "fallback_combiner",
         )
         options = {name: getattr(self, name) for name in names}
         width, capacity = self.embedding_dim, self.capacity
@@ -137,8 +140,9 @@ class TableConfig:
 
     @classmethod
     def from_config(cls, config: dict) -> TableConfig:
-        # A table saved before `fallback_hashes` existed read one fallback row per id.
-        return cls(**{"fallback_hashes": 1, **config})
+        # A table saved before `fallback_hashes` existed read one fallback row per id; one
+        # saved before `fallback_combiner`, their sum.
+        return cls(**{"fallback_hashes": 1, "fallback_combiner": "sum", **config})
 
 
 @dataclasses.dataclass(frozen=True)

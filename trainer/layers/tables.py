@@ -120,6 +120,10 @@ SKETCH_DEPTH = 2
 # The fallback rows an id without a row of its own reads, summed: two measured better than one
 # and three on a drifting long tail at equal bytes (docs/tables.md).
 FALLBACK_HASHES = 2
+# How an id's fallback rows make its vector: their mean (each id's vector then trains at one
+# row's pace, measured better than the sum at 50% and 100% of the ids, docs/tables.md) or sum.
+FALLBACK_COMBINERS = ("mean", "sum")
+FALLBACK_COMBINER = "mean"
 SEED_SALT = 0xD1B54A32D192ED03  # odd: a table's seed moves its fallback rows' salts (`buckets_of`)
 COUNTERS = (
     "fresh",

@@ -193,7 +193,13 @@ def _check_dynamic_table(model: ml_collections.ConfigDict) -> None:
     if hashes < 1:
         raise UserError(
             f"`model.fallback_hashes` ({hashes}) must be >= 1 (the fallback rows an id without "
-            "a row reads, summed); set e.g. `--config.model.fallback_hashes=2`."
+            "a row reads); set e.g. `--config.model.fallback_hashes=2`."
+        )
+    combiner = model.get("fallback_combiner", "mean")
+    if combiner not in ("mean", "sum"):
+        raise UserError(
+            f"`model.fallback_combiner` '{combiner}' is not a way to combine fallback rows; use "
+            "mean or sum, e.g. `--config.model.fallback_combiner=mean`."
         )
     for field, example in (("sketch_width", 8192), ("sketch_depth", 2)):
         value = model.get(field, example)

@@ -267,6 +267,7 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
             eviction=config.get("eviction", "lfu") or None,
             fallback_rows=config.get("fallback_rows", 0),
             fallback_hashes=config.get("fallback_hashes", 2),
+            fallback_combiner=config.get("fallback_combiner", "mean"),
             sketch_width=config.get("sketch_width", 8192),
             sketch_depth=config.get("sketch_depth", 2),
             mask_id=padding,

@@ -14,9 +14,10 @@ Names come from `variables.json`, which every run writes beside its
 each dynamic table part's layer and key dtype. It applies only when the
 run's own `model_dir` has no checkpoint: a resume wins (`train.py` says so).
 The same file tells how each table read its fallback rows (`fallback_hashes`,
-and the `fallback_seed` salting their hashes) and the salt of each
+`fallback_combiner`, and the `fallback_seed` salting their hashes) and the salt of each
 `keras.layers.Hashing` layer: a warm start or a resume (`check_resumed`) that
-would read trained fallback rows another number at a time or at other rows,
+would read trained fallback rows another number at a time, combined another
+way or at other rows,
 or a resume that would hash ids into other rows, stops in one line.
 
 A table or sharded layer (`trainer.layers.Portable`) split into another
@@ -55,6 +56,7 @@ def record(model: keras.Model, variables: list, model_dir: str) -> None:
             "key_dtype": layer.key_dtype,
             "fallback_hashes": layer.fallback_hashes,
             "fallback_seed": layer.seed,
+            "fallback_combiner": layer.fallback_combiner,
         }
         for layer in layers.dynamic_tables(model)
         for i in range(layer.num_parts)
@@ -256,12 +258,14 @@ def check_resumed(model: keras.Model, model_dir: str) -> None:
 
     From the `variables.json` of the run that wrote `model_dir`'s checkpoints
     (none, or no checkpoint: nothing to resume). A table part recorded without
-    `fallback_hashes` or `fallback_seed` (written before they existed) read
-    one row, unsalted; a `Hashing` layer's salt is checked where recorded.
+    `fallback_hashes`, `fallback_combiner` or `fallback_seed` (written before
+    they existed) read one row, summed, unsalted; a `Hashing` layer's salt is
+    checked where recorded.
 
     Raises:
-      UserError: a table here reads another number of fallback rows per id, or
-        other rows; a `Hashing` layer here has another salt.
+      UserError: a table here reads another number of fallback rows per id,
+        combines them otherwise, or reads other rows; a `Hashing` layer here has
+        another salt.
     """
     if tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints")) is None:
         return
@@ -287,11 +291,14 @@ def _check_fallback_kept(where: str, afresh: str, recorded: dict, layer, part: d
     """`layer`'s fallback rows, if `where` (`recorded`) holds them, read as they trained there.
 
     `part`: a part of the table as `variables.json` records it (without
-    `fallback_hashes`: 1; without `fallback_seed`: 0, unsalted); `afresh`:
-    how to start the table afresh instead, for the error.
+    `fallback_hashes`: 1; without `fallback_combiner`: "sum"; without
+    `fallback_seed`: 0, unsalted); `afresh`: how to start the table afresh
+    instead, for the error. One row read per id is the same mean or sum.
     """
     hashes, seed = part.get("fallback_hashes", 1), part.get("fallback_seed", 0)
-    if layer.fallback is None or (hashes, seed) == (layer.fallback_hashes, layer.seed):
+    combiner = part.get("fallback_combiner", "sum") if hashes > 1 else layer.fallback_combiner
+    here = (layer.fallback_hashes, layer.fallback_combiner, layer.seed)
+    if layer.fallback is None or (hashes, combiner, seed) == here:
         return
     if _name(layer.fallback) not in {v["name"] for v in recorded["variables"]}:
         return
@@ -300,6 +307,12 @@ def _check_fallback_kept(where: str, afresh: str, recorded: dict, layer, part: d
             f"{where}: table `{layer.name}` read its fallback rows {hashes} per id there and "
             f"{layer.fallback_hashes} here; build it with `fallback_hashes={hashes}` "
             f"(`--config.model.fallback_hashes={hashes}` for configs/ctr.py), or {afresh}."
+        )
+    if combiner != layer.fallback_combiner:
+        raise UserError(
+            f"{where}: table `{layer.name}` read the {combiner} of its fallback rows there and "
+            f'the {layer.fallback_combiner} here; build it with `fallback_combiner="{combiner}"` '
+            f"(`--config.model.fallback_combiner={combiner}` for configs/ctr.py), or {afresh}."
         )
     raise UserError(
         f"{where}: table `{layer.name}` hashed ids into its fallback rows with seed {seed} there "
