@@ -137,7 +137,8 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             f"{sizes.quality_ids_per_field} ranks a field, drifting every 300 examples",
             f"each AUC the mean of {sizes.quality_seeds} runs (seeds 0 .. "
             f"{sizes.quality_seeds - 1}: the model's initial values, the data's order, the "
-            "table's initial rows); per seed: the range of the paired differences",
+            "table's initial rows, which ids share a row); per seed: the range of the paired "
+            "differences",
             f"dynamic: eviction lfu, min_count {MIN_COUNT}, {FALLBACK_SHARE:.0%} of its bytes "
             "in fallback rows read 2 at a time; "
             "bytes as `describe()` counts them at the end (rows, Adam's slots, stamps, index)",
