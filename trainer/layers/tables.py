@@ -117,8 +117,8 @@ HALF_LIFE = 500  # steps over which an id's count halves when it is not seen ("l
 # SKETCH_WIDTH int32 cells, halved whenever SKETCH_WIDTH lookups were added since the last.
 SKETCH_WIDTH = 2**13
 SKETCH_DEPTH = 2
-# The fallback rows an id without a row of its own reads, summed: two measured better than one
-# and three on a drifting long tail at equal bytes (docs/tables.md).
+# The fallback rows an id without a row of its own reads (their mean, `FALLBACK_COMBINER`): two
+# measured better than one and three on a drifting long tail at equal bytes (docs/tables.md).
 FALLBACK_HASHES = 2
 # How an id's fallback rows make its vector: their mean (each id's vector then trains at one
 # row's pace, measured better than the sum at 50% and 100% of the ids, docs/tables.md) or sum.

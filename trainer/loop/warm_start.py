@@ -14,11 +14,11 @@ Names come from `variables.json`, which every run writes beside its
 each dynamic table part's layer and key dtype. It applies only when the
 run's own `model_dir` has no checkpoint: a resume wins (`train.py` says so).
 The same file tells how each table read its fallback rows (`fallback_hashes`,
-`fallback_combiner`, and the `fallback_seed` salting their hashes) and the salt of each
-`keras.layers.Hashing` layer: a warm start or a resume (`check_resumed`) that
-would read trained fallback rows another number at a time, combined another
-way or at other rows,
-or a resume that would hash ids into other rows, stops in one line.
+`fallback_combiner`, and the `fallback_seed` salting their hashes) and the
+salt of each `keras.layers.Hashing` layer: a warm start or a resume
+(`check_resumed`) that would read trained fallback rows another number at a
+time, combined another way or at other rows, or a resume that would hash ids
+into other rows, stops in one line.
 
 A table or sharded layer (`trainer.layers.Portable`) split into another
 number of parts there (2 ps members there, one process here, or the reverse)
