@@ -23,6 +23,7 @@ from towerflow import storage
 from towerflow.errors import UserError
 from trainer import data
 from trainer.data import service_client
+from trainer.layers import tables
 from trainer.loop import optim, precision
 
 # `train.steps=0` with `data.follow`: a step no run reaches (the loop ends at SIGTERM).
@@ -195,11 +196,12 @@ def _check_dynamic_table(model: ml_collections.ConfigDict) -> None:
             f"`model.fallback_hashes` ({hashes}) must be >= 1 (the fallback rows an id without "
             "a row reads); set e.g. `--config.model.fallback_hashes=2`."
         )
-    combiner = model.get("fallback_combiner", "mean")
-    if combiner not in ("mean", "sum"):
+    combiner = model.get("fallback_combiner", tables.FALLBACK_COMBINER)
+    if combiner not in tables.FALLBACK_COMBINERS:
         raise UserError(
             f"`model.fallback_combiner` '{combiner}' is not a way to combine fallback rows; use "
-            "mean or sum, e.g. `--config.model.fallback_combiner=mean`."
+            f"{' or '.join(tables.FALLBACK_COMBINERS)}, e.g. "
+            f"`--config.model.fallback_combiner={tables.FALLBACK_COMBINER}`."
         )
     for field, example in (("sketch_width", 8192), ("sketch_depth", 2)):
         value = model.get(field, example)

@@ -22,7 +22,7 @@ from towerflow import calls
 from towerflow.errors import UserError
 from towerflow.registry import Registry
 from trainer.data import DataSpec
-from trainer.layers import Dropout, DynamicEmbedding, ShardedEmbedding
+from trainer.layers import Dropout, DynamicEmbedding, ShardedEmbedding, tables
 from trainer.layers.table_training import TableOptimizer
 from trainer.loop import compiled
 
@@ -267,7 +267,7 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
             eviction=config.get("eviction", "lfu") or None,
             fallback_rows=config.get("fallback_rows", 0),
             fallback_hashes=config.get("fallback_hashes", 2),
-            fallback_combiner=config.get("fallback_combiner", "mean"),
+            fallback_combiner=config.get("fallback_combiner", tables.FALLBACK_COMBINER),
             sketch_width=config.get("sketch_width", 8192),
             sketch_depth=config.get("sketch_depth", 2),
             mask_id=padding,
