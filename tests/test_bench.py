@@ -272,10 +272,15 @@ def test_the_straggling_pipeline_alone_sleeps_before_each_training_batch(monkeyp
 
 
 def test_the_data_workers_cpu_time_is_read_from_proc():
-    """The `data_service` case's sweep figure: CPU seconds of a process tree's data workers."""
+    """The `data_service` case's sweep figure: CPU seconds of a process tree's data workers.
+
+    The worker forks a child that keeps its argv (as one does between fork and
+    exec, running `uname -p` at start-up): not another data worker.
+    """
     spin = (  # 0.3 s of CPU, then idle long enough to be read at that
-        "import time\nend = time.process_time() + 0.3\n"
-        "while time.process_time() < end: pass\ntime.sleep(0.5)"
+        "import os, time\nif os.fork() == 0:\n    time.sleep(0.6)\n    os._exit(0)\n"
+        "end = time.process_time() + 0.3\n"
+        "while time.process_time() < end: pass\ntime.sleep(0.5)\nos.wait()"
     )
     worker = [sys.executable, "-c", spin, "trainer.data_service", "--role=worker"]
     other = [sys.executable, "-c", spin, "trainer.data_service", "--role=dispatcher"]
@@ -286,7 +291,7 @@ def test_the_data_workers_cpu_time_is_read_from_proc():
         while procs[0].poll() is None and time.monotonic() < deadline:
             seconds.update(data_service.data_workers_cpu_s(os.getpid()))
             time.sleep(0.05)
-        assert list(seconds) == [procs[0].pid], "the worker only, not the dispatcher"
+        assert list(seconds) == [procs[0].pid], "the worker: not the dispatcher, nor its child"
         tick = 1 / os.sysconf("SC_CLK_TCK")  # /proc counts user and system time in whole ticks
         assert 0.3 - 2 * tick <= seconds[procs[0].pid] < 5
         assert data_service.data_workers_cpu_s(procs[1].pid) == {}, "not its descendant"
