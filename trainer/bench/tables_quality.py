@@ -50,7 +50,7 @@ SHARES = (0.05, 0.15, 0.5, 1.0)  # rows over distinct ids
 TARGET_SHARE = 0.15  # where dynamic must win by `TARGET_GAIN`
 TARGET_GAIN = 0.01
 WIDTH = 8
-FALLBACK_SHARE = 0.75  # of a dynamic table's bytes, its fallback rows (0: none)
+FALLBACK_SHARE = 0.9  # of a dynamic table's bytes, its fallback rows (0: none)
 MIN_COUNT = 1  # the default: LFU's admission keeps one-off ids in the fallback rows
 STREAM = {
     "data.ctr.id_space": "raw",
