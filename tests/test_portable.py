@@ -53,7 +53,7 @@ def _batches(steps: int, seed: int) -> list[tf.Tensor]:
 
 
 def _dynamic_model(
-    parts: int, capacity: int = CAPACITY, units: int = 1, ttl_steps: int = 0
+    parts: int, capacity: int = CAPACITY, units: int = 1, ttl_steps: int = 0, mask_id=None
 ) -> keras.Model:
     with sharding.policy("none", num_ps=parts):  # a part per ps member, here on this host
         inputs = keras.Input((3,), dtype="int64")
@@ -64,6 +64,7 @@ def _dynamic_model(
             capacity=capacity,
             ttl_steps=ttl_steps,
             seed=1,
+            mask_id=mask_id,
             name="embedding",
         )
         init = keras.initializers.GlorotUniform(seed=2)
@@ -90,6 +91,31 @@ def _assert_same(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_a_table_in_parts_trains_as_one_part_and_masked_ids_reach_no_part():
+    """Each part looks up its own ids; a `mask_id` goes to none and reads zeros."""
+    draw = np.random.RandomState(3)
+    batches = [
+        tf.constant(np.where(draw.rand(4, 3) < 0.3, 0, draw.choice(POOL, (4, 3))), tf.int64)
+        for _ in range(6)
+    ]
+    probe = tf.constant(np.concatenate([POOL.reshape(8, 3), [[0, 0, 0], [0, POOL[0], 0]]]))
+    seen = {}
+    for parts in (1, 2):
+        model = _dynamic_model(parts, mask_id=0)
+        optimizer = _adam(model)
+        _train(model, optimizer, batches)
+        table = model.get_layer("embedding")
+        seen[parts] = (_logical(model, optimizer), table(probe, training=True).numpy())
+    (logical, vectors), (one, one_vectors) = seen[2], seen[1]
+    assert 0 not in logical["keys"] and 0 not in logical["waiting"], "the mask id was counted"
+    np.testing.assert_array_equal(vectors[8], np.zeros(WIDTH))
+    for content in (logical, one):  # each part's sketch counts its own ids
+        del content["sketch"]
+        content["counters"][tables.COUNTERS.index("sketched")] = 0
+    _assert_same(logical, one)
+    np.testing.assert_array_equal(vectors, one_vectors)
 
 
 def test_a_table_in_2_parts_restores_into_1_and_3_parts_and_back_exactly(tmp_path, capsys):
