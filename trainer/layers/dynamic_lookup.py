@@ -124,12 +124,10 @@ def part_rows(
     """
     table = part.table
     with part.on_device():
-        if valid is None:
-            valid = tf.ones_like(keys, tf.bool)
         admitted = admit_global_batch(table, keys, valid, table.now()) if training else None
         with tf.control_dependencies([admitted] if admitted is not None else []):
             slots, stamps = table.find(keys)  # ids admitted now read their own row
-        hit = (slots >= 0) & valid
+        hit = slots >= 0 if valid is None else (slots >= 0) & valid
         slots = tf.where(hit, slots, part.capacity)
         rows, fresh = _with_initial_rows(part, keys, slots, stamps)
         rows += tf.stop_gradient(fresh)
@@ -155,9 +153,9 @@ def _with_initial_rows(
 
 
 def admit_global_batch(
-    table: tables.DynamicTable, keys: tf.Tensor, valid: tf.Tensor, step: tf.Tensor
+    table: tables.DynamicTable, keys: tf.Tensor, valid: tf.Tensor | None, step: tf.Tensor
 ) -> tf.Tensor | None:
-    """Admits the `valid` ids of the whole global batch into `table`, once per process.
+    """Admits the `valid` ids (None: all) of the whole global batch into `table`, once per process.
 
     Each replica gathers every replica's ids and admits them all, the table
     changed by whichever replica comes first (`DynamicTable.admit`'s `once`):
@@ -170,7 +168,9 @@ def admit_global_batch(
     """
     replica = tf.distribute.get_replica_context()
     if replica is None or replica.num_replicas_in_sync == 1:
-        return table.admit(tf.boolean_mask(keys, valid), step)
+        return table.admit(keys if valid is None else tf.boolean_mask(keys, valid), step)
+    if valid is None:
+        valid = tf.ones_like(keys, tf.bool)
     keys, valid = replica.all_gather([keys, tf.cast(valid, tf.int64)], 0)
     everyone = tf.boolean_mask(keys, tf.cast(valid, tf.bool))
     if table.clocked:

@@ -107,8 +107,10 @@ class AdmissionPolicy:
         )
         # Ids left waiting keep their count, unless one lookup admits (it says nothing then):
         # refused or not, a table admitting at the first lookup grows no entry per id.
-        waiting = ~held & ~admitted & (self.min_count > 1)
-        kept = self._keep_counts(unique, waiting, counts, seen, step, sketched)
+        kept = tf.no_op()
+        if self.min_count > 1:
+            waiting = ~held & ~admitted
+            kept = self._keep_counts(unique, waiting, counts, seen, step, sketched)
         # What the step's lookups read: a row where the id holds one now, else the default.
         read_rows = tf.reduce_sum(tf.boolean_mask(seen, held | admitted))
         updates = [
