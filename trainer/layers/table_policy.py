@@ -112,7 +112,7 @@ class AdmissionPolicy:
             waiting = ~held & ~admitted
             kept = self._keep_counts(unique, waiting, counts, seen, step, sketched)
         # What the step's lookups read: a row where the id holds one now, else the default.
-        read_rows = tf.reduce_sum(tf.boolean_mask(seen, held | admitted))
+        read_rows = tf.reduce_sum(tf.where(held | admitted, seen, 0))
         updates = [
             self.index.insert(new_keys, new_slots),
             self._touch(
@@ -145,15 +145,15 @@ class AdmissionPolicy:
 
         `value` is each id's in the index (its slot where held).
         """
-        held_slots = tf.boolean_mask(value, held)
+        at = tf.where(held)[:, 0]  # one mask for the three (a mask is four ops)
+        held_slots = tf.gather(value, at)
         held_info = self._info(held_slots)
-        held_seen = tf.boolean_mask(seen, held)
         return self._touch(
             held_slots,
             held_info[:, 0],
-            tf.boolean_mask(unique, held),
+            tf.gather(unique, at),
             step,
-            self._decayed(held_info, step) + held_seen * COUNT_ONE,
+            self._decayed(held_info, step) + tf.gather(seen, at) * COUNT_ONE,
         )
 
     def _waiting_counts(
