@@ -4,6 +4,7 @@ import json
 import pathlib
 import shutil
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -156,10 +157,11 @@ def test_a_resumed_run_keeps_the_seed_its_fallback_rows_trained_with(fallback_ru
     assert "`--config.model.table_seed=0`" in str(error.value)
 
 
-def test_a_resumed_hashed_run_keeps_the_salt_of_its_hashing(tmp_path):
+def test_a_resumed_or_warm_started_hashed_table_keeps_the_salt_of_its_hashing(tmp_path):
     config = _raw_ctr_config("one_device", 2)
     config.model.embedding, config.model.table_seed = "hashed", 3
     model_dir = tmp_path / "run"
+    keras.backend.clear_session()  # its layers named as in a new process (`dense`, ...)
     train.train_and_evaluate(config, str(model_dir), mode="train")
     names = json.loads((model_dir / "variables.json").read_text())
     assert names["hashing"] == {"hashing": [3, 3]}
@@ -169,6 +171,17 @@ def test_a_resumed_hashed_run_keeps_the_salt_of_its_hashing(tmp_path):
     with pytest.raises(UserError) as error:
         train.build(config, str(model_dir))
     assert "hashed ids with salt [3, 3] there and None here" in str(error.value)
+    # A warm start that loads the table it hashes into checks the salt too.
+    config.train.warm_start = str(model_dir)
+    keras.backend.clear_session()
+    with pytest.raises(UserError) as error:
+        train.build(config, str(tmp_path / "warm"))
+    assert f"`train.warm_start` '{model_dir}': layer `hashing`" in str(error.value)
+    assert "salt [3, 3] there and None here" in str(error.value)
+    config.train.warm_start_include = "dense"  # the table starts fresh: its salt is free
+    keras.backend.clear_session()
+    plan = train.build(config, str(tmp_path / "warm")).warm_start
+    assert plan.variables and plan.fresh == ["embedding/embeddings_0"], plan.line()
 
 
 def test_the_bytes_of_a_held_id_do_not_grow_with_its_count():

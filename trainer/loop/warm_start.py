@@ -17,8 +17,8 @@ The same file tells how each table read its fallback rows (`fallback_hashes`,
 `fallback_combiner`, and the `fallback_seed` salting their hashes) and the
 salt of each `keras.layers.Hashing` layer: a warm start or a resume
 (`check_resumed`) that would read trained fallback rows another number at a
-time, combined another way or at other rows, or a resume that would hash ids
-into other rows, stops in one line.
+time, combined another way or at other rows, or that would hash ids into
+other rows of the table it loads, stops in one line.
 
 A table or sharded layer (`trainer.layers.Portable`) split into another
 number of parts there (2 ps members there, one process here, or the reverse)
@@ -158,6 +158,11 @@ def plan(config: ml_collections.ConfigDict, model: keras.Model, variables: list)
                 "or warm start from a run of this model."
             )
         loaded.append((f"variables/{i}/.ATTRIBUTES/VARIABLE_VALUE", variable))
+    names = {_name(v) for _, v in loaded} | {_name(v) for r in resplit for v in r.layer.variables}
+    where = f"`train.warm_start` '{source}'"
+    _check_salts(
+        where, "leave the table out with `train.warm_start_include`", recorded, model, names
+    )
     return Plan(checkpoint, loaded, tables, fresh, resplit)
 
 
@@ -277,14 +282,48 @@ def check_resumed(model: keras.Model, model_dir: str) -> None:
     for layer in layers.dynamic_tables(model):
         if layer.name in there:
             _check_fallback_kept(where, afresh, recorded, layer, there[layer.name])
+    _check_salts(where, afresh, recorded, model)
+
+
+def _check_salts(
+    where: str, afresh: str, recorded: dict, model: keras.Model, loaded: set[str] | None = None
+) -> None:
+    """Each `Hashing` layer of `model` hashes ids as `where` (`recorded`) did, if it matters.
+
+    It matters for a resume (`loaded` None), and for a warm start that loads a
+    variable of the first layers with variables after the `Hashing` layer
+    (`loaded`: the names loaded; in a model without a graph of layers, any).
+    """
     salts = recorded.get("hashing", {})
     for layer in _hashing_layers(model):
-        if layer.name in salts and salts[layer.name] != _salt(layer):
-            raise UserError(
-                f"{where}: layer `{layer.name}` hashed ids with salt {salts[layer.name]} there "
-                f"and {_salt(layer)} here, which puts them in other rows; keep its salt "
-                f"(configs/ctr.py: the `--config.model.table_seed` it trained with), or {afresh}."
-            )
+        if layer.name not in salts or salts[layer.name] == _salt(layer):
+            continue
+        fed = _fed_variables(layer)
+        if loaded is not None and not (loaded & fed if fed else loaded):
+            continue
+        raise UserError(
+            f"{where}: layer `{layer.name}` hashed ids with salt {salts[layer.name]} there "
+            f"and {_salt(layer)} here, which puts them in other rows; keep its salt "
+            f"(configs/ctr.py: the `--config.model.table_seed` it trained with), or {afresh}."
+        )
+
+
+def _fed_variables(layer: keras.layers.Layer) -> set[str]:
+    """The names of the variables of the first layers with any after `layer` in its model's graph.
+
+    Empty where the model has no graph of layers (a subclassed model).
+    """
+    names, todo, seen = set(), [node.operation for node in layer._outbound_nodes], set()
+    while todo:
+        after = todo.pop()
+        if id(after) in seen:
+            continue
+        seen.add(id(after))
+        if after.weights:
+            names |= {_name(v) for v in after.weights}
+        else:
+            todo += [node.operation for node in getattr(after, "_outbound_nodes", [])]
+    return names
 
 
 def _check_fallback_kept(where: str, afresh: str, recorded: dict, layer, part: dict) -> None:
