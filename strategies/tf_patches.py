@@ -49,10 +49,12 @@ it).
   reaches the caller as it is, one line (AutoGraph would wrap it in a
   `StagingError` of several lines; `trainer.layers`' row-aware refusal).
 - private reads, no change: `flat_layers` (every layer of a model, nested
-  ones included), `cross_device_ops_name` (what `MirroredStrategy` picked),
-  `worker_count` (the workers `MultiWorkerMirroredStrategy` resolved),
-  `ps_count` (the ps members of a bare `ParameterServerStrategy`, whose
-  dynamic tables get a part on each: `strategies.sharding.current`).
+  ones included), `layers_after` (the layers that take a layer's outputs in a
+  functional model: a warm start's `Hashing` salt check),
+  `cross_device_ops_name` (what `MirroredStrategy` picked), `worker_count`
+  (the workers `MultiWorkerMirroredStrategy` resolved), `ps_count` (the ps
+  members of a bare `ParameterServerStrategy`, whose dynamic tables get a
+  part on each: `strategies.sharding.current`).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 """
@@ -109,6 +111,12 @@ PATCHES = {
     ),
     "flat_layers": Patch(
         "keras", ("3.15",), "Layer._flatten_layers lists nested layers; no public equivalent"
+    ),
+    "layers_after": Patch(
+        "keras",
+        ("3.15",),
+        "a functional model's layer keeps the nodes that take its outputs in _outbound_nodes; "
+        "no public equivalent",
     ),
     "cross_device_ops_name": Patch(
         "tensorflow",
@@ -364,6 +372,12 @@ def flat_layers(model: keras.Model) -> list[keras.layers.Layer]:
     """Every layer inside `model`, nested ones included, each once (Keras's own walk)."""
     targeted("flat_layers")
     return list(model._flatten_layers(include_self=False))
+
+
+def layers_after(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers that take `layer`'s outputs in a functional model's graph (none elsewhere)."""
+    targeted("layers_after")
+    return [node.operation for node in getattr(layer, "_outbound_nodes", [])]
 
 
 def swap_class(layer: keras.layers.Layer, new: type) -> None:

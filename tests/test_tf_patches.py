@@ -117,6 +117,16 @@ def test_nested_layers_are_listed_by_keras_private_walk_only():
     assert "inner_dense" in names and "top" in names and model.name not in names
 
 
+def test_the_layers_after_a_layer_are_read_from_keras_private_nodes():
+    inputs = keras.Input((3,), dtype="int64")
+    hashing = keras.layers.Hashing(10, name="hashing")
+    table = keras.layers.Embedding(10, 2, name="table")
+    keras.Model(inputs, table(keras.layers.Reshape((3,))(hashing(inputs))))
+    (after,) = tf_patches.layers_after(hashing)
+    assert after.name.startswith("reshape") and tf_patches.layers_after(after) == [table]
+    assert tf_patches.layers_after(table) == []  # the model's output: nothing after it
+
+
 def test_mirrored_keeps_its_cross_device_ops_in_a_private_field():
     from tensorflow.python.distribute import cross_device_ops  # noqa: PLC0415
 

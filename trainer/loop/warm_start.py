@@ -38,6 +38,7 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
+from strategies import tf_patches
 from towerflow import storage
 from towerflow.errors import UserError
 from trainer import layers
@@ -69,7 +70,8 @@ def record(model: keras.Model, variables: list, model_dir: str) -> None:
 
 
 def _hashing_layers(model: keras.Model) -> list[keras.layers.Hashing]:
-    return [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Hashing)]
+    hashing = keras.layers.Hashing
+    return [layer for layer in tf_patches.flat_layers(model) if isinstance(layer, hashing)]
 
 
 def _salt(layer: keras.layers.Hashing) -> list[int] | None:
@@ -313,7 +315,7 @@ def _fed_variables(layer: keras.layers.Layer) -> set[str]:
 
     Empty where the model has no graph of layers (a subclassed model).
     """
-    names, todo, seen = set(), [node.operation for node in layer._outbound_nodes], set()
+    names, todo, seen = set(), tf_patches.layers_after(layer), set()
     while todo:
         after = todo.pop()
         if id(after) in seen:
@@ -322,7 +324,7 @@ def _fed_variables(layer: keras.layers.Layer) -> set[str]:
         if after.weights:
             names |= {_name(v) for v in after.weights}
         else:
-            todo += [node.operation for node in getattr(after, "_outbound_nodes", [])]
+            todo += tf_patches.layers_after(after)
     return names
 
 
