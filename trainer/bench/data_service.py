@@ -299,20 +299,11 @@ def data_workers_cpu_s(root: int) -> dict[int, float]:
     subprocess it runs) it carries the worker's argv for a moment.
     """
     workers = {
-        pid: seconds
-        for pid, (argv, seconds) in descendants_cpu_s(root).items()
+        pid: (seconds, parent)
+        for pid, (argv, seconds, parent) in descendants_cpu_s(root).items()
         if b"trainer.data_service" in argv and b"--role=worker" in argv
     }
-    return {pid: seconds for pid, seconds in workers.items() if _parent(pid) not in workers}
-
-
-def _parent(pid: int) -> int:
-    """Process `pid`'s parent; 0 once it has ended."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
+    return {pid: seconds for pid, (seconds, parent) in workers.items() if parent not in workers}
 
 
 def _across_hosts(sizes: Sizes, where: str, stem: str) -> float:

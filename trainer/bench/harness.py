@@ -219,7 +219,7 @@ def cluster_cpu_ms(process: subprocess.Popen, marks: str, steps: int) -> dict[st
 def cluster_cpu_s(root: int) -> dict[str, float]:
     """CPU seconds of the cluster's members descended from process `root`, by task type."""
     seconds: dict[str, float] = {}
-    for pid, (_, used) in descendants_cpu_s(root).items():
+    for pid, (_, used, _) in descendants_cpu_s(root).items():
         kind = _task_type(pid)
         if kind:
             seconds[kind] = seconds.get(kind, 0.0) + used
@@ -236,8 +236,8 @@ def _task_type(pid: int) -> str | None:
     return None
 
 
-def descendants_cpu_s(root: int) -> dict[int, tuple[list[bytes], float]]:
-    """The argv and CPU seconds (user + system) of each process descended from `root`."""
+def descendants_cpu_s(root: int) -> dict[int, tuple[list[bytes], float, int]]:
+    """The argv, CPU seconds (user + system) and parent of each process descended from `root`."""
     parents, commands = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -258,7 +258,7 @@ def descendants_cpu_s(root: int) -> dict[int, tuple[list[bytes], float]]:
                 return True
         return False
 
-    return {pid: command for pid, command in commands.items() if descends(pid)}
+    return {pid: (*command, parents[pid]) for pid, command in commands.items() if descends(pid)}
 
 
 def tail(log: str, chars: int = 500) -> str:
