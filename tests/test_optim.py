@@ -211,3 +211,50 @@ def test_dense_updates_switch_updates_every_row_as_keras_does():
     theirs = _two_sparse_steps(_densified(keras.optimizers.SGD, momentum=0.9))
     for a, b in zip(dense, theirs, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def _traced_update(optimizer, count: int) -> tf.Graph:
+    """The graph of one update of `count` variables (dense gradients) by `optimizer`."""
+    variables = [tf.Variable(tf.ones([3]), name=f"v{i}") for i in range(count)]
+    optimizer.build(variables)
+
+    @tf.function(autograph=False)
+    def update():
+        optimizer.apply([tf.fill([3], float(i)) for i in range(count)], variables)
+
+    return update.get_concrete_function().graph
+
+
+def test_an_update_reads_the_step_counter_once_for_all_its_variables():
+    """Under `parameter_server` each read on another member than the counter's is a message."""
+    reads = {}
+    for count in (1, 4):
+        optimizer = optim.OPTIMIZERS["adam"](0.1, None)
+        graph = _traced_update(optimizer, count)
+        inside = {id(external): internal for external, internal in graph.captures}
+        counter = inside[id(optimizer.iterations.handle)]
+        reads[count] = [
+            op.name
+            for op in graph.get_operations()
+            if op.type == "ReadVariableOp" and op.inputs[0] is counter
+        ]
+    assert len(reads[4]) == len(reads[1]) == 2, reads  # the updates' read, and Keras's own
+
+
+def test_with_one_replica_the_gradients_reach_the_update_as_they_are():
+    """Keras's sum over replicas would add an op per gradient, on the worker under
+    `parameter_server` (one replica a worker), where a table's gradient made on its ps
+    member would cross back and forth."""
+    optimizer = optim.OPTIMIZERS["adam"](0.1, None)
+    variables = [tf.Variable(tf.ones([3]))]
+    optimizer.build(variables)
+    kept = []
+
+    @tf.function(autograph=False)
+    def update():
+        grads = [tf.ones([3])]
+        summed = optimizer._all_reduce_sum_gradients(list(zip(grads, variables)))
+        kept.append(summed[0][0] is grads[0])
+
+    update.get_concrete_function()
+    assert kept == [True]

@@ -104,6 +104,7 @@ class _SparseRows:
     _routes_tables = True  # False in a table's own optimizer: it trains what it is given
     _table_optimizers: dict = {}  # (until built)
     _built_on: list = []
+    _step_read = None  # the step counter, read once while an update is traced
 
     def build(self, var_list):
         """Builds on `var_list`, handing the rows of a table with its own optimizer to it.
@@ -184,7 +185,24 @@ class _SparseRows:
         return result
 
     def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
-        # Keras's loop (`TFOptimizer`), each variable's copies updated by `_update_copies`.
+        # Keras's loop (`TFOptimizer`), each variable's copies updated by `_update_copies`,
+        # all of them with the step read once (`_next_step`).
+        self._step_read = tf.convert_to_tensor(self.iterations)
+        try:
+            self._update_each(distribution, grads_and_vars, learning_rate)
+        finally:
+            self._step_read = None
+
+    def _next_step(self, dtype) -> tf.Tensor:
+        """The step this update makes (the counter + 1), in `dtype`.
+
+        Read once for every variable of an update: under `parameter_server` each
+        read on another member than the counter's is a message each step.
+        """
+        step = self.iterations if self._step_read is None else self._step_read
+        return tf.cast(step + 1, dtype)
+
+    def _update_each(self, distribution, grads_and_vars, learning_rate) -> None:
         for grad, variable in grads_and_vars:
             update = self._update_copies()
             distribution.extended.update(variable, update, args=(grad, learning_rate), group=False)
@@ -260,7 +278,7 @@ class _FusedAdamUpdate:
         if self.amsgrad or not _dense(gradient):
             return super().update_step(gradient, variable, learning_rate)
         dtype = variable.dtype
-        step = tf.cast(self.iterations + 1, dtype)
+        step = self._next_step(dtype)
         beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
         index = self._get_variable_index(variable)
         tf.raw_ops.ResourceApplyAdam(
@@ -290,7 +308,8 @@ class _SummedByCaller:
     _summed_by_caller = False
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
-        if self._summed_by_caller:
+        replica = tf.distribute.get_replica_context()
+        if self._summed_by_caller or (replica and replica.num_replicas_in_sync == 1):
             return list(grads_and_vars)
         return super()._all_reduce_sum_gradients(grads_and_vars)
 
@@ -334,7 +353,7 @@ class _LazyAdamRows:
 
     def _update_rows(self, grad, indices, variable, index, learning_rate):
         dtype = variable.dtype
-        step = tf.cast(self.iterations + 1, dtype)
+        step = self._next_step(dtype)
         beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
         alpha = learning_rate * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
         m, v = self._momentums[index], self._velocities[index]
