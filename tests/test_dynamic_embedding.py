@@ -1,5 +1,6 @@
 """`DynamicEmbedding`: lookups of raw ids, combiners, bad arguments, sparse optimizer updates."""
 
+import ast
 import contextlib
 import io
 import json
@@ -553,19 +554,44 @@ with strategy.scope():
     layer.build()
 print([part.rows.value.device for part in layer.parts])
 print(layer(tf.constant([0, 1], tf.int64), training=False).shape)
+
+
+@tf.function
+def gradients(ids):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(ids, training=True))
+    return tape.gradient(loss, [part.rows for part in layer.parts])
+
+
+def made_on(tensor):
+    while tensor.op.type == "Identity":  # the function's outputs
+        tensor = tensor.op.inputs[0]
+    return tensor.op.device
+
+
+with strategy.scope():
+    traced = gradients.get_concrete_function(tf.TensorSpec([None], tf.int64))
+print([(made_on(g.indices), made_on(g.values)) for g in traced.structured_outputs])
 """
 
 
 def test_under_tensorflows_own_parameter_server_strategy_a_table_has_a_part_on_each_ps_member(
     tmp_path,
 ):
+    """Each part's rows live on a ps member, and their gradient is made there.
+
+    Made where the gradient is taken (the worker), its indices, the rows and
+    their shapes would each cross back from the member every step.
+    """
     result = run_command([sys.executable, "-c", _BARE_PARAMETER_SERVER], cwd=str(tmp_path))
     assert_exit(result, 0)
-    devices, shape = result.stdout.strip().splitlines()[-2:]
+    devices, shape, gradients = result.stdout.strip().splitlines()[-3:]
     assert devices == str(
         ["/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
     )
     assert shape == "(2, 4)"
+    for member, made_on in enumerate(ast.literal_eval(gradients)):
+        assert made_on == (f"/job:ps/task:{member}/device:CPU:0",) * 2, gradients
 
 
 def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):
