@@ -165,6 +165,32 @@ def test_concurrent_admissions_in_one_function_do_not_race():
     assert sorted(slots.numpy().tolist()) == list(range(60)), "no slot given twice"
 
 
+def test_admissions_of_two_tables_in_one_function_do_not_wait_for_each_other():
+    """The parts of a split table admit on their own ps members, neither after the other.
+
+    (TF's automatic control dependencies chain every stateful op that takes no
+    resource, as a lock's release is, in program order: a message between the
+    members each step.)
+    """
+    first, second = _table(capacity=8), _table(capacity=8)
+    made = []
+
+    @tf.function(autograph=False)
+    def both(keys):
+        graph = tf.compat.v1.get_default_graph()
+        before = set(graph.get_operations())
+        first.admit(keys)
+        middle = set(graph.get_operations())
+        second.admit(keys)
+        made.extend([middle - before, set(graph.get_operations()) - middle])
+
+    both.get_concrete_function(tf.TensorSpec([None], tf.int64))
+    first_ops, second_ops = made
+    for op in second_ops:
+        inputs = {tensor.op for tensor in op.inputs} | set(op.control_inputs)
+        assert not inputs & first_ops, f"{op.name} waits for the first admission"
+
+
 def test_lookups_and_those_that_read_the_default_row_are_counted_per_step():
     table = _table(capacity=2, min_count=2)
     _admit(table, [7, 7, 8])  # step 0: 7 admitted and read at once; 8 waits, the default

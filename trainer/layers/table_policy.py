@@ -63,6 +63,19 @@ class AdmissionPolicy:
             step = None
         elif step is None:
             step = self.now()
+        if tf.executing_eagerly():
+            return self._locked_admit(keys, step, once)
+        # Traced as a function of its own, whose keys are copied here first. TF's automatic
+        # control dependencies chain, in program order, every stateful op that takes no
+        # resource, and the lock's release is one: the admissions of a table's parts (each
+        # on its ps member) would each wait for the one before. And the lock waits for
+        # every op whose output its work reads: for the op that made `keys`, on a worker,
+        # unless they are copied on this device. Each is a message every step.
+        admit = tf.function(self._locked_admit, autograph=False)
+        return admit(tf.identity(keys), step, once)
+
+    def _locked_admit(self, keys: tf.Tensor, step: tf.Tensor | None, once: bool) -> tf.Tensor:
+        """`admit`'s work inside the table's lock."""
         if not once or step is None:
             return self._lock.execute(lambda: self._admit(keys, step))
         mark = tf.bitcast(tf.fingerprint(keys[None, :]), tf.int64)[0]
