@@ -139,29 +139,31 @@ def _packed_rows(
     gradient (the rows' sparse one, indexed by `slots`) is made on the part's
     device: only the gradient of the packed rows crosses from a worker to the
     part's ps member (made where the gradient is taken, the gather's indices,
-    the rows and the column would each cross back, only to give shapes).
+    the rows and the column would each cross back, only to give shapes). It
+    goes to the variable's handle, an input of the packing: a variable read
+    inside a `tf.custom_gradient` is read whole (a copy of every row, each
+    step, once rows were updated sparsely).
     """
     seed, width = part.layer.seed, part.layer.output_dim
     variable = tf_patches.replica_copy(part.rows.value)
-    shape = tf.shape(variable, out_type=tf.int64)
+    shape = tf.constant(variable.shape.as_list(), tf.int64)  # not a read of the variable
     row_stamps = tf_patches.replica_copy(part.row_stamps.value)
     stale = tf.where(tf.not_equal(tf.gather(row_stamps, slots), stamps))
+    rows = tf.gather(variable, slots)  # the rows asked for, not the whole variable
 
     @tf.custom_gradient
-    def packed(slots):
-        rows = tf.gather(variable, slots)  # the rows asked for, not the whole variable
+    def packed(handle, rows):
         initial = tables.initial_rows(seed, tf.gather_nd(keys, stale), width)
         fresh = tf.scatter_nd(stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64))
         rows += tf.stop_gradient(fresh)
 
-        def gradient(upstream, variables):
+        def gradient(upstream):
             with part.on_device():
-                rows = tf.IndexedSlices(upstream[:, :width], slots, shape)
-            return None, [rows for _ in variables]  # `variable`, the one read
+                return tf.IndexedSlices(upstream[:, :width], slots, shape), None
 
         return tf.concat([rows, tf.cast(hit, rows.dtype)[:, None]], 1), gradient
 
-    return packed(slots)
+    return packed(variable.handle, rows)
 
 
 def admit_global_batch(
