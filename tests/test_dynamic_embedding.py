@@ -54,6 +54,45 @@ def test_the_first_lookup_of_an_admitted_id_trains_its_row():
     np.testing.assert_array_equal(layer.default_row.numpy(), np.zeros(WIDTH))
 
 
+@pytest.mark.parametrize("fallback_rows", [0, 8])
+def test_under_mixed_precision_rows_stay_float32_train_and_give_the_compute_dtype(fallback_rows):
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        layer = DynamicEmbedding(WIDTH, seed=2, fallback_rows=fallback_rows)
+        optimizer = optim.OPTIMIZERS["sgd"](1.0, None)
+        optimizer.build(_built(layer))
+
+        @tf.function  # traced, as a step is: the rows' handle must be there too
+        def step(ids):
+            with tf.GradientTape() as tape:
+                out = layer(ids, training=True)
+                loss = tf.reduce_sum(tf.cast(out, tf.float32))
+            grads = tape.gradient(loss, layer.trainable_variables)
+            optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+            return out
+
+        assert step(tf.constant([9], tf.int64)).dtype == tf.bfloat16
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert [v.dtype for v in layer.trainable_variables] == ["float32"] * 2
+    initial = tables.initial_rows(2, tf.constant([9], tf.int64), WIDTH).numpy()[0]
+    slot = int(layer.table.find(tf.constant([9], tf.int64))[0][0])
+    np.testing.assert_allclose(layer.rows.numpy()[slot], initial - 1.0, rtol=1e-6)
+
+
+def test_ids_without_a_row_train_the_default_row_by_what_they_read():
+    layer = DynamicEmbedding(WIDTH, min_count=2, seed=1)
+    ids = tf.constant([1, 2, 2, 3], tf.int64)  # 2 is admitted; 1 and 3 read the default row
+    weights = tf.constant([[1.0], [1.0], [1.0], [2.0]])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(ids, training=True) * weights)
+    grads = tape.gradient(loss, [layer.default_row, layer.rows])
+    np.testing.assert_allclose(grads[0], np.full(WIDTH, 3.0))
+    slot = int(layer.table.find(tf.constant([2], tf.int64))[0][0])
+    rows = tf.math.unsorted_segment_sum(grads[1].values, grads[1].indices, layer.capacity + 1)
+    np.testing.assert_allclose(rows[slot], np.full(WIDTH, 2.0))
+
+
 @pytest.mark.parametrize(("hashes", "combiner"), [(1, "mean"), (2, "mean"), (2, "sum")])
 def test_ids_without_a_row_read_and_train_the_mean_or_sum_of_their_fallback_rows(hashes, combiner):
     layer = DynamicEmbedding(
@@ -552,7 +591,7 @@ strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
 with strategy.scope():
     layer = DynamicEmbedding(4, capacity=10)
     layer.build()
-print([part.rows.value.device for part in layer.parts])
+print([part.rows.value.device for part in layer.parts] + [layer.default_row.value.device])
 print(layer(tf.constant([0, 1], tf.int64), training=False).shape)
 
 
@@ -560,7 +599,7 @@ print(layer(tf.constant([0, 1], tf.int64), training=False).shape)
 def gradients(ids):
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(layer(ids, training=True))
-    return tape.gradient(loss, [part.rows for part in layer.parts])
+    return tape.gradient(loss, [part.rows for part in layer.parts] + [layer.default_row])
 
 
 def made_on(tensor):
@@ -571,7 +610,8 @@ def made_on(tensor):
 
 with strategy.scope():
     traced = gradients.get_concrete_function(tf.TensorSpec([None], tf.int64))
-print([(made_on(g.indices), made_on(g.values)) for g in traced.structured_outputs])
+*rows, default = traced.structured_outputs
+print([(made_on(g.indices), made_on(g.values)) for g in rows] + [made_on(default)])
 """
 
 
@@ -581,17 +621,20 @@ def test_under_tensorflows_own_parameter_server_strategy_a_table_has_a_part_on_e
     """Each part's rows live on a ps member, and their gradient is made there.
 
     Made where the gradient is taken (the worker), its indices, the rows and
-    their shapes would each cross back from the member every step.
+    their shapes would each cross back from the member every step. The
+    default row lives with the first part, whose lookups carry it: its value
+    and its gradient (made there too) cross with the part's.
     """
     result = run_command([sys.executable, "-c", _BARE_PARAMETER_SERVER], cwd=str(tmp_path))
     assert_exit(result, 0)
     devices, shape, gradients = result.stdout.strip().splitlines()[-3:]
-    assert devices == str(
-        ["/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
-    )
+    member = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in (0, 1)]
+    assert devices == str([*member, member[0]])
     assert shape == "(2, 4)"
-    for member, made_on in enumerate(ast.literal_eval(gradients)):
-        assert made_on == (f"/job:ps/task:{member}/device:CPU:0",) * 2, gradients
+    *rows, default = ast.literal_eval(gradients)
+    for i, made_on in enumerate(rows):
+        assert made_on == (f"/job:ps/task:{i}/device:CPU:0",) * 2, gradients
+    assert default == "/job:ps/task:0/device:CPU:0", gradients
 
 
 def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):

@@ -219,19 +219,22 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         for part in self.parts:
             part.build()
         self.rows, self.row_stamps = self.parts[0].rows, self.parts[0].row_stamps
-        # Where ids without a row read: one logical variable, whatever the parts.
+        # Where ids without a row read: one logical variable, whatever the parts, beside
+        # the first part's rows (whose lookups carry the default row: `vectors_by_part`).
         self.default_row = self.fallback = None
-        if self.fallback_rows:
-            self.fallback = self.add_weight(
-                (self.fallback_rows, self.output_dim), "zeros", name="fallback"
-            )
-        else:
-            self.default_row = self.add_weight((self.output_dim,), "zeros", name="default_row")
+        with self.parts[0].placed():
+            if self.fallback_rows:
+                shape, name = (self.fallback_rows, self.output_dim), "fallback"
+                self.fallback = self.add_weight(shape, "zeros", name=name, autocast=False)
+            else:
+                shape, name = (self.output_dim,), "default_row"
+                self.default_row = self.add_weight(shape, "zeros", name=name, autocast=False)
 
-    def defaults(self, keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+    def defaults(self, keys: tf.Tensor, valid: tf.Tensor, default_row=None) -> tf.Tensor:
         """What each of `keys` reads without a row: the default row or its fallback row.
 
-        Zeros where not `valid`.
+        Zeros where not `valid`. `default_row`: the default row's value as read
+        already (`vectors_by_part` reads it with the first part's rows).
 
         A key's fallback value is the mean (or sum: `fallback_combiner`) of its
         `fallback_hashes` rows, gathered
@@ -239,7 +242,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         per key, never empty), then masked by the caller.
         """
         if self.fallback is None:
-            return tf.where(valid[:, None], self.default_row.value[None, :], 0.0)
+            row = self.default_row.value if default_row is None else default_row
+            return tf.where(valid[:, None], row[None, :], 0.0)
         buckets = tables.buckets_of(keys, self.fallback_rows, self.fallback_hashes, self.seed)
         rows = tf.gather(tf_patches.replica_copy(self.fallback.value), buckets)
         combine = tf.reduce_mean if self.fallback_combiner == "mean" else tf.reduce_sum

@@ -82,33 +82,50 @@ def vectors_by_part(
     With several parts (`parameter_server`), each part looks up (and admits)
     its own `valid` ids on its ps member, which gets those ids and sends back
     one tensor (`part_packed`). What the ids without a row read is taken once,
-    here. Each tensor that crosses is a message between the worker and the
-    member.
+    here; the default row (without fallback rows) comes with the first part's
+    rows, whose member holds it, and its gradient goes back with theirs. Each
+    tensor that crosses is a message between the worker and the member.
+    The vectors are of the layer's compute dtype (under mixed precision the
+    rows are float32 variables read as they are).
     """
+    layer = parts[0].layer
+    default = layer.default_row  # None with fallback rows
     if len(parts) == 1:
-        part = parts[0]
-        return _rows_or_defaults(part_packed(part, keys, valid, training), part.layer, keys, valid)
+        packed = part_packed(parts[0], keys, valid, training, default)
+        return _rows_or_defaults(*_default_of(packed, default), layer, keys, valid)
     count = len(parts)
     owners = tf.where(valid, tables.part_of(keys, count), count)  # the last: not looked up
     positions = tf.dynamic_partition(tf.range(tf.size(keys)), owners, count + 1)
     keys_by_part = tf.dynamic_partition(keys, owners, count + 1)[:count]
     packed = [
-        part_packed(part, part_keys, None, training)
-        for part, part_keys in zip(parts, keys_by_part, strict=True)
+        part_packed(part, part_keys, None, training, default if i == 0 else None)
+        for i, (part, part_keys) in enumerate(zip(parts, keys_by_part, strict=True))
     ]
-    width = parts[0].layer.output_dim
-    left = tf.zeros([tf.size(positions[count]), width + 1], packed[0].dtype)  # not valid
-    both = tf.dynamic_stitch(positions, [*packed, left])
-    return _rows_or_defaults(both, parts[0].layer, keys, valid)
+    packed[0], default_row = _default_of(packed[0], default)
+    left = tf.zeros([tf.size(positions[count]), layer.output_dim + 1], packed[0].dtype)
+    both = tf.dynamic_stitch(positions, [*packed, left])  # `left`: the ids not valid
+    return _rows_or_defaults(both, default_row, layer, keys, valid)
 
 
-def _rows_or_defaults(packed: tf.Tensor, layer, keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+def _rows_or_defaults(packed: tf.Tensor, default_row, layer, keys, valid) -> tf.Tensor:
     """The rows of `packed` (`part_packed`'s) where they hold one, else what `keys` read without."""
-    width = layer.output_dim
-    return tf.where(packed[:, width:] > 0, packed[:, :width], layer.defaults(keys, valid))
+    rows = tf.where(packed[:, -1:] > 0, packed[:, :-1], layer.defaults(keys, valid, default_row))
+    return tf.cast(rows, layer.compute_dtype)
 
 
-def part_packed(part: TablePart, keys: tf.Tensor, valid: tf.Tensor | None, training) -> tf.Tensor:
+def _default_of(packed: tf.Tensor, default) -> tuple[tf.Tensor, tf.Tensor | None]:
+    """`packed` without the default row that `part_packed` put last, and that row (or None)."""
+    if default is None:
+        return packed, None
+    # Split, not sliced: a slice's gradient takes the shape of what it sliced, which is
+    # on the part's device (one more message from its member).
+    rows, last = tf.split(packed, [-1, 1])
+    return rows, last[0, :-1]
+
+
+def part_packed(
+    part: TablePart, keys: tf.Tensor, valid: tf.Tensor | None, training, default=None
+) -> tf.Tensor:
     """The row of each of `keys` (`part`'s ids), and a last column: 1 where `valid` and held.
 
     `valid` None: every key is. Every key reads a row, a missing one the
@@ -116,7 +133,8 @@ def part_packed(part: TablePart, keys: tf.Tensor, valid: tf.Tensor | None, train
     replaces: the rows' sparse gradient has a row per key, so it has the same
     length on every worker for inputs of one shape, and is never empty (an
     empty one, or ones of different lengths, break the cross-worker
-    all-reduce of `multi_worker` in TF 2.21).
+    all-reduce of `multi_worker` in TF 2.21). With `default` (the layer's
+    default row, a variable on this part's device), one more row: its value.
     """
     table = part.table
     with part.on_device():
@@ -125,11 +143,16 @@ def part_packed(part: TablePart, keys: tf.Tensor, valid: tf.Tensor | None, train
             slots, stamps = table.find(keys)  # ids admitted now read their own row
         hit = slots >= 0 if valid is None else (slots >= 0) & valid
         slots = tf.where(hit, slots, part.capacity)
-        return _packed_rows(part, keys, slots, stamps, hit)
+        return _packed_rows(part, keys, slots, stamps, hit, default)
 
 
 def _packed_rows(
-    part: TablePart, keys: tf.Tensor, slots: tf.Tensor, stamps: tf.Tensor, hit: tf.Tensor
+    part: TablePart,
+    keys: tf.Tensor,
+    slots: tf.Tensor,
+    stamps: tf.Tensor,
+    hit: tf.Tensor,
+    default=None,
 ) -> tf.Tensor:
     """The rows of `slots` and a column for `hit`, each new id's row its initial value.
 
@@ -142,7 +165,8 @@ def _packed_rows(
     the rows and the column would each cross back, only to give shapes). It
     goes to the variable's handle, an input of the packing: a variable read
     inside a `tf.custom_gradient` is read whole (a copy of every row, each
-    step, once rows were updated sparsely).
+    step, once rows were updated sparsely). With `default`, its value is one
+    more row (read here, beside it), and its gradient that row's.
     """
     seed, width = part.layer.seed, part.layer.output_dim
     variable = tf_patches.replica_copy(part.rows.value)
@@ -150,20 +174,31 @@ def _packed_rows(
     row_stamps = tf_patches.replica_copy(part.row_stamps.value)
     stale = tf.where(tf.not_equal(tf.gather(row_stamps, slots), stamps))
     rows = tf.gather(variable, slots)  # the rows asked for, not the whole variable
+    # The default row goes in as its handle (its gradient's way, as the rows') and its
+    # value, read here: a tape watches a variable once it is read.
+    default_row = []
+    if default is not None:
+        default = tf_patches.replica_copy(default.value)
+        default_row = [default.handle, tf.convert_to_tensor(default)[None]]
 
     @tf.custom_gradient
-    def packed(handle, rows):
+    def packed(handle, rows, *default_row):
         initial = tables.initial_rows(seed, tf.gather_nd(keys, stale), width)
         fresh = tf.scatter_nd(stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64))
         rows += tf.stop_gradient(fresh)
+        rows = tf.concat([rows, *default_row[1:]], 0)
+        column = tf.cast(tf.concat([hit, tf.ones([len(default_row[1:])], tf.bool)], 0), rows.dtype)
 
         def gradient(upstream):
+            # The default row's: on this device too (differentiated where the gradient is
+            # taken, a worker, its read would be a message there and back).
             with part.on_device():
-                return tf.IndexedSlices(upstream[:, :width], slots, shape), None
+                held = tf.IndexedSlices(upstream[: tf.size(slots), :width], slots, shape)
+                return held, None, *([upstream[-1, :width], None] if default_row else [])
 
-        return tf.concat([rows, tf.cast(hit, rows.dtype)[:, None]], 1), gradient
+        return tf.concat([rows, column[:, None]], 1), gradient
 
-    return packed(variable.handle, rows)
+    return packed(variable.handle, rows, *default_row)
 
 
 def admit_global_batch(

@@ -112,22 +112,28 @@ class TablePart:
         placed = self.device and tf.distribute.get_strategy() is self.placed_by
         return tf.device(self.device) if placed else contextlib.nullcontext()
 
+    def placed(self):
+        """Variables created inside go to this part's device (none given: where they would)."""
+        if not self.device:
+            return contextlib.nullcontext()
+        return _Place(self.table.name, self.device).scope()
+
     def build(self) -> None:
         """Creates the part's `rows` and `row_stamps`: weights of the layer, on its device."""
-        placed = contextlib.nullcontext()
-        if self.device:
-            placed = _Place(self.table.name, self.device).scope()
         # One row past the capacity, which no id holds, is read by every lookup (with
         # no effect) so that the rows' gradient is never empty: an empty sparse
         # gradient crashes the cross-worker all-reduce of `multi_worker` (TF 2.21).
         rows = self.capacity + 1
-        with placed:
+        with self.placed():
             # Refuses an optimizer that is not row-aware, at its first update (`RowAwareOnly`).
+            # Read as the variable it is under mixed precision too (`dynamic_lookup` passes
+            # its handle); the layer casts the vectors it gives.
             self.rows = self.layer.add_weight(
                 (rows, self.layer.output_dim),
                 "zeros",
                 name="rows" + self.suffix,
                 constraint=RowAwareOnly(self.layer.name),
+                autocast=False,
             )
             # Which admission each row's values belong to (see `trainer.layers.tables`); every
             # copy sets its own in the optimizer's update.
