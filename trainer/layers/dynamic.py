@@ -233,8 +233,8 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     def defaults(self, keys: tf.Tensor, valid: tf.Tensor, default_row=None) -> tf.Tensor:
         """What each of `keys` reads without a row: the default row or its fallback row.
 
-        Zeros where not `valid`. `default_row`: the default row's value as read
-        already (`vectors_by_part` reads it with the first part's rows).
+        Zeros where not `valid`. `default_row`: the default row's value as
+        `vectors_by_part` read it with the first part's rows (None with fallback rows).
 
         A key's fallback value is the mean (or sum: `fallback_combiner`) of its
         `fallback_hashes` rows, gathered
@@ -242,8 +242,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         per key, never empty), then masked by the caller.
         """
         if self.fallback is None:
-            row = self.default_row.value if default_row is None else default_row
-            return tf.where(valid[:, None], row[None, :], 0.0)
+            return tf.where(valid[:, None], default_row[None, :], 0.0)
         buckets = tables.buckets_of(keys, self.fallback_rows, self.fallback_hashes, self.seed)
         rows = tf.gather(tf_patches.replica_copy(self.fallback.value), buckets)
         combine = tf.reduce_mean if self.fallback_combiner == "mean" else tf.reduce_sum

@@ -174,31 +174,29 @@ def _packed_rows(
     row_stamps = tf_patches.replica_copy(part.row_stamps.value)
     stale = tf.where(tf.not_equal(tf.gather(row_stamps, slots), stamps))
     rows = tf.gather(variable, slots)  # the rows asked for, not the whole variable
-    # The default row goes in as its handle (its gradient's way, as the rows') and its
-    # value, read here: a tape watches a variable once it is read.
-    default_row = []
-    if default is not None:
-        default = tf_patches.replica_copy(default.value)
-        default_row = [default.handle, tf.convert_to_tensor(default)[None]]
+    inputs = [variable.handle, rows]
+    if default is not None:  # its handle (the gradient's way, as the rows') and its value,
+        default = tf_patches.replica_copy(default.value)  # read here: a tape watches it then
+        inputs += [default.handle, tf.convert_to_tensor(default)]
 
     @tf.custom_gradient
-    def packed(handle, rows, *default_row):
+    def packed(handle, rows, *default):
         initial = tables.initial_rows(seed, tf.gather_nd(keys, stale), width)
         fresh = tf.scatter_nd(stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64))
         rows += tf.stop_gradient(fresh)
-        rows = tf.concat([rows, *default_row[1:]], 0)
-        column = tf.cast(tf.concat([hit, tf.ones([len(default_row[1:])], tf.bool)], 0), rows.dtype)
+        more = [default[1][None]] if default else []
+        column = tf.cast(tf.concat([hit, tf.ones([len(more)], tf.bool)], 0), rows.dtype)
 
         def gradient(upstream):
-            # The default row's: on this device too (differentiated where the gradient is
-            # taken, a worker, its read would be a message there and back).
+            # The default row's too, on this device: differentiated where the gradient is
+            # taken (a worker), its read would be a message there and back.
             with part.on_device():
                 held = tf.IndexedSlices(upstream[: tf.size(slots), :width], slots, shape)
-                return held, None, *([upstream[-1, :width], None] if default_row else [])
+                return held, None, *([upstream[-1, :width], None] if default else [])
 
-        return tf.concat([rows, column[:, None]], 1), gradient
+        return tf.concat([tf.concat([rows, *more], 0), column[:, None]], 1), gradient
 
-    return packed(variable.handle, rows, *default_row)
+    return packed(*inputs)
 
 
 def admit_global_batch(
