@@ -56,6 +56,7 @@ def test_the_first_lookup_of_an_admitted_id_trains_its_row():
 
 @pytest.mark.parametrize("fallback_rows", [0, 8])
 def test_under_mixed_precision_rows_stay_float32_train_and_give_the_compute_dtype(fallback_rows):
+    before = keras.config.dtype_policy()
     keras.config.set_dtype_policy("mixed_bfloat16")
     try:
         layer = DynamicEmbedding(WIDTH, seed=2, fallback_rows=fallback_rows)
@@ -73,7 +74,7 @@ def test_under_mixed_precision_rows_stay_float32_train_and_give_the_compute_dtyp
 
         assert step(tf.constant([9], tf.int64)).dtype == tf.bfloat16
     finally:
-        keras.config.set_dtype_policy("float32")
+        keras.config.set_dtype_policy(before)
     assert [v.dtype for v in layer.trainable_variables] == ["float32"] * 2
     initial = tables.initial_rows(2, tf.constant([9], tf.int64), WIDTH).numpy()[0]
     slot = int(layer.table.find(tf.constant([9], tf.int64))[0][0])
