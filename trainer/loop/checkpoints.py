@@ -98,11 +98,13 @@ class Checkpointer:
         objects["variables"] = list(variables)
         self.checkpoint = tf.train.Checkpoint(**objects)
         save_counter = self.checkpoint.save_counter  # created now, so every write holds it
-        options = _options(async_save, variables, save_counter)
+        local = _all_on_member(variables, save_counter.device)
+        options = _options(async_save and local)
         self._temp_dir = None if is_chief else scratch.make("ckpt")
         max_to_keep = max_to_keep if is_chief else 1  # scratch holds memory: no more
         kept = Retention(model_dir, self._temp_dir or self.directory, max_to_keep, checkpoint_bytes)
-        self._saver = _Saver(self.checkpoint, options, indexes, kept, self._increments)
+        write = _FullWrite(self.checkpoint, options, traced=not local)
+        self._saver = _Saver(write, options, indexes, kept, self._increments)
         self._restorer = Restorer(
             self.checkpoint,
             self.directory,
@@ -187,22 +189,23 @@ class _Saver:
 
     def __init__(
         self,
-        checkpoint: tf.train.Checkpoint,
+        write: _FullWrite,
         options: tf.train.CheckpointOptions,
         indexes: list,
         kept: Retention,
         increments: Increments,
     ):
         """Args:
-        checkpoint: the checkpoint of every object, written whole by a full save.
+        write: writes the checkpoint of every object whole (a full save).
         options: how a full save writes (`enable_async`: in the background).
         indexes: the dynamic tables' indexes, which a delta holds whole.
         kept: the directory written to, which commits and keeps the saves.
         increments: whether a save is a delta, and what it builds on.
         """
-        self._checkpoint, self._options, self._indexes = checkpoint, options, indexes
+        self._write, self._options, self._indexes = write, options, indexes
+        self._checkpoint = write.checkpoint
         self._kept, self._increments = kept, increments
-        self._save_counter = checkpoint.save_counter
+        self._save_counter = self._checkpoint.save_counter
         self._saved: tuple[int | None, str] = (None, "")  # (step, path) of the last save
         self._pending: tuple[int, str] | None = None  # an asynchronous write not yet committed
 
@@ -228,7 +231,7 @@ class _Saver:
                 )
             else:
                 since = increments.marks()
-                path = self._checkpoint.write(prefix, options=self._options)
+                path = self._write(prefix)
         except Exception as e:
             raise self._kept.failed(step, prefix, e) from None
         self._kept.written(path, increments.base[0] if delta else None)
@@ -255,16 +258,48 @@ class _Saver:
         self._kept.commit(step, path)
 
 
-def _options(
-    async_save: bool, variables: list, save_counter: tf.Variable
-) -> tf.train.CheckpointOptions:
+class _FullWrite:
+    """Writes the whole checkpoint at a prefix; `traced`: through one function traced once.
+
+    Where the variables live on other members (parameter servers), TensorFlow
+    writes them through a function it traces anew at every save
+    (`MultiDeviceSaver.save`, eager), and each member keeps every one it ran:
+    a ps member's memory grew by about 0.5 MB a save, without end in a job
+    that saves every few minutes for days. There the write is traced once,
+    the prefix its argument, and again only when the objects saved change
+    (an optimizer's slots, made at its first update, after a first save).
+    """
+
+    def __init__(self, checkpoint: tf.train.Checkpoint, options, *, traced: bool):
+        self.checkpoint, self._options, self._traced = checkpoint, options, traced
+        self._function: tuple[tuple, tf.types.experimental.GenericFunction] | None = None
+
+    def __call__(self, prefix: str) -> str:
+        if not self._traced:
+            return self.checkpoint.write(prefix, options=self._options)
+        saved = tuple(map(id, tf.train.TrackableView(self.checkpoint).descendants()))
+        if self._function is None or self._function[0] != saved:
+            spec = tf.TensorSpec([], tf.string)
+            write = tf.function(self._write_in_graph, input_signature=[spec], autograph=False)
+            self._function = (saved, write)
+        tf.io.gfile.makedirs(os.path.dirname(prefix))
+        return self._function[1](tf.constant(prefix)).numpy().decode()
+
+    def _write_in_graph(self, prefix: tf.Tensor) -> tf.Tensor:
+        # Here, as eager writes place them: what the write makes itself (the object
+        # graph) goes with this member's variables, into one shard.
+        with tf.device(self.checkpoint.save_counter.device):
+            return self.checkpoint.write(prefix, options=self._options)
+
+
+def _options(async_save: bool) -> tf.train.CheckpointOptions:
     """How full checkpoints are written: in the background if asked and every variable is here.
 
     TF's background write reads a copy made on each variable's own member: with
     variables on other members (parameter servers), a checkpoint in flight would
-    die with them, so it is written before `save` returns.
+    die with them, so it is written before `save` returns (the caller passes
+    `async_save` only where every variable is here).
     """
-    async_save = async_save and _all_on_member(variables, save_counter.device)
     if async_save:
         tf_patches.keras_variables_save_asynchronously()
     return tf.train.CheckpointOptions(enable_async=async_save)
@@ -274,8 +309,9 @@ def _all_on_member(variables: list, local_device: str) -> bool:
     """Whether every variable lives on the member of `local_device` (or names none)."""
     here = _TASK.match(local_device)
     for variable in variables:
-        device = getattr(getattr(variable, "value", variable), "device", "") or ""
-        there = _TASK.match(device)
+        value = getattr(variable, "value", None)  # a Keras variable's: a tf.Variable's is a method
+        device = getattr(variable if value is None or callable(value) else value, "device", "")
+        there = _TASK.match(device or "")
         if there and (not here or there[0] != here[0]):
             return False
     return True
