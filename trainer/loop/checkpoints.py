@@ -51,6 +51,7 @@ from strategies.cluster import scratch
 from trainer.loop import deltas
 from trainer.loop.restore import LEGACY_TABLE, Restorer
 from trainer.loop.retention import Increments, NoSpace, Retention
+from trainer.loop.writes import TracedWrite
 
 __all__ = ["LEGACY_TABLE", "Checkpointer", "NoSpace"]
 
@@ -103,8 +104,7 @@ class Checkpointer:
         self._temp_dir = None if is_chief else scratch.make("ckpt")
         max_to_keep = max_to_keep if is_chief else 1  # scratch holds memory: no more
         kept = Retention(model_dir, self._temp_dir or self.directory, max_to_keep, checkpoint_bytes)
-        write = _FullWrite(self.checkpoint, options, traced=not local)
-        self._saver = _Saver(write, options, indexes, kept, self._increments)
+        self._saver = _Saver(self.checkpoint, options, indexes, kept, self._increments, local)
         self._restorer = Restorer(
             self.checkpoint,
             self.directory,
@@ -189,23 +189,27 @@ class _Saver:
 
     def __init__(
         self,
-        write: _FullWrite,
+        checkpoint: tf.train.Checkpoint,
         options: tf.train.CheckpointOptions,
         indexes: list,
         kept: Retention,
         increments: Increments,
+        local: bool,
     ):
         """Args:
-        write: writes the checkpoint of every object whole (a full save).
+        checkpoint: the checkpoint of every object, written whole by a full save.
         options: how a full save writes (`enable_async`: in the background).
         indexes: the dynamic tables' indexes, which a delta holds whole.
         kept: the directory written to, which commits and keeps the saves.
         increments: whether a save is a delta, and what it builds on.
+        local: whether every variable lives on this member; else full saves go
+          through one traced write (`trainer.loop.writes`).
         """
-        self._write, self._options, self._indexes = write, options, indexes
-        self._checkpoint = write.checkpoint
+        self._checkpoint, self._options, self._indexes = checkpoint, options, indexes
         self._kept, self._increments = kept, increments
-        self._save_counter = self._checkpoint.save_counter
+        self._save_counter = checkpoint.save_counter
+        self._traced = None if local else TracedWrite(checkpoint, options)
+        self._deltas: deltas.Writer | None = None  # made at the first delta
         self._saved: tuple[int | None, str] = (None, "")  # (step, path) of the last save
         self._pending: tuple[int, str] | None = None  # an asynchronous write not yet committed
 
@@ -225,10 +229,9 @@ class _Saver:
         delta = increments.due(step)
         try:
             if delta:
-                base, since = increments.base
-                path = deltas.write(
-                    prefix, increments.layout(), base, since, self._indexes, self._save_counter
-                )
+                if self._deltas is None:
+                    self._deltas = deltas.Writer(increments.layout(), self._indexes)
+                path = self._deltas.write(prefix, *increments.base, self._save_counter)
             else:
                 since = increments.marks()
                 path = self._write(prefix)
@@ -244,6 +247,12 @@ class _Saver:
             self._kept.commit(step, path)
         return path
 
+    def _write(self, prefix: str) -> str:
+        """Writes a full checkpoint at `prefix`: eagerly here, or through the traced write."""
+        if self._traced is None:
+            return self._checkpoint.write(prefix, options=self._options)
+        return self._traced(prefix)
+
     def sync(self) -> None:
         """Waits for a write in the background and commits it (`Checkpointer.sync`)."""
         if self._pending is None:
@@ -256,40 +265,6 @@ class _Saver:
         if error is not None:
             raise self._kept.failed(step, path, error) from None
         self._kept.commit(step, path)
-
-
-class _FullWrite:
-    """Writes the whole checkpoint at a prefix; `traced`: through one function traced once.
-
-    Where the variables live on other members (parameter servers), TensorFlow
-    writes them through a function it traces anew at every save
-    (`MultiDeviceSaver.save`, eager), and each member keeps every one it ran:
-    a ps member's memory grew by about 0.5 MB a save, without end in a job
-    that saves every few minutes for days. There the write is traced once,
-    the prefix its argument, and again only when the objects saved change
-    (an optimizer's slots, made at its first update, after a first save).
-    """
-
-    def __init__(self, checkpoint: tf.train.Checkpoint, options, *, traced: bool):
-        self.checkpoint, self._options, self._traced = checkpoint, options, traced
-        self._function: tuple[tuple, tf.types.experimental.GenericFunction] | None = None
-
-    def __call__(self, prefix: str) -> str:
-        if not self._traced:
-            return self.checkpoint.write(prefix, options=self._options)
-        saved = tuple(map(id, tf.train.TrackableView(self.checkpoint).descendants()))
-        if self._function is None or self._function[0] != saved:
-            spec = tf.TensorSpec([], tf.string)
-            write = tf.function(self._write_in_graph, input_signature=[spec], autograph=False)
-            self._function = (saved, write)
-        tf.io.gfile.makedirs(os.path.dirname(prefix))
-        return self._function[1](tf.constant(prefix)).numpy().decode()
-
-    def _write_in_graph(self, prefix: tf.Tensor) -> tf.Tensor:
-        # Here, as eager writes place them: what the write makes itself (the object
-        # graph) goes with this member's variables, into one shard.
-        with tf.device(self.checkpoint.save_counter.device):
-            return self.checkpoint.write(prefix, options=self._options)
 
 
 def _options(async_save: bool) -> tf.train.CheckpointOptions:

@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from trainer.layers import tables
 from trainer.loop import optim
+from trainer.loop.writes import TracedWrite
 
 BASE_KEY = "delta/.ATTRIBUTES/base_step"  # where a delta names its full checkpoint's step
 
@@ -101,33 +102,51 @@ def marks(found: Layout) -> list[int]:
 
 
 class _Tensors(tf.__internal__.tracking.Trackable):
-    """Tensors saved under their names (`delta/.ATTRIBUTES/<name>`); read back with a reader."""
+    """Tensors saved under their names (`delta/.ATTRIBUTES/<name>`); read back with a reader.
 
-    def __init__(self, tensors: dict[str, tf.Tensor]):
-        self._tensors = tensors
+    `tensors` is set where the write is traced (`Writer`), before each write.
+    """
+
+    def __init__(self):
+        self.tensors: dict[str, tf.Tensor] = {}
 
     def _serialize_to_tensors(self):
-        return self._tensors
+        return self.tensors
 
 
-def write(
-    prefix: str,
-    found: Layout,
-    base_step: int,
-    since: list[int],
-    indexes: list[tf.Module],
-    save_counter: tf.Variable,
-) -> str:
-    """Writes a delta of the full checkpoint of `base_step` (parts' steps `since`) at `prefix`."""
-    tensors = {"base_step": tf.constant(base_step, tf.int64)}
-    for p, (family, step) in enumerate(zip(found.families, since, strict=True)):
-        slots, values = family.part.changed_since(step, family.variables())
-        tensors[f"part{p}_slots"] = slots
-        for k, value in enumerate(values):
-            tensors[f"part{p}_{k}"] = value
-    checkpoint = tf.train.Checkpoint(small=found.small, tables=indexes, delta=_Tensors(tensors))
-    checkpoint.save_counter.assign(save_counter)
-    return checkpoint.write(prefix)
+class Writer:
+    """Writes deltas of a layout's tables: one traced write (`trainer.loop.writes`) for all.
+
+    The changed rows are gathered in the traced function, on each part's own
+    member, and written from there; only the prefix, the base step and the
+    parts' steps cross from the caller. Eager, each delta would be written
+    through a new function wherever the tables live on other members.
+    """
+
+    def __init__(self, found: Layout, indexes: list[tf.Module]):
+        """`found`: what a delta holds (`layout`); `indexes`: the tables' indexes, held whole."""
+        self._families, self._tensors = found.families, _Tensors()
+        self._checkpoint = tf.train.Checkpoint(
+            small=found.small, tables=indexes, delta=self._tensors
+        )
+        self._checkpoint.save_counter  # noqa: B018 (made here, not in the traced write)
+        self._write = TracedWrite(self._checkpoint, prepare=self._gather)
+
+    def write(
+        self, prefix: str, base_step: int, since: list[int], save_counter: tf.Variable
+    ) -> str:
+        """Writes at `prefix` the delta of the full one of `base_step` (parts' steps `since`)."""
+        self._checkpoint.save_counter.assign(save_counter)
+        return self._write(prefix, tf.constant(base_step, tf.int64), tf.constant(since, tf.int64))
+
+    def _gather(self, base_step: tf.Tensor, since: tf.Tensor) -> None:
+        tensors = {"base_step": tf.identity(base_step)}  # placed here, with the save counter
+        for p, family in enumerate(self._families):
+            slots, values = family.part.changed_since(since[p], family.variables())
+            tensors[f"part{p}_slots"] = slots
+            for k, value in enumerate(values):
+                tensors[f"part{p}_{k}"] = value
+        self._tensors.tensors = tensors
 
 
 def base_step(path: str) -> int | None:
