@@ -26,6 +26,9 @@ it).
   through `ctypes`, without the interpreter lock (`strategies.cluster.tf_start`).
 - `take_async_checkpoint_error`: the error of a failed background checkpoint
   write, taken from TF's private field and cleared (`trainer.loop.checkpoints`).
+- `saved_model_without_variables`: a SavedModel written without its variables'
+  checkpoint (TF's private flag), which the caller writes through one traced
+  write (`trainer.loop.export`, where the variables live on ps members).
 - `made_by_keras_optimizer`: whether Keras is creating a variable for an
   optimizer (read from Keras's private name-scope stack; `mirrored`'s
   averaged layer state must leave optimizer state alone).
@@ -147,6 +150,13 @@ PATCHES = {
         ("2.20", "2.21"),
         "an async checkpoint's write error is kept in a private field and raised at exit",
     ),
+    "saved_model_without_variables": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "tf.saved_model.save writes the variables' checkpoint eagerly (a new traced function "
+        "each call where they live on several members); only the private "
+        "save_and_return_nodes can leave it out",
+    ),
     "disarm_preemption_handler": Patch(
         "tensorflow",
         ("2.20", "2.21"),
@@ -217,6 +227,19 @@ def targeted(name: str) -> bool:
 
 
 # TensorFlow (process-wide) ----------------------------------------------------------------
+
+
+def saved_model_without_variables(obj: tf.Module, path: str, signatures: dict) -> None:
+    """`tf.saved_model.save(obj, path, signatures)`, all but `path/variables/variables`.
+
+    The caller has written the variables there (a checkpoint of an object
+    whose children are `obj`'s, under the same names), so that the
+    SavedModel's fingerprint covers them.
+    """
+    from tensorflow.python.saved_model import save  # noqa: PLC0415
+
+    targeted("saved_model_without_variables")
+    save.save_and_return_nodes(obj, path, signatures, experimental_skip_checkpoint=True)
 
 
 def op_determinism(enabled: bool) -> None:

@@ -137,7 +137,7 @@ def test_a_full_disk_under_the_command_line_is_one_line_and_exit_4(small_disk):
 # ps members and one more made after the first save; "deltas": a dynamic table of 2 parts,
 # full at the first save and deltas of it after.
 _SAVES_ON_PS_MEMBERS = """
-import socket, sys, types
+import gc, socket, sys, types
 import keras
 import tensorflow as tf
 from trainer.layers import DynamicEmbedding
@@ -150,6 +150,7 @@ def address():
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 def rss_mb():
+    gc.collect()  # what is garbage, freed: only what is held counts
     with open("/proc/self/status") as status:
         line = next(line for line in status if line.startswith("VmRSS"))
     return int(line.split()[1]) / 1024

@@ -395,3 +395,23 @@ def test_a_multi_device_iterators_device_datasets_autotune_by_default_unless_pat
         tf_patches.device_datasets_untuned()  # once only
         assert ops._create_device_dataset.__wrapped__ is upstream
         assert device_dataset_autotune() == {False}
+
+
+def test_a_saved_model_is_written_without_its_variables_only_through_a_private_flag(tmp_path):
+    # Upstream: no public option leaves the variables' checkpoint out.
+    assert "skip_checkpoint" not in str(inspect.signature(tf.saved_model.SaveOptions))
+    module = tf.Module()
+    module.v = tf.Variable([1.0, 2.0])
+    module.read = tf.function(lambda: module.v * 1.0, input_signature=[])
+    signatures = {"serving_default": module.read.get_concrete_function()}
+    path = tmp_path / "model"
+    tf.train.Checkpoint(root=module).write(str(path / "variables" / "variables"))
+    tf_patches.saved_model_without_variables(module, str(path), signatures)
+    assert (path / "saved_model.pb").exists()
+    loaded = tf.saved_model.load(str(path))  # the variables as the caller wrote them
+    np.testing.assert_array_equal(loaded.v.numpy(), [1.0, 2.0])
+    # The private flag does leave them out: nothing else writes them there.
+    bare = tmp_path / "bare"
+    tf_patches.saved_model_without_variables(module, str(bare), signatures)
+    assert (bare / "saved_model.pb").exists()
+    assert not (bare / "variables" / "variables.index").exists()

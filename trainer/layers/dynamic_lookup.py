@@ -143,7 +143,7 @@ def part_packed(
             slots, stamps = table.find(keys)  # ids admitted now read their own row
         hit = slots >= 0 if valid is None else (slots >= 0) & valid
         slots = tf.where(hit, slots, part.capacity)
-        return _packed_rows(part, keys, slots, stamps, hit, default)
+        return _packed_rows(part, keys, slots, stamps, hit, default, differentiable=training)
 
 
 def _packed_rows(
@@ -153,6 +153,7 @@ def _packed_rows(
     stamps: tf.Tensor,
     hit: tf.Tensor,
     default=None,
+    differentiable: bool = True,
 ) -> tf.Tensor:
     """The rows of `slots` and a column for `hit`, each new id's row its initial value.
 
@@ -167,6 +168,13 @@ def _packed_rows(
     inside a `tf.custom_gradient` is read whole (a copy of every row, each
     step, once rows were updated sparsely). With `default`, its value is one
     more row (read here, beside it), and its gradient that row's.
+
+    Not `differentiable` (a lookup outside training: eval, an export's serving
+    function), the packing is plain ops, whose gradient, if one is taken all
+    the same, is the same but made where it is taken: a `tf.custom_gradient`
+    traced in a function registers its gradient for the whole process, and
+    that holds the function's graph for good (about 3 MB for each export of
+    a model with a dynamic table, which traces its serving function anew).
     """
     seed, width = part.layer.seed, part.layer.output_dim
     variable = tf_patches.replica_copy(part.rows.value)
@@ -179,14 +187,19 @@ def _packed_rows(
         default = tf_patches.replica_copy(default.value)  # read here: a tape watches it then
         inputs += [default.handle, tf.convert_to_tensor(default)]
 
-    @tf.custom_gradient
-    def packed(handle, rows, *default):
+    def pack(rows, default_value=None):
         initial = tables.initial_rows(seed, tf.gather_nd(keys, stale), width)
         fresh = tf.scatter_nd(stale, initial - tf.gather_nd(rows, stale), tf.shape(rows, tf.int64))
         rows += tf.stop_gradient(fresh)
-        more = [default[1][None]] if default else []
+        more = [] if default_value is None else [default_value[None]]
         column = tf.cast(tf.concat([hit, tf.ones([len(more)], tf.bool)], 0), rows.dtype)
+        return tf.concat([tf.concat([rows, *more], 0), column[:, None]], 1)
 
+    if not differentiable:
+        return pack(*inputs[1::2])  # the rows, and the default row's value
+
+    @tf.custom_gradient
+    def packed(handle, rows, *default):
         def gradient(upstream):
             # The default row's too, on this device: differentiated where the gradient is
             # taken (a worker), its read would be a message there and back.
@@ -194,7 +207,7 @@ def _packed_rows(
                 held = tf.IndexedSlices(upstream[: tf.size(slots), :width], slots, shape)
                 return held, None, *([upstream[-1, :width], None] if default else [])
 
-        return tf.concat([tf.concat([rows, *more], 0), column[:, None]], 1), gradient
+        return pack(rows, *default[1:]), gradient
 
     return packed(*inputs)
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 
 import tensorflow as tf
 
@@ -51,11 +50,9 @@ from strategies.cluster import scratch
 from trainer.loop import deltas
 from trainer.loop.restore import LEGACY_TABLE, Restorer
 from trainer.loop.retention import Increments, NoSpace, Retention
-from trainer.loop.writes import TracedWrite
+from trainer.loop.writes import TracedWrite, all_here
 
 __all__ = ["LEGACY_TABLE", "Checkpointer", "NoSpace"]
-
-_TASK = re.compile(r"/job:[^/]+/replica:\d+/task:\d+")
 
 
 class Checkpointer:
@@ -99,7 +96,7 @@ class Checkpointer:
         objects["variables"] = list(variables)
         self.checkpoint = tf.train.Checkpoint(**objects)
         save_counter = self.checkpoint.save_counter  # created now, so every write holds it
-        local = _all_on_member(variables, save_counter.device)
+        local = all_here(variables, save_counter.device)
         options = _options(async_save and local)
         self._temp_dir = None if is_chief else scratch.make("ckpt")
         max_to_keep = max_to_keep if is_chief else 1  # scratch holds memory: no more
@@ -208,7 +205,8 @@ class _Saver:
         self._checkpoint, self._options, self._indexes = checkpoint, options, indexes
         self._kept, self._increments = kept, increments
         self._save_counter = checkpoint.save_counter
-        self._traced = None if local else TracedWrite(checkpoint, options)
+        here = checkpoint.save_counter.device
+        self._traced = None if local else TracedWrite(checkpoint, here, options)
         self._deltas: deltas.Writer | None = None  # made at the first delta
         self._saved: tuple[int | None, str] = (None, "")  # (step, path) of the last save
         self._pending: tuple[int, str] | None = None  # an asynchronous write not yet committed
@@ -278,18 +276,6 @@ def _options(async_save: bool) -> tf.train.CheckpointOptions:
     if async_save:
         tf_patches.keras_variables_save_asynchronously()
     return tf.train.CheckpointOptions(enable_async=async_save)
-
-
-def _all_on_member(variables: list, local_device: str) -> bool:
-    """Whether every variable lives on the member of `local_device` (or names none)."""
-    here = _TASK.match(local_device)
-    for variable in variables:
-        value = getattr(variable, "value", None)  # a Keras variable's: a tf.Variable's is a method
-        device = getattr(variable if value is None or callable(value) else value, "device", "")
-        there = _TASK.match(device or "")
-        if there and (not here or there[0] != here[0]):
-            return False
-    return True
 
 
 def _total_bytes(trackables: list) -> int:

@@ -129,8 +129,8 @@ class Writer:
         self._checkpoint = tf.train.Checkpoint(
             small=found.small, tables=indexes, delta=self._tensors
         )
-        self._checkpoint.save_counter  # noqa: B018 (made here, not in the traced write)
-        self._write = TracedWrite(self._checkpoint, prepare=self._gather)
+        here = self._checkpoint.save_counter.device  # made here, not in the traced write
+        self._write = TracedWrite(self._checkpoint, here, prepare=self._gather)
 
     def write(
         self, prefix: str, base_step: int, since: list[int], save_counter: tf.Variable
