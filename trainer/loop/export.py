@@ -20,7 +20,6 @@ the newest `export.keep` are kept (`export_version`).
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable
 
 import keras
@@ -93,8 +92,9 @@ def export(
     return path
 
 
-# Each model's write of its variables where they live on other members (`_save`).
-_VARIABLES_WRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The model last exported whose variables live on other members, and its variables'
+# write (`_save`): a process exports one model again and again; another one replaces it.
+_last_write: tuple[keras.Model, writes.TracedWrite] | None = None
 
 
 def _save(module: tf.Module, path: str, signatures: dict) -> None:
@@ -103,18 +103,19 @@ def _save(module: tf.Module, path: str, signatures: dict) -> None:
     TensorFlow writes a SavedModel's variables as a checkpoint, eagerly: where
     they live on other members (parameter servers), through a new function
     each export, which every ps member keeps (about 0.4 MB an export of the
-    ctr job). There the SavedModel is written without them, and they go
-    through the model's one traced write (`trainer.loop.writes`), under the
-    names TensorFlow gives them (a checkpoint whose `model` is the model, as
-    `module`'s is).
+    ctr job). There they go through the model's one traced write
+    (`trainer.loop.writes`), under the names TensorFlow gives them (a
+    checkpoint whose `model` is the model, as `module`'s is), and the
+    SavedModel is written without them.
     """
+    global _last_write
     model = module.model
     if writes.all_here(model.variables):
         tf.saved_model.save(module, path, signatures=signatures)
         return
-    if model not in _VARIABLES_WRITES:
-        _VARIABLES_WRITES[model] = writes.TracedWrite(tf.train.Checkpoint(model=model))
-    _VARIABLES_WRITES[model](os.path.join(path, "variables", "variables"))
+    if _last_write is None or _last_write[0] is not model:
+        _last_write = (model, writes.TracedWrite(tf.train.Checkpoint(model=model)))
+    _last_write[1](os.path.join(path, "variables", "variables"))
     tf_patches.saved_model_without_variables(module, path, signatures)
 
 
