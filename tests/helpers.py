@@ -36,6 +36,37 @@ TAG_VARIABLE = "TOWERFLOW_TEST_TAGS"
 _started: list[tuple[str, subprocess.Popen]] = []  # (tag, process), in start order
 _serial = itertools.count()
 
+# The start of a script a test runs in a process of its own (`run_command`):
+# `bare_parameter_server()`, a bare `tf.distribute` ParameterServerStrategy over
+# in-process servers on 127.0.0.1 (a chief, a worker and 2 ps members), and
+# `rss_mb()`, the process's memory once its garbage is freed.
+IN_PROCESS_CLUSTER = """
+import gc, socket
+import tensorflow as tf
+
+def address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+def bare_parameter_server():
+    global servers  # they serve as long as the script runs
+    jobs = {"chief": [address()], "worker": [address()], "ps": [address(), address()]}
+    cluster = tf.train.ClusterSpec(jobs)
+    members = (("worker", 0), ("ps", 0), ("ps", 1))
+    servers = [tf.distribute.Server(cluster, job, task) for job, task in members]
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        cluster, task_type="chief", task_id=0, rpc_layer="grpc"
+    )
+    return tf.distribute.experimental.ParameterServerStrategy(resolver)
+
+def rss_mb():
+    gc.collect()  # what is garbage, freed: only what is held counts
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
+"""
+
 
 def tiny_config(**overrides):
     """The default config made small and fast; `overrides` are "a.b": value pairs."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import assert_exit, run_cli, run_command, tiny_config
+from tests.helpers import IN_PROCESS_CLUSTER, assert_exit, run_cli, run_command, tiny_config
 from towerflow.errors import NO_SPACE_EXIT_CODE
 from trainer.loop import deltas, train
 from trainer.loop.checkpoints import Checkpointer, NoSpace
@@ -136,34 +136,16 @@ def test_a_full_disk_under_the_command_line_is_one_line_and_exit_4(small_disk):
 # 127.0.0.1, 120 of them; the memory they added after the 20th. "full": 40 variables on 2
 # ps members and one more made after the first save; "deltas": a dynamic table of 2 parts,
 # full at the first save and deltas of it after.
-_SAVES_ON_PS_MEMBERS = """
-import gc, socket, sys, types
+_SAVES_ON_PS_MEMBERS = (
+    IN_PROCESS_CLUSTER
+    + """
+import sys, types
 import keras
-import tensorflow as tf
 from trainer.layers import DynamicEmbedding
 from trainer.loop import optim, train
 from trainer.loop.checkpoints import Checkpointer
 
-def address():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-def rss_mb():
-    gc.collect()  # what is garbage, freed: only what is held counts
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS"))
-    return int(line.split()[1]) / 1024
-
-jobs = {"chief": [address()], "worker": [address()], "ps": [address(), address()]}
-cluster = tf.train.ClusterSpec(jobs)
-servers = [
-    tf.distribute.Server(cluster, job, task) for job, task in (("worker", 0), ("ps", 0), ("ps", 1))
-]
-resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-    cluster, task_type="chief", task_id=0, rpc_layer="grpc"
-)
-strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+strategy = bare_parameter_server()
 model_dir, kind = sys.argv[1:]
 if kind == "full":
     with strategy.scope():
@@ -192,6 +174,7 @@ for step in range(2, 121):
         before = rss_mb()
 print(rss_mb() - before)
 """
+)
 
 
 @pytest.mark.parametrize("kind", ["full", "deltas"])

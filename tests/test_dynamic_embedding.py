@@ -12,7 +12,14 @@ import pytest
 import tensorflow as tf
 
 import configs.ctr
-from tests.helpers import assert_exit, config_flags, launched, run_command, tensorboard_scalars
+from tests.helpers import (
+    IN_PROCESS_CLUSTER,
+    assert_exit,
+    config_flags,
+    launched,
+    run_command,
+    tensorboard_scalars,
+)
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
 from trainer import layers
@@ -570,25 +577,12 @@ print(json.dumps(outputs["logits"].numpy().tolist()))
 
 
 # A bare `tf.distribute` ParameterServerStrategy over in-process servers on 127.0.0.1.
-_BARE_PARAMETER_SERVER = """
-import socket
-import tensorflow as tf
+_BARE_PARAMETER_SERVER = (
+    IN_PROCESS_CLUSTER
+    + """
 from trainer.layers import DynamicEmbedding
 
-def address():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-jobs = {"chief": [address()], "worker": [address()], "ps": [address(), address()]}
-cluster = tf.train.ClusterSpec(jobs)
-servers = [
-    tf.distribute.Server(cluster, job, task) for job, task in (("worker", 0), ("ps", 0), ("ps", 1))
-]
-resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-    cluster, task_type="chief", task_id=0, rpc_layer="grpc"
-)
-strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+strategy = bare_parameter_server()
 with strategy.scope():
     layer = DynamicEmbedding(4, capacity=10)
     layer.build()
@@ -614,6 +608,7 @@ with strategy.scope():
 *rows, default = traced.structured_outputs
 print([(made_on(g.indices), made_on(g.values)) for g in rows] + [made_on(default)])
 """
+)
 
 
 def test_under_tensorflows_own_parameter_server_strategy_a_table_has_a_part_on_each_ps_member(

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import assert_exit, one_line_error, run_command, tiny_config
+from tests.helpers import (
+    IN_PROCESS_CLUSTER,
+    assert_exit,
+    one_line_error,
+    run_command,
+    tiny_config,
+)
 from trainer.loop import export as export_lib
 from trainer.loop import train
 from trainer.loop.checkpoints import Checkpointer
@@ -80,35 +86,16 @@ def test_a_negative_export_interval_is_one_line_and_leaves_model_dir_alone(tmp_p
 # ParameterServerStrategy over in-process servers on 127.0.0.1 ("ps": the table's parts
 # and the dense layers on 2 ps members) or in one process ("local"); the memory they
 # added after the 10th, and the model's predictions for two examples.
-_EXPORTS = """
-import gc, json, socket, sys
+_EXPORTS = (
+    IN_PROCESS_CLUSTER
+    + """
+import json, sys
 import keras
-import tensorflow as tf
 from trainer.layers import DynamicEmbedding
 from trainer.loop import export
 
-def address():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-def rss_mb():
-    gc.collect()  # what is garbage, freed: only what is held counts
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS"))
-    return int(line.split()[1]) / 1024
-
 base, where = sys.argv[1:]
-strategy = tf.distribute.get_strategy()
-if where == "ps":
-    jobs = {"chief": [address()], "worker": [address()], "ps": [address(), address()]}
-    cluster = tf.train.ClusterSpec(jobs)
-    members = (("worker", 0), ("ps", 0), ("ps", 1))
-    servers = [tf.distribute.Server(cluster, job, task) for job, task in members]
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        cluster, task_type="chief", task_id=0, rpc_layer="grpc"
-    )
-    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+strategy = bare_parameter_server() if where == "ps" else tf.distribute.get_strategy()
 with strategy.scope():
     inputs = keras.Input((2,), dtype="int64")
     vectors = DynamicEmbedding(4, combiner="sum", capacity=20)(inputs)
@@ -122,6 +109,7 @@ for version in range(1, 41):
 print(json.dumps(model(ids, training=False).numpy().ravel().tolist()))
 print(rss_mb() - before)
 """
+)
 
 
 @pytest.mark.parametrize("where", ["local", "ps"])
