@@ -182,10 +182,11 @@ def _packed_rows(
     row_stamps = tf_patches.replica_copy(part.row_stamps.value)
     stale = tf.where(tf.not_equal(tf.gather(row_stamps, slots), stamps))
     rows = tf.gather(variable, slots)  # the rows asked for, not the whole variable
-    inputs = [variable.handle, rows]
+    inputs, default_value = [variable.handle, rows], None
     if default is not None:  # its handle (the gradient's way, as the rows') and its value,
         default = tf_patches.replica_copy(default.value)  # read here: a tape watches it then
-        inputs += [default.handle, tf.convert_to_tensor(default)]
+        default_value = tf.convert_to_tensor(default)
+        inputs += [default.handle, default_value]
 
     def pack(rows, default_value=None):
         initial = tables.initial_rows(seed, tf.gather_nd(keys, stale), width)
@@ -196,7 +197,7 @@ def _packed_rows(
         return tf.concat([tf.concat([rows, *more], 0), column[:, None]], 1)
 
     if not differentiable:
-        return pack(*inputs[1::2])  # the rows, and the default row's value
+        return pack(rows, default_value)
 
     @tf.custom_gradient
     def packed(handle, rows, *default):

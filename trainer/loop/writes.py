@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from strategies.base import variable_devices
+
 _TASK = re.compile(r"/job:[^/]+/replica:\d+/task:\d+")
 
 
@@ -73,9 +75,8 @@ def all_here(variables: list, here: str | None = None) -> bool:
     """
     member = _TASK.match(tf.constant(0).device if here is None else here)
     for variable in variables:
-        value = getattr(variable, "value", None)  # a Keras variable's: a tf.Variable's is a method
-        device = getattr(variable if value is None or callable(value) else value, "device", "")
-        there = _TASK.match(device or "")
-        if there and (not member or there[0] != member[0]):
-            return False
+        for device in variable_devices(variable):
+            there = _TASK.match(device or "")
+            if there and (not member or there[0] != member[0]):
+                return False
     return True
