@@ -167,11 +167,38 @@ def test_a_tables_seed_keys_which_ids_share_fallback_rows():
     np.testing.assert_array_equal(read, seeded.mean(axis=1))  # the default: their mean
 
 
+@pytest.mark.parametrize("seen_bits", [tables.SEEN_BITS, 0])
+def test_outside_training_an_id_the_table_never_saw_reads_zeros_not_its_fallback_rows(seen_bits):
+    layer = DynamicEmbedding(
+        WIDTH, capacity=1, eviction=None, fallback_rows=16, seen_bits=seen_bits
+    )
+    layer(tf.constant([5, 6, 7], tf.int64), training=True)  # 5 holds the row, 6 and 7 refused
+    layer.fallback.assign(np.arange(1, 17, dtype=np.float32)[:, None] * np.ones(WIDTH, np.float32))
+    ids = tf.constant([5, 6, 7, 8, 9], tf.int64)
+    fallback = layer.defaults(ids, tf.ones_like(ids, tf.bool)).numpy()
+    got = _rows_of(layer, ids)
+    np.testing.assert_array_equal(got[0], tables.initial_rows(0, ids[:1], WIDTH).numpy()[0])
+    np.testing.assert_array_equal(got[1:3], fallback[1:3])  # seen in training: fallback rows
+    unseen = np.zeros((2, WIDTH)) if seen_bits else fallback[3:]  # never seen: zeros
+    np.testing.assert_array_equal(got[3:], unseen)
+    assert layer.describe()["seen_bits"] == seen_bits
+    # In training every id reads its fallback rows, a new one too (it is noted first).
+    np.testing.assert_array_equal(layer(ids[3:], training=True).numpy(), fallback[3:])
+
+
 @pytest.mark.parametrize(
-    ("field", "now", "before"), [("fallback_hashes", 2, 1), ("fallback_combiner", "mean", "sum")]
+    ("field", "now", "before"),
+    [
+        ("fallback_hashes", 2, 1),
+        ("fallback_combiner", "mean", "sum"),
+        ("seen_bits", tables.SEEN_BITS, 0),
+    ],
 )
 def test_a_layer_saved_before_a_fallback_field_reads_its_rows_as_it_did(field, now, before):
-    """Saved without `fallback_hashes`, a layer read one row; without `fallback_combiner`, sums."""
+    """Saved without `fallback_hashes`, a layer read one row; without `fallback_combiner`, sums.
+
+    Without `seen_bits`, every id without a row read its fallback rows.
+    """
     layer = DynamicEmbedding(WIDTH, fallback_rows=8)
     assert getattr(DynamicEmbedding.from_config(layer.get_config()), field) == now
     older = {k: v for k, v in layer.get_config().items() if k != field}
@@ -454,7 +481,8 @@ def test_tensorboard_shows_each_blocks_ids_admissions_default_row_share_and_byte
         per_id = tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES
         assert figures[strategy]["bytes_held"][20] == table["bytes_held"]
         sketch = tables.SKETCH_DEPTH * tables.SKETCH_WIDTH * 4  # min_count 2: the sketch
-        assert index_bytes == held[20] * per_id + sketch, "no entry per id not admitted"
+        seen = 2 * tables.SEEN_BITS // 8  # the seen-filter's two generations
+        assert index_bytes == held[20] * per_id + sketch + seen, "no entry per id not admitted"
     # The replicas of `mirrored` admit the ids of the whole global batch, as one device does.
     assert figures["mirrored"] == figures["one_device"]
 
@@ -639,7 +667,12 @@ def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):
     train.train_and_evaluate(config, str(tmp_path / "run"))
     model = _restored(config, tmp_path / "run")
     held = sorted(_rows_by_id(model))
-    ids = np.array([held[:8], held[8:15] + [2**23]], np.float32)  # 2**23: never seen
+    layer = model.get_layer("embedding")
+    candidates = np.arange(config.data.ctr.vocab_size)
+    seen = layer.table.seen_ids(tf.constant(candidates, tf.int64)).numpy()
+    waiting = sorted(set(candidates[seen].tolist()) - set(held))  # the trained default row
+    assert waiting and np.abs(layer.default_row.numpy()).sum() > 0
+    ids = np.array([held[:8], held[8:14] + waiting[:1] + [2**23]], np.float32)  # 2**23: unseen
     expected = model(ids, training=False).numpy()
     served = run_command(
         [sys.executable, "-c", _SERVE, str(tmp_path / "run" / "export"), json.dumps(ids.tolist())],

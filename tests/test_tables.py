@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from trainer.layers import tables
+from trainer.layers import table_seen, tables
 
 EXTREMES = [0, 1, -1, 2**63 - 1, -(2**63), 123456789012345]
 
@@ -253,3 +253,64 @@ def test_counts_survive_contents_and_load():
     order = np.argsort(again["keys"])
     assert again["counts"][order].tolist() == content["counts"][np.argsort(keys)].tolist()
     assert again["last_seen"].tolist() == [0, 0]
+
+
+def _seen(table: tables.DynamicTable, ids) -> np.ndarray:
+    return table.seen_ids(tf.constant(ids, tf.int64)).numpy()
+
+
+def test_the_seen_filter_keeps_every_id_it_took_for_a_generation_and_then_forgets():
+    table = _table(capacity=2, seen_bits=1024)
+    first = list(range(1000, 1040))
+    _admit(table, first)  # 40 ids: 120 of 1,024 bits, under the fill that starts a generation
+    assert _seen(table, first).all() and table.figures()["index_bytes"] >= 2 * 1024 // 8
+    unseen = np.arange(5000, 15000)
+    assert _seen(table, unseen).mean() <= (120 / 1024) ** table_seen.SEEN_HASHES * 2
+    # More ids start a new generation: the first ones are still seen, from the one before.
+    rotations = 0
+    for start in range(2000, 2400, 40):
+        before = table.contents()["seen"]
+        _admit(table, list(range(start, start + 40)))
+        if not np.array_equal(table.contents()["seen"][1], before[1]):  # a new generation
+            rotations += 1
+            assert rotations > 1 or _seen(table, first).all()
+    assert rotations >= 2 and table.contents()["seen"].shape == (2, 1024 // 64)
+    # Two generations on, nothing of the first ids is left but the chance of other ids' bits.
+    assert _seen(table, first).mean() <= 0.2
+
+
+def test_an_unseen_id_is_taken_for_seen_within_the_filters_bound():
+    table = _table(capacity=2, seen_bits=2**14)
+    draw = np.random.RandomState(0)
+    for _ in range(40):  # many generations: the bound holds at any time
+        _admit(table, draw.randint(1, 2**62, 400).tolist())
+        rate = _seen(table, draw.randint(-(2**62), 0, 4000)).mean()
+        assert rate <= 2 * table_seen.SEEN_FILL**table_seen.SEEN_HASHES + 0.01
+
+
+def test_the_seen_filter_survives_contents_and_load_and_another_size_starts_empty():
+    table = _table(seen_bits=640)
+    _admit(table, [3, 4, 5])
+    content = table.contents()
+    names = ("admitted", "last_seen", "waiting", "waiting_values", "counters")
+    for bits, seen in ((640, True), (1280, False)):
+        other = _table(seen_bits=bits)
+        other.load(content["keys"], *(content[n] for n in names), seen=content["seen"])
+        assert _seen(other, [3, 4, 5]).all() == seen
+    assert _table(seen_bits=0).contents()["seen"].size == 0
+    assert _seen(_table(seen_bits=0), [1, 2]).all(), "without a filter every id counts as seen"
+
+
+def test_hashes_of_ids_are_the_same_eagerly_and_in_a_traced_function():
+    """Salts of ints over 2**63 mixed with smaller ones once differed between the two."""
+    keys = tf.constant(EXTREMES, tf.int64)
+    for seed in range(4):
+        for hashes in range(1, 5):
+            eager = tables.buckets_of(keys, 1000, hashes, seed)
+            traced = tf.function(lambda h=hashes, s=seed: tables.buckets_of(keys, 1000, h, s))()
+            np.testing.assert_array_equal(eager.numpy(), traced.numpy())
+    table = _table(seen_bits=4096)
+    _admit(table, EXTREMES[:3])
+    eager = table.seen_ids(keys).numpy()
+    assert eager[:3].all()
+    np.testing.assert_array_equal(tf.function(lambda: table.seen_ids(keys))().numpy(), eager)

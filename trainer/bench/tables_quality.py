@@ -72,6 +72,7 @@ class Table:
     fallback: int = 0
     min_count: int = MIN_COUNT
     hashes: int = 2  # fallback rows an id reads (the layer's default, `tables.FALLBACK_HASHES`)
+    seen_bits: int = 2**18  # bits per generation of its seen-filter (`tables.SEEN_BITS`)
 
 
 # (name, eviction, min_count, fallback share, fallback hashes): the policies compared at
@@ -270,20 +271,24 @@ def explain(figures: dict, target: str, oracle: float, free_index: tuple[int, in
     ]
 
 
-def fit(budget: int, fallback_share: float, min_count: int = 1) -> tuple[int, int]:
+def fit(
+    budget: int, fallback_share: float, min_count: int = 1, seen_bits: int = 2**18
+) -> tuple[int, int]:
     """(capacity, fallback rows) of a dynamic table of `budget` bytes at its fullest.
 
     `fallback_share` of the bytes in fallback rows (a row and Adam's two
     slots); the rest in rows of its own: a row, Adam's slots, a stamp, and
-    the index's two entries per id held; plus the spare row, and with
-    `min_count` > 1 the count-min sketch.
+    the index's two entries per id held; plus the spare row, the seen-filter
+    (two generations of `seen_bits` bits), and with `min_count` > 1 the
+    count-min sketch.
     """
     from trainer.layers import tables
 
     hashed_row, own_row = row_bytes()
     fallback = int(fallback_share * budget) // hashed_row
     sketch = tables.SKETCH_DEPTH * tables.SKETCH_WIDTH * 4 if min_count > 1 else 0
-    rest = budget - fallback * hashed_row - hashed_row - 8 - sketch
+    seen = 2 * -(-seen_bits // 64) * 8
+    rest = budget - fallback * hashed_row - hashed_row - 8 - sketch - seen
     capacity = max(1, rest // own_row)
     return capacity, fallback
 
@@ -313,6 +318,7 @@ def train_auc(sizes: Sizes, workdir: str, name: str, table: Table, seed: int) ->
         fields.update({"model.embedding": "dynamic", "model.capacity": table.rows})
         fields.update({"model.eviction": table.eviction, "model.fallback_rows": table.fallback})
         fields.update({"model.min_count": table.min_count, "model.fallback_hashes": table.hashes})
+        fields["model.seen_bits"] = table.seen_bits
     job = train.build(config(sizes, **fields), os.path.join(workdir, f"quality-{name}"))
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         results = train.run(job, "train_and_eval")

@@ -44,6 +44,7 @@ def check_dynamic(
     sketch: tuple[int, int] = (tables.SKETCH_WIDTH, tables.SKETCH_DEPTH),
     fallback_hashes: int = tables.FALLBACK_HASHES,
     fallback_combiner: str = tables.FALLBACK_COMBINER,
+    seen_bits: int = tables.SEEN_BITS,
 ) -> None:
     """Raises `UserError` naming the first bad argument of a dynamic table (`where`)."""
     rules = [
@@ -87,6 +88,11 @@ def check_dynamic(
         (
             sketch[1] >= 1,
             f"`sketch_depth` ({sketch[1]}) must be >= 1 row; e.g. {tables.SKETCH_DEPTH}",
+        ),
+        (
+            seen_bits >= 0,
+            f"`seen_bits` ({seen_bits}) must be >= 0; e.g. {tables.SEEN_BITS} (0: no "
+            "seen-filter, every id without a row reads the default or fallback rows)",
         ),
     ]
     for ok, message in rules:
@@ -158,6 +164,14 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         count is over by at most e/`sketch_width` x the lookups it took since
         it was last halved, with probability 1 - e**-`sketch_depth`.
       sketch_depth: the sketch's rows (see `sketch_width`).
+      seen_bits: outside training, an id without a row that the table has
+        not seen in training lately reads zeros, not another id's fallback
+        or default row. Which ids it saw is a Bloom filter of two
+        generations of `seen_bits` bits (`trainer.layers.table_seen`; in
+        `bytes_held`): it forgets ids unseen for one to two generations, and
+        takes an unseen id for seen with probability at most about 5%.
+        0: no filter (every id without a row reads its default or fallback
+        row); default `trainer.layers.tables.SEEN_BITS`.
       mask_id: an id that means "no id" (padding): it reads zeros, is never
         admitted, and combiners leave it out.
       seed: keys the initial rows, and which ids share fallback rows (their
@@ -183,6 +197,7 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         sketch_depth: int = tables.SKETCH_DEPTH,
         fallback_hashes: int = tables.FALLBACK_HASHES,
         fallback_combiner: str = tables.FALLBACK_COMBINER,
+        seen_bits: int = tables.SEEN_BITS,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -197,7 +212,9 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             sketch=(sketch_width, sketch_depth),
             fallback_hashes=fallback_hashes,
             fallback_combiner=fallback_combiner,
+            seen_bits=seen_bits,
         )
+        self.seen_bits = int(seen_bits)
         self.fallback_rows = int(fallback_rows)
         self.fallback_hashes = int(fallback_hashes)
         self.fallback_combiner = fallback_combiner
@@ -329,8 +346,10 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     @classmethod
     def from_config(cls, config: dict) -> DynamicEmbedding:
         # A layer saved before `fallback_hashes` existed read one fallback row per id; one
-        # saved before `fallback_combiner`, their sum.
-        return super().from_config({"fallback_hashes": 1, "fallback_combiner": "sum", **config})
+        # saved before `fallback_combiner`, their sum; one saved before `seen_bits`, the
+        # default or fallback rows for every id.
+        old = {"fallback_hashes": 1, "fallback_combiner": "sum", "seen_bits": 0}
+        return super().from_config({**old, **config})
 
     def get_config(self) -> dict:
         return {
@@ -349,4 +368,5 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
             "sketch_depth": self.sketch_depth,
             "fallback_hashes": self.fallback_hashes,
             "fallback_combiner": self.fallback_combiner,
+            "seen_bits": self.seen_bits,
         }

@@ -43,8 +43,10 @@ def export_logical(layer: DynamicEmbedding, slots: Slots) -> dict[str, np.ndarra
     counters = tables.merged_counters([content.pop("counters") for content in parts])
     # An id's count is in its part's sketch: the parts' largest cell is at least as large.
     sketch = np.max([content.pop("sketch") for content in parts], axis=0)
+    # An id's bits are in its part's seen-filter: the parts' union holds them all.
+    seen = np.bitwise_or.reduce([content.pop("seen") for content in parts], axis=0)
     merged = {name: np.concatenate([c[name] for c in parts]) for name in parts[0]}
-    merged["sketch"] = sketch
+    merged["sketch"], merged["seen"] = sketch, seen
     for name, variable, _ in shared_variables(layer, slots):
         merged[name] = variable.numpy()
     return {**merged, "counters": counters}
@@ -116,6 +118,7 @@ def _load_part(
         evicted,
         counts[mine] if counts is not None else None,
         sketch,
+        content.get("seen"),  # the parts' union: each part takes it all
     )
     row_stamps = np.full(part.row_stamps.shape, -1, np.int64)
     row_stamps[: len(mine)] = np.where(content["fresh"][mine], -1, stamps)

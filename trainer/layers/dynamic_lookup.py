@@ -9,7 +9,9 @@
    admits the ids of the whole global batch (`admit_global_batch`); a new
    id, or one whose slot was reused, reads its initial row
    (`_packed_rows`). An id without a row reads the default or fallback
-   row (`DynamicEmbedding.defaults`), taken once for the ids of every part.
+   row (`DynamicEmbedding.defaults`), taken once for the ids of every part;
+   outside training, an id the table has not seen lately (its seen-filter,
+   `trainer.layers.table_seen`) reads zeros.
 4. `shaped`: the vectors in the ids' shape, or reduced over each example's
    list by the `combiner`.
 
@@ -108,8 +110,13 @@ def vectors_by_part(
 
 
 def _rows_or_defaults(packed: tf.Tensor, default_row, layer, keys, valid) -> tf.Tensor:
-    """The rows of `packed` (`part_packed`'s) where they hold one, else what `keys` read without."""
-    rows = tf.where(packed[:, -1:] > 0, packed[:, :-1], layer.defaults(keys, valid, default_row))
+    """The rows of `packed` (`part_packed`'s) where they hold one, else what `keys` read without.
+
+    Zeros for the ids `packed` marks unseen (its last column below 0).
+    """
+    held = packed[:, -1:]
+    seen = valid & (held[:, 0] >= 0)
+    rows = tf.where(held > 0, packed[:, :-1], layer.defaults(keys, seen, default_row))
     return tf.cast(rows, layer.compute_dtype)
 
 
@@ -128,7 +135,9 @@ def part_packed(
 ) -> tf.Tensor:
     """The row of each of `keys` (`part`'s ids), and a last column: 1 where `valid` and held.
 
-    `valid` None: every key is. Every key reads a row, a missing one the
+    Outside training, -1 in that column where the id is not held and the
+    table's seen-filter has not seen it (in training, each id was just
+    noted there). `valid` None: every key is. Every key reads a row, a missing one the
     spare row past the capacity (no id holds it), whose vector the caller
     replaces: the rows' sparse gradient has a row per key, so it has the same
     length on every worker for inputs of one shape, and is never empty (an
@@ -143,7 +152,8 @@ def part_packed(
             slots, stamps = table.find(keys)  # ids admitted now read their own row
         hit = slots >= 0 if valid is None else (slots >= 0) & valid
         slots = tf.where(hit, slots, part.capacity)
-        return _packed_rows(part, keys, slots, stamps, hit, default, differentiable=training)
+        unseen = None if training else ~hit & ~table.seen_ids(keys)
+        return _packed_rows(part, keys, slots, stamps, hit, default, unseen)
 
 
 def _packed_rows(
@@ -153,9 +163,9 @@ def _packed_rows(
     stamps: tf.Tensor,
     hit: tf.Tensor,
     default=None,
-    differentiable: bool = True,
+    unseen: tf.Tensor | None = None,
 ) -> tf.Tensor:
-    """The rows of `slots` and a column for `hit`, each new id's row its initial value.
+    """The rows of `slots` and a column: 1 where `hit`, -1 where `unseen`; new ids' rows initial.
 
     A new id, or a reused slot (its row's stamp is not the one the index
     holds: `stamps`), reads the id's initial value; the gradient still
@@ -169,8 +179,8 @@ def _packed_rows(
     step, once rows were updated sparsely). With `default`, its value is one
     more row (read here, beside it), and its gradient that row's.
 
-    Not `differentiable` (a lookup outside training: eval, an export's serving
-    function), the packing is plain ops, whose gradient, if one is taken all
+    Outside training (`unseen` given, None in training: eval, an export's
+    serving function), the packing is plain ops, whose gradient, if one is taken all
     the same, is the same but made where it is taken: a `tf.custom_gradient`
     traced in a function registers its gradient for the whole process, and
     that holds the function's graph for good (about 3 MB for each export of
@@ -194,9 +204,11 @@ def _packed_rows(
         rows += tf.stop_gradient(fresh)
         more = [] if default_value is None else [default_value[None]]
         column = tf.cast(tf.concat([hit, tf.ones([len(more)], tf.bool)], 0), rows.dtype)
+        if unseen is not None:
+            column -= tf.cast(tf.concat([unseen, tf.zeros([len(more)], tf.bool)], 0), rows.dtype)
         return tf.concat([tf.concat([rows, *more], 0), column[:, None]], 1)
 
-    if not differentiable:
+    if unseen is not None:
         return pack(rows, default_value)
 
     @tf.custom_gradient

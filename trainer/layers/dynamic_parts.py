@@ -99,6 +99,7 @@ class TablePart:
                 name=layer.name + self.suffix,
                 sketch_width=layer.sketch_width,
                 sketch_depth=layer.sketch_depth,
+                seen_bits=layer.seen_bits,
             )
         if index:
             setattr(layer, f"table{self.suffix}", self.table)  # tracked: saved in checkpoints
@@ -207,6 +208,7 @@ def describe(layer: DynamicEmbedding) -> dict:
         "fallback_combiner": layer.fallback_combiner,
         "sketch_width": layer.sketch_width,
         "sketch_depth": layer.sketch_depth,
+        "seen_bits": layer.seen_bits,
     }
     where = ", ".join(f"part {p['part']} on {p['device']} ({p['capacity']} rows)" for p in parts)
     split = f"split by id hash over {len(parts)} parts: " if len(parts) > 1 else ""

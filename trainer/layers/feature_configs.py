@@ -28,7 +28,7 @@ class TableConfig:
     it evict by `eviction`, where Keras-RS's would be an error). The
     rest are `DynamicEmbedding`'s (`key_dtype`, `min_count`, `ttl_steps`,
     `eviction`, `mask_id`, `seed`, `fallback_rows`, `fallback_hashes`,
-    `fallback_combiner`). Keras-RS's
+    `fallback_combiner`, `seen_bits`). Keras-RS's
     `initializer` has no counterpart here: a row starts from a value of (`seed`, id). `optimizer`
     (a name, `trainer.layers.table_training.OPTIMIZER_NAMES`) and
     `learning_rate` give the table its own optimizer (e.g. "adagrad" for the
@@ -63,6 +63,7 @@ class TableConfig:
     fallback_rows: int = 0
     fallback_hashes: int = tables.FALLBACK_HASHES
     fallback_combiner: str = tables.FALLBACK_COMBINER
+    seen_bits: int = tables.SEEN_BITS
     mask_id: object = None
     seed: int = 0
     learning_rate: float | None = None
@@ -128,6 +129,7 @@ class TableConfig:
             "fallback_rows",
             "fallback_hashes",
             "fallback_combiner",
+            "seen_bits",
         )
         options = {name: getattr(self, name) for name in names}
         width, capacity = self.embedding_dim, self.capacity
@@ -141,8 +143,9 @@ class TableConfig:
     @classmethod
     def from_config(cls, config: dict) -> TableConfig:
         # A table saved before `fallback_hashes` existed read one fallback row per id; one
-        # saved before `fallback_combiner`, their sum.
-        return cls(**{"fallback_hashes": 1, "fallback_combiner": "sum", **config})
+        # saved before `fallback_combiner`, their sum; one saved before `seen_bits`, the
+        # default or fallback rows for every id.
+        return cls(**{"fallback_hashes": 1, "fallback_combiner": "sum", "seen_bits": 0, **config})
 
 
 @dataclasses.dataclass(frozen=True)

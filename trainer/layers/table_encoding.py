@@ -16,6 +16,7 @@ and write these encodings; `tables` re-exports the constants.
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 COUNT_LIMIT = 2**16  # counts of ids not admitted yet stop at COUNT_LIMIT - 1
@@ -29,9 +30,27 @@ GOLDEN = 0x9E3779B97F4A7C15
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
-def u64(value: int) -> tf.Tensor:
-    """`value` as a uint64 constant."""
-    return tf.constant(value, tf.uint64)
+def u64(value: int | list[int]) -> tf.Tensor:
+    """`value` (an int or a list of ints in [0, 2**64)) as a uint64 constant, exactly.
+
+    Through a uint64 array: in a traced function, `tf.constant` of a list of
+    Python ints goes through NumPy's own type for the list, which is float64
+    where the list mixes values over and under 2**63 (their low bits lost),
+    while eagerly it is exact.
+    """
+    return tf.constant(np.array(value, np.uint64))
+
+
+def u64_as_traced(values: list[int]) -> tf.Tensor:
+    """`values` as `tf.constant(values, tf.uint64)` gives them in a traced function.
+
+    That is through NumPy's type for the list: float64 (the low bits lost)
+    where it mixes values over and under 2**63, else exact. The fallback rows'
+    salts (`tables.buckets_of`) were always built so in the traced steps that
+    trained them; built so everywhere, an eager lookup reads the rows that
+    training wrote.
+    """
+    return tf.constant(np.asarray(values).astype(np.uint64))
 
 
 def splitmix64(x: tf.Tensor) -> tf.Tensor:

@@ -40,8 +40,9 @@ class AdmissionPolicy:
     `admit` takes the table's lock (once per gathered batch with `once`);
     `_admit` then marks the held ids seen, counts the others (in the index
     or the `CountMinSketch`), gives slots to those due one (`_allocate` of
-    the `EvictionPolicy`), keeps the counts of those left waiting, and adds
-    to the counters. Then the TTL sweep, if due.
+    the `EvictionPolicy`), keeps the counts of those left waiting, notes
+    every id in the seen-filter (`trainer.layers.table_seen`), and adds to
+    the counters. Then the TTL sweep, if due.
     """
 
     def admit(
@@ -139,6 +140,8 @@ class AdmissionPolicy:
             ),
             kept,
         ]
+        if self.seen is not None:
+            updates.append(self._remember(unique))
         if self._clock is None:
             updates.append(self._set("calls", step + 1))
         with tf.control_dependencies(updates):

@@ -105,8 +105,10 @@ from trainer.layers.table_encoding import (  # noqa: F401
     last_seen,
     splitmix64,
     u64,
+    u64_as_traced,
 )
 from trainer.layers.table_policy import AdmissionPolicy, CountMinSketch, EvictionPolicy
+from trainer.layers.table_seen import SEEN_BITS, SeenFilter  # noqa: F401 (SEEN_BITS)
 
 DEFAULT_CAPACITY = 2**18  # rows per table: 32 MB of float32 rows at width 32
 ROW_SCALE = 0.05  # initial rows are uniform in [-ROW_SCALE, ROW_SCALE), as Keras's "uniform"
@@ -188,12 +190,12 @@ def buckets_of(keys: tf.Tensor, buckets: int, hashes: int, seed: int = 0) -> tf.
     salts alone, as tables written before the seed keyed them).
     """
     offset = seed * SEED_SALT
-    salts = u64([(GOLDEN * (2 * h + 1) + offset) % 2**64 for h in range(hashes)])
+    salts = u64_as_traced([(GOLDEN * (2 * h + 1) + offset) % 2**64 for h in range(hashes)])
     mixed = splitmix64(tf.bitcast(keys, tf.uint64)[:, None] + salts[None, :])
     return tf.cast(mixed % u64(buckets), tf.int64)
 
 
-class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
+class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, tf.Module):
     """The index of one dynamic table: int64 ids -> row slots, admission and eviction.
 
     This class owns the index's state (made in `__init__`: the hash tables,
@@ -214,6 +216,8 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
       half_life: steps over which an unseen id's count halves ("lfu").
       sketch_width, sketch_depth: the count-min sketch that counts the lookups
         of ids not admitted yet (with `min_count` > 1; else none).
+      seen_bits: the bits of each generation of the seen-filter
+        (`trainer.layers.table_seen`; 0: none, every id counts as seen).
     """
 
     def __init__(
@@ -226,6 +230,7 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
         half_life: int = HALF_LIFE,
         sketch_width: int = SKETCH_WIDTH,
         sketch_depth: int = SKETCH_DEPTH,
+        seen_bits: int = 0,
     ):
         super().__init__(name=name)
         self.capacity = int(capacity)
@@ -234,6 +239,7 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
         self.eviction = eviction
         self.half_life = int(half_life)
         self.sketch_width, self.sketch_depth = int(sketch_width), int(sketch_depth)
+        self.seen_bits = int(seen_bits)
         self.sweep_every = max(1, math.ceil(self.ttl_steps / 8))
         with tf.device("/cpu:0"):
             self.index = self._hash_table(-1)
@@ -249,6 +255,11 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
             if self.min_count > 1:  # a row of cells per key 0 .. depth - 1
                 self.sketch = tf.lookup.experimental.MutableHashTable(
                     tf.int64, tf.int32, tf.zeros([self.sketch_width], tf.int32)
+                )
+            self.seen = None
+            if self.seen_bits:  # a row of words per generation: 0 the current, 1 the one before
+                self.seen = tf.lookup.experimental.MutableHashTable(
+                    tf.int64, tf.int64, tf.zeros([self._seen_words()], tf.int64)
                 )
         # A shared name of its own: the CriticalSections a process creates eagerly
         # without one are all one mutex (TF 2.21), and two tables admitting in one
@@ -321,7 +332,10 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
         return {
             **dict(zip(COUNTERS, counts.tolist(), strict=True)),
             "ids_held": held,
-            "index_bytes": entries * ENTRY_BYTES + held * INFO_ENTRY_BYTES + self.sketch_bytes(),
+            "index_bytes": entries * ENTRY_BYTES
+            + held * INFO_ENTRY_BYTES
+            + self.sketch_bytes()
+            + self.seen_bytes(),
         }
 
     # Contents, whatever the slots and capacity.
@@ -333,7 +347,8 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
         (the step each was admitted at), `last_seen` steps and `counts` (decayed
         to the last-seen step, in 1 / `COUNT_ONE` lookups); `waiting` (ids
         counted, not admitted) and `waiting_values` (their count and last-seen
-        step, as the index holds them); `counters` (by `COUNTERS` position).
+        step, as the index holds them); `counters` (by `COUNTERS` position);
+        `seen`, the seen-filter's words (`[0, 0]` without one).
         """
         keys, values = (tensor.numpy() for tensor in self.index.export())
         held = values >= 0
@@ -352,6 +367,7 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
             "waiting": keys[~held],
             "waiting_values": values[~held],
             "sketch": self._sketch_rows().numpy(),
+            "seen": self._generations().numpy() if self.seen is not None else np.zeros([0, 0]),
             "counters": counters,
         }
 
@@ -366,13 +382,15 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
         evicted: int = 0,
         counts: np.ndarray | None = None,
         sketch: np.ndarray | None = None,
+        seen: np.ndarray | None = None,
     ) -> np.ndarray:
         """Replaces what the table holds; `keys` get slots 0, 1, ...; returns their stamps.
 
         The arguments are those of `contents()` (at most `capacity` keys), and
         `evicted`: ids left out for want of room, added to the counter; `counts`
         (None: zeros, as a checkpoint written before counts were kept); the
-        `sketch`'s cells (None or empty: zeros). The
+        `sketch`'s cells (None or empty: zeros); the `seen`-filter's words (None,
+        or of another size: empty). The
         counters of the slots in use are set for the new slots.
         """
         for table in (self.index, self.slot_info, self.free, self.counters):
@@ -382,6 +400,8 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, tf.Module):
             if sketch is not None and np.size(sketch):
                 cells = np.asarray(sketch, np.int32)
             self.sketch.insert(np.arange(self.sketch_depth, dtype=np.int64), cells)
+        if self.seen is not None:
+            self._load_seen(seen)
         slots = np.arange(len(keys), dtype=np.int64)
         stamps = admitted * self.capacity + slots
         self.index.insert(tf.constant(keys, tf.int64), slots)

@@ -210,6 +210,13 @@ def _check_dynamic_table(model: ml_collections.ConfigDict) -> None:
                 f"`model.{field}` ({value}) must be >= 1 (the count-min sketch of ids not "
                 f"admitted yet); set e.g. `--config.model.{field}={example}`."
             )
+    seen = model.get("seen_bits", tables.SEEN_BITS)
+    if seen < 0:
+        raise UserError(
+            f"`model.seen_bits` ({seen}) must be >= 0 (the bits of each generation of the "
+            "table's seen-filter; 0: none); set e.g. "
+            f"`--config.model.seen_bits={tables.SEEN_BITS}`."
+        )
 
 
 def _check_profile_steps(steps: tuple) -> None:

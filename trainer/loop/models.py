@@ -270,6 +270,7 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
             fallback_combiner=config.get("fallback_combiner", tables.FALLBACK_COMBINER),
             sketch_width=config.get("sketch_width", 8192),
             sketch_depth=config.get("sketch_depth", 2),
+            seen_bits=config.get("seen_bits", tables.SEEN_BITS),
             mask_id=padding,
             seed=config.table_seed,
             name="embedding",
