@@ -10,14 +10,15 @@ the ids of every field (the ctr model's).
 
 For each share of the distinct ids the training split holds (counted first,
 `distinct_ids`): a hashed table (`keras.layers.Hashing` + an embedding) of
-that many rows, and a `DynamicEmbedding` (`lfu` eviction, `min_count` 1 and
-2 fallback rows read per id, the defaults; `FALLBACK_SHARE` of its bytes in
-fallback rows) fitted into the same bytes (`fit`): rows, Adam's two slots,
-the row stamps, the index (`trainer.layers.tables.ENTRY_BYTES` and
-`INFO_ENTRY_BYTES` per id held), the sketch (`min_count` > 1) and the
-fallback rows. At the 15% share, beside them, the policy one change at a
-time (`VARIANTS`): LRU, `min_count` 2, no fallback rows, one or three
-fallback rows per id; and the same rows as the hashed table with own rows at a hashed
+that many rows, and a `DynamicEmbedding` (`lfu` eviction, `min_count` 1,
+2 fallback rows read per id and a seen-filter of 2**18 bits a generation,
+the defaults; `FALLBACK_SHARE` of its bytes in fallback rows) fitted into
+the same bytes (`fit`): rows, Adam's two slots, the row stamps, the index
+(`trainer.layers.tables.ENTRY_BYTES` and `INFO_ENTRY_BYTES` per id held),
+the seen-filter, the sketch (`min_count` > 1) and the fallback rows. At the
+15% share, beside them, the policy one change at a time (`VARIANTS`): LRU,
+`min_count` 2, no fallback rows, one or three fallback rows per id, no
+seen-filter, one of 2**16 bits; and the same rows as the hashed table with own rows at a hashed
 row's bytes (`free_index`: what own rows are worth if the index cost
 nothing; not equal bytes). Every table runs `Sizes.quality_seeds` times
 (seeds 0, 1, ...: the model's initial values, the data's order, the table's
@@ -28,7 +29,9 @@ the rest (the same table one row larger or smaller may gain or lose 0.01 by
 collisions alone), so the figures are the runs' means and the gains the
 means of paired differences.
 
-Beside the AUC, what explains it (`reasons`), from the same run: the AUC
+Beside the AUC, what explains it (`reasons`), from the same run: the share
+of eval lookups of ids the training split never holds (`distinct_ids`), and
+the AUC without the seen-filter that gives them zeros; the AUC
 with an index that cost nothing; the bytes of an own row against a hashed
 row's, so how many own rows fit in the hashed table's bytes; how much hashed
 AUC rises from the target share to every id holding a row (the most that
@@ -52,6 +55,7 @@ TARGET_GAIN = 0.01
 WIDTH = 8
 FALLBACK_SHARE = 0.9  # of a dynamic table's bytes, its fallback rows (0: none)
 MIN_COUNT = 1  # the default: LFU's admission keeps one-off ids in the fallback rows
+SEEN_BITS = 2**18  # the layer's default (`tables.SEEN_BITS`): its seen-filter's generations
 STREAM = {
     "data.ctr.id_space": "raw",
     "data.ctr.zipf_a": 1.1,
@@ -72,25 +76,28 @@ class Table:
     fallback: int = 0
     min_count: int = MIN_COUNT
     hashes: int = 2  # fallback rows an id reads (the layer's default, `tables.FALLBACK_HASHES`)
-    seen_bits: int = 2**18  # bits per generation of its seen-filter (`tables.SEEN_BITS`)
+    seen_bits: int = SEEN_BITS  # bits per generation of its seen-filter
 
 
-# (name, eviction, min_count, fallback share, fallback hashes): the policies compared at
-# `TARGET_SHARE`, one change at a time from the default.
+# (name, eviction, min_count, fallback share, fallback hashes, seen bits): the policies
+# compared at `TARGET_SHARE`, one change at a time from the default.
 VARIANTS = (
-    ("lru", "lru", MIN_COUNT, FALLBACK_SHARE, 2),
-    ("lfu_min_count2", "lfu", 2, FALLBACK_SHARE, 2),
-    ("lfu_no_fallback", "lfu", MIN_COUNT, 0.0, 2),
-    ("lfu_one_hash", "lfu", MIN_COUNT, FALLBACK_SHARE, 1),
-    ("lfu_three_hashes", "lfu", MIN_COUNT, FALLBACK_SHARE, 3),
+    ("lru", "lru", MIN_COUNT, FALLBACK_SHARE, 2, SEEN_BITS),
+    ("lfu_min_count2", "lfu", 2, FALLBACK_SHARE, 2, SEEN_BITS),
+    ("lfu_no_fallback", "lfu", MIN_COUNT, 0.0, 2, SEEN_BITS),
+    ("lfu_one_hash", "lfu", MIN_COUNT, FALLBACK_SHARE, 1, SEEN_BITS),
+    ("lfu_three_hashes", "lfu", MIN_COUNT, FALLBACK_SHARE, 3, SEEN_BITS),
+    ("lfu_no_seen_filter", "lfu", MIN_COUNT, FALLBACK_SHARE, 2, 0),
+    ("lfu_seen_filter_2e16", "lfu", MIN_COUNT, FALLBACK_SHARE, 2, 2**16),
 )
 
 
 def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     """The AUC per share, hashed and dynamic at equal bytes; the policies at 15%."""
     del reps  # `sizes.quality_seeds` runs each: a quality figure, not a timing
-    distinct = distinct_ids(sizes)
+    distinct, unseen = distinct_ids(sizes)
     note(f"  distinct ids in the training split: {distinct}")
+    note(f"  eval lookups of ids the training split never holds: {unseen:.1%}")
     oracle = oracle_auc(sizes)
     note(f"  the hidden click model's own AUC on the eval examples: {oracle:.4f}")
     samples, rows, gains, free_index = {}, [], {}, {}
@@ -110,7 +117,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     for line in table:
         note(line)
     target = f"{round(TARGET_SHARE * 100)}pct"
-    reasons = explain(figures, target, oracle, free_index[target])
+    reasons = explain(figures, target, oracle, free_index[target], unseen)
     for line in reasons:
         note(f"  {line}")
     ratios = {
@@ -124,6 +131,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
         ratios,
         samples,
         distinct_ids=distinct,
+        unseen_eval_share=unseen,
         oracle_auc=oracle,
         auc_gain=gains,
         targets={
@@ -141,7 +149,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             "table's initial rows, which ids share a row); per seed: the range of the paired "
             "differences",
             f"dynamic: eviction lfu, min_count {MIN_COUNT}, {FALLBACK_SHARE:.0%} of its bytes "
-            "in fallback rows read 2 at a time; "
+            f"in fallback rows read 2 at a time, a seen-filter of {SEEN_BITS} bits a generation; "
             "bytes as `describe()` counts them at the end (rows, Adam's slots, stamps, index)",
         ],
     )
@@ -187,9 +195,9 @@ def _at_target(
     own, fallback = free_index
     free, _ = measure(sizes, workdir, f"free_index_{label}", Table(own, "lfu", fallback))
     samples = {f"auc_free_index_{label}": free}
-    for name, eviction, min_count, fallback_share, hashes in VARIANTS:
-        capacity, fallback = fit(hashed_bytes, fallback_share, min_count)
-        table = Table(capacity, eviction, fallback, min_count, hashes)
+    for name, eviction, min_count, fallback_share, hashes, seen_bits in VARIANTS:
+        capacity, fallback = fit(hashed_bytes, fallback_share, min_count, seen_bits)
+        table = Table(capacity, eviction, fallback, min_count, hashes, seen_bits)
         samples[f"auc_{name}_{label}"], _ = measure(sizes, workdir, f"{name}_{label}", table)
     return samples
 
@@ -213,8 +221,12 @@ def config(sizes: Sizes, **fields):
     return timing_only(config, sizes, {**stream, **fields})
 
 
-def distinct_ids(sizes: Sizes) -> int:
-    """The distinct ids (padding left out) of the training split of the stream."""
+def distinct_ids(sizes: Sizes) -> tuple[int, float]:
+    """The distinct ids of the training split, and the share of eval lookups of others.
+
+    Padding left out: the eval examples' ids that no training example holds
+    (new items, and tail ids), as a share of the eval examples' ids.
+    """
     import numpy as np
     import tensorflow as tf
 
@@ -222,10 +234,13 @@ def distinct_ids(sizes: Sizes) -> int:
 
     batch = 4096  # the steps' examples, read in larger batches
     batches = -(-sizes.quality_steps * 256 // batch)
-    dataset_fn = data.get(config(sizes).data).train_fn(batch, seed=0)
-    stream = dataset_fn(tf.distribute.InputContext(1, 0, 1)).take(batches)
+    source, context = data.get(config(sizes).data), tf.distribute.InputContext(1, 0, 1)
+    stream = source.train_fn(batch, seed=0)(context).take(batches)
     ids = np.unique(np.concatenate([np.unique(x.numpy()) for x, *_ in stream]))
-    return int(np.count_nonzero(ids))  # 0: the list's padding
+    evaluated = np.concatenate([x.numpy().ravel() for x, *_ in source.eval_fn(batch)(context)])
+    evaluated = evaluated[evaluated != 0]  # 0: the list's padding
+    unseen = float(np.mean(~np.isin(evaluated, ids)))
+    return int(np.count_nonzero(ids)), unseen
 
 
 def oracle_auc(sizes: Sizes) -> float:
@@ -253,12 +268,18 @@ def row_bytes() -> tuple[int, int]:
     return hashed, hashed + 8 + tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES
 
 
-def explain(figures: dict, target: str, oracle: float, free_index: tuple[int, int]) -> list[str]:
+def explain(
+    figures: dict, target: str, oracle: float, free_index: tuple[int, int], unseen: float
+) -> list[str]:
     """What the run's own figures say about dynamic against hashed (`reasons`)."""
     hashed_row, own_row = row_bytes()
     collisions = figures["auc_hashed_100pct"] - figures[f"auc_hashed_{target}"]
     own, fallback = free_index
     return [
+        f"{unseen:.1%} of the eval lookups are of ids the training split never holds: a "
+        "hashed table gives them rows other ids trained; the dynamic table's seen-filter "
+        f"gives them zeros (without it, {figures[f'auc_lfu_no_seen_filter_{target}']:.4f} "
+        f"at {target})",
         f"with an index that cost nothing ({own} own rows + {fallback} fallback rows, the "
         f"hashed table's {own + fallback} rows): AUC {figures[f'auc_free_index_{target}']:.4f} "
         f"against hashed {figures[f'auc_hashed_{target}']:.4f} at {target}",
@@ -272,7 +293,7 @@ def explain(figures: dict, target: str, oracle: float, free_index: tuple[int, in
 
 
 def fit(
-    budget: int, fallback_share: float, min_count: int = 1, seen_bits: int = 2**18
+    budget: int, fallback_share: float, min_count: int = 1, seen_bits: int = SEEN_BITS
 ) -> tuple[int, int]:
     """(capacity, fallback rows) of a dynamic table of `budget` bytes at its fullest.
 
