@@ -53,7 +53,12 @@ def _batches(steps: int, seed: int) -> list[tf.Tensor]:
 
 
 def _dynamic_model(
-    parts: int, capacity: int = CAPACITY, units: int = 1, ttl_steps: int = 0, mask_id=None
+    parts: int,
+    capacity: int = CAPACITY,
+    units: int = 1,
+    ttl_steps: int = 0,
+    mask_id=None,
+    seen_bits: int = tables.SEEN_BITS,
 ) -> keras.Model:
     with sharding.policy("none", num_ps=parts):  # a part per ps member, here on this host
         inputs = keras.Input((3,), dtype="int64")
@@ -65,6 +70,7 @@ def _dynamic_model(
             ttl_steps=ttl_steps,
             seed=1,
             mask_id=mask_id,
+            seen_bits=seen_bits,
             name="embedding",
         )
         init = keras.initializers.GlorotUniform(seed=2)
@@ -83,6 +89,7 @@ def _logical(model, optimizer) -> dict[str, np.ndarray]:
     by_id.update(waiting=content["waiting"][waiting], counts=content["waiting_values"][waiting])
     by_id["held_counts"] = content["counts"][held]
     by_id["sketch"] = content["sketch"]  # the largest cell of every part's, whatever the split
+    by_id["seen"] = content["seen"]  # the union of every part's seen-filter
     by_id.update({k: v for k, v in content.items() if k.startswith(("default", "counters"))})
     return by_id
 
@@ -228,6 +235,33 @@ def test_deltas_between_full_checkpoints_restore_bit_identical_in_any_split(tmp_
         else:
             assert restorer.resplit == "restored ckpt-9 written with embedding in 2 parts into 1"
             _assert_same(_logical(again, again_optimizer), live[9][1])
+
+
+def test_a_checkpoint_without_seen_filters_restores_into_tables_with_them_empty(tmp_path):
+    """Written before the filters (or with `seen_bits` 0): as written, re-split, with a delta."""
+    options = {"capacity": 10, "ttl_steps": 3}
+    model = _dynamic_model(2, seen_bits=0, **options)
+    optimizer = _adam(model)
+    checkpointer = _deltas_checkpointer(tmp_path, model, optimizer)
+    for step, batch in enumerate(_batches(5, seed=3), start=1):
+        _train(model, optimizer, [batch])
+        checkpointer.save(step)  # full at 1 and 4, a delta at 5
+    want = _logical(model, optimizer)
+    assert want.pop("seen").size == 0
+    probe = tf.constant(POOL.reshape(8, 3))
+    for parts in (2, 1):  # as written, and re-split: the delta replayed over the twins
+        again = _dynamic_model(parts, **options)
+        again_optimizer = _adam(again)
+        assert _deltas_checkpointer(tmp_path, again, again_optimizer).restore().endswith("ckpt-5")
+        got = _logical(again, again_optimizer)
+        seen = got.pop("seen")
+        assert seen.shape == (2, tables.SEEN_BITS // 64) and not seen.any()
+        _assert_same(got, want)
+        # Until the ids come back, an id without a row reads zeros; the held ids their rows.
+        table = again.get_layer("embedding")
+        assert not any(part.table.seen_ids(tf.constant(POOL)).numpy().any() for part in table.parts)
+        _train(again, again_optimizer, _batches(1, seed=4))
+        assert np.abs(again(probe).numpy()).sum() > 0
 
 
 def test_a_delta_holds_the_rows_of_ids_the_ttl_freed_after_the_full_checkpoint(tmp_path):

@@ -12,7 +12,7 @@ For each share of the distinct ids the training split holds (counted first,
 `distinct_ids`): a hashed table (`keras.layers.Hashing` + an embedding) of
 that many rows, and a `DynamicEmbedding` (`lfu` eviction, `min_count` 1,
 2 fallback rows read per id and a seen-filter of 2**18 bits a generation,
-the defaults; `FALLBACK_SHARE` of its bytes in fallback rows) fitted into
+the defaults; `FALLBACK_SHARE` of its bytes past the fixed ones in fallback rows) fitted into
 the same bytes (`fit`): rows, Adam's two slots, the row stamps, the index
 (`trainer.layers.tables.ENTRY_BYTES` and `INFO_ENTRY_BYTES` per id held),
 the seen-filter, the sketch (`min_count` > 1) and the fallback rows. At the
@@ -53,7 +53,7 @@ SHARES = (0.05, 0.15, 0.5, 1.0)  # rows over distinct ids
 TARGET_SHARE = 0.15  # where dynamic must win by `TARGET_GAIN`
 TARGET_GAIN = 0.01
 WIDTH = 8
-FALLBACK_SHARE = 0.9  # of a dynamic table's bytes, its fallback rows (0: none)
+FALLBACK_SHARE = 0.9  # of a dynamic table's bytes past its fixed ones, its fallback rows
 MIN_COUNT = 1  # the default: LFU's admission keeps one-off ids in the fallback rows
 SEEN_BITS = 2**18  # the layer's default (`tables.SEEN_BITS`): its seen-filter's generations
 STREAM = {
@@ -297,20 +297,20 @@ def fit(
 ) -> tuple[int, int]:
     """(capacity, fallback rows) of a dynamic table of `budget` bytes at its fullest.
 
-    `fallback_share` of the bytes in fallback rows (a row and Adam's two
-    slots); the rest in rows of its own: a row, Adam's slots, a stamp, and
-    the index's two entries per id held; plus the spare row, the seen-filter
-    (two generations of `seen_bits` bits), and with `min_count` > 1 the
-    count-min sketch.
+    Its fixed bytes first: the spare row, the seen-filter (two generations of
+    `seen_bits` bits) and, with `min_count` > 1, the count-min sketch. Of the
+    rest, `fallback_share` in fallback rows (a row and Adam's two slots), and
+    the remainder in rows of its own: a row, Adam's slots, a stamp, and the
+    index's two entries per id held.
     """
     from trainer.layers import tables
 
     hashed_row, own_row = row_bytes()
-    fallback = int(fallback_share * budget) // hashed_row
     sketch = tables.SKETCH_DEPTH * tables.SKETCH_WIDTH * 4 if min_count > 1 else 0
     seen = 2 * -(-seen_bits // 64) * 8
-    rest = budget - fallback * hashed_row - hashed_row - 8 - sketch - seen
-    capacity = max(1, rest // own_row)
+    rest = budget - (hashed_row + 8) - sketch - seen
+    fallback = max(0, int(fallback_share * rest) // hashed_row)
+    capacity = max(1, (rest - fallback * hashed_row) // own_row)
     return capacity, fallback
 
 

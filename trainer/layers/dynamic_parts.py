@@ -218,7 +218,8 @@ def describe(layer: DynamicEmbedding) -> dict:
     line = (
         f"table {layer.name}: dynamic {layer.key_dtype} ids, {layer.output_dim} wide, at most "
         f"{layer.capacity} rows (eviction {layer.eviction}), min_count {layer.min_count}, "
-        f"ttl_steps {layer.ttl_steps}, fallback_rows {layer.fallback_rows}{hashes}; {split}{where}"
+        f"ttl_steps {layer.ttl_steps}, fallback_rows {layer.fallback_rows}{hashes}, "
+        f"seen_bits {layer.seen_bits}; {split}{where}"
     )
     held = sum(p["ids_held"] for p in parts)
     size = sum(p["bytes_held"] for p in parts)

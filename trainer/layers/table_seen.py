@@ -16,9 +16,15 @@ generations always is; an id not seen is taken for seen with probability at
 most about 2 x `SEEN_FILL`**`SEEN_HASHES` (5.4%: the two generations' false
 positives, each at most that full). The filter costs `seen_bits` / 4 bytes,
 whatever the ids.
+
+A checkpoint written without filters (before them, or with `seen_bits` 0)
+restores into tables that have one: `left_out` leaves the filters out of
+the restore, and they start empty.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import tensorflow as tf
 
@@ -28,6 +34,26 @@ SEEN_BITS = 2**18  # bits per generation of a table's seen-filter (32 KB; two ge
 SEEN_HASHES = 3  # bits an id sets and tests
 SEEN_FILL = 0.3  # the share of a generation's bits set at which a new generation starts
 _SALT = 0x6A09E667F3BCC909  # moves the filter's hashes away from the fallback rows' and parts'
+
+
+@contextlib.contextmanager
+def left_out(tables: list, path: str):
+    """Inside, a restore of checkpoint `path` leaves out `tables`' filters if it holds none.
+
+    `tables`: `DynamicTable`s. Their filters are untracked inside (so that the
+    restore expects none) and empty after it.
+    """
+    keys = tf.compat.v1.train.NewCheckpointReader(path).get_variable_to_shape_map()
+    holds = any("/seen/.ATTRIBUTES/" in key for key in keys)
+    hidden = [] if holds else [(table, table.seen) for table in tables if table.seen is not None]
+    for table, _ in hidden:
+        del table.seen  # untracked: a tracked attribute set to None stays a dependency
+    try:
+        yield
+    finally:
+        for table, seen in hidden:
+            table.seen = seen
+            table._load_seen(None)
 
 
 class SeenFilter:

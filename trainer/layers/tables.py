@@ -12,7 +12,10 @@ two halves:
   `sketch_width` int32 cells), so the tail that is never admitted costs no
   memory per id. (A value below 0 in the id -> slot table, the count of an id
   not admitted yet as checkpoints written before the sketch hold it, is still
-  read: `-1 - (count + last-seen step * COUNT_LIMIT)`.)
+  read: `-1 - (count + last-seen step * COUNT_LIMIT)`.) Which ids training
+  looked up lately lives in a Bloom filter of fixed size (`seen_bits`,
+  `trainer.layers.table_seen`): outside training, an id without a row that
+  it has not seen reads zeros.
   Every change to the index runs inside one `tf.CriticalSection`, so callers
   admitting ids at once (asynchronous workers) cannot race. The index is made
   of lookup tables, not variables, because a variable created under a
@@ -82,8 +85,9 @@ table, the lock and the clock; checkpoints hold them under its attribute
 names) and reads it: counters, `figures()`, `contents()` and `load()`,
 `find()`. Its policies are mixins of `trainer.layers.table_policy`, with no
 state of their own: `AdmissionPolicy` (`admit`), `CountMinSketch` and
-`EvictionPolicy` (slots for newcomers, LFU and LRU, the TTL sweep). The hash
-and the packing of counts and steps they share are `trainer.layers.table_encoding`'s.
+`EvictionPolicy` (slots for newcomers, LFU and LRU, the TTL sweep), and
+`SeenFilter` of `trainer.layers.table_seen`. The hash and the packing of
+counts and steps they share are `trainer.layers.table_encoding`'s.
 """
 
 from __future__ import annotations
@@ -367,7 +371,9 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
             "waiting": keys[~held],
             "waiting_values": values[~held],
             "sketch": self._sketch_rows().numpy(),
-            "seen": self._generations().numpy() if self.seen is not None else np.zeros([0, 0]),
+            "seen": (
+                self._generations().numpy() if self.seen is not None else np.zeros([0, 0], np.int64)
+            ),
             "counters": counters,
         }
 

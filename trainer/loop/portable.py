@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer import layers
+from trainer.layers import table_seen
 from trainer.loop import deltas, optim
 
 Segment = keras.Variable | layers.Portable  # an ordinary variable, or a split layer's
@@ -149,11 +150,13 @@ def restore(
     there = optim.like(optimizer)
     there.build(trainable)
     stand_in = tf.train.Checkpoint(variables=variables, tables=indexes, optimizer=there)
-    stand_in.restore(path).assert_existing_objects_matched()
+    with table_seen.left_out(indexes, path):
+        stand_in.restore(path).assert_existing_objects_matched()
     if delta is not None:
         originals = {id(s): v for s, v in stand_ins}
         found_there = deltas.layout(variables, there, lambda v: originals.get(id(v), v))
-        deltas.replay(delta, found_there, indexes, stand_in.save_counter)
+        with table_seen.left_out(indexes, delta):
+            deltas.replay(delta, found_there, indexes, stand_in.save_counter)
     save_counter.assign(stand_in.save_counter)
     own = zip(optim.own_variables(there), optim.own_variables(optimizer), strict=True)
     for source, target in own:

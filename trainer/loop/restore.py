@@ -17,6 +17,7 @@ import sys
 import tensorflow as tf
 
 from towerflow.errors import UserError, one_line
+from trainer.layers import table_seen
 from trainer.loop import deltas, portable
 from trainer.loop.retention import Increments, Retention, newest_first
 
@@ -115,10 +116,13 @@ class Restorer:
         delta = path if full != path else None
         resplit = self._check_shapes(full)
         if resplit is None:
-            self._checkpoint.restore(full).assert_existing_objects_matched()
+            with table_seen.left_out(self._indexes, full):
+                self._checkpoint.restore(full).assert_existing_objects_matched()
             self._increments.restored_full(_step_of(full))
             if delta is not None:
-                deltas.replay(delta, self._increments.layout(), self._indexes, self._save_counter)
+                with table_seen.left_out(self._indexes, delta):
+                    layout = self._increments.layout()
+                    deltas.replay(delta, layout, self._indexes, self._save_counter)
             return None
         line, warnings = portable.restore(full, resplit, self._optimizer, self._save_counter, delta)
         self._increments.forget()  # the rows moved to other slots: the next save is full
