@@ -88,20 +88,30 @@ class SeenFilter:
         return tf.cast(mixed % u64(self.seen_bits), tf.int64)
 
     def _remember(self, keys: tf.Tensor):
-        """Sets the bits of `keys` in the current generation, and starts a new one when due."""
-        generations = self._generations()
+        """Sets the bits of `keys` in the current generation, and starts a new one when due.
+
+        Writes the current generation alone, both when a new one starts.
+        """
+        words = self._seen_words()
+        current = tf.reshape(self.seen.lookup(tf.constant([0], tf.int64)), [words])
         positions, _ = tf.unique(tf.reshape(self._positions(keys), [-1]))
         one = tf.ones_like(positions)
         # A word's bits, each once: their sum is their union (no carries).
         added = tf.math.unsorted_segment_sum(
-            tf.bitwise.left_shift(one, positions % 64), positions // 64, self._seen_words()
+            tf.bitwise.left_shift(one, positions % 64), positions // 64, words
         )
-        current = tf.bitwise.bitwise_or(generations[0], added)
+        current = tf.bitwise.bitwise_or(current, added)
         set_bits = tf.reduce_sum(tf.cast(tf.raw_ops.PopulationCount(x=current), tf.int64))
+
+        def rotate():
+            rows = tf.stack([tf.zeros_like(current), current])
+            return self.seen.insert(tf.constant([0, 1], tf.int64), rows)
+
+        def keep():
+            return self.seen.insert(tf.constant([0], tf.int64), current[None])
+
         full = set_bits >= int(SEEN_FILL * self.seen_bits)
-        kept = tf.stack([current, generations[1]])
-        rotated = tf.stack([tf.zeros_like(current), current])
-        return self.seen.insert(tf.constant([0, 1], tf.int64), tf.where(full, rotated, kept))
+        return tf.cond(full, rotate, keep)
 
     def _load_seen(self, generations) -> None:
         """Sets the filter's words (`contents()["seen"]`); of another size or none: empty."""
