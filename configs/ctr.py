@@ -91,9 +91,9 @@ def get_config() -> ml_collections.ConfigDict:
     # sketch_depth rows of sketch_width int32 cells (no memory per id; docs/tables.md: its bound).
     c.model.sketch_width = 8192
     c.model.sketch_depth = 2
-    # dynamic: outside training, ids without a row that the table has not seen in training
-    # lately read zeros (not other ids' fallback or default row); which ids it saw is a Bloom
-    # filter of two generations of seen_bits bits (counted in the table's bytes); 0: none.
+    # dynamic, fallback_rows > 0: outside training, ids without a row that the table has not
+    # seen in training lately read zeros (not fallback rows other ids trained); which ids it saw
+    # is a Bloom filter of two generations of seen_bits bits (in the table's bytes); 0: none.
     c.model.seen_bits = 2**18
     c.model.hidden_units = (64, 32)
     c.model.dropout = 0.0

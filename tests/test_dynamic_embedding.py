@@ -128,12 +128,13 @@ def test_ids_without_a_row_read_and_train_the_mean_or_sum_of_their_fallback_rows
     width_bytes = WIDTH * 4 * (1 + 0)  # sgd: no slots
     described = layer.describe()
     assert described["fallback_rows"] == 3 and described["fallback_hashes"] == hashes
-    assert f"fallback_rows 3 (read {hashes} at a time, {combiner})" in described["line"]
+    seen = f"seen_bits {tables.SEEN_BITS}"  # the seen-filter: with fallback rows only
+    assert f"fallback_rows 3 (read {hashes} at a time, {combiner}; {seen})" in described["line"]
     plain = DynamicEmbedding(WIDTH, capacity=1)
     plain.build()
     index_bytes = tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES  # 1 id held; refused: none
     assert described["bytes_held"] - plain.describe()["bytes_held"] == (
-        3 * width_bytes + index_bytes
+        3 * width_bytes + index_bytes + 2 * tables.SEEN_BITS // 8
     )
 
 
@@ -481,8 +482,7 @@ def test_tensorboard_shows_each_blocks_ids_admissions_default_row_share_and_byte
         per_id = tables.ENTRY_BYTES + tables.INFO_ENTRY_BYTES
         assert figures[strategy]["bytes_held"][20] == table["bytes_held"]
         sketch = tables.SKETCH_DEPTH * tables.SKETCH_WIDTH * 4  # min_count 2: the sketch
-        seen = 2 * tables.SEEN_BITS // 8  # the seen-filter's two generations
-        assert index_bytes == held[20] * per_id + sketch + seen, "no entry per id not admitted"
+        assert index_bytes == held[20] * per_id + sketch, "no entry per id not admitted"
     # The replicas of `mirrored` admit the ids of the whole global batch, as one device does.
     assert figures["mirrored"] == figures["one_device"]
 
@@ -662,7 +662,7 @@ def test_under_tensorflows_own_parameter_server_strategy_a_table_has_a_part_on_e
 
 
 def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):
-    config = _ctr_config("one_device", 10)
+    config = _ctr_config("one_device", 10, fallback_rows=50)
     config.train.export = True
     train.train_and_evaluate(config, str(tmp_path / "run"))
     model = _restored(config, tmp_path / "run")
@@ -670,8 +670,8 @@ def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):
     layer = model.get_layer("embedding")
     candidates = np.arange(config.data.ctr.vocab_size)
     seen = layer.table.seen_ids(tf.constant(candidates, tf.int64)).numpy()
-    waiting = sorted(set(candidates[seen].tolist()) - set(held))  # the trained default row
-    assert waiting and np.abs(layer.default_row.numpy()).sum() > 0
+    waiting = sorted(set(candidates[seen].tolist()) - set(held))  # their fallback rows
+    assert waiting and np.abs(layer.fallback.numpy()).sum() > 0
     ids = np.array([held[:8], held[8:14] + waiting[:1] + [2**23]], np.float32)  # 2**23: unseen
     expected = model(ids, training=False).numpy()
     served = run_command(

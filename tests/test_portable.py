@@ -58,6 +58,7 @@ def _dynamic_model(
     units: int = 1,
     ttl_steps: int = 0,
     mask_id=None,
+    fallback_rows: int = 0,
     seen_bits: int = tables.SEEN_BITS,
 ) -> keras.Model:
     with sharding.policy("none", num_ps=parts):  # a part per ps member, here on this host
@@ -70,6 +71,7 @@ def _dynamic_model(
             ttl_steps=ttl_steps,
             seed=1,
             mask_id=mask_id,
+            fallback_rows=fallback_rows,
             seen_bits=seen_bits,
             name="embedding",
         )
@@ -90,7 +92,8 @@ def _logical(model, optimizer) -> dict[str, np.ndarray]:
     by_id["held_counts"] = content["counts"][held]
     by_id["sketch"] = content["sketch"]  # the largest cell of every part's, whatever the split
     by_id["seen"] = content["seen"]  # the union of every part's seen-filter
-    by_id.update({k: v for k, v in content.items() if k.startswith(("default", "counters"))})
+    shared = ("default", "fallback", "counters")
+    by_id.update({k: v for k, v in content.items() if k.startswith(shared)})
     return by_id
 
 
@@ -239,7 +242,7 @@ def test_deltas_between_full_checkpoints_restore_bit_identical_in_any_split(tmp_
 
 def test_a_checkpoint_without_seen_filters_restores_into_tables_with_them_empty(tmp_path):
     """Written before the filters (or with `seen_bits` 0): as written, re-split, with a delta."""
-    options = {"capacity": 10, "ttl_steps": 3}
+    options = {"capacity": 10, "ttl_steps": 3, "fallback_rows": 8}
     model = _dynamic_model(2, seen_bits=0, **options)
     optimizer = _adam(model)
     checkpointer = _deltas_checkpointer(tmp_path, model, optimizer)

@@ -164,14 +164,16 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         count is over by at most e/`sketch_width` x the lookups it took since
         it was last halved, with probability 1 - e**-`sketch_depth`.
       sketch_depth: the sketch's rows (see `sketch_width`).
-      seen_bits: outside training, an id without a row that the table has
-        not seen in training lately reads zeros, not another id's fallback
-        or default row. Which ids it saw is a Bloom filter of two
-        generations of `seen_bits` bits (`trainer.layers.table_seen`; in
-        `bytes_held`): it forgets ids unseen for one to two generations, and
-        takes an unseen id for seen with probability at most about 5%.
-        0: no filter (every id without a row reads its default or fallback
-        row); default `trainer.layers.tables.SEEN_BITS`.
+      seen_bits: with fallback rows, outside training, an id without a row
+        that the table has not seen in training lately reads zeros, not
+        fallback rows that other ids trained. Which ids it saw is a Bloom
+        filter of two generations of `seen_bits` bits
+        (`trainer.layers.table_seen`; in `bytes_held`): it forgets ids unseen
+        for one to two generations, and takes an unseen id for seen with
+        probability at most about 5%. 0: no filter (every id without a row
+        reads its fallback rows); default `trainer.layers.tables.SEEN_BITS`.
+        Without fallback rows there is none: such ids read the default row,
+        which they all train (as good as zeros for new ids, measured).
       mask_id: an id that means "no id" (padding): it reads zeros, is never
         admitted, and combiners leave it out.
       seed: keys the initial rows, and which ids share fallback rows (their

@@ -99,7 +99,7 @@ class TablePart:
                 name=layer.name + self.suffix,
                 sketch_width=layer.sketch_width,
                 sketch_depth=layer.sketch_depth,
-                seen_bits=layer.seen_bits,
+                seen_bits=layer.seen_bits if layer.fallback_rows else 0,  # see the layer's
             )
         if index:
             setattr(layer, f"table{self.suffix}", self.table)  # tracked: saved in checkpoints
@@ -208,18 +208,20 @@ def describe(layer: DynamicEmbedding) -> dict:
         "fallback_combiner": layer.fallback_combiner,
         "sketch_width": layer.sketch_width,
         "sketch_depth": layer.sketch_depth,
-        "seen_bits": layer.seen_bits,
+        "seen_bits": layer.table.seen_bits,  # with fallback rows only
     }
     where = ", ".join(f"part {p['part']} on {p['device']} ({p['capacity']} rows)" for p in parts)
     split = f"split by id hash over {len(parts)} parts: " if len(parts) > 1 else ""
     hashes = ""
     if layer.fallback_rows:
-        hashes = f" (read {layer.fallback_hashes} at a time, {layer.fallback_combiner})"
+        hashes = (
+            f" (read {layer.fallback_hashes} at a time, {layer.fallback_combiner}; "
+            f"seen_bits {layer.table.seen_bits})"
+        )
     line = (
         f"table {layer.name}: dynamic {layer.key_dtype} ids, {layer.output_dim} wide, at most "
         f"{layer.capacity} rows (eviction {layer.eviction}), min_count {layer.min_count}, "
-        f"ttl_steps {layer.ttl_steps}, fallback_rows {layer.fallback_rows}{hashes}, "
-        f"seen_bits {layer.seen_bits}; {split}{where}"
+        f"ttl_steps {layer.ttl_steps}, fallback_rows {layer.fallback_rows}{hashes}; {split}{where}"
     )
     held = sum(p["ids_held"] for p in parts)
     size = sum(p["bytes_held"] for p in parts)
