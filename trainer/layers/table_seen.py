@@ -43,9 +43,11 @@ def left_out(tables: list, path: str):
     `tables`: `DynamicTable`s. Their filters are untracked inside (so that the
     restore expects none) and empty after it.
     """
-    keys = tf.compat.v1.train.NewCheckpointReader(path).get_variable_to_shape_map()
-    holds = any("/seen/.ATTRIBUTES/" in key for key in keys)
-    hidden = [] if holds else [(table, table.seen) for table in tables if table.seen is not None]
+    hidden = [(table, table.seen) for table in tables if table.seen is not None]
+    if hidden:
+        keys = tf.compat.v1.train.NewCheckpointReader(path).get_variable_to_shape_map()
+        if any("/seen/.ATTRIBUTES/" in key for key in keys):
+            hidden = []
     for table, _ in hidden:
         del table.seen  # untracked: a tracked attribute set to None stays a dependency
     try:
