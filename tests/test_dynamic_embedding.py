@@ -254,6 +254,7 @@ def test_without_a_combiner_ragged_ids_give_ragged_vectors_and_the_mask_id_zeros
         ({"fallback_rows": -1}, r"`fallback_rows` \(-1\) must be >= 0"),
         ({"fallback_hashes": 0}, r"`fallback_hashes` \(0\) must be >= 1"),
         ({"fallback_combiner": "max"}, r"`fallback_combiner` 'max' must be one of mean, sum"),
+        ({"seen_bits": -1}, r"`seen_bits` \(-1\) must be >= 0"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argument, match):

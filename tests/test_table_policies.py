@@ -64,6 +64,7 @@ def test_one_device_and_mirrored_evict_alike_and_train_the_same_fallback_rows(tm
         ("--config.model.eviction=mru", "`model.eviction` 'mru' is not an eviction policy"),
         ("--config.model.fallback_rows=-1", "`model.fallback_rows` (-1) must be >= 0"),
         ("--config.model.fallback_hashes=0", "`model.fallback_hashes` (0) must be >= 1"),
+        ("--config.model.seen_bits=-1", "`model.seen_bits` (-1) must be >= 0"),
         (
             "--config.model.fallback_combiner=max",
             "`model.fallback_combiner` 'max' is not a way to combine fallback rows",
