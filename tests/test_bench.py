@@ -321,3 +321,13 @@ def test_pinning_moves_every_thread_of_a_running_process():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_quality_case_runs_the_layers_default_policy():
+    """`tables_quality` keeps its own copies of the layer's defaults (it imports no TF at first)."""
+    from trainer.bench import tables_quality
+    from trainer.layers import tables
+
+    default = tables_quality.Table(1, "lfu")
+    assert default.seen_bits == tables.SEEN_BITS and default.hashes == tables.FALLBACK_HASHES
+    assert tables_quality.MIN_COUNT == 1 and tables.DEFAULT_EVICTION == "lfu"

@@ -18,8 +18,9 @@ positives, each at most that full). The filter costs `seen_bits` / 4 bytes,
 whatever the ids.
 
 A checkpoint written without filters (before them, or with `seen_bits` 0)
-restores into tables that have one: `left_out` leaves the filters out of
-the restore, and they start empty.
+restores into tables that have one (`restore_matched`, how every restore of
+a model's checkpoint or delta goes): the filters are left out of the
+restore, and start empty.
 """
 
 from __future__ import annotations
@@ -36,12 +37,28 @@ SEEN_FILL = 0.3  # the share of a generation's bits set at which a new generatio
 _SALT = 0x6A09E667F3BCC909  # moves the filter's hashes away from the fallback rows' and parts'
 
 
-@contextlib.contextmanager
-def left_out(tables: list, path: str):
-    """Inside, a restore of checkpoint `path` leaves out `tables`' filters if it holds none.
+def restore_matched(checkpoint: tf.train.Checkpoint, path: str, tables: list) -> None:
+    """Restores `path` into `checkpoint`, every object of it matched but filters `path` lacks.
 
-    `tables`: `DynamicTable`s. Their filters are untracked inside (so that the
-    restore expects none) and empty after it.
+    `tables`: the `DynamicTable`s reachable from `checkpoint`. If `path` holds
+    no seen-filter, theirs are left out of the restore and start empty.
+
+    Raises:
+      AssertionError: `path` does not fit `checkpoint`'s objects.
+    """
+    with _left_out(tables, path):
+        status = checkpoint.restore(path)
+        status.assert_existing_objects_matched()
+    # Values of `path` that no object takes are meant (a delta's rows, read apart; a filter
+    # of a table that has none now): TF would log them as unrestored at exit.
+    status.expect_partial()
+
+
+@contextlib.contextmanager
+def _left_out(tables: list, path: str):
+    """Inside, `tables`' filters are untracked (a restore expects none) if `path` holds none.
+
+    They are empty after it.
     """
     hidden = [(table, table.seen) for table in tables if table.seen is not None]
     if hidden:

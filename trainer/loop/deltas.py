@@ -37,7 +37,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from trainer.layers import tables
+from trainer.layers import table_seen, tables
 from trainer.loop import optim
 from trainer.loop.writes import TracedWrite
 
@@ -169,7 +169,7 @@ def replay(path: str, found: Layout, indexes: list[tf.Module], save_counter: tf.
       AssertionError: the delta does not fit `found` (another model).
     """
     checkpoint = tf.train.Checkpoint(small=found.small, tables=indexes)
-    checkpoint.restore(path).assert_existing_objects_matched()
+    table_seen.restore_matched(checkpoint, path, indexes)
     save_counter.assign(checkpoint.save_counter)
     reader = tf.compat.v1.train.NewCheckpointReader(path)
     for p, family in enumerate(found.families):

@@ -150,13 +150,11 @@ def restore(
     there = optim.like(optimizer)
     there.build(trainable)
     stand_in = tf.train.Checkpoint(variables=variables, tables=indexes, optimizer=there)
-    with table_seen.left_out(indexes, path):
-        stand_in.restore(path).assert_existing_objects_matched()
+    table_seen.restore_matched(stand_in, path, indexes)
     if delta is not None:
         originals = {id(s): v for s, v in stand_ins}
         found_there = deltas.layout(variables, there, lambda v: originals.get(id(v), v))
-        with table_seen.left_out(indexes, delta):
-            deltas.replay(delta, found_there, indexes, stand_in.save_counter)
+        deltas.replay(delta, found_there, indexes, stand_in.save_counter)
     save_counter.assign(stand_in.save_counter)
     own = zip(optim.own_variables(there), optim.own_variables(optimizer), strict=True)
     for source, target in own:

@@ -116,13 +116,10 @@ class Restorer:
         delta = path if full != path else None
         resplit = self._check_shapes(full)
         if resplit is None:
-            with table_seen.left_out(self._indexes, full):
-                self._checkpoint.restore(full).assert_existing_objects_matched()
+            table_seen.restore_matched(self._checkpoint, full, self._indexes)
             self._increments.restored_full(_step_of(full))
             if delta is not None:
-                with table_seen.left_out(self._indexes, delta):
-                    layout = self._increments.layout()
-                    deltas.replay(delta, layout, self._indexes, self._save_counter)
+                deltas.replay(delta, self._increments.layout(), self._indexes, self._save_counter)
             return None
         line, warnings = portable.restore(full, resplit, self._optimizer, self._save_counter, delta)
         self._increments.forget()  # the rows moved to other slots: the next save is full
