@@ -193,7 +193,7 @@ class Strategy(abc.ABC):
         # its own from the cluster (`membership.Membership(cluster, ...)`).
         self.membership = membership.Membership()
         self.tf_strategy: tf.distribute.Strategy = self._build()
-        self._compiled: dict[tuple[str, StepFn], Callable] = {}
+        self._compiled: dict[str, tuple[StepFn, Callable]] = {}  # kind: (step, its loop)
 
     @classmethod
     def _local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
@@ -343,10 +343,14 @@ class Strategy(abc.ABC):
         return loop
 
     def _compile(self, kind: str, step_fn: StepFn, make: Callable) -> Callable:
-        key = (kind, step_fn)
-        if key not in self._compiled:
-            self._compiled[key] = make(step_fn)
-        return self._compiled[key]
+        # One loop of each kind: a new step (each `train.run` makes one) replaces the last,
+        # so a finished run's loop does not stay alive, nor the iterators its traces hold
+        # (with their tf.data threads).
+        step, loop = self._compiled.get(kind, (None, None))
+        if step is not step_fn:
+            loop = make(step_fn)
+            self._compiled[kind] = (step_fn, loop)
+        return loop
 
 
 def _reduce_op(op: str | tf.distribute.ReduceOp) -> tf.distribute.ReduceOp:

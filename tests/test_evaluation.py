@@ -1,4 +1,5 @@
-"""Evaluations while training: every pass runs the same traced loop and leaves nothing behind."""
+"""Repeated passes leave nothing behind: evaluations run the same traced loop, and a new
+train step replaces the loop of the one before."""
 
 import os
 
@@ -22,4 +23,25 @@ def test_repeated_evaluations_keep_the_threads_and_the_traced_loop_they_started_
     for _ in range(6):
         assert train._evaluate(job, summaries) == first  # the same weights: the same metrics
     assert _threads() <= threads
-    assert sum(kind == "eval" for kind, _ in job.strategy._compiled) == 1
+    assert job.strategy._compiled["eval"][0] is job.eval_step
+
+
+def test_a_new_train_step_replaces_the_last_ones_loop_and_its_iterators_threads(tmp_path):
+    # Each `train.run` makes a new train step; the strategy kept every step's traced loop,
+    # and with it the per-device pipelines of the iterator it ran (threads each time).
+    job = train.build(tiny_config(**{"strategy.name": "mirrored"}), str(tmp_path))
+
+    def run_a_new_step():
+        stream = job.dataset.train_fn(job.config.train.global_batch_size, 0)
+        iterator = iter(job.strategy.distribute_dataset(stream))
+        step = train._train_step(job)
+        job.strategy.run_steps(step, iterator, 2)
+        return step
+
+    run_a_new_step()
+    run_a_new_step()
+    threads = _threads()
+    for _ in range(4):
+        step = run_a_new_step()
+    assert _threads() <= threads
+    assert job.strategy._compiled["train"][0] is step
