@@ -30,15 +30,16 @@ class InputWait:
     def __init__(self) -> None:
         with tf.init_scope(), tf.device("/cpu:0"):  # the host, outside any strategy's scope
             self._seconds = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="input_wait")
+        self._taken = 0.0  # the variable's total at the last `take`
 
     def timed(self, iterator):
         """`iterator` (the strategy's distributed one), each `next` timed into this variable."""
         return TimedIterator(iterator, self._seconds)
 
     def take(self) -> float:
-        """The seconds waited since the last `take`."""
-        seconds = float(self._seconds.numpy())
-        self._seconds.assign_sub(seconds)
+        """The seconds waited since the last `take` (one read: the variable keeps adding up)."""
+        total = float(self._seconds.numpy())
+        seconds, self._taken = total - self._taken, total
         return seconds
 
 

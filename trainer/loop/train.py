@@ -583,7 +583,8 @@ def _train(
         sums = strategy.run_steps(train_step, iterator, n)
         # The task's sums, and the plugin's own figures (e.g. staleness).
         sums, scalars, histograms = strategy.report(sums)
-        summaries.histograms("train", _step(job), histograms)
+        if histograms:  # reading the step costs an eager op, after every block
+            summaries.histograms("train", _step(job), histograms)
         return {**job.objective.metrics(sums), **scalars}
 
     loop = controller.Controller(
@@ -655,7 +656,7 @@ def _actions(
         actions.recovery(
             lambda loss: faults.loss_blew_up(loss, config.train.loss_upper_bound), recover
         ),
-        actions.rates(config.train.global_batch_size, lambda: float(job.optimizer.learning_rate)),
+        actions.rates(config.train.global_batch_size, optim.learning_rate_reader(job.optimizer)),
         *([actions.every_block(input_wait, "input wait")] if job.input_wait else []),
         # Dynamic tables' ids, admissions, evictions, default-row share and bytes, per block.
         *([actions.tables(lambda: layers.table_figures(job.model))] if tables else []),
