@@ -59,6 +59,7 @@ import tensorflow as tf
 
 from strategies import transfer
 from strategies.cluster import membership
+from strategies.packed_sums import PackedSums
 from towerflow.errors import UserError
 
 StepFn = Callable[[Any], dict]
@@ -312,18 +313,23 @@ class Strategy(abc.ABC):
         return tf.nest.map_structure(lambda v: self.reduce("sum", v), outputs)
 
     def _make_train_loop(self, step_fn: StepFn) -> Callable:
+        packed = PackedSums()  # the scalar sums go round the loop as one vector
+
+        def first_step(batch) -> dict:
+            return packed.pack(step_fn(batch))
+
         def add_step(totals: dict, batch) -> dict:
-            return tf.nest.map_structure(tf.add, totals, step_fn(batch))
+            return tf.nest.map_structure(tf.add, totals, packed.pack(step_fn(batch)))
 
         @tf.function
         def loop(iterator, n):
             # Each replica adds up its own sums over the loop, and they are reduced once at
             # its end: between processes every reduction is a collective (a network round
             # trip), and reducing each step's sums cost multi_worker four of them a step.
-            totals = self.call_for_each_replica(step_fn, args=(next(iterator),))
+            totals = self.call_for_each_replica(first_step, args=(next(iterator),))
             for _ in tf.range(n - 1):
                 totals = self.call_for_each_replica(add_step, args=(totals, next(iterator)))
-            return tf.nest.map_structure(lambda v: self.reduce("sum", v), totals)
+            return packed.unpack(tf.nest.map_structure(lambda v: self.reduce("sum", v), totals))
 
         return loop
 

@@ -175,9 +175,31 @@ def test_run_steps_reduces_the_sums_once_a_loop(strategy, monkeypatch):
     out = strategy.run_steps(step, iter(strategy.distribute_dataset(_range_dataset_fn)), 5)
     out, _, _ = strategy.report(out)  # the task's sums
     assert out == {"examples": 5 * GLOBAL_BATCH, "loss": 0.5 * 5 * strategy.num_replicas_in_sync}
-    # Traced once: one reduction of each sum, none per step; under parameter_server the
-    # chief adds up what the workers return, with no cross-replica reduction at all.
-    assert len(reduced) == (2 if strategy.traits.ordered_input else 0)
+    # Traced once: one reduction of the scalar sums (packed in one vector), none per step;
+    # under parameter_server the chief adds up what the workers return, with no
+    # cross-replica reduction at all.
+    assert len(reduced) == (1 if strategy.traits.ordered_input else 0)
+
+
+def test_run_steps_returns_every_kind_of_sum(strategy):
+    """Float scalars travel the loop packed; vectors and other dtypes as they are."""
+
+    def step(batch):
+        return {
+            "examples": tf.cast(tf.size(batch), tf.float32),
+            "total": tf.cast(tf.reduce_sum(batch), tf.float32),
+            "ones": tf.ones([3]),  # a histogram's shape
+            "steps": tf.constant(1.0, tf.float64),
+        }
+
+    out = strategy.run_steps(step, iter(strategy.distribute_dataset(_range_dataset_fn)), 4)
+    out, _, _ = strategy.report(out)  # the task's sums
+    calls = 4 * strategy.num_replicas_in_sync  # each replica's step, 4 times
+    assert sorted(out) == ["examples", "ones", "steps", "total"]
+    assert out["examples"] == 4 * GLOBAL_BATCH
+    assert out["total"] == sum(range(4 * GLOBAL_BATCH))
+    np.testing.assert_array_equal(out["ones"], [calls] * 3)
+    assert out["steps"] == calls
 
 
 def test_evaluate_sees_every_example_once(strategy):
@@ -247,4 +269,4 @@ def test_parameter_server_meets_the_contract_on_a_local_cluster(tmp_path):
     )  # fmt: skip
     # The chief ran this module's contract tests for parameter_server (`tests.cluster_contract`).
     summary = re.search(r"\[chief\] (\d+) passed, 1 skipped, \d+ deselected", result.stdout)
-    assert summary and int(summary.group(1)) == 7, result.stdout[-3000:]
+    assert summary and int(summary.group(1)) == 8, result.stdout[-3000:]
