@@ -42,8 +42,10 @@ class Summaries:
         writer = self._writer(split)
         if writer is None:
             return
-        tensors = {name: tf.constant(value, tf.float32) for name, value in values.items()}
-        self._write_scalars(writer, tf.constant(step, tf.int64), tensors)
+        # The step and the values in one tensor (float64 holds any step exactly): one eager
+        # op and one call after every loop, where each eager op costs.
+        packed = tf.constant([step, *values.values()], tf.float64)
+        self._write_scalars(writer, tuple(values), packed)
         writer.flush()
 
     def histograms(self, split: str, step: int, counts: dict[str, np.ndarray]) -> None:
@@ -113,7 +115,8 @@ def flat_hparams(
     return flat
 
 
-def _write_scalars(writer, step: tf.Tensor, values: dict[str, tf.Tensor]) -> None:
-    with writer.as_default(step=step):
-        for name, value in values.items():
-            tf.summary.scalar(name, value)
+def _write_scalars(writer, names: tuple[str, ...], packed: tf.Tensor) -> None:
+    """Writes `packed[1:]` as float32 scalars `names` at step `packed[0]`."""
+    with writer.as_default(step=tf.cast(packed[0], tf.int64)):
+        for i, name in enumerate(names):
+            tf.summary.scalar(name, tf.cast(packed[i + 1], tf.float32))
