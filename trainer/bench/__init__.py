@@ -19,17 +19,18 @@ batch and strategy:
   runs each variable's update as one fused kernel).
 - `bare_loop`: the floor: `strategy.run` of a minimal step in a `tf.range`
   loop inside one `tf.function`, with towerflow's optimizer; nothing else.
+  Like the others it starts a new input pipeline each repetition.
 
 Each case runs in its own process, set up as the trainer sets up the case's
 strategy (threads per op: see `devices.intra_op_threads`); every contender
 of the case runs with that setup (`harness.py`).
 
-Every contender warms up once (tracing, pipeline start; towerflow and Keras
-instead leave their first loop out of every timing), then all run in turn
-(A B C A B C ...) `--reps` times, so load from other processes hits them
-alike. Figures are medians; ratios are medians of the ratios within each
-round (paired), which load that comes and goes disturbs less. Cases, one
-module each, named after the case:
+Every contender warms up once (tracing, pipeline start; towerflow, Keras
+and the bare loop instead leave their first loop out of every timing), then
+all run in turn (A B C A B C ...) `--reps` times, so load from other
+processes hits them alike. Figures are medians; ratios are medians of the
+ratios within each round (paired), which load that comes and goes disturbs
+less. Cases, one module each, named after the case:
 
 1. `small_mlp`: an overhead-bound MLP (~300k parameters), examples/s.
 2. `dense_large`: a compute-bound MLP (~15M parameters, batch 512) under
