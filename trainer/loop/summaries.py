@@ -42,8 +42,8 @@ class Summaries:
         writer = self._writer(split)
         if writer is None:
             return
-        # The step and the values in one tensor (float64 holds any step exactly): one eager
-        # op and one call after every loop, where each eager op costs.
+        # The step and the values in one tensor (float64 holds steps up to 2**53 exactly): one
+        # eager op and one call after every loop, where each eager op costs.
         packed = tf.constant([step, *values.values()], tf.float64)
         self._write_scalars(writer, tuple(values), packed)
         writer.flush()
