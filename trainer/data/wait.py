@@ -36,9 +36,19 @@ class InputWait:
         """`iterator` (the strategy's distributed one), each `next` timed into this variable."""
         return TimedIterator(iterator, self._seconds)
 
-    def take(self) -> float:
-        """The seconds waited since the last `take` (one read: the variable keeps adding up)."""
-        total = float(self._seconds.numpy())
+    @property
+    def variable(self) -> tf.Variable:
+        """The seconds waited in all, in float64: the timed iterators keep adding to it."""
+        return self._seconds
+
+    def take(self, total: float | None = None) -> float:
+        """The seconds waited since the last `take` (the variable keeps adding up).
+
+        `total`: the variable's value, where the caller read it already (the
+        loop reads it with the step, `trainer.loop.readings`); else it is read.
+        """
+        if total is None:
+            total = float(self._seconds.numpy())
         seconds, self._taken = total - self._taken, total
         return seconds
 

@@ -506,16 +506,6 @@ class SGD(_SparseRows, _SummedByCaller, keras.optimizers.SGD):
         )
 
 
-def learning_rate_reader(optimizer: keras.optimizers.Optimizer) -> Callable[[], float]:
-    """A function that reads `optimizer`'s learning rate now, in one call.
-
-    A schedule's rate is several eager ops; the loop reads it after every block,
-    where each op costs more than the whole traced function call.
-    """
-    read = tf.function(lambda: tf.cast(optimizer.learning_rate, tf.float64))
-    return lambda: float(read())
-
-
 def slots_of(optimizer: keras.optimizers.Optimizer, variable) -> list[tuple]:
     """`(slot variable, initial value)` of each slot `optimizer` keeps for `variable`.
 

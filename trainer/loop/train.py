@@ -44,6 +44,7 @@ from trainer.loop import (
 from trainer.loop import lock as model_dir_lock
 from trainer.loop.checkpoints import Checkpointer
 from trainer.loop.export import export, export_version
+from trainer.loop.readings import Readings
 from trainer.loop.summaries import Summaries
 
 MODES = ("train", "eval", "train_and_eval")
@@ -578,6 +579,7 @@ def _train(
     iterator = iter(strategy.distribute_dataset(_train_stream(job, gb, step)))
     if job.input_wait is not None:  # each batch's wait, as the loop of steps reads it
         iterator = job.input_wait.timed(iterator)
+    readings = Readings(job.optimizer, job.input_wait)  # one call after each block
 
     def run_block(n: int) -> dict:
         sums = strategy.run_steps(train_step, iterator, n)
@@ -589,9 +591,9 @@ def _train(
 
     loop = controller.Controller(
         run_block,
-        lambda: _step(job),
+        readings.step,
         job.total_steps,
-        [*_actions(job, checkpointer, summaries, evaluate), *extra_actions],
+        [*_actions(job, checkpointer, summaries, evaluate, readings), *extra_actions],
         loop_length.LoopLength(config.train.steps_per_loop),
         agree=strategy.membership.agree,
     )
@@ -627,9 +629,13 @@ def _train_stream(job: Job, global_batch: int, step: int):
 
 
 def _actions(
-    job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool
+    job: Job, checkpointer: Checkpointer, summaries: Summaries, evaluate: bool, readings: Readings
 ) -> list[actions.Action]:
-    """The loop's actions, in the order they run after a block."""
+    """The loop's actions, in the order they run after a block.
+
+    `readings` holds the learning rate and the input wait as read with the step
+    after the block.
+    """
     config, member = job.config, job.strategy.membership
     recoveries = []
     tables = layers.dynamic_tables(job.model)
@@ -640,7 +646,8 @@ def _actions(
 
     def input_wait(output: controller.Output) -> None:
         # How long each step waited for its batches, on average over the block.
-        output.metrics["input_wait_ms"] = 1000 * job.input_wait.take() / output.steps
+        waited = job.input_wait.take(readings.input_wait_total)
+        output.metrics["input_wait_ms"] = 1000 * waited / output.steps
 
     def log(output: controller.Output) -> None:
         summaries.scalars("train", output.step, output.metrics)
@@ -656,7 +663,7 @@ def _actions(
         actions.recovery(
             lambda loss: faults.loss_blew_up(loss, config.train.loss_upper_bound), recover
         ),
-        actions.rates(config.train.global_batch_size, optim.learning_rate_reader(job.optimizer)),
+        actions.rates(config.train.global_batch_size, lambda: readings.learning_rate),
         *([actions.every_block(input_wait, "input wait")] if job.input_wait else []),
         # Dynamic tables' ids, admissions, evictions, default-row share and bytes, per block.
         *([actions.tables(lambda: layers.table_figures(job.model))] if tables else []),
