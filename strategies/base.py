@@ -57,7 +57,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from strategies import transfer
+from strategies import transfer, unrolled
 from strategies.cluster import membership
 from strategies.packed_sums import PackedSums
 from towerflow.errors import UserError
@@ -72,7 +72,9 @@ class TrainStepProtocol(Protocol):
 
     `trainer.loop.steps.TrainStep` and `CustomTrainStep` (a user task's
     own `train_step`, which applies its own gradients) implement it. A step that
-    also splits into halves is a `SplitTrainStep`.
+    also splits into halves is a `SplitTrainStep`. A step may also ask a loop
+    for several steps to each iteration of its `while` (`unroll`, a
+    `strategies.unrolled.Unroll`; one where it has none).
     """
 
     variables: list  # the trainable variables, in the order of the gradients
@@ -321,14 +323,27 @@ class Strategy(abc.ABC):
         def add_step(totals: dict, batch) -> dict:
             return tf.nest.map_structure(tf.add, totals, packed.pack(step_fn(batch)))
 
+        def more_steps(totals: dict, iterator) -> dict:
+            return self.call_for_each_replica(add_step, args=(totals, next(iterator)))
+
         @tf.function
         def loop(iterator, n):
             # Each replica adds up its own sums over the loop, and they are reduced once at
             # its end: between processes every reduction is a collective (a network round
             # trip), and reducing each step's sums cost multi_worker four of them a step.
-            totals = self.call_for_each_replica(first_step, args=(next(iterator),))
-            for _ in tf.range(n - 1):
-                totals = self.call_for_each_replica(add_step, args=(totals, next(iterator)))
+            totals, ops = unrolled.traced_ops(
+                lambda: self.call_for_each_replica(first_step, args=(next(iterator),))
+            )
+            k = unrolled.steps_per_iteration(step_fn, ops)  # a long run's small step: k > 1
+            if k == 1:
+                for _ in tf.range(n - 1):
+                    totals = more_steps(totals, iterator)
+            else:
+                for _ in tf.range((n - 1) % k):
+                    totals = more_steps(totals, iterator)
+                for _ in tf.range((n - 1) // k):
+                    for _ in range(k):
+                        totals = more_steps(totals, iterator)
             return packed.unpack(tf.nest.map_structure(lambda v: self.reduce("sum", v), totals))
 
         return loop

@@ -26,6 +26,7 @@ def test_the_checked_view_holds_what_the_build_takes():
         ("data.autotune_ram_budget_mb", -1, r"`data.autotune_ram_budget_mb` \(-1\) must be >= 0"),
         ("data.service", "local:0", r"`data.service`"),
         ("train.steps_per_loop", -1, r"`train.steps_per_loop` \(-1\) must be >= 0"),
+        ("train.steps_per_iteration", -2, r"`train.steps_per_iteration` \(-2\) must be >= 0"),
     ],
 )
 def test_each_field_that_needs_nothing_else_is_refused_in_the_one_pass(field, value, message):

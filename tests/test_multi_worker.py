@@ -87,6 +87,9 @@ def test_two_workers_match_mirrored_over_two_cpus(tmp_path):
         "--strategy=multi_worker",
         "--model_dir=mw",
         *EQUIVALENCE,
+        # 3 steps to each iteration of a loop (each step's all-reduce in the same
+        # iteration): the same model as one step an iteration
+        "--config.train.steps_per_iteration=3",
         cwd=str(tmp_path),
     )
     mirrored = run_cli(

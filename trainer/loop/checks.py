@@ -33,6 +33,7 @@ UNTIL_STOPPED = 2**62
 _MINIMUMS = (
     ("train.global_batch_size", 1, "examples per step over all replicas"),
     ("train.steps_per_loop", 0, "steps per tf.function call; 0 = auto"),
+    ("train.steps_per_iteration", 0, "steps traced into each iteration of a loop; 0 = auto"),
     ("train.checkpoint_every", 0, "steps between checkpoints (0 = end only)"),
     ("train.max_checkpoints", 1, "checkpoints kept"),
     ("train.epochs", 0, "passes over the training data (0 = use train.steps)"),

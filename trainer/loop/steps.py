@@ -25,6 +25,7 @@ import ml_collections
 import tensorflow as tf
 
 from strategies.transfer import GradientTransfer
+from strategies.unrolled import Unroll
 from towerflow.errors import UserError
 from trainer.loop import compiled, objectives, optim
 
@@ -54,6 +55,8 @@ class TrainStep:
       transfer: a transfer that sums in the step (bfloat16 or packs,
         `strategies.transfer`) sums the gradients over replicas here; the
         optimizer applies the sum as given.
+      unroll: the steps a strategy's loop traces into each iteration of its
+        `while` (`strategies.unrolled`); one where None.
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class TrainStep:
         jit_compile: bool = False,
         accumulation_steps: int = 1,
         transfer: GradientTransfer | None = None,
+        unroll: Unroll | None = None,
     ):
         self.model, self.optimizer, self.objective = model, optimizer, objective
+        self.unroll = unroll
         self.clip_global_norm = clip_global_norm
         self.accumulation_steps = accumulation_steps
         self.transfer = transfer
@@ -131,8 +136,17 @@ class CustomTrainStep:
     plugin that runs a step's halves apart refuses it at start-up.
     """
 
-    def __init__(self, custom_step: Callable, model: keras.Model, optimizer, objective, batch: int):
+    def __init__(
+        self,
+        custom_step: Callable,
+        model: keras.Model,
+        optimizer,
+        objective,
+        batch: int,
+        unroll: Unroll | None = None,
+    ):
         self.custom_step, self.global_batch_size = custom_step, batch
+        self.unroll = unroll  # as `TrainStep`'s
         self.model, self.optimizer, self.objective = model, optimizer, objective
         self.variables, self.iterations = model.trainable_variables, optimizer.iterations
 

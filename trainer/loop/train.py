@@ -19,7 +19,7 @@ import ml_collections
 import tensorflow as tf
 
 import strategies
-from strategies import devices, tf_patches
+from strategies import devices, tf_patches, unrolled
 from strategies.cluster import discovery, scratch
 from towerflow import calls, storage
 from towerflow.errors import UserError
@@ -72,6 +72,8 @@ class Job:
     counted: elastic.CountedStep | None = None  # elastic: the step every variable holds
     # Elastic `batch=per_replica`: the input position in per-replica batches, checkpointed.
     input_position: elastic.InputPosition | None = None
+    # Steps to an iteration of a loop's `while` (`strategies.unrolled`): more in a long run.
+    unroll: unrolled.Unroll = unrolled.Unroll()
 
     @functools.cached_property
     def eval_step(self) -> Callable:
@@ -242,6 +244,7 @@ def build(
         follower,
         warm,
         input_position=elastic.InputPosition() if elastic.per_replica(config) else None,
+        unroll=unrolled.for_run(config.train.steps_per_iteration, total_steps),
     )
 
 
@@ -607,7 +610,9 @@ def _train_step(job: Job) -> steps.TrainStep | steps.CustomTrainStep:
     """The step of a block: towerflow's, or a task's own (which applies its own gradients)."""
     config, gb = job.config, job.config.train.global_batch_size
     if job.custom_step is not None:
-        return steps.CustomTrainStep(job.custom_step, job.model, job.optimizer, job.objective, gb)
+        return steps.CustomTrainStep(
+            job.custom_step, job.model, job.optimizer, job.objective, gb, job.unroll
+        )
     return steps.TrainStep(
         job.model,
         job.optimizer,
@@ -617,6 +622,7 @@ def _train_step(job: Job) -> steps.TrainStep | steps.CustomTrainStep:
         config.train.jit_compile,
         config.train.accumulation_steps,
         job.strategy.traits.transfer,
+        job.unroll,
     )
 
 

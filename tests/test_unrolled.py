@@ -1,0 +1,85 @@
+"""A long run's small step runs several steps to each iteration of its loop's `while`."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import strategies
+from strategies import unrolled
+from tests.helpers import tiny_config
+from trainer.loop import checks, train
+
+BATCH = 8
+
+
+class _Step:
+    """Counts its traces (one per replica each time a loop's graph holds a step)."""
+
+    def __init__(self, unroll: unrolled.Unroll | None):
+        if unroll is not None:
+            self.unroll = unroll
+        self.traces = 0
+
+    def __call__(self, batch):
+        self.traces += 1
+        return {"examples": tf.cast(tf.size(batch), tf.float32)}
+
+
+def _dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+    return tf.data.Dataset.range(10_000).batch(ctx.get_per_replica_batch_size(BATCH))
+
+
+@pytest.mark.parametrize(
+    ("unroll", "max_ops", "steps_traced"),
+    [
+        # the first step, the remainder's, an iteration's 4
+        (unrolled.Unroll(4, if_small=True), unrolled.MAX_OPS, 1 + 1 + 4),
+        (unrolled.Unroll(4, if_small=True), 0, 1 + 1),  # more ops than MAX_OPS: one
+        (unrolled.Unroll(4), 0, 1 + 1 + 4),  # asked for whatever the step's size
+        (unrolled.Unroll(), unrolled.MAX_OPS, 1 + 1),
+        (None, unrolled.MAX_OPS, 1 + 1),  # a step that does not ask: one an iteration
+    ],
+)
+def test_a_step_is_unrolled_as_it_asks(monkeypatch, unroll, max_ops, steps_traced):
+    monkeypatch.setattr(unrolled, "MAX_OPS", max_ops)
+    strategy = strategies.get("mirrored")
+    step = _Step(unroll)
+    out = strategy.run_steps(step, iter(strategy.distribute_dataset(_dataset_fn)), 7)
+    assert out["examples"] == 7 * BATCH
+    assert step.traces == steps_traced * strategy.num_replicas_in_sync
+
+
+def test_a_run_of_long_run_steps_or_more_asks_for_more_steps_an_iteration(tmp_path):
+    auto = unrolled.Unroll(unrolled.STEPS, if_small=True)
+    assert unrolled.for_run(0, unrolled.LONG_RUN) == auto
+    assert unrolled.for_run(0, checks.UNTIL_STOPPED) == auto
+    assert unrolled.for_run(0, unrolled.LONG_RUN - 1) == unrolled.Unroll()
+    assert unrolled.for_run(2, 10) == unrolled.Unroll(2)  # as configured, any step
+    for fields, asked in [
+        ({"train.steps": 1000}, unrolled.Unroll()),
+        ({"train.steps": unrolled.LONG_RUN}, auto),
+        ({"train.steps": 1000, "train.steps_per_iteration": 3}, unrolled.Unroll(3)),
+    ]:
+        job = train.build(tiny_config(**fields), str(tmp_path / f"run{len(fields)}{asked.steps}"))
+        assert train._train_step(job).unroll == asked
+
+
+def _trained(strategy_name: str, steps: int, n: int, tmp_path) -> tuple:
+    fields = {"strategy.name": strategy_name, "train.steps_per_iteration": steps}
+    job = train.build(tiny_config(**fields), str(tmp_path / f"{strategy_name}-{steps}-{n}"))
+    step = train._train_step(job)
+    iterator = iter(job.strategy.distribute_dataset(train._train_stream(job, 32, 0)))
+    sums = [job.strategy.run_steps(step, iterator, n) for _ in range(2)]
+    return sums, [v.numpy() for v in job.model.variables]
+
+
+@pytest.mark.parametrize("strategy_name", ["one_device", "mirrored"])
+@pytest.mark.parametrize("n", [1, 6])
+def test_an_unrolled_loop_trains_the_same_model(tmp_path, strategy_name, n):
+    """The same steps in the same order: the same sums and the same weights."""
+    sums, weights = _trained(strategy_name, 1, n, tmp_path)
+    sums4, weights4 = _trained(strategy_name, 4, n, tmp_path)
+    for a, b in zip(sums, sums4):
+        assert a == pytest.approx(b, rel=1e-6)
+    for a, b in zip(weights, weights4):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
