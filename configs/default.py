@@ -242,7 +242,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Steps traced one after another into each iteration of a loop's `while`: a step's
     # input then comes while the step before finishes its updates (a few % on a small
     # model), at the cost of one more trace of the step each at start-up. 0 = auto: 4 in a
-    # run of 50,000 steps or more, where a step has at most 1,000 ops; else 1.
+    # one-process run of 50,000 steps or more, where a step has at most 1,000 ops; else 1.
     c.train.steps_per_iteration = 0
     c.train.precision = "float32"  # float32 | mixed_bfloat16 | mixed_float16 (with loss scaling)
     c.train.jit_compile = False  # compile each step's forward and backward pass with XLA

@@ -14,9 +14,9 @@ Each step more in an iteration is one more trace of the step at start-up
 (about 0.3 s for each of `small_mlp`'s, 0.4 s for the default job's), which
 pays only over many steps: so a loop unrolls where its train step asks for
 it (`unroll`). The trainer asks for `train.steps_per_iteration`, or where that
-is 0 (auto) for `STEPS` in a run of `LONG_RUN` steps or more, if the step has
-at most `MAX_OPS` ops (a step of more is slower to trace and long enough that
-the wait weighs little). What the steps compute, and in which order, is the
+is 0 (auto) for `STEPS` in a one-process run of `LONG_RUN` steps or more, if
+the step has at most `MAX_OPS` ops (a step of more is slower to trace and long
+enough that the wait weighs little). What the steps compute, and in which order, is the
 same either way.
 """
 
@@ -44,11 +44,18 @@ class Unroll:
     if_small: bool = False
 
 
-def for_run(configured: int, total_steps: int) -> Unroll:
-    """What a run of `total_steps` asks for, given `train.steps_per_iteration` (0: auto)."""
+def for_run(configured: int, total_steps: int, one_process: bool) -> Unroll:
+    """What a run of `total_steps` asks for, given `train.steps_per_iteration` (0: auto).
+
+    Auto asks only in a job of one process: in a cluster a small step's time
+    is mostly its all-reduce or its round trips to the ps, which the next
+    step cannot overlap (its forward needs the updated variables), while each
+    member pays the traces.
+    """
     if configured:
         return Unroll(configured)
-    return Unroll(STEPS, if_small=True) if total_steps >= LONG_RUN else Unroll()
+    long_run = total_steps >= LONG_RUN and one_process
+    return Unroll(STEPS, if_small=True) if long_run else Unroll()
 
 
 def traced_ops(fn: Callable[[], Any]) -> tuple[Any, int]:

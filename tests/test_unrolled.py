@@ -51,10 +51,11 @@ def test_a_step_is_unrolled_as_it_asks(monkeypatch, unroll, max_ops, steps_trace
 
 def test_a_run_of_long_run_steps_or_more_asks_for_more_steps_an_iteration(tmp_path):
     auto = unrolled.Unroll(unrolled.STEPS, if_small=True)
-    assert unrolled.for_run(0, unrolled.LONG_RUN) == auto
-    assert unrolled.for_run(0, checks.UNTIL_STOPPED) == auto
-    assert unrolled.for_run(0, unrolled.LONG_RUN - 1) == unrolled.Unroll()
-    assert unrolled.for_run(2, 10) == unrolled.Unroll(2)  # as configured, any step
+    assert unrolled.for_run(0, unrolled.LONG_RUN, True) == auto
+    assert unrolled.for_run(0, checks.UNTIL_STOPPED, True) == auto
+    assert unrolled.for_run(0, unrolled.LONG_RUN - 1, True) == unrolled.Unroll()
+    assert unrolled.for_run(0, unrolled.LONG_RUN, False) == unrolled.Unroll()  # a cluster
+    assert unrolled.for_run(2, 10, False) == unrolled.Unroll(2)  # as configured, any step
     for fields, asked in [
         ({"train.steps": 1000}, unrolled.Unroll()),
         ({"train.steps": unrolled.LONG_RUN}, auto),

@@ -244,7 +244,9 @@ def build(
         follower,
         warm,
         input_position=elastic.InputPosition() if elastic.per_replica(config) else None,
-        unroll=unrolled.for_run(config.train.steps_per_iteration, total_steps),
+        unroll=unrolled.for_run(
+            config.train.steps_per_iteration, total_steps, strategy.membership.cluster is None
+        ),
     )
 
 
