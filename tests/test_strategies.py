@@ -212,18 +212,20 @@ class _UnrolledStep:
         return {"examples": tf.cast(tf.size(batch), tf.float32), "first": first}
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 9])
-def test_an_unrolled_loop_takes_each_batch_once_in_order(strategy, n):
+def test_an_unrolled_loop_takes_each_batch_once_in_order(strategy):
     """n steps take the next n batches whatever n is modulo the steps an iteration."""
     step = _UnrolledStep()
     iterator = iter(strategy.distribute_dataset(_range_dataset_fn))
-    for loop in range(3):  # each loop starts where the one before stopped
+    start = 0
+    # One loop for all n (n is the loop's argument): none, 2 remainder steps, 2 iterations.
+    for n in (1, 3, 9, 3):
         out, _, _ = strategy.report(strategy.run_steps(step, iterator, n))
         assert out["examples"] == n * GLOBAL_BATCH
-        # Each replica's batch starts at a multiple of its size; batches go out in order.
+        # Each replica's batch starts at a multiple of its size; batches go out in order,
+        # each loop from where the one before stopped.
         per_replica = GLOBAL_BATCH // strategy.num_replicas_in_sync
-        firsts = range(loop * n * GLOBAL_BATCH, (loop + 1) * n * GLOBAL_BATCH, per_replica)
-        assert out["first"] == sum(firsts)
+        assert out["first"] == sum(range(start, start + n * GLOBAL_BATCH, per_replica)), n
+        start += n * GLOBAL_BATCH
 
 
 def test_evaluate_sees_every_example_once(strategy):
@@ -293,4 +295,4 @@ def test_parameter_server_meets_the_contract_on_a_local_cluster(tmp_path):
     )  # fmt: skip
     # The chief ran this module's contract tests for parameter_server (`tests.cluster_contract`).
     summary = re.search(r"\[chief\] (\d+) passed, 1 skipped, \d+ deselected", result.stdout)
-    assert summary and int(summary.group(1)) == 15, result.stdout[-3000:]
+    assert summary and int(summary.group(1)) == 9, result.stdout[-3000:]

@@ -75,9 +75,9 @@ def _trained(strategy_name: str, steps: int, n: int, tmp_path) -> tuple:
 
 
 @pytest.mark.parametrize("strategy_name", ["one_device", "mirrored"])
-@pytest.mark.parametrize("n", [1, 6])
-def test_an_unrolled_loop_trains_the_same_model(tmp_path, strategy_name, n):
+def test_an_unrolled_loop_trains_the_same_model(tmp_path, strategy_name):
     """The same steps in the same order: the same sums and the same weights."""
+    n = 6  # a step before the loop, one in the remainder, one iteration of 4
     sums, weights = _trained(strategy_name, 1, n, tmp_path)
     sums4, weights4 = _trained(strategy_name, 4, n, tmp_path)
     for a, b in zip(sums, sums4):
