@@ -335,15 +335,12 @@ class Strategy(abc.ABC):
                 lambda: self.call_for_each_replica(first_step, args=(next(iterator),))
             )
             k = unrolled.steps_per_iteration(step_fn, ops)  # a long run's small step: k > 1
-            if k == 1:
-                for _ in tf.range(n - 1):
-                    totals = more_steps(totals, iterator)
-            else:
+            if k > 1:  # the steps that do not fill an iteration (one step more traced)
                 for _ in tf.range((n - 1) % k):
                     totals = more_steps(totals, iterator)
-                for _ in tf.range((n - 1) // k):
-                    for _ in range(k):
-                        totals = more_steps(totals, iterator)
+            for _ in tf.range((n - 1) // k):
+                for _ in range(k):
+                    totals = more_steps(totals, iterator)
             return packed.unpack(tf.nest.map_structure(lambda v: self.reduce("sum", v), totals))
 
         return loop
