@@ -59,7 +59,7 @@ import tensorflow as tf
 
 from strategies import transfer, unrolled
 from strategies.cluster import membership
-from strategies.packed_sums import PackedSums
+from strategies.packed_sums import BufferedSums, PackedSums, Unbuffered
 from towerflow.errors import UserError
 
 StepFn = Callable[[Any], dict]
@@ -167,6 +167,10 @@ def read_options(plugin: type[Strategy], section) -> ml_collections.ConfigDict:
 # tf.data warns about reading dataset options while a distributed loop is traced; harmless.
 warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
 
+# The sums a loop of steps carries in one vector (`BufferedSums`): the objectives' scalars
+# and the AUC's score histograms (400) fit; a step's of more, or not float32, are carried
+# as they are.
+LOOP_SUMS = 1024
 _REDUCE_OPS = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
 
 
@@ -315,50 +319,54 @@ class Strategy(abc.ABC):
         return tf.nest.map_structure(lambda v: self.reduce("sum", v), outputs)
 
     def _make_train_loop(self, step_fn: StepFn) -> Callable:
-        packed = PackedSums()  # the scalar sums go round the loop as one vector
+        unroll = unrolled.asked(step_fn)
 
-        def first_step(batch) -> dict:
-            return packed.pack(step_fn(batch))
-
-        def add_step(totals: dict, batch) -> dict:
-            return tf.nest.map_structure(tf.add, totals, packed.pack(step_fn(batch)))
-
-        def more_steps(totals: dict, iterator) -> dict:
-            return self.call_for_each_replica(add_step, args=(totals, next(iterator)))
-
-        @tf.function
-        def loop(iterator, n):
+        def loop(iterator, n, sums):
             # Each replica adds up its own sums over the loop, and they are reduced once at
             # its end: between processes every reduction is a collective (a network round
             # trip), and reducing each step's sums cost multi_worker four of them a step.
-            totals, ops = unrolled.traced_ops(
-                lambda: self.call_for_each_replica(first_step, args=(next(iterator),))
-            )
-            k = unrolled.steps_per_iteration(step_fn, ops)  # a long run's small step: k > 1
-            if k > 1:  # the steps that do not fill an iteration (one step more traced)
-                for _ in tf.range((n - 1) % k):
-                    totals = more_steps(totals, iterator)
-            for _ in tf.range((n - 1) // k):
-                for _ in range(k):
-                    totals = more_steps(totals, iterator)
-            return packed.unpack(tf.nest.map_structure(lambda v: self.reduce("sum", v), totals))
+            def add_step(totals, batch):
+                return sums.add(totals, step_fn(batch))
 
-        return loop
+            def more_steps(totals):
+                return self.call_for_each_replica(add_step, args=(totals, next(iterator)))
+
+            if isinstance(sums, BufferedSums):  # from zero: the step traced once a place
+                totals, rest, k = self.call_for_each_replica(sums.zeros), n, unroll.steps
+            else:  # the first step, traced alone, gives the totals and its ops
+                totals, ops = unrolled.traced_ops(
+                    lambda: self.call_for_each_replica(
+                        lambda batch: sums.pack(step_fn(batch)), args=(next(iterator),)
+                    )
+                )
+                rest, k = n - 1, unrolled.steps_per_iteration(step_fn, ops)
+            if k > 1:  # the steps that do not fill an iteration (one step more traced)
+                for _ in tf.range(rest % k):
+                    totals = more_steps(totals)
+            for _ in tf.range(rest // k):  # a long run's small step: k > 1
+                for _ in range(k):
+                    totals = more_steps(totals)
+            return sums.unpack(tf.nest.map_structure(lambda v: self.reduce("sum", v), totals))
+
+        # Counting a step's ops needs it traced before the loop (`unrolled`).
+        return _buffered_if_it_fits(loop, buffered=not unroll.if_small)
 
     def _eval_batch(self, step_fn: StepFn, batch) -> dict:
         """One eval batch's sums; a plugin that evaluates outside its replicas overrides it."""
         return self._reduced_step(step_fn, batch)
 
     def _make_eval_loop(self, step_fn: StepFn) -> Callable:
-        @tf.function
-        def loop(dataset):
+        def loop(dataset, sums):
             iterator = iter(dataset)
-            totals = self._eval_batch(step_fn, next(iterator))
+            if isinstance(sums, BufferedSums):
+                totals = sums.zeros()
+            else:
+                totals = sums.pack(self._eval_batch(step_fn, next(iterator)))
             for batch in iterator:
-                totals = tf.nest.map_structure(tf.add, totals, self._eval_batch(step_fn, batch))
-            return totals
+                totals = sums.add(totals, self._eval_batch(step_fn, batch))
+            return sums.unpack(totals)
 
-        return loop
+        return _buffered_if_it_fits(loop)
 
     def _compile(self, kind: str, step_fn: StepFn, make: Callable) -> Callable:
         # One loop of each kind: a new step (each `train.run` makes one) replaces the last,
@@ -369,6 +377,28 @@ class Strategy(abc.ABC):
             loop = make(step_fn)
             self._compiled[kind] = (step_fn, loop)
         return loop
+
+
+def _buffered_if_it_fits(loop: Callable, buffered: bool = True) -> Callable:
+    """`loop(*args, sums)` as a `tf.function`: its totals in a `BufferedSums` where they fit.
+
+    The first call traces the buffered loop; where a step's sums do not fit one
+    (`Unbuffered`, raised while it traces, before anything ran), the loop is
+    traced again with the sums carried as they are, and that one is kept.
+    """
+    buffered_loop = tf.function(lambda *args: loop(*args, sums=BufferedSums(LOOP_SUMS)))
+    packed_loop = tf.function(lambda *args: loop(*args, sums=PackedSums()))
+
+    def run(*args):
+        nonlocal buffered
+        if buffered:
+            try:
+                return buffered_loop(*args)
+            except Unbuffered:
+                buffered = False
+        return packed_loop(*args)
+
+    return run
 
 
 def _reduce_op(op: str | tf.distribute.ReduceOp) -> tf.distribute.ReduceOp:

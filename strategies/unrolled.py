@@ -66,11 +66,16 @@ def traced_ops(fn: Callable[[], Any]) -> tuple[Any, int]:
     return result, len(graph.get_operations()) - before
 
 
+def asked(step_fn: Callable) -> Unroll:
+    """What `step_fn.unroll` asks (one step an iteration where it has none)."""
+    return getattr(step_fn, "unroll", None) or Unroll()
+
+
 def steps_per_iteration(step_fn: Callable, ops: int) -> int:
     """Steps to an iteration for `step_fn`, whose one step traced to `ops` ops.
 
     What `step_fn.unroll` asks (one step where it has none), but one step
     where it asks only for a step of few ops and this one has more than `MAX_OPS`.
     """
-    unroll = getattr(step_fn, "unroll", None) or Unroll()
+    unroll = asked(step_fn)
     return 1 if unroll.if_small and ops > MAX_OPS else unroll.steps

@@ -15,14 +15,15 @@ BATCH = 8
 class _Step:
     """Counts its traces (one per replica each time a loop's graph holds a step)."""
 
-    def __init__(self, unroll: unrolled.Unroll | None):
+    def __init__(self, unroll: unrolled.Unroll | None, dtype: tf.DType = tf.float32):
         if unroll is not None:
             self.unroll = unroll
         self.traces = 0
+        self.dtype = dtype
 
     def __call__(self, batch):
         self.traces += 1
-        return {"examples": tf.cast(tf.size(batch), tf.float32)}
+        return {"examples": tf.cast(tf.size(batch), self.dtype), "steps": tf.constant(1.0)}
 
 
 def _dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -32,12 +33,12 @@ def _dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
 @pytest.mark.parametrize(
     ("unroll", "max_ops", "steps_traced"),
     [
-        # the first step, the remainder's, an iteration's 4
+        # the first step (traced alone, its ops counted), the remainder's, an iteration's 4
         (unrolled.Unroll(4, if_small=True), unrolled.MAX_OPS, 1 + 1 + 4),
         (unrolled.Unroll(4, if_small=True), 0, 1 + 1),  # more ops than MAX_OPS: one
-        (unrolled.Unroll(4), 0, 1 + 1 + 4),  # asked for whatever the step's size
-        (unrolled.Unroll(), unrolled.MAX_OPS, 1 + 1),
-        (None, unrolled.MAX_OPS, 1 + 1),  # a step that does not ask: one an iteration
+        (unrolled.Unroll(4), 0, 1 + 4),  # asked for whatever the step's size: from zero
+        (unrolled.Unroll(), unrolled.MAX_OPS, 1),  # the step traced once
+        (None, unrolled.MAX_OPS, 1),  # a step that does not ask: one an iteration
     ],
 )
 def test_a_step_is_unrolled_as_it_asks(monkeypatch, unroll, max_ops, steps_traced):
@@ -45,8 +46,24 @@ def test_a_step_is_unrolled_as_it_asks(monkeypatch, unroll, max_ops, steps_trace
     strategy = strategies.get("mirrored")
     step = _Step(unroll)
     out = strategy.run_steps(step, iter(strategy.distribute_dataset(_dataset_fn)), 7)
-    assert out["examples"] == 7 * BATCH
+    assert out == {"examples": 7 * BATCH, "steps": 7 * strategy.num_replicas_in_sync}
     assert step.traces == steps_traced * strategy.num_replicas_in_sync
+
+
+@pytest.mark.parametrize("dtype", [tf.int64, tf.float64])
+def test_sums_that_are_not_float32_are_carried_as_they_are(dtype):
+    """The loop's one vector of float32 sums (`BufferedSums`) gives way, traced once more."""
+    strategy = strategies.get("mirrored")
+    step = _Step(None, dtype)
+    dataset = strategy.distribute_dataset(_dataset_fn)
+    out = strategy.run_steps(step, iter(dataset), 7)
+    assert out == {"examples": 7 * BATCH, "steps": 7 * strategy.num_replicas_in_sync}
+    # The buffered loop's trace stopped at the first replica's sums; then the first
+    # step's and the loop's on every replica.
+    replicas = strategy.num_replicas_in_sync
+    assert step.traces == 1 + 2 * replicas
+    assert strategy.run_steps(step, iter(dataset), 2)["examples"] == 2 * BATCH
+    assert step.traces == 1 + 2 * replicas  # the loop it fell back to is kept
 
 
 def test_a_run_of_long_run_steps_or_more_asks_for_more_steps_an_iteration(tmp_path):
