@@ -346,6 +346,8 @@ class Strategy(abc.ABC):
             for _ in tf.range(rest // k):  # a long run's small step: k > 1
                 for _ in range(k):
                     totals = more_steps(totals)
+            if isinstance(sums, BufferedSums):  # of a known length again, to be reduced
+                totals = self.call_for_each_replica(sums.trim, args=(totals,))
             return sums.unpack(tf.nest.map_structure(lambda v: self.reduce("sum", v), totals))
 
         # Counting a step's ops needs it traced before the loop (`unrolled`).

@@ -61,15 +61,17 @@ class Unbuffered(Exception):
 
 
 class BufferedSums:
-    """A step's sums carried round a loop in one float32 vector of a fixed size.
+    """A step's sums carried round a loop in one float32 vector, from zeros.
 
     A loop of steps whose totals exist before its step is traced traces the step
     once, where it runs; totals that are the first step's own sums need that step
     traced once more before the loop, only to learn what it returns (on the
     default job, a quarter of the time to its first block). So the totals start
-    as `zeros()`, and each step's sums, float32 of known shapes (the objectives'
-    are), are laid out in their order in `capacity` elements. `pack` raises
-    `Unbuffered` for other sums, for a loop that carries them as they are.
+    as `zeros()`, `capacity` zeros of no fixed length, and each step adds its
+    sums, float32 of known shapes (the objectives' are), laid out in their order
+    in one vector: from the first step on the totals are as long as the sums.
+    `add` raises `Unbuffered` for other sums, for a loop that carries them as
+    they are.
     """
 
     def __init__(self, capacity: int):
@@ -77,13 +79,14 @@ class BufferedSums:
         self._layout: tuple[Any, list[tf.TensorShape]] = ({}, [])  # the step's structure, shapes
 
     def zeros(self) -> tf.Tensor:
-        return tf.zeros([self.capacity], tf.float32)
+        """Zeros for any step's sums: `capacity` of them, their length left unknown."""
+        return tf.compat.v1.placeholder_with_default(tf.zeros([self.capacity]), [None])
 
     def add(self, total: tf.Tensor, sums) -> tf.Tensor:
-        return total + self.pack(sums)
+        """`total` with `sums` added (`total`'s first values are the sums so far).
 
-    def pack(self, sums) -> tf.Tensor:
-        """`sums` laid out in one vector of `capacity`, zeros after them.
+        Slicing `total` waits only on the step before, so as in `total + sums`
+        one op waits on this step's sums: the loop adds nothing to a step's path.
 
         Raises:
           Unbuffered: a sum that is not float32, of an unknown shape, or more
@@ -98,12 +101,17 @@ class BufferedSums:
             raise Unbuffered(f"{used} sums, over {self.capacity}")
         self._layout = (sums, shapes)
         if not leaves:
-            return self.zeros()
+            return total[:0]
         if all(s.rank == 0 for s in shapes):  # the usual case: one op
             values = tf.stack(leaves)
         else:
             values = tf.concat([tf.reshape(v, [-1]) for v in leaves], 0)
-        return tf.pad(values, [[0, self.capacity - used]])
+        return values + total[:used]
+
+    def trim(self, total: tf.Tensor) -> tf.Tensor:
+        """`total` of the length of the step's sums (its shape known again)."""
+        used = sum(s.num_elements() for s in self._layout[1])
+        return tf.reshape(total[:used], [used])
 
     def unpack(self, total: tf.Tensor):
         """The step's sums read back from `total`, in the structure the step traced."""
