@@ -7,8 +7,13 @@ and on a small model, whose step is a few hundred ops, a few dozen more are
 a few percent of the step (`python -m trainer.bench --cases=small_mlp`). So
 the float32 scalars travel packed in one vector (one stack and one add a
 step), and at the end of the loop, once reduced, they are unpacked into the
-step's own keys. Other sums (vectors such as histograms, other dtypes) are
-carried as they are.
+step's own keys.
+
+Two ways: `BufferedSums` starts the totals from zeros, so a loop traces its
+step once (float32 sums of known shapes, vectors such as histograms too);
+`PackedSums` starts them from a first step traced on its own, for other sums
+(carried as they are besides the packed scalars) and for a loop that counts
+its step's ops before it (`strategies.unrolled`).
 """
 
 from __future__ import annotations
