@@ -33,6 +33,28 @@ PICKED_FROM = 20000  # picked ports: from here to the kernel's ephemeral range
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
+@contextlib.contextmanager
+def native_stderr_silenced() -> Iterator[None]:
+    """Silences file descriptor 2 while TensorFlow loads and probes devices.
+
+    Its C++ runtime prints start-up chatter (no CUDA driver found, ...) before
+    any setting can stop it. Python errors still surface: they are raised, not
+    printed, inside the block. `TF_CPP_MIN_LOG_LEVEL=0` or `1` keeps the chatter.
+    """
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2") < "2":
+        yield
+        return
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 class Console:
     """Writes whole lines to one stream from many threads, each prefixed with its source."""
 
@@ -258,21 +280,29 @@ def _bind(port: int) -> socket.socket:
 
 
 def member_pid(task_type: str, index: int, marker: str) -> int | None:
-    """The live process whose `TF_CONFIG` is that of this member and whose command holds `marker`.
+    """The live process that is this member of a local cluster, whose command holds `marker`.
 
-    For tests and the benchmark, which signal one member of a local cluster.
+    A member is known by its `TF_CONFIG`, or, forked by `towerflow.forkserver`
+    (whose environment it shows), by its name, `TYPE:INDEX`. For tests and the
+    benchmark, which signal one member of a local cluster.
     """
     for proc in pathlib.Path("/proc").glob("[0-9]*"):
         try:
             command = (proc / "cmdline").read_bytes().decode(errors="replace")
-            environ = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+            task = member_task(int(proc.name))
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if marker not in command:
-            continue
-        for entry in environ:
-            if entry.startswith("TF_CONFIG="):
-                named = json.loads(entry.removeprefix("TF_CONFIG="))["task"]
-                if named == {"type": task_type, "index": index}:
-                    return int(proc.name)
+        if marker in command and task == {"type": task_type, "index": index}:
+            return int(proc.name)
     return None
+
+
+def member_task(pid: int) -> dict | None:
+    """The `{"type", "index"}` of the member `pid` is, from its `TF_CONFIG` or its name."""
+    environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    for entry in environ.split("\0"):
+        if entry.startswith("TF_CONFIG="):
+            return json.loads(entry.removeprefix("TF_CONFIG="))["task"]
+    name = pathlib.Path(f"/proc/{pid}/comm").read_text().strip()
+    task_type, _, index = name.partition(":")
+    return {"type": task_type, "index": int(index)} if index.isdigit() else None

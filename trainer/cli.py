@@ -7,7 +7,6 @@ not import TensorFlow at module level, so flag errors come back at once.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pathlib
@@ -18,6 +17,8 @@ from collections.abc import Callable, Iterator
 import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
+
+from towerflow.processes import native_stderr_silenced  # noqa: F401 (its callers' name for it)
 
 # towerflow's own configs, found from this file, never by `import configs`: a user's
 # project often has a `configs` package of its own.
@@ -334,25 +335,3 @@ def guarded(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
             os._exit(e.exit_code)
 
     return wrapper
-
-
-@contextlib.contextmanager
-def native_stderr_silenced() -> Iterator[None]:
-    """Silences file descriptor 2 while TensorFlow loads and probes devices.
-
-    Its C++ runtime prints start-up chatter (no CUDA driver found, ...) before
-    any setting can stop it. Python errors still surface: they are raised, not
-    printed, inside the block. `TF_CPP_MIN_LOG_LEVEL=0` or `1` keeps the chatter.
-    """
-    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2") < "2":
-        yield
-        return
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)

@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+from towerflow.processes import member_task
 from trainer.bench import clock
 from trainer.bench.sizes import FULL, LOGICAL_CPUS, QUICK, case_strategy
 
@@ -227,12 +228,9 @@ def cluster_cpu_s(root: int) -> dict[str, float]:
 
 
 def _task_type(pid: int) -> str | None:
-    """The task type in process `pid`'s `TF_CONFIG`, or None."""
+    """The task type of the cluster member `pid` is (`member_task`), or None."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            for variable in f.read().split(b"\0"):
-                if variable.startswith(b"TF_CONFIG="):
-                    return json.loads(variable[len(b"TF_CONFIG=") :])["task"]["type"]
+        return (member_task(pid) or {}).get("type")
     return None
 
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from strategies.cluster.roster import Roster
+from towerflow import forkserver
 from towerflow.errors import (
     PREEMPTED_EXIT_CODE,
     REFORM_EXIT_CODE,
@@ -27,7 +28,6 @@ from towerflow.processes import (
     Interrupt,
     reap,
     signal_group,
-    start_process,
     terminate,
 )
 from trainer.launch.plan import Member, Plan
@@ -40,6 +40,9 @@ MAX_MEMBER_RESTARTS = 3  # a parameter-server worker that fails is started again
 REFORM_WAIT_S = 60.0  # how long an elastic group's survivors may take to save and exit
 SETTLE_S = 15.0  # still running this long after a survivor saved: hung (> watchdog probes)
 _PROGRESS = "train | step: "  # the chief's progress line: the group trains
+# How members start: forked from one process that imported TensorFlow, when the launcher
+# turns it on (`towerflow.forkserver`); else each as a process of its own.
+MEMBERS = forkserver.Client()
 
 
 class Cluster:
@@ -138,7 +141,7 @@ class Cluster:
 
     def _start(self, member: Member) -> None:
         env = {**os.environ, **self.env, "TF_CONFIG": member.tf_config}
-        proc, pump = start_process(self.command, env, self._writer(member))
+        proc, pump = MEMBERS.start(self.command, env, self._writer(member))
         self._procs[member] = proc
         self._pumps.append(pump)
 

@@ -1,0 +1,262 @@
+"""A local cluster's members started as forks of one process that imported TensorFlow once.
+
+Every member of a `python -m trainer.launch` cluster imports TensorFlow and
+Keras before it does anything else: about 3 s of CPU each here, for every
+chief, worker, ps and evaluator, and again for a member started anew. The
+launcher instead starts one server process (`python -m towerflow.forkserver`),
+which imports them and nothing more (no TensorFlow runtime starts: no threads,
+no devices), and asks it for each member. The server forks twice, so that the
+member becomes the launcher's own child (the launcher is a child subreaper),
+and the member then runs like `python -m MODULE ARGS...` would: in its own
+session, in the launcher's working directory, with its own environment,
+arguments and output pipe, a fresh random state, exiting with its own status
+(a traceback of its own code, as the interpreter would print it).
+
+Only a command of the form `[sys.executable, "-m", MODULE, ...]` is forked;
+where the kernel has no child subreapers (not Linux) or the server cannot
+start, and under `python -m trainer.launch --nofork_members`, members are
+started as processes of their own (`start_process`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import random
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+
+from towerflow.processes import native_stderr_silenced, start_process
+
+PRELOADED = ("tensorflow", "keras", "absl.app")  # what every member imports first
+_PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
+_MESSAGE_BYTES = 1 << 20  # a request: the member's argv and environment, as JSON
+_POLL_S = 0.02
+
+
+class Forked:
+    """A member forked by the server: `subprocess.Popen`'s `pid`, `poll`, `wait`, `returncode`."""
+
+    def __init__(self, pid: int, args: Sequence[str]):
+        self.pid = pid
+        self.args = list(args)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(_POLL_S)
+        return self.returncode
+
+
+class Client:
+    """The launcher's side: starts the server once, then asks it for each member.
+
+    Attributes:
+      enabled: fork members (off: every one a process of its own). The launcher
+        turns it on; the server makes this process a child subreaper.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._socket: socket.socket | None = None
+        self._server: subprocess.Popen | None = None
+        self._failed = False
+        self._lock = threading.Lock()  # one request at a time on the socket
+
+    def start(
+        self, command: Sequence[str], env: dict[str, str], on_line: Callable[[str], None]
+    ) -> tuple[subprocess.Popen | Forked, threading.Thread]:
+        """Starts `command` as `start_process` would, forked from the server where it can."""
+        module = _module(command)
+        if module is None or not self.enabled or not self._started(command, env):
+            return start_process(command, env, on_line)
+        read, write = os.pipe()
+        request = {"module": module, "argv": list(command[3:]), "cwd": os.getcwd()}
+        request["env"] = {**env, "PYTHONUNBUFFERED": "1"}
+        try:
+            with self._lock:
+                socket.send_fds(self._socket, [json.dumps(request).encode()], [write])
+                reply = json.loads(self._socket.recv(_MESSAGE_BYTES) or b"{}")
+        except OSError:
+            reply = {}
+        os.close(write)
+        if "pid" not in reply:  # the server is gone: from now on, processes of their own
+            os.close(read)
+            self.close()
+            self._failed = True
+            return start_process(command, env, on_line)
+        proc = Forked(reply["pid"], command)
+        return proc, _pump(os.fdopen(read, "rb"), on_line)
+
+    def close(self) -> None:
+        """Ends the server (members it started run on)."""
+        if self._socket is not None:
+            self._socket.close()
+        if self._server is not None:
+            self._server.wait()
+        self._socket = self._server = None
+
+    def _started(self, command: Sequence[str], env: dict[str, str]) -> bool:
+        if self._socket is not None:
+            return True
+        if self._failed or not _become_subreaper():
+            return False  # failed before, or members could not be this process's children
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._server = subprocess.Popen(  # its command line shows whose members it starts
+            [sys.executable, "-m", "towerflow.forkserver", str(theirs.fileno()), "--", *command],
+            # Unbuffered output from the start: the members inherit its streams' buffering.
+            env={**{k: v for k, v in env.items() if k != "TF_CONFIG"}, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        ready = ours.recv(_MESSAGE_BYTES)
+        if ready != b"ready":  # the import failed: its error is on stderr
+            ours.close()
+            self._server.wait()
+            self._server, self._failed = None, True
+            return False
+        self._socket = ours
+        return True
+
+
+def _module(command: Sequence[str]) -> str | None:
+    """MODULE of `[sys.executable, "-m", MODULE, ...]`, else None."""
+    if len(command) >= 3 and command[0] == sys.executable and command[1] == "-m":
+        return command[2]
+    return None
+
+
+def _become_subreaper() -> bool:
+    """Makes orphaned descendants (the forked members) this process's children; Linux only."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _set_name(name: str) -> None:
+    """This process's name (`/proc/self/comm`, at most 15 bytes)."""
+    with open("/proc/self/comm", "w") as comm:
+        comm.write(name[:15])
+
+
+def _pump(stream, on_line: Callable[[str], None]) -> threading.Thread:
+    def pump() -> None:
+        with stream:
+            for raw in iter(stream.readline, b""):
+                on_line(raw.decode(errors="replace").rstrip("\r\n"))
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
+
+
+def serve(channel: socket.socket) -> dict | None:
+    """The server's loop: forks a member per request; returns the request in the member."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher stops it by closing the socket
+        signal.signal(sig, signal.SIG_IGN)
+    channel.sendall(b"ready")
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 1)
+        except OSError:
+            return None
+        if not message:
+            return None
+        request = json.loads(message)
+        pids_read, pids_write = os.pipe()
+        middle = os.fork()
+        if middle == 0:  # the member's parent for a moment: it exits, the launcher adopts
+            os.close(pids_read)
+            member = os.fork()
+            if member == 0:
+                os.close(pids_write)
+                channel.close()
+                request["output"] = fds[0]
+                return request
+            os.write(pids_write, str(member).encode())
+            os._exit(0)
+        os.close(pids_write)
+        for fd in fds:
+            os.close(fd)
+        with os.fdopen(pids_read, "rb") as pids:
+            member = int(pids.read() or 0)
+        os.waitpid(middle, 0)
+        channel.sendall(json.dumps({"pid": member} if member else {}).encode())
+
+
+def run_member(request: dict) -> None:
+    """Runs the member as `python -m MODULE ARGV...` would, in this forked process.
+
+    Its command line and `/proc/PID/environ` are the server's; its name
+    (`/proc/PID/comm`, what `ps -o comm` shows) says which member it is, e.g.
+    `worker:1` (`towerflow.processes.member_pid` reads either).
+    """
+    os.setsid()  # a process group of its own, as `start_process` gives
+    task = json.loads(request["env"].get("TF_CONFIG", "{}")).get("task")
+    if task:
+        name = f"{task['type']}:{task['index']}"
+        _set_name(name)
+        # `absl.app.run` names the process after its script first: named again after that.
+        sys.modules["absl.app"].call_after_init(lambda: _set_name(name))
+    for stream in (1, 2):
+        os.dup2(request["output"], stream)
+    os.close(request["output"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()
+    sys.modules["numpy"].random.seed()  # as fresh as a new process's
+    with native_stderr_silenced():  # the device probe's chatter, as `python -m trainer` hides it
+        sys.modules["tensorflow"].config.list_physical_devices()
+    sys.argv = [request["module"], *request["argv"]]
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit:
+        raise
+    except BaseException as error:  # the member's own traceback, without these frames
+        frames = error.__traceback__
+        while frames is not None and frames.tb_frame.f_code.co_filename == __file__:
+            frames = frames.tb_next
+        traceback.print_exception(type(error), error, frames)
+        sys.exit(1)
+
+
+def main() -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as `python -m trainer` sets it
+    channel = socket.socket(fileno=int(sys.argv[1]))
+    with native_stderr_silenced():  # TensorFlow's C++ start-up chatter, as members hide it
+        for name in PRELOADED:
+            __import__(name)
+    request = serve(channel)
+    if request is not None:
+        run_member(request)
+
+
+if __name__ == "__main__":
+    main()
