@@ -288,21 +288,23 @@ def member_pid(task_type: str, index: int, marker: str) -> int | None:
     """
     for proc in pathlib.Path("/proc").glob("[0-9]*"):
         try:
-            command = (proc / "cmdline").read_bytes().decode(errors="replace")
-            task = member_task(int(proc.name))
+            if marker not in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            if member_identity(int(proc.name)) == {"type": task_type, "index": index}:
+                return int(proc.name)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if marker in command and task == {"type": task_type, "index": index}:
-            return int(proc.name)
     return None
 
 
-def member_task(pid: int) -> dict | None:
+def member_identity(pid: int) -> dict | None:
     """The `{"type", "index"}` of the member `pid` is, from its `TF_CONFIG` or its name."""
     environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
     for entry in environ.split("\0"):
         if entry.startswith("TF_CONFIG="):
-            return json.loads(entry.removeprefix("TF_CONFIG="))["task"]
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # not a member's
+                return json.loads(entry.removeprefix("TF_CONFIG="))["task"]
+            return None
     name = pathlib.Path(f"/proc/{pid}/comm").read_text().strip()
     task_type, _, index = name.partition(":")
     return {"type": task_type, "index": int(index)} if index.isdigit() else None

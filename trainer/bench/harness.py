@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
-from towerflow.processes import member_task
+from towerflow.processes import member_identity
 from trainer.bench import clock
 from trainer.bench.sizes import FULL, LOGICAL_CPUS, QUICK, case_strategy
 
@@ -228,9 +228,9 @@ def cluster_cpu_s(root: int) -> dict[str, float]:
 
 
 def _task_type(pid: int) -> str | None:
-    """The task type of the cluster member `pid` is (`member_task`), or None."""
+    """The type (chief, worker, ps, evaluator) of the cluster member `pid` is, or None."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        return (member_task(pid) or {}).get("type")
+        return (member_identity(pid) or {}).get("type")
     return None
 
 
