@@ -244,6 +244,9 @@ def run_member(request: dict) -> None:
         while frames is not None and frames.tb_frame.f_code.co_filename == __file__:
             frames = frames.tb_next
         traceback.print_exception(type(error), error, frames)
+        if isinstance(error, KeyboardInterrupt):  # as the interpreter ends: killed by SIGINT
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
 
 

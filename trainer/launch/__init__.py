@@ -307,4 +307,6 @@ def main(argv: list[str]) -> None:
                 )
     except UserError as e:
         cli.fail(one_line(e))
+    finally:
+        running.MEMBERS.close()
     sys.exit(code)
