@@ -101,7 +101,7 @@ class BufferedSums:
         if any(v.dtype != tf.float32 or not v.shape.is_fully_defined() for v in leaves):
             raise Unbuffered("a sum that is not float32 of a known shape")
         shapes = [v.shape for v in leaves]
-        used = sum(s.num_elements() for s in shapes)
+        used = _length(shapes)
         if used > self.capacity:
             raise Unbuffered(f"{used} sums, over {self.capacity}")
         self._layout = (sums, shapes)
@@ -115,7 +115,7 @@ class BufferedSums:
 
     def trim(self, total: tf.Tensor) -> tf.Tensor:
         """`total` of the length of the step's sums (its shape known again)."""
-        used = sum(s.num_elements() for s in self._layout[1])
+        used = _length(self._layout[1])
         return tf.reshape(total[:used], [used])
 
     def unpack(self, total: tf.Tensor):
@@ -127,3 +127,8 @@ class BufferedSums:
             leaves.append(tf.reshape(total[start : start + size], shape))
             start += size
         return tf.nest.pack_sequence_as(structure, leaves)
+
+
+def _length(shapes: list[tf.TensorShape]) -> int:
+    """How many values sums of `shapes` take laid out in one vector."""
+    return sum(s.num_elements() for s in shapes)

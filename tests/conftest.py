@@ -12,7 +12,7 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from trainer.cli import native_stderr_silenced  # noqa: E402
+from towerflow.processes import native_stderr_silenced  # noqa: E402
 
 LOGICAL_CPUS = 4
 with native_stderr_silenced():  # TensorFlow's start-up chatter, in each test worker

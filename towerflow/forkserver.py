@@ -34,7 +34,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from towerflow.processes import native_stderr_silenced, start_process
+from towerflow.processes import native_stderr_silenced, pump_lines, start_process
 
 PRELOADED = ("tensorflow", "keras", "absl.app")  # what every member imports first
 _PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
@@ -104,7 +104,7 @@ class Client:
             self._failed = True
             return start_process(command, env, on_line)
         proc = Forked(reply["pid"], command)
-        return proc, _pump(os.fdopen(read, "rb"), on_line)
+        return proc, pump_lines(os.fdopen(read, "rb"), on_line)
 
     def close(self) -> None:
         """Ends the server (members it started run on)."""
@@ -158,17 +158,6 @@ def _set_name(name: str) -> None:
     """This process's name (`/proc/self/comm`, at most 15 bytes)."""
     with open("/proc/self/comm", "w") as comm:
         comm.write(name[:15])
-
-
-def _pump(stream, on_line: Callable[[str], None]) -> threading.Thread:
-    def pump() -> None:
-        with stream:
-            for raw in iter(stream.readline, b""):
-                on_line(raw.decode(errors="replace").rstrip("\r\n"))
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    return thread
 
 
 def serve(channel: socket.socket) -> dict | None:

@@ -94,14 +94,20 @@ def start_process(
         start_new_session=True,  # its own process group, which `terminate` signals as a whole
     )
 
+    return proc, pump_lines(proc.stdout, on_line)
+
+
+def pump_lines(stream: IO[bytes], on_line: Callable[[str], None]) -> threading.Thread:
+    """A daemon thread that passes each line of `stream` to `on_line`, then closes it."""
+
     def pump() -> None:
-        with proc.stdout:
-            for raw in iter(proc.stdout.readline, b""):
+        with stream:
+            for raw in iter(stream.readline, b""):
                 on_line(raw.decode(errors="replace").rstrip("\r\n"))
 
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
-    return proc, thread
+    return thread
 
 
 def terminate(

@@ -18,7 +18,7 @@ import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
-from towerflow.processes import native_stderr_silenced  # noqa: F401 (its callers' name for it)
+from towerflow.processes import native_stderr_silenced
 
 # towerflow's own configs, found from this file, never by `import configs`: a user's
 # project often has a `configs` package of its own.

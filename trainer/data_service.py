@@ -50,7 +50,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ chat
 from absl import app, flags  # noqa: E402
 
 from strategies.cluster import discovery  # noqa: E402
-from towerflow import errors  # noqa: E402
+from towerflow import errors, processes  # noqa: E402
 from towerflow.errors import UserError  # noqa: E402
 from trainer import cli  # noqa: E402
 
@@ -242,7 +242,7 @@ def _tf_config(text: str | None) -> tuple[dict[str, list[str]], str, int]:
 
 def serve(server: Server, stop: threading.Event) -> None:
     """Runs `server` until `stop` is set; says where it serves."""
-    with cli.native_stderr_silenced():  # TensorFlow's C++ start-up chatter
+    with processes.native_stderr_silenced():  # TensorFlow's C++ start-up chatter
         import tensorflow as tf
 
     service = tf.data.experimental.service

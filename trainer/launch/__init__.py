@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from strategies.cluster.roster import REFORM_VARIABLE, Roster
-from towerflow import netns
+from towerflow import netns, processes
 from towerflow.errors import MEMBER_LOST_EXIT_CODE, REFORM_EXIT_CODE, UserError, one_line
 from towerflow.processes import Console, Interrupt, pick_ports
 from trainer import cli
@@ -204,7 +204,7 @@ def launch(
 
 def _start_data_service(workers: int, console: Console, stack: contextlib.ExitStack) -> str:
     """A dispatcher and `workers` data workers, stopped with `stack`; the dispatcher's address."""
-    with cli.native_stderr_silenced():  # it imports TensorFlow: only when asked for
+    with processes.native_stderr_silenced():  # it imports TensorFlow: only when asked for
         from trainer.data import service_client
 
     servers = stack.enter_context(service_client.serving_locally(workers, console))

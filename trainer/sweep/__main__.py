@@ -343,7 +343,7 @@ def sweep(
     slots = sweep_plan.plan_slots(_PARALLEL.value, per_trial, sweep_plan.visible_gpus(), cores)
     name = os.path.splitext(os.path.basename(config_path))[0]
     sweep_dir = _SWEEP_DIR.value or os.path.join("runs", f"sweep-{name}")
-    with cli.native_stderr_silenced():  # the first file access loads TensorFlow: no chatter
+    with processes.native_stderr_silenced():  # the first file access loads TensorFlow: no chatter
         check_sweep_dir(sweep_dir)
     console.log(
         f"{len(trials)} trial(s) in {sweep_dir}, {len(slots)} at a time "
