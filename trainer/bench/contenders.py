@@ -20,9 +20,11 @@ def towerflow(
 ) -> Run:
     """`train.run` for `steps` more steps; examples/s over whole loops after the first.
 
-    A `Clock` action notes when each block is done. One more step runs after
-    the timed ones, untimed: the end-of-run checkpoint comes after it. The
-    trainer's printed lines go nowhere (stdout holds the benchmark's table).
+    The first loop (untimed) is `train.steps_per_loop` steps, or one under
+    auto, as the bare loop's. A `Clock` action notes when each block is done.
+    One more step runs after the timed ones, untimed: the end-of-run
+    checkpoint comes after it. The trainer's printed lines go nowhere (stdout
+    holds the benchmark's table).
     With a `service` (`trainer.data.service_client.Service`) the input runs on it.
     `run.input_wait_ms` gets, for each repetition, the milliseconds a timed
     step waited for its input (the trainer's `input_wait_ms`), where the
@@ -33,13 +35,19 @@ def towerflow(
     job = train.build(config, model_dir, strategy, service)
     batch = config.train.global_batch_size
 
+    first = config.train.steps_per_loop or 1  # the untimed loop, as the bare loop's
+
     def run() -> float:
-        end = int(job.optimizer.iterations.numpy()) + steps
+        start = int(job.optimizer.iterations.numpy())
+        end = start + steps
         job.total_steps = end + 1
         blocks = clock.Clock()
         waits: list[tuple[int, float]] = []  # (steps, ms per step) of each block
-        # A block ends at `end` whatever the loop length (blocks end where an action is due).
-        timed_end = actions.Action(lambda output: None, every=end, name="end of timing")
+        # Blocks end after the untimed first loop and at `end`, whatever the loop length
+        # (blocks end where an action is due; auto's length is the job's, kept across runs).
+        timed_end = actions.Action(
+            lambda output: None, every=end, at_steps=(start + first,), name="end of timing"
+        )
         waited = actions.Action(
             lambda output: waits.append((output.steps, output.metrics.get("input_wait_ms", 0.0))),
             name="input wait",

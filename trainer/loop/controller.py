@@ -146,6 +146,7 @@ class Controller:
     def train(self) -> Output | None:
         """Trains to `total_steps` or until an action stops it; returns the last output."""
         output = None
+        self._loops.start()
         with contextlib.ExitStack() as stack:
             for action in self.actions:
                 if action.loop is not None:

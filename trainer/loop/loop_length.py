@@ -3,10 +3,13 @@
 A loop is one `tf.function` call and one progress line. Its fixed cost (the
 call, reading back the sums, the summaries and the progress line) is a few
 milliseconds on a CPU (`python -m trainer.bench`), so a loop of `AUTO_LOOP_S`
-keeps it well under 2% of the time. Auto starts with one step (which also
-traces the function), then sizes each loop from the time per step of the
-loop before: as many steps as fill `AUTO_LOOP_S`, rounded down to 1, 2 or 5
-times a power of ten, growing at most `AUTO_GROWTH` times per loop.
+keeps it well under 2% of the time. Auto starts with one step, then sizes
+each loop from the time per step of the loop before: as many steps as fill
+`AUTO_LOOP_S`, rounded down to 1, 2 or 5 times a power of ten, growing at
+most `AUTO_GROWTH` times per loop. The first loop of each run (`start`)
+also starts an input pipeline and traces the step: its time says nothing of
+a step's, so it sizes nothing, and a later run of the same job starts at the
+length the one before reached instead of at one step again.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ class LoopLength:
     def __init__(self, steps_per_loop: int):
         self.auto = steps_per_loop == 0
         self._steps = 1 if self.auto else steps_per_loop
+        self._warming_up = False
+
+    def start(self) -> None:
+        """A run starts: its first loop, slowed by the run's start, is not observed."""
+        self._warming_up = True
 
     def next(self) -> int:
         """Steps the next loop runs (before stopping at checkpoints and evals)."""
@@ -31,7 +39,8 @@ class LoopLength:
 
     def observe(self, steps: int, seconds: float) -> None:
         """Records that a loop of `steps` steps took `seconds`."""
-        if not self.auto or steps < 1 or seconds <= 0:
+        warming_up, self._warming_up = self._warming_up, False
+        if not self.auto or warming_up or steps < 1 or seconds <= 0:
             return
         fits = AUTO_LOOP_S * steps / seconds
         limit = min(AUTO_GROWTH * max(steps, self._steps), AUTO_MAX_STEPS)

@@ -74,6 +74,8 @@ class Job:
     input_position: elastic.InputPosition | None = None
     # Steps to an iteration of a loop's `while` (`strategies.unrolled`): more in a long run.
     unroll: unrolled.Unroll = unrolled.Unroll()
+    # Auto's measured loop length, kept: a later `run` of the job starts where this one was.
+    loop_length: loop_length.LoopLength | None = None
 
     @functools.cached_property
     def eval_step(self) -> Callable:
@@ -247,6 +249,7 @@ def build(
         unroll=unrolled.for_run(
             config.train.steps_per_iteration, total_steps, strategy.membership.cluster is None
         ),
+        loop_length=loop_length.LoopLength(config.train.steps_per_loop),
     )
 
 
@@ -599,7 +602,7 @@ def _train(
         readings.step,
         job.total_steps,
         [*_actions(job, checkpointer, summaries, evaluate, readings), *extra_actions],
-        loop_length.LoopLength(config.train.steps_per_loop),
+        job.loop_length,
         agree=strategy.membership.agree,
     )
     last = loop.train()
