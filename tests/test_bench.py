@@ -16,7 +16,7 @@ import tensorflow as tf
 import strategies
 from tests.helpers import assert_exit, run_cli, tiny_config
 from trainer import bench
-from trainer.bench import clock, data_service, hosts, straggling
+from trainer.bench import clock, data_service, harness, hosts, straggling
 from trainer.loop import controller, train
 
 # Keras 3 `fit` with `steps_per_execution` > 1 fails under MirroredStrategy
@@ -205,6 +205,17 @@ def test_bad_flags_are_one_line(flag, message, tmp_path):
     assert_exit(done, 2)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_each_round_starts_one_contender_later(monkeypatch):
+    monkeypatch.setattr(harness, "note", lambda line: None)
+    order = []
+    runs = {name: (lambda name=name: order.append(name) or 1.0) for name in "ABC"}
+    for run in runs.values():
+        run.self_warming = True
+    samples = harness.alternate(runs, 4)
+    assert "".join(order) == "ABCBCACABABC"
+    assert samples == {name: [1.0] * 4 for name in "ABC"}
 
 
 def test_the_clock_marks_each_block_once_it_is_done(tmp_path, monkeypatch):

@@ -27,8 +27,9 @@ of the case runs with that setup (`harness.py`).
 
 Every contender warms up once (tracing, pipeline start; towerflow, Keras
 and the bare loop instead leave their first loop out of every timing), then
-all run in turn (A B C A B C ...) `--reps` times, so load from other
-processes hits them alike. Figures are medians; ratios are medians of the
+all run in turn `--reps` times, each round starting one later (A B C,
+B C A, C A B, ...), so load from other processes hits them alike and none
+always runs after the same other one. Figures are medians; ratios are medians of the
 ratios within each round (paired), which load that comes and goes disturbs
 less. Cases, one module each, named after the case:
 

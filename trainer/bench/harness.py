@@ -37,11 +37,14 @@ Run = Callable[[], float]  # one timed repetition -> a rate (examples/s, or FLOP
 def alternate(
     contenders: dict[str, Run], reps: int, failed: dict[str, str] | None = None
 ) -> dict[str, list[float]]:
-    """Runs the contenders in turn `reps` times (A B C A B C ...); their rates.
+    """Runs the contenders in turn `reps` times, each round starting one later (A B C, B C A, ...).
 
     Each first warms up once, unless it is `self_warming` (it leaves its own
-    first loop out of every timing). A contender that fails is left out, with
-    the reason in `failed` (Keras `fit` cannot run some configurations at all).
+    first loop out of every timing). The rotation gives every contender every
+    place in a round in turn, so none always runs after the same other one
+    (and what that one leaves behind: threads, memory, caches). A contender
+    that fails is left out, with the reason in `failed` (Keras `fit` cannot
+    run some configurations at all).
     """
     contenders = dict(contenders)
     samples: dict[str, list[float]] = {name: [] for name in contenders}
@@ -62,7 +65,9 @@ def alternate(
             note(f"  warm-up {name}")
             attempt(name)
     for rep in range(reps):
-        for name in list(contenders):
+        names = list(contenders)
+        shift = rep % max(1, len(names))
+        for name in names[shift:] + names[:shift]:
             rate = attempt(name)
             if rate is not None:
                 samples[name].append(rate)
