@@ -4,6 +4,7 @@ A driver process (the launcher's role) starts three members of
 `tests.fork_probe` through one server: each sees its own arguments,
 environment, working directory and session, has its own name and random state,
 and exits with its own status; an error of its own shows its own traceback.
+A fourth, with forking off (`--nofork_members`), is a process of its own.
 """
 
 import json
@@ -18,7 +19,7 @@ from towerflow import forkserver
 client = forkserver.Client()
 client.enabled = True
 results = []
-for index, extra in enumerate([[], ["--exit=3"], ["--raise"]]):
+for index, extra in enumerate([[], ["--exit=3"], ["--raise"], []]):
     lines = []
     env = {**os.environ, "TF_CONFIG": json.dumps({"task": {"type": "worker", "index": index}})}
     command = [sys.executable, "-m", "tests.fork_probe", f"--n={index}", *extra]
@@ -26,6 +27,7 @@ for index, extra in enumerate([[], ["--exit=3"], ["--raise"]]):
     code = proc.wait(timeout=120)
     pump.join(5)
     results.append({"forked": isinstance(proc, forkserver.Forked), "code": code, "lines": lines})
+    client.enabled = index < 2  # as `--nofork_members` leaves it: the last, a process of its own
 client.close()
 print(json.dumps(results))
 """
@@ -39,16 +41,17 @@ def test_forked_members_run_as_processes_of_their_own(tmp_path):
     result = helpers.run_command([sys.executable, "-c", DRIVER], str(tmp_path))
     helpers.assert_exit(result)
     members = json.loads(result.stdout.splitlines()[-1])
-    assert [m["forked"] for m in members] == [True] * 3
-    assert [m["code"] for m in members] == [0, 3, 1]
+    assert [m["forked"] for m in members] == [True, True, True, False]
+    assert [m["code"] for m in members] == [0, 3, 1, 0]
     for index, member in enumerate(members):
         lines = member["lines"]
         assert json.loads(_value(lines, "argv"))[0] == f"--n={index}"
         assert _value(lines, "cwd") == str(tmp_path)
         assert json.loads(_value(lines, "task")) == {"type": "worker", "index": index}
         assert _value(lines, "session_leader") == "True"
-        assert _value(lines, "name") == f"worker:{index}"
-    assert len({_value(m["lines"], "random") for m in members}) == 3
+    assert [_value(m["lines"], "name") for m in members[:3]] == ["worker:0", "worker:1", "worker:2"]
+    assert _value(members[3]["lines"], "name") != "worker:3"  # an interpreter's own name
+    assert len({_value(m["lines"], "random") for m in members}) == 4
     traceback = "\n".join(members[2]["lines"])
     assert "RuntimeError: the member's own error" in traceback
     assert "fork_probe.py" in traceback and "in _fail" in traceback
