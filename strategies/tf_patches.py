@@ -57,7 +57,8 @@ it).
   `cross_device_ops_name` (what `MirroredStrategy` picked), `worker_count`
   (the workers `MultiWorkerMirroredStrategy` resolved), `ps_count` (the ps
   members of a bare `ParameterServerStrategy`, whose dynamic tables get a
-  part on each: `strategies.sharding.current`).
+  part on each: `strategies.sharding.current`), `lock_handle` (the resource
+  handle of a `tf.CriticalSection`: where a dynamic table's lock lives).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 """
@@ -136,6 +137,11 @@ PATCHES = {
         ("2.20", "2.21"),
         "ParameterServerStrategy keeps its ps count in extended._num_ps, and its public "
         "cluster_resolver is None",
+    ),
+    "lock_handle": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "tf.CriticalSection keeps its mutex resource in _handle; no public handle or device",
     ),
     "swap_class": Patch(
         "keras",
@@ -401,6 +407,12 @@ def layers_after(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     """The layers that take `layer`'s outputs in a functional model's graph (none elsewhere)."""
     targeted("layers_after")
     return [node.operation for node in getattr(layer, "_outbound_nodes", [])]
+
+
+def lock_handle(lock: tf.CriticalSection) -> tf.Tensor:
+    """The resource handle of `lock`, whose `device` says where the lock lives."""
+    targeted("lock_handle")
+    return lock._handle
 
 
 def swap_class(layer: keras.layers.Layer, new: type) -> None:

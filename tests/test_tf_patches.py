@@ -154,6 +154,13 @@ def test_parameter_server_keeps_its_ps_count_in_a_private_field():
     assert "self._cluster_resolver = " not in source
 
 
+def test_a_critical_section_keeps_its_mutex_handle_in_a_private_field():
+    lock = tf.CriticalSection(name="canary_lock", shared_name="canary_lock")
+    assert not hasattr(lock, "handle") and not hasattr(lock, "device")  # no public name
+    handle = tf_patches.lock_handle(lock)
+    assert handle.dtype == tf.resource and "CPU:0" in handle.device
+
+
 def test_keras_batch_normalization_assigns_its_moving_statistics():
     layer = keras.layers.BatchNormalization()
     layer.build((None, 2))
