@@ -17,7 +17,13 @@ Glossary (the classic distributed-TensorFlow terms, as `tf.distribute` uses them
   who this process is in its cluster (role, chief) and whether the others
   are alive (lost members, agreement, preemption, restored steps). It is not
   part of distributing a step, so it is not part of this interface; a
-  plugin of several processes builds it from its cluster in `_build()`.
+  plugin of several processes builds it from its cluster in `build_tf_strategy()`.
+- *plugin*: a `Strategy` subclass, registered by name (`strategies.register`,
+  or an installed package's `towerflow.strategies` entry point).
+- *traits* (`Traits`): what a plugin supports and how it runs steps, which the
+  loop checks before it builds anything.
+- *options*: a plugin's settings, the `config.strategy.<name>` section, declared
+  once as a dataclass (`class P(Strategy, options=POptions)`).
 
 The interface the loop uses: `scope()`, `distribute_dataset(dataset_fn)`,
 `call_for_each_replica(fn, args)`, `reduce(op, value)`, `local_results(value)`,
@@ -25,10 +31,18 @@ The interface the loop uses: `scope()`, `distribute_dataset(dataset_fn)`,
 `evaluate(step_fn, dataset_fn)`, `describe(variables)`, `place_model(model)`
 and `report(sums)`; what the plugin supports and how it runs steps (`traits`);
 its `name`, its `options`, the `tf_strategy` it wraps and its `membership`.
-Those 16 are all the public members. A plugin implements `_build()` and
-`_communication`, and overrides `_local_replicas`, `_compute_devices` or any
-of the interface where it differs; its options are a dataclass given as
-`class P(Strategy, options=POptions)`.
+Those 16 are all the public members the loop reads.
+
+The hooks a plugin implements, its public contract: `build_tf_strategy()`
+(the `tf.distribute.Strategy` it wraps, from `self.options`) and
+`communication` (one line on what crosses devices or processes); where it
+differs from the default, `local_replicas(options, logical_cpus)` (replicas in
+one process, asked before TensorFlow starts) and `compute_devices` (the devices
+that run replicas). With its `Traits` and its options dataclass that is all a
+plugin must give; it may override any member of the interface where it
+differs. The hooks of towerflow 0.1 (`_build`, `_communication`,
+`_local_replicas`, `_compute_devices`, `Options`, `supports_*`) still work
+until towerflow 0.3, with one line naming the new name (`strategies.deprecated`).
 
 A plugin wraps one real `tf.distribute.Strategy` (`tf_strategy`) and adds only
 what differs for it. A short example, the whole contract in use::
@@ -57,7 +71,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from strategies import transfer, unrolled
+from strategies import deprecated, transfer, unrolled
 from strategies.cluster import membership
 from strategies.packed_sums import BufferedSums, PackedSums, Unbuffered
 from towerflow.errors import UserError
@@ -105,7 +119,25 @@ class SplitTrainStep(TrainStepProtocol, Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Traits:
-    """What a plugin supports, and how it runs steps: what the loop checks and adapts to."""
+    """What a plugin supports, and how it runs steps: what the loop checks and adapts to.
+
+    A plugin declares its own as a class attribute (`traits = Traits(jit_compile=False)`);
+    one whose traits depend on its options sets `self.traits` in `build_tf_strategy()`
+    (`dataclasses.replace(self.traits, transfer=...)`). The loop reads them from the
+    class before anything is built (`train.jit_compile`, precision, `data.follow`) and
+    from the built plugin after.
+
+    Attributes:
+      jit_compile: `train.jit_compile` works (XLA needs the variables on the device
+        that computes).
+      loss_scaling: `train.precision=mixed_float16` works.
+      gradient_transfer: the plugin all-reduces gradients, so `gradient_dtype` (and
+        packing) may be set in its options.
+      transfer: how gradients cross (`strategies.transfer.GradientTransfer`).
+      ordered_input: steps take the input pipeline's batches in its order (exact
+        resume, `data.follow`).
+      splits_steps: `run_steps` runs a step's halves apart (`SplitTrainStep`).
+    """
 
     # `train.jit_compile` works: XLA needs the variables on the device that computes,
     # which a plugin that keeps them elsewhere (on the host, by stage) breaks.
@@ -114,7 +146,7 @@ class Traits:
     # counters inside a branch, which a plugin with variables on the host cannot run.
     loss_scaling: bool = True
     # `gradient_dtype` (and packing) can be set: the plugin all-reduces gradients and sets
-    # `transfer` from its options in `_build` (see `strategies.transfer`).
+    # `transfer` from its options in `build_tf_strategy` (see `strategies.transfer`).
     gradient_transfer: bool = False
     transfer: transfer.GradientTransfer = transfer.GradientTransfer()  # how gradients cross
     # Steps take an input pipeline's batches in its order (exact resume); False where
@@ -133,13 +165,12 @@ class NoOptions:
 def local_replicas(
     plugin: type[Strategy], options: ml_collections.ConfigDict | None, logical_cpus: int
 ) -> int:
-    """How many replicas `plugin` will run in this process, told before TensorFlow starts.
+    """`plugin.local_replicas(options, logical_cpus)`, for callers that hold the class.
 
-    It sets how many threads each op gets (`devices.intra_op_threads`);
-    `logical_cpus` is `devices.logical_cpus`. A plugin that runs several
-    replicas in one process overrides `_local_replicas` (the default: one).
+    How many replicas `plugin` will run in this process, told before TensorFlow
+    starts: it sets how many threads each op gets (`devices.intra_op_threads`).
     """
-    return plugin._local_replicas(options, logical_cpus)
+    return plugin.local_replicas(options, logical_cpus)
 
 
 def read_options(plugin: type[Strategy], section) -> ml_collections.ConfigDict:
@@ -148,10 +179,13 @@ def read_options(plugin: type[Strategy], section) -> ml_collections.ConfigDict:
     The plugin's options dataclass (`class P(Strategy, options=POptions)`) is
     where its option defaults live, once; `configs/default.py`'s
     `strategy.<name>` section holds the same (a test keeps them equal), so
-    `--config.strategy.<name>.<option>` works.
+    `--config.strategy.<name>.<option>` works. The dataclass checks its values
+    where a check needs nothing but them (its `__post_init__` raising
+    `UserError`), so a bad one stops before anything is built.
 
     Raises:
-      UserError: `section` holds a field the plugin does not declare.
+      UserError: `section` holds a field the plugin does not declare, or a value
+        its options dataclass refuses.
     """
     declared = [field.name for field in dataclasses.fields(plugin._options_type)]
     given = dict(section.items()) if section is not None else {}
@@ -175,11 +209,19 @@ _REDUCE_OPS = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp
 
 
 class Strategy(abc.ABC):
-    """One way of distributing training, behind the towerflow interface."""
+    """One way of distributing training, behind the towerflow interface.
+
+    A plugin subclasses it, gives its options dataclass as a class keyword
+    (`class P(Strategy, options=POptions)`), declares its `traits` where they
+    differ from `Traits()`, and implements `build_tf_strategy()` and
+    `communication`; docs/plugins.md has a whole plugin, installed as a package
+    and trained by the test suite. `strategies.get(name, options)` builds it:
+    `self.options` is set, then `self.tf_strategy = self.build_tf_strategy()`.
+    """
 
     name: str = "?"  # set by `@register`
     # What it supports and how it runs steps; one whose traits depend on its options
-    # sets `self.traits` in `_build`.
+    # sets `self.traits` in `build_tf_strategy`.
     traits: Traits = Traits()
 
     # The plugin's options, a dataclass whose fields' defaults are the options' defaults,
@@ -191,34 +233,58 @@ class Strategy(abc.ABC):
         super().__init_subclass__(**kwargs)
         if options is not None:
             cls._options_type = options
+        deprecated.adopt(cls)  # a plugin of towerflow 0.1's interface, with one line
 
     def __init__(self, options: ml_collections.ConfigDict | None = None):
         self.options = read_options(type(self), options)
         if not self.traits.gradient_transfer:  # nothing all-reduced: float32 only
             transfer.refuse(self.options, self.name)
-        # One process until `_build` says otherwise: a plugin of several processes sets
-        # its own from the cluster (`membership.Membership(cluster, ...)`).
+        # One process until `build_tf_strategy` says otherwise: a plugin of several
+        # processes sets its own from the cluster (`membership.Membership(cluster, ...)`).
         self.membership = membership.Membership()
-        self.tf_strategy: tf.distribute.Strategy = self._build()
+        self.tf_strategy: tf.distribute.Strategy = self.build_tf_strategy()
+        deprecated.adopt_built(self)
         self._compiled: dict[str, tuple[StepFn, Callable]] = {}  # kind: (step, its loop)
 
-    @classmethod
-    def _local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
-        """How many replicas this plugin will run in this process, told before TF starts.
-
-        It sets how many threads each op gets (`devices.intra_op_threads`).
-        `logical_cpus` is `devices.logical_cpus`.
-        """
-        return 1
+    # --- the hooks a plugin implements ----------------------------------------
 
     @abc.abstractmethod
-    def _build(self) -> tf.distribute.Strategy:
-        """Creates the wrapped `tf.distribute.Strategy` from `self.options`."""
+    def build_tf_strategy(self) -> tf.distribute.Strategy:
+        """Creates the `tf.distribute.Strategy` this plugin wraps, from `self.options`.
+
+        Called once, when the plugin is built (`strategies.get`); the result is
+        `self.tf_strategy`. A plugin of several processes also sets
+        `self.membership` here, and one whose traits depend on its options sets
+        `self.traits`.
+
+        Raises:
+          UserError: an option this plugin cannot run with, in one line naming it.
+        """
 
     @property
     @abc.abstractmethod
-    def _communication(self) -> str:
-        """One line on what crosses devices or processes each step."""
+    def communication(self) -> str:
+        """One line on what crosses devices or processes each step (`describe()` shows it)."""
+
+    @classmethod
+    def local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
+        """How many replicas this plugin will run in this process, told before TF starts.
+
+        It sets how many threads each op gets (`devices.intra_op_threads`); the
+        default is one. A plugin that runs several replicas (or stages) in one
+        process overrides it.
+
+        Args:
+          options: `config.strategy.<name>` (read it with `read_options(cls, options)`),
+            or None for the declared defaults.
+          logical_cpus: `devices.logical_cpus`, the CPUs TensorFlow will split the host into.
+        """
+        return 1
+
+    @property
+    def compute_devices(self) -> list[str]:
+        """The devices that run replicas; the default asks `tf_strategy`."""
+        return list(self.tf_strategy.extended.worker_devices)
 
     # --- the interface -------------------------------------------------------
 
@@ -250,11 +316,6 @@ class Strategy(abc.ABC):
     def num_replicas_in_sync(self) -> int:
         """How many replicas average into one update."""
         return self.tf_strategy.num_replicas_in_sync
-
-    @property
-    def _compute_devices(self) -> list[str]:
-        """The devices that run replicas."""
-        return list(self.tf_strategy.extended.worker_devices)
 
     def place_model(self, model: keras.Model) -> None:
         """Lays out `model`, just built inside `scope()`, before its optimizer is built.
@@ -291,8 +352,8 @@ class Strategy(abc.ABC):
             "strategy": self.name,
             "tf_strategy": type(self.tf_strategy).__name__,
             "replicas_in_sync": self.num_replicas_in_sync,
-            "compute_devices": self._compute_devices,
-            "communication": "; ".join(filter(None, [self._communication, self._transfer_text()])),
+            "compute_devices": self.compute_devices,
+            "communication": "; ".join(filter(None, [self.communication, self._transfer_text()])),
             "gradient_transfer": self.traits.transfer.as_dict(),
             "variables": {_variable_name(v): variable_devices(v) for v in variables},
         }

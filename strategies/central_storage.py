@@ -29,10 +29,10 @@ class CentralStorage(Strategy, options=CentralStorageOptions):
     traits = Traits(jit_compile=False, loss_scaling=False, gradient_transfer=True)
 
     @classmethod
-    def _local_replicas(cls, options, logical_cpus: int) -> int:
+    def local_replicas(cls, options, logical_cpus: int) -> int:
         return devices.one_per_device(read_options(cls, options), logical_cpus)
 
-    def _build(self) -> tf.distribute.Strategy:
+    def build_tf_strategy(self) -> tf.distribute.Strategy:
         compute = devices.parse_devices(self.options.devices, "strategy.central_storage.devices")
         sent = transfer.from_options(self.options, "central_storage")
         self.traits = dataclasses.replace(self.traits, transfer=sent)
@@ -55,7 +55,7 @@ class CentralStorage(Strategy, options=CentralStorageOptions):
             yield
 
     @property
-    def _communication(self) -> str:
+    def communication(self) -> str:
         host = self.tf_strategy.extended.parameter_devices[0]
         return (
             f"each of {self.num_replicas_in_sync} towers reads the variables from {host} "

@@ -10,13 +10,13 @@ from strategies.registry import register
 class Default(Strategy):
     """Ordinary single-device TensorFlow: no distribution, TF places every op."""
 
-    def _build(self) -> tf.distribute.Strategy:
+    def build_tf_strategy(self) -> tf.distribute.Strategy:
         return tf.distribute.get_strategy()
 
     @property
-    def _compute_devices(self) -> list[str]:
+    def compute_devices(self) -> list[str]:
         return ["(placed by TensorFlow)"]
 
     @property
-    def _communication(self) -> str:
+    def communication(self) -> str:
         return "none: one replica, variables where TensorFlow places them"

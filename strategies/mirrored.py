@@ -37,14 +37,14 @@ class Mirrored(Strategy, options=MirroredOptions):
     traits = Traits(gradient_transfer=True)
 
     @classmethod
-    def _local_replicas(cls, options, logical_cpus: int) -> int:
+    def local_replicas(cls, options, logical_cpus: int) -> int:
         return devices.one_per_device(read_options(cls, options), logical_cpus)
 
     def scope(self) -> contextlib.AbstractContextManager:
         """The strategy's scope, where layer state updated in a step is averaged over replicas."""
         return replica_state_averaged(self.tf_strategy)
 
-    def _build(self) -> tf.distribute.Strategy:
+    def build_tf_strategy(self) -> tf.distribute.Strategy:
         names = devices.parse_devices(self.options.devices, "strategy.mirrored.devices")
         sent = transfer.from_options(self.options, "mirrored")
         self.traits = dataclasses.replace(self.traits, transfer=sent)
@@ -54,7 +54,7 @@ class Mirrored(Strategy, options=MirroredOptions):
         )
 
     @property
-    def _communication(self) -> str:
+    def communication(self) -> str:
         ops = tf_patches.cross_device_ops_name(self.tf_strategy)  # what TF picked
         return (
             f"gradients all-reduced across {self.num_replicas_in_sync} replicas each step "

@@ -5,7 +5,8 @@ makes all save at one agreed step (`preemption.CoordinatedWatch`). A worker
 that dies or hangs is found by TensorFlow's coordination service (its
 heartbeats name a dead peer in about 11 s) and by the loop's watchdog, and
 its peers stop naming it. A collective has no timeout of its own by default
-(`timeout_seconds = 0`): TensorFlow keeps one sleeping thread per collective
+(`timeout_seconds = 0`, which means none, not zero seconds; a negative one is
+refused): TensorFlow keeps one sleeping thread per collective
 op for the whole timeout, which grows the thread count with the step rate.
 Before the TensorFlow strategy starts, every member waits (boundedly, saying
 for whom) until the other members of `TF_CONFIG` answer (`cluster.start_up`).
@@ -40,9 +41,25 @@ class MultiWorkerOptions:
     implementation: str = "auto"  # collectives: auto | ring | nccl
     gradient_dtype: str = "float32"  # float32 | bfloat16, as for mirrored
     bytes_per_pack: str = "0"  # gradients all-reduced in packs of about this many bytes
-    timeout_seconds: float = 0.0  # a collective waiting longer is an error; 0 = none
+    # Seconds a collective may wait for its peers before it fails the step; 0 = no timeout
+    # (a collective waits as long as it takes: a dead or hung peer is still named by the
+    # coordination service's heartbeats and the loop's watchdog). Negative: refused.
+    timeout_seconds: float = 0.0
     # Seconds every member waits for the others of `TF_CONFIG` to answer before it starts.
     startup_timeout_seconds: float = cluster_lib.STARTUP_TIMEOUT_S
+
+    def __post_init__(self):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise UserError(
+                f"Unknown `strategy.multi_worker.implementation` '{self.implementation}'; "
+                f"known: {', '.join(IMPLEMENTATIONS)}."
+            )
+        timeout = self.timeout_seconds
+        if not math.isfinite(timeout) or timeout < 0:
+            raise UserError(
+                f"`strategy.multi_worker.timeout_seconds` ({timeout}) must be a finite number "
+                "of seconds >= 0; use 0 (no per-collective timeout, the default) or e.g. 600."
+            )
 
 
 @register("multi_worker")
@@ -52,7 +69,7 @@ class MultiWorker(Strategy, options=MultiWorkerOptions):
     traits = Traits(gradient_transfer=True)
     _gather_fn = None  # the traced all-reduce of `_gather`, made on first use
 
-    def _build(self) -> tf.distribute.Strategy:
+    def build_tf_strategy(self) -> tf.distribute.Strategy:
         cluster = cluster_lib.from_env()
         self.membership = membership.Membership(
             cluster,
@@ -95,26 +112,14 @@ class MultiWorker(Strategy, options=MultiWorkerOptions):
         )
 
     def _communication_options(self) -> tf.distribute.experimental.CommunicationOptions:
-        name = self.options.implementation
-        if name not in IMPLEMENTATIONS:
-            raise UserError(
-                f"Unknown `strategy.multi_worker.implementation` '{name}'; "
-                f"known: {', '.join(IMPLEMENTATIONS)}."
-            )
-        timeout = self.options.timeout_seconds
-        if not math.isfinite(timeout) or timeout < 0:
-            raise UserError(
-                f"`strategy.multi_worker.timeout_seconds` ({timeout}) must be a finite number "
-                "of seconds >= 0; use 0 (no per-collective timeout, the default) or e.g. 600."
-            )
-        # TensorFlow starts one detached thread per collective op that sleeps for
-        # the whole timeout: any timeout makes the thread count grow with the step
-        # rate. Without one, a dead or hung peer is still found by the coordination
-        # service's heartbeats and the loop's watchdog.
+        # TensorFlow starts one detached thread per collective op that sleeps for the
+        # whole timeout: any timeout makes the thread count grow with the step rate.
+        # Without one, a dead or hung peer is still found by the coordination service's
+        # heartbeats and the loop's watchdog. (`MultiWorkerOptions` checked the values.)
         return tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=self.traits.transfer.bytes_per_pack,
-            timeout_seconds=float(timeout) or None,
-            implementation=IMPLEMENTATIONS[name],
+            timeout_seconds=float(self.options.timeout_seconds) or None,  # 0: None, no timeout
+            implementation=IMPLEMENTATIONS[self.options.implementation],
         )
 
     def scope(self) -> contextlib.AbstractContextManager:
@@ -146,7 +151,7 @@ class MultiWorker(Strategy, options=MultiWorkerOptions):
         return [int(v) for v in self._gather_fn(tf.constant(value, tf.int64))]
 
     @property
-    def _communication(self) -> str:
+    def communication(self) -> str:
         if self.membership.role == "evaluate":
             return "none: a sidecar evaluator reads checkpoints from model_dir"
         workers = tf_patches.worker_count(self.tf_strategy)  # what TF_CONFIG resolved to

@@ -21,11 +21,11 @@ class OneDeviceOptions:
 class OneDevice(Strategy, options=OneDeviceOptions):
     """One replica on one device (option `device`; default the first GPU, else the CPU)."""
 
-    def _build(self) -> tf.distribute.Strategy:
+    def build_tf_strategy(self) -> tf.distribute.Strategy:
         spec = self.options.device
         device = devices.parse_devices(spec, "strategy.one_device.device")[0] if spec else None
         return tf.distribute.OneDeviceStrategy(device or (devices.gpus() or devices.cpus())[0])
 
     @property
-    def _communication(self) -> str:
+    def communication(self) -> str:
         return "none: one replica, variables on its device"

@@ -8,8 +8,10 @@ Built-in plugins register when the registry is first read. Third-party plugins
 are found through the `towerflow.strategies` entry-point group of installed
 packages: each entry point names a `Strategy` subclass. Their names are read
 at once (a name taken twice is an error naming both packages), their modules
-only when that plugin is used: a plugin whose module fails to import breaks
-only the commands that use it, and `available()` shows it as broken.
+only when that plugin is used: a plugin whose module fails to import, or whose
+class does not implement the plugin contract (`strategies.base.Strategy`'s
+abstract hooks), breaks only the commands that use it, with one line naming
+what it lacks, and `available()` shows it as broken.
 """
 
 from __future__ import annotations
@@ -176,9 +178,31 @@ def _import(name: str, entry_point: importlib.metadata.EntryPoint) -> None:
         ) from e
     finally:
         del _loading[name]
-    if _REGISTRY[name] is entry_point:  # the module did not register the class itself
-        cls.name = name
-        _REGISTRY[name] = cls
+    if _REGISTRY[name] is not entry_point:  # the module registered the class itself
+        cls = _REGISTRY[name]
+    problem = _not_a_plugin(cls)
+    if problem:
+        _REGISTRY[name] = entry_point  # still broken at the next use, which says so again
+        raise PluginBroken(
+            f"Strategy `{name}` from {_origin(entry_point)} {problem}; "
+            "fix or uninstall that package, or pick another `--strategy`.",
+            problem,
+        )
+    cls.name = name
+    _REGISTRY[name] = cls
+
+
+def _not_a_plugin(cls) -> str:
+    """What keeps `cls` from being built as a strategy plugin, in words; "" if nothing."""
+    from strategies.base import Strategy  # noqa: PLC0415 (imports TensorFlow: only here)
+
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        return f"names {cls!r}, which is no `strategies.Strategy` subclass"
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        hooks = ", ".join(f"`{hook}`" for hook in missing)
+        return f"does not implement {hooks} (the plugin contract: docs/plugins.md)"
+    return ""
 
 
 def _origin(entry: type | importlib.metadata.EntryPoint) -> str:

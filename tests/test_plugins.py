@@ -152,14 +152,26 @@ def test_a_third_party_plugin_reads_the_options_it_declares():
         Toy(ml_collections.ConfigDict({"speed": 2}))
 
 
-def test_the_strategy_interface_is_the_sixteen_members_its_docstring_lists():
+def _listed(docstring: str, after: str, until: str) -> set[str]:
+    """The names in backticks in `docstring` between `after` and `until` (`name`, `name(...)`)."""
+    text = re.search(f"{after}(.*?){until}", docstring, re.S).group(1)
+    return set(re.findall(r"`(\w+)[`(]", text))
+
+
+def test_the_strategy_interface_is_the_sixteen_members_its_docstring_lists_and_the_hooks():
     from strategies import base  # noqa: PLC0415
 
     plugin = strategies.get("one_device")
     public = {n for n in {*dir(type(plugin)), *vars(plugin)} if not n.startswith("_")}
-    assert len(public) <= 16, sorted(public)
-    documented = re.search(r"The interface the loop uses:(.*?)Those 16", base.__doc__, re.S)
-    assert public == set(re.findall(r"`(\w+)", documented.group(1))), sorted(public)
+    interface = _listed(base.__doc__, "The interface the loop uses:", "Those 16")
+    hooks = _listed(base.__doc__, "The hooks a plugin implements, its public contract:", "With")
+    assert len(interface) == 16 and hooks == {
+        "build_tf_strategy",
+        "communication",
+        "local_replicas",
+        "compute_devices",
+    }
+    assert public == interface | hooks, sorted(public ^ (interface | hooks))
 
 
 def test_an_installed_plugins_options_take_overrides_from_a_users_config(

@@ -19,11 +19,11 @@ class ToyOptions:
 class Toy(Strategy, options=ToyOptions):
     """A third-party plugin, for the registry test."""
 
-    def _build(self) -> tf.distribute.Strategy:
+    def build_tf_strategy(self) -> tf.distribute.Strategy:
         # Who this process is comes from its cluster, not from the plugin's own code.
         self.membership = Membership(cluster.from_env())
         return tf.distribute.OneDeviceStrategy(self.options.device)
 
     @property
-    def _communication(self) -> str:
+    def communication(self) -> str:
         return "none"

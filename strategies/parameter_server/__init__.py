@@ -79,7 +79,7 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
 
     traits = Traits(ordered_input=False)  # workers take steps, and batches, as they come
 
-    def _build(self) -> tf.distribute.Strategy:
+    def build_tf_strategy(self) -> tf.distribute.Strategy:
         cluster = cluster_lib.from_env()
         self.policy = sharding.Policy(  # checked first: a bad option fails on any machine
             partitioner=self.options.partitioner,
@@ -155,7 +155,7 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
             )
 
     @property
-    def _compute_devices(self) -> list[str]:
+    def compute_devices(self) -> list[str]:
         if self.membership.role != "train":
             return ["/device:CPU:0"]
         local = self.tf_strategy.extended.worker_devices  # the same on every worker
@@ -166,7 +166,7 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
         ]
 
     @property
-    def _communication(self) -> str:
+    def communication(self) -> str:
         placement = "whole, round-robin"
         if self.policy.partitioner != "none":
             placement = (

@@ -67,12 +67,12 @@ class Pipeline(Strategy, options=PipelineOptions):
     traits = Traits(jit_compile=False)  # variables live away from the devices that compute
 
     @classmethod
-    def _local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
+    def local_replicas(cls, options: ml_collections.ConfigDict | None, logical_cpus: int) -> int:
         # One replica, but its stages compute side by side: each op gets one stage's
         # share of the cores (see `devices.op_threads`).
         return _stage_count(read_options(cls, options))
 
-    def _build(self) -> tf.distribute.Strategy:
+    def build_tf_strategy(self) -> tf.distribute.Strategy:
         self.micro_batches = int(self.options.micro_batches)
         if self.micro_batches < 1:
             raise UserError(
@@ -161,11 +161,11 @@ class Pipeline(Strategy, options=PipelineOptions):
             return super().evaluate(step_fn, dataset_fn)
 
     @property
-    def _compute_devices(self) -> list[str]:
+    def compute_devices(self) -> list[str]:
         return list(self.devices)
 
     @property
-    def _communication(self) -> str:
+    def communication(self) -> str:
         layout = (
             " -> ".join(
                 f"stage {i} on {s.device} ({', '.join(layer.name for layer in s.layers)})"
