@@ -1,10 +1,17 @@
-"""The configuration reference, generated from `configs/default.py` when the site is built.
+"""The configuration reference, generated from every config module when the site is built.
 
 A mkdocs hook (`mkdocs.yml`, `hooks:`): the page `configuration.md` holds the marker
-`<!-- config-reference -->`, which becomes one table per config section, each field with
-its default (from `get_config()`) and its meaning (the comments beside and above it in the
-file). Read from the file itself at every build, so the reference cannot drift from the
-config; a field without a comment fails the build, naming it.
+`<!-- config-reference -->`, which becomes one table per config section. The fields and
+their defaults are what each `configs/*.py`'s `get_config()` returns (loaded, not parsed,
+so it does not matter how a config file builds them); a field only some configs have says
+which. Each field's meaning is its comment, found in either of two places:
+
+* beside or above its assignment in a config file (`c.train.steps = 1000  # ...`);
+* beside or above its field in an options dataclass whose docstring opens with the
+  section in backticks (`class MirroredOptions: \"\"\"`strategy.mirrored`.\"\"\"`).
+
+A field with no comment in either fails the build, naming it. After the sections, a table
+per config other than the default lists the defaults it changes.
 """
 
 from __future__ import annotations
@@ -14,51 +21,116 @@ import dataclasses
 import importlib.util
 import io
 import pathlib
+import re
 import tokenize
+
+import ml_collections
 
 MARKER = "<!-- config-reference -->"
 PAGE = "configuration.md"
-CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.py"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+DEFAULT = CONFIGS / "default.py"
+# Where options dataclasses live (their docstring names the config section they hold).
+DATACLASS_ROOTS = ("strategies", "trainer", "towerflow")
+_SECTION_DOC = re.compile(r"\s*`([a-z_][\w.]*)`")
 
 
 @dataclasses.dataclass
 class Entry:
-    """One `c.a.b = value` of the config file: a section (a `ConfigDict`) or a field."""
+    """One documented name: a section (a `ConfigDict`) or a field, and its comment."""
 
     path: str  # "strategy.mirrored.devices", without the leading `c.`
     is_section: bool
     meaning: str
 
 
+def config_modules() -> list[pathlib.Path]:
+    """Every config module in configs/, the default first."""
+    others = sorted(p for p in CONFIGS.glob("*.py") if p.name not in ("__init__.py", DEFAULT.name))
+    return [DEFAULT, *others]
+
+
+def load(path: pathlib.Path) -> ml_collections.ConfigDict:
+    """`get_config()` of the config file at `path`, loaded by path (not as `configs.x`)."""
+    spec = importlib.util.spec_from_file_location(f"towerflow_docs_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def defaults(path: pathlib.Path = DEFAULT) -> dict:
+    """The config of `path` as nested dicts (placeholders and references resolved)."""
+    return load(path).to_dict()
+
+
+def leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+    """Dotted path -> value of every field (not section) of a nested dict."""
+    found = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            found.update(leaves(value, f"{prefix}{key}."))
+        else:
+            found[prefix + key] = tuple(value) if isinstance(value, list) else value
+    return found
+
+
+def sections(tree: dict, prefix: str = "") -> list[str]:
+    """Every section's dotted path, the top level as ""."""
+    found = [prefix.rstrip(".")]
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            found += sections(value, f"{prefix}{key}.")
+    return found
+
+
+# ---------------------------------------------------------------- comments of config files
+
+
 def entries(source: str) -> list[Entry]:
-    """Every assignment to the config in `source`, in order, with its comments.
+    """Every assignment to the config (`c.a.b = ...`) in `source`, in order, with its comment.
 
     A field's meaning is the comment lines right above it and the comment at the end of
-    its line; a comment above a run of fields belongs to the first of them.
+    its line. A comment above a run of fields (one per line, no blank line between) is
+    every one's of them that has no comment of its own.
     """
     comments = _comments(source)
-    found = []
+    found: list[tuple[int, int, Entry]] = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Assign) or len(node.targets) != 1:
             continue
         path = _config_path(node.targets[0])
         if path is None:
             continue
-        above = []
-        line = node.lineno - 1
-        while line in comments and comments[line][1]:  # whole-line comments, upwards
-            above.insert(0, comments[line][0])
-            line -= 1
+        above = _comment_above(comments, node.lineno)
         inline = [
             comments[n][0]
-            for n in {node.lineno, node.end_lineno}
+            for n in dict.fromkeys((node.lineno, node.end_lineno))
             if n in comments and not comments[n][1]
         ]
         is_section = isinstance(node.value, ast.Call) and ast.unparse(node.value.func).endswith(
             "ConfigDict"
         )
-        found.append((node.lineno, Entry(path, is_section, " ".join([*above, *inline]).strip())))
-    return [entry for _, entry in sorted(found, key=lambda pair: pair[0])]
+        meaning = " ".join([*above, *inline]).strip()
+        found.append((node.lineno, node.end_lineno, Entry(path, is_section, meaning)))
+    found.sort(key=lambda item: item[0])
+    for (_, end, lead), (start, _, entry) in zip(found, found[1:]):
+        if entry.meaning or start != end + 1:
+            continue
+        if not lead.is_section:
+            entry.meaning = lead.meaning  # one comment above a run of fields
+        elif entry.path.rpartition(".")[0] == lead.path:
+            entry.meaning = "See the section's description above."  # the comment above both
+    return [entry for _, _, entry in found]
+
+
+def _comment_above(comments: dict[int, tuple[str, bool]], line: int) -> list[str]:
+    above = []
+    line -= 1
+    while line in comments and comments[line][1]:  # whole-line comments, upwards
+        above.insert(0, comments[line][0])
+        line -= 1
+    return above
 
 
 def _comments(source: str) -> dict[int, tuple[str, bool]]:
@@ -79,56 +151,141 @@ def _config_path(target: ast.expr) -> str | None:
     while isinstance(target, ast.Attribute):
         parts.insert(0, target.attr)
         target = target.value
-    if isinstance(target, ast.Name) and target.id == "c" and parts:
+    if isinstance(target, ast.Name) and target.id in ("c", "config") and parts:
         return ".".join(parts)
     return None
 
 
-def defaults() -> dict:
-    """`get_config()` of `configs/default.py`, loaded by path, as nested dicts."""
-    spec = importlib.util.spec_from_file_location("towerflow_docs_default_config", CONFIG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config().to_dict()
+# ------------------------------------------------------------ comments of options dataclasses
 
 
-def reference(source: str, values: dict) -> str:
-    """The markdown of the reference: a table per section, fields in the file's order."""
-    rows: dict[str, list[str]] = {"": []}
-    intros: dict[str, str] = {"": "Fields at the top of the config."}
-    previous = None
-    for entry in entries(source):
-        section, _, name = entry.path.rpartition(".")
-        if entry.is_section:
-            rows[entry.path] = []
-            intros[entry.path] = entry.meaning
-            previous = entry
+def dataclass_entries(source: str) -> list[Entry]:
+    """The fields of every dataclass in `source` whose docstring names its config section.
+
+    `class MirroredOptions:` with the docstring "`strategy.mirrored`." gives the section
+    `strategy.mirrored` (the rest of its docstring, if any, as its description) and one
+    entry per annotated field, with the comments beside and above it.
+    """
+    comments = _comments(source)
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef) or not _is_dataclass(node):
             continue
-        if not entry.meaning and previous is not None and previous.path == section:
-            entry.meaning = "See the section's description above."  # the comment above both
-        previous = entry
-        if not entry.meaning:
-            raise ValueError(
-                f"`{entry.path}` in {CONFIG} has no comment; document it beside or above "
-                "the field (the configuration reference is made from those comments)"
-            )
-        value = _value(values, entry.path)
-        rows[section].append(f"| `{name}` | `{value!r}` | {_cell(entry.meaning)} |")
+        match = _SECTION_DOC.match(ast.get_docstring(node) or "")
+        if not match:
+            continue
+        section = match.group(1)
+        found.append(Entry(section, True, ""))
+        for field in node.body:
+            if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name):
+                above = _comment_above(comments, field.lineno)
+                inline = comments.get(field.end_lineno, ("", True))
+                text = " ".join([*above, "" if inline[1] else inline[0]]).strip()
+                found.append(Entry(f"{section}.{field.target.id}", False, text))
+    return found
+
+
+def _is_dataclass(node: ast.ClassDef) -> bool:
+    for decorator in node.decorator_list:
+        name = ast.unparse(decorator.func if isinstance(decorator, ast.Call) else decorator)
+        if name.split(".")[-1] == "dataclass":
+            return True
+    return False
+
+
+def documented() -> dict[str, Entry]:
+    """Path -> the entry that documents it: the default config's comment first, then an
+    options dataclass's, then another config's."""
+    found: dict[str, Entry] = {}
+
+    def add(new: list[Entry]) -> None:
+        for entry in new:
+            if entry.path not in found or not found[entry.path].meaning:
+                found[entry.path] = entry
+
+    add(entries(DEFAULT.read_text()))
+    for root in DATACLASS_ROOTS:
+        for path in sorted((REPO / root).rglob("*.py")):
+            text = path.read_text()
+            if "dataclass" in text:
+                add(dataclass_entries(text))
+    for path in config_modules()[1:]:
+        add(entries(path.read_text()))
+    return found
+
+
+# ---------------------------------------------------------------------------- the page
+
+
+def reference(configs: dict[str, dict], notes: dict[str, Entry]) -> str:
+    """The markdown of the reference.
+
+    Args:
+      configs: config file name ("default.py", "ctr.py") -> its config as nested dicts,
+        the default first.
+      notes: path -> its entry (`documented()`).
+    """
+    (default_name, default), *others = configs.items()
+    values = {name: leaves(tree) for name, tree in configs.items()}
+    order = {path: n for n, path in enumerate(notes)}
+    every_leaf = {path for tree in values.values() for path in tree}
+    undocumented = sorted(p for p in every_leaf if not (notes.get(p) and notes[p].meaning))
+    if undocumented:
+        raise ValueError(
+            f"`{undocumented[0]}` has no comment; document it beside or above the field in "
+            f"configs/ or in the options dataclass of its section (the configuration "
+            f"reference is made from those comments); undocumented: {', '.join(undocumented)}"
+        )
+    every_section = dict.fromkeys(s for tree in configs.values() for s in sections(tree))
     parts = []
-    for section, lines in rows.items():
-        if not lines:
+    order[""] = -1  # the top level first
+    for section in sorted(every_section, key=lambda s: (order.get(s, len(order)), s)):
+        fields = sorted(
+            (p for p in every_leaf if p.rpartition(".")[0] == section),
+            key=lambda p: (order.get(p, len(order)), p),
+        )
+        if not fields:
             continue
+        rows = [_row(path, notes[path].meaning, values, default_name) for path in fields]
         title = f"`{section}`" if section else "Top level"
+        intro = notes[section].meaning if section in notes else "Fields at the top of the config."
         flag = f"`--config.{section}.FIELD=VALUE`" if section else "`--config.FIELD=VALUE`"
-        parts += [f"## {title}", "", intros[section] or "", "", f"Set with {flag}.", ""]
-        parts += ["| field | default | meaning |", "| --- | --- | --- |", *lines, ""]
+        parts += [f"## {title}", "", intro, "", f"Set with {flag}.", ""]
+        parts += ["| field | default | meaning |", "| --- | --- | --- |", *rows, ""]
+    for name, _ in others:
+        parts += _changes(name, values[default_name], values[name], notes)
     return "\n".join(parts)
 
 
-def _value(values: dict, path: str):
-    for key in path.split("."):
-        values = values[key]
-    return tuple(values) if isinstance(values, list) else values
+def _row(path: str, meaning: str, values: dict[str, dict], default_name: str) -> str:
+    name = path.rpartition(".")[2]
+    if path in values[default_name]:
+        default = f"`{values[default_name][path]!r}`"
+    else:
+        default = "; ".join(
+            f"`{values[config][path]!r}` (configs/{config} only)"
+            for config in values
+            if path in values[config]
+        )
+    return f"| `{name}` | {default} | {_cell(meaning)} |"
+
+
+def _changes(name: str, default: dict, config: dict, notes: dict[str, Entry]) -> list[str]:
+    """The section of a config other than the default: the defaults it changes."""
+    changed = [p for p in config if p in default and config[p] != default[p]]
+    rows = [f"| `{p}` | `{default[p]!r}` | `{config[p]!r}` |" for p in changed]
+    added = [p for p in config if p not in default]
+    lines = [f"## `configs/{name}`", "", _summary(CONFIGS / name), ""]
+    lines += [f"`--config=configs/{name}` starts from the default and changes {len(rows)} of its "]
+    lines[-1] += f"values; it adds {len(added)} fields (in the sections above)."
+    lines += ["", "| field | configs/default.py | " + f"configs/{name} |", "| --- | --- | --- |"]
+    return [*lines, *rows, ""]
+
+
+def _summary(path: pathlib.Path) -> str:
+    """The first line of a config module's docstring."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
 def _cell(text: str) -> str:
@@ -136,10 +293,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("[", "\\[")
 
 
-def on_page_markdown(markdown: str, page, config, files) -> str:
+def generated() -> str:
+    """The generated reference for this checkout."""
+    configs = {path.name: load(path).to_dict() for path in config_modules()}
+    return reference(configs, documented())
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 (mkdocs's)
     """mkdocs hook: fills the configuration page's marker with the generated reference."""
     if page.file.src_uri != PAGE:
         return markdown
     if MARKER not in markdown:
         raise ValueError(f"docs/{PAGE} lacks the marker {MARKER} the reference goes in")
-    return markdown.replace(MARKER, reference(CONFIG.read_text(), defaults()))
+    return markdown.replace(MARKER, generated())
