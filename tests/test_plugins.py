@@ -2,7 +2,11 @@
 
 Each test installs small packages the way pip lays them out (a module and a
 `*.dist-info` directory with `METADATA` and `entry_points.txt`) into a
-directory on `sys.path`, where `importlib.metadata` finds them.
+directory on `sys.path`, where `importlib.metadata` finds them. The plugin
+contract is public and kept across releases: a plugin written to towerflow
+0.1's interface trains with one deprecation line, one written to today's
+(docs/plugins.md's example) without, and one lacking a hook is refused in one
+line naming it.
 """
 
 from __future__ import annotations
@@ -12,14 +16,17 @@ import inspect
 import pathlib
 import re
 import sys
+import warnings
 
 import ml_collections
 import pytest
+import tensorflow as tf
 
 import strategies
+import trainer
 from strategies import registry
 from strategies.base import read_options
-from tests.helpers import assert_exit, run_cli
+from tests.helpers import REPO, assert_exit, run_cli, tiny_config
 
 
 def _install(site: pathlib.Path, package: str, entry_points: dict[str, str], module: str = ""):
@@ -50,6 +57,47 @@ def site(tmp_path):
 
 BROKEN = "import towerflow_test_no_such_module\n"
 WORKING = "from tests.toy_plugin import Toy as Plugin\n"
+# The plugin of issue 45, written to the interface towerflow 0.1 documented: `Options`,
+# `_build()`, a `communication` property, a `local_replicas` classmethod, `supports_*`.
+PREVIOUS_INTERFACE = '''"""Mirrored over two CPUs, gradients reduced to one device."""
+
+import dataclasses
+
+import tensorflow as tf
+from strategies import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceToOneOptions:
+    devices: str = "/cpu:0,/cpu:1"
+
+
+class MirroredReduceToOne(Strategy):
+    """Mirrored over two CPUs, gradients reduced to one device."""
+
+    Options = ReduceToOneOptions
+    supports_jit_compile = False
+
+    @classmethod
+    def local_replicas(cls, options, logical_cpus):
+        return 2
+
+    def _build(self):
+        return tf.distribute.MirroredStrategy(
+            self.options.devices.split(","), cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
+
+    @property
+    def communication(self):
+        return "gradients reduced to /cpu:0"
+'''
+DEPRECATED = "uses the plugin interface of towerflow 0.1"
+
+
+def _docs_plugin() -> str:
+    """The plugin docs/plugins.md writes, today's interface: its first Python block."""
+    page = pathlib.Path(REPO, "docs", "plugins.md").read_text()
+    return re.search(r"```python\n(.*?)```", page, re.S).group(1)
 
 
 def test_a_name_claimed_by_a_package_and_towerflow_names_both(site):
@@ -110,6 +158,152 @@ def test_a_broken_plugin_on_the_command_line(site, tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+# --- the plugin contract, kept across releases -----------------------------------------------
+
+
+def _train(site, tmp_path, monkeypatch, name: str):
+    """`python -m trainer --strategy=NAME` for 4 steps, with the packages in `site` installed."""
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    flags = ["--config.train.steps=4", "--config.train.steps_per_loop=2", "--mode=train"]
+    return run_cli(f"--strategy={name}", "--model_dir=run", *flags, cwd=str(tmp_path))
+
+
+def test_an_installed_plugin_of_the_previous_interface_trains_with_one_deprecation_line(
+    site, tmp_path, monkeypatch
+):
+    entry = {"reduce_to_one": "old_plugin:MirroredReduceToOne"}
+    _install(site, "old-plugin", entry, PREVIOUS_INTERFACE)
+    trained = _train(site, tmp_path, monkeypatch, "reduce_to_one")
+    assert_exit(trained)
+    assert "strategy: reduce_to_one | replicas: 2" in trained.stdout
+    assert "step: 4/4" in trained.stdout
+    (line,) = [line for line in trained.stderr.splitlines() if DEPRECATED in line]
+    assert line == (
+        "warning: strategy plugin `old_plugin.MirroredReduceToOne` uses the plugin interface "
+        "of towerflow 0.1, which works until towerflow 0.3: rename `_build` to "
+        "`build_tf_strategy`, `Options = ReduceToOneOptions` to "
+        "`class MirroredReduceToOne(Strategy, options=ReduceToOneOptions)`, "
+        "`supports_jit_compile` to `traits.jit_compile` (see docs/plugins.md)."
+    )
+
+
+def test_an_installed_plugin_of_todays_interface_trains_without_a_deprecation_line(
+    site, tmp_path, capsys
+):
+    _install(site, "my-plugin", {"my_strategy": "my_plugin:MyStrategy"}, _docs_plugin())
+    registry.rescan()
+    config = tiny_config(**{"strategy.name": "my_strategy", "train.steps": 4})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = trainer.train_and_evaluate(config, str(tmp_path / "run"))
+    assert results["step"] == 4
+    assert results["placement"]["communication"] == "what crosses devices each step"
+    assert not [w for w in caught if DEPRECATED in str(w.message)]
+    assert DEPRECATED not in capsys.readouterr().err
+
+
+def test_hooks_of_the_private_names_interface_work_under_their_public_names_with_one_warning(
+    capsys,
+):
+    with pytest.warns(DeprecationWarning, match=DEPRECATED) as caught:
+
+        class Private(strategies.Strategy):
+            @classmethod
+            def _local_replicas(cls, options, logical_cpus):
+                return 3
+
+            def _build(self):
+                return tf.distribute.OneDeviceStrategy("/cpu:0")
+
+            @property
+            def _communication(self):
+                return "none"
+
+            @property
+            def _compute_devices(self):
+                return ["the one CPU"]
+
+    assert [w.filename for w in caught] == [__file__]  # points at the plugin's class
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith(
+        "rename `_build` to `build_tf_strategy`, `_communication` to `communication`, "
+        "`_local_replicas` to `local_replicas`, `_compute_devices` to `compute_devices` "
+        "(see docs/plugins.md)."
+    )
+    described = Private().describe()
+    assert (described["communication"], described["compute_devices"]) == ("none", ["the one CPU"])
+    assert strategies.local_replicas(Private, None, 4) == 3
+
+
+def test_traits_an_old_plugin_gives_as_flags_or_properties_are_its_traits(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+
+        class Flags(strategies.Strategy):
+            supports_loss_scaling = False
+
+            def build_tf_strategy(self):
+                return tf.distribute.OneDeviceStrategy("/cpu:0")
+
+            @property
+            def communication(self):
+                return "none"
+
+            @property
+            def ordered_input(self):  # read from the built plugin
+                return False
+
+    assert "`supports_loss_scaling` to `traits.loss_scaling`" in capsys.readouterr().err
+    assert not Flags.traits.loss_scaling
+    built = Flags().traits
+    assert (built.jit_compile, built.loss_scaling, built.ordered_input) == (True, False, False)
+
+
+def test_a_plugin_of_todays_interface_gets_no_warning(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        class Today(strategies.Strategy):
+            def build_tf_strategy(self):
+                return tf.distribute.OneDeviceStrategy("/cpu:0")
+
+            @property
+            def communication(self):
+                return "none"
+
+    assert Today().communication == "none" and not capsys.readouterr().err
+
+
+INCOMPLETE = """from strategies import Strategy
+
+
+class Incomplete(Strategy):
+    \"\"\"Implements no hook.\"\"\"
+
+    def build(self):
+        pass
+"""
+
+
+def test_a_plugin_that_implements_no_hook_is_refused_in_one_line_naming_them(site):
+    _install(site, "incomplete-plugin", {"incomplete": "incomplete_plugin:Incomplete"}, INCOMPLETE)
+    registry.rescan()
+    with pytest.raises(strategies.UserError) as error:
+        strategies.get("incomplete")
+    assert str(error.value) == (
+        "Strategy `incomplete` from package `incomplete-plugin` (entry point `incomplete = "
+        "incomplete_plugin:Incomplete`) does not implement `build_tf_strategy`, `communication` "
+        "(the plugin contract: docs/plugins.md); fix or uninstall that package, or pick another "
+        "`--strategy`."
+    )
+    assert strategies.available()["incomplete"] == (
+        "(broken: does not implement `build_tf_strategy`, `communication` (the plugin contract: "
+        "docs/plugins.md))"
+    )
+    with pytest.raises(strategies.UserError, match="does not implement"):  # and at every use
+        strategies.plugin("incomplete")
+
+
 # --- options: each plugin declares its own, once ---------------------------------------------
 
 
@@ -135,6 +329,19 @@ def test_an_option_a_plugin_does_not_declare_is_one_line():
     assert str(e.value) == (
         "`strategy.one_device.devcie` is no option of `one_device`; its options: device, "
         "gradient_dtype (as the plugin declares them)."
+    )
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf")])
+def test_a_collective_timeout_that_is_no_number_of_seconds_is_refused_where_options_are_read(
+    timeout,
+):
+    section = ml_collections.ConfigDict({"timeout_seconds": timeout})
+    with pytest.raises(strategies.UserError) as error:
+        read_options(strategies.plugin("multi_worker"), section)
+    assert str(error.value) == (
+        f"`strategy.multi_worker.timeout_seconds` ({timeout}) must be a finite number of "
+        "seconds >= 0; use 0 (no per-collective timeout, the default) or e.g. 600."
     )
 
 
