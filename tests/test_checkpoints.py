@@ -106,7 +106,7 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_good_checkpoint(smal
     assert _committed_checkpoints_are_whole(model_dir / "checkpoints") == kept
     job = train.build(config, str(model_dir))
     assert Checkpointer(str(model_dir), True, 3, **train.checkpointed(job)).restore() == kept
-    assert train._step(job) == kept_step
+    assert job.step() == kept_step
 
 
 def test_a_full_disk_under_the_command_line_is_one_line_and_exit_4(small_disk):

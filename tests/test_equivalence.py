@@ -26,7 +26,7 @@ def _config(strategy: str):
 def _weights_after_20_steps(strategy: str, tmp_path) -> list[np.ndarray]:
     job = train.build(_config(strategy), str(tmp_path / strategy))
     train.run(job, "train")
-    assert train._step(job) == 20
+    assert job.step() == 20
     return [w.numpy() for w in job.model.weights]
 
 

@@ -79,7 +79,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
     captured = capsys.readouterr()
     assert "ckpt-20 is unreadable" in captured.err
     assert "at step 10" in captured.out
-    assert train._step(job) == 20
+    assert job.step() == 20
 
 
 def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):

@@ -58,7 +58,7 @@ def test_a_slow_pipeline_shows_in_the_waits_and_a_ready_one_does_not():
 def test_the_trainer_times_its_reads_not_its_pipeline(tmp_path):
     config = tiny_config(**{"strategy.name": "one_device", "train.steps": 20})
     job = train.build(config, str(tmp_path / "run"))
-    assert job.input_wait is not None
+    assert job.feature("input_wait") is not None
     pipeline = job.dataset.train_fn(16, 0)(tf.distribute.InputContext())
     assert pipeline.options().experimental_optimization.inject_prefetch is not False
     results = train.run(job, "train")
@@ -71,7 +71,7 @@ def test_runs_one_after_another_leave_no_pipeline_threads_behind(tmp_path):
     # pipelines (about 19 threads under mirrored) for as long as the process lived.
     config = tiny_config(**{"strategy.name": "mirrored", "train.async_checkpoint": False})
     job = train.build(config, str(tmp_path / "run"))
-    assert job.input_wait is not None
+    assert job.feature("input_wait") is not None
 
     def threads_after_more_steps() -> int:
         job.total_steps = int(job.optimizer.iterations.numpy()) + 10

@@ -18,21 +18,21 @@ def _cosine_optimizer(total_steps: int):
 def test_the_values_are_those_of_the_optimizer_and_the_clock_at_each_step():
     optimizer = _cosine_optimizer(1000)
     clock = wait.InputWait()
-    readings = Readings(optimizer, clock)
+    readings = Readings(optimizer, {"input_wait": clock.variable})
     for step in (0, 5, 10, 300, 999, 2**40 + 1):  # warm-up, decay, beyond float32
         optimizer.iterations.assign(step)
         clock.variable.assign_add(0.25)
         assert readings.step() == step
         assert readings.learning_rate == pytest.approx(float(optimizer.learning_rate), rel=1e-6)
-        assert readings.input_wait_total == pytest.approx(float(clock.variable.numpy()))
-    assert clock.take(readings.input_wait_total) == pytest.approx(6 * 0.25)
-    assert clock.take(readings.input_wait_total) == 0.0  # taken
+        assert readings.value("input_wait") == pytest.approx(float(clock.variable.numpy()))
+    assert clock.take(readings.value("input_wait")) == pytest.approx(6 * 0.25)
+    assert clock.take(readings.value("input_wait")) == 0.0  # taken
 
 
 def test_without_a_clock_only_the_step_and_the_rate_are_read():
     optimizer = _cosine_optimizer(100)
-    readings = Readings(optimizer, None)
-    assert readings.step() == 0 and readings.input_wait_total == 0.0
+    readings = Readings(optimizer)
+    assert readings.step() == 0
     assert np.isfinite(readings.learning_rate)
 
 

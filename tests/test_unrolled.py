@@ -86,8 +86,7 @@ def _trained(strategy_name: str, steps: int, n: int, tmp_path) -> tuple:
     fields = {"strategy.name": strategy_name, "train.steps_per_iteration": steps}
     job = train.build(tiny_config(**fields), str(tmp_path / f"{strategy_name}-{steps}-{n}"))
     step = train._train_step(job)
-    batch = job.config.train.global_batch_size
-    iterator = iter(job.strategy.distribute_dataset(train._train_stream(job, batch, 0)))
+    iterator = iter(job.strategy.distribute_dataset(train._train_stream(job, 0)))
     sums = [job.strategy.run_steps(step, iterator, n) for _ in range(2)]
     return sums, [v.numpy() for v in job.model.variables]
 

@@ -77,7 +77,7 @@ def _restored(model_dir, config):
 def test_a_warm_start_loads_the_tables_ids_and_the_dense_layers(trained, tmp_path):
     config = _config(**{"train.warm_start": str(trained)})
     job = _build(config, tmp_path / "second")
-    line = train.warm_start.apply(job.warm_start)
+    line = warm_start.apply(job.feature("warm_start").plan)
     assert "the ids of embedding" in line and "none fresh" in line
     ids = next(iter(job.dataset.eval_fn(64)(tf.distribute.InputContext())))[0]
     warmed = _predictions(job, ids)
@@ -87,8 +87,9 @@ def test_a_warm_start_loads_the_tables_ids_and_the_dense_layers(trained, tmp_pat
 def test_warm_start_include_loads_only_the_names_it_matches(trained, tmp_path):
     config = _config(**{"train.warm_start": str(trained), "train.warm_start_include": "^dense"})
     job = _build(config, tmp_path / "second")
-    assert not job.warm_start.tables, "the table is left out: it starts empty"
-    assert job.warm_start.fresh and all("dense" not in name for name in job.warm_start.fresh)
+    plan = job.feature("warm_start").plan
+    assert not plan.tables, "the table is left out: it starts empty"
+    assert plan.fresh and all("dense" not in name for name in plan.fresh)
 
 
 def test_a_run_with_its_own_checkpoint_resumes_and_says_the_warm_start_is_left_aside(

@@ -54,7 +54,7 @@ def towerflow(
         )
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             train.run(job, "train", extra_actions=[blocks.action(), waited, timed_end])
-        if job.input_wait is not None:
+        if job.feature("input_wait") is not None:
             # The blocks `rate` times: after the first, up to `end`.
             timed = waits[1 : len([m for m in blocks.marks if m[0] <= end])]
             run.input_wait_ms.append(

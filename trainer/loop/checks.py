@@ -19,12 +19,12 @@ import os
 import ml_collections
 import tensorflow as tf
 
+import strategies
 from towerflow import storage
 from towerflow.errors import UserError
 from trainer import data
 from trainer.data import service_client
-from trainer.layers import tables
-from trainer.loop import optim, precision
+from trainer.loop import component, optim, precision
 
 # `train.steps=0` with `data.follow`: a step no run reaches (the loop ends at SIGTERM).
 UNTIL_STOPPED = 2**62
@@ -40,9 +40,6 @@ _MINIMUMS = (
     ("train.accumulation_steps", 1, "micro-batches per update; 1 = none"),
     ("eval.every", 0, "steps between evaluations (0 = end only)"),
     ("eval.global_batch_size", 1, "examples per eval step over all replicas"),
-    ("export.every_steps", 0, "steps between exports while training; 0 = not by steps"),
-    ("export.every_secs", 0, "seconds between exports while training; 0 = not by time"),
-    ("export.keep", 0, "export versions kept; 0 = all"),
 )
 
 
@@ -77,19 +74,30 @@ def check_config(config: ml_collections.ConfigDict) -> Checked:
     _check_scalars(config)
     optim.check(config.optimizer)
     service_client.check(config.data)
+    # Each feature's own fields (`trainer.loop.component`), under the strategy's traits.
+    component.check(config, strategies.plugin(config.strategy.name).traits)
     return Checked(precision.check(config.train.precision), data.settings(config.data))
 
 
-def _check_scalars(config: ml_collections.ConfigDict) -> None:
-    """Numbers, sizes and counts, and the settings that exclude one another."""
-    _check_finite(config)
-    for field, minimum, meaning in _MINIMUMS:
+def check_minimums(config: ml_collections.ConfigDict, minimums: tuple) -> None:
+    """Each (field, smallest allowed value, what it means) of `minimums` holds.
+
+    Raises:
+      UserError: a field below its minimum, with the rule and an example.
+    """
+    for field, minimum, meaning in minimums:
         value = _get(config, field)
         if value < minimum:
             raise UserError(
                 f"`{field}` ({value}) must be >= {minimum} ({meaning}); "
                 f"set e.g. `--config.{field}={max(minimum, 1)}`."
             )
+
+
+def _check_scalars(config: ml_collections.ConfigDict) -> None:
+    """Numbers, sizes and counts, and the settings that exclude one another."""
+    _check_finite(config)
+    check_minimums(config, _MINIMUMS)
     full_every = config.train.get("full_checkpoint_every", 0)
     if full_every < 0:
         raise UserError(
@@ -97,141 +105,11 @@ def _check_scalars(config: ml_collections.ConfigDict) -> None:
             "checkpoints; 0 = every one full); set e.g. "
             "`--config.train.full_checkpoint_every=1000`."
         )
-    _check_profile_steps(tuple(config.train.profile_steps))
-    if config.data.get("follow", False) and config.data.get("service", ""):
-        raise UserError(
-            f"`data.follow` reads its files in the trainer, and `data.service` is "
-            f"'{config.data.service}'; set `--config.data.service=''`."
-        )
-    if config.data.get("follow", False) and config.train.epochs:
-        raise UserError(
-            f"`train.epochs` ({config.train.epochs}) counts passes over fixed data, and "
-            "`data.follow` trains on files as they arrive; set `--config.train.epochs=0` and "
-            "`train.steps` (0: until stopped)."
-        )
-    _check_elastic(config)
-    _check_dynamic_table(config.model)
     endless = config.train.steps == 0 and config.data.get("follow", False)
     if config.train.epochs == 0 and config.train.steps <= 0 and not endless:
         raise UserError(
             f"`train.steps` ({config.train.steps}) must be a positive integer; "
             "set e.g. `--config.train.steps=1000`, or `train.epochs`."
-        )
-
-
-ELASTIC_STRATEGIES = ("multi_worker",)  # whose group re-forms at another size
-ELASTIC_BATCHES = ("global", "per_replica")  # `cluster.elastic.batch`: what a re-form keeps
-ELASTIC_LR_SCALINGS = ("linear", "none")  # `cluster.elastic.lr_scaling`, or "module:function"
-
-
-def _check_elastic(config: ml_collections.ConfigDict) -> None:
-    """`cluster.elastic`: 1 <= min_workers <= max_workers, under a strategy that can re-form."""
-    elastic = (config.get("cluster") or {}).get("elastic")
-    if not elastic:
-        return
-    low, high = elastic.min_workers, elastic.max_workers
-    if low < 1:
-        raise UserError(
-            f"`cluster.elastic.min_workers` ({low}) must be at least 1 (the fewest workers "
-            "that train); set e.g. `--config.cluster.elastic.min_workers=2`."
-        )
-    if high and high < low:
-        raise UserError(
-            f"`cluster.elastic.max_workers` ({high}) must be 0 (not elastic) or at least "
-            f"`min_workers` ({low}); set e.g. `--config.cluster.elastic.max_workers={low}`."
-        )
-    if high and config.strategy.name not in ELASTIC_STRATEGIES:
-        raise UserError(
-            f"elastic training (`cluster.elastic.max_workers` {high}) needs "
-            f"`--strategy=multi_worker`, and `{config.strategy.name}` cannot re-form its group at "
-            "another size (docs/elastic.md); use `multi_worker`, or set "
-            "`--config.cluster.elastic.max_workers=0`."
-        )
-    for field in ("rendezvous_timeout", "cooldown_s", "max_restarts"):
-        if elastic[field] < 0:
-            raise UserError(
-                f"`cluster.elastic.{field}` ({elastic[field]}) must be >= 0; use e.g. the "
-                "value in configs/default.py."
-            )
-    if elastic.get("batch", "global") not in ELASTIC_BATCHES:
-        raise UserError(
-            f"`cluster.elastic.batch` '{elastic.batch}' must be one of "
-            f"{', '.join(ELASTIC_BATCHES)} (what a group of another size keeps); set e.g. "
-            "`--config.cluster.elastic.batch=per_replica`."
-        )
-    if high and elastic.get("batch") == "per_replica" and config.train.epochs:
-        raise UserError(
-            f"`train.epochs` ({config.train.epochs}) would give each group size of "
-            "`cluster.elastic.batch=per_replica` another number of steps (its global batch "
-            "follows the group); set `--config.train.steps` and `--config.train.epochs=0`."
-        )
-    scaling = elastic.get("lr_scaling", "linear")
-    if scaling not in ELASTIC_LR_SCALINGS and ":" not in scaling:
-        raise UserError(
-            f"`cluster.elastic.lr_scaling` '{scaling}' must be one of "
-            f"{', '.join(ELASTIC_LR_SCALINGS)} or 'module.path:function' (of reference_lr, "
-            "reference_batch, global_batch); set e.g. "
-            "`--config.cluster.elastic.lr_scaling=linear`."
-        )
-
-
-def _check_dynamic_table(model: ml_collections.ConfigDict) -> None:
-    """The dynamic table's options of the built-in ctr model (`model.embedding=dynamic`)."""
-    if model.get("embedding") != "dynamic":
-        return
-    eviction = model.get("eviction", "lfu")
-    if eviction not in ("lfu", "lru", ""):
-        raise UserError(
-            f"`model.eviction` '{eviction}' is not an eviction policy; use one of lfu, lru "
-            "or '' (none: a full table refuses new ids), e.g. `--config.model.eviction=lfu`."
-        )
-    fallback = model.get("fallback_rows", 0)
-    if fallback < 0:
-        raise UserError(
-            f"`model.fallback_rows` ({fallback}) must be >= 0 (hashed rows for ids without "
-            "a row; 0: one shared default row); set e.g. `--config.model.fallback_rows=1000`."
-        )
-    hashes = model.get("fallback_hashes", 2)
-    if hashes < 1:
-        raise UserError(
-            f"`model.fallback_hashes` ({hashes}) must be >= 1 (the fallback rows an id without "
-            "a row reads); set e.g. `--config.model.fallback_hashes=2`."
-        )
-    combiner = model.get("fallback_combiner", tables.FALLBACK_COMBINER)
-    if combiner not in tables.FALLBACK_COMBINERS:
-        raise UserError(
-            f"`model.fallback_combiner` '{combiner}' is not a way to combine fallback rows; use "
-            f"{' or '.join(tables.FALLBACK_COMBINERS)}, e.g. "
-            f"`--config.model.fallback_combiner={tables.FALLBACK_COMBINER}`."
-        )
-    for field, example in (("sketch_width", 8192), ("sketch_depth", 2)):
-        value = model.get(field, example)
-        if value < 1:
-            raise UserError(
-                f"`model.{field}` ({value}) must be >= 1 (the count-min sketch of ids not "
-                f"admitted yet); set e.g. `--config.model.{field}={example}`."
-            )
-    seen = model.get("seen_bits", tables.SEEN_BITS)
-    if seen < 0:
-        raise UserError(
-            f"`model.seen_bits` ({seen}) must be >= 0 (the bits of each generation of the "
-            "table's seen-filter; 0: none); set e.g. "
-            f"`--config.model.seen_bits={tables.SEEN_BITS}`."
-        )
-
-
-def _check_profile_steps(steps: tuple) -> None:
-    if not steps:
-        return
-    if (
-        len(steps) != 2
-        or not all(isinstance(s, int) for s in steps)
-        or not 0 <= steps[0] < steps[1]
-    ):
-        raise UserError(
-            f"`train.profile_steps` ({steps}) must be (start, stop), the steps to profile, "
-            "with 0 <= start < stop; e.g. `--config.train.profile_steps=(200,205)`, or () "
-            "for none."
         )
 
 

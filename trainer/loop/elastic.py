@@ -296,13 +296,18 @@ def _listed(model_dir: str) -> list[str]:
     return tf.io.gfile.listdir(directory) if tf.io.gfile.isdir(directory) else []
 
 
+def newer_save(model_dir: str, latest: str | None) -> str | None:
+    """The newest survivor's save when it is newer than the checkpoint `latest`; else None."""
+    saved = newest_save(model_dir)
+    step = re.search(r"-(\d+)$", latest or "")
+    if saved and saved[0] > (int(step.group(1)) if step else -1):
+        return saved[1]
+    return None
+
+
 def restore(checkpointer, model_dir: str) -> str | None:
     """Restores the newest state: a survivor's save newer than the newest checkpoint, or that."""
-    saved = newest_save(model_dir)
-    latest = re.search(r"-(\d+)$", checkpointer.latest or "")
-    if saved and saved[0] > (int(latest.group(1)) if latest else -1):
-        return checkpointer.restore(saved[1])
-    return checkpointer.restore()
+    return checkpointer.restore(newer_save(model_dir, checkpointer.latest))
 
 
 class CountedStep:

@@ -85,12 +85,17 @@ def _name(variable) -> str:
 
 @dataclasses.dataclass
 class Resplit:
-    """A layer split into `parts` there and otherwise here, and where its parts are there."""
+    """A layer split into `parts` there (another count, or a dynamic table), and where."""
 
     layer: layers.Portable
     parts: int
     variables: list[str]  # checkpoint keys of its variables there, in order
     tables: list[int]  # positions of its table parts there
+
+    @property
+    def moved(self) -> bool:
+        """Whether the parts there are another number than here."""
+        return self.parts != self.layer.num_parts
 
 
 @dataclasses.dataclass
@@ -103,19 +108,25 @@ class Plan:
     fresh: list[str]  # model variables that start fresh (not matched, or left out)
     resplit: list[Resplit] = dataclasses.field(default_factory=list)
 
+    @property
+    def loaded(self) -> int:
+        """How many of the model's variables load: by name, or through a twin."""
+        return len(self.variables) + sum(len(r.variables) for r in self.resplit)
+
     def line(self) -> str:
         """The one-line report of what was loaded and what starts fresh."""
-        tables = f", the ids of {', '.join(self.tables)}" if self.tables else ""
-        if self.resplit:
+        alike = [*self.tables, *(r.layer.name for r in self.resplit if not r.moved)]
+        tables = f", the ids of {', '.join(alike)}" if alike else ""
+        moved = [r for r in self.resplit if r.moved]
+        if moved:
             tables += ", " + ", ".join(
-                f"{r.layer.name} from {r.parts} parts into {r.layer.num_parts}"
-                for r in self.resplit
+                f"{r.layer.name} from {r.parts} parts into {r.layer.num_parts}" for r in moved
             )
         fresh = "none fresh"
         if self.fresh:
             fresh = f"{len(self.fresh)} start fresh ({listed(self.fresh, 4)})"
         return (
-            f"warm start from {self.checkpoint}: loaded {len(self.variables)} variables{tables}; "
+            f"warm start from {self.checkpoint}: loaded {self.loaded} variables{tables}; "
             f"{fresh}; the optimizer and the step start fresh"
         )
 
@@ -189,10 +200,13 @@ def _checkpoint_of(source: str) -> tuple[str, dict]:
 
 
 def _resplit(source: str, recorded: dict, model: keras.Model, include: re.Pattern) -> list[Resplit]:
-    """Each included split layer whose variables there are split into another number of parts.
+    """Each included split layer split into another number of parts there, and each table.
 
     A layer's variables there are those named under its own prefix (`embedding/`);
-    their shapes say how many parts held it (`Portable.split_shapes`).
+    their shapes say how many parts held it (`Portable.split_shapes`). A
+    dynamic table always loads through a twin, split alike or not: its index
+    tracks the optimizer's step as its clock, so reading the checkpoint into
+    this model's own index would bring that run's step with it.
     """
     found = []
     for layer in layers.portable_layers(model):
@@ -208,8 +222,8 @@ def _resplit(source: str, recorded: dict, model: keras.Model, include: re.Patter
         parts = next(
             (n for n in range(1, len(mine) + 1) if _shapes(layer.split_shapes(n)) == shapes), None
         )
-        if not mine or parts == layer.num_parts:
-            continue  # not there, or split alike: loaded by name
+        if not mine or (parts == layer.num_parts and not layer.indexes()):
+            continue  # not there, or split alike without an index: loaded by name
         if parts is None:
             raise UserError(
                 f"`train.warm_start` '{source}': `{layer.name}` has variables of {shapes} there, "
