@@ -1,5 +1,10 @@
 """Every change towerflow makes to TensorFlow's or Keras's own objects, in one place.
 
+Its sibling `strategies.tf_private` holds the private reads and hooks of the
+loop and layers (Keras's optimizer internals, TF's composite values); both are
+the only modules that reach TensorFlow's or Keras's private names
+(`tests/test_private_apis.py`).
+
 Each patch below works around one upstream behaviour, names it, and targets
 the versions in its `Patch` (`PATCHES`). A patch applies only where what it
 replaces is still there; on a version it does not target it applies the same
@@ -213,9 +218,13 @@ _VERSIONS = {"tensorflow": tf.__version__, "keras": keras.__version__}
 _warned: set[str] = set()
 
 
-def targeted(name: str) -> bool:
-    """Whether the installed library is a version patch `name` targets (else one warning)."""
-    patch = PATCHES[name]
+def targeted(name: str, registry: dict[str, Patch] | None = None) -> bool:
+    """Whether the installed library is a version entry `name` targets (else one warning).
+
+    `registry`: where `name` is registered, `PATCHES` unless given
+    (`strategies.tf_private.ACCESSES`).
+    """
+    patch = (PATCHES if registry is None else registry)[name]
     version = _VERSIONS[patch.library]
     if version.startswith(patch.versions):
         return True

@@ -253,7 +253,7 @@ def test_with_one_replica_the_gradients_reach_the_update_as_they_are():
     @tf.function(autograph=False)
     def update():
         grads = [tf.ones([3])]
-        summed = optimizer._all_reduce_sum_gradients(list(zip(grads, variables)))
+        summed = optimizer.sum_gradients(list(zip(grads, variables)))
         kept.append(summed[0][0] is grads[0])
 
     update.get_concrete_function()

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from strategies import tf_private
+
 
 class InputWait:
     """Seconds spent waiting for training batches, added up until `take`."""
@@ -53,20 +55,20 @@ class InputWait:
         return seconds
 
 
-class TimedIterator(tf.__internal__.CompositeTensor):
+class TimedIterator(tf_private.WrappedComposite):
     """An iterator whose `next`, traced into the loop's graph, adds its wait to a variable.
 
     The clock reads and the batch's fetch are ordered by control dependencies:
     the first read before the fetch, the second once the batch is there.
 
-    A composite tensor, as the iterator it wraps: a `tf.function` given one
+    A composite value around the iterator it wraps: a `tf.function` given one
     takes the inner iterator as its input. A plain Python object would be
     traced anew for each iterator and hold it in the trace as a capture, with
     its pipelines' threads, for as long as the process lives.
     """
 
     def __init__(self, inner, seconds: tf.Variable):
-        self._inner, self._seconds = inner, seconds
+        super().__init__(inner, seconds)
 
     def __iter__(self) -> TimedIterator:
         return self
@@ -74,52 +76,7 @@ class TimedIterator(tf.__internal__.CompositeTensor):
     def __next__(self):
         asked = tf.timestamp()
         with tf.control_dependencies([asked]):
-            batch = next(self._inner)
+            batch = next(self.inner)
         with tf.control_dependencies(tf.nest.flatten(batch)):
-            self._seconds.assign_add(tf.timestamp() - asked)
+            self.state.assign_add(tf.timestamp() - asked)
         return batch
-
-    @property
-    def _type_spec(self) -> _TimedIteratorSpec:
-        return _TimedIteratorSpec(self._inner._type_spec, self._seconds)
-
-
-class _TimedIteratorSpec(tf.TypeSpec):
-    """The inner iterator's spec; the variable is the same object in every trace."""
-
-    def __init__(self, inner: tf.TypeSpec, seconds: tf.Variable):
-        self._inner, self._seconds = inner, seconds
-
-    @property
-    def value_type(self) -> type:
-        return TimedIterator
-
-    @property
-    def _component_specs(self) -> tf.TypeSpec:
-        return self._inner
-
-    def _to_components(self, value: TimedIterator):
-        return value._inner
-
-    def _from_components(self, inner) -> TimedIterator:
-        return TimedIterator(inner, self._seconds)
-
-    def _serialize(self) -> tuple:
-        return (self._inner, id(self._seconds))  # a variable is not hashable; its identity is
-
-    # TypeSpec's own versions of these rebuild a spec from `_serialize`, which holds
-    # the variable's identity, not the variable.
-    def _without_tensor_names(self) -> _TimedIteratorSpec:
-        return _TimedIteratorSpec(self._inner._without_tensor_names(), self._seconds)
-
-    def is_subtype_of(self, other) -> bool:
-        return self._same_clock(other) and self._inner.is_subtype_of(other._inner)
-
-    def most_specific_common_supertype(self, others) -> _TimedIteratorSpec | None:
-        if not all(self._same_clock(other) for other in others):
-            return None
-        inner = self._inner.most_specific_common_supertype([other._inner for other in others])
-        return None if inner is None else _TimedIteratorSpec(inner, self._seconds)
-
-    def _same_clock(self, other) -> bool:
-        return type(other) is type(self) and other._seconds is self._seconds

@@ -44,6 +44,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from strategies import tf_patches
 from trainer.layers import tables
 from trainer.layers.dropout import Dropout
 from trainer.layers.dynamic import DynamicEmbedding
@@ -74,7 +75,7 @@ __all__ = [
 
 def dynamic_tables(model: keras.Model) -> list[DynamicEmbedding]:
     """Every `DynamicEmbedding` in `model`, nested ones (`DynamicEmbeddings`) included."""
-    return [layer for layer in model._flatten_layers() if isinstance(layer, DynamicEmbedding)]
+    return [layer for layer in tf_patches.flat_layers(model) if isinstance(layer, DynamicEmbedding)]
 
 
 def table_figures(model: keras.Model) -> dict[str, list[dict[str, int]]]:
@@ -84,7 +85,7 @@ def table_figures(model: keras.Model) -> dict[str, list[dict[str, int]]]:
 
 def portable_layers(model: keras.Model) -> list[Portable]:
     """The layers of `model` whose variables are split into parts, in order."""
-    return [layer for layer in model._flatten_layers() if isinstance(layer, Portable)]
+    return [layer for layer in tf_patches.flat_layers(model) if isinstance(layer, Portable)]
 
 
 def table_indexes(model: keras.Model) -> list[tf.Module]:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from strategies import tf_private
 from trainer.layers import table_seen, tables
 from trainer.loop import optim
 from trainer.loop.writes import TracedWrite
@@ -101,19 +102,6 @@ def marks(found: Layout) -> list[int]:
     return [int(family.part.table.now()) for family in found.families]
 
 
-class _Tensors(tf.__internal__.tracking.Trackable):
-    """Tensors saved under their names (`delta/.ATTRIBUTES/<name>`); read back with a reader.
-
-    `tensors` is set where the write is traced (`Writer`), before each write.
-    """
-
-    def __init__(self):
-        self.tensors: dict[str, tf.Tensor] = {}
-
-    def _serialize_to_tensors(self):
-        return self.tensors
-
-
 class Writer:
     """Writes deltas of a layout's tables: one traced write (`trainer.loop.writes`) for all.
 
@@ -125,7 +113,7 @@ class Writer:
 
     def __init__(self, found: Layout, indexes: list[tf.Module]):
         """`found`: what a delta holds (`layout`); `indexes`: the tables' indexes, held whole."""
-        self._families, self._tensors = found.families, _Tensors()
+        self._families, self._tensors = found.families, tf_private.SavedTensors()
         self._checkpoint = tf.train.Checkpoint(
             small=found.small, tables=indexes, delta=self._tensors
         )

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import tensorflow as tf
 
+from strategies import tf_private
 from strategies.cluster.preemption import Preempted
 from towerflow.errors import MEMBER_LOST_EXIT_CODE, MemberLost, Reform
 
@@ -113,10 +114,8 @@ def abort_step(lost: list[str], waited_s: float) -> None:
     step they completed before they exit: TensorFlow's collectives abort, and the
     step raises `UnavailableError` in the main thread.
     """
-    from tensorflow.python.eager import context  # the abort MWMS's own health check uses
-
     message = f"{', '.join(lost)}: no reply to the watchdog's probes for {waited_s:.0f} s"
-    context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
+    tf_private.abort_collective_ops(message)
 
 
 class Watchdog:

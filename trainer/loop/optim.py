@@ -32,7 +32,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from strategies import tf_patches
+from strategies import tf_patches, tf_private
 from towerflow.errors import UserError
 from trainer.layers import table_training, tables
 
@@ -132,22 +132,24 @@ class _SparseRows:
             own = self._table_optimizer(layer.table_optimizer)
             own.build(rows)
             setattr(self, f"table_{name}", own)  # tracked: checkpointed with this one
-            self._table_optimizers.update((self._var_key(v), own) for v in rows)
-        super().build([v for v in var_list if self._var_key(v) not in self._table_optimizers])
+            self._table_optimizers.update((tf_private.variable_key(self, v), own) for v in rows)
+        super().build(
+            [v for v in var_list if tf_private.variable_key(self, v) not in self._table_optimizers]
+        )
         for variable in var_list:
             owner = tables.owner_of(variable)
             if owner is not None:
                 trainer = self.trainer_of(variable)
-                slots = trainer._slots_of(trainer._get_variable_index(variable))
+                slots = trainer._slots_of(tf_private.variable_index(trainer, variable))
                 owner.trained_by(self.iterations, len(slots))
 
     def trainer_of(self, variable) -> keras.optimizers.Optimizer:
         """The optimizer that updates `variable`: a table's own, or this one."""
-        return self._table_optimizers.get(self._var_key(variable), self)
+        return self._table_optimizers.get(tf_private.variable_key(self, variable), self)
 
     def _table_optimizer(self, own: table_training.TableOptimizer) -> keras.optimizers.Optimizer:
         """A table's own optimizer: its kind (or this one's) at its rate, on this one's schedule."""
-        rate = self._learning_rate
+        rate = tf_private.learning_rate_of(self)
         if own.learning_rate is not None:
             if isinstance(rate, WarmupSchedule):
                 rate = WarmupSchedule(**{**rate.get_config(), "peak": own.learning_rate})
@@ -184,9 +186,9 @@ class _SparseRows:
                 trainer.apply([g for g, _ in pairs], [v for _, v in pairs])
         return result
 
-    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
-        # Keras's loop (`TFOptimizer`), each variable's copies updated by `_update_copies`,
-        # all of them with the step read once (`_next_step`).
+    def update_variables(self, distribution, grads_and_vars, learning_rate):
+        # Keras's loop, each variable's copies updated by `_update_copies`, all of them
+        # with the step read once (`_next_step`).
         self._step_read = tf.convert_to_tensor(self.iterations)
         try:
             self._update_each(distribution, grads_and_vars, learning_rate)
@@ -239,8 +241,8 @@ class _SparseRows:
         values = tf.math.unsorted_segment_sum(
             tf.cast(gradient.values, variable.dtype), inverse, tf.size(indices)
         )
-        index = self._get_variable_index(variable)
-        owner = tables.owner_of(self._trainable_variables[index])
+        index = tf_private.variable_index(self, variable)
+        owner = tables.owner_of(tf_private.built_variables(self)[index])
         if owner is None and not self.sparse_updates:
             return super().update_step(tf.convert_to_tensor(gradient), variable, learning_rate)
         if owner is not None:
@@ -280,11 +282,11 @@ class _FusedAdamUpdate:
         dtype = variable.dtype
         step = self._next_step(dtype)
         beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
-        index = self._get_variable_index(variable)
+        index = tf_private.variable_index(self, variable)
         tf.raw_ops.ResourceApplyAdam(
             var=_handle(variable),
-            m=_handle(self._momentums[index]),
-            v=_handle(self._velocities[index]),
+            m=_handle(tf_private.slots(self, "momentums")[index]),
+            v=_handle(tf_private.slots(self, "velocities")[index]),
             beta1_power=tf.pow(beta_1, step),
             beta2_power=tf.pow(beta_2, step),
             lr=tf.cast(learning_rate, dtype),
@@ -307,11 +309,11 @@ class _SummedByCaller:
 
     _summed_by_caller = False
 
-    def _all_reduce_sum_gradients(self, grads_and_vars):
+    def sum_gradients(self, grads_and_vars):
         replica = tf.distribute.get_replica_context()
         if self._summed_by_caller or (replica and replica.num_replicas_in_sync == 1):
             return list(grads_and_vars)
-        return super()._all_reduce_sum_gradients(grads_and_vars)
+        return super().sum_gradients(grads_and_vars)
 
 
 @contextlib.contextmanager
@@ -330,11 +332,10 @@ def summed_by_caller(optimizer: keras.optimizers.Optimizer) -> Iterator[None]:
             f"{type(inner).__name__} always all-reduces its gradients; build the optimizer "
             "with `trainer.loop.optim.build`."
         )
-    if not hasattr(keras.optimizers.Optimizer, "_all_reduce_sum_gradients"):
+    if not tf_private.OptimizerHooks.sums_gradients():
         raise TypeError(
-            f"Keras {keras.__version__} no longer sums gradients in `_all_reduce_sum_gradients`, "
-            "which towerflow turns off to sum them itself; set `gradient_dtype` to float32 "
-            "and `bytes_per_pack` to 0."
+            f"Keras {keras.__version__} no longer sums gradients where towerflow can turn "
+            "it off to sum them itself; set `gradient_dtype` to float32 and `bytes_per_pack` to 0."
         )
     tf_patches.targeted("sum_gradients_in_caller")
     inner._summed_by_caller = True
@@ -348,15 +349,23 @@ class _LazyAdamRows:
     """Adam on some rows: their moments and values change, the others' stay."""
 
     def _slots_of(self, index: int) -> list[tuple]:
-        slots = [(self._momentums[index], 0.0), (self._velocities[index], 0.0)]
-        return slots + ([(self._velocity_hats[index], 0.0)] if self.amsgrad else [])
+        slots = [
+            (tf_private.slots(self, "momentums")[index], 0.0),
+            (tf_private.slots(self, "velocities")[index], 0.0),
+        ]
+        return slots + (
+            [(tf_private.slots(self, "velocity_hats")[index], 0.0)] if self.amsgrad else []
+        )
 
     def _update_rows(self, grad, indices, variable, index, learning_rate):
         dtype = variable.dtype
         step = self._next_step(dtype)
         beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
         alpha = learning_rate * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
-        m, v = self._momentums[index], self._velocities[index]
+        m, v = (
+            tf_private.slots(self, "momentums")[index],
+            tf_private.slots(self, "velocities")[index],
+        )
         m_rows = _gather(m, indices)
         v_rows = _gather(v, indices)
         m_rows += (grad - m_rows) * (1 - beta_1)
@@ -364,13 +373,22 @@ class _LazyAdamRows:
         _put(m, indices, m_rows)
         _put(v, indices, v_rows)
         if self.amsgrad:
-            v_rows = tf.maximum(_gather(self._velocity_hats[index], indices), v_rows)
-            _put(self._velocity_hats[index], indices, v_rows)
+            v_rows = tf.maximum(
+                _gather(tf_private.slots(self, "velocity_hats")[index], indices), v_rows
+            )
+            _put(tf_private.slots(self, "velocity_hats")[index], indices, v_rows)
         step_rows = alpha * m_rows / (tf.sqrt(v_rows) + tf.cast(self.epsilon, dtype))
         _put(variable, indices, _gather(variable, indices) - step_rows)
 
 
-class Adam(_LazyAdamRows, _SparseRows, _FusedAdamUpdate, _SummedByCaller, keras.optimizers.Adam):
+class Adam(
+    _LazyAdamRows,
+    _SparseRows,
+    _FusedAdamUpdate,
+    _SummedByCaller,
+    tf_private.OptimizerHooks,
+    keras.optimizers.Adam,
+):
     """Keras's Adam; each dense update is one fused kernel, sparse ones lazy."""
 
 
@@ -386,21 +404,22 @@ class _RowDecay:
 
     def apply(self, grads, trainable_variables=None):
         variables = (
-            self._trainable_variables if trainable_variables is None else trainable_variables
+            tf_private.built_variables(self) if trainable_variables is None else trainable_variables
         )
         sparse = [v for g, v in zip(grads, variables) if self._updates_rows(g, v)]
-        self._sparse_now = frozenset(self._var_key(v) for v in sparse)
+        self._sparse_now = frozenset(tf_private.variable_key(self, v) for v in sparse)
         try:
             return super().apply(grads, trainable_variables)
         finally:
             self._sparse_now = frozenset()
 
-    def _use_weight_decay(self, variable):
+    def uses_weight_decay(self, variable):
         """Keras asks this of each variable before its decay: not here for a sparse one."""
-        return self._var_key(variable) not in self._sparse_now and self._decays(variable)
+        key = tf_private.variable_key(self, variable)
+        return key not in self._sparse_now and self._decays(variable)
 
     def _decays(self, variable) -> bool:
-        return super()._use_weight_decay(variable)
+        return super().uses_weight_decay(variable)
 
     def _updates_rows(self, gradient, variable) -> bool:
         """Whether `variable` is updated row by row (else densely, decay and all, as Keras)."""
@@ -409,7 +428,7 @@ class _RowDecay:
         return self.sparse_updates or tables.owner_of(variable) is not None
 
     def update_step(self, gradient, variable, learning_rate):
-        rows = self._var_key(variable) in self._sparse_now
+        rows = tf_private.variable_key(self, variable) in self._sparse_now
         if self.weight_decay and rows and self._decays(variable):
             indices, _ = tf.unique(gradient.indices)
             rows = _gather(variable, indices)
@@ -424,37 +443,41 @@ class AdamW(
     _SparseRows,
     _FusedAdamUpdate,
     _SummedByCaller,
+    tf_private.OptimizerHooks,
     keras.optimizers.AdamW,
 ):
     """Keras's AdamW; each dense update is one fused kernel, sparse ones lazy (decay too)."""
 
 
-class Adagrad(_SparseRows, _SummedByCaller, keras.optimizers.Adagrad):
+class Adagrad(_SparseRows, _SummedByCaller, tf_private.OptimizerHooks, keras.optimizers.Adagrad):
     """Keras's Adagrad; a sparse update changes only the rows looked up."""
 
     def _slots_of(self, index: int) -> list[tuple]:
-        return [(self._accumulators[index], self.initial_accumulator_value)]
+        return [(tf_private.slots(self, "accumulators")[index], self.initial_accumulator_value)]
 
     def _update_rows(self, grad, indices, variable, index, learning_rate):
-        accumulator = self._accumulators[index]
+        accumulator = tf_private.slots(self, "accumulators")[index]
         rows = _gather(accumulator, indices) + tf.square(grad)
         _put(accumulator, indices, rows)
         step_rows = learning_rate * grad / tf.sqrt(rows + tf.cast(self.epsilon, rows.dtype))
         _put(variable, indices, _gather(variable, indices) - step_rows)
 
 
-class Ftrl(_SparseRows, _SummedByCaller, keras.optimizers.Ftrl):
+class Ftrl(_SparseRows, _SummedByCaller, tf_private.OptimizerHooks, keras.optimizers.Ftrl):
     """Keras's FTRL-Proximal; a sparse update changes only the rows looked up."""
 
     def _slots_of(self, index: int) -> list[tuple]:
         return [
-            (self._accumulators[index], self.initial_accumulator_value),
-            (self._linears[index], 0.0),
+            (tf_private.slots(self, "accumulators")[index], self.initial_accumulator_value),
+            (tf_private.slots(self, "linears")[index], 0.0),
         ]
 
     def _update_rows(self, grad, indices, variable, index, learning_rate):
         # Keras's `Ftrl.update_step`, on the rows `indices`.
-        accumulator, linear = self._accumulators[index], self._linears[index]
+        accumulator, linear = (
+            tf_private.slots(self, "accumulators")[index],
+            tf_private.slots(self, "linears")[index],
+        )
         rows = _gather(variable, indices)
         accum = _gather(accumulator, indices)
         power = -self.learning_rate_power
@@ -474,7 +497,7 @@ class Ftrl(_SparseRows, _SummedByCaller, keras.optimizers.Ftrl):
         _put(variable, indices, (clipped - new_linear) / quadratic)
 
 
-class SGD(_SparseRows, _SummedByCaller, keras.optimizers.SGD):
+class SGD(_SparseRows, _SummedByCaller, tf_private.OptimizerHooks, keras.optimizers.SGD):
     """Keras's SGD; with momentum (not Nesterov), each dense update is one fused kernel.
 
     A sparse update changes only the rows looked up (and their momentum).
@@ -499,7 +522,7 @@ class SGD(_SparseRows, _SummedByCaller, keras.optimizers.SGD):
         dtype = variable.dtype
         tf.raw_ops.ResourceApplyKerasMomentum(
             var=_handle(variable),
-            accum=_handle(self.momentums[self._get_variable_index(variable)]),
+            accum=_handle(self.momentums[tf_private.variable_index(self, variable)]),
             lr=tf.cast(learning_rate, dtype),
             grad=tf.cast(gradient, dtype),
             momentum=tf.cast(self.momentum, dtype),
@@ -516,7 +539,7 @@ def slots_of(optimizer: keras.optimizers.Optimizer, variable) -> list[tuple]:
     if not variable.trainable:
         return []
     inner = getattr(optimizer, "inner_optimizer", optimizer).trainer_of(variable)
-    return inner._slots_of(inner._get_variable_index(variable))
+    return inner._slots_of(tf_private.variable_index(inner, variable))
 
 
 def own_variables(optimizer: keras.optimizers.Optimizer) -> list:
@@ -541,7 +564,7 @@ def like(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
             dynamic_growth_steps=config["dynamic_growth_steps"],
         )
     config = optimizer.get_config()
-    rate = optimizer._learning_rate
+    rate = tf_private.learning_rate_of(optimizer)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         config["learning_rate"] = rate  # `get_config` gives its config, which Keras cannot rebuild
     new = type(optimizer).from_config(config)
