@@ -1,5 +1,7 @@
 """`train.warm_start`: a new run begins from another run's variables, dynamic tables included."""
 
+import json
+
 import keras
 import ml_collections
 import numpy as np
@@ -183,3 +185,15 @@ def test_sharded_layers_in_other_shards_warm_start_whole(tmp_path):
     line = _warm_started(tmp_path, source, [ids] * 3, target)
     assert "table from 2 parts into 3" in line and "wide from 2 parts into 3" in line
     np.testing.assert_allclose(target(ids).numpy(), source(ids).numpy(), rtol=1e-6)
+
+
+def test_a_warm_start_shorter_than_its_source_trains_its_own_steps_from_step_0(trained, tmp_path):
+    model_dir = tmp_path / "today"
+    keras.backend.clear_session()
+    config = _config(**{"train.warm_start": str(trained), "train.steps": 5})
+    results = train.train_and_evaluate(config, str(model_dir), mode="train")
+    # The source trained 10 steps: the step and the optimizer start fresh, and 5 train here.
+    assert results["step"] == 5
+    recorded = json.loads((model_dir / "results.json").read_text())
+    assert recorded["step"] == 5 and recorded["train"]["loss"] > 0
+    assert tf.train.latest_checkpoint(str(model_dir / "checkpoints")).endswith("ckpt-5")
