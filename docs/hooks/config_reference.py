@@ -19,12 +19,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
-import io
 import pathlib
 import re
-import tokenize
 
 import ml_collections
+import source_comments  # docs/hooks/, on `sys.path` while mkdocs loads a hook
 
 MARKER = "<!-- config-reference -->"
 PAGE = "configuration.md"
@@ -94,7 +93,7 @@ def entries(source: str) -> list[Entry]:
     its line. A comment above a run of fields (one per line, no blank line between) is
     every one's of them that has no comment of its own.
     """
-    comments = _comments(source)
+    found_comments = source_comments.comments(source)
     found: list[tuple[int, int, Entry]] = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Assign) or len(node.targets) != 1:
@@ -102,17 +101,11 @@ def entries(source: str) -> list[Entry]:
         path = _config_path(node.targets[0])
         if path is None:
             continue
-        above = _comment_above(comments, node.lineno)
-        inline = [
-            comments[n][0]
-            for n in dict.fromkeys((node.lineno, node.end_lineno))
-            if n in comments and not comments[n][1]
-        ]
         is_section = isinstance(node.value, ast.Call) and ast.unparse(node.value.func).endswith(
             "ConfigDict"
         )
-        meaning = " ".join([*above, *inline]).strip()
-        found.append((node.lineno, node.end_lineno, Entry(path, is_section, meaning)))
+        text = source_comments.meaning(found_comments, node.lineno, node.end_lineno)
+        found.append((node.lineno, node.end_lineno, Entry(path, is_section, text)))
     found.sort(key=lambda item: item[0])
     for (_, end, lead), (start, _, entry) in zip(found, found[1:]):
         if entry.meaning or start != end + 1:
@@ -122,27 +115,6 @@ def entries(source: str) -> list[Entry]:
         elif entry.path.rpartition(".")[0] == lead.path:
             entry.meaning = "See the section's description above."  # the comment above both
     return [entry for _, _, entry in found]
-
-
-def _comment_above(comments: dict[int, tuple[str, bool]], line: int) -> list[str]:
-    above = []
-    line -= 1
-    while line in comments and comments[line][1]:  # whole-line comments, upwards
-        above.insert(0, comments[line][0])
-        line -= 1
-    return above
-
-
-def _comments(source: str) -> dict[int, tuple[str, bool]]:
-    """Line number -> (comment text, whether the comment is the whole line)."""
-    lines = source.splitlines()
-    found = {}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            row, column = token.start
-            whole = not lines[row - 1][:column].strip()
-            found[row] = (token.string.lstrip("#").strip(), whole)
-    return found
 
 
 def _config_path(target: ast.expr) -> str | None:
@@ -166,7 +138,7 @@ def dataclass_entries(source: str) -> list[Entry]:
     `strategy.mirrored` (the rest of its docstring, if any, as its description) and one
     entry per annotated field, with the comments beside and above it.
     """
-    comments = _comments(source)
+    found_comments = source_comments.comments(source)
     found = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ClassDef) or not _is_dataclass(node):
@@ -178,9 +150,7 @@ def dataclass_entries(source: str) -> list[Entry]:
         found.append(Entry(section, True, ""))
         for field in node.body:
             if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name):
-                above = _comment_above(comments, field.lineno)
-                inline = comments.get(field.end_lineno, ("", True))
-                text = " ".join([*above, "" if inline[1] else inline[0]]).strip()
+                text = source_comments.meaning(found_comments, field.lineno, field.end_lineno)
                 found.append(Entry(f"{section}.{field.target.id}", False, text))
     return found
 

@@ -9,9 +9,9 @@ or above it. Read statically, so the site's build imports nothing of towerflow.
 from __future__ import annotations
 
 import ast
-import io
 import pathlib
-import tokenize
+
+import source_comments  # docs/hooks/, on `sys.path` while mkdocs loads a hook
 
 MARKER = "<!-- exit-statuses -->"
 ERRORS = pathlib.Path(__file__).resolve().parents[2] / "towerflow" / "errors.py"
@@ -20,12 +20,7 @@ SUFFIX = "_EXIT_CODE"
 
 def statuses(source: str) -> dict[int, tuple[str, str]]:
     """Status -> (constant name, its comment) for each `NAME_EXIT_CODE = N` in `source`."""
-    comments: dict[int, tuple[str, bool]] = {}
-    lines = source.splitlines()
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            row, column = token.start
-            comments[row] = (token.string.lstrip("#").strip(), not lines[row - 1][:column].strip())
+    comments = source_comments.comments(source)
     found = {}
     for node in ast.parse(source).body:
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
@@ -33,12 +28,7 @@ def statuses(source: str) -> dict[int, tuple[str, str]]:
         name = getattr(node.targets[0], "id", "")
         if not name.endswith(SUFFIX) or not isinstance(node.value, ast.Constant):
             continue
-        above, line = [], node.lineno - 1
-        while line in comments and comments[line][1]:
-            above.insert(0, comments[line][0])
-            line -= 1
-        inline = comments.get(node.lineno, ("", True))
-        meaning = " ".join([*above, "" if inline[1] else inline[0]]).strip()
+        meaning = source_comments.meaning(comments, node.lineno, node.end_lineno)
         if not meaning:
             raise ValueError(f"`{name}` in {ERRORS} has no comment saying what it means")
         found[node.value.value] = (name, meaning)
