@@ -195,13 +195,23 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.train_files = ""  # glob of training files
     c.data.eval_files = ""  # glob of eval files
     # tfrecord / csv: train on the files of `train_files` as they keep arriving (docs/online.md):
-    # each once, in name order, unshuffled, the position saved in every checkpoint; a file counts
-    # once its base name starts with neither "." nor "_" (write it so, then rename it into place).
+    # each record once, files in arrival order (modification time, then name) whatever their
+    # names, unshuffled; which files are done is saved in every checkpoint. A file counts once
+    # its base name starts with neither "." nor "_" (write it so, then rename it into place).
     # With `train.steps=0` training goes on until stopped (SIGTERM saves and exits). Under
     # one_device, mirrored or multi_worker (every worker reads every file, keeps its share of
     # each global batch); parameter_server is refused.
     c.data.follow = False
     c.data.follow_poll_secs = 1.0  # data.follow: seconds between looks for new files
+    # data.follow: seconds (>= 0) a remainder short of a global batch waits for more records
+    # before it trains as one step padded with records of weight 0 (0: at once)
+    c.data.follow_max_wait_secs = 60.0
+    # data.follow: files (> 0) the checkpoint names as trained beyond its watermark; a file that
+    # lands older (by modification time) than the last this many trained is refused in one line
+    c.data.follow_horizon_files = 10_000
+    # data.follow: a file that marks its directory complete, e.g. "_SUCCESS" as Spark and Hive
+    # write last: files count only once it lands ("" = no marker; needs a wildcard directory)
+    c.data.follow_marker = ""
     # tfrecord / csv: the features to read, "name:dtype[:shape|:var][=default],..." with dtype
     # float32 | int64 | string, a shape like 64 or 8x8x1 (none: one value), var: any length
     # (tfrecord, a ragged tensor), and the value a missing one takes (csv: one of `na_values`;
