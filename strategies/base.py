@@ -45,7 +45,7 @@ differs. The hooks of towerflow 0.1 (`_build`, `_communication`,
 until towerflow 0.3, with one line naming the new name (`strategies.deprecated`).
 
 A plugin wraps one real `tf.distribute.Strategy` (`tf_strategy`) and adds only
-what differs for it. A short example, the whole contract in use::
+what differs for it. A short example, the whole contract in use:
 
     strategy = strategies.get("mirrored")
     with strategy.scope():

@@ -14,8 +14,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-# A trainable variable -> its optimizer slots, as `(slot variable, initial value)`.
 Slots = Callable[[keras.Variable], list[tuple]]
+"""A trainable variable -> its optimizer slots, as `(slot variable, initial value)`."""
 
 
 class Portable(abc.ABC):
