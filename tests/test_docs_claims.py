@@ -223,7 +223,7 @@ def _statuses() -> dict[int, str]:
 
 
 def test_every_exit_status_a_page_names_is_defined():
-    pattern = r"\bexit(?:s| status| code| with)? (\d+)"
+    pattern = r"\bexit(?:s| status| code| with)? \**(\d+)"
     named = {
         (page.name, int(code)) for page in PAGES for code in re.findall(pattern, page.read_text())
     }
@@ -348,3 +348,18 @@ def test_the_exit_statuses_are_read_from_their_one_module():
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "").endswith("_CODE")
     }
     assert len(constants) == len(_statuses())
+
+
+# Words of the project's own workshop that a user page has no use for.
+INTERNAL = ("slow tier", "default tier", "other engineers", "earlier version", "the code before")
+
+
+def test_user_pages_speak_of_use_not_of_the_projects_history_or_its_tests():
+    found = [
+        f"{page.name}:{number}: {phrase!r}"
+        for page in PAGES
+        for number, line in enumerate(page.read_text().lower().splitlines(), 1)
+        for phrase in INTERNAL
+        if phrase in line
+    ]
+    assert not found, "\n".join(found)
