@@ -17,12 +17,21 @@ A classification model outputs logits, or probabilities when its last layer
 ends in softmax (or in a sigmoid over one unit, for two classes), as Keras
 Applications models do; `models.output_kind` tells which, and the task takes
 the cross-entropy of what it gets.
+
+Labels come in the shapes Keras's own losses take: class ids shaped
+`(batch,)` or `(batch, 1)`, or one-hot (or soft) rows `(batch, num_classes)`
+for classification; `(batch,)` or `(batch, 1)` for regression's one output.
+Any other shape is refused in one line when the step is traced, before the
+first step runs.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+
+from strategies import tf_patches
+from towerflow.errors import UserError
 
 AUC_BUCKETS = 200  # resolution of the binary AUC's score histogram
 OUTPUT_KINDS = ("logits", "probabilities", "sigmoid")  # see `models.output_kind`
@@ -127,7 +136,14 @@ class Classification(_Objective):
 
     def per_example_loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
         """Cross-entropy of each example, unweighted."""
-        labels = tf.cast(labels, tf.int32)
+        if _one_hot(labels, self.num_classes):
+            if self.outputs == "logits":
+                return tf.nn.softmax_cross_entropy_with_logits(
+                    tf.cast(labels, tf.float32), tf.cast(outputs, tf.float32)
+                )
+            chosen = tf.clip_by_value(self.probabilities(outputs), _EPSILON, 1.0)
+            return -tf.reduce_sum(tf.cast(labels, tf.float32) * tf.math.log(chosen), axis=-1)
+        labels = self.class_ids(labels)
         if self.outputs == "logits":
             return tf.nn.sparse_softmax_cross_entropy_with_logits(
                 labels, tf.cast(outputs, tf.float32)
@@ -135,8 +151,21 @@ class Classification(_Objective):
         chosen = tf.gather(self.probabilities(outputs), labels, axis=-1, batch_dims=1)
         return -tf.math.log(tf.clip_by_value(chosen, _EPSILON, 1.0))
 
+    def class_ids(self, labels: tf.Tensor) -> tf.Tensor:
+        """`labels` (ids `(batch,)` or `(batch, 1)`, or one-hot rows) as class ids, `(batch,)`.
+
+        Raises:
+          UserError: labels of another shape (one line, through a traced step too).
+        """
+        if _one_hot(labels, self.num_classes):
+            return tf.argmax(labels, axis=-1, output_type=tf.int32)
+        return tf.cast(
+            _one_per_example(labels, f"classification ({self.num_classes} classes)", _CLASS_SHAPES),
+            tf.int32,
+        )
+
     def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
-        labels = tf.cast(labels, tf.int32)
+        labels = self.class_ids(labels)
         # Softmax keeps the order of the logits: the prediction needs no probabilities.
         scores = outputs if self.outputs == "logits" else self.probabilities(outputs)
         predicted = tf.argmax(scores, axis=-1, output_type=tf.int32)
@@ -173,7 +202,9 @@ class Regression(_Objective):
 
     def per_example_loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
         """Squared error of each example, unweighted."""
-        error = tf.squeeze(tf.cast(outputs, tf.float32), -1) - tf.cast(labels, tf.float32)
+        outputs = _one_per_example(outputs, "regression", "one output per example", "outputs")
+        labels = _one_per_example(labels, "regression", _VALUE_SHAPES)
+        error = tf.cast(outputs, tf.float32) - tf.cast(labels, tf.float32)
         return tf.square(error)
 
     def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
@@ -197,6 +228,51 @@ def for_spec(
     if num_classes > 0:
         return Classification(num_classes, outputs, class_names)
     return Regression()
+
+
+_CLASS_SHAPES = "class ids shaped `(batch,)` or `(batch, 1)`, or one-hot `(batch, num_classes)`"
+_VALUE_SHAPES = "values shaped `(batch,)` or `(batch, 1)`"
+
+
+def _one_hot(labels: tf.Tensor, num_classes: int) -> bool:
+    """Whether `labels` are rows of `num_classes` class weights (one-hot or soft)."""
+    labels = tf.convert_to_tensor(labels)
+    return labels.shape.rank == 2 and labels.shape[-1] == num_classes and num_classes > 1
+
+
+def _one_per_example(labels: tf.Tensor, task: str, shapes: str, what: str = "labels") -> tf.Tensor:
+    """`labels` (or the model's outputs) shaped `(batch,)` or `(batch, 1)`, as `(batch,)`.
+
+    Raises:
+      UserError: any other shape (one line, through a traced step too): a
+        `(batch, 1)` label would otherwise broadcast against `(batch,)` outputs
+        into a `(batch, batch)` loss.
+    """
+    labels = tf.convert_to_tensor(labels)
+    if labels.shape.rank == 1:
+        return labels
+    if labels.shape.rank == 2 and labels.shape[-1] == 1:
+        return tf.squeeze(labels, -1)
+    if what == "outputs":
+        raise _refused(
+            f"The model's outputs are shaped {_shape(labels)}; {task} takes {shapes}: end "
+            "the model in `Dense(1)`, or compile it with a loss that takes them."
+        )
+    raise _refused(
+        f"The dataset's labels are shaped {_shape(labels)}; {task} takes {shapes}: reshape "
+        "them in the dataset (e.g. `labels[:, 0]`), or compile the model with a loss that "
+        "takes them."
+    )
+
+
+def _shape(tensor: tf.Tensor) -> str:
+    dims = ["batch" if i == 0 else str(d) for i, d in enumerate(tensor.shape.as_list())]
+    return f"({', '.join(dims)})" if tensor.shape.rank is not None else "(unknown rank)"
+
+
+def _refused(message: str) -> UserError:
+    """A one-line `UserError`, raised as it is through AutoGraph while the step is traced."""
+    return tf_patches.raised_through_autograph(UserError(message))
 
 
 def _total_weight(sums: dict) -> float:
