@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import strategies
+from towerflow.errors import UserError
 from trainer.layers import ShardedEmbedding
 from trainer.loop import optim
 
@@ -258,3 +259,22 @@ def test_with_one_replica_the_gradients_reach_the_update_as_they_are():
 
     update.get_concrete_function()
     assert kept == [True]
+
+
+@pytest.mark.parametrize("steps", [(-5,), (0,), (2000, 1000), (1000, 1000), (1.5,)])
+def test_step_schedule_drops_that_are_not_positive_and_increasing_are_one_line(steps):
+    config = _config("sgd")
+    config.update(schedule="step", decay_steps=steps)
+    with pytest.raises(UserError, match=r"`optimizer.decay_steps` \(.*\) must be positive") as e:
+        optim.build(config, 100)
+    assert "\n" not in str(e.value) and "--config.optimizer.decay_steps=" in str(e.value)
+
+
+def test_step_schedule_drops_the_rate_at_each_increasing_step():
+    config = _config("sgd")
+    config.update(schedule="step", decay_steps=(10, 20), decay_rate=0.5)
+    rate = optim.build(config, 100).learning_rate  # at step 0
+    schedule = optim.schedule(config, 100)
+    rates = [float(schedule(step)) for step in (0, 9, 10, 19, 20)]
+    assert float(rate) == pytest.approx(0.05)
+    assert rates == pytest.approx([0.05, 0.05, 0.025, 0.025, 0.0125])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Iterator
 
 import keras
@@ -645,10 +646,11 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-    """Checks the `optimizer` section: its name, schedule, rate and warm-up.
+    """Checks the `optimizer` section: its name, schedule, rate, warm-up and drops.
 
     Raises:
-      UserError: an unknown optimizer or schedule name, or a bad rate or warm-up.
+      UserError: an unknown optimizer or schedule name, or a bad rate, warm-up or
+        `decay_steps`.
     """
     if config.name not in OPTIMIZERS:
         raise UserError(
@@ -662,6 +664,18 @@ def check(config: ml_collections.ConfigDict) -> None:
         raise UserError(f"`optimizer.learning_rate` ({config.learning_rate}) must be positive.")
     if config.warmup_steps < 0:
         raise UserError(f"`optimizer.warmup_steps` ({config.warmup_steps}) must be >= 0.")
+    _check_boundaries(tuple(config.decay_steps))
+
+
+def _check_boundaries(steps: tuple) -> None:
+    """The step schedule's drops: positive whole steps, each after the one before."""
+    whole = all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in steps)
+    if not whole or any(s <= 0 for s in steps) or any(b <= a for a, b in zip(steps, steps[1:])):
+        raise UserError(
+            f"`optimizer.decay_steps` ({steps}) must be positive steps in increasing order "
+            "(where the step schedule drops the rate); e.g. "
+            "`--config.optimizer.decay_steps='(1000, 2000)'`."
+        )
 
 
 def schedule(config: ml_collections.ConfigDict, total_steps: int) -> WarmupSchedule:
