@@ -29,6 +29,13 @@ class MirroredOptions:
     # The dtype gradients are summed in across replicas: float32 | bfloat16.
     gradient_dtype: str = "float32"
 
+    def __post_init__(self):
+        if self.cross_device_ops not in CROSS_DEVICE_OPS:
+            raise UserError(
+                f"Unknown `strategy.mirrored.cross_device_ops` '{self.cross_device_ops}'; "
+                f"known: {', '.join(CROSS_DEVICE_OPS)}."
+            )
+
 
 @register("mirrored")
 class Mirrored(Strategy, options=MirroredOptions):
@@ -95,11 +102,7 @@ def replica_state_averaged(strategy: tf.distribute.Strategy) -> Iterator[None]:
 
 
 def _cross_device_ops(name: str, names: list[str]):
-    if name not in CROSS_DEVICE_OPS:
-        raise UserError(
-            f"Unknown `strategy.mirrored.cross_device_ops` '{name}'; "
-            f"known: {', '.join(CROSS_DEVICE_OPS)}."
-        )
+    """The cross-device ops `name` (a key of `CROSS_DEVICE_OPS`) makes for devices `names`."""
     if name == "nccl" and not any("GPU" in d for d in names):
         raise UserError(
             "`strategy.mirrored.cross_device_ops` 'nccl' needs GPUs, and none are in use; "

@@ -332,17 +332,48 @@ def test_an_option_a_plugin_does_not_declare_is_one_line():
     )
 
 
-@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf")])
-def test_a_collective_timeout_that_is_no_number_of_seconds_is_refused_where_options_are_read(
-    timeout,
-):
-    section = ml_collections.ConfigDict({"timeout_seconds": timeout})
+TIMEOUT_RULE = (
+    "must be a finite number of seconds >= 0; use 0 (no per-collective timeout, the default) "
+    "or e.g. 600."
+)
+
+
+@pytest.mark.parametrize(
+    "name, field, value, message",
+    [
+        ("multi_worker", "timeout_seconds", -1.0, TIMEOUT_RULE),
+        ("multi_worker", "timeout_seconds", float("nan"), TIMEOUT_RULE),
+        ("multi_worker", "timeout_seconds", float("inf"), TIMEOUT_RULE),
+        ("pipeline", "micro_batches", 0, "must be >= 1 (1 = no micro-batches)."),
+        ("pipeline", "stages", 0, "must be >= 1; e.g. `--config.strategy.pipeline.stages=2`."),
+        (
+            "parameter_server",
+            "warmup_steps",
+            -1,
+            "must be >= 0 (0 = every worker from the first step).",
+        ),
+    ],
+)
+def test_a_value_no_run_can_use_is_one_line_where_the_options_are_read(name, field, value, message):
+    section = ml_collections.ConfigDict({field: value})
     with pytest.raises(strategies.UserError) as error:
-        read_options(strategies.plugin("multi_worker"), section)
+        read_options(strategies.plugin(name), section)
+    assert str(error.value) == f"`strategy.{name}.{field}` ({value}) {message}"
+
+
+def test_an_unknown_cross_device_ops_is_refused_where_the_options_are_read():
+    section = ml_collections.ConfigDict({"cross_device_ops": "ring"})
+    with pytest.raises(strategies.UserError) as error:
+        read_options(strategies.plugin("mirrored"), section)
     assert str(error.value) == (
-        f"`strategy.multi_worker.timeout_seconds` ({timeout}) must be a finite number of "
-        "seconds >= 0; use 0 (no per-collective timeout, the default) or e.g. 600."
+        "Unknown `strategy.mirrored.cross_device_ops` 'ring'; "
+        "known: auto, nccl, hierarchical_copy, reduce_to_one."
     )
+
+
+def test_a_collective_timeout_of_0_means_none():
+    described = strategies.get("multi_worker").describe()["communication"]
+    assert "no per-collective timeout" in described
 
 
 def test_a_third_party_plugin_reads_the_options_it_declares():

@@ -72,6 +72,13 @@ class ParameterServerOptions:
     warmup_steps: int = 0  # asynchronous: first steps on one worker alone
     gradient_dtype: str = "float32"  # workers push float32 gradients to the ps
 
+    def __post_init__(self):
+        if self.warmup_steps < 0:
+            raise UserError(
+                f"`strategy.parameter_server.warmup_steps` ({self.warmup_steps}) must be >= 0 "
+                "(0 = every worker from the first step)."
+            )
+
 
 @register("parameter_server")
 class ParameterServer(Strategy, options=ParameterServerOptions):
@@ -142,10 +149,6 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
                 f"{option} ({self.sync_replicas}) must be between 0 (asynchronous) and the "
                 f"{workers} workers of the cluster ({workers}: every worker, no spare); use "
                 f"{max(workers - 1, 1)} for one spare worker, or start more workers."
-            )
-        if self.warmup_steps < 0:
-            raise UserError(
-                f"`strategy.parameter_server.warmup_steps` ({self.warmup_steps}) must be >= 0."
             )
         if self.sync_replicas and (self.staleness.mode != "none" or self.warmup_steps):
             raise UserError(

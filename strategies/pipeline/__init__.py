@@ -59,6 +59,18 @@ class PipelineOptions:
     micro_batches: int = 4  # GPipe: parts of each train batch, so stages overlap
     devices: str = ""  # one per stage; "" = the GPUs, else the logical CPUs
 
+    def __post_init__(self):
+        if int(self.micro_batches) < 1:
+            raise UserError(
+                f"`strategy.pipeline.micro_batches` ({self.micro_batches}) must be >= 1 "
+                "(1 = no micro-batches)."
+            )
+        if not _names(self.boundaries) and int(self.stages) < 1:
+            raise UserError(
+                f"`strategy.pipeline.stages` ({self.stages}) must be >= 1; e.g. "
+                "`--config.strategy.pipeline.stages=2`."
+            )
+
 
 @register("pipeline")
 class Pipeline(Strategy, options=PipelineOptions):
@@ -73,19 +85,9 @@ class Pipeline(Strategy, options=PipelineOptions):
         return _stage_count(read_options(cls, options))
 
     def build_tf_strategy(self) -> tf.distribute.Strategy:
-        self.micro_batches = int(self.options.micro_batches)
-        if self.micro_batches < 1:
-            raise UserError(
-                f"`strategy.pipeline.micro_batches` ({self.micro_batches}) must be >= 1 "
-                "(1 = no micro-batches)."
-            )
+        self.micro_batches = int(self.options.micro_batches)  # >= 1: `PipelineOptions`
         self.boundaries = _names(self.options.boundaries)
         count = _stage_count(self.options)
-        if count < 1:
-            raise UserError(
-                f"`strategy.pipeline.stages` ({count}) must be >= 1; e.g. "
-                "`--config.strategy.pipeline.stages=2`."
-            )
         found = devices.parse_devices(self.options.devices, "strategy.pipeline.devices")
         if len(found) < count:
             raise UserError(
