@@ -4,13 +4,15 @@
    strategy of several processes (a one-line `UserError` otherwise).
 2. `keys_of`: the ids as flat int64 keys (`tables.key64`), and which are not
    `mask_id`.
-3. `vectors_by_part`: each part of the table (`trainer.layers.dynamic_parts`)
-   looks up its own ids on its device (`part_packed`). In training it first
-   admits the ids of the whole global batch (`admit_global_batch`); a new
-   id, or one whose slot was reused, reads its initial row
-   (`_packed_rows`). An id without a row reads the default or fallback
-   row (`DynamicEmbedding.defaults`), taken once for the ids of every part;
-   outside training, an id the table has not seen lately (its seen-filter,
+3. `vectors_by_part`: in training, each part of the table
+   (`trainer.layers.dynamic_parts`) looks up its own ids on its device
+   (`part_packed`), first admitting the ids of the whole global batch
+   (`admit_global_batch`); a new id, or one whose slot was reused, reads its
+   initial row (`_packed_rows`). An id without a row reads the default or
+   fallback row (`DynamicEmbedding.defaults`), taken once for the ids of
+   every part. Outside training (eval, an export's serving) the lookup is
+   `trainer.layers.dynamic_serving`'s: read-only, a few ops a part, and an
+   id the table has not seen lately (its seen-filter,
    `trainer.layers.table_seen`) reads zeros.
 4. `shaped`: the vectors in the ids' shape, or reduced over each example's
    list by the `combiner`.
@@ -29,7 +31,7 @@ import tensorflow as tf
 
 from strategies import tf_patches
 from towerflow.errors import UserError
-from trainer.layers import tables
+from trainer.layers import dynamic_serving, tables
 
 if TYPE_CHECKING:
     from trainer.layers.dynamic_parts import TablePart
@@ -88,19 +90,22 @@ def vectors_by_part(
     rows, whose member holds it, and its gradient goes back with theirs. Each
     tensor that crosses is a message between the worker and the member.
     The vectors are of the layer's compute dtype (under mixed precision the
-    rows are float32 variables read as they are).
+    rows are float32 variables read as they are). Outside training:
+    `dynamic_serving.served_vectors`.
     """
+    if not training:
+        return dynamic_serving.served_vectors(parts, keys, valid)
     layer = parts[0].layer
     default = layer.default_row  # None with fallback rows
     if len(parts) == 1:
-        packed = part_packed(parts[0], keys, valid, training, default)
+        packed = part_packed(parts[0], keys, valid, default)
         return _rows_or_defaults(*_default_of(packed, default), layer, keys, valid)
     count = len(parts)
     owners = tf.where(valid, tables.part_of(keys, count), count)  # the last: not looked up
     positions = tf.dynamic_partition(tf.range(tf.size(keys)), owners, count + 1)
     keys_by_part = tf.dynamic_partition(keys, owners, count + 1)[:count]
     packed = [
-        part_packed(part, part_keys, None, training, default if i == 0 else None)
+        part_packed(part, part_keys, None, default if i == 0 else None)
         for i, (part, part_keys) in enumerate(zip(parts, keys_by_part, strict=True))
     ]
     packed[0], default_row = _default_of(packed[0], default)
@@ -110,13 +115,9 @@ def vectors_by_part(
 
 
 def _rows_or_defaults(packed: tf.Tensor, default_row, layer, keys, valid) -> tf.Tensor:
-    """The rows of `packed` (`part_packed`'s) where they hold one, else what `keys` read without.
-
-    Zeros for the ids `packed` marks unseen (its last column below 0).
-    """
+    """The rows of `packed` (`part_packed`'s) where they hold one, else what `keys` read without."""
     held = packed[:, -1:]
-    seen = valid & (held[:, 0] >= 0)
-    rows = tf.where(held > 0, packed[:, :-1], layer.defaults(keys, seen, default_row))
+    rows = tf.where(held > 0, packed[:, :-1], layer.defaults(keys, valid, default_row))
     return tf.cast(rows, layer.compute_dtype)
 
 
@@ -131,13 +132,12 @@ def _default_of(packed: tf.Tensor, default) -> tuple[tf.Tensor, tf.Tensor | None
 
 
 def part_packed(
-    part: TablePart, keys: tf.Tensor, valid: tf.Tensor | None, training, default=None
+    part: TablePart, keys: tf.Tensor, valid: tf.Tensor | None, default=None
 ) -> tf.Tensor:
-    """The row of each of `keys` (`part`'s ids), and a last column: 1 where `valid` and held.
+    """The row of each of `keys` (`part`'s ids) in training, and a last column: 1 where held.
 
-    Outside training, -1 in that column where the id is not held and the
-    table's seen-filter has not seen it (in training, each id was just
-    noted there). `valid` None: every key is. Every key reads a row, a missing one the
+    The ids are admitted first (`admit_global_batch`). Held: held and
+    `valid` (None: every key is). Every key reads a row, a missing one the
     spare row past the capacity (no id holds it), whose vector the caller
     replaces: the rows' sparse gradient has a row per key, so it has the same
     length on every worker for inputs of one shape, and is never empty (an
@@ -147,13 +147,12 @@ def part_packed(
     """
     table = part.table
     with part.on_device():
-        admitted = admit_global_batch(table, keys, valid, table.now()) if training else None
+        admitted = admit_global_batch(table, keys, valid, table.now())
         with tf.control_dependencies([admitted] if admitted is not None else []):
             slots, stamps = table.find(keys)  # ids admitted now read their own row
         hit = slots >= 0 if valid is None else (slots >= 0) & valid
         slots = tf.where(hit, slots, part.capacity)
-        unseen = None if training else ~hit & ~table.seen_ids(keys)
-        return _packed_rows(part, keys, slots, stamps, hit, default, unseen)
+        return _packed_rows(part, keys, slots, stamps, hit, default)
 
 
 def _packed_rows(
@@ -163,9 +162,8 @@ def _packed_rows(
     stamps: tf.Tensor,
     hit: tf.Tensor,
     default=None,
-    unseen: tf.Tensor | None = None,
 ) -> tf.Tensor:
-    """The rows of `slots` and a column: 1 where `hit`, -1 where `unseen`; new ids' rows initial.
+    """The rows of `slots` and a column: 1 where `hit`; new ids' rows initial.
 
     A new id, or a reused slot (its row's stamp is not the one the index
     holds: `stamps`), reads the id's initial value; the gradient still
@@ -179,12 +177,10 @@ def _packed_rows(
     step, once rows were updated sparsely). With `default`, its value is one
     more row (read here, beside it), and its gradient that row's.
 
-    Outside training (`unseen` given, None in training: eval, an export's
-    serving function), the packing is plain ops, whose gradient, if one is taken all
-    the same, is the same but made where it is taken: a `tf.custom_gradient`
-    traced in a function registers its gradient for the whole process, and
-    that holds the function's graph for good (about 3 MB for each export of
-    a model with a dynamic table, which traces its serving function anew).
+    Training only: a `tf.custom_gradient` traced in a function registers its
+    gradient for the whole process, and that holds the function's graph for
+    good (about 3 MB for each export of a model with a dynamic table, which
+    traces its serving function anew); `dynamic_serving`'s lookup is plain ops.
     """
     seed, width = part.layer.seed, part.layer.output_dim
     variable = tf_patches.replica_copy(part.rows.value)
@@ -204,12 +200,7 @@ def _packed_rows(
         rows += tf.stop_gradient(fresh)
         more = [] if default_value is None else [default_value[None]]
         column = tf.cast(tf.concat([hit, tf.ones([len(more)], tf.bool)], 0), rows.dtype)
-        if unseen is not None:
-            column -= tf.cast(tf.concat([unseen, tf.zeros([len(more)], tf.bool)], 0), rows.dtype)
         return tf.concat([tf.concat([rows, *more], 0), column[:, None]], 1)
-
-    if unseen is not None:
-        return pack(rows, default_value)
 
     @tf.custom_gradient
     def packed(handle, rows, *default):

@@ -1,0 +1,134 @@
+"""A dynamic table outside training (eval, the export): exactly what training reads, read-only."""
+
+import json
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from strategies import sharding
+from tests.helpers import assert_exit, run_command
+from trainer.layers import DynamicEmbedding, tables
+from trainer.loop import export, optim
+
+WIDTH = 4
+MIN_COUNT = 3
+MASK = {"int64": 0, "string": ""}
+
+
+def _ids(key_dtype: str, numbers: list[int]) -> tf.Tensor:
+    """Ids 1, 2, ... as `key_dtype` (strings "id1", ...); 0 is the mask id."""
+    if key_dtype == "int64":
+        return tf.constant(numbers, tf.int64)
+    return tf.constant([f"id{n}" if n else "" for n in numbers])
+
+
+def _trained_layer(key_dtype: str, parts: int = 1) -> DynamicEmbedding:
+    """A table of 4 rows (LRU) holding trained rows, rows never written, reused slots.
+
+    Ids 1-4 are looked up and trained `MIN_COUNT` times (admitted at the last,
+    their fallback rows trained before); 5 and 6 are then looked up
+    `MIN_COUNT` times in training with no update (admitted into the slots
+    of 1 and 2, whose trained values they hold, unwritten); 7 and 8 once
+    (counted, seen, not admitted).
+    """
+    with sharding.policy("none", num_ps=parts):
+        layer = DynamicEmbedding(
+            WIDTH,
+            key_dtype=key_dtype,
+            capacity=4,
+            eviction="lru",
+            min_count=MIN_COUNT,
+            fallback_rows=8,
+            mask_id=MASK[key_dtype],
+            seed=7,
+        )
+    layer.build()
+    optimizer = optim.OPTIMIZERS["sgd"](0.5, None)
+    optimizer.build(layer.trainable_variables)
+    for _ in range(MIN_COUNT + 1):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(_ids(key_dtype, [1, 2, 3, 4, 0]), training=True))
+        grads = tape.gradient(loss, layer.trainable_variables)
+        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+    for _ in range(MIN_COUNT):
+        layer(_ids(key_dtype, [5, 6]), training=True)
+    layer(_ids(key_dtype, [7, 8]), training=True)
+    return layer
+
+
+def _held(layer: DynamicEmbedding, key_dtype: str, numbers: list[int]) -> list[int]:
+    """Those of `numbers` whose ids hold a row now."""
+    slots, _ = layer.table.find(tables.key64(_ids(key_dtype, numbers)))
+    return [n for n, slot in zip(numbers, slots.numpy(), strict=True) if slot >= 0]
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_outside_training_every_id_reads_exactly_what_a_training_lookup_reads(key_dtype):
+    layer = _trained_layer(key_dtype)
+    held = _held(layer, key_dtype, [1, 2, 3, 4, 5, 6])
+    assert len(held) == 4 and held[-2:] == [5, 6], "5 and 6 took the slots of two others"
+    ids = _ids(key_dtype, [*held, 7, 8, 0, held[0]])  # trained, unwritten, waiting, mask
+    served = layer(ids, training=False).numpy()
+    admitted = int(layer.table.counter("admitted"))
+    np.testing.assert_array_equal(served, layer(ids, training=True).numpy())
+    assert int(layer.table.counter("admitted")) == admitted, "7 and 8 still wait"
+    # The unwritten rows of 5 and 6 read their initial rows (as row + (initial - row): rounded).
+    initial = tables.initial_rows(7, tables.key64(ids[2:4]), WIDTH).numpy()
+    np.testing.assert_allclose(served[2:4], initial, atol=1e-7)
+    assert np.abs(served[4:6]).sum() > 0, "waiting ids read their (trained) fallback rows"
+    np.testing.assert_array_equal(served[6], np.zeros(WIDTH))
+
+
+def test_a_table_in_parts_reads_outside_training_what_training_reads():
+    layer = _trained_layer("int64", parts=2)
+    keys = tables.key64(_ids("int64", [1, 2, 3, 4, 5, 6]))
+    held = [part.table.find(keys)[0].numpy() >= 0 for part in layer.parts]
+    assert len(layer.parts) == 2 and all(h.any() for h in held), "each part holds ids"
+    ids = _ids("int64", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    served = layer(ids, training=False).numpy()
+    np.testing.assert_array_equal(served, layer(ids, training=True).numpy())
+
+
+def test_an_id_training_never_saw_reads_zeros_outside_training():
+    layer = _trained_layer("int64")
+    np.testing.assert_array_equal(
+        layer(_ids("int64", [99, 3]), training=False).numpy()[0], np.zeros(WIDTH)
+    )
+
+
+def test_a_lookup_outside_training_changes_nothing_in_the_table():
+    layer = _trained_layer("string")
+    before = layer.table.contents()
+    layer(_ids("string", [1, 3, 5, 7, 99, 0]), training=False)
+    after = layer.table.contents()
+    for name, value in before.items():
+        np.testing.assert_array_equal(after[name], value, err_msg=name)
+
+
+_SERVE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+ids = json.loads(sys.argv[2])
+dtype = tf.string if isinstance(ids[0], str) else tf.int64
+print(json.dumps(serve(inputs=tf.constant(ids, dtype))["outputs"].numpy().tolist()))
+"""
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_the_export_serves_in_a_fresh_process_exactly_what_training_reads(tmp_path, key_dtype):
+    layer = _trained_layer(key_dtype)
+    inputs = keras.Input(shape=(), dtype=key_dtype, name="ids")
+    model = keras.Model(inputs, layer(inputs))
+    path = export.export(model, str(tmp_path / "export"), None, 0, raw_outputs=True)
+    ids = _ids(key_dtype, [*_held(layer, key_dtype, [1, 2, 3, 4, 5, 6]), 7, 8, 0, 99])
+    as_json = [i.decode() if isinstance(i, bytes) else int(i) for i in ids.numpy().tolist()]
+    served = run_command([sys.executable, "-c", _SERVE, path, json.dumps(as_json)], str(tmp_path))
+    assert_exit(served)
+    got = np.array(json.loads(served.stdout.strip().splitlines()[-1]), np.float32)
+    np.testing.assert_array_equal(got, layer(ids, training=False).numpy())
+    np.testing.assert_array_equal(got[:-1], layer(ids[:-1], training=True).numpy())

@@ -1,0 +1,139 @@
+"""How a `DynamicEmbedding` reads its rows outside training: evaluation, and an export's serving.
+
+Outside training a lookup changes nothing (no admission, no count, no lock)
+and takes no gradient, so it is a few ops a part, each over the whole batch:
+
+1. the ids' slots and stamps, from the index (`DynamicTable.find`);
+2. their rows, gathered at once from the rows variable; a row not written
+   since its id was admitted (its `row_stamps` entry differs from the
+   index's stamp) reads the id's initial value, computed only when the batch
+   holds such a row (`tf.cond`);
+3. ids without a row read the default or fallback rows
+   (`DynamicEmbedding.defaults`), and, with a seen-filter
+   (`trainer.layers.table_seen`), zeros where the table has not seen them in
+   training lately: computed only when the batch holds such an id.
+
+A lookup reads exactly what a training lookup of the same ids reads at that
+point (`trainer.layers.dynamic_lookup.part_packed`: the same rows, the same
+initial values with the same float operations, the same default or fallback
+rows), except for ids the seen-filter has not seen, which read zeros
+(tests/test_table_serving.py). An export's serving function runs these ops
+on the index and rows it saves (`tf.lookup` tables and variables: stock ops
+that TF Serving loads).
+
+Under `parameter_server` each part reads its own ids on its ps member and
+sends back one tensor: the rows and a column saying which hold one (1), and
+which the seen-filter has not seen (-1).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import tensorflow as tf
+
+from strategies import tf_patches
+from trainer.layers import tables
+
+if TYPE_CHECKING:
+    from trainer.layers.dynamic_parts import TablePart
+
+
+def served_vectors(parts: list[TablePart], keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+    """The vector of each of `keys` (1-D int64) outside training; zeros where not `valid`.
+
+    Of the layer's compute dtype (the rows are float32 variables read as they are).
+    """
+    layer = parts[0].layer
+    every = None if layer.mask_id is None else valid  # None: every key is valid
+    if len(parts) == 1:
+        part = parts[0]
+        with part.on_device():
+            rows, held = _held_rows(part, keys, every)
+
+        def or_defaults() -> tf.Tensor:
+            with part.on_device():
+                seen = _seen(part.table, keys, held)
+            return _or_defaults(layer, keys, valid, rows, held, seen)
+
+        vectors = tf.cond(tf.reduce_all(held), lambda: rows, or_defaults)
+    else:
+        vectors = _by_part(parts, keys, valid)
+    return tf.cast(vectors, layer.compute_dtype)
+
+
+def _by_part(parts: list[TablePart], keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+    """`served_vectors` of a table in parts: each part reads its own valid ids on its device."""
+    layer, count = parts[0].layer, len(parts)
+    owners = tf.where(valid, tables.part_of(keys, count), count)  # the last: not looked up
+    positions = tf.dynamic_partition(tf.range(tf.size(keys)), owners, count + 1)
+    keys_by_part = tf.dynamic_partition(keys, owners, count + 1)[:count]
+    packed = [_packed(part, part_keys) for part, part_keys in zip(parts, keys_by_part, strict=True)]
+    left = tf.zeros([tf.size(positions[count]), layer.output_dim + 1], packed[0].dtype)
+    both = tf.dynamic_stitch(positions, [*packed, left])  # `left`: the ids not valid, read 0
+    rows, column = both[:, :-1], both[:, -1]
+    held = column > 0
+    return tf.cond(
+        tf.reduce_all(held),
+        lambda: rows,
+        lambda: _or_defaults(layer, keys, valid, rows, held, column >= 0),
+    )
+
+
+def _packed(part: TablePart, keys: tf.Tensor) -> tf.Tensor:
+    """`part`'s rows of `keys` and a column: 1 where held, -1 where unseen, else 0.
+
+    Made on the part's device, the one tensor that crosses back.
+    """
+    with part.on_device():
+        rows, held = _held_rows(part, keys, None)
+        column = tf.cast(held, rows.dtype)
+        if part.table.seen is not None:
+            unseen = tf.cond(
+                tf.reduce_all(held),
+                lambda: tf.zeros_like(held),
+                lambda: ~_seen(part.table, keys, held),
+            )
+            column -= tf.cast(unseen, rows.dtype)
+        return tf.concat([rows, column[:, None]], 1)
+
+
+def _held_rows(
+    part: TablePart, keys: tf.Tensor, valid: tf.Tensor | None
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """The row of each of `keys` in `part` (any row where none), and whether it holds one.
+
+    A key without a row (or not `valid`; None: all are) reads the spare row
+    past the capacity, which the caller replaces. A row not written since its
+    id was admitted reads the id's initial value, as `dynamic_lookup`'s
+    training lookup gives it: the row plus (initial - row).
+    """
+    slots, stamps = part.table.find(keys)
+    held = slots >= 0 if valid is None else (slots >= 0) & valid
+    slots = tf.where(held, slots, part.capacity)
+    variable = tf_patches.replica_copy(part.rows.value)
+    row_stamps = tf_patches.replica_copy(part.row_stamps.value)
+    rows = tf.gather(variable, slots)
+    stale = held & tf.not_equal(tf.gather(row_stamps, slots), stamps)
+
+    def initial() -> tf.Tensor:
+        at = tf.where(stale)
+        fresh = tables.initial_rows(part.layer.seed, tf.gather_nd(keys, at), part.layer.output_dim)
+        return tf.tensor_scatter_nd_add(rows, at, fresh - tf.gather_nd(rows, at))
+
+    return tf.cond(tf.reduce_any(stale), initial, lambda: rows), held
+
+
+def _seen(table: tables.DynamicTable, keys: tf.Tensor, held: tf.Tensor) -> tf.Tensor:
+    """Whether each of `keys` is held or seen by `table`'s seen-filter (all, without one)."""
+    if table.seen is None:
+        return tf.ones_like(held)
+    return held | table.seen_ids(keys)
+
+
+def _or_defaults(layer, keys, valid, rows, held, seen) -> tf.Tensor:
+    """`rows` where `held`, else what `keys` read without a row (zeros if not valid or not seen)."""
+    default_row = None
+    if layer.default_row is not None:
+        default_row = tf.convert_to_tensor(tf_patches.replica_copy(layer.default_row.value))
+    return tf.where(held[:, None], rows, layer.defaults(keys, valid & seen, default_row))
