@@ -363,3 +363,17 @@ def test_user_pages_speak_of_use_not_of_the_projects_history_or_its_tests():
         if phrase in line
     ]
     assert not found, "\n".join(found)
+
+
+def test_every_plugin_option_is_documented_in_its_options_dataclass():
+    """The reference does not depend on configs/default.py writing a plugin's options: each
+    is documented where it is declared, so the options may come from the dataclasses."""
+    hook = _hook("config_reference")
+    declared = {}
+    for root in hook.DATACLASS_ROOTS:
+        for path in (hook.REPO / root).rglob("*.py"):
+            declared.update({e.path: e.meaning for e in hook.dataclass_entries(path.read_text())})
+    options = [p for p in hook.leaves(configs()["default.py"]) if p.startswith("strategy.")]
+    options.remove("strategy.name")
+    assert options
+    assert not [p for p in options if not declared.get(p)]
