@@ -442,6 +442,9 @@ class Strategy(abc.ABC):
         return loop
 
 
+deprecated.keep_old_names(Strategy)
+
+
 def _buffered_if_it_fits(loop: Callable, buffered: bool = True) -> Callable:
     """`loop(*args, sums)` as a `tf.function`: its totals in a `BufferedSums` where they fit.
 

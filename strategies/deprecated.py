@@ -7,9 +7,11 @@ and one line names each old member and its new name, on stderr and as a
 known: the documented one (`Options = ...`, `_build()`, a `communication`
 property, a `local_replicas` classmethod, `supports_*` flags) and the one of
 its next version (`_build()`, `_communication`, `_local_replicas`,
-`_compute_devices`). Deleting this module (and its call in `strategies.base`)
-drops them; a plugin still using them is then refused in one line by
-`strategies.registry`, naming the method it lacks.
+`_compute_devices`). Each hook also answers to its old name (`keep_old_names`),
+for an old plugin that extends a built-in one through `super()`. Deleting this
+module (and its calls in `strategies.base`) drops them; a plugin still using
+them is then refused in one line by `strategies.registry`, naming the method it
+lacks.
 """
 
 from __future__ import annotations
@@ -69,6 +71,19 @@ def adopt(cls: type) -> None:
     renames += [f"`{old}` to `traits.{new}`" for old, new in TRAITS.items() if old in own]
     if renames:
         _warn(cls, renames)
+    keep_old_names(cls)
+
+
+def keep_old_names(cls: type) -> None:
+    """Each hook `cls` itself defines answers to its old name too.
+
+    An old plugin that subclasses a built-in one and calls `super()._build()`,
+    or reads `self._communication`, reaches the built-in's own hook.
+    """
+    own = vars(cls)
+    for old, new in RENAMED.items():
+        if new in own and old not in own:
+            setattr(cls, old, own[new])
 
 
 def adopt_built(strategy) -> None:

@@ -124,7 +124,7 @@ LAYERS = (
     ("trainer",),  # the commands: __main__, cli, launch, sweep, bench, data_service, check
 )
 COMMANDS = {"__init__", "__main__", "cli", "elastic", "data_service", "check"}
-FOLDERS = {"assets", "bench", "data", "launch", "layers", "loop", "sweep"}
+FOLDERS = {"assets", "bench", "data", "launch", "layers", "loop", "retrieval", "sweep"}
 
 
 def _layer(name: str) -> int:

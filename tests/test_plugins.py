@@ -235,6 +235,27 @@ def test_hooks_of_the_private_names_interface_work_under_their_public_names_with
     assert strategies.local_replicas(Private, None, 4) == 3
 
 
+def test_an_old_plugin_that_extends_a_builtin_one_reaches_its_hooks_by_their_old_names():
+    from strategies.mirrored import Mirrored  # noqa: PLC0415
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+
+        class Extended(Mirrored):
+            def _build(self):
+                self.from_mirrored = super()._build()
+                return self.from_mirrored
+
+            @property
+            def _communication(self):
+                return super()._communication + "; and a log line"
+
+    plugin = Extended()
+    assert plugin.tf_strategy is plugin.from_mirrored and plugin.num_replicas_in_sync > 1
+    assert plugin.communication.startswith("gradients all-reduced across")
+    assert plugin.communication.endswith("; and a log line")
+
+
 def test_traits_an_old_plugin_gives_as_flags_or_properties_are_its_traits(capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)

@@ -24,7 +24,13 @@ import tensorflow as tf
 
 from strategies import sharding, tf_patches
 from towerflow.errors import UserError
-from trainer.layers import dynamic_content, dynamic_lookup, dynamic_parts, tables
+from trainer.layers import (
+    dynamic_content,
+    dynamic_lookup,
+    dynamic_parts,
+    table_frequencies,
+    tables,
+)
 from trainer.layers.portable import Portable, Slots
 from trainer.layers.table_training import TableOptimizer
 
@@ -312,6 +318,21 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
     def figures(self) -> list[dict[str, int]]:
         """Each part's counters, ids held and bytes held (`TablePart.figures`), read now."""
         return [part.figures() for part in self.parts]
+
+    # What retrieval reads of the table (`table_frequencies`).
+
+    def held_ids(self) -> tf.Tensor:
+        """The ids holding a row (int64; strings' fingerprints, `tables.key64`), in no order."""
+        return table_frequencies.held_keys(self.parts)
+
+    def frequencies(self, ids) -> tf.Tensor:
+        """The share of the table's recent training lookups that were each of `ids` (flat).
+
+        Each id's count as the table keeps it for admission and eviction, decayed
+        to now, over the decayed total (`trainer.layers.table_frequencies`).
+        """
+        keys, _ = self._keys(ids)
+        return table_frequencies.frequencies(self.parts, keys)
 
     # The lookup, in its steps (`dynamic_lookup`); `DynamicEmbeddings` calls them too.
 
