@@ -161,6 +161,36 @@ def test_every_default_a_table_states_is_the_configs():
     assert not wrong, "\n".join(wrong)
 
 
+def _by_leaf_name(name: str) -> str | None:
+    """The config path `name` means: itself, or the one path ending in `.name`."""
+    if name in config_paths():
+        return name
+    matches = [p for p in config_paths() if p.endswith("." + name)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _prose_defaults(text: str):
+    """(name, stated default) of what prose says: "`a.b=V`, the default", "`a.b` ...
+    default `V`"."""
+    for name, value in re.findall(r"`([a-z_][\w.]*)=([^`]*)`,? \(?the default", text):
+        yield name, value
+    for name, _, value in re.findall(r"`([a-z_][\w.]*)`([^`]{0,120}?)\bdefault `([^`]*)`", text):
+        yield name, value
+
+
+def test_every_default_the_prose_states_is_the_configs():
+    wrong = []
+    for page in PAGES:
+        for name, stated in _prose_defaults(page.read_text()):
+            path = _by_leaf_name(name)
+            if path is None:
+                continue
+            actual = _effective({}, path)
+            if not _same(_value(stated), actual):
+                wrong.append(f"{page.name}: `{path}` default stated {stated}, is {actual!r}")
+    assert not wrong, "\n".join(wrong)
+
+
 def _effective(config_file: str | dict, name: str):
     """The value of `name` in a config file's config (the default's) with overrides."""
     overrides = config_file if isinstance(config_file, dict) else {}
