@@ -20,6 +20,7 @@ CASES = (
     "tables",
     "elastic",
     "tables_quality",
+    "table_lookups",
 )
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
@@ -85,6 +86,9 @@ class Sizes:
     elastic_steps: int = 1000  # steps of the job (the default job's)
     elastic_loop: int = 10  # steps per loop: the first step of the group of 2 is its first block
     elastic_kill_at: int = 200  # the chief's reported step at which member 2 gets SIGKILL
+    # table_lookups: a dynamic table holding this many ids, looked up in batches of this many.
+    lookup_ids: int = 1_000_000
+    lookup_batch: int = 4096
 
 
 FULL = Sizes()
@@ -134,6 +138,8 @@ QUICK = Sizes(
     elastic_steps=200,
     elastic_loop=10,
     elastic_kill_at=50,
+    lookup_ids=20_000,
+    lookup_batch=512,
 )
 
 
@@ -198,7 +204,8 @@ def default_strategy() -> str:
 
 def case_strategy(case: str) -> str:
     """The strategy a case's process is set up for (logical CPUs, threads per op)."""
-    return "one_device" if case == "dense_large" else default_strategy()
+    # A table's lookups serve from one device, each op open to every core, as a server's.
+    return "one_device" if case in ("dense_large", "table_lookups") else default_strategy()
 
 
 def parameters(config: ml_collections.ConfigDict) -> int:
