@@ -1,5 +1,6 @@
-"""`data.follow`: files that keep arriving train once each, in name order, across restarts."""
+"""`data.follow`: files that keep arriving train once each, in arrival order, across restarts."""
 
+import json
 import os
 import signal
 import threading
@@ -21,12 +22,20 @@ from tests.helpers import (
     tiny_config,
 )
 from towerflow.errors import PREEMPTED_EXIT_CODE
+from trainer import data
+from trainer.data import follow
 from trainer.loop import train
 
 ROWS = 64  # per file: one block of 4 steps of 16
+T0 = 1_796_000_000  # a modification time (s): the files' arrival order is set, not raced
 
 
-def _write_csv(path, seed: int, rows: int = ROWS) -> None:
+def _land(path, order: int) -> None:
+    """Sets `path`'s modification time to `T0 + order` seconds: its place in arrival order."""
+    os.utime(path, (T0 + order, T0 + order))
+
+
+def _write_csv(path, seed: int, rows: int = ROWS, order: int | None = None) -> None:
     """A file of `rows` examples, written under a hidden name and renamed into place."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     x = np.random.default_rng(seed).random((rows, 4))
@@ -35,6 +44,8 @@ def _write_csv(path, seed: int, rows: int = ROWS) -> None:
         f.write("a,b,c,d,label\n")
         for row, label in zip(x, (x.sum(1) > 2).astype(int)):
             f.write(",".join(f"{v:.4f}" for v in row) + f",{label}\n")
+    if order is not None:
+        _land(hidden, order)
     os.rename(hidden, path)
 
 
@@ -58,33 +69,44 @@ def _config(data_dir, **overrides):
     )
 
 
-def _position(model_dir) -> tuple[str, int]:
+def _state(model_dir) -> dict:
+    """The position in the newest checkpoint: watermark, done files, partly trained ranges."""
     reader = tf.train.load_checkpoint(str(model_dir / "checkpoints"))
-    name = reader.get_tensor("input/file/.ATTRIBUTES/VARIABLE_VALUE").decode()
-    return os.path.basename(name), int(reader.get_tensor("input/offset/.ATTRIBUTES/VARIABLE_VALUE"))
+    return json.loads(reader.get_tensor("input/state/.ATTRIBUTES/VARIABLE_VALUE").decode())
 
 
-def test_files_that_arrive_between_runs_train_once_each_in_name_order(tmp_path):
+def _done(model_dir) -> tuple[list[str], dict[str, list]]:
+    """The base names of the files done, and the trained ranges of those partly done."""
+    state = _state(model_dir)
+    partial = {os.path.basename(name): ranges for name, ranges in state["partial"].items()}
+    return sorted(os.path.basename(name) for name in state["done"]), partial
+
+
+def test_files_that_arrive_out_of_name_order_between_runs_train_once_each(tmp_path):
     once, twice = tmp_path / "once", tmp_path / "twice"
+    # Arrival order 3, 1, 2 (their modification times), then 4: not their names' order.
     for data_dir in (once, twice):
         data_dir.mkdir()
         _write_csv(data_dir / "eval.csv", 99)
-        for i in (1, 2, 3):
-            _write_csv(data_dir / "train" / f"clicks-{i}.csv", i)
-    _write_csv(once / "train" / "clicks-4.csv", 4)
+        for order, i in enumerate((3, 1, 2)):
+            _write_csv(data_dir / "train" / f"clicks-{i}.csv", i, order=order)
+    _write_csv(once / "train" / "clicks-4.csv", 4, order=3)
     train.train_and_evaluate(_config(once, **{"train.steps": 16}), str(tmp_path / "a"), "train")
 
     restarted = tmp_path / "b"
     train.train_and_evaluate(_config(twice, **{"train.steps": 8}), str(restarted), "train")
-    assert _position(restarted) == ("clicks-3.csv", 0)
-    # Then a file arrives in order; one arrives late with an earlier name, one is still
-    # being written (a hidden name), one is a marker: none of the last three is read.
-    _write_csv(twice / "train" / "clicks-4.csv", 4)
-    _write_csv(twice / "train" / "clicks-0.csv", 10)
-    _write_csv(twice / "train" / "_clicks-5.csv", 11)
+    assert _done(restarted) == (["clicks-1.csv", "clicks-3.csv"], {})
+    # Then file 4 lands; file 0 lands after it (a name sorting first), one is still being
+    # written (a hidden name), one is a marker: 2 then 4 train, and 0 waits for the next run.
+    _write_csv(twice / "train" / "clicks-4.csv", 4, order=3)
+    _write_csv(twice / "train" / "clicks-0.csv", 10, order=4)
+    _write_csv(twice / "train" / "_clicks-5.csv", 11, order=5)
     (twice / "train" / ".clicks-6.csv").write_text("a,b,c,d,label\n1,2,")
     train.train_and_evaluate(_config(twice, **{"train.steps": 16}), str(restarted), "train")
-    assert _position(restarted) == ("clicks-4.csv", ROWS)
+    assert _done(restarted) == (
+        ["clicks-1.csv", "clicks-2.csv", "clicks-3.csv", "clicks-4.csv"],
+        {},
+    )
 
     # The same batches in the same order: the same weights as one run over the four files.
     expected, got = checkpoint_values(tmp_path / "a"), checkpoint_values(restarted)
@@ -92,6 +114,42 @@ def test_files_that_arrive_between_runs_train_once_each_in_name_order(tmp_path):
     assert weights
     for name in weights:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    train.train_and_evaluate(_config(twice, **{"train.steps": 20}), str(restarted), "train")
+    assert "clicks-0.csv" in _done(restarted)[0], "the late file trains in the next run"
+
+
+def test_a_restart_in_the_middle_of_a_file_goes_on_with_its_next_record(tmp_path):
+    _write_csv(tmp_path / "eval.csv", 99)
+    for order, i in enumerate((2, 1)):
+        _write_csv(tmp_path / "train" / f"clicks-{i}.csv", i, order=order)
+    run = tmp_path / "run"
+    train.train_and_evaluate(_config(tmp_path, **{"train.steps": 6}), str(run), "train")
+    # 6 x 16 records: file 2 whole, 32 of file 1; the checkpoint holds both facts.
+    assert _done(run) == (["clicks-2.csv"], {"clicks-1.csv": [[0, 32]]})
+    train.train_and_evaluate(_config(tmp_path, **{"train.steps": 8}), str(run), "train")
+    assert _done(run) == (["clicks-1.csv", "clicks-2.csv"], {})
+    straight = tmp_path / "straight"
+    train.train_and_evaluate(_config(tmp_path, **{"train.steps": 8}), str(straight), "train")
+    expected, got = checkpoint_values(straight), checkpoint_values(run)
+    for name in [n for n in expected if n.startswith("variables/")]:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_a_trickle_short_of_a_block_trains_within_the_max_wait(tmp_path):
+    _write_csv(tmp_path / "eval.csv", 99)
+    # 40 records: 2 global batches of 16 and 8 more, where a block is 100 steps.
+    _write_csv(tmp_path / "train" / "clicks-1.csv", 1, rows=40)
+    run = tmp_path / "run"
+    overrides = {
+        "train.steps": 3,
+        "train.steps_per_loop": 100,
+        "train.checkpoint_every": 100,
+        "data.follow_max_wait_secs": 0.5,
+    }
+    results = train.train_and_evaluate(_config(tmp_path, **overrides), str(run), "train")
+    # A short block of the 2 whole batches, then the 8 padded to one step of weight 8/16.
+    assert results["step"] == 3
+    assert _done(run) == (["clicks-1.csv"], {})
 
 
 def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_path):
@@ -118,7 +176,7 @@ def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_p
     assert "steps: until stopped" in out
     assert "backlog_files: 0 | backlog_records: 0" in out
     assert "preempted (SIGTERM) at step 4" in out
-    assert _position(model_dir) == ("clicks-1.csv", ROWS)
+    assert _done(model_dir) == (["clicks-1.csv"], {})
 
 
 @pytest.mark.parametrize(
@@ -128,6 +186,12 @@ def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_p
         ({"data.name": "tests.test_follow:no_files"}, "give your `dataset_fn` a `files`"),
         ({"data.train_files": "/nonexistent/*.csv"}, "`data.follow` needs one at start-up"),
         ({"data.follow_poll_secs": 0.0}, "`data.follow_poll_secs` \\(0.0\\) must be > 0"),
+        (
+            {"data.follow_max_wait_secs": -1.0},
+            "`data.follow_max_wait_secs` \\(-1.0\\) must be >= 0",
+        ),
+        ({"data.follow_horizon_files": 0}, "`data.follow_horizon_files` \\(0\\) must be > 0"),
+        ({"data.follow_marker": "_SUCCESS"}, "has no wildcard in its directories"),
         ({"train.epochs": 2}, "`train.epochs` \\(2\\) counts passes over fixed data"),
         ({"data.service": "local:1"}, "`data.follow` reads its files in the trainer"),
         (
@@ -172,13 +236,13 @@ def test_a_dataset_fn_given_files_follows_them_once_each_across_restarts(tmp_pat
     user = {"data.name": "tests.test_follow:csv_files"}
     config = _config(data_dir, **user, **{"train.steps": 12})
     train.train_and_evaluate(config, str(tmp_path / "a"), "train")
-    assert _position(tmp_path / "a") == ("clicks-3.csv", ROWS)
+    assert _done(tmp_path / "a") == (["clicks-1.csv", "clicks-2.csv", "clicks-3.csv"], {})
 
     restarted = tmp_path / "b"
     train.train_and_evaluate(
         _config(data_dir, **user, **{"train.steps": 8}), str(restarted), "train"
     )
-    assert _position(restarted) == ("clicks-3.csv", 0)
+    assert _done(restarted) == (["clicks-1.csv", "clicks-2.csv"], {})
     train.train_and_evaluate(config, str(restarted), "train")
     expected, got = checkpoint_values(tmp_path / "a"), checkpoint_values(restarted)
     weights = [name for name in expected if name.startswith("variables/")]
@@ -188,64 +252,200 @@ def test_a_dataset_fn_given_files_follows_them_once_each_across_restarts(tmp_pat
 
 
 def test_a_worker_whose_files_are_there_waits_with_its_peers_looking_as_often(tmp_path):
-    from trainer.data.follow import Follower
-
     _write_csv(tmp_path / "train" / "clicks-1.csv", 1)
 
     def read(name):  # the rows, past the header
         return tf.data.TextLineDataset(name).skip(1)
 
-    follower = Follower(str(tmp_path / "train" / "*"), read, poll_secs=0.01)
+    follower = follow.Follower(str(tmp_path / "train" / "*"), read, poll_secs=0.01)
     follower.start()
-    peers_ready = iter([False, False, True])  # another worker finds the file two looks later
     looks = []
-    follower.wait(ROWS, lambda: looks.append(1), everyone=lambda ready: ready and next(peers_ready))
+
+    def everyone(ready: bool) -> bool:  # another worker finds the file two looks later
+        return ready and len(looks) >= 2
+
+    follower.wait(ROWS, 16, lambda: looks.append(1), everyone=everyone)
     # Each look is one preemption check: a coordinated watch needs as many on every worker.
-    assert len(looks) == 2 and next(peers_ready, None) is None
+    assert len(looks) == 2
 
 
-def _write_tfrecord(path, rows: int, value: float) -> None:
-    """`rows` examples whose features all hold `value` (their file's mark)."""
+def _write_tfrecord(path, rows: int, value: float, order: int | None = None) -> None:
+    """`rows` examples: features `[value, row, 0, 0]` (their file's mark and their row)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with tf.io.TFRecordWriter(str(path)) as writer:
-        for _ in range(rows):
+    hidden = os.path.join(os.path.dirname(path), "." + os.path.basename(path))
+    with tf.io.TFRecordWriter(hidden) as writer:
+        for row in range(rows):
             feature = {
-                "x": tf.train.Feature(float_list=tf.train.FloatList(value=[value] * 4)),
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=[value, row, 0, 0])),
                 "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[1])),
             }
             writer.write(
                 tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
             )
+    if order is not None:
+        _land(hidden, order)
+    os.rename(hidden, path)
 
 
-def test_a_tfrecord_stream_reads_a_new_file_once_it_is_found(tmp_path):
-    from trainer import data
-    from trainer.data import follow
+class _Stream:
+    """A followed tfrecord source's training stream, stepped by hand as the loop steps it."""
 
-    _write_tfrecord(tmp_path / "eval.tfrecord", 16, 0.0)
-    _write_tfrecord(tmp_path / "train" / "part-1", ROWS, 1.0)
-    config = _config(
-        tmp_path, **{"data.name": "tfrecord", "data.eval_files": str(tmp_path / "eval.tfrecord")}
-    )
-    dataset = data.get(config.data)
-    follower = follow.follower_of(dataset)
-    pipeline = dataset.train_fn(16, seed=0)(tf.distribute.InputContext())
-    assert pipeline.options().autotune.enabled is False, "the source's data settings hold"
-    batches = iter(pipeline)
-    try:
-        assert [float(next(batches)[0][0, 0]) for _ in range(4)] == [1.0] * 4
-        follower.advance(ROWS)
-        assert follower.figures() == {
-            "files_waiting": 0.0,
-            "records_waiting": 0.0,
-            "seconds_behind": 0.0,
-        }
-        _write_tfrecord(tmp_path / "train" / "part-2", ROWS, 2.0)
-        follower.refresh()
-        assert follower.figures()["files_waiting"] == 1.0
-        assert float(next(batches)[0][0, 0]) == 2.0, "the new file's records come next"
-    finally:
-        follower.close()
+    def __init__(self, tmp_path, pattern: str, global_batch: int = 16, **follow_fields):
+        _write_tfrecord(tmp_path / "eval.tfrecord", 16, 0.0)
+        fields = {"data.name": "tfrecord", "data.eval_files": str(tmp_path / "eval.tfrecord")}
+        fields |= {"data.train_files": pattern, "data.follow_max_wait_secs": 0.0}
+        config = _config(tmp_path, **fields, **follow_fields)
+        self.dataset = data.get(config.data)
+        self.follower = follow.follower_of(self.dataset)
+        self.lines: list[str] = []
+        self.follower.say = self.lines.append
+        self.batch = global_batch
+        self.trained: dict[float, list[int]] = {}  # file mark -> rows trained, in order
+        pipeline = self.dataset.train_fn(global_batch, seed=0)(tf.distribute.InputContext())
+        self._batches = iter(pipeline)
+
+    def train_what_is_there(self) -> int:
+        """Looks, then trains every record there (a remainder padded); returns the steps."""
+        self.follower.refresh()
+        steps = self.follower.steps_ready(1000, self.batch)
+        for _ in range(steps):
+            x, _, weights = next(self._batches)
+            for (mark, row, *_), weight in zip(x.numpy(), weights.numpy()):
+                if weight:
+                    self.trained.setdefault(float(mark), []).append(int(row))
+        self.follower.advance(steps * self.batch)
+        return steps
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.follower.close()  # the stream's generator stops waiting
+
+
+def test_parallel_writers_landing_in_any_order_train_each_record_once(tmp_path):
+    (tmp_path / "train").mkdir()
+    _write_tfrecord(tmp_path / "train" / "w2-000", 24, 2000, order=0)  # w2 lands first
+    with _Stream(tmp_path, str(tmp_path / "train" / "w*")) as stream:
+        stream.train_what_is_there()
+        # Three writers' files land in turns, and w2-001 only after w0-002 and w1-002.
+        landing = [(0, 0), (1, 0), (0, 1), (1, 1), (2, 2), (0, 2), (1, 2), (2, 1), (0, 3)]
+        for order, (writer, k) in enumerate(landing, start=1):
+            mark = 1000 * writer + k
+            _write_tfrecord(tmp_path / "train" / f"w{writer}-{k:03d}", 24, mark, order=order)
+            if order % 3 == 0:  # the trainer looks after every third file
+                stream.train_what_is_there()
+        stream.train_what_is_there()
+        assert len(stream.trained) == 10, sorted(stream.trained)
+        for mark, rows in stream.trained.items():
+            assert rows == list(range(24)), f"file {mark}: rows {rows}"
+        done = json.loads(stream.follower.position.state.numpy())["done"]
+        assert sorted(os.path.basename(name) for name in done) == sorted(
+            [f"w{w}-{k:03d}" for w, k in landing] + ["w2-000"]
+        )
+
+
+def test_a_file_that_lands_behind_newer_ones_is_said_late_and_trained_once(tmp_path):
+    _write_tfrecord(tmp_path / "train" / "b", 16, 2.0, order=5)
+    with _Stream(tmp_path, str(tmp_path / "train" / "*")) as stream:
+        stream.train_what_is_there()
+        _write_tfrecord(tmp_path / "train" / "a", 16, 1.0, order=1)  # written long before b
+        stream.train_what_is_there()
+        assert stream.trained == {2.0: list(range(16)), 1.0: list(range(16))}
+        late = [line for line in stream.lines if line.startswith("late file")]
+        assert len(late) == 1 and str(tmp_path / "train" / "a") in late[0]
+
+
+def test_a_late_hourly_partition_trains_once_its_marker_lands(tmp_path):
+    def partition(hour: int, order: int, marked: bool = True) -> None:
+        directory = tmp_path / "train" / "dt=2026-12-07" / f"hour={hour:02d}"
+        for part in range(2):
+            _write_tfrecord(directory / f"part-{part}.tfrecord", 20, hour * 10 + part, order)
+        if marked:
+            (directory / "_SUCCESS").write_text("")
+            _land(directory / "_SUCCESS", order)
+
+    partition(9, order=0)
+    pattern = str(tmp_path / "train" / "dt=*" / "hour=*" / "part-*.tfrecord")
+    with _Stream(tmp_path, pattern, **{"data.follow_marker": "_SUCCESS"}) as stream:
+        stream.train_what_is_there()
+        partition(8, order=1, marked=False)  # hour 08's files land after 09, its marker later
+        partition(10, order=2)
+        stream.train_what_is_there()
+        assert sorted(stream.trained) == [90.0, 91.0, 100.0, 101.0], "no marker, not ready"
+        (tmp_path / "train" / "dt=2026-12-07" / "hour=08" / "_SUCCESS").write_text("")
+        stream.train_what_is_there()
+        assert sorted(stream.trained) == [80.0, 81.0, 90.0, 91.0, 100.0, 101.0]
+        assert all(rows == list(range(20)) for rows in stream.trained.values())
+
+
+def test_a_file_older_than_the_horizon_is_refused_in_one_line(tmp_path):
+    for order in range(4):
+        _write_tfrecord(tmp_path / "train" / f"f{order}", 16, order, order=10 + order)
+    horizon = {"data.follow_horizon_files": 2}
+    with _Stream(tmp_path, str(tmp_path / "train" / "*"), **horizon) as stream:
+        stream.train_what_is_there()
+        state = json.loads(stream.follower.position.state.numpy())
+        assert len(state["done"]) == 2 and state["watermark"][1].endswith("f1")
+        _write_tfrecord(tmp_path / "train" / "old", 16, 9.0, order=0)  # older than f0 and f1
+        _write_tfrecord(tmp_path / "train" / "new", 16, 8.0, order=20)
+        stream.train_what_is_there()
+        assert sorted(stream.trained) == [0.0, 1.0, 2.0, 3.0, 8.0], "the old file is refused"
+        refused = [line for line in stream.lines if line.startswith("refused late file")]
+        assert (
+            len(refused) == 1 and "old" in refused[0] and "data.follow_horizon_files" in refused[0]
+        )
+
+
+def test_a_file_removed_before_it_was_trained_whole_is_one_line_at_the_restart(tmp_path):
+    _write_tfrecord(tmp_path / "train" / "a", 32, 1.0, order=0)
+    with _Stream(tmp_path, str(tmp_path / "train" / "*")) as stream:
+        stream.follower.steps_ready(1, 16)
+        next(stream._batches)
+        stream.follower.advance(16)  # half of it
+        saved = stream.follower.position.state.numpy()
+    os.remove(tmp_path / "train" / "a")
+    _write_tfrecord(tmp_path / "train" / "b", 16, 2.0, order=1)
+    with _Stream(tmp_path, str(tmp_path / "train" / "*")) as again:
+        again.follower.position.state.assign(saved)
+        again.follower.start()
+        removed = [line for line in again.lines if "was removed" in line]
+        assert len(removed) == 1 and "only 16 of its records trained" in removed[0]
+
+
+def test_units_go_to_whoever_asks_and_those_not_done_at_a_restart_go_out_again(tmp_path):
+    _write_tfrecord(tmp_path / "train" / "a", 30, 1.0, order=0)
+    _write_tfrecord(tmp_path / "train" / "b", 10, 2.0, order=1)
+    with _Stream(tmp_path, str(tmp_path / "train" / "*")) as stream:
+        follower = stream.follower
+        follower.admit()
+        units = [follower.take_unit(most=20) for _ in range(3)]
+        assert [(os.path.basename(u.file), u.first, u.records) for u in units] == [
+            ("a", 0, 20),
+            ("a", 20, 10),
+            ("b", 0, 10),
+        ]
+        assert follower.take_unit() is None, "every record is out"
+        follower.unit_done(units[2].id)
+        follower.unit_done(units[0].id)  # the unit (a, 20, 10) is out at the checkpoint
+        saved = follower.position.state.numpy()
+    with _Stream(tmp_path, str(tmp_path / "train" / "*")) as restarted:
+        restarted.follower.position.state.assign(saved)
+        restarted.follower.start()
+        restarted.follower.admit()
+        unit = restarted.follower.take_unit()
+        assert (os.path.basename(unit.file), unit.first, unit.records) == ("a", 20, 10)
+        assert restarted.follower.take_unit() is None
+
+
+def test_files_are_counted_by_their_framing_as_their_readers_count_them(tmp_path):
+    _write_tfrecord(tmp_path / "a.tfrecord", 37, 1.0)
+    _write_csv(tmp_path / "a.csv", 1, rows=23)
+    assert follow.tfrecord_count(str(tmp_path / "a.tfrecord")) == 37
+    assert follow.csv_count(str(tmp_path / "a.csv")) == 23
+    (tmp_path / "b.csv").write_text("a,b\n1,2\n3,4")  # no line end after the last
+    assert follow.csv_count(str(tmp_path / "b.csv")) == 2
+    assert follow.tfrecord_count(str(tmp_path / "a.csv")) is None, "not framed as TFRecord"
 
 
 MW_ROWS = 40  # per file: global batches cross file ends, and positions fall inside files
@@ -279,13 +479,15 @@ def _until_stopped_on_two_workers(cwd, flags, react) -> str:
     return output
 
 
-def test_two_workers_train_each_record_once_over_files_written_before_and_during_a_restart(
-    tmp_path,
-):
+def test_two_workers_train_each_record_once_over_files_landing_out_of_name_order(tmp_path):
     data_dir, run = tmp_path / "data", tmp_path / "run"
     _write_csv(data_dir / "eval.csv", 99)
-    for i in (1, 2):
-        _write_csv(data_dir / "train" / f"clicks-{i}.csv", i, MW_ROWS)
+
+    def land(k: int) -> None:  # the k-th file to land is named clicks-{6 - k}: no name order
+        _write_csv(data_dir / "train" / f"clicks-{6 - k}.csv", k, MW_ROWS, order=k)
+
+    for k in (1, 2):
+        land(k)
     flags = [f"--model_dir={run}", *config_flags(_config(data_dir), _CLUSTER_FIELDS)]
 
     def stop_at(step: int):  # SIGTERM to worker:1 once the chief reports `step`
@@ -295,28 +497,29 @@ def test_two_workers_train_each_record_once_over_files_written_before_and_during
 
         return react
 
-    # A block of 4 steps, then both wait for a third file; a SIGTERM to worker:1 while
+    # 80 records: 5 steps, then both wait for a third file; a SIGTERM to worker:1 while
     # they wait: both save the position at one step and exit 143.
-    output = _until_stopped_on_two_workers(tmp_path, flags, stop_at(4))
+    output = _until_stopped_on_two_workers(tmp_path, flags, stop_at(5))
     for worker in ("worker:0", "worker:1"):
-        assert f"[{worker}] preempted (SIGTERM to a worker of the cluster) at step 4" in output
-    assert _position(run) == ("clicks-2.csv", 4 * 16 - MW_ROWS)
+        assert f"[{worker}] preempted (SIGTERM to a worker of the cluster) at step 5" in output
+    assert _done(run) == (["clicks-4.csv", "clicks-5.csv"], {})
 
-    # The restart resumes there. Steps 4 to 8 need files 3 and 4, written as it starts;
-    # steps 8 to 12 need file 5, written once step 8 is done: both wait for it.
+    # The restart resumes there, with files 3 and 4 written as it starts and file 5 once
+    # step 8 is done: 12 steps hold 192 of the 200 records; the last 8 wait for more.
     def write_and_stop(line: str) -> None:
         if "[launch]" in line and not (data_dir / "train" / "clicks-3.csv").exists():
-            for i in (3, 4):
-                _write_csv(data_dir / "train" / f"clicks-{i}.csv", i, MW_ROWS)
+            for k in (3, 4):
+                land(k)
         if line.startswith("[worker:0] train | step: 8 "):
-            _write_csv(data_dir / "train" / "clicks-5.csv", 5, MW_ROWS)
+            land(5)
         stop_at(12)(line)
 
     output = _until_stopped_on_two_workers(tmp_path, flags, write_and_stop)
     for worker in ("worker:0", "worker:1"):  # the chief's checkpoint, the position in it
-        assert f"[{worker}] restored {run / 'checkpoints' / 'ckpt-4'} at step 4" in output
+        assert f"[{worker}] restored {run / 'checkpoints' / 'ckpt-5'} at step 5" in output
     assert "[worker:0] preempted (SIGTERM to a worker of the cluster) at step 12" in output
-    assert _position(run) == ("clicks-5.csv", 12 * 16 - 4 * MW_ROWS)
+    done = [f"clicks-{i}.csv" for i in (2, 3, 4, 5)]
+    assert _done(run) == (done, {"clicks-1.csv": [[0, 12 * 16 - 4 * MW_ROWS]]})
 
     # One process over the same five files, the same global batches: the same weights.
     alone = tmp_path / "alone"

@@ -1,53 +1,70 @@
-"""Training files that keep arriving (`data.follow=true`): read once each, in name order.
+"""Training files that keep arriving (`data.follow=true`): each record once, in arrival order.
 
 With `data.follow` a file source (`csv`, `tfrecord`, or a user's `dataset_fn`
 that takes `files`, `trainer.data.user`) trains on the files of
-`data.train_files` as they appear, through `tf.io.gfile` (so a bucket works):
+`data.train_files` as they appear, through `tf.io.gfile` (so a bucket works).
+docs/online.md states the rules for users; here is how they hold.
 
 - *ready*: a file counts once its name matches `data.train_files` and its
-  base name does not start with `.` or `_`. A writer writes `.name` or
-  `_name` (or anywhere outside the glob) and renames it into place when it
-  is complete; a rename is atomic on a local disk and on object stores, so a
-  half-written file is never read.
-- *order*: files are trained on in name order, each exactly once, unshuffled
-  (shuffle when writing them). A file that appears with a name sorting before
-  the one being trained on is never read (name the files by time, e.g.
-  `clicks-20261127-2110.csv`).
-- *position*: the file being trained on and the records of it already
-  trained on are two variables (`Position`) saved in every checkpoint, so a
-  restarted run goes on with the next record. The position at a step is
-  where the batches of the steps so far end: `records trained = steps x
-  global batch`, counted along the files' record counts (each file is
-  counted once when it is found, by reading it).
-- *waiting*: training runs whole blocks (`train.steps_per_loop` steps); a
-  block starts once the ready files hold its examples (`Follower.wait`),
-  polled every `data.follow_poll_secs`. SIGTERM while waiting saves and
-  exits as always.
+  base name does not start with `.` or `_` (`base.ready`: written under such
+  a name, renamed into place whole). With `data.follow_marker` (e.g.
+  `_SUCCESS`, as Spark and Hive write last) a file counts only once its
+  directory holds the marker: a partition is complete when its marker lands.
+- *arrival order*: a file's key is (modification time, name); in marker mode
+  the time is the later of the file's and its marker's. Each look's new files
+  join the stream after those found before, in key order, whatever their
+  names: parallel writers and late partitions are trained once each. A file
+  found whose key is below the newest already found is *late*: one line names
+  it, and it trains once like any other.
+- *position* (`Position`, in every checkpoint): which files are done, not a
+  place in name order. Every file whose key is at or below the *watermark* is
+  done; so is every file named in `done` (keys above it); a file partly
+  trained has its trained record ranges in `partial`. Memory stays bounded:
+  once `done` names more than `data.follow_horizon_files` files, the oldest
+  leave it and the watermark rises to their keys (never past a file found but
+  not done). A file found later with a key at or below the watermark cannot be
+  told from one trained long ago: it is refused in one line (at a restart the
+  first look counts them in one line: taken as trained).
+- *units*: a range of a file (file, first record, records). The synchronous
+  stream (`one_device`, `mirrored`, `multi_worker`) admits each file's
+  not-done ranges in order; `advance` marks the records of the steps trained
+  done. For workers that take work as they are free (a parameter-server
+  coordinator), `take_unit` hands out the next range not done and not out, and
+  `unit_done` marks it done; a unit handed out but not done at a checkpoint is
+  not in it, so a restart hands it out again.
+- *counting*: a block is planned from the records waiting, so each file is
+  counted when found: a TFRecord file by its length headers only (12 bytes a
+  record, the data skipped by seeks); a CSV file by a scan of its bytes for
+  line ends (no framing to skip by, but nothing parsed); a file whose source
+  drops incomplete records (`data.incomplete=drop`), or a user's
+  `dataset_fn`, through the source's own reader (only it knows its records).
+- *fresh*: a block runs on the whole global batches waiting (a short block if
+  they do not fill one). A remainder short of a global batch waits for more
+  records at most `data.follow_max_wait_secs` after its file was found, then
+  trains as one step padded to the global batch with records of weight 0: the
+  step's loss and gradient weigh what it holds.
+- *removed*: a file found, or partly trained, that disappears before it is
+  trained whole: one line says how many of its records never trained.
 
-The backlog (records and files waiting, and how far the file being trained
-on is behind the newest: the difference of their modification times) is
-added to each block's metrics (`Follower.figures`).
-
-Strategies whose steps take their batches in order (`Traits.ordered_input`):
-`one_device`, `mirrored`, and `multi_worker`, where each worker's input
-pipeline follows the same files and keeps its share of each global batch of
-the one record stream (its per-replica batches of it, `Dataset.shard`), so a
-step trains on the next global batch whatever the number of workers, and the
-position (the same on every worker) is the chief's to save and every
-worker's to restore. A block starts once the files hold its examples on
-every worker (`Follower.wait`'s `everyone`: a worker whose view of the files
-lags holds the others back). Asynchronous workers (`parameter_server`) take
-batches as they come: refused (`trainer.loop.train`). The sources' start-up
-checks (a CSV's every value) cover the files there at start, later ones are
-read with the spec found then.
+Under `multi_worker` every worker's pipeline follows the same files and
+keeps its share of each global batch of the one record stream
+(`Dataset.shard`); the workers agree (the membership's `agree` and
+`everyone`) on which files join the stream, and on padding a remainder, so
+all streams stay one. A block starts once the files hold its records on
+every worker.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
+import json
+import os
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import ml_collections
 import tensorflow as tf
@@ -64,157 +81,557 @@ from trainer.data.base import (
 )
 
 ReadFile = Callable[[tf.Tensor], tf.data.Dataset]  # one file name -> its records
+CountFile = Callable[[str], int]  # one file name -> how many records it holds
+Agree = Callable[[int], int]  # the chief's value on every worker (`Membership.agree`)
+Key = tuple[int, str]  # a file's arrival: (modification time in ns, name)
+_READ_AT_ONCE = 1 << 20  # bytes read at a time when a CSV file's lines are counted
+
+
+def _same(value: int) -> int:
+    return value  # one process: its own value is everyone's
 
 
 class Position(tf.Module):
-    """Where training is in the files: a file's name and the records of it trained on."""
+    """Which files are done, and the record ranges trained of those partly done (checkpointed).
+
+    One string variable, `state`, holds it as JSON: `watermark` [time in ns,
+    name] (every file whose key is at or below it is done), `done` {name: time
+    in ns} (done files above it) and `partial` {name: [[first, records], ...]}
+    (the ranges trained of files partly done). A scalar: its size is known to
+    whatever sizes checkpoints, and it reads the same in any version of TF.
+    """
 
     def __init__(self):
         super().__init__(name="follow")
-        self.file = tf.Variable("", dtype=tf.string, trainable=False, name="file")
-        self.offset = tf.Variable(0, dtype=tf.int64, trainable=False, name="offset")
+        self.state = tf.Variable("", dtype=tf.string, trainable=False, name="state")
+
+    def read(self) -> dict:
+        """The state held, or an empty one."""
+        text = self.state.numpy().decode()
+        return json.loads(text) if text else {"watermark": [-1, ""], "done": {}, "partial": {}}
 
 
 @dataclasses.dataclass
 class _File:
     name: str
     records: int
-    mtime: float  # seconds since the epoch
+    mtime_ns: int  # arrival time: the file's (or its partition marker's) modification time
+    found: float  # time.monotonic() of the look that found it
+
+    @property
+    def key(self) -> Key:
+        return (self.mtime_ns, self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Records `first, ..., first + records - 1` of `file`: the work one worker takes at a time."""
+
+    id: int
+    file: str
+    first: int
+    records: int
+
+
+@dataclasses.dataclass
+class _Segment:
+    """A stretch of the synchronous stream: records of a file, or padding of weight 0."""
+
+    file: str
+    first: int
+    records: int
+    real: bool = True
 
 
 class Follower:
-    """The files of one glob as they appear, and the position of training in them.
+    """The files of one glob as they arrive, and which of their records are trained.
 
     Args:
       pattern: `data.train_files`.
       read: one file name -> its records (the source's own reader).
       poll_secs: seconds between looks for new files while waiting.
+      count: one file name -> its records (default: counted through `read`).
+      max_wait_secs: how long a remainder short of a global batch waits before it
+        trains padded (`data.follow_max_wait_secs`).
+      horizon_files: files named in the position after its watermark, at most.
+      marker: a file that marks its directory complete ("" = none).
     """
 
-    def __init__(self, pattern: str, read: ReadFile, poll_secs: float):
+    def __init__(
+        self,
+        pattern: str,
+        read: ReadFile,
+        poll_secs: float,
+        count: CountFile | None = None,
+        max_wait_secs: float = 60.0,
+        horizon_files: int = 10_000,
+        marker: str = "",
+    ):
         self.pattern, self.read, self.poll_secs = pattern, read, poll_secs
+        self.count = count or self._count_by_reading
+        self.max_wait_secs, self.horizon_files, self.marker = max_wait_secs, horizon_files, marker
         self.position = Position()
-        self._files: list[_File] = []  # from the file being trained on, in name order
-        self._offset = 0  # records of `_files[0]` trained on
-        self._found = threading.Condition()  # guards the two above; notified as files come
+        self.say: Callable[[str], None] = _say  # the loop points it at the chief's lines
+        self._lock = threading.Condition()  # guards the state below; notified as segments come
+        self._reset()
         self._closed = False
         self._last_look = 0.0  # time.monotonic() of the last `refresh`
 
+    def _reset(self) -> None:
+        self._watermark: Key = (-1, "")
+        self._done: dict[str, int] = {}  # done files after the watermark: name -> mtime_ns
+        self._ranges: dict[str, list[tuple[int, int]]] = {}  # partly done: trained (first, n)
+        self._known: dict[str, _File] = {}  # found, not done
+        self._candidates: list[_File] = []  # found, not admitted yet
+        self._admitted: list[_File] = []  # admitted, not done, in stream order
+        self._stream: collections.deque[_Segment] = collections.deque()  # not trained yet
+        self._head_trained = 0  # records of `_stream[0]` trained
+        self._head_seq = 0  # the sequence number of `_stream[0]`
+        self._out: dict[int, Unit] = {}  # units handed out, not done
+        self._next_unit = 0
+        self._complete_dirs: set[str] = set()  # directories whose marker has landed
+        self._ignored: set[str] = set()  # listed at or below the watermark: done, or refused
+        self._newest: Key = (-1, "")  # the newest key found or done
+        self._looked = False
+
+    # --- the position ----------------------------------------------------------------
+
     def start(self) -> None:
-        """Reads the (restored) position and finds the files from there on."""
-        with self._found:
-            self._files, self._offset = [], int(self.position.offset.numpy())
+        """Reads the (restored) position and looks for the files not done."""
+        state = self.position.read()
+        with self._lock:
+            self._reset()
+            self._watermark = tuple(state["watermark"])
+            self._done = dict(state["done"])
+            self._ranges = {name: [tuple(r) for r in rs] for name, rs in state["partial"].items()}
+            self._newest = max([self._watermark, *((t, n) for n, t in self._done.items())])
             self._closed = False
-        self.refresh(first=self.position.file.numpy().decode())
+        self.refresh()
+        with self._lock:  # partly trained at the checkpoint, and gone since
+            for name in [n for n in self._ranges if n not in self._known]:
+                trained = sum(n for _, n in self._ranges.pop(name))
+                self.say(
+                    f"file {name} was removed before it was trained whole: only {trained} of "
+                    "its records trained"
+                )
 
-    def close(self) -> None:
-        """Ends the stream's wait for files (the loop is over)."""
-        with self._found:
-            self._closed = True
-            self._found.notify_all()
+    def _write(self) -> None:
+        """The state into `position` (under the lock)."""
+        state = {"watermark": self._watermark, "done": self._done, "partial": self._ranges}
+        self.position.state.assign(json.dumps(state))
 
-    def refresh(self, first: str = "") -> None:
-        """Adds the ready files that sort after the last one known (from `first` at the start)."""
+    def _mark_done(self, name: str, first: int, records: int) -> None:
+        """Records `first` to `first + records - 1` of `name` trained (under the lock)."""
+        file = self._known.get(name)
+        if file is None or records <= 0:
+            return
+        ranges = _merged([*self._ranges.get(name, []), (first, records)])
+        if ranges != [(0, file.records)]:
+            self._ranges[name] = ranges
+            return
+        self._ranges.pop(name, None)
+        del self._known[name]
+        self._admitted = [f for f in self._admitted if f.name != name]
+        self._done[name] = file.mtime_ns
+        self._raise_watermark()
+
+    def _raise_watermark(self) -> None:
+        """Forgets the oldest done names beyond `horizon_files`, below every file not done."""
+        excess = len(self._done) - self.horizon_files
+        if excess <= 0:
+            return
+        floor = min((f.key for f in self._known.values()), default=None)
+        for mtime_ns, name in sorted((t, n) for n, t in self._done.items())[:excess]:
+            if floor is not None and (mtime_ns, name) >= floor:
+                return  # a file found but not done is older: the watermark stays below it
+            self._watermark = max(self._watermark, (mtime_ns, name))
+            del self._done[name]
+            self._ignored.add(name)
+
+    # --- finding files -----------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Looks for new ready files; says which are late, refused or removed."""
         self._last_look = time.monotonic()
-        with self._found:
-            last = self._files[-1].name if self._files else None
-        found = sorted(p for p in tf.io.gfile.glob(self.pattern) if ready(p))
-        if last is not None:
-            found = [p for p in found if p > last]
-        elif first:
-            found = [p for p in found if p >= first]
-        new = [_File(p, self._count(p), tf.io.gfile.stat(p).mtime_nsec / 1e9) for p in found]
-        with self._found:
-            if last is None and first and (not new or new[0].name != first):
-                self._offset = 0  # the file of the position is gone: its next one from the start
-            self._files.extend(new)
-            self._drop_done()
-            self._found.notify_all()
+        listed_now = {}
+        for path in tf.io.gfile.glob(self.pattern):
+            if ready(path) and self._complete(os.path.dirname(path)):
+                listed_now[path] = self._mtime_ns(path)
+        with self._lock:
+            first_look, self._looked = not self._looked, True
+            self._ignored &= listed_now.keys()  # a name gone from the listing is forgotten
+            new = sorted(
+                (t, n)
+                for n, t in listed_now.items()
+                if n not in self._known and n not in self._done and n not in self._ignored
+            )
+            gone = [f for f in self._known.values() if f.name not in listed_now]
+            below = [(t, n) for t, n in new if (t, n) <= self._watermark]
+            self._ignored.update(n for _, n in below)
+        new = [(t, n) for t, n in new if (t, n) > self._watermark]
+        found = [_File(n, self.count(n), t, time.monotonic()) for t, n in new]
+        with self._lock:
+            for file in gone:
+                self._forget_removed(file)
+            for file in found:
+                if file.key < self._newest and file.name not in self._ranges:
+                    newer = self._newest[1]
+                    self.say(
+                        f"late file {file.name}: it arrived after {newer}, found before it; "
+                        "trained once, after the files found before it"
+                    )
+                self._newest = max(self._newest, file.key)
+                self._known[file.name] = file
+                self._candidates.append(file)
+            self._lock.notify_all()
+        self._refuse(below, first_look)
+
+    def _refuse(self, below: list[Key], first_look: bool) -> None:
+        """One line for the files at or below the watermark (a summary at the first look)."""
+        if not below:
+            return
+        horizon = (
+            f"the position names the last {self.horizon_files} files trained "
+            "(`data.follow_horizon_files`)"
+        )
+        if first_look:
+            self.say(
+                f"{len(below)} files of `data.train_files` are as old as the position's "
+                f"watermark ({_when(self._watermark[0])}) or older: taken as trained; {horizon}"
+            )
+            return
+        for mtime_ns, name in below:
+            self.say(
+                f"refused late file {name}: modified {_when(mtime_ns)}, at or before the "
+                f"watermark ({_when(self._watermark[0])}), so it cannot be told from a file "
+                f"trained; {horizon}: raise it to take files this late"
+            )
+
+    def _forget_removed(self, file: _File) -> None:
+        """A file found but not trained whole is gone (under the lock): one line."""
+        trained = sum(n for _, n in self._ranges.pop(file.name, []))
+        in_stream = any(s.file == file.name for s in self._stream)
+        if in_stream:
+            return  # its reader has it open or will fail naming it; the stream keeps its place
+        self.say(
+            f"file {file.name} was removed before it was trained: {file.records - trained} "
+            f"of its {file.records} records never trained"
+        )
+        del self._known[file.name]
+        self._candidates = [f for f in self._candidates if f.name != file.name]
+        self._admitted = [f for f in self._admitted if f.name != file.name]
+
+    def _complete(self, directory: str) -> bool:
+        """Whether `directory`'s files are ready: no marker asked for, or it has landed."""
+        if not self.marker or directory in self._complete_dirs:
+            return True
+        if tf.io.gfile.exists(os.path.join(directory, self.marker)):
+            self._complete_dirs.add(directory)
+            return True
+        return False
+
+    def _mtime_ns(self, path: str) -> int:
+        """A file's arrival time: its modification time, or its marker's where later."""
+        mtime = tf.io.gfile.stat(path).mtime_nsec
+        if self.marker:
+            marker = os.path.join(os.path.dirname(path), self.marker)
+            mtime = max(mtime, tf.io.gfile.stat(marker).mtime_nsec)
+        return int(mtime)
+
+    def _count_by_reading(self, path: str) -> int:
+        return int(self.read(tf.constant(path)).reduce(tf.constant(0, tf.int64), _plus_one))
 
     def look_if_due(self) -> None:
         """`refresh` if `poll_secs` have passed since the last look (keeps the backlog current)."""
         if time.monotonic() - self._last_look >= self.poll_secs:
             self.refresh()
 
-    def _count(self, path: str) -> int:
-        return int(self.read(tf.constant(path)).reduce(tf.constant(0, tf.int64), _plus_one))
+    # --- the synchronous stream ----------------------------------------------------------
+
+    def admit(self, agree: Agree = _same, everyone: Callable[[bool], bool] = bool) -> None:
+        """The files found join the stream, in key order, once every worker has found them.
+
+        The chief's newest found key bounds what joins; the workers compare a
+        fingerprint of their files up to it (`agree`, `everyone`: the same number
+        of collectives on every worker, whatever each found). Also hands their
+        units to `take_unit`.
+        """
+        with self._lock:  # files partly trained first: a restart goes on where it stopped
+            mine = sorted(self._candidates, key=lambda f: (f.name not in self._ranges, f.key))
+        newest = agree(max((f.mtime_ns for f in mine), default=-1))
+        joining = [f for f in mine if f.mtime_ns <= newest]
+        fingerprint = _fingerprint(joining)
+        if not everyone(agree(fingerprint) == fingerprint) or not joining:
+            return
+        with self._lock:
+            names = {f.name for f in joining}
+            self._candidates = [f for f in self._candidates if f.name not in names]
+            for file in joining:
+                if file.name not in self._known:
+                    continue  # removed meanwhile (said so)
+                self._admitted.append(file)
+                for first, n in _free(file.records, self._ranges.get(file.name, [])):
+                    self._stream.append(_Segment(file.name, first, n))
+            self._lock.notify_all()
 
     def waiting(self) -> int:
-        """Records in the ready files not trained on yet."""
-        with self._found:
-            return sum(f.records for f in self._files) - self._offset
+        """Records admitted to the stream and not trained yet (padding included)."""
+        with self._lock:
+            return sum(s.records for s in self._stream) - self._head_trained
 
-    def advance(self, records: int) -> None:
-        """Moves the position on by `records` trained on; writes it to `position`."""
-        with self._found:
-            self._offset += records
-            self._drop_done()
-            name = self._files[0].name if self._files else ""
-            self.position.file.assign(name)
-            self.position.offset.assign(self._offset)
+    def steps_ready(
+        self,
+        most: int,
+        global_batch: int,
+        agree: Agree = _same,
+        everyone: Callable[[bool], bool] = bool,
+    ) -> int:
+        """Admits what was found, pads a remainder that waited long enough; the whole batches.
 
-    def _drop_done(self) -> None:
-        """Forgets the files trained on whole, while a later one is known (under the lock)."""
-        while len(self._files) > 1 and self._offset >= self._files[0].records:
-            self._offset -= self._files.pop(0).records
+        Returns how many global batches of `global_batch` records wait, at most `most`.
+        """
+        self.admit(agree, everyone)
+        self._pad_if_due(global_batch, everyone)
+        return min(most, self.waiting() // global_batch)
+
+    def _pad_if_due(self, global_batch: int, everyone: Callable[[bool], bool]) -> None:
+        """Pads the remainder past the whole global batches once it has waited `max_wait_secs`.
+
+        The remainder is the same on every worker (their streams are one); whether
+        it waited long enough is agreed (`everyone`: every worker's clock says so).
+        """
+        with self._lock:
+            left = sum(s.records for s in self._stream) - self._head_trained
+            remainder = left % global_batch
+            if not remainder:
+                return
+            oldest, tail = time.monotonic(), self._stream[-1].file
+            for segment in reversed(self._stream):  # the segments holding the remainder
+                oldest = min(oldest, self._known[segment.file].found)
+                remainder -= segment.records
+                if remainder <= 0:
+                    break
+            short = global_batch - left % global_batch
+        if everyone(time.monotonic() - oldest >= self.max_wait_secs):
+            with self._lock:
+                self._stream.append(_Segment(tail, 0, short, real=False))
+                self._lock.notify_all()
 
     def wait(
         self,
         records: int,
+        global_batch: int,
         still_waiting: Callable[[], None],
         everyone: Callable[[bool], bool] = bool,
+        agree: Agree = _same,
     ) -> None:
-        """Returns once the ready files hold `records` not trained on.
+        """Returns once the stream holds `records` not trained on, on every worker.
 
-        `still_waiting()` is called between looks (on the main thread, so it
-        may act on SIGTERM: raise to stop waiting). `everyone(ready)` says
-        whether every worker that steps with this one is ready (it is this
-        one's `ready` alone): all of them look, and call `still_waiting`, the
-        same number of times, as a coordinated preemption watch needs.
+        Between looks it admits what was found and pads a remainder that waited
+        `max_wait_secs`. `still_waiting()` is called between looks (on the main
+        thread, so it may act on SIGTERM: raise to stop waiting); every worker
+        makes the same collectives (`everyone`, `agree`) the same number of times.
         """
-        while not everyone(self.waiting() >= records):
+        while True:
+            self.steps_ready(0, global_batch, agree, everyone)
+            if everyone(self.waiting() >= records):
+                return
             still_waiting()
             time.sleep(self.poll_secs)
             self.refresh()
 
+    def advance(self, records: int) -> None:
+        """The next `records` of the stream are trained: marks them done; writes `position`."""
+        with self._lock:
+            while records > 0 and self._stream:
+                head = self._stream[0]
+                n = min(records, head.records - self._head_trained)
+                if head.real:
+                    self._mark_done(head.file, head.first + self._head_trained, n)
+                records -= n
+                self._head_trained += n
+                if self._head_trained == head.records:
+                    self._stream.popleft()
+                    self._head_seq += 1
+                    self._head_trained = 0
+            self._write()
+
+    def segments(self) -> Iterator[tuple[str, int, int, bool]]:
+        """The stream's segments from the position on: (file, first, records, real), waiting.
+
+        Runs on a tf.data thread: it only hands out what `admit` put in the stream.
+        """
+        with self._lock:
+            seq = self._head_seq
+        while True:
+            with self._lock:
+                while seq - self._head_seq >= len(self._stream) and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                segment = self._stream[seq - self._head_seq]
+            yield segment.file, segment.first, segment.records, segment.real
+            seq += 1
+
+    def records(self, file: tf.Tensor, first: tf.Tensor, n: tf.Tensor, real: tf.Tensor):
+        """One segment's records, each with its weight: 1, or 0 for padding (a record repeated)."""
+        one = tf.constant(1, tf.int64)
+        taken = self.read(file).skip(first).take(tf.where(real, n, one))
+        weight = tf.cast(real, tf.float32)
+        return taken.repeat(tf.where(real, one, n)).map(lambda *record: (record, weight))
+
+    def close(self) -> None:
+        """Ends the stream's wait for segments (the loop is over)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    # --- units, for workers that take work when free --------------------------------------
+
+    def take_unit(self, most: int = 0) -> Unit | None:
+        """The next range of an admitted file neither done nor out, of `most` records (0: all).
+
+        None while every admitted record is done or out (`admit` adds files).
+        """
+        with self._lock:
+            for file in self._admitted:
+                taken = self._ranges.get(file.name, []) + [
+                    (u.first, u.records) for u in self._out.values() if u.file == file.name
+                ]
+                free = _free(file.records, taken)
+                if free:
+                    first, n = free[0]
+                    unit = Unit(self._next_unit, file.name, first, min(n, most) if most else n)
+                    self._next_unit += 1
+                    self._out[unit.id] = unit
+                    return unit
+        return None
+
+    def unit_done(self, unit_id: int) -> None:
+        """Unit `unit_id` is trained: its records are done; writes `position`."""
+        with self._lock:
+            unit = self._out.pop(unit_id)
+            self._mark_done(unit.file, unit.first, unit.records)
+            self._write()
+
+    # --- the backlog ---------------------------------------------------------------------
+
     def figures(self) -> dict[str, float]:
         """The backlog: `files_waiting`, `records_waiting` and `seconds_behind` the newest file."""
-        with self._found:
-            files = list(self._files)
-            offset = self._offset
-        left = sum(f.records for f in files) - offset
-        # Not started: the files after the current one, and the current one if untouched.
-        unread = [f for i, f in enumerate(files) if (i > 0 or offset == 0) and f.records]
-        behind = files[-1].mtime - files[0].mtime if files and left else 0.0
+        with self._lock:
+            files = list(self._known.values())
+            trained = {name: sum(n for _, n in r) for name, r in self._ranges.items()}
+        left = sum(f.records - trained.get(f.name, 0) for f in files)
+        unread = [f for f in files if f.records and not trained.get(f.name)]
+        behind = 0.0
+        if files and left:
+            times = [f.mtime_ns for f in files if f.records > trained.get(f.name, 0)]
+            behind = (self._newest[0] - min(times)) / 1e9
         return {
             "files_waiting": float(len(unread)),
             "records_waiting": float(left),
             "seconds_behind": max(0.0, behind),
         }
 
-    def names(self):
-        """The stream's files from the position on: (name, records to skip), waiting for more.
 
-        Runs on a tf.data thread: it only reads the files that `refresh` found.
-        """
-        handed, skip = None, None
-        while True:
-            with self._found:
-                if skip is None:  # the first file: the records trained on are skipped
-                    skip = self._offset
-                pending = [f.name for f in self._files if handed is None or f.name > handed]
-                while not pending and not self._closed:
-                    self._found.wait()
-                    pending = [f.name for f in self._files if handed is None or f.name > handed]
-                if self._closed:
-                    return
-            for name in pending:
-                yield name, skip if handed is None else 0
-                handed = name
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges (first, n) sorted, touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for first, n in sorted(ranges):
+        if out and first <= out[-1][0] + out[-1][1]:
+            end = max(out[-1][0] + out[-1][1], first + n)
+            out[-1] = (out[-1][0], end - out[-1][0])
+        else:
+            out.append((first, n))
+    return out
+
+
+def _free(records: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges of `0, ..., records - 1` outside the `taken` ones."""
+    free, at = [], 0
+    for first, n in _merged(taken):
+        if first > at:
+            free.append((at, first - at))
+        at = max(at, first + n)
+    return free + ([(at, records - at)] if at < records else [])
+
+
+def _fingerprint(files: list[_File]) -> int:
+    """A number the same on every worker that found the same files (names and records)."""
+    text = "\n".join(f"{f.name}\t{f.records}" for f in files).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:7], "big")
+
+
+def _when(mtime_ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(mtime_ns / 1e9))
 
 
 def _plus_one(count: tf.Tensor, _) -> tf.Tensor:
     return count + 1
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+# --- counting a file's records without reading it twice --------------------------------
+
+
+def tfrecord_count(path: str) -> int | None:
+    """Records of a TFRecord file from its length headers alone; None if its framing is off.
+
+    Each record is an 8-byte little-endian length, its 4-byte CRC, the data and
+    the data's 4-byte CRC: the data is skipped by a seek, never read.
+    """
+    size, at, records = tf.io.gfile.stat(path).length, 0, 0
+    with tf.io.gfile.GFile(path, "rb") as f:
+        while at < size:
+            header = f.read(12)
+            if len(header) < 12:
+                return None
+            (length,) = struct.unpack("<Q", header[:8])
+            at += 12 + length + 4
+            if at > size:
+                return None
+            f.seek(at)
+            records += 1
+    return records if at == size else None
+
+
+def csv_count(path: str) -> int:
+    """Records of a CSV file with a header: its lines less one, counted without parsing."""
+    lines, last = 0, b"\n"
+    with tf.io.gfile.GFile(path, "rb") as f:
+        while chunk := f.read(_READ_AT_ONCE):
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
+    lines += last != b"\n"  # a last line without its end still counts
+    return max(0, lines - 1)
+
+
+def _counter(config: ml_collections.ConfigDict) -> CountFile | None:
+    """How the source of `config` counts a file without reading it; None: through its reader.
+
+    A source that drops incomplete records (`data.incomplete=drop`) may hold fewer
+    than its framing says: only its reader tells.
+    """
+    if config.get("incomplete", "error") == "drop":
+        return None
+    if config.name == "csv":
+        return csv_count
+    if config.name == "tfrecord":
+        return _framed_or_read
+    return None
+
+
+def _framed_or_read(path: str) -> int:
+    counted = tfrecord_count(path)
+    if counted is None:  # not framed as TFRecord (compressed?): the reader says why
+        return int(tf.data.TFRecordDataset(path).reduce(tf.constant(0, tf.int64), _plus_one))
+    return counted
+
+
+# --- the dataset and its checks -------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,35 +644,47 @@ class FollowedDataset(TrainStreamWrapper):
     def train_fn(
         self, global_batch_size: int, seed: int, start_step: int = 0, start_batch: int | None = None
     ) -> DatasetFn:
-        """The files from the checkpointed position on, in order; `seed`, `start_*` unused.
+        """The records not trained, in arrival order; `seed`, `start_*` unused.
 
         Every pipeline reads the whole stream of records in per-replica batches
         and keeps batches `p, p + P, ...` (pipeline `p` of `P`): each step takes
-        the stream's next `global_batch_size` records over all pipelines.
+        the stream's next `global_batch_size` records over all pipelines. Each
+        example carries its weight (0 for padding) as its sample weight.
         """
 
         def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
             self.follower.start()
-            names = tf.data.Dataset.from_generator(
-                self.follower.names,
-                output_signature=(tf.TensorSpec((), tf.string), tf.TensorSpec((), tf.int64)),
+            segments = tf.data.Dataset.from_generator(
+                self.follower.segments,
+                output_signature=(
+                    tf.TensorSpec((), tf.string),
+                    tf.TensorSpec((), tf.int64),
+                    tf.TensorSpec((), tf.int64),
+                    tf.TensorSpec((), tf.bool),
+                ),
             )
-            records = names.flat_map(lambda name, skip: self.follower.read(name).skip(skip))
+            records = segments.flat_map(self.follower.records)
             batch = context.get_per_replica_batch_size(global_batch_size)
             batches = records.batch(batch, drop_remainder=True)
             if context.num_input_pipelines > 1:  # this pipeline's share of each global batch
                 batches = batches.shard(context.num_input_pipelines, context.input_pipeline_id)
-            batches = batches.map(self.decode, num_parallel_calls=tf.data.AUTOTUNE)
+            batches = batches.map(self._weighted, num_parallel_calls=tf.data.AUTOTUNE)
             return self.settings.apply(batches.prefetch(tf.data.AUTOTUNE))
 
         return dataset_fn
+
+    def _weighted(self, records: tuple, weights: tf.Tensor) -> tuple:
+        """`(x, y, weights)`: the batch decoded, its sample weights times the records' weights."""
+        x, y, *given = self.decode(*records)
+        return (x, y, given[0] * tf.cast(weights, given[0].dtype) if given else weights)
 
 
 def wrap(dataset: Dataset, config: ml_collections.ConfigDict) -> Dataset:
     """`dataset` with its training stream following its files when `data.follow` is set.
 
     Raises:
-      UserError: `data.follow` with a source that reads no files, or a poll interval <= 0.
+      UserError: `data.follow` with a source that reads no files, or a `data.follow_*`
+        field out of its range, or a marker with files that are not in partitions.
     """
     if not config.get("follow", False):
         return dataset
@@ -266,14 +695,45 @@ def wrap(dataset: Dataset, config: ml_collections.ConfigDict) -> Dataset:
             "reads no files; use `csv` or `tfrecord` with `data.train_files` (or give your "
             "`dataset_fn` a `files` parameter), or set `--config.data.follow=false`."
         )
+    poll, wait, horizon, marker = _checked(config)
+    read, decode = reader
+    count = _counter(config) if file_split(dataset) is not None else None
+    follower = Follower(config.train_files, read, poll, count, wait, horizon, marker)
+    return FollowedDataset(dataset, follower, decode)
+
+
+def _checked(config: ml_collections.ConfigDict) -> tuple[float, float, int, str]:
+    """`data.follow_poll_secs`, `_max_wait_secs`, `_horizon_files` and `_marker`, checked."""
     poll = config.follow_poll_secs
     if poll <= 0:
         raise UserError(
             f"`data.follow_poll_secs` ({poll}) must be > 0 (seconds between looks for new "
             "files); set e.g. `--config.data.follow_poll_secs=1`."
         )
-    read, decode = reader
-    return FollowedDataset(dataset, Follower(config.train_files, read, poll), decode)
+    wait = config.get("follow_max_wait_secs", 60.0)
+    if wait < 0:
+        raise UserError(
+            f"`data.follow_max_wait_secs` ({wait}) must be >= 0 (seconds a remainder short of "
+            "a global batch waits before it trains padded); set e.g. "
+            "`--config.data.follow_max_wait_secs=60`, or 0 to train it at once."
+        )
+    horizon = config.get("follow_horizon_files", 10_000)
+    if horizon <= 0:
+        raise UserError(
+            f"`data.follow_horizon_files` ({horizon}) must be > 0 (the files trained that the "
+            "position names after its watermark; a later file older than them is refused); "
+            "set e.g. `--config.data.follow_horizon_files=10000`."
+        )
+    marker = config.get("follow_marker", "")
+    directory = os.path.dirname(config.train_files)
+    if marker and not any(c in directory for c in "*?["):
+        raise UserError(
+            f"`data.follow_marker` '{marker}' marks a partition directory complete, and "
+            f"`data.train_files` '{config.train_files}' has no wildcard in its directories, so "
+            "it holds no partitions; give e.g. `--config.data.train_files='/data/dt=*/hour=*/"
+            "part-*'`, or `--config.data.follow_marker=''`."
+        )
+    return poll, wait, horizon, marker
 
 
 def _reader(dataset: Dataset) -> tuple[ReadFile, Decode] | None:
@@ -287,7 +747,7 @@ def _reader(dataset: Dataset) -> tuple[ReadFile, Decode] | None:
 
 
 def _as_is(*batch):
-    return batch  # `(features, labels[, sample_weights])`, which `Dataset.map` unpacks
+    return batch  # `(features, labels[, sample_weights])`
 
 
 def follower_of(dataset: Dataset) -> Follower | None:

@@ -241,18 +241,32 @@ def follow(
     block_steps: int,
     while_waiting: Callable[[], None],
     everyone: Callable[[bool], bool] = bool,
+    agree: Callable[[int], int] = lambda value: value,
+    say: Callable[[str], None] | None = None,
 ) -> list[Action]:
-    """Training on files as they arrive (`data.follow`): whole blocks, the position, the backlog.
+    """Training on files as they arrive (`data.follow`): fresh blocks, the position, the backlog.
 
-    Blocks end at each multiple of `block_steps`, and each starts once the ready
-    files hold its examples on every worker that steps with this one
-    (`everyone(ready)`, the membership's; `while_waiting()` runs between looks:
-    the preemption check). After every block the position moves on by the
-    examples trained on (written to the variables the checkpoint saves: so this
-    action runs first, before a recovery rolls the step back and before the
-    checkpoint), and the backlog joins the metrics: `backlog_files`,
-    `backlog_records` and `behind_s` (see `trainer.data.follow`).
+    Each block runs on the whole global batches waiting, up to the next multiple
+    of `block_steps`: a short block where fewer wait, a one-step block that
+    waits where none does (a remainder short of a global batch trains padded
+    once it has waited `data.follow_max_wait_secs`; see `trainer.data.follow`).
+    The first block is one step; each later block's end is planned after the
+    block before, and it starts once the stream holds its examples on every
+    worker that steps with this one (`everyone`, `agree`: the membership's; `while_waiting()` runs
+    between looks: the preemption check). After every block the position moves
+    on by the examples trained (written to the variables the checkpoint saves:
+    so this action runs first, before a recovery rolls the step back and before
+    the checkpoint), and the backlog joins the metrics: `backlog_files`,
+    `backlog_records` and `behind_s`. `say` gets the follower's lines (late,
+    refused and removed files): the chief's progress.
     """
+    # The step is not known before the first block: it is one step long, the rest planned.
+    blocks = Action(None, every=1, name="follow blocks")
+
+    def plan(step: int) -> None:  # the next block's end: the whole batches there, at least 1
+        most = block_steps - step % block_steps
+        ready = follower.steps_ready(most, examples_per_step, agree, everyone)
+        blocks.every, blocks.at_steps = block_steps, (step + max(1, ready),)
 
     def act(output: Output) -> None:
         follower.advance(output.steps * examples_per_step)
@@ -261,24 +275,27 @@ def follow(
         output.metrics["backlog_files"] = figures["files_waiting"]
         output.metrics["backlog_records"] = figures["records_waiting"]
         output.metrics["behind_s"] = figures["seconds_behind"]
+        plan(output.step)
 
     @contextlib.contextmanager
     def block(step: int) -> Iterator[None]:
-        records = (block_steps - step % block_steps) * examples_per_step
-        follower.wait(records, while_waiting, everyone)
+        # The planned end; after a recovery rolled the step back, the schedule's bound.
+        ends = [end for end in blocks.at_steps if end > step]
+        steps = ends[0] - step if ends else blocks.every - step % blocks.every
+        follower.wait(steps * examples_per_step, examples_per_step, while_waiting, everyone, agree)
         yield
 
     @contextlib.contextmanager
     def loop() -> Iterator[None]:
+        if say is not None:
+            follower.say = say
         try:
             yield
         finally:
             follower.close()  # the stream stops waiting for files
 
-    return [
-        Action(act, name="follow", loop=loop),
-        Action(None, every=block_steps, name="follow blocks", block=block),
-    ]
+    blocks.block = block
+    return [Action(act, name="follow", loop=loop), blocks]
 
 
 class Profile:
