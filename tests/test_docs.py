@@ -232,3 +232,19 @@ def test_the_readme_links_every_topic_page():
     pages = {p.name for p in DOCS.glob("*.md")} - {"index.md"}
     assert pages <= linked, f"pages the README does not link: {sorted(pages - linked)}"
     assert all((DOCS / name).is_file() for name in linked), sorted(linked)
+
+
+def test_the_concepts_page_renders_the_strategies_glossary(site):
+    glossary = _load_hook("glossary")
+    page = (site / "concepts" / "index.html").read_text()
+    terms = re.findall(r"^- \*([^*]+)\*", glossary.glossary(glossary.BASE.read_text()), re.M)
+    assert len(terms) >= 5, terms
+    for term in terms:
+        assert f"<em>{term}</em>" in page, term
+
+
+def test_the_troubleshooting_page_lists_every_exit_status(site):
+    statuses = _load_hook("exit_statuses")
+    page = (site / "troubleshooting" / "index.html").read_text()
+    for code in statuses.statuses(statuses.ERRORS.read_text()):
+        assert f"<td>{code}</td>" in page, code
