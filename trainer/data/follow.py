@@ -695,15 +695,20 @@ def wrap(dataset: Dataset, config: ml_collections.ConfigDict) -> Dataset:
             "reads no files; use `csv` or `tfrecord` with `data.train_files` (or give your "
             "`dataset_fn` a `files` parameter), or set `--config.data.follow=false`."
         )
-    poll, wait, horizon, marker = _checked(config)
+    poll, wait, horizon, marker = check_fields(config)
     read, decode = reader
     count = _counter(config) if file_split(dataset) is not None else None
     follower = Follower(config.train_files, read, poll, count, wait, horizon, marker)
     return FollowedDataset(dataset, follower, decode)
 
 
-def _checked(config: ml_collections.ConfigDict) -> tuple[float, float, int, str]:
-    """`data.follow_poll_secs`, `_max_wait_secs`, `_horizon_files` and `_marker`, checked."""
+def check_fields(config: ml_collections.ConfigDict) -> tuple[float, float, int, str]:
+    """`data.follow_poll_secs`, `_max_wait_secs`, `_horizon_files` and `_marker`, checked.
+
+    Raises:
+      UserError: a poll interval <= 0, a max wait < 0, a horizon <= 0, or a marker
+        with `data.train_files` that has no wildcard in its directories.
+    """
     poll = config.follow_poll_secs
     if poll <= 0:
         raise UserError(

@@ -19,7 +19,13 @@ BLOCK_STEPS = 100  # `data.follow` with `train.steps_per_loop=0`: steps of a blo
 class Follow(component.Component):
     """Files of `data.train_files` trained on as they arrive, each once, in order."""
 
-    fields = ("data.follow", "data.follow_poll_secs")
+    fields = (
+        "data.follow",
+        "data.follow_poll_secs",
+        "data.follow_max_wait_secs",
+        "data.follow_horizon_files",
+        "data.follow_marker",
+    )
 
     def check(self, config, traits) -> None:
         if not config.data.get("follow", False):
@@ -68,9 +74,17 @@ class _Following(component.Feature):
             actions.stop_if_preempted(run.watch, run.checkpointer.save, context.say, context.step())
 
         block = config.train.steps_per_loop or BLOCK_STEPS
-        everyone = context.strategy.membership.everyone  # workers that step together start so
+        member = context.strategy.membership  # workers that step together start so, on one stream
         batch = config.train.global_batch_size
-        return actions.follow(self._follower, batch, block, while_waiting, everyone)
+        return actions.follow(
+            self._follower,
+            batch,
+            block,
+            while_waiting,
+            member.everyone,
+            agree=member.agree,
+            say=context.say,
+        )
 
     def close(self) -> None:
         self._follower.close()  # the input stream stops waiting for files
