@@ -1,6 +1,7 @@
 """The online loop: clicks keep arriving, training follows them, a server follows the exports.
 
-Three processes, each its own command (docs/online.md runs them):
+Three processes, each its own command (docs/online.md runs them; `latency`
+writes files one at a time and times each from landing to its export):
 
     python -m examples.online write --dir=online/clicks --files=1
     python -m examples.online write --dir=online/clicks --start=1 --files=5 --every_secs=2 &
@@ -125,6 +126,38 @@ def write(directory: str, start: int, files: int, every_secs: float) -> None:
         print(f"wrote {path}", flush=True)
 
 
+def latency(directory: str, export_dir: str, start: int, files: int, timeout: float) -> None:
+    """Writes `files` files one at a time; prints the seconds from each landing to its export.
+
+    Each file is written once the trainer has exported the one before (it is
+    caught up and waiting), so the first version that appears after a file
+    lands is the first export that trained it. Ends with the median and the
+    95th percentile.
+    """
+    seconds = []
+    for k in range(start, start + files):
+        newest = max(_versions(export_dir), default=-1)
+        path = os.path.join(directory, "train", f"clicks-{k:05d}.csv")
+        write_csv(path, k * ROWS, ROWS)
+        landed, deadline = time.time(), time.time() + timeout
+        while max(_versions(export_dir), default=-1) <= newest:
+            if time.time() > deadline:
+                raise SystemExit(f"no export within {timeout:g} s of {path} landing")
+            time.sleep(0.05)
+        seconds.append(time.time() - landed)
+        version = max(_versions(export_dir))
+        print(f"{path}: version {version} {seconds[-1]:.2f} s after it landed", flush=True)
+    ordered = sorted(seconds)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    print(f"landing to export: median {ordered[len(ordered) // 2]:.2f} s, p95 {p95:.2f} s")
+
+
+def _versions(export_dir: str) -> list[int]:
+    """The versions in `export_dir` (a staging directory is hidden until renamed)."""
+    names = os.listdir(export_dir) if os.path.isdir(export_dir) else []
+    return [int(name) for name in names if name.isdigit()]
+
+
 class Server:
     """The newest SavedModel under `export_dir`, reloaded as versions appear."""
 
@@ -212,10 +245,18 @@ def main(argv: list[str] | None = None) -> None:
     server.add_argument(
         "--seconds", type=float, default=0.0, help="stop after this long (0: never)"
     )
+    timing = commands.add_parser("latency", help="seconds from a file landing to its export")
+    timing.add_argument("--dir", default="online/clicks")
+    timing.add_argument("--export_dir", default="online/run/export")
+    timing.add_argument("--start", type=int, default=1, help="the first file's number")
+    timing.add_argument("--files", type=int, default=10)
+    timing.add_argument("--timeout", type=float, default=300.0, help="seconds to wait a version")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
     if args.command == "write":
         write(args.dir, args.start, args.files, args.every_secs)
+    elif args.command == "latency":
+        latency(args.dir, args.export_dir, args.start, args.files, args.timeout)
     else:
         serve(args.export_dir, args.poll_secs, args.port_file, args.seconds)
 
