@@ -75,6 +75,8 @@ class Context:
       optimizer: its optimizer; `optimizer.iterations` is the step.
       total_steps: where training ends.
       say: prints a line of progress.
+      objective: the loss and metrics (`trainer.loop.objectives`, or a compiled
+        model's `CompiledObjective`): its eval sums and `metrics(sums)`.
     """
 
     config: ml_collections.ConfigDict
@@ -85,6 +87,7 @@ class Context:
     optimizer: keras.optimizers.Optimizer
     total_steps: int
     say: Callable[[str], None]
+    objective: Any = None
 
     def step(self) -> int:
         """The step the model is at now."""

@@ -120,7 +120,7 @@ def build(
         objective = _objective(model, dataset, config)
     user_actions = actions.user_actions(config.train.get("actions", ""), config)
     built = component.Context(
-        config, model_dir, strategy, dataset, model, optimizer, total_steps, say
+        config, model_dir, strategy, dataset, model, optimizer, total_steps, say, objective
     )
     features = {each.name: each.build(built) for each in components}
     return Job(
