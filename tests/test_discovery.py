@@ -43,7 +43,7 @@ def _source(source: str) -> dict:
     "environ, source",
     [
         ({}, "local"),
-        ({"TF_CONFIG": "  "}, "local"),
+        ({"TF_CONFIG": ""}, "local"),  # empty is unset; spaces only are refused
         ({"TF_CONFIG": TF_CONFIG, **SLURM_STEP, **JOBSET_POD}, "tf_config"),
         ({**SLURM_STEP, **JOBSET_POD}, "slurm"),
         ({**SLURM_STEP, "SLURM_STEP_NUM_TASKS": "1"}, "local"),  # `srun -n1`: one process

@@ -12,6 +12,7 @@ import os
 import pathlib
 import re
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 
 import ml_collections
@@ -111,6 +112,7 @@ def define_flags(flag_values: flags.FlagValues, argv: list[str] | None = None) -
             "list_strategies", False, "List the strategies and exit.", flag_values=flag_values
         ),
     )
+    _refuse_no_config(flag_values["config"])
     for field in dataclasses.fields(Flags)[1:]:
         # `--help` lists the flags of the program's own file (`sys.argv[0]`: the
         # `towerflow` script, or trainer/__main__.py), not those of this module.
@@ -129,7 +131,7 @@ def parse_flags(defined: Flags, argv: list[str]) -> list[str]:
         rest = defined.values(argv)
         defined.config.value.get("seed")  # a config file that failed to load raises here
     except Exception as e:  # config files and overrides raise plain errors, not flags.Error
-        fail(flag_error(e, argv))
+        fail(config_file_error(e, defined, argv) or flag_error(e, argv))
     if len(rest) > 1:
         fail(
             f"Unexpected argument '{rest[1]}': the command takes only flags; "
@@ -264,10 +266,79 @@ def fail(message: str) -> None:
     sys.exit(USER_ERROR_EXIT_CODE)
 
 
+def config_file_error(error: BaseException, defined: Flags, argv: list[str]) -> str | None:
+    """One line for a config file whose `get_config()` failed or returned no config, else None.
+
+    An exception raised by the file's own code is the user's bug: its
+    traceback is printed first, and the line names the file and the error.
+    """
+    path = _config_arg(argv).partition(":")[0]
+    original = _raised_in(error, path)
+    if original is not None:
+        traceback.print_exception(original, file=sys.stderr)
+        where = "its `get_config()`" if _in_get_config(original) else "its code"
+        return (
+            f"`--config` file '{path}': {where} failed with {type(original).__name__}: "
+            f"{original} (the traceback above shows where)."
+        )
+    if isinstance(error, AttributeError) and "attribute 'get_config'" in str(error):
+        return (
+            f"`--config` file '{path}' has no `get_config()`; define one that returns "
+            "the ConfigDict, as configs/default.py does."
+        )
+    if isinstance(error, NoConfig):
+        return (
+            f"`--config` file '{path}': its `get_config()` returned None, not a ConfigDict; "
+            "end it with `return config`."
+        )
+    return None
+
+
+class NoConfig(Exception):
+    """A config file's `get_config()` returned None."""
+
+
+def _refuse_no_config(flag: flags.Flag) -> None:
+    """The `--config` flag raises `NoConfig` where a file's `get_config()` returns None.
+
+    ml_collections only logs it; the first override or read of the config then
+    fails on None with a lookup error that names neither the file nor the function.
+    """
+    parse = flag.parser.parse
+
+    def parse_config(path: str):
+        config = parse(path)
+        if config is None:
+            raise NoConfig(path)
+        return config
+
+    flag.parser.parse = parse_config
+
+
+def _config_arg(argv: list[str]) -> str:
+    return next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+
+
+def _raised_in(error: BaseException, path: str) -> BaseException | None:
+    """The exception in `error`'s chain whose traceback passes through file `path`, if any."""
+    seen, target = set(), os.path.realpath(path)
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        frames = traceback.extract_tb(error.__traceback__)
+        if any(os.path.realpath(frame.filename) == target for frame in frames):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _in_get_config(error: BaseException) -> bool:
+    return any(frame.name == "get_config" for frame in traceback.extract_tb(error.__traceback__))
+
+
 def flag_error(error: BaseException, argv: list[str]) -> str:
     """One line for a flag or config-file mistake, with the fix."""
     text = " ".join(str(error).replace("\\n", "\n").replace("\\'", "'").split())
-    config = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+    config = _config_arg(argv)
     if "No such file or directory" in text:
         return (
             f"`--config` file '{config.partition(':')[0]}' does not exist; give a path to a "

@@ -4,8 +4,9 @@ Every member of a cluster (one of its processes) runs the same command; the
 scheduler that started it says where it is. With `cluster.source = "auto"`
 (the default) the cluster comes from the first of:
 
-1. `TF_CONFIG`, when set and not blank (`python -m trainer.launch`, a TFJob,
-   Vertex AI, a script of your own);
+1. `TF_CONFIG`, when set and not empty (`python -m trainer.launch`, a TFJob,
+   Vertex AI, a script of your own); one of only spaces (a template filled
+   with nothing) is refused, an empty one is unset, as TensorFlow reads it;
 2. a scheduler's environment: a Slurm job step of more than one Slurm task
    (`SLURM_*`, derived by `strategies.cluster.slurm`), a Kubernetes JobSet pod (the
    variables `deploy/jobset-*.yaml` set, see `jobset_tf_config`) or a
@@ -173,7 +174,8 @@ def find(
 
     Raises:
       UserError: an unknown source, a named source whose environment is missing,
-        or an environment that does not describe a cluster; one line with the fix.
+        a blank `TF_CONFIG`, or an environment that does not describe a cluster; one
+        line with the fix.
     """
     chosen = settings(section)
     source = chosen["source"]
@@ -182,9 +184,25 @@ def find(
             f"`cluster.source` ({source!r}) is not a cluster source; use one of "
             f"{', '.join(f'`{name}`' for name in SOURCES)} (`--cluster=auto` finds it)."
         )
+    if source in ("auto", "tf_config"):
+        _refuse_blank_tf_config(environ)
     if source == "auto":
         source = detect(environ)
     return _DERIVATIONS[source](environ, strategy, chosen)
+
+
+def _refuse_blank_tf_config(environ: Mapping[str, str]) -> None:
+    """A `TF_CONFIG` of only spaces is a mistake, not a single process; an empty one is unset.
+
+    Raises:
+      UserError: `TF_CONFIG` is set to spaces only.
+    """
+    text = environ.get("TF_CONFIG", "")
+    if text and not text.strip():
+        raise UserError(
+            f"`TF_CONFIG` is blank ({text!r}): set it to the cluster's JSON, or "
+            "`unset TF_CONFIG` to train in this process alone."
+        )
 
 
 def resolve(
