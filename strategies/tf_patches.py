@@ -64,6 +64,10 @@ it).
   members of a bare `ParameterServerStrategy`, whose dynamic tables get a
   part on each: `strategies.sharding.current`), `lock_handle` (the resource
   handle of a `tf.CriticalSection`: where a dynamic table's lock lives).
+- `autograph_leaves_no_files`: the module AutoGraph writes for each function it
+  converts is removed once loaded, its source kept for tracebacks (process-wide;
+  upstream removes them only at a normal exit, so every member that ends
+  through `os._exit`, lost or forked, left them in the temp directory).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 """
@@ -73,6 +77,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import linecache
 import logging
 import os
 import sys
@@ -207,6 +212,12 @@ PATCHES = {
         "MultiDeviceIterator's per-device datasets (_create_device_dataset) are new "
         "pipelines with TF's default options: each runs an autotuning thread, which can "
         "miss its cancellation and sleep out its period (up to 60 s) when deleted",
+    ),
+    "autograph_leaves_no_files": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "AutoGraph's loader.load_source writes each converted function to a "
+        "__autograph_generated_file*.py in the temp directory, removed only by an atexit hook",
     ),
     "raised_through_autograph": Patch(
         "tensorflow",
@@ -520,6 +531,38 @@ def super_leaves_no_frames() -> None:
         return  # upstream finds super()'s frame another way now, or it is patched already
     targeted("super_leaves_no_frames")
     py_builtins._find_originating_frame = _originating_frame
+
+
+def autograph_leaves_no_files() -> None:
+    """AutoGraph's generated modules leave no file in the temp directory.
+
+    AutoGraph writes each function it converts to a file and imports it; it
+    removes the files from an `atexit` hook, which a process ending through
+    `os._exit` (a lost member, a forked member, the watchdog) never runs: a
+    fault scenario's runs left dozens in `/tmp`. Here each file is removed as
+    soon as its module is loaded, and its source stays in `linecache`
+    (tracebacks, `pdb` and `inspect` read it there). Process-wide and never
+    undone: the modules work the same without their files.
+    """
+    from tensorflow.python.autograph.pyct import loader  # noqa: PLC0415
+
+    upstream = getattr(loader, "load_source", None)
+    if upstream is None or getattr(upstream, "_towerflow_no_files", False):
+        return  # upstream loads converted code another way now, or it is patched already
+    targeted("autograph_leaves_no_files")
+
+    def load_source(source: str, delete_on_exit: bool):
+        module, file_name = upstream(source, delete_on_exit)
+        if delete_on_exit:  # upstream's own word for a file nobody needs after the process
+            # No modification time: `linecache.checkcache` keeps the entry without the file.
+            linecache.cache[file_name] = (len(source), None, source.splitlines(True), file_name)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(file_name)
+        return module, file_name
+
+    load_source._towerflow_no_files = True
+    load_source.__wrapped__ = upstream
+    loader.load_source = load_source
 
 
 _UPSTREAM_DEVICE_DATASET = getattr(multi_device_iterator_ops, "_create_device_dataset", None)

@@ -9,6 +9,8 @@ import ctypes
 import gc
 import inspect
 import logging
+import os
+import tempfile
 import threading
 import weakref
 from unittest import mock
@@ -422,3 +424,23 @@ def test_a_saved_model_is_written_without_its_variables_only_through_a_private_f
     tf_patches.saved_model_without_variables(module, str(bare), signatures)
     assert (bare / "saved_model.pb").exists()
     assert not (bare / "variables" / "variables.index").exists()
+
+
+def test_autograph_leaves_its_generated_modules_in_the_temp_directory_unless_patched(tmp_path):
+    from tensorflow.python.autograph.pyct import loader  # noqa: PLC0415
+
+    upstream = getattr(loader.load_source, "__wrapped__", loader.load_source)
+    source = "def f(x):\n    return x + 1\n"
+    with mock.patch.object(tempfile, "tempdir", str(tmp_path)):
+        with mock.patch.object(loader, "load_source", upstream):
+            _, kept = upstream(source, True)  # upstream: removed only by an atexit hook
+            assert os.path.dirname(kept) == str(tmp_path) and os.path.exists(kept)
+            assert os.path.basename(kept).startswith("__autograph_generated_file")
+            os.remove(kept)
+            tf_patches.autograph_leaves_no_files()
+            tf_patches.autograph_leaves_no_files()  # once only
+            assert loader.load_source.__wrapped__ is upstream
+            module, gone = loader.load_source(source, True)
+    assert not os.path.exists(gone) and module.f(1) == 2
+    assert inspect.getsource(module.f) == source  # from linecache, the file gone
+    assert list(tmp_path.iterdir()) == []

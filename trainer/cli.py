@@ -192,8 +192,11 @@ def main(defined: Flags, argv: list[str]) -> None:
         for name, description in strategies.available().items():
             print(f"{name:<16} {description}")
         return
+    from strategies import tf_patches
     from trainer.loop.train import train_and_evaluate
 
+    # A member may end through `os._exit` (lost, forked): AutoGraph's files would stay in /tmp.
+    tf_patches.autograph_leaves_no_files()
     config = defined.config.value
     if defined.strategy.value:
         config.strategy.name = defined.strategy.value
