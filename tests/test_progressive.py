@@ -20,9 +20,17 @@ import tensorflow as tf
 import configs.default
 import strategies
 from strategies.base import SplitTrainStep
-from tests.helpers import REPO, assert_exit, one_line_error, run_command, spawn
+from tests.helpers import (
+    REPO,
+    assert_exit,
+    one_line_error,
+    run_command,
+    spawn,
+    tensorboard_scalars,
+    tiny_config,
+)
 from towerflow.processes import pick_ports
-from trainer.loop import objectives, progressive, steps
+from trainer.loop import objectives, progressive, steps, train
 
 GLOBAL_BATCH = 64
 FEATURES = 8
@@ -290,3 +298,91 @@ def test_asynchronous_parameter_server_workers_write_one_window_on_the_ps(tmp_pa
         patch.setenv("TF_CONFIG", _tf_config(cluster, "chief", 0)["TF_CONFIG"])
         result = run_command(command, str(tmp_path), keep_tf_config=True)
     _assert_window_is_a_plain_evaluation(_member_output(result))
+
+
+# The whole loop: `train_and_evaluate` following files.
+
+
+def _followed(tmp_path, **overrides) -> ml_collections.ConfigDict:
+    """Two files of 64 clicks (4 steps of 16 each) to follow, scored into a window of 128."""
+    data_dir = tmp_path / "data"
+    for i in range(2):
+        x, y = _records(64, seed=i)
+        lines = ["a,b,c,d,label"] + [
+            ",".join(f"{v:.4f}" for v in row[:4]) + f",{label}" for row, label in zip(x, y)
+        ]
+        (data_dir / "train").mkdir(parents=True, exist_ok=True)
+        (data_dir / "train" / f"clicks-{i}.csv").write_text("\n".join(lines) + "\n")
+    config = tiny_config(
+        **{
+            "strategy.name": "one_device",
+            "data.name": "csv",
+            "data.train_files": str(data_dir / "train" / "clicks-*.csv"),
+            "data.eval_files": str(data_dir / "train" / "clicks-*.csv"),  # the same records
+            "data.input_shape": (4,),
+            "data.num_classes": 2,
+            "data.follow": True,
+            "data.follow_poll_secs": 0.2,
+            "train.global_batch_size": 16,
+            "train.steps": 8,
+            "train.steps_per_loop": 4,
+            "train.checkpoint_every": 4,
+            "optimizer.name": "sgd",
+            "optimizer.schedule": "constant",
+            "optimizer.warmup_steps": 0,
+            # The config refuses a rate of 0: one that moves no weight by 1e-7 in 8 steps.
+            "optimizer.learning_rate": 1e-9,
+        }
+    )
+    with config.unlocked():
+        config.eval.progressive = True
+        config.eval.window_examples = 128
+        config.update_from_flattened_dict(overrides)
+    return config
+
+
+def test_a_followed_run_reports_its_window_in_the_progress_line_tensorboard_and_results(
+    tmp_path, capsys
+):
+    config = _followed(tmp_path)
+    results = train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")
+    on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
+    out = capsys.readouterr().out
+    evaluated = train.train_and_evaluate(config, str(tmp_path / "run"), mode="eval")["eval"]
+    windowed = {
+        name.removeprefix(progressive.PREFIX): value
+        for name, value in results["train"].items()
+        if name.startswith(progressive.PREFIX)
+    }
+    assert windowed["examples"] == evaluated["examples"] == 128
+    _assert_same(windowed, evaluated)
+    assert on_disk["train"]["progressive_auc"] == pytest.approx(windowed["auc"])
+    assert "progressive validation: each batch scored before it trains" in out
+    last = next(line for line in out.splitlines() if line.startswith("train | step: 8/8"))
+    assert f"progressive_auc: {windowed['auc']:.4f}" in last
+    scalars = tensorboard_scalars(tmp_path / "run", progressive.PREFIX)
+    assert scalars["progressive_auc"][8] == pytest.approx(windowed["auc"])
+
+
+def test_a_resumed_run_goes_on_with_its_window(tmp_path):
+    config = _followed(tmp_path, window_examples=128)
+    config.train.steps = 4
+    train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")
+    config.train.steps = 8
+    resumed = train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")["train"]
+    assert resumed["progressive_examples"] == 128  # 4 batches from the first run, 4 after
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"data.follow": False}, "`data.follow` is False"),
+        ({"eval.window_examples": 0}, r"`eval.window_examples` \(0\) must be at least 1"),
+    ],
+)
+def test_bad_progressive_input_stops_the_run_before_model_dir_is_written(
+    tmp_path, overrides, match
+):
+    config = _followed(tmp_path, **overrides)
+    one_line_error(match, train.train_and_evaluate, config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()

@@ -7,6 +7,7 @@
     exports.py      `export.every_steps`/`every_secs`: numbered versions while training
     profile.py      `train.profile_steps`: a TensorBoard profile of chosen steps
     warm_start.py   `train.warm_start`: a new run from another run's variables
+    progressive.py  `eval.progressive`: each batch scored before it trains, windowed
 
 Importing this package registers them, in the order of `BUILT_IN` (the order
 their actions run in within a slot). The loop imports none of them: the registry does, when
@@ -16,7 +17,16 @@ it is first read.
 import importlib
 
 # In the order their actions run within a slot (`trainer.loop.component.Slot`).
-BUILT_IN = ("follow", "input_wait", "tables", "elastic", "exports", "profile", "warm_start")
+BUILT_IN = (
+    "follow",
+    "input_wait",
+    "tables",
+    "elastic",
+    "exports",
+    "profile",
+    "warm_start",
+    "progressive",
+)
 
 for _module in BUILT_IN:
     importlib.import_module(f"{__name__}.{_module}")  # registers its component
