@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -45,7 +46,8 @@ for defined_in, defined in flags.FLAGS.flags_by_module_dict().items():
                           "help": flag.help, "boolean": bool(flag.boolean),
                           "module": defined_in})
 package = importlib.import_module(sys.argv[1].removesuffix(".__main__"))
-print(json.dumps({"docs": [module.__doc__ or "", package.__doc__ or ""], "flags": found}))
+print(json.dumps({"docs": [module.__doc__ or "", package.__doc__ or ""], "flags": found,
+                  "files": [module.__file__, package.__file__]}))
 """
 
 
@@ -97,9 +99,29 @@ def reference(commands: dict[str, dict]) -> str:
         parts += [_row(flag) for flag in mine]
         parts.append("")
         for other in dict.fromkeys(f["module"] for f in found["flags"] if f not in mine):
-            names = ", ".join(f"`--{f['name']}`" for f in found["flags"] if f["module"] == other)
-            parts += [f"It also takes the flags that `{other}` defines: {names}.", ""]
+            theirs = [f["name"] for f in found["flags"] if f["module"] == other]
+            parts += [_borrowed(other, theirs, _read_by_name(found["files"])), ""]
     return "\n".join(parts)
+
+
+def _read_by_name(files: list[str]) -> set[str]:
+    """The flags a command's own source reads as `flags.FLAGS.<name>`."""
+    return {
+        name
+        for path in dict.fromkeys(files)
+        for name in re.findall(r"\bFLAGS\.(\w+)", pathlib.Path(path).read_text())
+    }
+
+
+def _borrowed(other: str, names: list[str], read: set[str]) -> str:
+    """What a command does with the flags another command's module defines."""
+    listed = ", ".join(f"`--{n}`" for n in names)
+    used = [n for n in names if n in read]
+    if not used:
+        return f"It also takes the flags that `{other}` defines: {listed}."
+    unused = ", ".join(f"`--{n}`" for n in names if n not in read)
+    line = f"Of the flags that `{other}` defines it reads " + ", ".join(f"`--{n}`" for n in used)
+    return line + (f"; it accepts the others ({unused}) and does not read them." if unused else ".")
 
 
 def flag_names(found: dict) -> set[str]:
