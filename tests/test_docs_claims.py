@@ -274,12 +274,16 @@ def test_the_troubleshooting_table_lists_every_exit_status_with_its_meaning(tmp_
 
 
 def _command_lines(text: str):
-    """Each command line of a page's ```sh and ```text blocks, continuations joined."""
+    """Each command line of a page's ```sh and ```text blocks (continuations joined) and of
+    its inline code (`python -m trainer.launch --workers=MIN:MAX`)."""
+    lines = []
     for block in re.findall(r"```(?:sh|text|bash)\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.removeprefix("$ ").split("  #")[0].strip()
-            if re.match(r"(python -m trainer(\.\w+)*|towerflow)(\s|$)", line):
-                yield line
+        lines += block.replace("\\\n", " ").splitlines()
+    lines += re.findall(r"(?<!`)`([^`\n]+)`(?!`)", text)
+    for line in lines:
+        line = line.removeprefix("$ ").split("  #")[0].strip()
+        if re.match(r"(python -m trainer(\.\w+)*|towerflow)(\s|$)", line):
+            yield line
 
 
 def _flag_errors(line: str) -> list[str]:
