@@ -135,6 +135,14 @@ def test_the_lowest_answering_agent_decides_and_the_change_names_who_left_and_ca
     [
         (["--workers=2:3", "--", "--strategy=multi_worker"], "needs the trainer's `--model_dir`"),
         (["--workers=3:2", "--", "--strategy=multi_worker"], "`--workers` (3:2) must be MIN:MAX"),
+        (
+            ["--workers=2:3", "--ps=1", "--", "--strategy=multi_worker", "--model_dir=run"],
+            "`--ps` is a `trainer.launch` flag that `trainer.elastic` does not read",
+        ),
+        (
+            ["--workers=2:3", "--nochief", "--", "--strategy=multi_worker", "--model_dir=run"],
+            "`--chief` is a `trainer.launch` flag that `trainer.elastic` does not read",
+        ),
     ],
 )
 def test_a_bad_agent_command_is_one_line_and_exit_2(tmp_path, args, expected):

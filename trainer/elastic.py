@@ -55,7 +55,9 @@ _POLL_S = 0.5  # between looks at the rendezvous directory (a request each on a 
 PROBE_S = 1.0  # how long a waiting agent may take to accept a connection
 DONE = "done"  # in a round's directory: the job trained to its end
 
-# `--workers=MIN:MAX` (agents, one member each) and `--grace_s` are `trainer.launch`'s flags.
+# `--workers=MIN:MAX` (agents, one member each) and `--grace_s` are `trainer.launch`'s flags;
+# the agent reads only these of its flags and refuses the others (`refuse_unread_launch_flags`).
+LAUNCH_FLAGS_READ = ("workers", "grace_s")
 _NAME = flags.DEFINE_string(
     "name",
     None,
@@ -393,8 +395,25 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
+def refuse_unread_launch_flags(defined: flags.FlagValues) -> None:
+    """Refuses a `trainer.launch` flag given to the agent that it does not read (`--ps`, ...).
+
+    Raises:
+      UserError: one such flag was given; it names the first.
+    """
+    for flag in defined.get_flags_for_module("trainer.launch"):
+        if flag.present and flag.name not in LAUNCH_FLAGS_READ:
+            read = " and ".join(f"`--{name}`" for name in LAUNCH_FLAGS_READ)
+            raise UserError(
+                f"`--{flag.name}` is a `trainer.launch` flag that `trainer.elastic` does not "
+                f"read (of those it reads {read}: each agent runs one `multi_worker` "
+                f"member); remove it, or put a trainer flag after `--`."
+            )
+
+
 def main(argv: list[str]) -> None:
     try:
+        refuse_unread_launch_flags(flags.FLAGS)
         low, high, _ = parse_workers(flags.FLAGS.workers)
         default_name, default_host = default_identity(os.environ)
         name = _NAME.value or default_name

@@ -121,7 +121,8 @@ def _borrowed(other: str, names: list[str], read: set[str]) -> str:
         return f"It also takes the flags that `{other}` defines: {listed}."
     unused = ", ".join(f"`--{n}`" for n in names if n not in read)
     line = f"Of the flags that `{other}` defines it reads " + ", ".join(f"`--{n}`" for n in used)
-    return line + (f"; it accepts the others ({unused}) and does not read them." if unused else ".")
+    refused = f"; the others ({unused}) it refuses, each in one line (exit 2)."
+    return line + (refused if unused else ".")
 
 
 def flag_names(found: dict) -> set[str]:
