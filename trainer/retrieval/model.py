@@ -13,11 +13,15 @@ user compiled (`trainer.loop.compiled.CompiledObjective`): no step of its own.
   `ks` and the mean reciprocal rank, kept as sums (hits, reciprocal ranks,
   weight) so replicas and partial batches add up. An item the table does not
   hold counts as missed.
-* Serving: called outside any strategy's step and not training (as an
-  export traces it), the model answers `{"item_ids", "scores"}`, the top `k`
-  items for each query from a `Catalogue` of every held item's vector,
-  computed right then: each export (each version of a run's exports) holds
-  the items held at its step.
+* Serving: called outside any strategy's scope and replicas and not
+  training (as an export traces it), the model answers `{"item_ids",
+  "scores", "query_vectors"}`, the top `k` items for each query from a
+  `Catalogue` of every held item's vector, computed when the call is traced:
+  each export (each version of a run's exports) holds the items held at its
+  step. The loop cannot tell an export from an eval step that runs on the
+  chief itself (`parameter_server`'s): that eval step's trace carries a
+  catalogue too, which its answers use and its metrics ignore (they rank
+  against the items held at each eval batch, from `query_vectors`).
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ class Retrieval(keras.Model):
         with tf.init_scope():  # eager: the items held now, whatever graph is being traced
             catalogue = self.catalogue()
         ids, scores = catalogue.top_k(queries, self.k)
-        return {"item_ids": ids, "scores": scores}
+        return {"item_ids": ids, "scores": scores, "query_vectors": queries}
 
     def catalogue(self) -> Catalogue:
         """Every item the table holds and its vector now (eager), indexed by `index`."""
@@ -153,7 +157,7 @@ class Retrieval(keras.Model):
             items = self.item_tower(ids, training=training)
             with tf.control_dependencies([items]):  # the batch counted first (admission)
                 extra = self._negatives(x, ids) if training else None
-        losses = self.softmax.per_example_loss(y_pred, items, ids, extra)
+        losses = self.softmax.per_example_loss(_queries(y_pred), items, ids, extra)
         weights = tf.ones_like(losses) if sample_weight is None else sample_weight
         penalty = tf.add_n([tf.cast(x, tf.float32) for x in self.losses] or [0.0])
         mean = tf.reduce_sum(tf.cast(weights, tf.float32) * losses) / tf.cast(
@@ -169,7 +173,7 @@ class Retrieval(keras.Model):
         with _variables_themselves():
             held_ids = self.catalogue_ids()
             held_vectors = tf.cast(self.item_tower(held_ids, training=False), tf.float32)
-        scores = tf.matmul(tf.cast(y_pred, tf.float32), held_vectors, transpose_b=True)
+        scores = tf.matmul(tf.cast(_queries(y_pred), tf.float32), held_vectors, transpose_b=True)
         mine = tf.equal(ids[:, None], held_ids[None, :])
         held = tf.reduce_any(mine, 1)
         # The item's own score as the product gave it: a tie with itself never counts.
@@ -305,11 +309,18 @@ def _variables_themselves() -> keras.StatelessScope:
     return keras.StatelessScope()
 
 
-def _in_a_strategy() -> bool:
-    """Whether a strategy's scope is open or its step runs this call (else: an export's trace).
+def _queries(outputs) -> tf.Tensor:
+    """The query vectors of the model's outputs (the tensor, or the answer's `query_vectors`)."""
+    return outputs["query_vectors"] if isinstance(outputs, dict) else outputs
 
-    Outside both, the replica context is the default one, which no step enters
-    (the default strategy's `run` enters a plain `ReplicaContext`).
+
+def _in_a_strategy() -> bool:
+    """Whether a strategy's scope is open or its replica runs this call (a step, mostly).
+
+    Outside both, the replica context is the default one, which no replica
+    enters (the default strategy's `run` enters a plain `ReplicaContext`): an
+    export's trace, or an eval step that runs on the chief itself (the
+    `parameter_server` plugin's), whose answer the metrics then ignore.
     """
     replica = tf.distribute.get_replica_context()
     return (

@@ -89,7 +89,8 @@ class InBatchSoftmax:
         frequencies = extra.batch_frequencies if extra is not None else None
         if replica is not None and replica.num_replicas_in_sync > 1:
             offset = replica.replica_id_in_sync_group * local  # train batches are equal
-            items, all_ids = replica.all_gather([items, item_ids], 0)
+            items = replica.all_gather(items, 0)
+            all_ids = replica.all_gather(item_ids, 0)  # apart: one gather takes one dtype
             if frequencies is not None:
                 frequencies = replica.all_gather(frequencies, 0)
         queries = tf.cast(queries, tf.float32)
