@@ -100,13 +100,13 @@ def test_plan_chief_without_ps():
 
 
 def test_a_plan_makes_the_same_members_for_each_attempt_and_refuses_negative_restarts():
-    plan = launch.Plan(("python", "-m", "trainer"), workers=2, ps=1, restarts=1)
+    plan = launch.LaunchPlan(("python", "-m", "trainer"), workers=2, ps=1, restarts=1)
     first, second = plan.members(), plan.members()
     assert [m.name for m in first] == ["chief", "worker:0", "worker:1", "ps:0"]
     assert [m.name for m in second] == [m.name for m in first]
     assert plan.with_command("--x=1").command == ("python", "-m", "trainer", "--x=1")
     with pytest.raises(UserError, match=r"`--restarts` \(-1\) must be 0 or more"):
-        launch.Plan(("python",), workers=1, restarts=-1)
+        launch.LaunchPlan(("python",), workers=1, restarts=-1)
 
 
 def test_plan_with_port_base_uses_consecutive_ports():

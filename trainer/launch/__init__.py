@@ -57,14 +57,14 @@ from collections.abc import Sequence
 from absl import flags
 
 from strategies.cluster.roster import REFORM_VARIABLE, Roster
-from towerflow import netns, processes
+from towerflow import netns, processes, renamed
 from towerflow.errors import MEMBER_LOST_EXIT_CODE, REFORM_EXIT_CODE, UserError, one_line
 from towerflow.processes import Console, Interrupt, pick_ports
 from trainer import cli
 from trainer.launch import running
 from trainer.launch.plan import (
+    LaunchPlan,
     Member,
-    Plan,
     elastic_command,
     elastic_settings,
     parse_workers,
@@ -89,8 +89,8 @@ __all__ = [
     "Console",
     "ElasticGroup",
     "Interrupt",
+    "LaunchPlan",
     "Member",
-    "Plan",
     "elastic_command",
     "elastic_settings",
     "launch",
@@ -100,6 +100,7 @@ __all__ = [
     "pick_ports",
     "plan_cluster",
 ]
+__getattr__ = renamed.old_names(__name__, {"Plan": "LaunchPlan"}, globals())
 
 _WORKERS = flags.DEFINE_string(
     "workers",
@@ -186,7 +187,7 @@ def launch(
     Raises:
       UserError: a flag is out of range or a port is in use.
     """
-    plan = Plan(tuple(command), workers, ps, chief, evaluator, port_base, restarts)
+    plan = LaunchPlan(tuple(command), workers, ps, chief, evaluator, port_base, restarts)
     if grace_s < 0:
         raise UserError(f"`--grace_s` ({grace_s}) must be 0 or more seconds; pass e.g. 15.")
     if data_workers < 0:

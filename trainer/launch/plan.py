@@ -1,4 +1,4 @@
-"""What a local cluster starts: its members, their ports and `TF_CONFIG`s (`Plan`).
+"""What a local cluster starts: its members, their ports and `TF_CONFIG`s (`LaunchPlan`).
 
 `trainer.launch` plans a cluster here and runs the plan with
 `trainer.launch.running`; nothing here starts a process.
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import configs.default
 from strategies.cluster import tf_config as cluster
+from towerflow import renamed
 from towerflow.errors import UserError
 from towerflow.processes import LOOPBACK, pick_ports
 
@@ -84,7 +85,7 @@ def plan_cluster(
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class LaunchPlan:
     """A local cluster to run: its topology, the command of its members, its restarts.
 
     Attributes:
@@ -115,7 +116,7 @@ class Plan:
         """The members of one attempt, on ports picked now (`plan_cluster`)."""
         return plan_cluster(self.workers, self.ps, self.chief, self.evaluator, self.port_base)
 
-    def with_command(self, *more: str) -> Plan:
+    def with_command(self, *more: str) -> LaunchPlan:
         """This plan with `more` arguments after its command."""
         return dataclasses.replace(self, command=(*self.command, *more))
 
@@ -171,3 +172,6 @@ def parse_workers(text: str) -> tuple[int, int, bool]:
             f"{max(counts)}`."
         )
     return counts[0], counts[1], bool(colon)
+
+
+__getattr__ = renamed.old_names(__name__, {"Plan": "LaunchPlan"}, globals())

@@ -1,6 +1,6 @@
 """Running a planned local cluster: its members as processes until the chief ends or one fails.
 
-`Cluster` runs one attempt of a `trainer.launch.plan.Plan`'s members,
+`Cluster` runs one attempt of a `trainer.launch.plan.LaunchPlan`'s members,
 `ElasticGroup` one group of an elastic job, `run_attempts` a plan with its
 restarts. Each member runs in its own process group (`towerflow.processes`).
 """
@@ -30,7 +30,7 @@ from towerflow.processes import (
     signal_group,
     terminate,
 )
-from trainer.launch.plan import Member, Plan
+from trainer.launch.plan import LaunchPlan, Member
 
 GRACE_S = 15.0  # how long the other members may run on after the chief is done
 KILL_AFTER_S = 5.0  # how long a member may take to exit after SIGTERM before SIGKILL
@@ -325,7 +325,7 @@ def _exit_status(code: int) -> int:
 
 
 def run_attempts(
-    plan: Plan, console: Console, interrupt: Interrupt, grace_s: float, report_s: float
+    plan: LaunchPlan, console: Console, interrupt: Interrupt, grace_s: float, report_s: float
 ) -> int:
     """Runs `plan`'s cluster up to `plan.restarts` + 1 times, while it fails; the last status.
 

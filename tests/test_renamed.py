@@ -1,0 +1,32 @@
+"""Public Python names renamed for one vocabulary answer to their old names for a release."""
+
+import doctest
+import importlib
+
+import pytest
+
+from towerflow import renamed
+
+# (module, old name, new name): every public name renamed for one word per concept.
+RENAMED = [
+    ("trainer.launch", "Plan", "LaunchPlan"),
+    ("trainer.launch.plan", "Plan", "LaunchPlan"),
+]
+
+
+def test_the_module_docstring_example_runs():
+    assert doctest.testmod(renamed, raise_on_error=True).attempted >= 1
+
+
+@pytest.mark.parametrize("module, old, new", RENAMED)
+def test_an_old_name_is_the_new_object_and_warns_naming_the_new_name(module, old, new):
+    loaded = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=f"`{module}.{old}` is renamed `{module}.{new}`"):
+        found = getattr(loaded, old)
+    assert found is getattr(loaded, new)
+
+
+@pytest.mark.parametrize("module", sorted({module for module, _, _ in RENAMED}))
+def test_a_name_neither_old_nor_new_is_an_attribute_error(module):
+    with pytest.raises(AttributeError, match="no attribute 'Nonesuch'"):
+        getattr(importlib.import_module(module), "Nonesuch")
