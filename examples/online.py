@@ -129,11 +129,17 @@ def write(directory: str, start: int, files: int, every_secs: float) -> None:
 def latency(directory: str, export_dir: str, start: int, files: int, timeout: float) -> None:
     """Writes `files` files one at a time; prints the seconds from each landing to its export.
 
-    Each file is written once the trainer has exported the one before (it is
-    caught up and waiting), so the first version that appears after a file
-    lands is the first export that trained it. Ends with the median and the
+    The first waits for the trainer's first export (of the files before
+    `start`), and each file is written once the trainer has exported the one
+    before (it is caught up and waiting), so the first version that appears
+    after a file lands is the first export that trained it. Ends with the median and the
     95th percentile.
     """
+    deadline = time.time() + timeout
+    while not _versions(export_dir):  # the files before `start` trained: it is caught up
+        if time.time() > deadline:
+            raise SystemExit(f"no export in {export_dir} within {timeout:g} s")
+        time.sleep(0.05)
     seconds = []
     for k in range(start, start + files):
         newest = max(_versions(export_dir), default=-1)

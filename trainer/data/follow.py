@@ -189,7 +189,7 @@ class Follower:
         self._head_seq = 0  # the sequence number of `_stream[0]`
         self._out: dict[int, Unit] = {}  # units handed out, not done
         self._next_unit = 0
-        self._complete_dirs: set[str] = set()  # directories whose marker has landed
+        self._markers: dict[str, int] = {}  # directory -> its marker's mtime_ns, once landed
         self._ignored: set[str] = set()  # listed at or below the watermark: done, or refused
         self._newest: Key = (-1, "")  # the newest key found or done
         self._looked = False
@@ -253,38 +253,45 @@ class Follower:
     def refresh(self) -> None:
         """Looks for new ready files; says which are late, refused or removed."""
         self._last_look = time.monotonic()
-        listed_now = {}
-        for path in tf.io.gfile.glob(self.pattern):
-            if ready(path) and self._complete(os.path.dirname(path)):
-                listed_now[path] = self._mtime_ns(path)
+        listed_now = self._listed()
         with self._lock:
             first_look, self._looked = not self._looked, True
-            self._ignored &= listed_now.keys()  # a name gone from the listing is forgotten
-            new = sorted(
-                (t, n)
-                for n, t in listed_now.items()
-                if n not in self._known and n not in self._done and n not in self._ignored
-            )
+            self._ignored &= listed_now  # a name gone from the listing is forgotten
+            unseen = listed_now - self._known.keys() - self._done.keys() - self._ignored
             gone = [f for f in self._known.values() if f.name not in listed_now]
-            below = [(t, n) for t, n in new if (t, n) <= self._watermark]
-            self._ignored.update(n for _, n in below)
-        new = [(t, n) for t, n in new if (t, n) > self._watermark]
-        found = [_File(n, self.count(n), t, time.monotonic()) for t, n in new]
+        new = sorted((self._mtime_ns(name), name) for name in unseen)  # a stat per new file
+        below = [key for key in new if key <= self._watermark]
+        now = time.monotonic()
+        found = [_File(n, self.count(n), t, now) for t, n in new if (t, n) > self._watermark]
         with self._lock:
+            self._ignored.update(n for _, n in below)
             for file in gone:
                 self._forget_removed(file)
             for file in found:
                 if file.key < self._newest and file.name not in self._ranges:
-                    newer = self._newest[1]
                     self.say(
-                        f"late file {file.name}: it arrived after {newer}, found before it; "
-                        "trained once, after the files found before it"
+                        f"late file {file.name}: modified before {self._newest[1]}, which was "
+                        "found earlier; trained once, after the files found before it"
                     )
                 self._newest = max(self._newest, file.key)
                 self._known[file.name] = file
                 self._candidates.append(file)
             self._lock.notify_all()
         self._refuse(below, first_look)
+
+    def _listed(self) -> set[str]:
+        """The ready files of the pattern now: in marker mode, those of complete directories."""
+        paths = [path for path in tf.io.gfile.glob(self.pattern) if ready(path)]
+        if not self.marker:
+            return set(paths)
+        directories = {os.path.dirname(path) for path in paths}
+        # A marker once landed stays: each directory is asked until it has one.
+        self._markers = {d: t for d, t in self._markers.items() if d in directories}
+        for directory in directories - self._markers.keys():
+            marker = os.path.join(directory, self.marker)
+            if tf.io.gfile.exists(marker):
+                self._markers[directory] = int(tf.io.gfile.stat(marker).mtime_nsec)
+        return {path for path in paths if os.path.dirname(path) in self._markers}
 
     def _refuse(self, below: list[Key], first_look: bool) -> None:
         """One line for the files at or below the watermark (a summary at the first look)."""
@@ -309,10 +316,9 @@ class Follower:
 
     def _forget_removed(self, file: _File) -> None:
         """A file found but not trained whole is gone (under the lock): one line."""
-        trained = sum(n for _, n in self._ranges.pop(file.name, []))
-        in_stream = any(s.file == file.name for s in self._stream)
-        if in_stream:
+        if any(s.file == file.name for s in self._stream):
             return  # its reader has it open or will fail naming it; the stream keeps its place
+        trained = sum(n for _, n in self._ranges.pop(file.name, []))
         self.say(
             f"file {file.name} was removed before it was trained: {file.records - trained} "
             f"of its {file.records} records never trained"
@@ -321,22 +327,10 @@ class Follower:
         self._candidates = [f for f in self._candidates if f.name != file.name]
         self._admitted = [f for f in self._admitted if f.name != file.name]
 
-    def _complete(self, directory: str) -> bool:
-        """Whether `directory`'s files are ready: no marker asked for, or it has landed."""
-        if not self.marker or directory in self._complete_dirs:
-            return True
-        if tf.io.gfile.exists(os.path.join(directory, self.marker)):
-            self._complete_dirs.add(directory)
-            return True
-        return False
-
     def _mtime_ns(self, path: str) -> int:
         """A file's arrival time: its modification time, or its marker's where later."""
-        mtime = tf.io.gfile.stat(path).mtime_nsec
-        if self.marker:
-            marker = os.path.join(os.path.dirname(path), self.marker)
-            mtime = max(mtime, tf.io.gfile.stat(marker).mtime_nsec)
-        return int(mtime)
+        mtime = int(tf.io.gfile.stat(path).mtime_nsec)
+        return max(mtime, self._markers.get(os.path.dirname(path), mtime))
 
     def _count_by_reading(self, path: str) -> int:
         return int(self.read(tf.constant(path)).reduce(tf.constant(0, tf.int64), _plus_one))
