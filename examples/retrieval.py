@@ -53,6 +53,7 @@ def get_config():
     c.task.zipf_a = 1.1  # item popularity's Zipf exponent
     c.task.interactions = 40_000
     c.task.eval_fraction = 0.05  # the newest interactions, held out
+    c.task.shuffle_buffer = 10_000  # interactions shuffled in training (0: in stream order)
     c.train.steps = 300
     c.train.global_batch_size = 256
     c.train.checkpoint_every = 150
@@ -123,7 +124,7 @@ class RetrievalTask(Task):
         examples = tf.data.Dataset.from_tensor_slices((features, labels)).shard(
             input_context.num_input_pipelines, input_context.input_pipeline_id
         )
-        if split == "train":
-            examples = examples.shuffle(10_000, seed=self.config.seed)
+        if split == "train" and t.shuffle_buffer:
+            examples = examples.shuffle(t.shuffle_buffer, seed=self.config.seed)
         batch = input_context.get_per_replica_batch_size(global_batch_size)
         return examples.batch(batch, drop_remainder=split == "train")

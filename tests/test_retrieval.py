@@ -327,7 +327,27 @@ def test_a_bad_retrieval_option_exits_2_from_the_command_line(tmp_path):
 # The loop: eval metrics, log-Q and exports, in one process.
 
 
-def test_the_example_trains_and_evaluates_recall_and_mrr_in_the_loop(tmp_path):
-    results = train.train_and_evaluate(_config(**{"strategy.name": "one_device"}), str(tmp_path))
+def _served_items(export_dir) -> set[int]:
+    """Every item id a version answers for one user (its `k` is above the items it holds)."""
+    serve = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
+    answer = serve(user_id=tf.constant([11], tf.int64))["item_ids"].numpy()[0]
+    return set(answer[answer >= 0].tolist())
+
+
+def test_under_mirrored_each_versions_index_holds_the_items_trained_by_its_step(tmp_path):
+    overrides = {
+        "strategy.name": "mirrored",
+        "task.k": 256,  # above the items held: each answer lists them all
+        "task.shuffle_buffer": 0,  # in stream order: new items arrive in later steps
+        "export.every_steps": 10,
+        "export.keep": 0,
+    }
+    config = _config(**overrides)
+    results = train.train_and_evaluate(config, str(tmp_path))
     assert {"recall_at_10", "recall_at_100", "mrr"} <= set(results["eval"])
-    assert results["eval"]["recall_at_100"] > 0.3
+    stream = example.interactions(config.task, config.seed)["item_id"]
+    batch = config.train.global_batch_size
+    early, late = (_served_items(tmp_path / "export" / str(step)) for step in (10, 20))
+    assert early == set(stream[: 10 * batch].tolist())
+    assert late == set(stream[: 20 * batch].tolist())
+    assert late - early, "items first trained after step 10 are retrievable at step 20"
