@@ -11,6 +11,7 @@ from towerflow import renamed
 RENAMED = [
     ("trainer.launch", "Plan", "LaunchPlan"),
     ("trainer.launch.plan", "Plan", "LaunchPlan"),
+    ("trainer.bench.hosts", "Member", "HostedMember"),
 ]
 
 

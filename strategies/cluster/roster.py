@@ -30,7 +30,9 @@ REFORM_VARIABLE = "TOWERFLOW_ELASTIC_REFORM"
 
 
 @dataclasses.dataclass
-class _Member:
+class _Standing:
+    """A member's standing in the roster: its failures and when it may join again."""
+
     name: str
     failures: int = 0
     back_at: float = 0.0  # when its cool-down ends
@@ -63,7 +65,7 @@ class Roster:
         self.cooldown_s = cooldown_s
         self.rendezvous_timeout = rendezvous_timeout
         self._clock = clock
-        self._members = [_Member(f"member:{i}") for i in range(high)]
+        self._members = [_Standing(f"member:{i}") for i in range(high)]
 
     def ready(self) -> list[str]:
         """The members that may join a group now, in order (the first is the chief)."""

@@ -10,7 +10,8 @@ host's link can be shaped (`Hosts.shape`: a rate limit, delay, loss) or cut
 (`Hosts.set_link`) on its own.
 
 `Hosts(count, names)` makes the hosts, `Hosts.cluster` lays a cluster's members
-out on them with each member's `TF_CONFIG`, and `Hosts.start_trainer` runs one.
+out on them (`HostedMember`s, each with its `TF_CONFIG`), and `Hosts.start_trainer`
+runs one.
 A member runs the per-host command of docs/beyond-one-machine.md, `TF_CONFIG=...
 python -m trainer ...`, through `ip netns exec` (optionally pinned to one core
 with `taskset`, to stand for a host of its own). Names resolve through an
@@ -43,6 +44,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 
 from strategies.cluster import tf_config as cluster
+from towerflow import renamed
 from trainer.bench import links
 from trainer.bench.links import PREFIX, Unavailable, available
 
@@ -54,11 +56,14 @@ _serial = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
-class Member:
-    """One member of a cluster laid out on the hosts (a `TF_CONFIG` entry).
+class HostedMember:
+    """One member of a cluster laid out on a simulated host (a `TF_CONFIG` entry).
+
+    `trainer.launch`'s `Member` is a member on 127.0.0.1 with its address; this
+    one names the host it runs on instead.
 
     Attributes:
-      type: its role, TensorFlow's task type ("chief", "worker", "ps").
+      type: its member type, TensorFlow's task type ("chief", "worker", "ps").
       index: its index within `type`.
       host: the host (index into `Hosts`) it runs on.
       tf_config: its `TF_CONFIG`.
@@ -162,24 +167,28 @@ class Hosts(links.Links):
         """How other hosts reach `host`: its name (when given and `by_name`), else its address."""
         return self.names[host] if self.names and by_name else self.address(host)
 
-    def cluster(self, layout: Mapping[str, Sequence[int]], by_name: bool = False) -> list[Member]:
+    def cluster(
+        self, layout: Mapping[str, Sequence[int]], by_name: bool = False
+    ) -> list[HostedMember]:
         """A cluster's members laid out on the hosts, each with its `TF_CONFIG`.
 
         Args:
-          layout: task type -> the host of each of its members, in index order,
+          layout: member type -> the host of each of its members, in index order,
             e.g. `{"chief": [0], "worker": [1, 2], "ps": [3]}`.
           by_name: address members by host name instead of by address.
 
         Returns:
           The members, in `layout` order.
         """
-        jobs = {
-            job: [f"{self.hostname(h, by_name)}:{PORT}" for h in hosts]
-            for job, hosts in layout.items()
+        addresses = {
+            member_type: [f"{self.hostname(h, by_name)}:{PORT}" for h in hosts]
+            for member_type, hosts in layout.items()
         }
         return [
-            Member(job, index, host, cluster.make_tf_config(jobs, job, index))
-            for job, hosts in layout.items()
+            HostedMember(
+                member_type, index, host, cluster.make_tf_config(addresses, member_type, index)
+            )
+            for member_type, hosts in layout.items()
             for index, host in enumerate(hosts)
         ]
 
@@ -209,7 +218,7 @@ class Hosts(links.Links):
 
     def start_trainer(
         self,
-        member: Member | int,
+        member: HostedMember | int,
         args: Sequence[str],
         log: str,
         cwd: str | None = None,
@@ -233,11 +242,11 @@ class Hosts(links.Links):
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, environ.get("PYTHONPATH")]))
         environ.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **(env or {}))
-        if isinstance(member, Member):
+        if isinstance(member, HostedMember):
             environ["TF_CONFIG"] = member.tf_config
         with open(log, "w") as output:
             return self.start(
-                member.host if isinstance(member, Member) else member,
+                member.host if isinstance(member, HostedMember) else member,
                 [sys.executable, "-m", module, *args],
                 env=environ,
                 cpu=cpu,
@@ -290,3 +299,6 @@ def _pids(namespace: str) -> list[int]:
         return [int(pid) for pid in links.ip("netns", "pids", namespace).stdout.split()]
     except subprocess.CalledProcessError:  # gone already
         return []
+
+
+__getattr__ = renamed.old_names(__name__, {"Member": "HostedMember"}, globals())
