@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from strategies import sharding
-from tests.helpers import assert_exit, run_command
+from tests.helpers import IN_PROCESS_CLUSTER, assert_exit, run_command
 from trainer.layers import DynamicEmbedding, tables
 from trainer.loop import export, optim
 
@@ -132,3 +132,39 @@ def test_the_export_serves_in_a_fresh_process_exactly_what_training_reads(tmp_pa
     got = np.array(json.loads(served.stdout.strip().splitlines()[-1]), np.float32)
     np.testing.assert_array_equal(got, layer(ids, training=False).numpy())
     np.testing.assert_array_equal(got[:-1], layer(ids[:-1], training=True).numpy())
+
+
+# A table split over 2 in-process ps members, exported from the coordinator: its eval vectors.
+_EXPORT_FROM_PS = (
+    IN_PROCESS_CLUSTER
+    + """
+import json, sys
+import keras
+from trainer.layers import DynamicEmbedding
+from trainer.loop import export
+
+strategy = bare_parameter_server()
+with strategy.scope():
+    layer = DynamicEmbedding(4, capacity=10, fallback_rows=8, seed=3)
+    inputs = keras.Input(shape=(), dtype="int64", name="ids")
+    model = keras.Model(inputs, layer(inputs))
+layer(tf.constant([1, 2, 3, 4, 5, 6], tf.int64), training=True)
+layer.fallback.assign(tf.ones_like(layer.fallback))
+ids = tf.constant(json.loads(sys.argv[2]), tf.int64)
+export.export(model, sys.argv[1], None, 0, raw_outputs=True)
+print(json.dumps(layer(ids, training=False).numpy().tolist()))
+"""
+)
+
+
+@pytest.mark.slow  # an in-process cluster, then a fresh process: over a minute here
+def test_the_export_of_a_table_on_ps_members_serves_in_a_fresh_process_what_eval_reads(tmp_path):
+    path, ids = str(tmp_path / "export"), json.dumps([1, 2, 3, 4, 5, 6, 7, 0])
+    exported = run_command([sys.executable, "-c", _EXPORT_FROM_PS, path, ids], str(tmp_path))
+    assert_exit(exported)
+    expected = np.array(json.loads(exported.stdout.strip().splitlines()[-1]), np.float32)
+    served = run_command([sys.executable, "-c", _SERVE, path, ids], str(tmp_path))
+    assert_exit(served)
+    got = np.array(json.loads(served.stdout.strip().splitlines()[-1]), np.float32)
+    np.testing.assert_array_equal(got, expected)
+    assert np.abs(expected[:6]).sum() > 0 and (expected[6] == 0).all(), "7: never seen"

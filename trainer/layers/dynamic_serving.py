@@ -17,9 +17,16 @@ A lookup reads exactly what a training lookup of the same ids reads at that
 point (`trainer.layers.dynamic_lookup.part_packed`: the same rows, the same
 initial values with the same float operations, the same default or fallback
 rows), except for ids the seen-filter has not seen, which read zeros
-(tests/test_table_serving.py). An export's serving function runs these ops
-on the index and rows it saves (`tf.lookup` tables and variables: stock ops
-that TF Serving loads).
+(tests/test_table_serving.py).
+
+An export reads a frozen index (`frozen`): for each part, a
+`tf.lookup.StaticHashTable` made when the export is written, from each id
+held to its slot, or to `-2 - slot` where the row is not written since the
+id's admission. Step 1 is then one lookup in a flat hash map, with no stamps
+to look up or gather: the export's lookups are about twice as fast as the
+live index's. The table is a stock TensorFlow op (`HashTableV2`), its
+content constants of the SavedModel's graph (16 bytes an id held), which TF
+Serving loads; the live index is saved beside it as before.
 
 Under `parameter_server` each part reads its own ids on its ps member and
 sends back one tensor: the rows and a column saying which hold one (1), and
@@ -28,6 +35,8 @@ which the seen-filter has not seen (-1).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import tensorflow as tf
@@ -36,7 +45,46 @@ from strategies import tf_patches
 from trainer.layers import tables
 
 if TYPE_CHECKING:
+    from trainer.layers.dynamic import DynamicEmbedding
     from trainer.layers.dynamic_parts import TablePart
+
+# The frozen index of each part while an export is traced (`frozen`), by the part's id.
+_FROZEN: dict[int, tf.lookup.StaticHashTable] = {}
+
+
+@contextlib.contextmanager
+def frozen(layers: list[DynamicEmbedding]) -> Iterator[list[tf.lookup.StaticHashTable]]:
+    """Inside, lookups outside training of `layers` read their index as it is now, frozen.
+
+    Gives the frozen tables (`frozen_index`), which the exported module must
+    track, so that the SavedModel holds them. For an export's serving
+    function, traced inside.
+    """
+    parts = [part for layer in layers for part in layer.parts]
+    for part in parts:
+        _FROZEN[id(part)] = frozen_index(part)
+    try:
+        yield [_FROZEN[id(part)] for part in parts]
+    finally:
+        for part in parts:
+            _FROZEN.pop(id(part), None)
+
+
+def frozen_index(part: TablePart) -> tf.lookup.StaticHashTable:
+    """`part`'s ids held, each to its slot, or to `-2 - slot` where its row is not written.
+
+    Other ids find -1. Read eagerly from the index (`slot_info`: each held
+    slot's stamp and id) and the row stamps, on the part's device.
+    """
+    slots, info = part.table.slot_info.export()
+    slots, info = tf.reshape(slots, [-1]), tf.reshape(info, [-1, 3])
+    row_stamps = tf_patches.replica_copy(part.row_stamps.value)
+    written = tf.equal(tf.gather(row_stamps, slots), info[:, 0])
+    codes = tf.where(written, slots, -2 - slots)
+    with tf.init_scope():  # its content built once, here; its initializer saved with it
+        return tf.lookup.StaticHashTable(
+            tf.lookup.KeyValueTensorInitializer(info[:, 2], codes), default_value=-1
+        )
 
 
 def served_vectors(parts: list[TablePart], keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
@@ -108,13 +156,11 @@ def _held_rows(
     id was admitted reads the id's initial value, as `dynamic_lookup`'s
     training lookup gives it: the row plus (initial - row).
     """
-    slots, stamps = part.table.find(keys)
+    slots, stale = _slots(part, keys)
     held = slots >= 0 if valid is None else (slots >= 0) & valid
     slots = tf.where(held, slots, part.capacity)
-    variable = tf_patches.replica_copy(part.rows.value)
-    row_stamps = tf_patches.replica_copy(part.row_stamps.value)
-    rows = tf.gather(variable, slots)
-    stale = held & tf.not_equal(tf.gather(row_stamps, slots), stamps)
+    rows = tf.gather(tf_patches.replica_copy(part.rows.value), slots)
+    stale &= held
 
     def initial() -> tf.Tensor:
         at = tf.where(stale)
@@ -122,6 +168,20 @@ def _held_rows(
         return tf.tensor_scatter_nd_add(rows, at, fresh - tf.gather_nd(rows, at))
 
     return tf.cond(tf.reduce_any(stale), initial, lambda: rows), held
+
+
+def _slots(part: TablePart, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """The slot of each of `keys` in `part` (-1: none), and whether its row is not written.
+
+    From the frozen index while an export is traced, else from the live one.
+    """
+    index = _FROZEN.get(id(part))
+    if index is not None:
+        codes = index.lookup(keys)
+        return tf.where(codes >= -1, codes, -2 - codes), codes < -1
+    slots, stamps = part.table.find(keys)
+    row_stamps = tf_patches.replica_copy(part.row_stamps.value)
+    return slots, tf.not_equal(tf.gather(row_stamps, tf.maximum(slots, 0)), stamps)
 
 
 def _seen(table: tables.DynamicTable, keys: tf.Tensor, held: tf.Tensor) -> tf.Tensor:

@@ -27,6 +27,8 @@ import tensorflow as tf
 
 from strategies import tf_patches
 from towerflow import storage
+from trainer import layers
+from trainer.layers import dynamic_serving
 from trainer.loop import compiled, models, objectives, writes
 
 
@@ -80,7 +82,11 @@ def export(
     def serve_flat(**flat):  # a signature takes tensors: ragged and sparse in parts
         return serve(**_joined(specs, flat))
 
-    signature = serve_flat.get_concrete_function(**_flat_specs(specs))
+    # Dynamic tables serve from their index frozen now (`dynamic_serving.frozen`), which
+    # the SavedModel holds: a lookup about twice as fast as the live index's.
+    with dynamic_serving.frozen(layers.dynamic_tables(model)) as frozen_indexes:
+        module.frozen_indexes = frozen_indexes
+        signature = serve_flat.get_concrete_function(**_flat_specs(specs))
     module.serve = serve
     # Beside `path`, but not named `path` + something: on `ram://` a name is also a
     # prefix match, and `export.tmp` would then count as inside `export`.
