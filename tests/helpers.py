@@ -1,4 +1,4 @@
-"""Small shared pieces for the tests: a tiny config and the CLI in a subprocess.
+"""Small shared pieces for the tests: a tiny config, the CLI in a subprocess or in-process.
 
 Every process a test starts through these helpers runs in a session (process
 group) of its own and carries a tag in its environment, which its descendants
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import gc
 import itertools
 import json
 import os
@@ -160,6 +162,36 @@ def run_command(
     finally:
         kill(proc)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def cli_in_process(*args: str, capsys) -> tuple[int, str, str]:
+    """Runs `towerflow ARGS` in this process: the command's flag parsing, main and error handling.
+
+    For what a subprocess would add nothing to (a listing, a refusal, a rerun's
+    lines); `run_cli` keeps a real process for the command's own exits. The test
+    process has 4 logical CPUs (tests/conftest.py), so the config says so unless
+    `args` set `devices.logical_cpus`.
+
+    Returns:
+      The exit code (0 when main returned), stdout and stderr.
+    """
+    from absl import flags
+
+    from trainer import cli
+
+    cpus = [] if any("logical_cpus" in a for a in args) else ["--config.devices.logical_cpus=4"]
+    argv = ["towerflow", *args, *cpus]
+    defined = cli.define_flags(flags.FlagValues(), argv)
+    capsys.readouterr()
+    code = 0
+    try:
+        cli.guarded(functools.partial(cli.main, defined))(cli.parse_flags(defined, argv))
+    except SystemExit as exit:
+        code = 0 if exit.code is None else exit.code
+    if code:  # a failed run's frames, and its input iterators, end here, not in a later test
+        gc.collect()  # (as conftest's `iterators_end_with_the_test`)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def start_cli(*args: str, cwd, module: str = "trainer") -> subprocess.Popen:
