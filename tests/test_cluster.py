@@ -34,7 +34,7 @@ def test_none_and_blank_mean_no_cluster():
 
 def test_full_cluster_parses():
     spec = cluster.parse(json.dumps(FULL))
-    assert spec.jobs["worker"] == ("10.0.0.2:2222", "10.0.0.3:2222")
+    assert spec.addresses["worker"] == ("10.0.0.2:2222", "10.0.0.3:2222")
     assert (spec.task_type, spec.task_index, spec.rpc_layer) == ("worker", 1, "grpc")
     assert (spec.num_workers, spec.num_ps) == (2, 1)
     assert spec.has_chief and spec.has_evaluator and not spec.is_chief
@@ -79,7 +79,7 @@ def test_evaluator_may_be_absent_from_cluster():
 def test_a_job_given_by_index_as_tensorflow_takes_it_is_a_list():
     text = _with({"type": "worker", "index": 1}, worker={"1": "h:2", "0": "h:1"}, ps=["h:3"])
     spec = cluster.parse(text)
-    assert spec.jobs == {"worker": ("h:1", "h:2"), "ps": ("h:3",)}
+    assert spec.addresses == {"worker": ("h:1", "h:2"), "ps": ("h:3",)}
     assert spec.address == "h:2"
 
 

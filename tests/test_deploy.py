@@ -105,8 +105,8 @@ def test_every_pod_derives_the_same_cluster_and_its_own_member(name):
     jobset = _jobset(name)
     pods = _pods(jobset)
     specs = [_tf_config(pod) for pod in pods]
-    jobs = specs[0].jobs
-    assert all(spec.jobs == jobs for spec in specs), "one cluster on every pod"
+    jobs = specs[0].addresses
+    assert all(spec.addresses == jobs for spec in specs), "one cluster on every pod"
     members = [(spec.task_type, spec.task_index) for spec in specs]
     every_member = [
         (job, index) for job, addresses in jobs.items() for index in range(len(addresses))
@@ -121,15 +121,15 @@ def test_every_pod_derives_the_same_cluster_and_its_own_member(name):
     for pod, spec in zip(pods, specs):
         assert spec.task_type == pod.replicated_job
         port = pod.spec["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
-        assert spec.jobs[spec.task_type][spec.task_index] == f"{pod.hostname}.{subdomain}:{port}"
+        assert spec.addresses[spec.task_type][spec.task_index] == f"{pod.hostname}.{subdomain}:{port}"
 
 
 def test_the_topologies_fit_their_strategies():
     multi_worker = _tf_config(_pods(_jobset("jobset-multi-worker.yaml"))[0])
-    assert list(multi_worker.jobs) == ["worker"] and multi_worker.is_chief
+    assert list(multi_worker.addresses) == ["worker"] and multi_worker.is_chief
     parameter_server = _tf_config(_pods(_jobset("jobset-parameter-server.yaml"))[0])
     assert parameter_server.has_chief and parameter_server.num_ps and parameter_server.num_workers
-    assert "evaluator" in parameter_server.jobs, "listed, so the chief leaves evaluation to it"
+    assert "evaluator" in parameter_server.addresses, "listed, so the chief leaves evaluation to it"
 
 
 @pytest.mark.parametrize("name", MANIFESTS)

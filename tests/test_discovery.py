@@ -9,7 +9,7 @@ import pytest
 import configs.default
 from strategies.cluster import discovery
 from strategies.cluster import tf_config as cluster
-from tests.helpers import assert_exit, one_line_error, run_cli, tiny_config
+from tests.helpers import cli_in_process, one_line_error, tiny_config
 from trainer.loop import train
 
 # A Slurm step of 4 Slurm tasks on one node, as `srun -n4` sets it for its rank 3.
@@ -84,7 +84,7 @@ def test_the_old_name_ps_tasks_still_sets_the_ps_count_and_says_its_new_name_onc
     said = []
     environ = dict(SLURM_STEP)
     discovery.resolve({"ps_tasks": 2, "port": 3000}, "parameter_server", environ, said.append)
-    assert cluster.from_env(environ).jobs["ps"] == ("node1:3001", "node1:3002")
+    assert cluster.from_env(environ).addresses["ps"] == ("node1:3001", "node1:3002")
     assert said == [
         "warning: `cluster.ps_tasks` is now `cluster.ps_members` (the processes of a cluster "
         "are its members); the old name goes in the next release: pass "
@@ -112,7 +112,7 @@ def test_resolve_makes_the_cluster_the_processes_tf_config():
     found = discovery.resolve(_source("jobset"), "multi_worker", environ)
     assert environ["TF_CONFIG"] == found.tf_config != TF_CONFIG  # named: it wins over TF_CONFIG
     spec = cluster.from_env(environ)
-    assert spec.jobs["worker"] == ("run-worker-0-0.run:2222", "run-worker-0-1.run:2222")
+    assert spec.addresses["worker"] == ("run-worker-0-0.run:2222", "run-worker-0-1.run:2222")
     assert spec.member_name == "worker:1"
     assert discovery.resolve(_source("local"), "multi_worker", environ).line() is None
     assert "TF_CONFIG" not in environ
@@ -157,7 +157,7 @@ def test_the_old_variable_jobset_tasks_still_counts_the_pods_and_says_its_new_na
     environ = {**JOBSET_POD, "JOBSET_TASKS": JOBSET_POD["JOBSET_MEMBERS"]}
     del environ["JOBSET_MEMBERS"]
     discovery.resolve({"port": 2222}, "parameter_server", environ, said.append)
-    assert cluster.from_env(environ).jobs["worker"] == (
+    assert cluster.from_env(environ).addresses["worker"] == (
         "run-worker-0-0.run:2222",
         "run-worker-0-1.run:2222",
     )
@@ -197,7 +197,7 @@ def test_a_jobset_pod_that_does_not_fit_is_one_line(change, names):
 def test_a_sagemaker_job_makes_every_host_a_worker_in_name_order():
     found = discovery.find({"source": "auto", "port": 5000}, "multi_worker", SAGEMAKER)
     spec = cluster.parse(found.tf_config)
-    assert spec.jobs == {"worker": ("algo-1:5000", "algo-2:5000")}
+    assert spec.addresses == {"worker": ("algo-1:5000", "algo-2:5000")}
     assert spec.member_name == "worker:1"
 
 
@@ -261,19 +261,30 @@ def test_a_config_without_a_cluster_section_is_one_process(monkeypatch):
     assert not discovery.sidecar_evaluator(config.get("cluster"))
 
 
-def test_the_old_ps_tasks_flag_is_accepted_with_a_one_line_warning(tmp_path):
-    result = run_cli(
-        "--cluster=jobset", "--config.cluster.ps_tasks=2", "--model_dir=run", cwd=str(tmp_path)
+# In-process (no TF_CONFIG here, as `run_cli` leaves none): tests/test_cli.py runs the
+# command's one-line exits in a process.
+def test_the_old_ps_tasks_flag_is_accepted_with_a_one_line_warning(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    code, out, err = cli_in_process(
+        "--cluster=jobset",
+        "--config.cluster.ps_tasks=2",
+        f"--model_dir={tmp_path / 'run'}",
+        capsys=capsys,
     )
-    assert_exit(result, 2)
-    (warning,) = [line for line in result.stdout.splitlines() if "ps_tasks" in line]
+    assert code == 2, err
+    (warning,) = [line for line in out.splitlines() if "ps_tasks" in line]
     assert warning.startswith("warning: `cluster.ps_tasks` is now `cluster.ps_members`"), warning
     assert warning.endswith("pass `--config.cluster.ps_members=2` instead."), warning
 
 
-def test_the_cluster_flag_names_the_source_and_a_missing_one_is_one_line(tmp_path):
-    result = run_cli("--cluster=jobset", "--model_dir=run", cwd=str(tmp_path))
-    assert_exit(result, 2)
-    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+def test_the_cluster_flag_names_the_source_and_a_missing_one_is_one_line(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    code, _, err = cli_in_process(
+        "--cluster=jobset", f"--model_dir={tmp_path / 'run'}", capsys=capsys
+    )
+    assert code == 2, err
+    (line,) = [line for line in err.splitlines() if line.strip()]
     assert line.startswith("error: the `jobset` cluster source needs `JOBSET_NAME`"), line
     assert not (tmp_path / "run").exists()

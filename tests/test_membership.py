@@ -40,8 +40,8 @@ def test_one_process_trains_is_chief_and_watches_its_own_signal():
         ("evaluator", 0, "evaluate", False),
     ],
 )
-def test_serving_jobs_serve_and_the_chief_trains(task_type, index, role, chief):
-    member = Membership(_spec(PS_JOBS, task_type, index), serving_jobs=("ps", "worker"))
+def test_serving_types_serve_and_the_chief_trains(task_type, index, role, chief):
+    member = Membership(_spec(PS_JOBS, task_type, index), serving_types=("ps", "worker"))
     assert (member.role, member.is_chief, member.evaluates_inline) == (role, chief, False)
 
 

@@ -5,6 +5,8 @@ import importlib
 
 import pytest
 
+from strategies.cluster import tf_config as cluster
+from strategies.cluster.membership import Membership
 from towerflow import renamed
 
 # (module, old name, new name): every public name renamed for one word per concept.
@@ -31,3 +33,17 @@ def test_an_old_name_is_the_new_object_and_warns_naming_the_new_name(module, old
 def test_a_name_neither_old_nor_new_is_an_attribute_error(module):
     with pytest.raises(AttributeError, match="no attribute 'Nonesuch'"):
         assert importlib.import_module(module).Nonesuch is None
+
+
+def test_a_cluster_specs_old_jobs_are_its_addresses_with_a_warning():
+    spec = cluster.parse(cluster.make_tf_config({"worker": ["h:1", "h:2"]}, "worker", 0))
+    with pytest.warns(
+        DeprecationWarning, match="`ClusterSpec.jobs` is renamed `ClusterSpec.addresses`"
+    ):
+        assert spec.jobs == spec.addresses == {"worker": ("h:1", "h:2")}
+
+
+def test_membership_takes_its_old_serving_jobs_with_a_warning():
+    spec = cluster.parse(cluster.make_tf_config({"worker": ["h:1"], "ps": ["h:2"]}, "ps", 0))
+    with pytest.warns(DeprecationWarning, match=r"`Membership\(serving_jobs=\)` is renamed"):
+        assert Membership(spec, serving_jobs=("ps",)).role == "serve"

@@ -1,8 +1,9 @@
-"""Public Python names renamed for one vocabulary, importable by their old names for a release.
+"""Public Python names renamed for one vocabulary, answering to their old names for a release.
 
 A module whose public name changed keeps the old one through a module
-`__getattr__` made here: using the old name works, and warns once per use
-with a `DeprecationWarning` that names the new one.
+`__getattr__` made here (`old_names`); a renamed argument or attribute calls
+`warn` where the old one is used. Either way the old name works, with a
+`DeprecationWarning` that names the new one.
 
 >>> import types, warnings
 >>> module = types.ModuleType("example")
@@ -42,12 +43,22 @@ def old_names(
     def __getattr__(name: str) -> object:
         if name not in renamed:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        warnings.warn(
-            f"`{module}.{name}` is renamed `{module}.{renamed[name]}`; the old name goes in "
-            f"{REMOVED_IN}.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn(f"{module}.{name}", f"{module}.{renamed[name]}", stacklevel=3)
         return namespace[renamed[name]]
 
     return __getattr__
+
+
+def warn(old: str, new: str, stacklevel: int = 2) -> None:
+    """Warns that `old` (a name, an argument, an attribute) is renamed `new`, for a release.
+
+    Args:
+      old: the old name as its user wrote it, e.g. "Membership(serving_jobs=)".
+      new: the name to write instead.
+      stacklevel: as `warnings.warn`'s, counted from the caller of `warn`.
+    """
+    warnings.warn(
+        f"`{old}` is renamed `{new}`; the old name goes in {REMOVED_IN}.",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )

@@ -67,7 +67,7 @@ JOBSET_VARIABLES = (
 # Old environment variable names kept working for one release, with a warning: old -> new.
 RENAMED_VARIABLES = {"JOBSET_TASKS": "JOBSET_MEMBERS"}
 SAGEMAKER_VARIABLES = ("SM_HOSTS", "SM_CURRENT_HOST")
-_SHOWN_PER_JOB = 3  # addresses the start-up line shows of one role
+_SHOWN_PER_TYPE = 3  # addresses the start-up line shows of one member type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +94,11 @@ class Found:
         if spec is None:
             return None
         origin = f" ({self.origin})" if self.origin else ""
-        jobs = ", ".join(_shown(job, addresses) for job, addresses in spec.jobs.items())
+        members = ", ".join(
+            _shown(member_type, addresses) for member_type, addresses in spec.addresses.items()
+        )
         source = "TF_CONFIG" if self.source == "tf_config" else self.source
-        return f"cluster: from {source}{origin}: {jobs}; this member {spec.member_name}"
+        return f"cluster: from {source}{origin}: {members}; this member {spec.member_name}"
 
 
 def settings(section: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -169,7 +171,7 @@ def find(
 
     Args:
       section: the config's `cluster` section (None: all defaults).
-      strategy: the strategy's name (the roles of a Slurm step's members depend on it).
+      strategy: the strategy's name (the types of a Slurm step's members depend on it).
       environ: the process's environment.
 
     Raises:
@@ -225,7 +227,7 @@ def resolve(
         report(warning)
     found = find(section, strategy, environ)
     spec = cluster.parse(found.tf_config)
-    if spec and spec.task_type == "evaluator" and "evaluator" not in spec.jobs:
+    if spec and spec.task_type == "evaluator" and "evaluator" not in spec.addresses:
         if not sidecar_evaluator(section):
             raise UserError(
                 "this member is an `evaluator` that its `TF_CONFIG` `cluster` does not list, so "
@@ -261,8 +263,8 @@ def detect(environ: Mapping[str, str]) -> str:
 def jobset_tf_config(environ: Mapping[str, str], port: int) -> str:
     """The `TF_CONFIG` of a JobSet pod, from the variables deploy/jobset-*.yaml sets.
 
-    Each replicated job is one role, a task type (`chief`, `worker`, `ps`, `evaluator`),
-    with `replicas: 1` and one pod per member (`completions`); member i of role t
+    Each replicated job is one member type (`chief`, `worker`, `ps`, `evaluator`),
+    with `replicas: 1` and one pod per member (`completions`); member i of type t
     is the pod `<jobset>-<t>-0-<i>`, found at `<jobset>-<t>-0-<i>.<subdomain>`
     through the JobSet's headless service (`network.enableDNSHostnames`; the
     subdomain is the JobSet's name unless `JOBSET_SUBDOMAIN` says otherwise).
@@ -276,8 +278,10 @@ def jobset_tf_config(environ: Mapping[str, str], port: int) -> str:
       UserError: a variable is missing or does not fit the others; one line with the fix.
     """
     hosts, own_type, index = jobset_pods(environ, cluster.TASK_TYPES)
-    jobs = {task_type: [f"{host}:{port}" for host in names] for task_type, names in hosts.items()}
-    return cluster.make_tf_config(jobs, own_type, index)
+    by_type = {
+        member_type: [f"{host}:{port}" for host in names] for member_type, names in hosts.items()
+    }
+    return cluster.make_tf_config(by_type, own_type, index)
 
 
 def jobset_pods(
@@ -305,7 +309,7 @@ def jobset_pods(
         )
     if _index(environ, "JOB_INDEX") != 0:
         raise UserError(
-            f"`JOB_INDEX` is {environ['JOB_INDEX']}, but each role is one Job: give the "
+            f"`JOB_INDEX` is {environ['JOB_INDEX']}, but each member type is one Job: give the "
             f"replicated job `{own_type}` `replicas: 1` and one pod per member (`completions`)."
         )
     index = _index(environ, "JOB_COMPLETION_INDEX")
@@ -325,8 +329,8 @@ def jobset_pods(
         )
     subdomain = environ.get("JOBSET_SUBDOMAIN") or jobset
     hosts = {
-        job: [f"{jobset}-{job}-0-{i}.{subdomain}" for i in range(count)]
-        for job, count in counts.items()
+        replicated: [f"{jobset}-{replicated}-0-{i}.{subdomain}" for i in range(count)]
+        for replicated, count in counts.items()
     }
     return hosts, own_type, index
 
@@ -363,8 +367,8 @@ def _from_sagemaker(environ: Mapping[str, str], strategy: str, chosen: dict) -> 
             "run it in a SageMaker training job, which sets both."
         )
     port = _port(chosen)
-    jobs = {"worker": [f"{host}:{port}" for host in hosts]}
-    return Found("sagemaker", cluster.make_tf_config(jobs, "worker", hosts.index(current)))
+    by_type = {"worker": [f"{host}:{port}" for host in hosts]}
+    return Found("sagemaker", cluster.make_tf_config(by_type, "worker", hosts.index(current)))
 
 
 def _local(environ: Mapping[str, str], strategy: str, chosen: dict) -> Found:
@@ -395,7 +399,7 @@ def _has(environ: Mapping[str, str], names: tuple[str, ...]) -> bool:
 
 
 def _slurm_processes(environ: Mapping[str, str]) -> int:
-    """Slurm tasks (processes) of this step (of the job, in a batch script); 1 when not said."""
+    """Slurm tasks (processes) of this step (of the Slurm job in a batch script); else 1."""
     value = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or "1"
     return int(value) if value.strip().isdigit() else 1
 
@@ -417,15 +421,15 @@ def _jobset_pod_counts(text: str, job_names: tuple[str, ...]) -> dict[str, int]:
     """`JOBSET_MEMBERS`, "chief=1,worker=2,ps=1", as replicated job -> pod count."""
     counts: dict[str, int] = {}
     for part in text.split(","):
-        job, _, count = part.strip().partition("=")
-        if job not in job_names or not count.isdigit() or int(count) < 1:
+        name, _, count = part.strip().partition("=")
+        if name not in job_names or not count.isdigit() or int(count) < 1:
             example = ",".join(f"{t}={n}" for t, n in zip(job_names, (1, 2, 1)))
             raise UserError(
                 f"`JOBSET_MEMBERS` ({text}) must list each replicated job as `type=pods`, the type "
                 f"one of {', '.join(f'`{t}`' for t in job_names)}, e.g. "
-                f"`{example}`; name the replicated jobs after their roles."
+                f"`{example}`; name the replicated jobs after their member types."
             )
-        counts[job] = int(count)
+        counts[name] = int(count)
     return counts
 
 
@@ -446,8 +450,8 @@ def _port(chosen: dict) -> int:
     return port
 
 
-def _shown(job: str, addresses: tuple[str, ...]) -> str:
-    """One role for the start-up line: its first addresses, and how many there are."""
-    if len(addresses) <= _SHOWN_PER_JOB + 1:
-        return f"{job} {', '.join(addresses)}"
-    return f"{job} {', '.join(addresses[:_SHOWN_PER_JOB])} ... ({len(addresses)} in all)"
+def _shown(member_type: str, addresses: tuple[str, ...]) -> str:
+    """One member type for the start-up line: its first addresses, and how many there are."""
+    if len(addresses) <= _SHOWN_PER_TYPE + 1:
+        return f"{member_type} {', '.join(addresses)}"
+    return f"{member_type} {', '.join(addresses[:_SHOWN_PER_TYPE])} ... ({len(addresses)} in all)"

@@ -1,7 +1,7 @@
 """Cluster membership: who this process is in its cluster, and whether everyone is still there.
 
 A strategy plugin says how a step is distributed; *membership* says which
-part of the job this process plays and how the processes of a cluster stay
+part of the run this process plays and how the processes of a cluster stay
 together, as Lightning keeps its `ClusterEnvironment` apart from its
 `Strategy`. It is built from the resolved cluster (`strategies.cluster.discovery`
 sets it as `TF_CONFIG`, `strategies.cluster` parses it) and reached as
@@ -11,7 +11,9 @@ Glossary:
 
 - *role*: what this process does. "train" runs the loop; "serve" runs a
   server for others (the ps and worker members of a parameter-server cluster);
-  "evaluate" evaluates checkpoints as they appear (a sidecar evaluator).
+  "evaluate" evaluates checkpoints as they appear (a sidecar evaluator). A
+  role follows from the member's *type* (`TF_CONFIG`'s task type: "chief",
+  "worker", "ps", "evaluator") and the strategy.
 - *chief*: the member that writes checkpoints, summaries and exports: the
   `chief` member, or worker 0 when there is none.
 - *lost member*: another member of the cluster whose server no longer answers.
@@ -40,6 +42,7 @@ from collections.abc import Callable, Collection
 
 from strategies.cluster import preemption
 from strategies.cluster import tf_config as cluster_lib
+from towerflow import renamed
 from towerflow.errors import MemberLost, UserError
 
 SERVER_STARTUP_S = 600.0  # how long a serving member waits for the chief to come up
@@ -52,23 +55,31 @@ class Membership:
 
     Args:
       cluster: the parsed `TF_CONFIG` (`cluster.ClusterSpec`); None for one process.
-      serving_jobs: the task types (TensorFlow's roles) serving the others (role "serve")
-        instead of the loop, e.g. `("ps", "worker")` under `parameter_server`.
+      serving_types: the member types (`TF_CONFIG`'s task types) that serve the others
+        (role "serve") instead of running the loop, e.g. `("ps", "worker")` under
+        `parameter_server`.
       gather: every replica's value of an int (one collective), for `agree` and
         `check_restored` where workers step together; None: each member alone.
       watch: makes the preemption watch (`watch_preemption`); None: this
         process's own SIGTERM (`preemption.SignalWatch`).
+      serving_jobs: the old name of `serving_types`, accepted with a
+        `DeprecationWarning` until towerflow 0.3.
     """
 
     def __init__(
         self,
         cluster: cluster_lib.ClusterSpec | None = None,
-        serving_jobs: Collection[str] = (),
+        serving_types: Collection[str] = (),
         gather: Gather | None = None,
         watch: Watch | None = None,
+        *,
+        serving_jobs: Collection[str] | None = None,
     ):
+        if serving_jobs is not None:
+            renamed.warn("Membership(serving_jobs=)", "Membership(serving_types=)")
+            serving_types = serving_jobs
         self.cluster = cluster
-        self._serving_jobs = tuple(serving_jobs)
+        self._serving_types = tuple(serving_types)
         self._gather = gather
         self._watch = watch or preemption.SignalWatch
 
@@ -80,10 +91,10 @@ class Membership:
         A "serve" member calls `serve()`, an "evaluate" member evaluates checkpoints
         as they appear (sidecar evaluation), and "train" members run the loop.
         """
-        task_type = self.cluster.task_type if self.cluster else None
-        if task_type == "evaluator":
+        member_type = self.cluster.task_type if self.cluster else None
+        if member_type == "evaluator":
             return "evaluate"
-        return "serve" if task_type in self._serving_jobs else "train"
+        return "serve" if member_type in self._serving_types else "train"
 
     @property
     def is_chief(self) -> bool:
@@ -117,7 +128,7 @@ class Membership:
             config=config,
             start=True,
         )
-        chief = self.cluster.jobs["chief"][0]
+        chief = self.cluster.addresses["chief"][0]
         if not cluster_lib.wait_until_gone(chief, startup_s=SERVER_STARTUP_S):
             raise MemberLost(
                 f"the chief at {chief} did not come up within {SERVER_STARTUP_S:g} s; start it "
@@ -126,7 +137,7 @@ class Membership:
         del server  # the process ends, and the server with it
 
     def lost_members(self) -> list[str]:
-        """The other members of this job's cluster that no longer answer, e.g. "ps:0 (host:port)".
+        """The other members of this cluster that no longer answer, e.g. "ps:0 (host:port)".
 
         Empty for a single process. Asked after a step fails, to say which
         member to blame, and by the loop's watchdog while a step takes long.
@@ -149,7 +160,7 @@ class Membership:
         """A watch for SIGTERM, as a context manager around the training loop.
 
         The loop calls its `check(save)` after every loop (on every member); it
-        saves and raises `preemption.Preempted` once the job is to stop. One
+        saves and raises `preemption.Preempted` once the run is to stop. One
         process watches its own signal; workers that step together agree on
         the step (`preemption.CoordinatedWatch`).
         """

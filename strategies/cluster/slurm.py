@@ -12,7 +12,7 @@ nodes (`SLURM_DISTRIBUTION`: block, the default, or cyclic) and its own rank
 (`SLURM_PROCID`). The address of rank r is its node's name and `port` plus
 its index among the members on that node, so several members share a node.
 
-Roles follow the ranks: under `parameter_server`, rank 0 is the chief
+Member types follow the ranks: under `parameter_server`, rank 0 is the chief
 (the coordinator), the next `ps_members` ranks are ps members and the rest
 workers; under any other strategy every member is a worker and worker 0 is the
 chief. With block distribution, the chief and the ps members share the first
@@ -62,9 +62,9 @@ def tf_config(environ: Mapping[str, str], strategy: str, ps_members: int, port: 
         cannot place, or has too few members for `strategy`; one line with the fix.
     """
     addresses, rank = step_addresses(environ, port)
-    jobs = _jobs(strategy, ps_members, addresses)
-    task_type, task_index = _member_of(jobs, rank)
-    return cluster.make_tf_config(jobs, task_type, task_index)
+    by_type = _addresses_by_type(strategy, ps_members, addresses)
+    task_type, task_index = _member_of(by_type, rank)
+    return cluster.make_tf_config(by_type, task_type, task_index)
 
 
 def step_addresses(environ: Mapping[str, str], port: int) -> tuple[list[str], int]:
@@ -174,13 +174,13 @@ def _step_layout(environ: Mapping[str, str]) -> tuple[list[str], list[int]]:
 
 
 def _batch_layout(environ: Mapping[str, str]) -> tuple[list[str], list[int]]:
-    """A batch script's own process: a cluster of one member, unless the job asked for more."""
+    """A batch script's own process: one member, unless the Slurm job asked for more."""
     processes = _integer(environ, "SLURM_NTASKS") if "SLURM_NTASKS" in environ else 1
     if processes != 1:
         raise UserError(
-            f"the job has {processes} Slurm tasks (`SLURM_NTASKS`) but this process runs outside "
-            "a job step (no `SLURM_STEP_NUM_TASKS`), as one process; start one per Slurm task with "
-            "`srun -K python -m trainer ...` in the batch script."
+            f"the Slurm job has {processes} Slurm tasks (`SLURM_NTASKS`) but this process runs "
+            "outside a Slurm job step (no `SLURM_STEP_NUM_TASKS`), as one process; start one per "
+            "Slurm task with `srun -K python -m trainer ...` in the batch script."
         )
     if "SLURMD_NODENAME" in environ:
         return [environ["SLURMD_NODENAME"]], [1]
@@ -233,8 +233,10 @@ def _check_ports(port: int, members_per_node: int) -> None:
         )
 
 
-def _jobs(strategy: str, ps_members: int, addresses: list[str]) -> dict[str, list[str]]:
-    """Role (task type) -> addresses: chief, ps, workers in rank order for `parameter_server`."""
+def _addresses_by_type(
+    strategy: str, ps_members: int, addresses: list[str]
+) -> dict[str, list[str]]:
+    """Member type -> addresses: chief, ps, workers in rank order for `parameter_server`."""
     if strategy != "parameter_server":
         return {"worker": addresses}
     if ps_members < 1:
@@ -255,9 +257,9 @@ def _jobs(strategy: str, ps_members: int, addresses: list[str]) -> dict[str, lis
     }
 
 
-def _member_of(jobs: dict[str, list[str]], rank: int) -> tuple[str, int]:
-    """The (type, index) of the rank-th member, counting the jobs in their order."""
-    for task_type, addresses in jobs.items():
+def _member_of(by_type: dict[str, list[str]], rank: int) -> tuple[str, int]:
+    """The (type, index) of the rank-th member, counting the types in their order."""
+    for task_type, addresses in by_type.items():
         if rank < len(addresses):
             return task_type, rank
         rank -= len(addresses)

@@ -11,17 +11,18 @@ member itself in its `task` key (TensorFlow's word):
 A scheduler sets it (a TFJob, Vertex AI), `python -m trainer.launch` writes it
 for local clusters, `strategies.cluster.discovery` derives it from a Slurm step or a
 JobSet pod, and `parse` turns it into a `ClusterSpec` or a one-line
-`UserError` that says what is wrong and how to fix it. A job may also be given
-as TensorFlow's sparse form, `{"worker": {"0": "host:port", ...}}`, when it
+`UserError` that says what is wrong and how to fix it. A member type's addresses may also be
+given in TensorFlow's sparse form, `{"worker": {"0": "host:port", ...}}`, when it
 lists every index. `start_up` waits, boundedly and
 saying for whom, until the other members answer; `ClusterSpec.unreachable`
 names the members whose server no longer replies; `wait_until_gone` lets a
 server member (a ps, or a worker of a parameter-server cluster) see the chief end.
 
-Glossary (TensorFlow's roles, its task types):
+Glossary of member types (TensorFlow's task types; its `tf.train.ClusterSpec` calls
+each a job):
 
 * chief: the member that writes checkpoints, summaries and exports; worker 0
-  when the cluster has no `chief` job. In a parameter-server cluster it is
+  when the cluster has no `chief` member. In a parameter-server cluster it is
   the coordinator that schedules work on the workers.
 * worker: a member that computes steps.
 * ps: a parameter server, which holds variables.
@@ -49,6 +50,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from typing import Any
 
 from strategies.cluster.preemption import Preempted
+from towerflow import renamed
 from towerflow.errors import MemberLost, UserError
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
@@ -75,36 +77,43 @@ class ClusterSpec:
     """A parsed, validated `TF_CONFIG`.
 
     Attributes:
-      jobs: task type -> the addresses ("host:port") of its members, in index order.
+      addresses: member type (`TF_CONFIG`'s task type) -> the addresses ("host:port") of
+        its members, in index order.
       task_type: this member's task type; None when `TF_CONFIG` has no `task`.
       task_index: this process's index within `task_type`.
       rpc_layer: the protocol the members talk ("grpc").
     """
 
-    jobs: dict[str, tuple[str, ...]]
+    addresses: dict[str, tuple[str, ...]]
     task_type: str | None = None
     task_index: int | None = None
     rpc_layer: str = DEFAULT_RPC_LAYER
 
     @property
+    def jobs(self) -> dict[str, tuple[str, ...]]:
+        """The old name of `addresses`, with a `DeprecationWarning` until towerflow 0.3."""
+        renamed.warn("ClusterSpec.jobs", "ClusterSpec.addresses")
+        return self.addresses
+
+    @property
     def num_workers(self) -> int:
         """How many `worker` members the cluster has (the chief not counted)."""
-        return len(self.jobs.get("worker", ()))
+        return len(self.addresses.get("worker", ()))
 
     @property
     def num_ps(self) -> int:
         """How many parameter servers the cluster has."""
-        return len(self.jobs.get("ps", ()))
+        return len(self.addresses.get("ps", ()))
 
     @property
     def has_chief(self) -> bool:
         """Whether the cluster has a `chief` member."""
-        return "chief" in self.jobs
+        return "chief" in self.addresses
 
     @property
     def has_evaluator(self) -> bool:
         """Whether the cluster lists an evaluator, or this member is one."""
-        return "evaluator" in self.jobs or self.task_type == "evaluator"
+        return "evaluator" in self.addresses or self.task_type == "evaluator"
 
     @property
     def is_chief(self) -> bool:
@@ -121,7 +130,7 @@ class ClusterSpec:
     @property
     def address(self) -> str | None:
         """This member's "host:port"; None for an evaluator absent from `cluster`."""
-        addresses = self.jobs.get(self.task_type or "", ())
+        addresses = self.addresses.get(self.task_type or "", ())
         return addresses[self.task_index] if addresses else None
 
     def as_dict(self) -> dict[str, list[str]]:
@@ -131,15 +140,19 @@ class ClusterSpec:
         and a coordinator that saw it would wait to connect to a server the
         evaluator never starts.
         """
-        return {job: list(addresses) for job, addresses in self.jobs.items() if job != "evaluator"}
+        return {
+            member_type: list(addresses)
+            for member_type, addresses in self.addresses.items()
+            if member_type != "evaluator"
+        }
 
     def peers(self) -> list[tuple[str, str]]:
         """The other members of the training cluster, as ("worker:1", "host:port") pairs."""
         return [
-            (_member_name(job, index), address)
-            for job, addresses in self.as_dict().items()
+            (_member_name(member_type, index), address)
+            for member_type, addresses in self.as_dict().items()
             for index, address in enumerate(addresses)
-            if (job, index) != (self.task_type, self.task_index)
+            if (member_type, index) != (self.task_type, self.task_index)
         ]
 
     def unreachable(self, timeout_s: float = PROBE_S) -> list[str]:
@@ -178,15 +191,15 @@ def parse(text: str | None) -> ClusterSpec | None:
             "and no `cluster`; every towerflow member needs every member's address: set "
             "`enableDynamicWorker: false` in the TFJob."
         )
-    jobs = _parse_jobs(config.get("cluster"), "cluster" in config)
-    task_type, task_index = _parse_task_key(config.get("task"), "task" in config, jobs)
+    by_type = _parse_cluster(config.get("cluster"), "cluster" in config)
+    task_type, task_index = _parse_task_key(config.get("task"), "task" in config, by_type)
     rpc_layer = config.get("rpc_layer") or DEFAULT_RPC_LAYER
     if not isinstance(rpc_layer, str):
         raise UserError(
             f'`TF_CONFIG` `rpc_layer` must be a string such as "grpc", not {_show(rpc_layer)}; '
             "fix it or leave it out."
         )
-    return ClusterSpec(jobs, task_type, task_index, rpc_layer)
+    return ClusterSpec(by_type, task_type, task_index, rpc_layer)
 
 
 def from_env(environ: Mapping[str, str] = os.environ) -> ClusterSpec | None:
@@ -194,11 +207,11 @@ def from_env(environ: Mapping[str, str] = os.environ) -> ClusterSpec | None:
     return parse(environ.get("TF_CONFIG"))
 
 
-def make_tf_config(jobs: Mapping[str, list[str]], task_type: str, task_index: int) -> str:
+def make_tf_config(by_type: Mapping[str, list[str]], task_type: str, task_index: int) -> str:
     """The `TF_CONFIG` JSON for one member of a cluster, checked with `parse`.
 
     Args:
-      jobs: task type -> addresses ("host:port"), in index order.
+      by_type: member type (task type) -> addresses ("host:port"), in index order.
       task_type: the member's type (one of `TASK_TYPES`).
       task_index: the member's index within `task_type`.
 
@@ -207,7 +220,7 @@ def make_tf_config(jobs: Mapping[str, list[str]], task_type: str, task_index: in
     """
     text = json.dumps(
         {
-            "cluster": {job: list(addresses) for job, addresses in jobs.items()},
+            "cluster": {member_type: list(addresses) for member_type, addresses in by_type.items()},
             "task": {"type": task_type, "index": task_index},
         }
     )
@@ -218,7 +231,7 @@ def make_tf_config(jobs: Mapping[str, list[str]], task_type: str, task_index: in
 def wait_until_gone(
     address: str, startup_s: float = 600.0, interval_s: float = 1.0, misses: int = 3
 ) -> bool:
-    """Blocks while the member at `address` ("host:port") runs; how a server learns the job ended.
+    """Blocks while the member at `address` ("host:port") runs; how a server learns the run ended.
 
     Tries a TCP connection every `interval_s` seconds: first until the member
     answers (for at most `startup_s`), then until `misses` tries in a row fail.
@@ -489,7 +502,7 @@ def _load(text: str) -> dict[str, Any]:
     return config
 
 
-def _parse_jobs(cluster: Any, present: bool) -> dict[str, tuple[str, ...]]:
+def _parse_cluster(cluster: Any, present: bool) -> dict[str, tuple[str, ...]]:
     if not present:
         raise UserError(f"`TF_CONFIG` has no `cluster`; add one, as in {_EXAMPLE}.")
     if not isinstance(cluster, dict) or not cluster:
@@ -498,51 +511,57 @@ def _parse_jobs(cluster: Any, present: bool) -> dict[str, tuple[str, ...]]:
             f"`TF_CONFIG` `cluster` {problem}; map task types to address lists, "
             'as in {"worker": ["host:port", ...]}.'
         )
-    jobs = {job: _parse_addresses(job, addresses) for job, addresses in cluster.items()}
-    _check_unique(jobs)
-    for job in ("chief", "evaluator"):
-        if len(jobs.get(job, ())) > 1:
+    by_type = {
+        member_type: _parse_addresses(member_type, addresses)
+        for member_type, addresses in cluster.items()
+    }
+    _check_unique(by_type)
+    for member_type in ("chief", "evaluator"):
+        if len(by_type.get(member_type, ())) > 1:
             raise UserError(
-                f"`TF_CONFIG` `cluster.{job}` has {len(jobs[job])} addresses, but a cluster has "
-                f"at most one {job}; keep one and move or remove the others."
+                f"`TF_CONFIG` `cluster.{member_type}` has {len(by_type[member_type])} addresses, "
+                f"but a cluster has at most one {member_type}; keep one and move or remove the "
+                "others."
             )
-    if "ps" in jobs and "worker" not in jobs:
+    if "ps" in by_type and "worker" not in by_type:
         raise UserError(
             "`TF_CONFIG` `cluster` has `ps` members but no `worker`; add `worker` addresses "
             "(parameter servers only hold variables, workers compute)."
         )
-    return jobs
+    return by_type
 
 
-def _parse_addresses(job: str, addresses: Any) -> tuple[str, ...]:
-    if job not in TASK_TYPES:
+def _parse_addresses(member_type: str, addresses: Any) -> tuple[str, ...]:
+    if member_type not in TASK_TYPES:
         raise UserError(
-            f"`TF_CONFIG` `cluster` has unknown task type {_show(job)}; "
+            f"`TF_CONFIG` `cluster` has unknown task type {_show(member_type)}; "
             f"use only {_names(TASK_TYPES)}."
         )
     if isinstance(addresses, dict):
-        addresses = _dense(job, addresses)
+        addresses = _dense(member_type, addresses)
     if (
         not isinstance(addresses, list)
         or not addresses
         or not all(isinstance(a, str) for a in addresses)
     ):
         raise UserError(
-            f'`TF_CONFIG` `cluster.{job}` must be a non-empty list of "host:port" strings, '
+            f'`TF_CONFIG` `cluster.{member_type}` must be a non-empty list of "host:port" strings, '
             f"not {_show(addresses)}."
         )
     for address in addresses:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise UserError(
-                f"`TF_CONFIG` `cluster.{job}` address {_show(address)} is not host:port "
+                f"`TF_CONFIG` `cluster.{member_type}` address {_show(address)} is not host:port "
                 'with a port from 1 to 65535; write it as "10.0.0.1:2222".'
             )
     return tuple(addresses)
 
 
-def _dense(job: str, members: dict[str, Any]) -> list[Any]:
-    """A job in TensorFlow's sparse form, {"1": "host:port"}, as a list; every index must be there.
+def _dense(member_type: str, members: dict[str, Any]) -> list[Any]:
+    """A member type's addresses in TensorFlow's sparse form, {"1": "host:port"}, as a list.
+
+    Every index must be there.
 
     A sparse cluster (a TFJob with `enableDynamicWorker` gives each worker only
     itself) cannot run here: the chief schedules on every worker, the workers
@@ -550,24 +569,25 @@ def _dense(job: str, members: dict[str, Any]) -> list[Any]:
     """
     if not all(isinstance(key, str) and key.isdigit() for key in members):
         raise UserError(
-            f"`TF_CONFIG` `cluster.{job}` is an object with keys {_show(list(members))}; as an "
-            'object it maps indices to addresses, as in {"0": "host:2222"}; or give a list.'
+            f"`TF_CONFIG` `cluster.{member_type}` is an object with keys {_show(list(members))}; "
+            'as an object it maps indices to addresses, as in {"0": "host:2222"}; or give a list.'
         )
     by_index = {int(key): address for key, address in members.items()}
     if sorted(by_index) != list(range(len(by_index))):
         raise UserError(
-            f"`TF_CONFIG` `cluster.{job}` lists only index(es) {_show(sorted(by_index))} (a sparse "
-            "cluster, as a TFJob with `enableDynamicWorker` writes); every towerflow member needs "
-            "every member's address: list them all (`enableDynamicWorker: false`)."
+            f"`TF_CONFIG` `cluster.{member_type}` lists only index(es) "
+            f"{_show(sorted(by_index))} (a sparse cluster, as a TFJob with `enableDynamicWorker` "
+            "writes); every towerflow member needs every member's address: list them all "
+            "(`enableDynamicWorker: false`)."
         )
     return [by_index[index] for index in range(len(by_index))]
 
 
-def _check_unique(jobs: dict[str, tuple[str, ...]]) -> None:
+def _check_unique(by_type: dict[str, tuple[str, ...]]) -> None:
     seen: dict[str, str] = {}
-    for job, addresses in jobs.items():
+    for member_type, addresses in by_type.items():
         for index, address in enumerate(addresses):
-            member = f"{job}:{index}"
+            member = f"{member_type}:{index}"
             if address in seen:
                 raise UserError(
                     f"`TF_CONFIG` `cluster` gives {_show(address)} to both {seen[address]} "
@@ -576,15 +596,17 @@ def _check_unique(jobs: dict[str, tuple[str, ...]]) -> None:
             seen[address] = member
 
 
-def _parse_task_key(entry: Any, present: bool, jobs: dict[str, tuple[str, ...]]) -> tuple[str, int]:
+def _parse_task_key(
+    entry: Any, present: bool, by_type: dict[str, tuple[str, ...]]
+) -> tuple[str, int]:
     """`TF_CONFIG`'s `task` key (`entry`; `present`: whether it is there) as (type, index)."""
     if not present:
-        if sum(len(addresses) for addresses in jobs.values()) > 1:
+        if sum(len(addresses) for addresses in by_type.values()) > 1:
             raise UserError(
                 f"`TF_CONFIG` has no `task`, but its cluster has more than one member; "
                 f"name this member, as in {_EXAMPLE_TASK_KEY}."
             )
-        (only,) = jobs  # a one-member cluster: that member is this process
+        (only,) = by_type  # a one-member cluster: that member is this process
         return only, 0
     if not isinstance(entry, dict):
         raise UserError(
@@ -597,12 +619,12 @@ def _parse_task_key(entry: Any, present: bool, jobs: dict[str, tuple[str, ...]])
             f"`TF_CONFIG` `task.type` is {_show(task_type)}, not a known task type; "
             f"use one of {_names(TASK_TYPES)}."
         )
-    if task_type not in jobs and task_type != "evaluator":
+    if task_type not in by_type and task_type != "evaluator":
         raise UserError(
             f"`TF_CONFIG` `task.type` is {_show(task_type)} but `cluster` has no such members; "
-            f"use one of {_names(jobs)}, or add `{task_type}` addresses to `cluster`."
+            f"use one of {_names(by_type)}, or add `{task_type}` addresses to `cluster`."
         )
-    count = len(jobs.get(task_type, ())) or 1  # an evaluator outside `cluster` is one member
+    count = len(by_type.get(task_type, ())) or 1  # an evaluator outside `cluster` is one member
     index = entry.get("index", 0 if count == 1 else _MISSING)
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
         raise UserError(
@@ -612,8 +634,8 @@ def _parse_task_key(entry: Any, present: bool, jobs: dict[str, tuple[str, ...]])
     return task_type, index
 
 
-def _member_name(job: str, index: int) -> str:
-    return job if job == "chief" else f"{job}:{index}"
+def _member_name(member_type: str, index: int) -> str:
+    return member_type if member_type == "chief" else f"{member_type}:{index}"
 
 
 def _names(names: Iterable[str]) -> str:

@@ -96,7 +96,7 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
             num_ps=max(1, cluster.num_ps if cluster else 1),
         )
         self.membership = membership.Membership(
-            _parameter_server_cluster(cluster), serving_jobs=("ps", "worker")
+            _parameter_server_cluster(cluster), serving_types=("ps", "worker")
         )
         self._cluster = self.membership.cluster  # the plugin reads it often
         self._check_update_options()
@@ -254,7 +254,9 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
 
 def _parameter_server_cluster(cluster: cluster_lib.ClusterSpec | None) -> cluster_lib.ClusterSpec:
     if cluster is None or not (cluster.has_chief and cluster.num_workers and cluster.num_ps):
-        found = "no `TF_CONFIG`" if cluster is None else f"jobs {', '.join(cluster.jobs)}"
+        found = "no `TF_CONFIG`"
+        if cluster is not None:
+            found = f"member types {', '.join(cluster.addresses)}"
         raise UserError(
             "A `parameter_server` run needs a `TF_CONFIG` cluster with a chief, workers and "
             f"ps (found {found}); use `python -m trainer.launch --workers=2 --ps=2 -- "
