@@ -121,7 +121,9 @@ def test_every_pod_derives_the_same_cluster_and_its_own_member(name):
     for pod, spec in zip(pods, specs):
         assert spec.task_type == pod.replicated_job
         port = pod.spec["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
-        assert spec.addresses[spec.task_type][spec.task_index] == f"{pod.hostname}.{subdomain}:{port}"
+        assert (
+            spec.addresses[spec.task_type][spec.task_index] == f"{pod.hostname}.{subdomain}:{port}"
+        )
 
 
 def test_the_topologies_fit_their_strategies():

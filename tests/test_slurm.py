@@ -227,7 +227,9 @@ def test_batch_script_of_one_task_is_a_cluster_of_one():
 
 def test_batch_script_of_several_tasks_says_run_srun():
     environ = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
-    message = one_line_error("outside a Slurm job step", slurm.tf_config, environ, "multi_worker", 1, 1)
+    message = one_line_error(
+        "outside a Slurm job step", slurm.tf_config, environ, "multi_worker", 1, 1
+    )
     assert "`SLURM_NTASKS`" in message and "srun -K" in message
 
 
