@@ -23,7 +23,7 @@ from tests.helpers import (
 )
 from towerflow.errors import PREEMPTED_EXIT_CODE
 from trainer import data
-from trainer.data import follow
+from trainer.data import counting, follow
 from trainer.loop import train
 
 ROWS = 64  # per file: one block of 4 steps of 16
@@ -413,6 +413,18 @@ def test_a_file_removed_before_it_was_trained_whole_is_one_line_at_the_restart(t
         assert len(removed) == 1 and "only 16 of its records trained" in removed[0]
 
 
+def test_a_position_of_the_name_order_version_resumes_after_its_file_and_offset(tmp_path):
+    for order, name in enumerate("abc"):
+        _write_tfrecord(tmp_path / "train" / name, 16, order, order=order)
+    with _Stream(tmp_path, str(tmp_path / "train" / "*")) as stream:
+        stream.follower.position.file.assign(str(tmp_path / "train" / "b"))  # as restored
+        stream.follower.position.offset.assign(5)
+        stream.follower.start()
+        stream.train_what_is_there()
+        assert stream.trained == {1.0: list(range(5, 16)), 2.0: list(range(16))}
+        assert any("position of an earlier version" in line for line in stream.lines)
+
+
 def test_units_go_to_whoever_asks_and_those_not_done_at_a_restart_go_out_again(tmp_path):
     _write_tfrecord(tmp_path / "train" / "a", 30, 1.0, order=0)
     _write_tfrecord(tmp_path / "train" / "b", 10, 2.0, order=1)
@@ -441,11 +453,11 @@ def test_units_go_to_whoever_asks_and_those_not_done_at_a_restart_go_out_again(t
 def test_files_are_counted_by_their_framing_as_their_readers_count_them(tmp_path):
     _write_tfrecord(tmp_path / "a.tfrecord", 37, 1.0)
     _write_csv(tmp_path / "a.csv", 1, rows=23)
-    assert follow.tfrecord_count(str(tmp_path / "a.tfrecord")) == 37
-    assert follow.csv_count(str(tmp_path / "a.csv")) == 23
+    assert counting.tfrecord_count(str(tmp_path / "a.tfrecord")) == 37
+    assert counting.csv_count(str(tmp_path / "a.csv")) == 23
     (tmp_path / "b.csv").write_text("a,b\n1,2\n3,4")  # no line end after the last
-    assert follow.csv_count(str(tmp_path / "b.csv")) == 2
-    assert follow.tfrecord_count(str(tmp_path / "a.csv")) is None, "not framed as TFRecord"
+    assert counting.csv_count(str(tmp_path / "b.csv")) == 2
+    assert counting.tfrecord_count(str(tmp_path / "a.csv")) is None, "not framed as TFRecord"
 
 
 MW_ROWS = 40  # per file: global batches cross file ends, and positions fall inside files

@@ -33,11 +33,8 @@ docs/online.md states the rules for users; here is how they hold.
   `unit_done` marks it done; a unit handed out but not done at a checkpoint is
   not in it, so a restart hands it out again.
 - *counting*: a block is planned from the records waiting, so each file is
-  counted when found: a TFRecord file by its length headers only (12 bytes a
-  record, the data skipped by seeks); a CSV file by a scan of its bytes for
-  line ends (no framing to skip by, but nothing parsed); a file whose source
-  drops incomplete records (`data.incomplete=drop`), or a user's
-  `dataset_fn`, through the source's own reader (only it knows its records).
+  counted when found, reading as little as its format allows
+  (`trainer.data.counting`).
 - *fresh*: a block runs on the whole global batches waiting (a short block if
   they do not fill one). A remainder short of a global batch waits for more
   records at most `data.follow_max_wait_secs` after its file was found, then
@@ -61,7 +58,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -70,7 +66,7 @@ import ml_collections
 import tensorflow as tf
 
 from towerflow.errors import UserError
-from trainer.data import user
+from trainer.data import counting, user
 from trainer.data.base import (
     Dataset,
     DatasetFn,
@@ -81,10 +77,8 @@ from trainer.data.base import (
 )
 
 ReadFile = Callable[[tf.Tensor], tf.data.Dataset]  # one file name -> its records
-CountFile = Callable[[str], int]  # one file name -> how many records it holds
 Agree = Callable[[int], int]  # the chief's value on every worker (`Membership.agree`)
 Key = tuple[int, str]  # a file's arrival: (modification time in ns, name)
-_READ_AT_ONCE = 1 << 20  # bytes read at a time when a CSV file's lines are counted
 
 
 def _same(value: int) -> int:
@@ -104,6 +98,10 @@ class Position(tf.Module):
     def __init__(self):
         super().__init__(name="follow")
         self.state = tf.Variable("", dtype=tf.string, trainable=False, name="state")
+        # An earlier version's position, read from its checkpoints (`Follower.start`): the
+        # file being trained on, in name order, and the records of it trained.
+        self.file = tf.Variable("", dtype=tf.string, trainable=False, name="file")
+        self.offset = tf.Variable(0, dtype=tf.int64, trainable=False, name="offset")
 
     def read(self) -> dict:
         """The state held, or an empty one."""
@@ -150,7 +148,8 @@ class Follower:
       pattern: `data.train_files`.
       read: one file name -> its records (the source's own reader).
       poll_secs: seconds between looks for new files while waiting.
-      count: one file name -> its records (default: counted through `read`).
+      count: one file name -> its records (default: counted through `read`; see
+        `trainer.data.counting`).
       max_wait_secs: how long a remainder short of a global batch waits before it
         trains padded (`data.follow_max_wait_secs`).
       horizon_files: files named in the position after its watermark, at most.
@@ -162,7 +161,7 @@ class Follower:
         pattern: str,
         read: ReadFile,
         poll_secs: float,
-        count: CountFile | None = None,
+        count: counting.CountFile | None = None,
         max_wait_secs: float = 60.0,
         horizon_files: int = 10_000,
         marker: str = "",
@@ -199,6 +198,8 @@ class Follower:
     def start(self) -> None:
         """Reads the (restored) position and looks for the files not done."""
         state = self.position.read()
+        if not self.position.state.numpy() and self.position.file.numpy():
+            state = self._from_name_order()
         with self._lock:
             self._reset()
             self._watermark = tuple(state["watermark"])
@@ -214,6 +215,18 @@ class Follower:
                     f"file {name} was removed before it was trained whole: only {trained} of "
                     "its records trained"
                 )
+
+    def _from_name_order(self) -> dict:
+        """The state of an earlier version's position: the files before its file, by name, done."""
+        file, offset = self.position.file.numpy().decode(), int(self.position.offset.numpy())
+        before = [p for p in tf.io.gfile.glob(self.pattern) if ready(p) and p < file]
+        self.say(
+            f"position of an earlier version: the {len(before)} files before {file} in name "
+            f"order taken as trained, and {offset} records of it"
+        )
+        done = {name: self._mtime_ns(name) for name in before}
+        partial = {file: [[0, offset]]} if offset else {}
+        return {"watermark": [-1, ""], "done": done, "partial": partial}
 
     def _write(self) -> None:
         """The state into `position` (under the lock)."""
@@ -333,7 +346,7 @@ class Follower:
         return max(mtime, self._markers.get(os.path.dirname(path), mtime))
 
     def _count_by_reading(self, path: str) -> int:
-        return int(self.read(tf.constant(path)).reduce(tf.constant(0, tf.int64), _plus_one))
+        return counting.count_records(self.read(tf.constant(path)))
 
     def look_if_due(self) -> None:
         """`refresh` if `poll_secs` have passed since the last look (keeps the backlog current)."""
@@ -560,69 +573,8 @@ def _when(mtime_ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(mtime_ns / 1e9))
 
 
-def _plus_one(count: tf.Tensor, _) -> tf.Tensor:
-    return count + 1
-
-
 def _say(line: str) -> None:
     print(line, flush=True)
-
-
-# --- counting a file's records without reading it twice --------------------------------
-
-
-def tfrecord_count(path: str) -> int | None:
-    """Records of a TFRecord file from its length headers alone; None if its framing is off.
-
-    Each record is an 8-byte little-endian length, its 4-byte CRC, the data and
-    the data's 4-byte CRC: the data is skipped by a seek, never read.
-    """
-    size, at, records = tf.io.gfile.stat(path).length, 0, 0
-    with tf.io.gfile.GFile(path, "rb") as f:
-        while at < size:
-            header = f.read(12)
-            if len(header) < 12:
-                return None
-            (length,) = struct.unpack("<Q", header[:8])
-            at += 12 + length + 4
-            if at > size:
-                return None
-            f.seek(at)
-            records += 1
-    return records if at == size else None
-
-
-def csv_count(path: str) -> int:
-    """Records of a CSV file with a header: its lines less one, counted without parsing."""
-    lines, last = 0, b"\n"
-    with tf.io.gfile.GFile(path, "rb") as f:
-        while chunk := f.read(_READ_AT_ONCE):
-            lines += chunk.count(b"\n")
-            last = chunk[-1:]
-    lines += last != b"\n"  # a last line without its end still counts
-    return max(0, lines - 1)
-
-
-def _counter(config: ml_collections.ConfigDict) -> CountFile | None:
-    """How the source of `config` counts a file without reading it; None: through its reader.
-
-    A source that drops incomplete records (`data.incomplete=drop`) may hold fewer
-    than its framing says: only its reader tells.
-    """
-    if config.get("incomplete", "error") == "drop":
-        return None
-    if config.name == "csv":
-        return csv_count
-    if config.name == "tfrecord":
-        return _framed_or_read
-    return None
-
-
-def _framed_or_read(path: str) -> int:
-    counted = tfrecord_count(path)
-    if counted is None:  # not framed as TFRecord (compressed?): the reader says why
-        return int(tf.data.TFRecordDataset(path).reduce(tf.constant(0, tf.int64), _plus_one))
-    return counted
 
 
 # --- the dataset and its checks -------------------------------------------------------
@@ -691,7 +643,7 @@ def wrap(dataset: Dataset, config: ml_collections.ConfigDict) -> Dataset:
         )
     poll, wait, horizon, marker = check_fields(config)
     read, decode = reader
-    count = _counter(config) if file_split(dataset) is not None else None
+    count = counting.counter(config) if file_split(dataset) is not None else None
     follower = Follower(config.train_files, read, poll, count, wait, horizon, marker)
     return FollowedDataset(dataset, follower, decode)
 
