@@ -83,7 +83,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
 
 
 def _ratio_name(figure: str) -> str:
-    """`eval_int64_ids_s` -> `eval_int64 / TFRA ...`; `..._ids_per_cpu_s` -> `... per CPU s / ...`."""
+    """The name of `figure`'s ratio to TFRA's: `eval_int64 / ...`, `eval_int64 per CPU s / ...`."""
     what = figure.removesuffix("_ids_s").replace("_ids_per_cpu_s", " per CPU s")
     return f"{what} / TFRA recorded (low end)"
 
