@@ -4,7 +4,8 @@ A user's pipeline yields labels as Keras tutorials write them: class ids
 `(batch,)` or `(batch, 1)`, one-hot rows `(batch, num_classes)`, values
 `(batch,)` or `(batch, 1)`. Each trains and evaluates under the default
 strategy and under `mirrored` over the test's logical CPUs, with the same
-results as the flat shape; any other shape is one line before the first step.
+results as the flat shape; any other shape is one line at start-up, nothing
+written (and where a step is traced, for a task that calls the objective itself).
 """
 
 import keras
@@ -52,6 +53,7 @@ def _dataset_fn(labels):
 
 for _name, (_labels, _, _) in LABELS.items():
     globals()[_name] = _dataset_fn(_labels)
+two_columns = _dataset_fn(tf.stack([_THREE, _THREE], axis=1))  # neither ids nor one-hot
 
 
 def model(spec, config):
@@ -64,12 +66,12 @@ def model(spec, config):
     return keras.Model(inputs, keras.layers.Dense(units, activation=activation)(hidden))
 
 
-def _train(name: str, strategy: str, model_dir) -> dict:
+def _train(name: str, strategy: str, model_dir, num_classes: int | None = None) -> dict:
     config = tiny_config(
         **{
             "strategy.name": strategy,
             "data.name": f"tests.test_label_shapes:{name}",
-            "data.num_classes": LABELS[name][1],
+            "data.num_classes": LABELS[name][1] if num_classes is None else num_classes,
             "model.name": "tests.test_label_shapes:model",
             "train.global_batch_size": 16,
             "eval.global_batch_size": 16,
@@ -104,6 +106,16 @@ def test_a_label_shape_keras_takes_trains_and_evaluates_as_the_flat_one(
     assert results["eval"].keys() == expected.keys()
     for metric, value in expected.items():
         assert results["eval"][metric] == pytest.approx(value, rel=1e-4, abs=1e-6), metric
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored"])
+def test_a_label_shape_no_loss_takes_is_one_line_at_start_up_and_model_dir_untouched(
+    strategy, tmp_path
+):
+    with pytest.raises(UserError, match=r"labels are shaped \(batch, 2\); classification") as e:
+        _train("two_columns", strategy, tmp_path / "run", num_classes=3)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,8 @@ the cross-entropy of what it gets.
 Labels come in the shapes Keras's own losses take: class ids shaped
 `(batch,)` or `(batch, 1)`, or one-hot (or soft) rows `(batch, num_classes)`
 for classification; `(batch,)` or `(batch, 1)` for regression's one output.
-Any other shape is refused in one line when the step is traced, before the
-first step runs.
+Any other shape is refused in one line at start-up (`check_labels` on the
+dataset's spec), or where the step is traced.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ class Classification(_Objective):
 
     def per_example_loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
         """Cross-entropy of each example, unweighted."""
-        if _one_hot(labels, self.num_classes):
+        labels = tf.convert_to_tensor(labels)
+        if self._form(labels.shape) == "rows":
             if self.outputs == "logits":
                 return tf.nn.softmax_cross_entropy_with_logits(
                     tf.cast(labels, tf.float32), tf.cast(outputs, tf.float32)
@@ -151,18 +152,33 @@ class Classification(_Objective):
         chosen = tf.gather(self.probabilities(outputs), labels, axis=-1, batch_dims=1)
         return -tf.math.log(tf.clip_by_value(chosen, _EPSILON, 1.0))
 
+    def check_labels(self, labels) -> None:
+        """Refuses labels (a tensor, or its `tf.TensorSpec` at start-up) of a shape not taken.
+
+        Raises:
+          UserError: labels of another shape than `_CLASS_SHAPES`; one line.
+        """
+        if isinstance(labels, tf.TensorSpec | tf.Tensor):
+            self._form(labels.shape)
+
     def class_ids(self, labels: tf.Tensor) -> tf.Tensor:
         """`labels` (ids `(batch,)` or `(batch, 1)`, or one-hot rows) as class ids, `(batch,)`.
 
         Raises:
           UserError: labels of another shape (one line, through a traced step too).
         """
-        if _one_hot(labels, self.num_classes):
+        labels = tf.convert_to_tensor(labels)
+        form = self._form(labels.shape)
+        if form == "rows":
             return tf.argmax(labels, axis=-1, output_type=tf.int32)
-        return tf.cast(
-            _one_per_example(labels, f"classification ({self.num_classes} classes)", _CLASS_SHAPES),
-            tf.int32,
-        )
+        return tf.cast(_flat(labels, form), tf.int32)
+
+    def _form(self, shape: tf.TensorShape) -> str:
+        form = _form(shape, self.num_classes)
+        if not form:
+            task = f"classification ({self.num_classes} classes)"
+            raise _refused(_labels_refused(shape, task, _CLASS_SHAPES))
+        return form
 
     def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
         labels = self.class_ids(labels)
@@ -202,10 +218,29 @@ class Regression(_Objective):
 
     def per_example_loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
         """Squared error of each example, unweighted."""
-        outputs = _one_per_example(outputs, "regression", "one output per example", "outputs")
-        labels = _one_per_example(labels, "regression", _VALUE_SHAPES)
-        error = tf.cast(outputs, tf.float32) - tf.cast(labels, tf.float32)
+        outputs = tf.convert_to_tensor(outputs)
+        form = _form(outputs.shape, 0)
+        if not form:
+            raise _refused(
+                f"The model's outputs are shaped {_shape(outputs.shape)}; regression takes one "
+                "output per example: end the model in `Dense(1)`, or compile it with a loss "
+                "that takes them."
+            )
+        labels = tf.convert_to_tensor(labels)
+        self.check_labels(labels)
+        error = tf.cast(_flat(outputs, form), tf.float32) - tf.cast(
+            _flat(labels, _form(labels.shape, 0)), tf.float32
+        )
         return tf.square(error)
+
+    def check_labels(self, labels) -> None:
+        """Refuses labels (a tensor, or its `tf.TensorSpec` at start-up) of a shape not taken.
+
+        Raises:
+          UserError: labels of another shape than `_VALUE_SHAPES`; one line.
+        """
+        if isinstance(labels, tf.TensorSpec | tf.Tensor) and not _form(labels.shape, 0):
+            raise _refused(_labels_refused(labels.shape, "regression", _VALUE_SHAPES))
 
     def _metric_sums(self, labels, outputs, per_example_loss, weights) -> dict:
         errors = tf.sqrt(per_example_loss)
@@ -234,40 +269,44 @@ _CLASS_SHAPES = "class ids shaped `(batch,)` or `(batch, 1)`, or one-hot `(batch
 _VALUE_SHAPES = "values shaped `(batch,)` or `(batch, 1)`"
 
 
-def _one_hot(labels: tf.Tensor, num_classes: int) -> bool:
-    """Whether `labels` are rows of `num_classes` class weights (one-hot or soft)."""
-    labels = tf.convert_to_tensor(labels)
-    return labels.shape.rank == 2 and labels.shape[-1] == num_classes and num_classes > 1
+def _form(shape: tf.TensorShape, num_classes: int) -> str:
+    """How a batch of `shape` holds one label (or output) per example, "" if it does not.
 
-
-def _one_per_example(labels: tf.Tensor, task: str, shapes: str, what: str = "labels") -> tf.Tensor:
-    """`labels` (or the model's outputs) shaped `(batch,)` or `(batch, 1)`, as `(batch,)`.
-
-    Raises:
-      UserError: any other shape (one line, through a traced step too): a
-        `(batch, 1)` label would otherwise broadcast against `(batch,)` outputs
-        into a `(batch, batch)` loss.
+    "flat" `(batch,)`, "column" `(batch, 1)`, "rows" `(batch, num_classes)` (class
+    weights, one-hot or soft; classification only), or "unknown" (a rank or
+    width not known while tracing: read as one value per example, as before).
+    A `(batch, 1)` label taken as it is would broadcast against `(batch,)`
+    predictions into a `(batch, batch)` loss.
     """
-    labels = tf.convert_to_tensor(labels)
-    if labels.shape.rank == 1:
-        return labels
-    if labels.shape.rank == 2 and labels.shape[-1] == 1:
-        return tf.squeeze(labels, -1)
-    if what == "outputs":
-        raise _refused(
-            f"The model's outputs are shaped {_shape(labels)}; {task} takes {shapes}: end "
-            "the model in `Dense(1)`, or compile it with a loss that takes them."
-        )
-    raise _refused(
-        f"The dataset's labels are shaped {_shape(labels)}; {task} takes {shapes}: reshape "
+    if shape.rank is None or (shape.rank == 2 and shape[-1] is None):
+        return "unknown"
+    if shape.rank == 1:
+        return "flat"
+    if shape.rank == 2 and shape[-1] == 1:
+        return "column"
+    if shape.rank == 2 and num_classes > 1 and shape[-1] == num_classes:
+        return "rows"
+    return ""
+
+
+def _flat(values: tf.Tensor, form: str) -> tf.Tensor:
+    """`values` of `form` "flat", "column" or "unknown" as `(batch,)`."""
+    if form == "column":
+        return tf.squeeze(values, -1)
+    return values if form == "flat" else tf.reshape(values, [-1])
+
+
+def _labels_refused(shape: tf.TensorShape, task: str, shapes: str) -> str:
+    return (
+        f"The dataset's labels are shaped {_shape(shape)}; {task} takes {shapes}: reshape "
         "them in the dataset (e.g. `labels[:, 0]`), or compile the model with a loss that "
         "takes them."
     )
 
 
-def _shape(tensor: tf.Tensor) -> str:
-    dims = ["batch" if i == 0 else str(d) for i, d in enumerate(tensor.shape.as_list())]
-    return f"({', '.join(dims)})" if tensor.shape.rank is not None else "(unknown rank)"
+def _shape(shape: tf.TensorShape) -> str:
+    dims = ["batch" if i == 0 else str(d) for i, d in enumerate(shape.as_list())]
+    return f"({', '.join(dims)})"
 
 
 def _refused(message: str) -> UserError:
