@@ -287,9 +287,9 @@ def _tf_config(task_type: str, index: int) -> str:
 
 def test_the_server_comes_from_tf_config_as_for_the_trainer():
     worker = command.plan(None, None, None, tf_config=_tf_config("data_worker", 1))
-    assert (worker.role, worker.port, worker.dispatcher) == ("worker", 5052, "host0:5050")
+    assert (worker.kind, worker.port, worker.dispatcher) == ("worker", 5052, "host0:5050")
     dispatcher = command.plan(None, None, None, "/jobs/d", tf_config=_tf_config("dispatcher", 0))
-    assert (dispatcher.role, dispatcher.port, dispatcher.work_dir) == (
+    assert (dispatcher.kind, dispatcher.port, dispatcher.work_dir) == (
         "dispatcher",
         5050,
         "/jobs/d",
@@ -312,7 +312,7 @@ def test_a_kubernetes_name_data_worker_is_a_data_worker():
     cluster = {"dispatcher": ["d:5050"], "data-worker": ["w0:5050", "w1:5050"]}
     text = json.dumps({"cluster": cluster, "task": {"type": "data-worker", "index": 1}})
     worker = command.plan(None, None, None, tf_config=text)
-    assert (worker.role, worker.port, worker.dispatcher, worker.host) == (
+    assert (worker.kind, worker.port, worker.dispatcher, worker.host) == (
         "worker",
         5050,
         "d:5050",
@@ -337,7 +337,7 @@ def test_a_slurm_step_is_a_dispatcher_and_data_workers(rank, role, port, dispatc
     environ = {**SLURM_STEP, "SLURM_PROCID": str(rank)}
     for source, first_port in (("slurm", None), ("auto", 5050)):  # `--port`: the node's first
         server = command.server(source, None, first_port, None, environ=environ)
-        assert (server.role, server.port, server.dispatcher, server.host) == (
+        assert (server.kind, server.port, server.dispatcher, server.host) == (
             role,
             port,
             dispatcher,

@@ -47,3 +47,11 @@ def test_membership_takes_its_old_serving_jobs_with_a_warning():
     spec = cluster.parse(cluster.make_tf_config({"worker": ["h:1"], "ps": ["h:2"]}, "ps", 0))
     with pytest.warns(DeprecationWarning, match=r"`Membership\(serving_jobs=\)` is renamed"):
         assert Membership(spec, serving_jobs=("ps",)).role == "serve"
+
+
+def test_a_data_service_servers_old_role_is_its_kind_with_a_warning():
+    from trainer import data_service
+
+    server = data_service.Server("worker", 5051, "host0:5050")
+    with pytest.warns(DeprecationWarning, match="`Server.role` is renamed `Server.kind`"):
+        assert server.role == server.kind == "worker"

@@ -4,11 +4,11 @@
     python -m trainer.data_service --role=worker --port=5051 --dispatcher=host0:5050
 
 Trainers started with `--config.data.service=grpc://host0:5050` then run their
-input pipelines on the workers (see `trainer.data.service_client`). Without flags, the
-role, the port, the dispatcher and a worker's host come from the cluster, found
-as the trainer finds its own (`--cluster`, `strategies.cluster.discovery`), with a
-`dispatcher` job and a `data_worker` job (or `data-worker`: Kubernetes names
-cannot hold `_`):
+input pipelines on the workers (see `trainer.data.service_client`). Without flags, which
+server runs (`--role`), the port, the dispatcher and a worker's host come from the
+cluster, found as the trainer finds its own (`--cluster`, `strategies.cluster.discovery`),
+with `dispatcher` and `data_worker` members (or `data-worker`: Kubernetes names cannot
+hold `_`):
 
 - `tf_config`: `TF_CONFIG`, e.g.
 
@@ -31,8 +31,8 @@ cannot hold `_`):
 Flags given win over what the cluster says.
 
 A dispatcher with `--work_dir` journals its state there; started again with the
-same directory, it carries on with the jobs it had (TensorFlow's fault-tolerant
-mode). The server runs until the process is stopped (SIGTERM or SIGINT).
+same directory, it carries on with the tf.data service jobs it had (TensorFlow's
+fault-tolerant mode). The server runs until the process is stopped (SIGTERM or SIGINT).
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ chat
 from absl import app, flags  # noqa: E402
 
 from strategies.cluster import discovery  # noqa: E402
-from towerflow import errors, processes  # noqa: E402
+from towerflow import errors, processes, renamed  # noqa: E402
 from towerflow.errors import UserError  # noqa: E402
 from trainer import cli  # noqa: E402
 
-ROLES = ("dispatcher", "worker")
-JOBS = {"dispatcher": "dispatcher", "worker": "data_worker"}  # role -> its `TF_CONFIG` job
+SERVERS = ("dispatcher", "worker")  # `--role`: which of the service's two servers runs
+MEMBER_TYPES = {"dispatcher": "dispatcher", "worker": "data_worker"}  # server -> `TF_CONFIG`'s
 ALIASES = {"data-worker": "data_worker"}  # a JobSet's replicated job (no `_` in Kubernetes)
 SOURCES = ("auto", "tf_config", "slurm", "jobset", "local")  # `--cluster`
 DEFAULT_PORT = 5050  # every server's port in a Slurm step or a JobSet without `--port`
@@ -63,13 +63,15 @@ HEARTBEAT_MS = 1_000  # a worker's heartbeat to the dispatcher
 WORKER_TIMEOUT_MS = 5_000  # a worker silent this long is dropped; its clients read the others
 DISPATCHER_TIMEOUT_MS = 60_000  # a worker gives up on a dispatcher that never answers
 
-_ROLE = flags.DEFINE_enum("role", None, ROLES, "Which server to run; default from `TF_CONFIG`.")
+_SERVER = flags.DEFINE_enum("role", None, SERVERS, "Which server to run; default from `TF_CONFIG`.")
 _PORT = flags.DEFINE_integer("port", None, "Port to serve on; default from `TF_CONFIG`.")
 _DISPATCHER = flags.DEFINE_string(
     "dispatcher", None, "worker: the dispatcher's host:port; default from `TF_CONFIG`."
 )
 _WORK_DIR = flags.DEFINE_string(
-    "work_dir", "", "dispatcher: a directory for its journal, so a restart recovers its jobs."
+    "work_dir",
+    "",
+    "dispatcher: a directory for its journal, so a restart recovers its tf.data service jobs.",
 )
 _HOST = flags.DEFINE_string(
     "host",
@@ -88,17 +90,23 @@ _CLUSTER = flags.DEFINE_enum(
 
 @dataclasses.dataclass(frozen=True)
 class Server:
-    """What one process serves: its role, its port and (a worker) its dispatcher."""
+    """What one process serves: which server (`kind`), its port and (a worker) its dispatcher."""
 
-    role: str
+    kind: str  # "dispatcher" or "worker" (`--role`)
     port: int
     dispatcher: str = ""  # "host:port"
     work_dir: str = ""
     host: str = "localhost"
 
+    @property
+    def role(self) -> str:
+        """The old name of `kind`, with a `DeprecationWarning` until towerflow 0.3."""
+        renamed.warn("Server.role", "Server.kind")
+        return self.kind
+
 
 def plan(
-    role: str | None,
+    kind: str | None,
     port: int | None,
     dispatcher: str | None,
     work_dir: str = "",
@@ -108,37 +116,38 @@ def plan(
     """The server to run: from the flags, with what they leave out taken from `TF_CONFIG`.
 
     Raises:
-      UserError: no role, no port, or a worker without a dispatcher, saying which flag to give.
+      UserError: no `--role`, no port, or a worker without a dispatcher, saying which flag to
+        give.
     """
-    jobs, own_type, own_index = _tf_config(tf_config)
-    if host is None and own_type == JOBS["worker"] and role in (None, "worker"):
-        host = jobs[own_type][own_index].rpartition(":")[0]
-    if role is None:
-        role = {job: r for r, job in JOBS.items()}.get(own_type)
-    if role is None:
+    by_type, own_type, own_index = _tf_config(tf_config)
+    if host is None and own_type == MEMBER_TYPES["worker"] and kind in (None, "worker"):
+        host = by_type[own_type][own_index].rpartition(":")[0]
+    if kind is None:
+        kind = {member_type: k for k, member_type in MEMBER_TYPES.items()}.get(own_type)
+    if kind is None:
         raise UserError(
             "`--role` is not given and `TF_CONFIG` names no `dispatcher` or `data_worker` member; "
             "pass `--role=dispatcher` or `--role=worker`."
         )
-    if port is None and own_type == JOBS[role]:
-        port = int(jobs[own_type][own_index].rpartition(":")[2])
+    if port is None and own_type == MEMBER_TYPES[kind]:
+        port = int(by_type[own_type][own_index].rpartition(":")[2])
     if port is None or not 0 < port < 65536:
         raise UserError(f"`--port` ({port}) must be a port number, 1-65535; pass one.")
-    if role == "worker":
-        if dispatcher is None and jobs.get("dispatcher"):
-            dispatcher = jobs["dispatcher"][0]
+    if kind == "worker":
+        if dispatcher is None and by_type.get("dispatcher"):
+            dispatcher = by_type["dispatcher"][0]
         if not dispatcher or ":" not in dispatcher:
             raise UserError(
                 f"`--dispatcher` ({dispatcher!r}) must be the dispatcher's host:port; "
-                "pass e.g. `--dispatcher=host0:5050`, or a `dispatcher` job in `TF_CONFIG`."
+                "pass e.g. `--dispatcher=host0:5050`, or a `dispatcher` member in `TF_CONFIG`."
             )
         dispatcher = dispatcher.removeprefix("grpc://")
-    return Server(role, port, dispatcher or "", work_dir, host or "localhost")
+    return Server(kind, port, dispatcher or "", work_dir, host or "localhost")
 
 
 def server(
     source: str,
-    role: str | None,
+    kind: str | None,
     port: int | None,
     dispatcher: str | None,
     work_dir: str = "",
@@ -156,12 +165,12 @@ def server(
     Raises:
       UserError: as `plan` and `discover`.
     """
-    if source == "auto" and role is not None:
+    if source == "auto" and kind is not None:
         source = "tf_config" if environ.get("TF_CONFIG", "").strip() else "local"
     found = discover(source, port, environ)
     if found.source in ("slurm", "jobset"):
         port = None
-    return plan(role, port, dispatcher, work_dir, host, found.tf_config)
+    return plan(kind, port, dispatcher, work_dir, host, found.tf_config)
 
 
 def discover(
@@ -198,9 +207,9 @@ def discover(
         for warning in discovery.renamed_variable_warnings(environ):
             print(warning, file=sys.stderr, flush=True)
         hosts, own_type, index = discovery.jobset_pods(
-            environ, ("dispatcher", *JOBS.values(), *ALIASES)
+            environ, ("dispatcher", *MEMBER_TYPES.values(), *ALIASES)
         )
-        jobs = {job: [f"{host}:{port}" for host in names] for job, names in hosts.items()}
+        by_type = {t: [f"{host}:{port}" for host in names] for t, names in hosts.items()}
     else:
         from strategies.cluster import slurm  # only a Slurm task needs it
 
@@ -210,34 +219,34 @@ def discover(
                 f"a Slurm step of {len(addresses)} task runs no data service: task 0 is the "
                 "dispatcher and the others data workers; ask for 2 or more (`srun -n3`)."
             )
-        jobs = {"dispatcher": addresses[:1], "data_worker": addresses[1:]}
+        by_type = {"dispatcher": addresses[:1], "data_worker": addresses[1:]}
         own_type, index = ("dispatcher", 0) if rank == 0 else ("data_worker", rank - 1)
-    text = json.dumps({"cluster": jobs, "task": {"type": own_type, "index": index}})
+    text = json.dumps({"cluster": by_type, "task": {"type": own_type, "index": index}})
     return discovery.Found(source, text)
 
 
 def _tf_config(text: str | None) -> tuple[dict[str, list[str]], str, int]:
-    """`TF_CONFIG`'s jobs, and this member's type and index ("" and 0 when it names none)."""
+    """`TF_CONFIG`'s members by type, and this one's type and index ("" and 0 when none)."""
     if not text:
         return {}, "", 0
     try:
         loaded = json.loads(text)
-        jobs = {
-            ALIASES.get(job, job): list(addresses)
-            for job, addresses in loaded.get("cluster", {}).items()
+        by_type = {
+            ALIASES.get(member_type, member_type): list(addresses)
+            for member_type, addresses in loaded.get("cluster", {}).items()
         }
         own = loaded.get("task", {})
         own_type, own_index = own.get("type", ""), int(own.get("index", 0))
         own_type = ALIASES.get(own_type, own_type)
-        if own_type in JOBS.values():
-            int(jobs[own_type][own_index].rpartition(":")[2])  # its own address has a port
+        if own_type in MEMBER_TYPES.values():
+            int(by_type[own_type][own_index].rpartition(":")[2])  # its own address has a port
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
         raise UserError(
-            f"`TF_CONFIG` is not a cluster with `dispatcher` and `data_worker` jobs ({e}); "
+            f"`TF_CONFIG` is not a cluster with `dispatcher` and `data_worker` members ({e}); "
             'write it as {"cluster": {"dispatcher": ["host:port"], "data_worker": [...]}, '
             '"task": {"type": "data_worker", "index": 0}}.'
         ) from None
-    return jobs, own_type, own_index
+    return by_type, own_type, own_index
 
 
 def serve(server: Server, stop: threading.Event) -> None:
@@ -246,7 +255,7 @@ def serve(server: Server, stop: threading.Event) -> None:
         import tensorflow as tf
 
     service = tf.data.experimental.service
-    if server.role == "dispatcher":
+    if server.kind == "dispatcher":
         config = service.DispatcherConfig(
             port=server.port,
             work_dir=server.work_dir or None,
@@ -282,7 +291,7 @@ def main(argv: list[str]) -> None:
     try:
         planned = server(
             _CLUSTER.value,
-            _ROLE.value,
+            _SERVER.value,
             _PORT.value,
             _DISPATCHER.value,
             _WORK_DIR.value,
