@@ -4,7 +4,7 @@ train step replaces the loop of the one before."""
 import os
 
 from tests.helpers import tiny_config
-from trainer.loop import train
+from trainer.loop import evaluation, train
 from trainer.loop.summaries import Summaries
 
 
@@ -17,11 +17,11 @@ def test_repeated_evaluations_keep_the_threads_and_the_traced_loop_they_started_
     # per-device pipelines (about 6 threads under mirrored) each time, all kept.
     job = train.build(tiny_config(**{"strategy.name": "mirrored"}), str(tmp_path))
     summaries = Summaries(str(tmp_path), enabled=False)
-    first = train._evaluate(job, summaries)
-    train._evaluate(job, summaries)
+    first = evaluation.evaluate(job, summaries)
+    evaluation.evaluate(job, summaries)
     threads = _threads()
     for _ in range(6):
-        assert train._evaluate(job, summaries) == first  # the same weights: the same metrics
+        assert evaluation.evaluate(job, summaries) == first  # the same weights: the same metrics
     assert _threads() <= threads
     assert job.strategy._compiled["eval"][0] is job.eval_step
 

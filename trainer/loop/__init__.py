@@ -1,6 +1,11 @@
 """The training loop: what `trainer.train_and_evaluate` runs, below the commands.
 
-    train.py        the job: build under the strategy's scope, train, evaluate, export
+    train.py        the run: restore or start, train with a controller, evaluate, export
+    job.py          the job: strategy, data, model and optimizer under its scope, the features
+    component.py    features as components: `Component`, `Feature`, `Slot`, the registry
+    features/       the built-in components (follow, input wait, tables, elastic, exports, ...)
+    schedule.py     the actions of a run in order, the features' in their slots
+    evaluation.py, startup.py, progress.py    eval passes, start-up lines and records, output
     controller.py   blocks of steps sized by the actions' schedules; `Action`
     actions.py      the built-in actions (checkpoint, evaluation, progress, ...) and the user's
     steps.py        the per-replica train and eval steps (`TrainStep`)

@@ -3,10 +3,11 @@
 Each function here returns a `controller.Action`: a plain callable on a
 block's `Output` with its schedule, and the hooks it needs (`loop()` around
 the whole loop for the preemption watch, the watchdog and the profiler;
-`block(step)` around each block for the last two). `trainer.loop.train` puts them in order:
-blow-up recovery first (it may roll the step back and skip the rest), then
+`block(step)` around each block for the last two). `trainer.loop.schedule` puts them in
+order: blow-up recovery first (it may roll the step back and skip the rest), then
 rates, summaries, the progress line, checkpoints, preemption, evaluation,
-and the user's actions last, so they see the eval metrics of their block.
+and the user's actions last, so they see the eval metrics of their block; a
+feature's actions (`trainer.loop.component`) go in its slot among them.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from strategies import devices, tf_patches, unrolled
 from strategies.cluster import discovery
 from towerflow import calls, storage
 from towerflow.errors import UserError
-from trainer import data
+from trainer import data, layers
 from trainer.data import labels, service_client
 from trainer.loop import (
     actions,
@@ -76,6 +76,33 @@ class Job:
     def feature(self, name: str) -> component.Feature | None:
         """The `Feature` of the component `name` in this run, or None where it is off."""
         return self.features.get(name)
+
+    def starts_at(self, step: int) -> int | None:
+        """Tells every feature training (re)starts at `step`; the input stream's first batch.
+
+        None: the stream starts at the step's own batch (no feature places it).
+        """
+        firsts = [feature.starts_at(step) for feature in self.features.values()]
+        return next((first for first in firsts if first is not None), None)
+
+
+def checkpointed(job: Job) -> dict:
+    """What a checkpoint of `job` holds: the `Checkpointer`'s objects (also the benchmark's)."""
+    held = {
+        "model": job.model,
+        "optimizer": job.optimizer,
+        # Listed explicitly: a Keras model does not expose every variable to a TF
+        # checkpoint (e.g. dropout's seed state), and exact resume needs them all;
+        # their shapes also tell a checkpoint of another model apart.
+        "variables": list(job.model.variables),
+        # Listed too: a checkpoint written with other table parts restores into
+        # these through the same structure (`trainer.loop.portable`).
+        "tables": layers.table_indexes(job.model),
+    }
+    # None where a job is a model and optimizer only (a test's, the benchmark's).
+    for feature in getattr(job, "features", {}).values():  # e.g. the position in the files
+        held.update(feature.checkpoint())
+    return held
 
 
 def build(
@@ -280,7 +307,4 @@ def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections
             f"`task.name` '{task_name}' does not fit the data's `num_classes` ({classes}); "
             "use `task.name=auto`, or set the data's class count."
         )
-    objective = objectives.for_spec(classes, models.output_kind(model), dataset.spec.class_names)
-    _, labels, _ = steps.unpack(dataset.eval_fn(2)(_ONE_PIPELINE).element_spec)
-    objective.check_labels(labels)  # before anything is written
-    return objective
+    return objectives.for_spec(classes, models.output_kind(model), dataset.spec.class_names)

@@ -21,15 +21,24 @@ import tensorflow as tf
 from strategies.cluster import discovery, scratch
 from towerflow import storage
 from towerflow.errors import UserError
-from trainer import layers
 from trainer.data import service_client
-from trainer.loop import actions, checks, compiled, controller, faults, startup, steps
+from trainer.loop import (
+    actions,
+    checks,
+    compiled,
+    controller,
+    evaluation,
+    faults,
+    schedule,
+    startup,
+    steps,
+)
 from trainer.loop import lock as model_dir_lock
 from trainer.loop.checkpoints import Checkpointer
-from trainer.loop.component import Run, Slot
+from trainer.loop.component import Run
 from trainer.loop.export import export
-from trainer.loop.job import Job, build, make_strategy
-from trainer.loop.progress import progress_line, say, tell
+from trainer.loop.job import Job, build, checkpointed, make_strategy
+from trainer.loop.progress import progress_line, say
 from trainer.loop.readings import Readings
 from trainer.loop.summaries import Summaries
 
@@ -68,7 +77,7 @@ def train_and_evaluate(
         member.serve()
         return {}
     if member.role == "evaluate":
-        return sidecar_evaluate(build(config, model_dir, strategy, checked=checked))
+        return evaluation.sidecar_evaluate(build(config, model_dir, strategy, checked=checked))
     if mode == "eval":  # evaluation reads in the trainer (`trainer.data.service_client`)
         return run(build(config, model_dir, strategy, checked=checked), mode, extra_actions)
     with service_client.started(config.data, strategy.traits.ordered_input, say) as service:
@@ -103,7 +112,7 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
         )
         if mode != "eval":
             train_metrics = _train(job, loop, readings, evaluate, extra_actions)
-        eval_metrics = _evaluate(job, summaries) if evaluate else {}
+        eval_metrics = evaluation.evaluate(job, summaries) if evaluate else {}
         results = _results(job, train_metrics, eval_metrics, placement, time.time() - start)
         if mode != "eval" and config.train.export:
             _export(job)
@@ -149,25 +158,6 @@ def _checkpointer(job: Job) -> Checkpointer:
     return checkpointer
 
 
-def checkpointed(job: Job) -> dict:
-    """What a checkpoint of `job` holds: the `Checkpointer`'s objects (also the benchmark's)."""
-    held = {
-        "model": job.model,
-        "optimizer": job.optimizer,
-        # Listed explicitly: a Keras model does not expose every variable to a TF
-        # checkpoint (e.g. dropout's seed state), and exact resume needs them all;
-        # their shapes also tell a checkpoint of another model apart.
-        "variables": list(job.model.variables),
-        # Listed too: a checkpoint written with other table parts restores into
-        # these through the same structure (`trainer.loop.portable`).
-        "tables": layers.table_indexes(job.model),
-    }
-    # None where a job is a model and optimizer only (a test's, the benchmark's).
-    for feature in getattr(job, "features", {}).values():  # e.g. the position in the files
-        held.update(feature.checkpoint())
-    return held
-
-
 def _restore_or_start(job: Job, checkpointer: Checkpointer, mode: str) -> None:
     """Resumes from the newest state in `model_dir`, or starts fresh; tells the features."""
     # A feature may hold a state newer than the newest checkpoint (an elastic survivor's).
@@ -209,9 +199,7 @@ def _train(
     train_step = _train_step(job)
     for feature in job.features.values():  # e.g. elastic counts the steps every variable holds
         train_step = feature.wrap_step(train_step, step)
-    iterator = iter(strategy.distribute_dataset(_train_stream(job, step)))
-    for feature in job.features.values():  # e.g. each batch's wait, as the steps read it
-        iterator = feature.wrap_input(iterator)
+    iterator = _training_input(job, step)
 
     def run_block(n: int) -> dict:
         sums = strategy.run_steps(train_step, iterator, n)
@@ -221,7 +209,7 @@ def _train(
             loop.summaries.histograms("train", job.step(), histograms)
         return {**job.objective.metrics(sums), **scalars}
 
-    every = [*_actions(job, loop, readings, evaluate), *extra_actions]
+    every = [*schedule.actions_of(job, loop, readings, evaluate), *extra_actions]
     agree = strategy.membership.agree
     blocks = controller.Controller(
         run_block, readings.step, job.total_steps, every, job.loop_length, agree=agree
@@ -230,6 +218,18 @@ def _train(
     if last and last.stopped:
         say(f"stopped at step {last.step}: {last.stopped}")
     return last.metrics if last else {}
+
+
+def _training_input(job: Job, step: int):
+    """What the steps read: a feature's own input (units), else the data's stream, wrapped."""
+    for feature in job.features.values():  # e.g. followed files handed out in units
+        given = feature.input()
+        if given is not None:
+            return given
+    iterator = iter(job.strategy.distribute_dataset(_train_stream(job, step)))
+    for feature in job.features.values():  # e.g. each batch's wait, as the steps read it
+        iterator = feature.wrap_input(iterator)
+    return iterator
 
 
 def _train_step(job: Job) -> steps.TrainStep | steps.CustomTrainStep:
@@ -255,99 +255,15 @@ def _train_step(job: Job) -> steps.TrainStep | steps.CustomTrainStep:
 def _train_stream(job: Job, step: int):
     """The training `dataset_fn` from `step`: from a feature's batch, where one places it."""
     batch, seed = job.config.train.global_batch_size, job.config.seed
-    first = _starts_at(job, step)
+    first = job.starts_at(step)
     if first is None:
         return job.dataset.train_fn(batch, seed, step)
     return job.dataset.train_fn(batch, seed, step, start_batch=first)
 
 
-def _starts_at(job: Job, step: int) -> int | None:
-    """Tells every feature that training (re)starts at `step`; the stream's first batch."""
-    firsts = [feature.starts_at(step) for feature in job.features.values()]
-    return next((first for first in firsts if first is not None), None)
-
-
 def _reads(job: Job) -> dict[str, tf.Variable]:
     """The variables the features read with the step after each block."""
     return {name: v for feature in job.features.values() for name, v in feature.reads().items()}
-
-
-def _actions(job: Job, loop: Run, readings: Readings, evaluate: bool) -> list[actions.Action]:
-    """The loop's actions, in the order they run after a block, the features' in their slots.
-
-    `readings` holds the learning rate as read with the step after the block.
-    """
-    config, member = job.config, job.strategy.membership
-    slots = {slot: [] for slot in Slot}
-    for feature in job.features.values():
-        slots[feature.slot] += feature.actions(loop)
-    recoveries = []
-
-    def recover(step: int, loss: float) -> None:
-        recoveries.append(step)
-        _recover(job, loop.checkpointer, step, loss, len(recoveries))
-
-    def log(output: controller.Output) -> None:
-        loop.summaries.scalars("train", output.step, output.metrics)
-        total = output.total_steps if output.total_steps < checks.UNTIL_STOPPED else None
-        tell(job.strategy, progress_line("train", output.step, output.metrics, total))
-
-    handled = any(feature.handles_lost_members for feature in job.features.values())
-    # A silent peer ends the step where a feature handles a lost member, else the process.
-    give_up = faults.abort_step if handled else faults.exit_member_lost
-    blew_up = lambda loss: faults.loss_blew_up(loss, config.train.loss_upper_bound)  # noqa: E731
-    save = loop.checkpointer.save
-    return [
-        *slots[Slot.FIRST],
-        actions.recovery(blew_up, recover),
-        actions.rates(config.train.global_batch_size, lambda: readings.learning_rate),
-        *slots[Slot.METRICS],
-        actions.every_block(log, "progress"),
-        actions.checkpoint(save, config.train.checkpoint_every),
-        *slots[Slot.SAVED],
-        actions.preemption(loop.watch, save, say),
-        # A single process has no other member to lose; the watchdog then never reports.
-        actions.watchdog(faults.Watchdog(member.lost_members, say, give_up=give_up)),
-        *slots[Slot.LAST],
-        *(
-            [actions.evaluation(lambda: _evaluate(job, loop.summaries), config.eval.every)]
-            if evaluate
-            else []
-        ),
-        *job.user_actions,
-    ]
-
-
-def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attempt: int) -> int:
-    """Restores the last good checkpoint after a loss blow-up; returns its step."""
-    limit = job.config.train.max_recoveries
-    good = checkpointer.latest
-    if attempt > limit:
-        raise faults.Diverged(
-            f"loss {loss:.4g} at step {step} is non-finite or above `train.loss_upper_bound` "
-            f"after {limit} recoveries; the last good checkpoint is {good}. Lower "
-            "`optimizer.learning_rate` or set `optimizer.clip_global_norm`, then rerun."
-        )
-    checkpointer.restore(good)
-    _starts_at(job, job.step())  # `good` may be an earlier group's: the features' origin
-    say(
-        f"loss {loss:.4g} blew up by step {step}: restored {good} (step {job.step()}), "
-        f"recovery {attempt} of {limit}; going on with fresh data"
-    )
-    return job.step()
-
-
-def _evaluate(job: Job, summaries: Summaries) -> dict:
-    """One pass over the eval split; logs and returns its metrics."""
-    sums = job.strategy.evaluate(
-        job.eval_step, job.dataset.eval_fn(job.config.eval.global_batch_size)
-    )
-    metrics = job.objective.metrics(sums)
-    metrics["examples"] = sums.get("examples", 0.0)
-    step = job.step()
-    summaries.scalars("eval", step, metrics)
-    tell(job.strategy, progress_line("eval", step, metrics))
-    return metrics
 
 
 def _results(job: Job, train: dict, evaluation: dict, placement: dict, wall_s: float) -> dict:
@@ -388,26 +304,3 @@ def _export(job: Job) -> None:
     if not any(feature.write_export(path, write) for feature in job.features.values()):
         write(path)
         say(f"exported SavedModel to {path}")
-
-
-def sidecar_evaluate(job: Job) -> dict:
-    """Evaluates each new checkpoint in `model_dir` until the last step's (the evaluator member)."""
-    config = job.config
-    checkpointer = Checkpointer(job.model_dir, False, 1, **checkpointed(job))
-    summaries = Summaries(job.model_dir, enabled=True)
-    metrics: dict = {}
-    try:
-        say(f"evaluating checkpoints in {checkpointer.directory} as they appear")
-        for path in tf.train.checkpoints_iterator(
-            checkpointer.directory, min_interval_secs=1, timeout=config.eval.sidecar_timeout
-        ):
-            checkpointer.restore(path)
-            metrics = _evaluate(job, summaries)
-            if job.step() >= job.total_steps:
-                break
-        else:
-            say(f"no new checkpoint for {config.eval.sidecar_timeout:g} s: stopping")
-    finally:
-        summaries.close()
-        checkpointer.close()
-    return {"step": job.step(), "eval": metrics}
