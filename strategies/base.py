@@ -137,6 +137,9 @@ class Traits:
       ordered_input: steps take the input pipeline's batches in its order (exact
         resume, `data.follow`).
       splits_steps: `run_steps` runs a step's halves apart (`SplitTrainStep`).
+      takes_units: `run_steps` also takes a `strategies.units.UnitStream` for its
+        iterator: workers that take work when free train input handed out in units
+        (`data.follow` under asynchronous `parameter_server`).
     """
 
     # `train.jit_compile` works: XLA needs the variables on the device that computes,
@@ -155,6 +158,10 @@ class Traits:
     # `run_steps` runs the step's halves apart (`SplitTrainStep`): a user task's
     # own `train_step` has none, so it cannot run (synchronous `parameter_server`).
     splits_steps: bool = False
+    # `run_steps` takes a `strategies.units.UnitStream` too: each unit goes to whichever
+    # worker is free, so input that cannot be one ordered stream still trains each record
+    # once (`data.follow` under asynchronous `parameter_server`).
+    takes_units: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,7 +84,9 @@ class ParameterServerOptions:
 class ParameterServer(Strategy, options=ParameterServerOptions):
     """Variables (whole or sharded) on ps members, asynchronous workers driven by the chief."""
 
-    traits = Traits(ordered_input=False)  # workers take steps, and batches, as they come
+    # Workers take steps, and batches, as they come; asynchronous workers also take input
+    # handed out in units (`strategies.units`), one closure a unit.
+    traits = Traits(ordered_input=False, takes_units=True)
 
     def build_tf_strategy(self) -> tf.distribute.Strategy:
         cluster = cluster_lib.from_env()
@@ -122,7 +124,13 @@ class ParameterServer(Strategy, options=ParameterServerOptions):
             self.updates = ps_staleness.AsyncUpdates(
                 strategy, self.coordinator, self.staleness, self.warmup_steps, workers
             )
-        self.traits = dataclasses.replace(self.traits, splits_steps=self.updates.splits_steps)
+        self.traits = dataclasses.replace(
+            self.traits,
+            splits_steps=self.updates.splits_steps,
+            # Units go to whichever worker is free: not the synchronous mode's rounds, nor the
+            # warm-up's one worker.
+            takes_units=not (self.sync_replicas or self.warmup_steps),
+        )
         return strategy
 
     def _coordinated_strategy(self) -> tf.distribute.ParameterServerStrategy:

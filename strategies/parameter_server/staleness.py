@@ -34,6 +34,8 @@ import numpy as np
 import tensorflow as tf
 
 from strategies.base import SplitTrainStep, TrainStepProtocol
+from strategies.parameter_server.units import UnitRunner
+from strategies.units import REPEATED, UnitStream
 from towerflow.errors import UserError
 
 BUCKETS = 32  # staleness 0, 1, ..., 30, and 31 or more
@@ -94,13 +96,14 @@ class AsyncUpdates:
       workers: the worker members.
     """
 
-    own_sums = SUMS
+    own_sums = (*SUMS, REPEATED)
 
     def __init__(self, strategy, coordinator, policy: Staleness, warmup_steps: int, workers: int):
         self.strategy, self.coordinator = strategy, coordinator
         self.policy, self.warmup_steps, self.workers = policy, warmup_steps, workers
         self._updates = None  # the cluster's update counter, on a ps member; made on first use
         self._loops: dict = {}  # train step -> its traced loop
+        self._units = UnitRunner(strategy, coordinator, workers)  # for a `UnitStream`
 
     @property
     def splits_steps(self) -> bool:
@@ -119,10 +122,16 @@ class AsyncUpdates:
         return ", ".join(filter(None, how))
 
     def run(self, step: TrainStepProtocol, iterator, n: int) -> dict:
-        """Runs `n` steps split over the workers; returns their sums and the staleness records."""
-        if self._updates is None:
-            with self.strategy.scope():  # on a ps member; counts this run's updates
-                self._updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates")
+        """Runs `n` steps split over the workers; returns their sums and the staleness records.
+
+        `iterator` may be a `UnitStream`: then each of its units is one closure,
+        on whichever worker is free (`strategies.parameter_server.units`).
+        """
+        self._make_counter()
+        if isinstance(iterator, UnitStream):
+            if step not in self._loops:
+                self._loops[step] = recorded_step(self.strategy, step, self.policy, self._updates)
+            return self._units.run(self._loops[step], step, iterator, n)
         if step not in self._loops:
             self._loops[step] = make_loop(self.strategy, step, self.policy, self._updates)
         loop = self._loops[step]
@@ -139,8 +148,16 @@ class AsyncUpdates:
         return tf.nest.map_structure(lambda *parts: tf.add_n(parts), *sums)
 
     def report(self, sums: dict, steps: int) -> tuple[dict, dict]:
-        """The block's staleness (see `report`)."""
-        return report(sums, steps, self.policy)
+        """The block's staleness (see `report`), and the records a lost worker made repeat."""
+        scalars, histograms = report(sums, steps, self.policy)
+        if REPEATED in sums:
+            scalars[REPEATED] = sums[REPEATED]
+        return scalars, histograms
+
+    def _make_counter(self) -> None:
+        if self._updates is None:
+            with self.strategy.scope():  # on a ps member; counts this run's updates
+                self._updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates")
 
     def _steps_done(self, step: TrainStepProtocol) -> int:
         """The job's step: the optimizer's counter, else the updates this run counted."""
@@ -151,15 +168,15 @@ def _int64(value: int) -> tf.Tensor:
     return tf.constant(value, tf.int64)
 
 
-def make_loop(
+def recorded_step(
     strategy: tf.distribute.Strategy, step_fn: TrainStepProtocol, policy: Staleness, updates
 ):
-    """A worker's loop of n asynchronous steps that records each update's staleness.
+    """One asynchronous step that records its update's staleness.
 
     `updates` is the cluster's update counter (an int64 variable on a ps
     member). Under `none` the step runs as it always did, and the counter
     moves once it is done; otherwise the step's halves run apart, with the
-    policy between them. Returns the steps' sums plus `staleness_histogram`,
+    policy between them. Returns the step's sums plus `staleness_histogram`,
     `staleness_sum` and `stale_dropped`.
     """
     if policy.mode == "none":
@@ -176,6 +193,15 @@ def make_loop(
             "staleness_sum": tf.cast(stale, tf.float32),
             "stale_dropped": dropped,
         }
+
+    return with_records
+
+
+def make_loop(
+    strategy: tf.distribute.Strategy, step_fn: TrainStepProtocol, policy: Staleness, updates
+):
+    """A worker's loop of n asynchronous steps (`recorded_step`); returns their sums."""
+    with_records = recorded_step(strategy, step_fn, policy, updates)
 
     @tf.function
     def loop(iterator, n):

@@ -498,14 +498,12 @@ class Follower:
     def take_unit(self, most: int = 0) -> Unit | None:
         """The next range of an admitted file neither done nor out, of `most` records (0: all).
 
-        None while every admitted record is done or out (`admit` adds files).
+        None while every admitted record is done or out (`admit` adds files). A run
+        takes its records as units or as the synchronous stream (`segments`), not both.
         """
         with self._lock:
             for file in self._admitted:
-                taken = self._ranges.get(file.name, []) + [
-                    (u.first, u.records) for u in self._out.values() if u.file == file.name
-                ]
-                free = _free(file.records, taken)
+                free = self._not_taken(file)
                 if free:
                     first, n = free[0]
                     unit = Unit(self._next_unit, file.name, first, min(n, most) if most else n)
@@ -520,6 +518,22 @@ class Follower:
             unit = self._out.pop(unit_id)
             self._mark_done(unit.file, unit.first, unit.records)
             self._write()
+
+    def unit_returned(self, unit_id: int) -> None:
+        """Unit `unit_id` did not train (its block failed): its records are handed out again."""
+        with self._lock:
+            self._out.pop(unit_id)
+
+    def unit_steps(self, global_batch: int) -> int:
+        """Steps of `global_batch` the records neither done nor out make, a file's tail its own."""
+        with self._lock:
+            ranges = [r for file in self._admitted for r in self._not_taken(file)]
+        return sum(-(-n // global_batch) for _, n in ranges)
+
+    def _not_taken(self, file: _File) -> list[tuple[int, int]]:
+        """The ranges of `file` neither done nor out (under the lock)."""
+        out = [(u.first, u.records) for u in self._out.values() if u.file == file.name]
+        return _free(file.records, self._ranges.get(file.name, []) + out)
 
     # --- the backlog ---------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ never needs a line in a loop file.
    leaves it off. It may check more (files, the model) and must write nothing.
 4. The run then asks each `Feature` what it adds: checkpoint entries, actions
    (made once the run's checkpointer exists, `Run`), hooks around the train
-   step and the input, start-up lines, results, and what it does on close.
+   step and the input (or an input of its own), start-up lines, results, and
+   what it does on close.
 
 A component registers with `@component.register("name")` on its class; a
 name taken twice is an error. The built-in ones live in
@@ -37,6 +38,7 @@ import ml_collections
 import tensorflow as tf
 
 import strategies
+from strategies.units import UnitStream
 from towerflow.registry import Registry
 from trainer.loop.controller import Action
 
@@ -155,6 +157,14 @@ class Feature:
     def wrap_step(self, step: Callable, first_step: int) -> Callable:
         """The train step the strategy runs (`steps.TrainStep`), maybe wrapped."""
         return step
+
+    def input(self) -> UnitStream | None:
+        """The input the steps read instead of the data's stream (None: the stream).
+
+        A plugin with `Traits.takes_units` takes a `strategies.units.UnitStream`
+        (followed files handed out in units to whichever worker is free).
+        """
+        return None
 
     def wrap_input(self, iterator: Iterator) -> Iterator:
         """The distributed training iterator the steps read, maybe wrapped."""

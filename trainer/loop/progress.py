@@ -25,7 +25,7 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
             parts.append(f"{name}: {int(value)}")
         elif name == "ids_held":  # in the dynamic tables
             parts.append(f"ids: {int(value)}")
-        elif name.startswith("backlog_"):  # `data.follow`: files and records not trained on
+        elif name.startswith("backlog_") or name == "records_repeated":  # `data.follow`
             parts.append(f"{name}: {int(value)}")
         elif name == "behind_s":
             parts.append(f"behind_s: {value:.1f}")

@@ -2,14 +2,20 @@
 
 The files and the position are the data's (`trainer.data.follow`); this
 component checks the fields, puts the position in every checkpoint, runs
-whole blocks once their files are there (`actions.follow`), and stops the
-stream's wait for files however the run ends.
+blocks once their files are there (`actions.follow`), and stops the
+stream's wait for files however the run ends. Under a plugin whose workers
+take work when free (`Traits.takes_units`: asynchronous `parameter_server`)
+the files go to the steps in units (`trainer.data.follow_units`), and the
+records a lost worker's unit trained twice are counted (`records_repeated`,
+in the progress line, TensorBoard and results.json).
 """
 
 from __future__ import annotations
 
+from strategies.units import REPEATED
 from towerflow.errors import UserError
 from trainer.data import follow
+from trainer.data.follow_units import FollowedUnits
 from trainer.loop import actions, component
 
 BLOCK_STEPS = 100  # `data.follow` with `train.steps_per_loop=0`: steps of a block
@@ -41,26 +47,53 @@ class Follow(component.Component):
                 "`data.follow` trains on files as they arrive; set `--config.train.epochs=0` and "
                 "`train.steps` (0: until stopped)."
             )
-        if not traits.ordered_input:
-            raise UserError(
-                f"`data.follow` trains on each record once, in order, and `strategy.name` "
-                f"'{config.strategy.name}' lets workers take batches as they come, so records "
-                "would train twice or never across restarts; use `multi_worker`, `mirrored` or "
-                "`one_device`."
-            )
+        if not (traits.ordered_input or traits.takes_units):
+            raise UserError(_NO_UNITS.format(name=config.strategy.name))
 
     def build(self, context: component.Context) -> component.Feature | None:
         follower = follow.follower_of(context.dataset)
-        return None if follower is None else _Following(context, follower)
+        if follower is None:
+            return None
+        traits = context.strategy.traits
+        if traits.ordered_input:  # one stream, every worker its share of each global batch
+            return _Following(context, follower)
+        if not traits.takes_units:  # e.g. `parameter_server` with its options as set
+            raise UserError(_NO_UNITS.format(name=context.strategy.name))
+        batch = context.config.train.global_batch_size
+        return _Following(context, follower, FollowedUnits(follower, context.dataset.decode, batch))
+
+
+# A plugin whose workers take batches as they come, and no input in units either.
+_NO_UNITS = (
+    "`data.follow` trains each record once, and `strategy.name` '{name}' as set lets workers "
+    "take batches as they come without taking input in units (e.g. `parameter_server` with "
+    "`sync_replicas` or `warmup_steps`), so records would train twice or never across "
+    "restarts; use `parameter_server` asynchronous (`sync_replicas=0`, `warmup_steps=0`), "
+    "`multi_worker`, `mirrored` or `one_device`."
+)
 
 
 class _Following(component.Feature):
     # First: the position moves on with every block trained, rolled back or not.
     slot = component.Slot.FIRST
 
-    def __init__(self, context: component.Context, follower: follow.Follower):
+    def __init__(
+        self,
+        context: component.Context,
+        follower: follow.Follower,
+        units: FollowedUnits | None = None,
+    ):
         self._context = context
         self._follower = follower
+        self._units = units  # the files handed out in units, for workers that take work when free
+        self._repeated = 0.0  # records a lost worker's unit trained twice, this run
+
+    def input(self) -> FollowedUnits | None:
+        return self._units
+
+    def start(self, restored: str | None) -> None:
+        if self._units is not None:  # the synchronous stream starts its follower itself
+            self._follower.start()
 
     def checkpoint(self) -> dict:
         # The file being trained on and the records of it trained on.
@@ -76,8 +109,8 @@ class _Following(component.Feature):
         block = config.train.steps_per_loop or BLOCK_STEPS
         member = context.strategy.membership  # workers that step together start so, on one stream
         batch = config.train.global_batch_size
-        return actions.follow(
-            self._follower,
+        follow_actions = actions.follow(
+            self._units or self._follower,
             batch,
             block,
             while_waiting,
@@ -85,6 +118,19 @@ class _Following(component.Feature):
             agree=member.agree,
             say=context.say,
         )
+        if self._units is None:
+            return follow_actions
+        return [*follow_actions, actions.every_block(self._count_repeated, "records repeated")]
+
+    def _count_repeated(self, output) -> None:
+        """The records trained twice so far (a unit whose worker was lost ran again)."""
+        self._repeated += output.metrics.pop(REPEATED, 0.0)
+        output.metrics[REPEATED] = self._repeated
+
+    def results(self) -> dict:
+        if self._units is None:
+            return {}
+        return {"follow": {REPEATED: int(self._repeated)}}
 
     def close(self) -> None:
         self._follower.close()  # the input stream stops waiting for files
