@@ -1,7 +1,7 @@
 """Cluster membership: who this process is in its cluster, and whether everyone is still there.
 
 A strategy plugin says how a step is distributed; *membership* says which
-part of the run this process plays and how the processes of a cluster stay
+part of the job this process plays and how the processes of a cluster stay
 together, as Lightning keeps its `ClusterEnvironment` apart from its
 `Strategy`. It is built from the resolved cluster (`strategies.cluster.discovery`
 sets it as `TF_CONFIG`, `strategies.cluster` parses it) and reached as
@@ -160,7 +160,7 @@ class Membership:
         """A watch for SIGTERM, as a context manager around the training loop.
 
         The loop calls its `check(save)` after every loop (on every member); it
-        saves and raises `preemption.Preempted` once the run is to stop. One
+        saves and raises `preemption.Preempted` once the job is to stop. One
         process watches its own signal; workers that step together agree on
         the step (`preemption.CoordinatedWatch`).
         """

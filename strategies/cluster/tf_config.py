@@ -231,7 +231,7 @@ def make_tf_config(by_type: Mapping[str, list[str]], task_type: str, task_index:
 def wait_until_gone(
     address: str, startup_s: float = 600.0, interval_s: float = 1.0, misses: int = 3
 ) -> bool:
-    """Blocks while the member at `address` ("host:port") runs; how a server learns the run ended.
+    """Blocks while the member at `address` ("host:port") runs; how a server learns the job ended.
 
     Tries a TCP connection every `interval_s` seconds: first until the member
     answers (for at most `startup_s`), then until `misses` tries in a row fail.

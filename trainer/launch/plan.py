@@ -21,7 +21,7 @@ class Member:
     """One member of a local cluster: a process (a TF_CONFIG "task").
 
     Attributes:
-      type: "chief", "worker", "ps" or "evaluator".
+      type: its member type: "chief", "worker", "ps" or "evaluator".
       index: its index within its type (`TF_CONFIG`'s `task.index`).
       address: "127.0.0.1:port" of its server; None for the evaluator, which runs none.
       tf_config: the `TF_CONFIG` it runs with.
@@ -70,17 +70,18 @@ def plan_cluster(
     servers += [("worker", i) for i in range(workers)] + [("ps", i) for i in range(ps)]
     ports = pick_ports(len(servers) + evaluator, port_base)
     addresses = [f"{LOOPBACK}:{port}" for port in ports]
-    jobs: dict[str, list[str]] = {}
-    for (task_type, _), address in zip(servers, addresses, strict=False):
-        jobs.setdefault(task_type, []).append(address)
+    by_type: dict[str, list[str]] = {}
+    for (member_type, _), address in zip(servers, addresses, strict=False):
+        by_type.setdefault(member_type, []).append(address)
     if evaluator:
-        jobs["evaluator"] = [addresses[-1]]
+        by_type["evaluator"] = [addresses[-1]]
     members = [
-        Member(task_type, index, address, cluster.make_tf_config(jobs, task_type, index))
-        for (task_type, index), address in zip(servers, addresses, strict=False)
+        Member(member_type, index, address, cluster.make_tf_config(by_type, member_type, index))
+        for (member_type, index), address in zip(servers, addresses, strict=False)
     ]
     if evaluator:
-        members.append(Member("evaluator", 0, None, cluster.make_tf_config(jobs, "evaluator", 0)))
+        tf_config = cluster.make_tf_config(by_type, "evaluator", 0)
+        members.append(Member("evaluator", 0, None, tf_config))
     return members
 
 

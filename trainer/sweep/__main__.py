@@ -374,9 +374,9 @@ def _sharing_input(
     """`trials` reading their input from one tf.data service, started here until `stack` ends.
 
     Trials whose pipelines are identical (the same `data` config, seed, global
-    batch and task) name the same `data.service_job`, so the data worker makes
-    their batches once and each of them reads every batch (TF's cross-trainer
-    cache). A trial joins the stream where it is when it starts: trials that run
+    batch and task) name the same tf.data service job (`data.service_job`), so
+    the data worker makes their batches once and each of them reads every batch
+    (TF's cross-trainer cache). A trial joins the stream where it is when it starts: trials that run
     side by side read the same batches; one started later reads on from there.
     """
     from trainer.data import service_client  # TensorFlow, only when asked for
@@ -386,16 +386,16 @@ def _sharing_input(
     for trial in trials:
         groups.setdefault(_pipeline_key(trial.config), []).append(trial)
     shared = []
-    for key, members in groups.items():
-        job = f"input-{key}" if len(members) > 1 else ""
-        names = ", ".join(f"{t.index:02d}" for t in members)
+    for key, group in groups.items():
+        service_job = f"input-{key}" if len(group) > 1 else ""
+        names = ", ".join(f"{t.index:02d}" for t in group)
         console.log(
-            f"trials {names}: one shared input stream ({job})"
-            if job
+            f"trials {names}: one shared input stream ({service_job})"
+            if service_job
             else f"trial {names}: an input stream of its own"
         )
-        extra = (("data.service", servers.address), ("data.service_job", job))
-        shared += [dataclasses.replace(t, settings=(*t.settings, *extra)) for t in members]
+        extra = (("data.service", servers.address), ("data.service_job", service_job))
+        shared += [dataclasses.replace(t, settings=(*t.settings, *extra)) for t in group]
     console.log(f"input on the tf.data service at {servers.address}")
     return sorted(shared, key=lambda t: t.index)
 
