@@ -99,6 +99,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from strategies import tf_patches
+
 # COUNT_LIMIT, COUNT_MAX and COUNT_ONE are re-exported (callers read `tables.COUNT_ONE`).
 from trainer.layers.table_encoding import (  # noqa: F401
     COUNT_LIMIT,
@@ -279,7 +281,7 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
 
     def lock_device(self) -> str:
         """The device of the lock that every change to the index takes."""
-        return self._lock._handle.device
+        return tf_patches.lock_handle(self._lock).device
 
     def use_clock(self, step: tf.Variable) -> None:
         """Takes the step from `step` (the optimizer's `iterations`) instead of counting calls."""
