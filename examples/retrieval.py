@@ -90,11 +90,15 @@ def interactions(config, seed: int) -> dict[str, np.ndarray]:
         draws = rng.random(len(mine)) * cumulative[who[mine], -1]
         rows = cumulative[who[mine]]
         chosen[mine] = np.minimum((rows < draws[:, None]).sum(1), items - 1)
-    # Raw ids far apart, as a catalogue's are: no table can index them by position.
     return {
         "user_id": who.astype(np.int64) * 7919 + 11,
-        "item_id": chosen * 104_729 + 1_000_003,
+        "item_id": raw_item_ids(chosen),
     }
+
+
+def raw_item_ids(positions: np.ndarray) -> np.ndarray:
+    """The raw ids of items `0, 1, ...`: far apart, as a catalogue's are (int64)."""
+    return positions.astype(np.int64) * 104_729 + 1_000_003
 
 
 class RetrievalTask(Task):
@@ -102,29 +106,67 @@ class RetrievalTask(Task):
 
     def build_model(self) -> keras.Model:
         t = self.config.task
+        query, item_tower = self.towers()
+        softmax = InBatchSoftmax(
+            t.temperature, t.log_q, True, t.uniform_negatives, t.negatives_column
+        )
+        index = Partitioned(t.partitions, t.probes) if t.partitions else None
+        return Retrieval(query, item_tower, "item_id", softmax, t.k, index)
+
+    def towers(self) -> tuple[keras.Model, keras.Model]:
+        """The user tower (a dict of `user_id`) and the item tower (item ids)."""
+        t = self.config.task
         user_id = keras.Input((), dtype="int64", name="user_id")
         users = DynamicEmbedding(t.width, capacity=4 * t.num_users, name="users")(user_id)
         query = keras.Model({"user_id": user_id}, keras.layers.Dense(t.width)(users), name="user")
         item_id = keras.Input((), dtype="int64", name="item_id")
         items = DynamicEmbedding(t.width, capacity=t.item_capacity, name="items")(item_id)
-        softmax = InBatchSoftmax(
-            t.temperature, t.log_q, True, t.uniform_negatives, t.negatives_column
-        )
-        index = Partitioned(t.partitions, t.probes) if t.partitions else None
-        item_tower = keras.Model(item_id, items, name="item")
-        return Retrieval(query, item_tower, "item_id", softmax, t.k, index)
+        return query, keras.Model(item_id, items, name="item")
 
     def dataset_fn(self, input_context, split: str, global_batch_size: int) -> tf.data.Dataset:
+        features, labels = self.examples(split)
+        examples = tf.data.Dataset.from_tensor_slices((features, labels)).shard(
+            input_context.num_input_pipelines, input_context.input_pipeline_id
+        )
+        buffer = self.config.task.shuffle_buffer
+        if split == "train" and buffer:
+            examples = examples.shuffle(buffer, seed=self.config.seed)
+        batch = input_context.get_per_replica_batch_size(global_batch_size)
+        return examples.batch(batch, drop_remainder=split == "train")
+
+    def examples(self, split: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The split's interactions (features, and a label 1: every pair was observed)."""
         t = self.config.task
         stream = interactions(t, self.config.seed)
         cut = int(t.interactions * (1 - t.eval_fraction))
         part = slice(0, cut) if split == "train" else slice(cut, None)
         features = {name: values[part] for name, values in stream.items()}
-        labels = np.ones(len(features["item_id"]), np.float32)  # every pair observed
-        examples = tf.data.Dataset.from_tensor_slices((features, labels)).shard(
-            input_context.num_input_pipelines, input_context.input_pipeline_id
-        )
-        if split == "train" and t.shuffle_buffer:
-            examples = examples.shuffle(t.shuffle_buffer, seed=self.config.seed)
-        batch = input_context.get_per_replica_batch_size(global_batch_size)
-        return examples.batch(batch, drop_remainder=split == "train")
+        return features, np.ones(len(features["item_id"]), np.float32)
+
+
+class PairsTask(RetrievalTask):
+    """The same towers scored on labelled pairs with a sigmoid (the benchmark's baseline).
+
+    Each interaction is a positive pair (label 1) followed by its user with an
+    item drawn uniformly from the catalogue (label 0); the logit is the dot
+    product of the towers.
+    """
+
+    def build_model(self) -> keras.Model:
+        query, item_tower = self.towers()
+        user_id = keras.Input((), dtype="int64", name="user_id")
+        item_id = keras.Input((), dtype="int64", name="item_id")
+        vectors = query({"user_id": user_id}) * item_tower(item_id)
+        logit = keras.layers.Lambda(lambda x: keras.ops.sum(x, axis=-1, keepdims=True))(vectors)
+        model = keras.Model({"user_id": user_id, "item_id": item_id}, logit, name="pairs")
+        model.compile(loss=keras.losses.BinaryCrossentropy(from_logits=True))
+        return model
+
+    def examples(self, split: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        features, _ = super().examples(split)
+        rng = np.random.default_rng(self.config.seed)
+        drawn = rng.integers(self.config.task.num_items, size=len(features["item_id"]))
+        negatives = {"user_id": features["user_id"], "item_id": raw_item_ids(drawn)}
+        both = {k: np.stack([features[k], negatives[k]], 1).reshape(-1) for k in features}
+        labels = np.tile(np.array([1.0, 0.0], np.float32), len(features["item_id"]))
+        return both, labels

@@ -21,6 +21,7 @@ CASES = (
     "elastic",
     "tables_quality",
     "table_lookups",
+    "retrieval",
 )
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
