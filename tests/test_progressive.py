@@ -23,11 +23,13 @@ from strategies.base import SplitTrainStep
 from tests.helpers import (
     REPO,
     assert_exit,
+    config_flags,
     one_line_error,
     run_command,
     spawn,
     tensorboard_scalars,
     tiny_config,
+    train_on_cluster,
 )
 from towerflow.processes import pick_ports
 from trainer.loop import objectives, progressive, steps, train
@@ -263,6 +265,7 @@ def _assert_window_is_a_plain_evaluation(out: dict) -> None:
     _assert_same(out["window"], out["train"])  # the very batches trained on
 
 
+@pytest.mark.slow  # the whole loop runs it too (`test_two_multi_worker_workers_report_...`)
 def test_two_workers_of_multi_worker_keep_one_window_of_the_global_batches(tmp_path):
     cluster = _cluster({"worker": 2})
     command = [sys.executable, "-c", _MEMBER, "multi_worker", ""]
@@ -365,12 +368,64 @@ def test_a_followed_run_reports_its_window_in_the_progress_line_tensorboard_and_
 
 
 def test_a_resumed_run_goes_on_with_its_window(tmp_path):
-    config = _followed(tmp_path, window_examples=128)
+    config = _followed(tmp_path)
     config.train.steps = 4
     train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")
     config.train.steps = 8
     resumed = train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")["train"]
     assert resumed["progressive_examples"] == 128  # 4 batches from the first run, 4 after
+
+
+# A config file for the command: the default's, following the files of `_followed`, scored.
+_CONFIG_FILE = """
+from configs.default import get_config as default_config
+
+def get_config():
+    config = default_config()
+    config.eval.progressive = True
+    config.eval.window_examples = {window}
+    return config
+"""
+
+
+def test_two_multi_worker_workers_report_the_window_of_their_global_batches(tmp_path):
+    """Through the launcher; at a rate that moves nothing, the run's evaluation of the same
+    records at its end is the window's figures."""
+    config = _followed(tmp_path)
+    (tmp_path / "progressive_config.py").write_text(_CONFIG_FILE.format(window=128))
+    fields = (
+        "data.name",
+        "data.train_files",
+        "data.eval_files",
+        "data.num_classes",
+        "data.follow",
+        "data.follow_poll_secs",
+        "train.global_batch_size",
+        "train.steps",
+        "train.steps_per_loop",
+        "optimizer.name",
+        "optimizer.schedule",
+        "optimizer.warmup_steps",
+        "optimizer.learning_rate",
+        "model.hidden_units",
+    )
+    results = train_on_cluster(
+        tmp_path,
+        "--strategy=multi_worker",
+        f"--config={tmp_path / 'progressive_config.py'}",
+        "--config.data.input_shape=(4,)",
+        "--config.train.export=False",
+        *config_flags(config, fields),
+        workers=2,
+        ps=0,
+    )
+    windowed = {
+        name.removeprefix(progressive.PREFIX): value
+        for name, value in results["train"].items()
+        if name.startswith(progressive.PREFIX)
+    }
+    assert windowed["examples"] == results["eval"]["examples"] == 128
+    _assert_same(windowed, results["eval"])
 
 
 @pytest.mark.parametrize(
@@ -386,3 +441,33 @@ def test_bad_progressive_input_stops_the_run_before_model_dir_is_written(
     config = _followed(tmp_path, **overrides)
     one_line_error(match, train.train_and_evaluate, config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_resumed_with_another_window_is_refused_before_it_writes(tmp_path):
+    config = _followed(tmp_path)
+    config.train.steps = 4
+    train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")
+    before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    config.train.steps, config.eval.window_examples = 8, 64
+    message = one_line_error(
+        r"`eval.window_examples` \(64\) makes a window of 4 global batches of 16",
+        train.train_and_evaluate,
+        config,
+        str(tmp_path / "run"),
+    )
+    assert "--config.eval.window_examples=128" in message
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+
+
+def test_a_run_resumed_with_progressive_validation_newly_on_starts_its_window_and_says_so(
+    tmp_path, capsys
+):
+    config = _followed(tmp_path, **{"eval.progressive": False})
+    config.train.steps = 4
+    train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")
+    config.train.steps, config.eval.progressive = 8, True
+    resumed = train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")["train"]
+    assert resumed["progressive_examples"] == 64  # the 4 batches scored since
+    assert "were written without `eval.progressive`: the window starts empty" in (
+        capsys.readouterr().out
+    )
