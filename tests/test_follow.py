@@ -194,10 +194,6 @@ def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_p
         ({"data.follow_marker": "_SUCCESS"}, "has no wildcard in its directories"),
         ({"train.epochs": 2}, "`train.epochs` \\(2\\) counts passes over fixed data"),
         ({"data.service": "local:1"}, "`data.follow` reads its files in the trainer"),
-        (
-            {"strategy.name": "parameter_server"},
-            "`strategy.name` 'parameter_server' lets workers take batches as they come",
-        ),
     ],
 )
 def test_follow_without_files_to_follow_is_one_line_and_leaves_model_dir_alone(

@@ -1,0 +1,84 @@
+"""`data.follow` under asynchronous `parameter_server`: followed files handed out in units."""
+
+import json
+import signal
+
+import pytest
+
+import strategies
+from tests.helpers import config_flags, launch_and_signal, launched, one_line_error
+from tests.test_follow import _CLUSTER_FIELDS, _config, _done, _write_csv
+from trainer.loop.features.follow import Follow
+
+CLUSTER_TIMEOUT_S = 300
+ROWS = 40  # per file: 3 steps of 16 (16, 16 and a short one of 8)
+
+
+def _flags(tmp_path, steps: int) -> list[str]:
+    config = _config(tmp_path / "data", **{"train.steps": steps, "train.checkpoint_every": 3})
+    return [
+        "--",
+        "--strategy=parameter_server",
+        f"--model_dir={tmp_path / 'run'}",
+        *config_flags(config, (*_CLUSTER_FIELDS, "train.steps")),
+    ]
+
+
+def _results(tmp_path) -> dict:
+    return json.loads((tmp_path / "run" / "results.json").read_text())
+
+
+def test_two_workers_and_a_ps_train_each_file_once_whatever_order_they_land_in(tmp_path):
+    data = tmp_path / "data"
+    _write_csv(data / "eval.csv", 99)
+    for order, name in enumerate(["c", "a", "b"]):  # landing in no name order
+        _write_csv(data / "train" / f"{name}.csv", order, ROWS, order=order)
+
+    first = launched("--workers=2", "--ps=1", *_flags(tmp_path, 9), cwd=str(tmp_path))
+    assert "[chief] train | step: 9/9" in first.stdout, first.stdout[-3000:]
+    assert _done(tmp_path / "run") == (["a.csv", "b.csv", "c.csv"], {})
+    assert _results(tmp_path)["follow"] == {"records_repeated": 0}
+    assert "records_repeated: 0" in first.stdout
+
+    # A file that lands behind the newest (written before b.csv) is said late and trained
+    # once by the next run, which resumes from the checkpoint without training a file again.
+    _write_csv(data / "train" / "0.csv", 7, ROWS, order=1)
+    again = launched("--workers=2", "--ps=1", *_flags(tmp_path, 12), cwd=str(tmp_path))
+    assert "late file" in again.stdout and "0.csv" in again.stdout, again.stdout[-3000:]
+    assert "[chief] train | step: 12/12" in again.stdout
+    assert _done(tmp_path / "run") == (["0.csv", "a.csv", "b.csv", "c.csv"], {})
+    assert _results(tmp_path)["follow"] == {"records_repeated": 0}
+
+
+@pytest.mark.slow  # a kill and a restart
+def test_a_worker_killed_mid_unit_repeats_at_most_its_unit_and_loses_no_record(tmp_path):
+    data = tmp_path / "data"
+    _write_csv(data / "eval.csv", 99)
+    for order in range(6):
+        _write_csv(data / "train" / f"f{order}.csv", order, 160, order=order)  # 10 steps each
+    code, lines, _ = launch_and_signal(
+        "--workers=2",
+        "--ps=1",
+        *_flags(tmp_path, 60),
+        cwd=tmp_path,
+        trigger="[chief] train | step:",
+        member=("worker", 1),
+        sig=signal.SIGKILL,
+        timeout=CLUSTER_TIMEOUT_S,
+    )
+    output = "\n".join(line for _, line in lines)
+    assert code == 0, output[-3000:]
+    assert "worker:1 was killed by SIGKILL; restarting it" in output
+    assert _done(tmp_path / "run") == ([f"f{order}.csv" for order in range(6)], {})
+    repeated = _results(tmp_path)["follow"]["records_repeated"]
+    assert 0 <= repeated <= 2 * 16, "at most one unit (a block of 4 steps over 2 workers)"
+
+
+def test_follow_under_workers_that_neither_keep_order_nor_take_units_is_one_line(tmp_path):
+    _write_csv(tmp_path / "eval.csv", 99)
+    _write_csv(tmp_path / "train" / "clicks-1.csv", 1)
+    config = _config(tmp_path, **{"strategy.name": "parameter_server"})
+    unordered = strategies.Traits(ordered_input=False, takes_units=False)
+    one_line_error("without taking input in units", Follow().check, config, unordered)
+    takes_units = strategies.Traits(ordered_input=False, takes_units=True)
+    Follow().check(config, takes_units)  # asynchronous parameter_server: accepted
