@@ -38,17 +38,17 @@ def test_keras_dropout_differs_and_is_named_as_the_cause(tmp_path, capsys):
 
 
 def test_a_reference_that_disagrees_with_itself_is_named_nondeterministic():
-    run = check.Run("one_device", 1, ["w"], [], 1.0, {}, [], [])
+    run = check.StrategyRun("one_device", 1, ["w"], [], 1.0, {}, [], [])
     drifted = check.Comparison(run, 0.5, "dense/kernel", 0.1, 0.0, "")
     differs = check.Comparison(
-        check.Run("mirrored", 4, ["w"], [], 1.1, {}, [], []), 0.5, "w", 0.1, 0, ""
+        check.StrategyRun("mirrored", 4, ["w"], [], 1.1, {}, [], []), 0.5, "w", 0.1, 0, ""
     )
     causes = check.likely_causes(differs, drifted, 1e-4)
     assert causes[0].startswith("the reference (one_device) does not agree with a second run")
 
 
 def test_a_metric_that_differs_while_the_weights_agree_is_named_non_additive():
-    run = check.Run("mirrored", 4, ["w"], [], 1.0, {"auc": 0.7}, [], [])
+    run = check.StrategyRun("mirrored", 4, ["w"], [], 1.0, {"auc": 0.7}, [], [])
     same = check.Comparison(run, 0.0, "", 0.0, 0.0, "")
     metric = check.Comparison(run, 1e-7, "w", 0.0, 0.05, "eval auc")
     (cause,) = check.likely_causes(metric, same, 1e-4)
@@ -56,7 +56,7 @@ def test_a_metric_that_differs_while_the_weights_agree_is_named_non_additive():
 
 
 def test_batchnorm_statistics_that_differ_are_named():
-    run = check.Run("mirrored", 4, ["w"], [], 1.0, {}, [], ["batch_normalization"])
+    run = check.StrategyRun("mirrored", 4, ["w"], [], 1.0, {}, [], ["batch_normalization"])
     same = check.Comparison(run, 0.0, "", 0.0, 0.0, "")
     stats = check.Comparison(run, 0.2, "batch_normalization/moving_variance", 0.0, 0.0, "")
     (cause,) = check.likely_causes(stats, same, 1e-4)

@@ -14,6 +14,9 @@ RENAMED = [
     ("trainer.launch", "Plan", "LaunchPlan"),
     ("trainer.launch.plan", "Plan", "LaunchPlan"),
     ("trainer.bench.hosts", "Member", "HostedMember"),
+    ("trainer.bench.harness", "Run", "TimedRun"),
+    ("trainer.check", "Run", "StrategyRun"),
+    ("trainer.sweep.plan", "Slot", "TrialSlot"),
 ]
 
 

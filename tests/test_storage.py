@@ -225,7 +225,7 @@ def test_a_sweep_directory_on_ram_holds_logs_rows_and_results(tmp_path):
             ["--no_such_flag=1"],
             os.path.join(REPO, "configs", "default.py"),
             sweep_dir,
-            [sweep_plan.Slot((), (0,))],
+            [sweep_plan.TrialSlot((), (0,))],
             console,
             processes.Interrupt(),
         )

@@ -45,6 +45,8 @@ from trainer import cli  # noqa: E402
 
 cli.own_packages_first()  # before anything imports `strategies`
 
+from towerflow import renamed  # noqa: E402
+
 _STRATEGIES = flags.DEFINE_list(
     "strategies",
     ["one_device", "mirrored", "multi_worker"],
@@ -61,7 +63,7 @@ _IN_ONE_PROCESS_NOT = ("parameter_server",)
 
 
 @dataclasses.dataclass
-class Run:
+class StrategyRun:
     """What one strategy's run ended with."""
 
     strategy: str
@@ -78,7 +80,7 @@ class Run:
 class Comparison:
     """One strategy's run against the reference's."""
 
-    run: Run
+    run: StrategyRun
     weight_diff: float
     weight_name: str
     loss_diff: float
@@ -161,7 +163,7 @@ def check(config, names: Sequence[str], steps: int, tolerance: float, scratch: s
     return 0 if all(c.agrees(tolerance) for c in comparisons) else 1
 
 
-def train_once(config, strategy: str, steps: int, model_dir: str) -> Run:
+def train_once(config, strategy: str, steps: int, model_dir: str) -> StrategyRun:
     """The job of `config` trained for `steps` steps under `strategy`, then evaluated once."""
     import keras
     import numpy as np
@@ -182,7 +184,7 @@ def train_once(config, strategy: str, steps: int, model_dir: str) -> Run:
     job = train.build(config, model_dir)
     results = train.run(job, "train_and_eval")
     layers = tf_patches.flat_layers(job.model)
-    return Run(
+    return StrategyRun(
         strategy=strategy,
         replicas=job.strategy.num_replicas_in_sync,
         names=[w.path for w in job.model.weights],
@@ -194,7 +196,7 @@ def train_once(config, strategy: str, steps: int, model_dir: str) -> Run:
     )
 
 
-def compare(reference: Run, run: Run) -> Comparison:
+def compare(reference: StrategyRun, run: StrategyRun) -> Comparison:
     """`run` against `reference`: the largest differences, each relative above 1."""
     import numpy as np
 
@@ -248,7 +250,7 @@ def likely_causes(comparison: Comparison, self_check: Comparison, tolerance: flo
     return causes
 
 
-def table(reference: Run, comparisons: Sequence[Comparison], tolerance: float) -> str:
+def table(reference: StrategyRun, comparisons: Sequence[Comparison], tolerance: float) -> str:
     """The comparison as aligned rows, the reference first, then each cause on a line."""
     rows = [("strategy", "replicas", "max weight diff", "train loss diff", "max eval diff", "")]
     rows.append((reference.strategy, str(reference.replicas), "-", "-", "-", "reference"))
@@ -276,6 +278,8 @@ def _relative(got: float, want: float) -> float:
     diff = abs(got - want) / max(1.0, abs(want))
     return diff if diff == diff else float("inf")  # NaN: as far apart as can be
 
+
+__getattr__ = renamed.old_names(__name__, {"Run": "StrategyRun"}, globals())
 
 if __name__ == "__main__":
     app.run(cli.guarded(main), argv=sys.argv, flags_parser=cli.parse_own_flags)

@@ -1,6 +1,6 @@
 """The contenders that train: towerflow, Keras `fit` and the bare loop (the floor).
 
-Each returns a `Run`: one timed repetition, returning examples/s.
+Each returns a `TimedRun`: one timed repetition, returning examples/s.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import time
 import ml_collections
 
 from trainer.bench import clock
-from trainer.bench.harness import Run, paired, timed
+from trainer.bench.harness import TimedRun, paired, timed
 
 
 def towerflow(
     config: ml_collections.ConfigDict, strategy, model_dir: str, steps: int, service=None
-) -> Run:
+) -> TimedRun:
     """`train.run` for `steps` more steps; examples/s over whole loops after the first.
 
     The first loop (untimed) is `train.steps_per_loop` steps, or one under
@@ -77,7 +77,7 @@ def model_and_optimizer(config: ml_collections.ConfigDict, spec, strategy, fused
     return model, optimizer
 
 
-def bare_loop(config: ml_collections.ConfigDict, strategy, dataset, steps: int) -> Run:
+def bare_loop(config: ml_collections.ConfigDict, strategy, dataset, steps: int) -> TimedRun:
     """The floor: `strategy.run` of a minimal step, `steps` times in one `tf.function`.
 
     Each repetition starts a new input pipeline and leaves its first loop out
@@ -121,7 +121,7 @@ def bare_loop(config: ml_collections.ConfigDict, strategy, dataset, steps: int) 
 
 def keras_fit(
     config: ml_collections.ConfigDict, strategy, dataset, steps: int, steps_per_execution: int
-) -> Run:
+) -> TimedRun:
     """Keras `model.fit` under the same strategy; examples/s between executions after the first.
 
     With Keras's own optimizer class (same kind, schedule and results), as a
@@ -162,7 +162,7 @@ def keras_fit(
 
 def training(
     config: ml_collections.ConfigDict, strategy, workdir: str, loops: int, prefix: str = ""
-) -> dict[str, Run]:
+) -> dict[str, TimedRun]:
     """towerflow, keras_fit at 1 and at towerflow's loop length, and bare_loop."""
     from trainer import data
 

@@ -11,7 +11,7 @@ import math
 import os
 
 from trainer.bench import contenders
-from trainer.bench.harness import Run, alternate, medians, paired, result, timed
+from trainer.bench.harness import TimedRun, alternate, medians, paired, result, timed
 from trainer.bench.sizes import Sizes, make_config, parameters
 
 
@@ -72,7 +72,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     )
 
 
-def matmul_peak(n: int, matmuls: int) -> Run:
+def matmul_peak(n: int, matmuls: int) -> TimedRun:
     """float32 FLOP/s of chained `n` x `n` matmuls in a `tf.function` loop."""
     import tensorflow as tf
 
@@ -89,7 +89,7 @@ def matmul_peak(n: int, matmuls: int) -> Run:
     return lambda: 2 * n**3 * matmuls / timed(lambda: loop(a, k).numpy())
 
 
-def model_matmuls(widths: list[int], batch: int, steps: int) -> Run:
+def model_matmuls(widths: list[int], batch: int, steps: int) -> TimedRun:
     """Examples/s of just the matmuls of an MLP's training steps, at its shapes.
 
     Per layer of `widths[i] -> widths[i + 1]`: the forward product, and the two

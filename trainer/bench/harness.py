@@ -22,20 +22,21 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+from towerflow import renamed
 from towerflow.processes import member_identity
 from trainer.bench import clock
 from trainer.bench.sizes import FULL, LOGICAL_CPUS, QUICK, case_strategy
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-Run = Callable[[], float]  # one timed repetition -> a rate (examples/s, or FLOP/s)
+TimedRun = Callable[[], float]  # one timed repetition -> a rate (examples/s, or FLOP/s)
 
 
 # --- repetitions and statistics ------------------------------------------------------------
 
 
 def alternate(
-    contenders: dict[str, Run], reps: int, failed: dict[str, str] | None = None
+    contenders: dict[str, TimedRun], reps: int, failed: dict[str, str] | None = None
 ) -> dict[str, list[float]]:
     """Runs the contenders in turn `reps` times, each round starting one later (A B C, B C A, ...).
 
@@ -387,3 +388,6 @@ def _fmt(value) -> str:
     if isinstance(value, list):
         return "; ".join(_fmt(v) for v in value) or "-"
     return str(value)
+
+
+__getattr__ = renamed.old_names(__name__, {"Run": "TimedRun"}, globals())

@@ -14,7 +14,7 @@ import os
 import ml_collections
 
 from trainer.bench import contenders
-from trainer.bench.harness import Run, alternate, medians, paired, result, timed
+from trainer.bench.harness import TimedRun, alternate, medians, paired, result, timed
 from trainer.bench.sizes import Sizes, default_strategy, small_config
 
 
@@ -67,7 +67,7 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     )
 
 
-def pipeline(strategy, dataset_fn, batch: int, batches: int) -> Run:
+def pipeline(strategy, dataset_fn, batch: int, batches: int) -> TimedRun:
     """Examples/s of an input pipeline alone, distributed as the trainer reads it."""
     import tensorflow as tf
 
@@ -88,7 +88,7 @@ def pipeline(strategy, dataset_fn, batch: int, batches: int) -> Run:
     return lambda: batches * batch / timed(lambda: loop(iterator, n).numpy())
 
 
-def input_wait(config: ml_collections.ConfigDict, strategy, dataset, steps: int) -> Run:
+def input_wait(config: ml_collections.ConfigDict, strategy, dataset, steps: int) -> TimedRun:
     """Mean microseconds a towerflow step waits for its batch, timed inside the loop.
 
     The clock starts once the previous step has updated the variables and

@@ -48,7 +48,7 @@ from towerflow.errors import PREEMPTED_EXIT_CODE, UserError, one_line
 from trainer import cli
 from trainer.sweep import plan as sweep_plan
 from trainer.sweep import results as sweep_results
-from trainer.sweep.plan import Slot, Trial
+from trainer.sweep.plan import Trial, TrialSlot
 from trainer.sweep.results import FAILED, FINISHED, INTERRUPTED, Row
 
 GRACE_S = 15.0  # how long interrupted trials may take to save a checkpoint and exit
@@ -130,7 +130,7 @@ class _Running:
     """A trial's process while it runs."""
 
     trial: Trial
-    slot: Slot
+    slot: TrialSlot
     proc: subprocess.Popen
     pump: threading.Thread
     log: _Log
@@ -143,7 +143,7 @@ def run_sweep(
     trainer_args: Sequence[str],
     config_path: str,
     sweep_dir: str,
-    slots: Sequence[Slot],
+    slots: Sequence[TrialSlot],
     console: processes.Console,
     interrupt: processes.Interrupt,
     grace_s: float = GRACE_S,
@@ -210,7 +210,7 @@ def _finished_before(trial: Trial, row: Row) -> bool:
 
 def _start(
     trial: Trial,
-    slot: Slot,
+    slot: TrialSlot,
     trainer_args: Sequence[str],
     config_path: str,
     sweep_dir: str,

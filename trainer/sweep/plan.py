@@ -23,6 +23,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from towerflow import renamed
 from towerflow.errors import UserError
 from trainer import cli
 
@@ -56,7 +57,7 @@ class Trial:
 
 
 @dataclasses.dataclass(frozen=True)
-class Slot:
+class TrialSlot:
     """Where one trial runs: the GPUs it sees (CUDA ids; none without GPUs) and its cores."""
 
     gpus: tuple[str, ...]
@@ -313,7 +314,7 @@ def visible_gpus() -> list[str]:
 
 def plan_slots(
     parallel: str, per_trial: int, gpus: Sequence[str], cores: Sequence[int]
-) -> list[Slot]:
+) -> list[TrialSlot]:
     """One slot per trial that runs at once.
 
     Args:
@@ -350,5 +351,8 @@ def plan_slots(
     slots = []
     for i in range(count):
         mine = tuple(cores[i * share : (i + 1) * share]) or (cores[i % len(cores)],)
-        slots.append(Slot(tuple(gpus[i * per_trial : (i + 1) * per_trial]), mine))
+        slots.append(TrialSlot(tuple(gpus[i * per_trial : (i + 1) * per_trial]), mine))
     return slots
+
+
+__getattr__ = renamed.old_names(__name__, {"Slot": "TrialSlot"}, globals())
