@@ -135,7 +135,8 @@ def test_a_restart_in_the_middle_of_a_file_goes_on_with_its_next_record(tmp_path
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
 
 
-def test_a_trickle_short_of_a_block_trains_within_the_max_wait(tmp_path):
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+def test_a_trickle_short_of_a_block_trains_within_the_max_wait(tmp_path, strategy):
     _write_csv(tmp_path / "eval.csv", 99)
     # 40 records: 2 global batches of 16 and 8 more, where a block is 100 steps.
     _write_csv(tmp_path / "train" / "clicks-1.csv", 1, rows=40)
@@ -145,6 +146,7 @@ def test_a_trickle_short_of_a_block_trains_within_the_max_wait(tmp_path):
         "train.steps_per_loop": 100,
         "train.checkpoint_every": 100,
         "data.follow_max_wait_secs": 0.5,
+        "strategy.name": strategy,  # mirrored: the padded batch's last replicas hold only padding
     }
     results = train.train_and_evaluate(_config(tmp_path, **overrides), str(run), "train")
     # A short block of the 2 whole batches, then the 8 padded to one step of weight 8/16.
