@@ -45,7 +45,7 @@ from collections.abc import Iterator
 import keras
 import tensorflow as tf
 
-from strategies import sharding, tf_patches
+from strategies import sharding, tf_patches, tf_private
 from strategies.base import DatasetFn, StepFn, Strategy, TrainStepProtocol, Traits, _to_floats
 from strategies.cluster import membership, tf_start
 from strategies.cluster import tf_config as cluster_lib
@@ -287,7 +287,7 @@ class AtomicBatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=training, mask=mask)
         dtype = tf.float64 if inputs.dtype == tf.float64 else tf.float32  # as Keras's own
         inputs = tf.cast(inputs, dtype)
-        mean, variance = self._moments(inputs, None)
+        mean, variance = tf_private.batch_moments(self, inputs)
         for statistic, batch in ((self.moving_mean, mean), (self.moving_variance, variance)):
             delta = (batch - tf.cast(statistic.value, dtype)) * (1.0 - self.momentum)
             statistic.value.assign_add(tf.cast(delta, statistic.dtype))

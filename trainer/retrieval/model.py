@@ -30,6 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from strategies import tf_patches
 from towerflow.errors import UserError
 from trainer import layers
 from trainer.layers import DynamicEmbedding, ShardedEmbedding
@@ -234,7 +235,7 @@ def item_table(item_tower: keras.layers.Layer) -> DynamicEmbedding | ShardedEmbe
     if len(found) == 1:
         return found[0]
     if not found:
-        kinds = sorted({type(x).__name__ for x in item_tower._flatten_layers()})
+        kinds = sorted({type(x).__name__ for x in tf_patches.flat_layers(item_tower)})
         raise UserError(
             f"The item tower '{item_tower.name}' holds no `DynamicEmbedding` or "
             f"`ShardedEmbedding` (its layers: {', '.join(kinds)}); retrieval serves the items a "
