@@ -3,7 +3,9 @@
 Glossary (the classic distributed-TensorFlow terms, as `tf.distribute` uses them):
 
 - *replica* (tower): one copy of the model's computation, on one device.
-- *member*: one process of a cluster (chief, worker, ps, evaluator); `TF_CONFIG` calls it a `task`.
+- *member*: one process of a cluster; `TF_CONFIG` calls it a `task`.
+- *member type*: `chief`, `worker`, `ps` or `evaluator`: `TF_CONFIG`'s task type, a key of
+  its `cluster` (TensorFlow's `ClusterSpec` calls each a job; here `ClusterSpec.addresses`).
 - *worker*: a member that runs replicas; one machine may hold several.
 - *chief*: the member that writes checkpoints, summaries and exports.
 - *parameter server* (ps): a member that only holds variables.
@@ -18,6 +20,22 @@ Glossary (the classic distributed-TensorFlow terms, as `tf.distribute` uses them
   are alive (lost members, agreement, preemption, restored steps). It is not
   part of distributing a step, so it is not part of this interface; a
   plugin of several processes builds it from its cluster in `build_tf_strategy()`.
+- *role* (`strategy.membership.role`): what a member does, from its type and the
+  strategy: "train" runs the loop, "serve" runs a server for the others (the ps and
+  workers of a parameter-server cluster), "evaluate" evaluates checkpoints beside
+  training. (`python -m trainer.data_service --role` keeps its flag's name for which of
+  the tf.data service's two servers a process runs.)
+- *job*: one training run as the user starts it: one config, one `model_dir`, every
+  member that trains it; a restart with the same `model_dir` continues the job. A
+  scheduler's job is named with its scheduler (a Slurm job, a Kubernetes Job, a JobSet's
+  replicated job), and the tf.data service's as a tf.data service job (`data.service_job`).
+- *table*: a `DynamicEmbedding`'s memory of ids, a row per admitted id, with its *index*
+  (id to row); under `parameter_server` it is split by id into *parts*, one per ps member.
+  A `TableConfig` describes one (Keras-RS's name). A fixed-size embedding variable split
+  over ps members (`ShardedEmbedding`) is split into *shards*; it is not a table.
+- *plan*: what a command decides before it starts anything, named for what it plans:
+  `trainer.launch.LaunchPlan` (a local cluster's members, their command, restarts), a
+  sweep's trials and slots (`trainer.sweep.plan`), what a warm start loads.
 - *plugin*: a `Strategy` subclass, registered by name (`strategies.register`,
   or an installed package's `towerflow.strategies` entry point).
 - *traits* (`Traits`): what a plugin supports and how it runs steps, which the
