@@ -265,7 +265,7 @@ def _assert_window_is_a_plain_evaluation(out: dict) -> None:
     _assert_same(out["window"], out["train"])  # the very batches trained on
 
 
-@pytest.mark.slow  # the whole loop runs it too (`test_two_multi_worker_workers_report_...`)
+@pytest.mark.slow  # the whole loop runs it too (`test_a_cluster_reports_the_window_...`)
 def test_two_workers_of_multi_worker_keep_one_window_of_the_global_batches(tmp_path):
     cluster = _cluster({"worker": 2})
     command = [sys.executable, "-c", _MEMBER, "multi_worker", ""]
@@ -283,9 +283,8 @@ def test_two_workers_of_multi_worker_keep_one_window_of_the_global_batches(tmp_p
     _assert_window_is_a_plain_evaluation(_member_output(result))
 
 
-@pytest.mark.parametrize(
-    "staleness", ["none", pytest.param("scale", marks=pytest.mark.slow)]
-)  # the step whole; its halves apart
+@pytest.mark.slow  # the whole loop runs the step whole on a ps cluster too
+@pytest.mark.parametrize("staleness", ["none", "scale"])  # the step whole; its halves apart
 def test_asynchronous_parameter_server_workers_write_one_window_on_the_ps(tmp_path, staleness):
     cluster = _cluster({"chief": 1, "worker": 2, "ps": 1})
     for role, index in (("worker", 0), ("worker", 1), ("ps", 0)):
@@ -388,7 +387,11 @@ def get_config():
 """
 
 
-def test_two_multi_worker_workers_report_the_window_of_their_global_batches(tmp_path):
+@pytest.mark.parametrize(
+    ("strategy", "ps"),
+    [pytest.param("multi_worker", 0, marks=pytest.mark.slow), ("parameter_server", 1)],
+)  # 2 workers, synchronous (mirrored replicas run the same all-reduce here); 2 workers + 1 ps
+def test_a_cluster_reports_the_window_of_the_batches_it_trained(tmp_path, strategy, ps):
     """Through the launcher; at a rate that moves nothing, the run's evaluation of the same
     records at its end is the window's figures."""
     config = _followed(tmp_path)
@@ -411,13 +414,13 @@ def test_two_multi_worker_workers_report_the_window_of_their_global_batches(tmp_
     )
     results = train_on_cluster(
         tmp_path,
-        "--strategy=multi_worker",
+        f"--strategy={strategy}",
         f"--config={tmp_path / 'progressive_config.py'}",
         "--config.data.input_shape=(4,)",
         "--config.train.export=False",
         *config_flags(config, fields),
         workers=2,
-        ps=0,
+        ps=ps,
     )
     windowed = {
         name.removeprefix(progressive.PREFIX): value
