@@ -14,8 +14,15 @@ and the config field `cluster.ps_tasks`, the old names of `JOBSET_MEMBERS`
 and `cluster.ps_members` accepted for one release; and `towerflow.errors`'
 own names, which that module renames. No page a user reads (README, docs/,
 deploy/, BUILD.md) calls a ps member a ps task.
+
+One word per concept besides, as `strategies/base.py`'s glossary settles them:
+no two public classes share a name (a bare `Member`, `Plan` or `Job` only where
+settled), no page or module calls a member type (`chief`, `worker`, `ps`,
+`evaluator`) a role or a job, and the glossary and docs/concepts.md define
+each settled word.
 """
 
+import ast
 import io
 import pathlib
 import re
@@ -155,3 +162,130 @@ def test_the_page_scan_finds_a_ps_task_in_prose():
     assert _PS_TASK.search("the table is split over the ps tasks")
     assert _PS_TASK.search("variables on 2 ps task(s)")
     assert not _PS_TASK.search("split over the ps members; the old field `cluster.ps_tasks`")
+
+
+# --- one word per concept, one class per name -------------------------------------------
+#
+# The settled words are in `strategies/base.py`'s glossary (rendered in docs/concepts.md):
+# a process of a cluster is a *member*, of a *member type* (`chief`, `worker`, `ps`,
+# `evaluator`: `TF_CONFIG`'s task type); its *role* is what it does (`train`, `serve`,
+# `evaluate`); a *job* is one training run (a scheduler's job is named with its scheduler);
+# a *plan* is named for what it plans.
+
+PRODUCT = sorted(
+    str(path.relative_to(ROOT))
+    for folder in ("strategies", "trainer", "towerflow", "configs")
+    for path in (ROOT / folder).rglob("*.py")
+)
+# Classes that still share a name with another, each in a module being restructured on its
+# own (trainer/loop/, trainer/data/); the rename each is to get, for when it lands.
+SHARED_PENDING = {
+    "Plan": {  # -> `RestorePlan` (portable.py), `WarmStartPlan` (warm_start.py)
+        "trainer/loop/portable.py",
+        "trainer/loop/warm_start.py",
+    },
+    "Feature": {"trainer/data/features.py", "trainer/loop/component.py"},  # -> `FeatureSpec` (data)
+    "InputWait": {"trainer/data/wait.py", "trainer/loop/features/input_wait.py"},
+    "Profile": {"trainer/loop/actions.py", "trainer/loop/features/profile.py"},
+    # Two records of one unit of followed files: one is to go, or both to say what they hold.
+    "Unit": {"strategies/units.py", "trainer/data/follow.py"},
+}
+# Names that say too little to stand alone: a class is named for what it is of.
+UNQUALIFIED = {"Member": {"trainer/launch/plan.py"}, "Plan": set(), "Job": set()}
+# `Job` (trainer/loop/job.py) is to become `BuiltJob`: a job is the training run, the record
+# what one process built of it. Until then it is the one `Job`.
+UNQUALIFIED_PENDING = {"Plan": SHARED_PENDING["Plan"], "Job": {"trainer/loop/job.py"}}
+
+
+def classes(paths: list[str]) -> dict[str, set[str]]:
+    """Public top-level class name -> the modules of `paths` that define one."""
+    found: dict[str, set[str]] = {}
+    for path in paths:
+        tree = ast.parse((ROOT / path).read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                found.setdefault(node.name, set()).add(path)
+    return found
+
+
+def test_no_two_public_classes_share_a_name():
+    shared = {
+        name: sorted(paths)
+        for name, paths in classes(PRODUCT).items()
+        if len(paths) > 1 and paths != SHARED_PENDING.get(name)
+    }
+    assert not shared, f"one class per name (name each for what it is): {shared}"
+
+
+@pytest.mark.parametrize("name", sorted(UNQUALIFIED))
+def test_a_bare_member_plan_or_job_class_is_only_the_settled_one(name):
+    allowed = UNQUALIFIED[name] | UNQUALIFIED_PENDING.get(name, set())
+    found = classes(PRODUCT).get(name, set())
+    assert found <= allowed, (
+        f"`class {name}` in {sorted(found - allowed)}: qualify it (`LaunchPlan`, `HostedMember`)"
+    )
+
+
+# A member type called a role or a job: "its role (chief, ...)", "TensorFlow's roles",
+# "a `chief` job", `ClusterSpec`'s old `.jobs`, `Membership(serving_jobs=...)`.
+_TYPE_MISNAMED = re.compile(
+    r"\broles?\s*\((?:chief|task type)|\b(?:TensorFlow's|task type)\W{0,3}roles?\b"
+    r"|\brole, a task type|\bRole \(task type\)"
+    r"|`(?:chief|worker|ps|evaluator|dispatcher|data_worker)`\s+jobs?\b"
+    r"|\.jobs\b(?!\.)|\bserving_jobs="
+)
+# The old names themselves, kept for a release: where they are defined and warned about.
+_OLD_NAME_LINE = re.compile(r"renamed\.warn|old name of|def jobs\(")
+WORDED = sorted(
+    set(PRODUCT) | set(PAGES) - {"docs/online.md", "docs/progressive.md", "docs/retrieval.md"}
+)
+
+
+def member_type_misnamed(text: str) -> list[tuple[int, str]]:
+    """(line, text) of each line of `text` that calls a member type a role or a job."""
+    return [
+        (number, line.strip())
+        for number, line in enumerate(text.splitlines(), 1)
+        if _TYPE_MISNAMED.search(line) and not _OLD_NAME_LINE.search(line)
+    ]
+
+
+@pytest.mark.parametrize("path", WORDED)
+def test_no_page_or_module_calls_a_member_type_a_role_or_a_job(path):
+    found = member_type_misnamed((ROOT / path).read_text())
+    assert not found, f"{path} calls a member type a role or a job (say member type): " + (
+        "; ".join(f"line {n}: {text[:80]!r}" for n, text in found)
+    )
+
+
+def test_the_member_type_scan_finds_the_old_words_and_spares_the_settled_ones():
+    wrong = [
+        "each process first finds its role (chief, worker, ps, evaluator).",
+        "Glossary (TensorFlow's roles, its task types):",
+        "when the cluster has no `chief` job.",
+        "chief = self.cluster.jobs['chief'][0]",
+        "Membership(spec, serving_jobs=('ps', 'worker'))",
+    ]
+    for line in wrong:
+        assert member_type_misnamed(line), line
+    right = [
+        "its member type (chief, worker, ps, evaluator).",
+        "`strategy.membership.role`: what a member does: train, serve or evaluate",
+        "the elastic job trains with at least MIN members; a Slurm job runs them",
+        "chief = self.cluster.addresses['chief'][0]",
+        'renamed.warn("ClusterSpec.jobs", "ClusterSpec.addresses")',
+    ]
+    for line in right:
+        assert not member_type_misnamed(line), line
+
+
+SETTLED = ("member", "member type", "role", "job", "table", "plan")
+
+
+def test_the_glossary_and_the_concepts_page_define_each_settled_word():
+    source = (ROOT / "strategies" / "base.py").read_text()
+    glossary = ast.get_docstring(ast.parse(source)) or ""
+    defined = set(re.findall(r"^- \*([^*]+)\*", glossary, re.M))
+    concepts = set(re.findall(r"^- \*\*([^*]+)\*\*", (ROOT / "docs/concepts.md").read_text(), re.M))
+    assert set(SETTLED) <= defined, sorted(set(SETTLED) - defined)
+    assert set(SETTLED) <= concepts, sorted(set(SETTLED) - concepts)

@@ -53,7 +53,7 @@ def warn(old: str, new: str, stacklevel: int = 2) -> None:
     """Warns that `old` (a name, an argument, an attribute) is renamed `new`, for a release.
 
     Args:
-      old: the old name as its user wrote it, e.g. "Membership(serving_jobs=)".
+      old: the old name as its user wrote it, e.g. "Server.role".
       new: the name to write instead.
       stacklevel: as `warnings.warn`'s, counted from the caller of `warn`.
     """
