@@ -95,6 +95,12 @@ EXPECTED = {
     "tables_quality": tuple(
         f"auc_{kind}_{share}pct" for share in (5, 15, 50, 100) for kind in ("hashed", "dynamic")
     ),
+    "table_lookups": (
+        *(f"{path}_{kind}_ids_s" for path in ("eval", "export") for kind in ("int64", "string")),
+        "eval_int64_ids_per_cpu_s",
+        "export_int64_ids_per_cpu_s",
+        "train_step_ms",
+    ),
 }
 
 
