@@ -16,11 +16,11 @@ from tests.helpers import (
     TIMEOUT_S,
     assert_exit,
     checkpoint_values,
+    cli_in_process,
     kill,
     launch_and_signal,
     launched,
     pid_of,
-    run_cli,
     start_cli,
     start_member,
 )
@@ -80,7 +80,7 @@ def test_two_workers_train_the_default_job(two_workers):
     assert sorted(os.listdir(cwd)) == ["run"]
 
 
-def test_two_workers_match_mirrored_over_two_cpus(tmp_path):
+def test_two_workers_match_mirrored_over_two_cpus(tmp_path, capsys):
     launched(
         "--workers=2",
         "--",
@@ -92,33 +92,29 @@ def test_two_workers_match_mirrored_over_two_cpus(tmp_path):
         "--config.train.steps_per_iteration=3",
         cwd=str(tmp_path),
     )
-    mirrored = run_cli(
+    # In this process, over 2 of its 4 logical CPUs: the same 2 replicas, the same model.
+    code, _, err = cli_in_process(
         "--strategy=mirrored",
-        "--config.devices.logical_cpus=2",
-        "--model_dir=mirrored",
+        "--config.strategy.mirrored.devices=/device:CPU:0,/device:CPU:1",
+        f"--model_dir={tmp_path / 'mirrored'}",
         *EQUIVALENCE,
-        cwd=str(tmp_path),
+        capsys=capsys,
     )
-    assert_exit(mirrored)
+    assert code == 0, err[-3000:]
     a, b = checkpoint_values(tmp_path / "mw"), checkpoint_values(tmp_path / "mirrored")
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_malformed_tf_config_is_one_line(tmp_path):
-    env_before = os.environ.get("TF_CONFIG")
-    os.environ["TF_CONFIG"] = '{"cluster": {"worker": ["127.0.0.1:99999"]}, "task": {}}'
-    try:
-        result = run_cli("--strategy=multi_worker", cwd=str(tmp_path), keep_tf_config=True)
-    finally:
-        if env_before is None:
-            del os.environ["TF_CONFIG"]
-        else:
-            os.environ["TF_CONFIG"] = env_before
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert_exit(result, 2)
-    assert len(lines) == 1 and "`TF_CONFIG`" in lines[0] and "99999" in lines[0], result.stderr
+def test_malformed_tf_config_is_one_line(tmp_path, capsys, monkeypatch):
+    # In-process: tests/test_cli.py runs the command's one-line exits in a process.
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:99999"]}, "task": {}}')
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli_in_process("--strategy=multi_worker", capsys=capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and "`TF_CONFIG`" in lines[0] and "99999" in lines[0], err
     assert not (tmp_path / "runs").exists()
 
 
