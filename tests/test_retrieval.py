@@ -6,6 +6,8 @@ parameter-server cluster of 2 workers and 2 ps).
 """
 
 import json
+import pathlib
+import shlex
 import sys
 
 import keras
@@ -351,3 +353,53 @@ def test_under_mirrored_each_versions_index_holds_the_items_trained_by_its_step(
     assert early == set(stream[: 10 * batch].tolist())
     assert late == set(stream[: 20 * batch].tolist())
     assert late - early, "items first trained after step 10 are retrievable at step 20"
+
+
+# docs/retrieval.md's commands, shortened, each through the command line.
+DOCS = pathlib.Path(helpers.REPO, "docs", "retrieval.md")
+SHORT = ["--config.train.steps=40", "--config.train.steps_per_loop=20"]
+
+
+def _documented_commands() -> list[list[str]]:
+    block = DOCS.read_text().split("```sh\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line) for line in block.splitlines() if line.strip()]
+
+
+def test_the_page_documents_one_device_mirrored_and_a_parameter_server_cluster():
+    commands = [" ".join(c) for c in _documented_commands()]
+    assert len(commands) == 3
+    for strategy in ("one_device", "mirrored", "parameter_server"):
+        assert any(f"--strategy={strategy}" in c for c in commands), commands
+
+
+@pytest.mark.slow  # each a whole run through the command line (a cluster of 5 processes)
+@pytest.mark.parametrize("index", range(3))
+def test_each_documented_command_trains_evaluates_and_exports(index, tmp_path):
+    command = _documented_commands()[index]
+    model_dir = tmp_path / "run"
+    args = [f"--model_dir={model_dir}" if a.startswith("--model_dir") else a for a in command]
+    assert args[:2] == ["python", "-m"]
+    run = helpers.run_cli(*args[3:], *SHORT, cwd=helpers.REPO, module=args[2])
+    helpers.assert_exit(run)
+    results = json.loads((model_dir / "results.json").read_text())
+    assert {"recall_at_10", "recall_at_100", "mrr"} <= set(results["eval"])
+    served = _served(model_dir / "export", [11, 7930])
+    assert len(served["item_ids"]) == 2 and len(served["item_ids"][0]) == 100
+
+
+@pytest.mark.slow  # trains 4 runs, exports, times 2 parameter-server clusters: minutes
+def test_the_bench_case_reports_every_figure(tmp_path):
+    path = tmp_path / "bench.json"
+    done = helpers.run_cli(
+        "--quick",
+        "--cases=retrieval",
+        f"--json={path}",
+        cwd=str(tmp_path),
+        module="trainer.bench",
+    )
+    helpers.assert_exit(done)
+    case = json.loads(path.read_text())["cases"]["retrieval"]
+    assert case["figures"]["exact_top100_identical_share"] == 1.0
+    assert case["figures"]["recall@100_log_q"] > 0 and case["figures"]["recall@100_no_log_q"] > 0
+    assert all(value > 0 for value in case["ratios"].values()), case["ratios"]
+    assert case["index"]["approximate_dot_products"] < case["index"]["exact_dot_products"]
