@@ -72,7 +72,23 @@ def _config(data_dir, **overrides):
 def _state(model_dir) -> dict:
     """The position in the newest checkpoint: watermark, done files, partly trained ranges."""
     reader = tf.train.load_checkpoint(str(model_dir / "checkpoints"))
-    return json.loads(reader.get_tensor("input/state/.ATTRIBUTES/VARIABLE_VALUE").decode())
+    state, done = (
+        reader.get_tensor(f"input/{name}/.ATTRIBUTES/VARIABLE_VALUE").decode()
+        for name in ("state", "done")
+    )
+    return {**json.loads(state), "done": dict(json.loads(done))}
+
+
+def _saved(follower) -> list:
+    """The values of `follower`'s position, as a checkpoint saves them."""
+    return [variable.numpy() for variable in follower.position.variables]
+
+
+def _restore(follower, saved: list) -> None:
+    """`follower`'s position as restored from `saved`, then started."""
+    for variable, value in zip(follower.position.variables, saved, strict=True):
+        variable.assign(value)
+    follower.start()
 
 
 def _done(model_dir) -> tuple[list[str], dict[str, list]]:
@@ -337,7 +353,7 @@ def test_parallel_writers_landing_in_any_order_train_each_record_once(tmp_path):
         assert len(stream.trained) == 10, sorted(stream.trained)
         for mark, rows in stream.trained.items():
             assert rows == list(range(24)), f"file {mark}: rows {rows}"
-        done = json.loads(stream.follower.position.state.numpy())["done"]
+        done = stream.follower.position.read()["done"]
         assert sorted(os.path.basename(name) for name in done) == sorted(
             [f"w{w}-{k:03d}" for w, k in landing] + ["w2-000"]
         )
@@ -383,7 +399,7 @@ def test_a_file_older_than_the_horizon_is_refused_in_one_line(tmp_path):
     horizon = {"data.follow_horizon_files": 2}
     with _Stream(tmp_path, str(tmp_path / "train" / "*"), **horizon) as stream:
         stream.train_what_is_there()
-        state = json.loads(stream.follower.position.state.numpy())
+        state = stream.follower.position.read()
         assert len(state["done"]) == 2 and state["watermark"][1].endswith("f1")
         _write_tfrecord(tmp_path / "train" / "old", 16, 9.0, order=0)  # older than f0 and f1
         _write_tfrecord(tmp_path / "train" / "new", 16, 8.0, order=20)
@@ -401,12 +417,11 @@ def test_a_file_removed_before_it_was_trained_whole_is_one_line_at_the_restart(t
         stream.follower.steps_ready(1, 16)
         next(stream._batches)
         stream.follower.advance(16)  # half of it
-        saved = stream.follower.position.state.numpy()
+        saved = _saved(stream.follower)
     os.remove(tmp_path / "train" / "a")
     _write_tfrecord(tmp_path / "train" / "b", 16, 2.0, order=1)
     with _Stream(tmp_path, str(tmp_path / "train" / "*")) as again:
-        again.follower.position.state.assign(saved)
-        again.follower.start()
+        _restore(again.follower, saved)
         removed = [line for line in again.lines if "was removed" in line]
         assert len(removed) == 1 and "only 16 of its records trained" in removed[0]
 
@@ -438,10 +453,9 @@ def test_units_go_to_whoever_asks_and_those_not_done_at_a_restart_go_out_again(t
         assert follower.take_unit() is None, "every record is out"
         follower.unit_done(units[2].id)
         follower.unit_done(units[0].id)  # the unit (a, 20, 10) is out at the checkpoint
-        saved = follower.position.state.numpy()
+        saved = _saved(follower)
     with _Stream(tmp_path, str(tmp_path / "train" / "*")) as restarted:
-        restarted.follower.position.state.assign(saved)
-        restarted.follower.start()
+        _restore(restarted.follower, saved)
         restarted.follower.admit()
         unit = restarted.follower.take_unit()
         assert (os.path.basename(unit.file), unit.first, unit.records) == ("a", 20, 10)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import heapq
 import json
 import os
 import threading
@@ -88,25 +89,29 @@ def _same(value: int) -> int:
 class Position(tf.Module):
     """Which files are done, and the record ranges trained of those partly done (checkpointed).
 
-    One string variable, `state`, holds it as JSON: `watermark` [time in ns,
-    name] (every file whose key is at or below it is done), `done` {name: time
-    in ns} (done files above it) and `partial` {name: [[first, records], ...]}
-    (the ranges trained of files partly done). A scalar: its size is known to
-    whatever sizes checkpoints, and it reads the same in any version of TF.
+    Two string variables hold it as JSON: `state`, {"watermark": [time in ns,
+    name] (every file whose key is at or below it is done), "partial": {name:
+    [[first, records], ...]} (the ranges trained of files partly done)}, written
+    after every block; and `done`, [[name, time in ns], ...] (the done files
+    above the watermark, up to `data.follow_horizon_files` of them), written only
+    when a file is done. Scalars: their size is known to whatever sizes
+    checkpoints, and they read the same in any version of TF.
     """
 
     def __init__(self):
         super().__init__(name="follow")
         self.state = tf.Variable("", dtype=tf.string, trainable=False, name="state")
+        self.done = tf.Variable("", dtype=tf.string, trainable=False, name="done")
         # An earlier version's position, read from its checkpoints (`Follower.start`): the
         # file being trained on, in name order, and the records of it trained.
         self.file = tf.Variable("", dtype=tf.string, trainable=False, name="file")
         self.offset = tf.Variable(0, dtype=tf.int64, trainable=False, name="offset")
 
     def read(self) -> dict:
-        """The state held, or an empty one."""
-        text = self.state.numpy().decode()
-        return json.loads(text) if text else {"watermark": [-1, ""], "done": {}, "partial": {}}
+        """The state held (`watermark`, `partial`, and `done` as {name: time in ns})."""
+        text, done = self.state.numpy().decode(), self.done.numpy().decode()
+        state = json.loads(text) if text else {"watermark": [-1, ""], "partial": {}}
+        return {**state, "done": dict(json.loads(done) if done else state.get("done", {}))}
 
 
 @dataclasses.dataclass
@@ -179,6 +184,9 @@ class Follower:
     def _reset(self) -> None:
         self._watermark: Key = (-1, "")
         self._done: dict[str, int] = {}  # done files after the watermark: name -> mtime_ns
+        self._done_json: dict[str, str] = {}  # each one's entry in `position.done`
+        self._done_changed = True  # `position.done` is to be written
+        self._state_written = None  # what `position.state` was last given
         self._ranges: dict[str, list[tuple[int, int]]] = {}  # partly done: trained (first, n)
         self._known: dict[str, _File] = {}  # found, not done
         self._candidates: list[_File] = []  # found, not admitted yet
@@ -198,12 +206,13 @@ class Follower:
     def start(self) -> None:
         """Reads the (restored) position and looks for the files not done."""
         state = self.position.read()
-        if not self.position.state.numpy() and self.position.file.numpy():
+        if not self.position.state.numpy() and self.position.file.numpy():  # an older version's
             state = self._from_name_order()
         with self._lock:
             self._reset()
             self._watermark = tuple(state["watermark"])
             self._done = dict(state["done"])
+            self._done_json = {name: json.dumps([name, t]) for name, t in self._done.items()}
             self._ranges = {name: [tuple(r) for r in rs] for name, rs in state["partial"].items()}
             self._newest = max([self._watermark, *((t, n) for n, t in self._done.items())])
             self._closed = False
@@ -229,9 +238,14 @@ class Follower:
         return {"watermark": [-1, ""], "done": done, "partial": partial}
 
     def _write(self) -> None:
-        """The state into `position` (under the lock)."""
-        state = {"watermark": self._watermark, "done": self._done, "partial": self._ranges}
-        self.position.state.assign(json.dumps(state))
+        """The state into `position` (under the lock); the done files where they changed."""
+        if self.position.state.numpy().decode() != self._state_written:
+            self._done_changed = True  # restored since it was written (a recovery): both again
+        self._state_written = json.dumps({"watermark": self._watermark, "partial": self._ranges})
+        self.position.state.assign(self._state_written)
+        if self._done_changed:  # thousands of names: each one's entry is kept made
+            self.position.done.assign("[" + ",".join(self._done_json.values()) + "]")
+            self._done_changed = False
 
     def _mark_done(self, name: str, first: int, records: int) -> None:
         """Records `first` to `first + records - 1` of `name` trained (under the lock)."""
@@ -246,6 +260,8 @@ class Follower:
         del self._known[name]
         self._admitted = [f for f in self._admitted if f.name != name]
         self._done[name] = file.mtime_ns
+        self._done_json[name] = json.dumps([name, file.mtime_ns])
+        self._done_changed = True
         self._raise_watermark()
 
     def _raise_watermark(self) -> None:
@@ -254,11 +270,11 @@ class Follower:
         if excess <= 0:
             return
         floor = min((f.key for f in self._known.values()), default=None)
-        for mtime_ns, name in sorted((t, n) for n, t in self._done.items())[:excess]:
+        for mtime_ns, name in heapq.nsmallest(excess, ((t, n) for n, t in self._done.items())):
             if floor is not None and (mtime_ns, name) >= floor:
                 return  # a file found but not done is older: the watermark stays below it
             self._watermark = max(self._watermark, (mtime_ns, name))
-            del self._done[name]
+            del self._done[name], self._done_json[name]
             self._ignored.add(name)
 
     # --- finding files -----------------------------------------------------------------
