@@ -10,7 +10,7 @@
     scratch.py     the scratch space of the members that are not the chief (`ram://`)
 
 Lightning keeps its `ClusterEnvironment` apart from its `Strategy` for the
-same reason: distributing a step and knowing the cluster are two jobs. The
+same reason: distributing a step and knowing the cluster are two concerns. The
 plugins at the top of `strategies/` build a `Membership` from what this
 package resolves; nothing here imports a plugin.
 """
