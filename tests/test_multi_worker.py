@@ -80,18 +80,42 @@ def test_two_workers_train_the_default_job(two_workers):
     assert sorted(os.listdir(cwd)) == ["run"]
 
 
-def test_two_workers_match_mirrored_over_two_cpus(tmp_path, capsys):
-    launched(
-        "--workers=2",
-        "--",
-        "--strategy=multi_worker",
-        "--model_dir=mw",
-        *EQUIVALENCE,
-        # 3 steps to each iteration of a loop (each step's all-reduce in the same
-        # iteration): the same model as one step an iteration
-        "--config.train.steps_per_iteration=3",
-        cwd=str(tmp_path),
-    )
+# Port 9 of the loopback address (discard) is closed: traffic sent through this "proxy"
+# would fail, so a cluster that trains with it set proves its traffic goes direct.
+PROXY = {"http_proxy": "http://127.0.0.1:9", "grpc_proxy": "http://127.0.0.1:9"}
+
+
+@pytest.fixture(scope="module")
+def proxied_pair(tmp_path_factory):
+    """Two workers, 20 deterministic steps, with proxy variables set: one cluster, two checks."""
+    cwd = tmp_path_factory.mktemp("pair")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in PROXY.items():
+            env.setenv(name, value)
+        env.delenv("no_proxy", raising=False)
+        env.delenv("no_grpc_proxy", raising=False)
+        result = launched(
+            "--workers=2",
+            "--",
+            "--strategy=multi_worker",
+            "--model_dir=mw",
+            *EQUIVALENCE,
+            # 3 steps to each iteration of a loop (each step's all-reduce in the same
+            # iteration): the same model as one step an iteration
+            "--config.train.steps_per_iteration=3",
+            cwd=str(cwd),
+        )
+    return cwd, result
+
+
+def test_a_cluster_trains_with_proxy_variables_set(proxied_pair):
+    cwd, result = proxied_pair
+    assert "[worker:0] warning: `grpc_proxy`, `http_proxy` set;" in result.stdout
+    assert json.loads((cwd / "mw" / "results.json").read_text())["step"] == 20
+
+
+def test_two_workers_match_mirrored_over_two_cpus(proxied_pair, tmp_path, capsys):
+    cluster_dir, _ = proxied_pair
     # In this process, over 2 of its 4 logical CPUs: the same 2 replicas, the same model.
     code, _, err = cli_in_process(
         "--strategy=mirrored",
@@ -101,7 +125,7 @@ def test_two_workers_match_mirrored_over_two_cpus(tmp_path, capsys):
         capsys=capsys,
     )
     assert code == 0, err[-3000:]
-    a, b = checkpoint_values(tmp_path / "mw"), checkpoint_values(tmp_path / "mirrored")
+    a, b = checkpoint_values(cluster_dir / "mw"), checkpoint_values(tmp_path / "mirrored")
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)

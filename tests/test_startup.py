@@ -1,6 +1,8 @@
-"""Start-up of a cluster member: a bounded wait that names who is missing, proxies, SIGTERM."""
+"""Start-up of a cluster member: a bounded wait that names who is missing, proxies, SIGTERM.
 
-import json
+A cluster that trains with proxy variables set: tests/test_multi_worker.py (`proxied_pair`).
+"""
+
 import math
 import signal
 import socket
@@ -11,7 +13,7 @@ import time
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import TIMEOUT_S, assert_exit, kill, launched, start_member, tiny_config
+from tests.helpers import TIMEOUT_S, assert_exit, kill, start_member, tiny_config
 from towerflow.errors import MemberLost, UserError
 from trainer.launch import pick_ports
 from trainer.loop import train
@@ -175,25 +177,3 @@ def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path):
         kill(proc)
     assert_exit(proc, 143, output="")
     assert took < 30, "stops at the signal, not at the end of the wait"
-
-
-def test_a_cluster_trains_with_proxy_variables_set(tmp_path, monkeypatch):
-    # Port 9 of the loopback address (discard) is closed: traffic sent through
-    # this "proxy" would fail, so training proves it goes direct.
-    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
-    monkeypatch.setenv("grpc_proxy", "http://127.0.0.1:9")
-    monkeypatch.delenv("no_proxy", raising=False)
-    monkeypatch.delenv("no_grpc_proxy", raising=False)
-    result = launched(
-        "--workers=2",
-        "--",
-        "--strategy=multi_worker",
-        "--model_dir=run",
-        "--config.train.steps=20",
-        "--config.train.steps_per_loop=10",
-        "--config.eval.every=0",
-        "--config.train.export=False",
-        cwd=str(tmp_path),
-    )
-    assert "[worker:0] warning: `grpc_proxy`, `http_proxy` set;" in result.stdout
-    assert json.loads((tmp_path / "run" / "results.json").read_text())["step"] == 20
