@@ -1,6 +1,5 @@
-"""The command end to end: real runs in subprocesses, as a user runs it; bad input in-process."""
+"""The command end to end: a real run in a subprocess, as a user runs it; the rest in-process."""
 
-import functools
 import hashlib
 import json
 import os
@@ -11,7 +10,7 @@ import tensorflow as tf
 from absl import flags
 
 from strategies import devices
-from tests.helpers import assert_exit, run_cli, tiny_config
+from tests.helpers import assert_exit, cli_in_process, run_cli, tiny_config
 from trainer import cli, data
 
 FAST = [
@@ -91,19 +90,20 @@ def test_export_serves_predictions(mirrored_run):
     assert np.mean(out["classes"].numpy() == y.numpy()) >= 0.85
 
 
-def test_rerun_with_more_steps_resumes(mirrored_run, tmp_path):
+def test_rerun_with_more_steps_resumes(mirrored_run, capsys):
+    # In-process: the run above is the command's own process, from a foreign directory.
     model_dir, _ = mirrored_run
-    result = run_cli(
+    code, out, err = cli_in_process(
         "--strategy=mirrored",
         f"--model_dir={model_dir}",
         *FAST[1:],
         "--config.train.steps=350",
-        cwd=str(tmp_path),
+        capsys=capsys,
     )
-    assert_exit(result)
-    assert "restored" in result.stdout and "at step 300" in result.stdout
-    assert "train | step: 350/350" in result.stdout
-    assert "step: 100/" not in result.stdout
+    assert code == 0, err[-3000:]
+    assert "restored" in out and "at step 300" in out
+    assert "train | step: 350/350" in out
+    assert "step: 100/" not in out
 
 
 @pytest.mark.slow  # two runs; tests/test_resume.py restarts at every moment
@@ -132,15 +132,16 @@ def test_resume_matches_a_straight_run(tmp_path):
         np.testing.assert_allclose(a.get_tensor(name), b.get_tensor(name), rtol=1e-6, atol=1e-7)
 
 
-def test_list_strategies(tmp_path):
-    result = run_cli("--list_strategies", cwd=str(tmp_path))
-    assert_exit(result)
-    names = [line.split()[0] for line in result.stdout.splitlines()]
+def test_list_strategies(capsys):
+    # In-process; tests/test_readme.py runs `python -m trainer --list_strategies` as written.
+    code, out, _ = cli_in_process("--list_strategies", capsys=capsys)
+    assert code == 0
+    names = [line.split()[0] for line in out.splitlines()]
     assert {"default", "one_device", "mirrored", "central_storage"} <= set(names)
 
 
 # Bad input, one case each: (arguments, what the one line on stderr says). They run
-# in-process (`_in_process`), through the same flag parsing and error handling as the
+# in-process (`cli_in_process`), through the same flag parsing and error handling as the
 # command; `WIRING` runs a few as real subprocesses to prove the command's own exits.
 BAD_INPUTS = [
     (["--strategy=mirorred"], "Unknown strategy `mirorred`; known strategies: central_storage"),
@@ -220,11 +221,11 @@ BAD_INPUTS = [
         "garbage.tfrecord",
     ),
 ]
-# One of each way the command ends in error: a flag that does not parse, a config
-# value refused before TensorFlow starts, a name refused after, a stray argument.
+# One of each way the command ends in error: a flag that does not parse, a value refused
+# by main (a name or a config value: the same path, `cli.guarded`; `BAD_INPUTS` has the
+# rest in-process), a stray argument.
 WIRING = [
     (["--config.train.steps=abc"], "`--config.train.steps` got 'abc'"),
-    (["--config.optimizer.learning_rate=nan"], "must be finite"),
     (["--strategy=mirorred"], "Unknown strategy `mirorred`"),
     (["stray"], "Unexpected argument 'stray'"),
 ]
@@ -247,25 +248,6 @@ def bad_files(tmp_path_factory):
     return files
 
 
-def _in_process(args: list[str], capsys) -> tuple[int, str, str]:
-    """Runs the command's flag parsing and main in this process, as `towerflow ARGS` would.
-
-    The test process has 4 logical CPUs (tests/conftest.py), so the config says so
-    (after `--config`, and unless the case sets the field).
-
-    Returns:
-      The exit code, stdout and stderr.
-    """
-    cpus = [] if any("logical_cpus" in a for a in args) else ["--config.devices.logical_cpus=4"]
-    argv = ["towerflow", *args, *cpus]
-    defined = cli.define_flags(flags.FlagValues(), argv)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit:
-        cli.guarded(functools.partial(cli.main, defined))(cli.parse_flags(defined, argv))
-    out, err = capsys.readouterr()
-    return exit.value.code, out, err
-
-
 def _assert_one_line(code: int, out: str, err: str, message: str) -> None:
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.strip()]
@@ -281,7 +263,7 @@ def test_bad_input_is_one_line_and_leaves_model_dir_alone(
     model_dir, _ = mirrored_run
     before = _snapshot(model_dir)
     args = [a.format(files=bad_files) for a in args]
-    _assert_one_line(*_in_process([f"--model_dir={model_dir}", *args], capsys), message)
+    _assert_one_line(*cli_in_process(f"--model_dir={model_dir}", *args, capsys=capsys), message)
     assert _snapshot(model_dir) == before
 
 
@@ -299,7 +281,7 @@ def test_unusable_model_dir(make, tmp_path, capsys):
     blocker = tmp_path / "blocker"
     blocker.write_text("not a directory")
     model_dir = blocker if make == "file" else blocker / "run"
-    _assert_one_line(*_in_process([f"--model_dir={model_dir}"], capsys), "`--model_dir`")
+    _assert_one_line(*cli_in_process(f"--model_dir={model_dir}", capsys=capsys), "`--model_dir`")
     assert blocker.read_text() == "not a directory"
 
 
