@@ -70,13 +70,10 @@ class RetrievalMetrics(keras.metrics.Metric):
 class Retrieval(keras.Model):
     """Two towers trained with an in-batch softmax; serves the top `k` held items.
 
-        query = keras.Model(user_inputs, user_vector)          # dict of query features -> [b, d]
-        item = keras.Sequential([DynamicEmbedding(d), ...])    # item ids [n] -> [n, d]
-        model = Retrieval(query, item, "item_id", InBatchSoftmax(temperature=0.1), k=100)
-
     A task returns it from `build_model()` (it comes compiled); its data yields
     the query features and `item_feature` (int64 item ids, one per example),
-    and any label (not read). See docs/retrieval.md.
+    and any label (not read). `examples/retrieval.py`'s `RetrievalTask` builds
+    one; see docs/retrieval.md.
 
     Args:
       query_tower: a functional `keras.Model` of a dict of named query features.
