@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import assert_exit, run_cli, start_cli, tiny_config
+from tests.helpers import cli_in_process, start_cli, tiny_config
 from towerflow import errors
 from trainer.loop import faults, lock, train
 
@@ -51,19 +51,21 @@ def test_a_blown_up_loss_recovers_then_stops_cleanly(tmp_path, capsys):
     assert _all_checkpoints_finite(tmp_path)
 
 
-def test_divergence_is_one_line_and_exit_code_3(tmp_path):
-    result = run_cli(
+def test_divergence_is_one_line_and_exit_code_3(tmp_path, capsys):
+    # In-process, through the command's error handling (`cli.guarded`); tests/test_cli.py
+    # runs its exits in a process.
+    code, _, err = cli_in_process(
         "--config.optimizer.learning_rate=1e9",
         "--config.train.loss_upper_bound=1000",
         "--config.optimizer.name=sgd",
         "--config.train.max_recoveries=1",
         "--config.train.steps_per_loop=10",
-        "--model_dir=run",
-        cwd=str(tmp_path),
+        f"--model_dir={tmp_path / 'run'}",
+        capsys=capsys,
     )
-    assert_exit(result, errors.DIVERGED_EXIT_CODE)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "last good checkpoint" in lines[0], result.stderr
+    assert code == errors.DIVERGED_EXIT_CODE, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "last good checkpoint" in lines[0], err
     assert _all_checkpoints_finite(tmp_path / "run")
 
 
@@ -82,7 +84,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
     assert job.step() == 20
 
 
-def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
+def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path, capsys):
     args = [
         "--strategy=one_device",
         "--model_dir=run",
@@ -106,16 +108,17 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
     latest = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
     assert latest.endswith(f"ckpt-{step}")
     assert not (tmp_path / "run" / lock.LOCK_FILE).exists(), "the lock goes with exit 143"
-    resumed = run_cli(
-        *args[:2],
+    code, resumed, err = cli_in_process(  # the rerun: in-process
+        args[0],
+        f"--model_dir={tmp_path / 'run'}",
         f"--config.train.steps={step + 20}",
         "--config.train.steps_per_loop=20",
         "--config.eval.every=0",
-        cwd=str(tmp_path),
+        capsys=capsys,
     )
-    assert_exit(resumed)
-    assert f"at step {step}" in resumed.stdout
-    assert f"train | step: {step + 20}/{step + 20}" in resumed.stdout
+    assert code == 0, err[-3000:]
+    assert f"at step {step}" in resumed
+    assert f"train | step: {step + 20}/{step + 20}" in resumed
 
 
 def test_the_watchdog_names_members_that_do_not_answer_while_a_loop_is_overdue():
