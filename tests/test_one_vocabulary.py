@@ -187,8 +187,6 @@ SHARED_PENDING = {
     "Feature": {"trainer/data/features.py", "trainer/loop/component.py"},  # -> `FeatureSpec` (data)
     "InputWait": {"trainer/data/wait.py", "trainer/loop/features/input_wait.py"},
     "Profile": {"trainer/loop/actions.py", "trainer/loop/features/profile.py"},
-    # Two records of one unit of followed files: one is to go, or both to say what they hold.
-    "Unit": {"strategies/units.py", "trainer/data/follow.py"},
 }
 # Names that say too little to stand alone: a class is named for what it is of.
 UNQUALIFIED = {"Member": {"trainer/launch/plan.py"}, "Plan": set(), "Job": set()}

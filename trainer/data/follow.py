@@ -127,8 +127,11 @@ class _File:
 
 
 @dataclasses.dataclass(frozen=True)
-class Unit:
-    """Records `first, ..., first + records - 1` of `file`: the work one worker takes at a time."""
+class UnitOut:
+    """Records `first, ..., first + records - 1` of `file`, handed out as unit `id` and not done.
+
+    The follower's record of a `strategies.units.Unit` it gave to a worker.
+    """
 
     id: int
     file: str
@@ -194,7 +197,7 @@ class Follower:
         self._stream: collections.deque[_Segment] = collections.deque()  # not trained yet
         self._head_trained = 0  # records of `_stream[0]` trained
         self._head_seq = 0  # the sequence number of `_stream[0]`
-        self._out: dict[int, Unit] = {}  # units handed out, not done
+        self._out: dict[int, UnitOut] = {}  # units handed out, not done
         self._next_unit = 0
         self._markers: dict[str, int] = {}  # directory -> its marker's mtime_ns, once landed
         self._ignored: set[str] = set()  # listed at or below the watermark: done, or refused
@@ -511,7 +514,7 @@ class Follower:
 
     # --- units, for workers that take work when free --------------------------------------
 
-    def take_unit(self, most: int = 0) -> Unit | None:
+    def take_unit(self, most: int = 0) -> UnitOut | None:
         """The next range of an admitted file neither done nor out, of `most` records (0: all).
 
         None while every admitted record is done or out (`admit` adds files). A run
@@ -522,7 +525,7 @@ class Follower:
                 free = self._not_taken(file)
                 if free:
                     first, n = free[0]
-                    unit = Unit(self._next_unit, file.name, first, min(n, most) if most else n)
+                    unit = UnitOut(self._next_unit, file.name, first, min(n, most) if most else n)
                     self._next_unit += 1
                     self._out[unit.id] = unit
                     return unit

@@ -16,7 +16,7 @@ from strategies.units import REPEATED
 from towerflow.errors import UserError
 from trainer.data import follow
 from trainer.data.follow_units import FollowedUnits
-from trainer.loop import actions, component
+from trainer.loop import actions, component, progress
 
 BLOCK_STEPS = 100  # `data.follow` with `train.steps_per_loop=0`: steps of a block
 
@@ -116,7 +116,7 @@ class _Following(component.Feature):
             while_waiting,
             member.everyone,
             agree=member.agree,
-            say=context.say,
+            say=lambda line: progress.tell(context.strategy, line),  # the chief's
         )
         if self._units is None:
             return follow_actions
