@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import assert_exit, run_cli
+from tests.helpers import cli_in_process
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
 from trainer.layers import tables
@@ -71,17 +71,20 @@ def test_one_device_and_mirrored_evict_alike_and_train_the_same_fallback_rows(tm
         ),
     ],
 )
-def test_bad_table_options_are_one_line_and_exit_2_leaving_model_dir_alone(flag, message, tmp_path):
-    result = run_cli(
+def test_bad_table_options_are_one_line_and_exit_2_leaving_model_dir_alone(
+    flag, message, tmp_path, capsys
+):
+    # In-process: tests/test_cli.py runs the command's one-line exits in a process.
+    code, _, err = cli_in_process(
         f"--config={REPO / 'configs' / 'ctr.py'}",
         "--config.strategy.name=one_device",
         "--config.model.embedding=dynamic",
         flag,
         f"--model_dir={tmp_path / 'run'}",
-        cwd=tmp_path,
+        capsys=capsys,
     )
-    assert_exit(result, 2)
-    last = result.stderr.strip().splitlines()[-1]
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
     assert message in last and "--config.model." in last
     assert not (tmp_path / "run").exists()
 
