@@ -126,19 +126,23 @@ def write(directory: str, start: int, files: int, every_secs: float) -> None:
         print(f"wrote {path}", flush=True)
 
 
-def latency(directory: str, export_dir: str, start: int, files: int, timeout: float) -> None:
-    """Writes `files` files one at a time; prints the seconds from each landing to its export.
+def landing_to_export(
+    directory: str, export_dir: str, start: int, files: int, timeout: float
+) -> list[float]:
+    """Writes `files` files one at a time; the seconds from each landing to its first export.
 
     The first waits for the trainer's first export (of the files before
     `start`), and each file is written once the trainer has exported the one
     before (it is caught up and waiting), so the first version that appears
-    after a file lands is the first export that trained it. Ends with the median and the
-    95th percentile.
+    after a file lands is the first export that trained it. Prints a line per file.
+
+    Raises:
+      TimeoutError: no export within `timeout` seconds of the start or of a landing.
     """
     deadline = time.time() + timeout
     while not _versions(export_dir):  # the files before `start` trained: it is caught up
         if time.time() > deadline:
-            raise SystemExit(f"no export in {export_dir} within {timeout:g} s")
+            raise TimeoutError(f"no export in {export_dir} within {timeout:g} s")
         time.sleep(0.05)
     seconds = []
     for k in range(start, start + files):
@@ -148,14 +152,29 @@ def latency(directory: str, export_dir: str, start: int, files: int, timeout: fl
         landed, deadline = time.time(), time.time() + timeout
         while max(_versions(export_dir), default=-1) <= newest:
             if time.time() > deadline:
-                raise SystemExit(f"no export within {timeout:g} s of {path} landing")
+                raise TimeoutError(f"no export within {timeout:g} s of {path} landing")
             time.sleep(0.05)
         seconds.append(time.time() - landed)
         version = max(_versions(export_dir))
         print(f"{path}: version {version} {seconds[-1]:.2f} s after it landed", flush=True)
+    return seconds
+
+
+def median_and_p95(seconds: list[float]) -> tuple[float, float]:
+    """The median and the 95th percentile (the nearest rank) of `seconds`."""
     ordered = sorted(seconds)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    print(f"landing to export: median {ordered[len(ordered) // 2]:.2f} s, p95 {p95:.2f} s")
+    return ordered[len(ordered) // 2], p95
+
+
+def latency(directory: str, export_dir: str, start: int, files: int, timeout: float) -> None:
+    """`landing_to_export`, then the median and the 95th percentile."""
+    try:
+        seconds = landing_to_export(directory, export_dir, start, files, timeout)
+    except TimeoutError as e:
+        raise SystemExit(str(e)) from None
+    median, p95 = median_and_p95(seconds)
+    print(f"landing to export: median {median:.2f} s, p95 {p95:.2f} s")
 
 
 def _versions(export_dir: str) -> list[int]:

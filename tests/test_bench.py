@@ -101,6 +101,11 @@ EXPECTED = {
         "export_int64_ids_per_cpu_s",
         "train_step_ms",
     ),
+    "online": (
+        *(f"{s}/{mode}" for s in bench.QUICK.online_strategies for mode in ("fixed", "follow")),
+        "landing_to_export_median_s",
+        "landing_to_export_p95_s",
+    ),
 }
 
 
@@ -169,6 +174,9 @@ def test_case_details(results):
     assert 0.5 < quality["oracle_auc"] <= 1 and len(quality["reasons"]) == 5
     assert 0 < quality["unseen_eval_share"] < 1, "new items keep entering the drifting stream"
     assert cases["elastic"]["per_failure"] == {"steps_lost": [0.0], "examples_repeated": [0.0]}
+    lost = cases["online"]["per_worker_lost"]  # a unit: half a block's steps, within a file
+    assert lost["unit_records"] == bench.QUICK.online_loop // 2 * 128
+    assert 0 <= lost["records_repeated"] <= lost["unit_records"]
     assert results["machine"]["cpu_cores"] >= 1
     if hosts.available() is None:  # as root: 2 simulated hosts over a 1 Gbit/s link
         assert _positive(cases["multi_host"]["ratios"]["default/1gbit/one_host"])

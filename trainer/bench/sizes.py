@@ -22,6 +22,7 @@ CASES = (
     "tables_quality",
     "table_lookups",
     "retrieval",
+    "online",
 )
 SINGLE_PROCESS = ("one_device", "mirrored", "central_storage")
 LOGICAL_CPUS = 2
@@ -90,6 +91,12 @@ class Sizes:
     # table_lookups: a dynamic table holding this many ids, looked up in batches of this many.
     lookup_ids: int = 1_000_000
     lookup_batch: int = 4096
+    # online: examples/online.py's click job, followed against fixed, on files of this many.
+    online_strategies: tuple[str, ...] = ("one_device", "multi_worker", "parameter_server")
+    online_steps: int = 400  # timed steps of each run (of 128 records)
+    online_loop: int = 20  # steps per loop: a parameter_server unit is 10 steps, within a file
+    online_file_records: int = 2560  # 20 steps a file
+    online_latency_files: int = 20  # files written one at a time, each timed to its export
 
 
 FULL = Sizes()
@@ -141,6 +148,11 @@ QUICK = Sizes(
     elastic_kill_at=50,
     lookup_ids=20_000,
     lookup_batch=512,
+    online_strategies=("one_device",),  # the worker-lost run starts a parameter_server cluster
+    online_steps=16,
+    online_loop=8,
+    online_file_records=512,
+    online_latency_files=2,
 )
 
 
