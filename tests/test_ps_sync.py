@@ -20,14 +20,7 @@ from strategies.base import Traits
 from strategies.cluster import tf_config as cluster
 from strategies.parameter_server import staleness as ps_staleness
 from strategies.parameter_server import sync as ps_sync
-from tests.helpers import (
-    assert_exit,
-    launch_and_signal,
-    launched,
-    one_line_error,
-    run_cli,
-    tiny_config,
-)
+from tests.helpers import cli_in_process, launch_and_signal, launched, one_line_error, tiny_config
 from towerflow.errors import UserError
 from trainer.bench import straggling
 from trainer.loop import train
@@ -340,18 +333,18 @@ def test_the_update_mode_is_chosen_once_from_the_options(monkeypatch, options, m
     assert plugin.traits.splits_steps is splits and says in plugin.describe()["communication"]
 
 
-def test_a_bad_option_on_the_command_line_exits_2_and_writes_nothing(monkeypatch, tmp_path):
+def test_a_bad_option_on_the_command_line_exits_2_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    # In-process: tests/test_cli.py runs the command's one-line exits in a process.
     monkeypatch.setenv("TF_CONFIG", cluster.make_tf_config(PS_CLUSTER, "chief", 0))
-    result = run_cli(
+    code, _, err = cli_in_process(
         "--strategy=parameter_server",
-        "--model_dir=run",
+        f"--model_dir={tmp_path / 'run'}",
         "--config.strategy.parameter_server.sync_replicas=5",
-        cwd=str(tmp_path),
-        keep_tf_config=True,
+        capsys=capsys,
     )
-    assert_exit(result, 2)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "sync_replicas` (5)" in errors[0], result.stderr[-2000:]
+    assert code == 2, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "sync_replicas` (5)" in errors[0], err[-2000:]
     assert "use 2 for one spare worker" in errors[0]
     assert not (tmp_path / "run").exists()
 
