@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import types
 
 import ml_collections
 import pytest
@@ -131,3 +132,32 @@ def test_the_finder_of_feature_imports_would_find_one(tmp_path):
     path = tmp_path / "loop.py"
     path.write_text("from trainer.loop.features import follow\n")
     assert "trainer.loop.features.follow" in _imports(path)
+
+
+@pytest.fixture
+def docs_example():
+    """docs/components.md's component (its first Python block), registered while a test runs."""
+    page = (LOOP.parent.parent / "docs" / "components.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    module = types.ModuleType("docs_components_example")
+    exec(compile(code, "docs/components.md", "exec"), module.__dict__)
+    yield module
+    del component.REGISTRY["examples_seen"]
+
+
+def test_the_docs_example_counts_the_examples_across_a_resume(docs_example, tmp_path):
+    config = tiny_config(**{"strategy.name": "one_device"})
+    config.examples_seen = ml_collections.ConfigDict({"enabled": True})
+    first = train.train_and_evaluate(config, str(tmp_path), mode="train")
+    assert first["examples_seen"] == 20 * config.train.global_batch_size
+    config.train.steps = 30  # resumes at step 20: the count comes back from the checkpoint
+    again = train.train_and_evaluate(config, str(tmp_path), mode="train")
+    assert again["examples_seen"] == 30 * config.train.global_batch_size
+    assert again["train"]["examples_seen"] == again["examples_seen"]
+
+
+def test_the_docs_examples_check_refuses_a_value_that_is_not_a_bool(docs_example, tmp_path):
+    config = tiny_config()
+    config.examples_seen = ml_collections.ConfigDict({"enabled": 3})
+    message = r"`examples_seen.enabled` \(3\)"
+    one_line_error(message, train.train_and_evaluate, config, str(tmp_path))
