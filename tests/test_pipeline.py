@@ -257,8 +257,9 @@ def test_the_strategy_contract_holds_without_a_model():
     assert strategy.evaluate(step, batches) == {"examples": 37, "total": sum(range(37))}
 
 
-def test_listed_by_list_strategies(tmp_path):
-    result = helpers.run_cli("--list_strategies", cwd=str(tmp_path))
-    helpers.assert_exit(result)
-    listed = {line.split()[0]: line for line in result.stdout.splitlines()}
+def test_listed_by_list_strategies(capsys):
+    # In-process; tests/test_readme.py runs `python -m trainer --list_strategies` as written.
+    code, out, _ = helpers.cli_in_process("--list_strategies", capsys=capsys)
+    assert code == 0
+    listed = {line.split()[0]: line for line in out.splitlines()}
     assert "Model parallelism" in listed["pipeline"]
