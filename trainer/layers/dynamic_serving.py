@@ -61,9 +61,9 @@ def frozen(layers: list[DynamicEmbedding]) -> Iterator[list[tf.lookup.StaticHash
     function, traced inside.
     """
     parts = [part for layer in layers for part in layer.parts]
-    for part in parts:
-        _FROZEN[id(part)] = frozen_index(part)
     try:
+        for part in parts:
+            _FROZEN[id(part)] = frozen_index(part)
         yield [_FROZEN[id(part)] for part in parts]
     finally:
         for part in parts:
