@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.util
 import pathlib
 import re
 import shlex
-import sys
 
 from tests.helpers import REPO
+from tests.test_docs import _load_hook
 
 DOCS = pathlib.Path(REPO, "docs")
 PAGES = sorted(DOCS.glob("*.md"))
@@ -39,18 +38,7 @@ PASS_THROUGH = {"launch", "elastic", "sweep", "check"}
 TRAINER = "python -m trainer"
 
 
-def _hook(name: str):
-    """A generator of docs/hooks/, loaded by path as mkdocs loads it."""
-    path = DOCS / "hooks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"docs_hook_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # a dataclass looks its module up there
-    sys.path.insert(0, str(path.parent))  # as mkdocs loads a hook: its folder importable
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
+_hook = _load_hook  # a generator of docs/hooks/, loaded by path as mkdocs loads it
 
 
 @functools.cache
