@@ -388,7 +388,7 @@ def _ctr_config(strategy: str, steps: int, **model):
     return config
 
 
-def _restored_job(config, model_dir) -> train.Job:
+def _restored_job(config, model_dir) -> train.BuiltJob:
     """The job of `config` with everything of `model_dir`'s newest checkpoint (full or delta)."""
     job = train.build(config, str(model_dir))
     Checkpointer(str(model_dir), True, 1, **train.checkpointed(job)).restore()

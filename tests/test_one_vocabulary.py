@@ -190,9 +190,7 @@ SHARED_PENDING = {
 }
 # Names that say too little to stand alone: a class is named for what it is of.
 UNQUALIFIED = {"Member": {"trainer/launch/plan.py"}, "Plan": set(), "Job": set()}
-# `Job` (trainer/loop/job.py) is to become `BuiltJob`: a job is the training run, the record
-# what one process built of it. Until then it is the one `Job`.
-UNQUALIFIED_PENDING = {"Plan": SHARED_PENDING["Plan"], "Job": {"trainer/loop/job.py"}}
+UNQUALIFIED_PENDING = {"Plan": SHARED_PENDING["Plan"]}
 
 
 def classes(paths: list[str]) -> dict[str, set[str]]:

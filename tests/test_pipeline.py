@@ -20,7 +20,7 @@ from trainer.loop import train
 DEEP = (32, 32, 32)  # flatten + 4 dense layers: room for 4 stages
 
 
-def _train(model_dir, strategy: str, **overrides) -> train.Job:
+def _train(model_dir, strategy: str, **overrides) -> train.BuiltJob:
     """A 20-step job under `strategy`, trained in `model_dir`; returns the job."""
     config = helpers.tiny_config(
         **{"strategy.name": strategy, "model.hidden_units": DEEP, **overrides}

@@ -17,6 +17,8 @@ RENAMED = [
     ("trainer.bench.harness", "Run", "TimedRun"),
     ("trainer.check", "Run", "StrategyRun"),
     ("trainer.sweep.plan", "Slot", "TrialSlot"),
+    ("trainer.loop.job", "Job", "BuiltJob"),
+    ("trainer.loop.train", "Job", "BuiltJob"),
 ]
 
 

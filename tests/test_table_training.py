@@ -141,7 +141,7 @@ def _ctr_config(strategy: str, steps: int, **model):
     return config
 
 
-def _state(job: train.Job) -> dict[str, np.ndarray]:
+def _state(job: train.BuiltJob) -> dict[str, np.ndarray]:
     """Every variable of the model and the optimizers (the table's own too), and the index."""
     state = state_of(job.model, job.optimizer)
     for i, variable in enumerate(optim.own_variables(job.optimizer)):

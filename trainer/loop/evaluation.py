@@ -11,12 +11,12 @@ from __future__ import annotations
 import tensorflow as tf
 
 from trainer.loop.checkpoints import Checkpointer
-from trainer.loop.job import Job, checkpointed
+from trainer.loop.job import BuiltJob, checkpointed
 from trainer.loop.progress import progress_line, say, tell
 from trainer.loop.summaries import Summaries
 
 
-def evaluate(job: Job, summaries: Summaries) -> dict:
+def evaluate(job: BuiltJob, summaries: Summaries) -> dict:
     """One pass over the eval split; logs and returns its metrics."""
     sums = job.strategy.evaluate(
         job.eval_step, job.dataset.eval_fn(job.config.eval.global_batch_size)
@@ -29,7 +29,7 @@ def evaluate(job: Job, summaries: Summaries) -> dict:
     return metrics
 
 
-def sidecar_evaluate(job: Job) -> dict:
+def sidecar_evaluate(job: BuiltJob) -> dict:
     """Evaluates each new checkpoint in `model_dir` until the last step's (the evaluator member)."""
     config = job.config
     checkpointer = Checkpointer(job.model_dir, False, 1, **checkpointed(job))

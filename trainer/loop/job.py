@@ -1,5 +1,7 @@
-"""The job: everything one run builds (strategy, data, model, optimizer, features), unwritten.
+"""The built job: what one process builds of the training run (strategy, data, model, ...).
 
+A job is the training run; a `BuiltJob` is what one process built of it
+(strategy, data, model, optimizer, features), nothing written yet.
 `build(config, model_dir)` checks the config once, makes the strategy, adapts
 the config to the group it runs (each component may), builds the data, the
 model, its optimizer and objective under the strategy's scope, then each
@@ -21,7 +23,7 @@ import tensorflow as tf
 import strategies
 from strategies import devices, tf_patches, unrolled
 from strategies.cluster import discovery
-from towerflow import calls, storage
+from towerflow import calls, renamed, storage
 from towerflow.errors import UserError
 from trainer import data, layers
 from trainer.data import labels, service_client
@@ -44,8 +46,8 @@ _ONE_PIPELINE = tf.distribute.InputContext()  # one pipeline feeding one replica
 
 
 @dataclasses.dataclass
-class Job:
-    """Everything built for one run, before anything is written to `model_dir`."""
+class BuiltJob:
+    """What one process built of the job (the training run), before anything is written."""
 
     config: ml_collections.ConfigDict
     model_dir: str
@@ -86,7 +88,7 @@ class Job:
         return next((first for first in firsts if first is not None), None)
 
 
-def checkpointed(job: Job) -> dict:
+def checkpointed(job: BuiltJob) -> dict:
     """What a checkpoint of `job` holds: the `Checkpointer`'s objects (also the benchmark's)."""
     held = {
         "model": job.model,
@@ -111,7 +113,7 @@ def build(
     strategy: strategies.Strategy | None = None,
     service: service_client.Service | None = None,
     checked: checks.Checked | None = None,
-) -> Job:
+) -> BuiltJob:
     """Builds strategy, data, model, optimizer and the features, and checks them; writes nothing.
 
     With a `service` (`service_client.started`), the training input runs on it.
@@ -150,7 +152,7 @@ def build(
         config, model_dir, strategy, dataset, model, optimizer, total_steps, say, objective
     )
     features = {each.name: each.build(built) for each in components}
-    return Job(
+    return BuiltJob(
         config,
         model_dir,
         strategy,
@@ -308,3 +310,6 @@ def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections
             "use `task.name=auto`, or set the data's class count."
         )
     return objectives.for_spec(classes, models.output_kind(model), dataset.spec.class_names)
+
+
+__getattr__ = renamed.old_names(__name__, {"Job": "BuiltJob"}, globals())

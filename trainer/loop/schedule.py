@@ -13,12 +13,14 @@ from __future__ import annotations
 from trainer.loop import actions, checks, controller, evaluation, faults
 from trainer.loop.checkpoints import Checkpointer
 from trainer.loop.component import Run, Slot
-from trainer.loop.job import Job
+from trainer.loop.job import BuiltJob
 from trainer.loop.progress import progress_line, say, tell
 from trainer.loop.readings import Readings
 
 
-def actions_of(job: Job, loop: Run, readings: Readings, evaluate: bool) -> list[actions.Action]:
+def actions_of(
+    job: BuiltJob, loop: Run, readings: Readings, evaluate: bool
+) -> list[actions.Action]:
     """The loop's actions, in the order they run after a block, the features' in their slots.
 
     `readings` holds the learning rate as read with the step after the block.
@@ -66,7 +68,9 @@ def actions_of(job: Job, loop: Run, readings: Readings, evaluate: bool) -> list[
     ]
 
 
-def _recover(job: Job, checkpointer: Checkpointer, step: int, loss: float, attempt: int) -> int:
+def _recover(
+    job: BuiltJob, checkpointer: Checkpointer, step: int, loss: float, attempt: int
+) -> int:
     """Restores the last good checkpoint after a loss blow-up; returns its step."""
     limit = job.config.train.max_recoveries
     good = checkpointer.latest

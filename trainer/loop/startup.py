@@ -15,12 +15,12 @@ from strategies import devices
 from towerflow import storage
 from trainer.data import labels, service_client
 from trainer.loop import checks, tasks
-from trainer.loop.job import Job
+from trainer.loop.job import BuiltJob
 from trainer.loop.progress import tell
 from trainer.loop.summaries import Summaries
 
 
-def log(job: Job, placement: dict, summaries: Summaries) -> None:
+def log(job: BuiltJob, placement: dict, summaries: Summaries) -> None:
     """The start-up lines; on the chief, `config.json`, the features' records, the config."""
     strategy = job.strategy
     lines = [
@@ -48,7 +48,7 @@ def log(job: Job, placement: dict, summaries: Summaries) -> None:
         summaries.hparams(job.config, os.path.basename(os.path.abspath(job.model_dir)))
 
 
-def _recorded(job: Job) -> ml_collections.ConfigDict:
+def _recorded(job: BuiltJob) -> ml_collections.ConfigDict:
     """The config as run, with what start-up found: the class names of `label_vocabulary=auto`."""
     config = job.config
     names = job.dataset.spec.class_names
@@ -58,7 +58,7 @@ def _recorded(job: Job) -> ml_collections.ConfigDict:
     return config
 
 
-def _what(job: Job) -> str:
+def _what(job: BuiltJob) -> str:
     """What is trained, for the start-up line: a user's task, or the model and the data."""
     config, size = job.config, f"({job.model.count_params():,} parameters)"
     if config.task.name not in tasks.BUILT_IN:

@@ -19,7 +19,7 @@ import ml_collections
 import tensorflow as tf
 
 from strategies.cluster import discovery, scratch
-from towerflow import storage
+from towerflow import renamed, storage
 from towerflow.errors import UserError
 from trainer.data import service_client
 from trainer.loop import (
@@ -37,12 +37,13 @@ from trainer.loop import lock as model_dir_lock
 from trainer.loop.checkpoints import Checkpointer
 from trainer.loop.component import Run
 from trainer.loop.export import export
-from trainer.loop.job import Job, build, checkpointed, make_strategy
+from trainer.loop.job import BuiltJob, build, checkpointed, make_strategy
 from trainer.loop.progress import progress_line, say
 from trainer.loop.readings import Readings
 from trainer.loop.summaries import Summaries
 
-__all__ = ["Job", "build", "checkpointed", "make_strategy", "progress_line", "run", "say"]
+__all__ = ["BuiltJob", "build", "checkpointed", "make_strategy", "progress_line", "run", "say"]
+__getattr__ = renamed.old_names(__name__, {"Job": "BuiltJob"}, globals())
 
 MODES = ("train", "eval", "train_and_eval")
 
@@ -85,7 +86,7 @@ def train_and_evaluate(
         return run(job, mode, extra_actions)
 
 
-def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
+def run(job: BuiltJob, mode: str, extra_actions: Sequence[actions.Action] = ()) -> dict:
     """Trains and/or evaluates a built `job`; the only function that writes `model_dir`."""
     start = time.time()
     member, config = job.strategy.membership, job.config
@@ -139,7 +140,7 @@ def run(job: Job, mode: str, extra_actions: Sequence[actions.Action] = ()) -> di
             lock.release()
 
 
-def _checkpointer(job: Job) -> Checkpointer:
+def _checkpointer(job: BuiltJob) -> Checkpointer:
     """The chief's checkpoints of `job` (every member restores through it)."""
     config = job.config
     checkpointer = Checkpointer(
@@ -158,7 +159,7 @@ def _checkpointer(job: Job) -> Checkpointer:
     return checkpointer
 
 
-def _restore_or_start(job: Job, checkpointer: Checkpointer, mode: str) -> None:
+def _restore_or_start(job: BuiltJob, checkpointer: Checkpointer, mode: str) -> None:
     """Resumes from the newest state in `model_dir`, or starts fresh; tells the features."""
     # A feature may hold a state newer than the newest checkpoint (an elastic survivor's).
     newer = [feature.newer_state(checkpointer.latest) for feature in job.features.values()]
@@ -178,7 +179,7 @@ def _restore_or_start(job: Job, checkpointer: Checkpointer, mode: str) -> None:
 
 
 def _train(
-    job: Job,
+    job: BuiltJob,
     loop: Run,
     readings: Readings,
     evaluate: bool,
@@ -220,7 +221,7 @@ def _train(
     return last.metrics if last else {}
 
 
-def _training_input(job: Job, step: int):
+def _training_input(job: BuiltJob, step: int):
     """What the steps read: a feature's own input (units), else the data's stream, wrapped."""
     for feature in job.features.values():  # e.g. followed files handed out in units
         given = feature.input()
@@ -232,7 +233,7 @@ def _training_input(job: Job, step: int):
     return iterator
 
 
-def _train_step(job: Job) -> steps.TrainStep | steps.CustomTrainStep:
+def _train_step(job: BuiltJob) -> steps.TrainStep | steps.CustomTrainStep:
     """The step of a block: towerflow's, or a task's own (which applies its own gradients)."""
     config, gb = job.config, job.config.train.global_batch_size
     if job.custom_step is not None:
@@ -252,7 +253,7 @@ def _train_step(job: Job) -> steps.TrainStep | steps.CustomTrainStep:
     )
 
 
-def _train_stream(job: Job, step: int):
+def _train_stream(job: BuiltJob, step: int):
     """The training `dataset_fn` from `step`: from a feature's batch, where one places it."""
     batch, seed = job.config.train.global_batch_size, job.config.seed
     first = job.starts_at(step)
@@ -261,12 +262,12 @@ def _train_stream(job: Job, step: int):
     return job.dataset.train_fn(batch, seed, step, start_batch=first)
 
 
-def _reads(job: Job) -> dict[str, tf.Variable]:
+def _reads(job: BuiltJob) -> dict[str, tf.Variable]:
     """The variables the features read with the step after each block."""
     return {name: v for feature in job.features.values() for name, v in feature.reads().items()}
 
 
-def _results(job: Job, train: dict, evaluation: dict, placement: dict, wall_s: float) -> dict:
+def _results(job: BuiltJob, train: dict, evaluation: dict, placement: dict, wall_s: float) -> dict:
     """What `results.json` holds: the step, metrics, wall time, placement, input, features'."""
     results = {
         "step": job.step(),
@@ -283,7 +284,7 @@ def _results(job: Job, train: dict, evaluation: dict, placement: dict, wall_s: f
     return results
 
 
-def _export(job: Job) -> None:
+def _export(job: BuiltJob) -> None:
     """Every member exports (some strategies save collectively); only the chief's is kept.
 
     The export is `model_dir/export`, replaced each time, unless a feature
