@@ -180,17 +180,13 @@ PRODUCT = sorted(
 # Classes that still share a name with another, each in a module being restructured on its
 # own (trainer/loop/, trainer/data/); the rename each is to get, for when it lands.
 SHARED_PENDING = {
-    "Plan": {  # -> `RestorePlan` (portable.py), `WarmStartPlan` (warm_start.py)
-        "trainer/loop/portable.py",
-        "trainer/loop/warm_start.py",
-    },
     "Feature": {"trainer/data/features.py", "trainer/loop/component.py"},  # -> `FeatureSpec` (data)
     "InputWait": {"trainer/data/wait.py", "trainer/loop/features/input_wait.py"},
     "Profile": {"trainer/loop/actions.py", "trainer/loop/features/profile.py"},
 }
 # Names that say too little to stand alone: a class is named for what it is of.
 UNQUALIFIED = {"Member": {"trainer/launch/plan.py"}, "Plan": set(), "Job": set()}
-UNQUALIFIED_PENDING = {"Plan": SHARED_PENDING["Plan"]}
+UNQUALIFIED_PENDING: dict[str, set[str]] = {}
 
 
 def classes(paths: list[str]) -> dict[str, set[str]]:

@@ -41,7 +41,7 @@ Segment = keras.Variable | layers.Portable  # an ordinary variable, or a split l
 
 
 @dataclasses.dataclass
-class Plan:
+class RestorePlan:
     """Each split layer of a model and its number of parts in a checkpoint."""
 
     segments: list[Segment]  # the model's variables, a split layer's together
@@ -56,7 +56,7 @@ def _is_layer(segment: Segment) -> bool:
     return isinstance(segment, layers.Portable)
 
 
-def plan(model: keras.Model, shapes: list[tuple[int, ...]]) -> Plan | None:
+def plan(model: keras.Model, shapes: list[tuple[int, ...]]) -> RestorePlan | None:
     """How the checkpoint's model variables of `shapes` map to `model`'s; None if they do not.
 
     They map when each of `model`'s variables has its shape there, in order,
@@ -70,7 +70,7 @@ def plan(model: keras.Model, shapes: list[tuple[int, ...]]) -> Plan | None:
     if parts is None:
         return None
     split = [s for s in segments if _is_layer(s)]
-    return Plan(segments, {id(layer): n for layer, n in zip(split, parts, strict=True)})
+    return RestorePlan(segments, {id(layer): n for layer, n in zip(split, parts, strict=True)})
 
 
 def _segments(model: keras.Model) -> list[Segment] | None:
@@ -116,7 +116,7 @@ def _match_layer(
 
 def restore(
     path: str,
-    found: Plan,
+    found: RestorePlan,
     optimizer: keras.optimizers.Optimizer,
     save_counter: tf.Variable,
     delta: str | None = None,

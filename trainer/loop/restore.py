@@ -127,7 +127,7 @@ class Restorer:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         return line
 
-    def _check_shapes(self, path: str) -> portable.Plan | None:
+    def _check_shapes(self, path: str) -> portable.RestorePlan | None:
         """Refuses a checkpoint whose variable list or shapes differ from `shapes`.
 
         TensorFlow does not always refuse one itself (a mirrored variable can

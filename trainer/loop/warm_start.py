@@ -99,7 +99,7 @@ class Resplit:
 
 
 @dataclasses.dataclass
-class Plan:
+class WarmStartPlan:
     """What a warm start loads: checkpoint keys into model variables, table parts by position."""
 
     checkpoint: str
@@ -131,7 +131,9 @@ class Plan:
         )
 
 
-def plan(config: ml_collections.ConfigDict, model: keras.Model, variables: list) -> Plan | None:
+def plan(
+    config: ml_collections.ConfigDict, model: keras.Model, variables: list
+) -> WarmStartPlan | None:
     """What `train.warm_start` loads into `model` (its checkpoint's `variables`); checks only.
 
     Raises:
@@ -176,7 +178,7 @@ def plan(config: ml_collections.ConfigDict, model: keras.Model, variables: list)
     _check_salts(
         where, "leave the table out with `train.warm_start_include`", recorded, model, names
     )
-    return Plan(checkpoint, loaded, tables, fresh, resplit)
+    return WarmStartPlan(checkpoint, loaded, tables, fresh, resplit)
 
 
 def _checkpoint_of(source: str) -> tuple[str, dict]:
@@ -376,7 +378,7 @@ def _check_fallback_kept(where: str, afresh: str, recorded: dict, layer, part: d
     )
 
 
-def apply(warm: Plan) -> str:
+def apply(warm: WarmStartPlan) -> str:
     """Loads what `warm` planned; returns the report line."""
     reader = tf.train.load_checkpoint(warm.checkpoint)
     for key, variable in warm.variables:

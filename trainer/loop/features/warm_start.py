@@ -24,7 +24,7 @@ class WarmStart(component.Component):
 
 
 class _Start(component.Feature):
-    def __init__(self, context: component.Context, plan: warm_start.Plan | None):
+    def __init__(self, context: component.Context, plan: warm_start.WarmStartPlan | None):
         self._context = context
         self.plan = plan  # None: no `train.warm_start`
 
