@@ -10,67 +10,19 @@ overridden, e.g. `--config.train.steps=3000`; a mistyped field is an error.
 
 import ml_collections
 
+import strategies.options as strategy_options
+
 
 def get_config() -> ml_collections.ConfigDict:
     """Returns the default config; other configs start from it."""
     c = ml_collections.ConfigDict()
     c.seed = 0  # seeds model init, data shuffling and dropout
 
+    # Each built-in plugin's options live under its own name, so `--strategy` swaps among them;
+    # their defaults and meanings are declared once, in strategies/options.py.
     c.strategy = ml_collections.ConfigDict()
     c.strategy.name = "mirrored"  # a registered plugin: `python -m trainer --list_strategies`
-    # Each plugin's options live under its own name, so `--strategy` swaps among them.
-    c.strategy.one_device = ml_collections.ConfigDict()
-    c.strategy.one_device.device = ""  # e.g. "/gpu:0"; "" = first GPU, else the CPU
-    c.strategy.one_device.gradient_dtype = "float32"  # one replica: nothing to all-reduce
-    c.strategy.mirrored = ml_collections.ConfigDict()
-    c.strategy.mirrored.devices = ""  # comma-separated; "" = all GPUs, else all logical CPUs
-    # How replicas' gradients are combined: auto | nccl | hierarchical_copy | reduce_to_one.
-    c.strategy.mirrored.cross_device_ops = "auto"
-    # The dtype gradients are summed in across replicas: float32 | bfloat16 (half the bytes
-    # sent, about 3 significant digits in the sum; the update stays float32).
-    c.strategy.mirrored.gradient_dtype = "float32"
-    c.strategy.central_storage = ml_collections.ConfigDict()
-    c.strategy.central_storage.devices = ""  # compute devices, as for mirrored
-    c.strategy.central_storage.parameter_device = ""  # "" = the host CPU
-    c.strategy.central_storage.gradient_dtype = "float32"  # float32 | bfloat16, as for mirrored
-    c.strategy.multi_worker = ml_collections.ConfigDict()
-    c.strategy.multi_worker.implementation = "auto"  # collectives: auto | ring | nccl
-    c.strategy.multi_worker.gradient_dtype = "float32"  # float32 | bfloat16, as for mirrored
-    # Gradients all-reduced in packs of about this many bytes, which overlap: "auto" (16 MB;
-    # dense_large's 59 MB all-reduce 1.2-1.3x faster here), "0" (one pack) or a number of bytes.
-    c.strategy.multi_worker.bytes_per_pack = "0"
-    # A collective waiting longer is an error; 0 = none (a dead or hung peer is still named
-    # within about 15-40 s by heartbeats and the watchdog). Any timeout costs one sleeping
-    # thread per collective op for its whole length: keep it 0 unless you need one.
-    c.strategy.multi_worker.timeout_seconds = 0.0
-    # Seconds every member waits for the others of `TF_CONFIG` to answer before it starts.
-    c.strategy.multi_worker.startup_timeout_seconds = 120.0
-    # pipeline: model parallelism, the model's layers in consecutive stages, one per device.
-    c.strategy.pipeline = ml_collections.ConfigDict()
-    c.strategy.pipeline.stages = 2  # stages, balanced by parameter count (one device each)
-    # Or the layers that start stages 1, 2, ... by name, e.g. "dense_1,dense_2" (then 3 stages).
-    c.strategy.pipeline.boundaries = ""
-    c.strategy.pipeline.micro_batches = 4  # GPipe: parts of each train batch, so stages overlap
-    c.strategy.pipeline.devices = ""  # one per stage; "" = the GPUs, else the logical CPUs
-    c.strategy.parameter_server = ml_collections.ConfigDict()
-    # How big variables of `trainer.layers` are split over the ps members:
-    # none (whole variables, round-robin) | fixed | min_size | max_size.
-    c.strategy.parameter_server.partitioner = "none"
-    c.strategy.parameter_server.num_shards = 2  # fixed: shards per big variable
-    c.strategy.parameter_server.min_shard_bytes = 256 << 10  # min_size: bytes (<= 1 shard per ps)
-    c.strategy.parameter_server.max_shard_bytes = 64 << 20  # max_size: largest shard in bytes
-    # Seconds every member waits for the others of `TF_CONFIG` to answer before it starts.
-    c.strategy.parameter_server.startup_timeout_seconds = 120.0
-    # Spare replicas: each update averages the first k of the n workers' gradients, late ones
-    # are dropped (synchronous; k = n: no spare). 0 = asynchronous, each worker updates alone.
-    c.strategy.parameter_server.sync_replicas = 0
-    # Asynchronous: what an update does about the updates applied since its worker read the
-    # variables (its staleness, recorded in TensorBoard either way): none | scale (gradient
-    # divided by 1 + staleness) | drop_above=N (updates staler than N discarded).
-    c.strategy.parameter_server.staleness = "none"
-    c.strategy.parameter_server.warmup_steps = 0  # asynchronous: first steps on one worker alone
-    # Workers push float32 gradients to the ps; nothing is all-reduced (float32 only).
-    c.strategy.parameter_server.gradient_dtype = "float32"
+    c.strategy.update(strategy_options.sections())
 
     # Where this process's cluster comes from (strategies/cluster/discovery.py); `--cluster` sets
     # `source`. auto: `TF_CONFIG` if set, else a Slurm step or a JobSet or SageMaker job of

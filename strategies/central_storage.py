@@ -8,16 +8,8 @@ import tensorflow as tf
 
 from strategies import devices, transfer
 from strategies.base import Strategy, Traits, read_options
+from strategies.options import CentralStorageOptions
 from strategies.registry import register
-
-
-@dataclasses.dataclass(frozen=True)
-class CentralStorageOptions:
-    """`strategy.central_storage`."""
-
-    devices: str = ""  # compute devices, as for mirrored
-    parameter_device: str = ""  # "" = the host CPU
-    gradient_dtype: str = "float32"  # float32 | bfloat16, as for mirrored
 
 
 @register("central_storage")

@@ -8,33 +8,16 @@ import tensorflow as tf
 
 from strategies import devices, tf_patches, transfer
 from strategies.base import Strategy, Traits, read_options
+from strategies.options import MirroredOptions
 from strategies.registry import register
 from towerflow.errors import UserError
 
-CROSS_DEVICE_OPS = {
-    "auto": None,  # TensorFlow's pick for the devices at hand
+# The TensorFlow class of each of `options.CROSS_DEVICE_OPS` but "auto" (TensorFlow's pick).
+_CROSS_DEVICE_OPS = {
     "nccl": tf.distribute.NcclAllReduce,
     "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
     "reduce_to_one": tf.distribute.ReductionToOneDevice,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class MirroredOptions:
-    """`strategy.mirrored`."""
-
-    devices: str = ""  # comma-separated; "" = all GPUs, else all logical CPUs
-    # How replicas' gradients are combined: auto | nccl | hierarchical_copy | reduce_to_one.
-    cross_device_ops: str = "auto"
-    # The dtype gradients are summed in across replicas: float32 | bfloat16.
-    gradient_dtype: str = "float32"
-
-    def __post_init__(self):
-        if self.cross_device_ops not in CROSS_DEVICE_OPS:
-            raise UserError(
-                f"Unknown `strategy.mirrored.cross_device_ops` '{self.cross_device_ops}'; "
-                f"known: {', '.join(CROSS_DEVICE_OPS)}."
-            )
 
 
 @register("mirrored")
@@ -102,13 +85,13 @@ def replica_state_averaged(strategy: tf.distribute.Strategy) -> Iterator[None]:
 
 
 def _cross_device_ops(name: str, names: list[str]):
-    """The cross-device ops `name` (a key of `CROSS_DEVICE_OPS`) makes for devices `names`."""
+    """The cross-device ops `name` (one of `options.CROSS_DEVICE_OPS`) makes for devices `names`."""
     if name == "nccl" and not any("GPU" in d for d in names):
         raise UserError(
             "`strategy.mirrored.cross_device_ops` 'nccl' needs GPUs, and none are in use; "
             "use 'auto' or 'reduce_to_one'."
         )
-    cls = CROSS_DEVICE_OPS[name]
+    cls = _CROSS_DEVICE_OPS.get(name)  # None: "auto"
     if cls is None and not any("GPU" in d for d in names):
         # On CPUs, TF's pick is collective all-reduce, whose instance keys start afresh in
         # every MirroredStrategy: two strategies in one process (tests, notebooks) clash.

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 
 import tensorflow as tf
 
@@ -24,42 +23,12 @@ from strategies import mirrored, tf_patches, transfer
 from strategies.base import Strategy, Traits
 from strategies.cluster import membership, preemption, tf_start
 from strategies.cluster import tf_config as cluster_lib
+from strategies.options import MultiWorkerOptions
 from strategies.registry import register
 from towerflow.errors import UserError
 
-IMPLEMENTATIONS = {
-    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiWorkerOptions:
-    """`strategy.multi_worker`."""
-
-    implementation: str = "auto"  # collectives: auto | ring | nccl
-    gradient_dtype: str = "float32"  # float32 | bfloat16, as for mirrored
-    bytes_per_pack: str = "0"  # gradients all-reduced in packs of about this many bytes
-    # Seconds a collective may wait for its peers before it fails the step; 0 = no timeout
-    # (a collective waits as long as it takes: a dead or hung peer is still named by the
-    # coordination service's heartbeats and the loop's watchdog). Negative: refused.
-    timeout_seconds: float = 0.0
-    # Seconds every member waits for the others of `TF_CONFIG` to answer before it starts.
-    startup_timeout_seconds: float = cluster_lib.STARTUP_TIMEOUT_S
-
-    def __post_init__(self):
-        if self.implementation not in IMPLEMENTATIONS:
-            raise UserError(
-                f"Unknown `strategy.multi_worker.implementation` '{self.implementation}'; "
-                f"known: {', '.join(IMPLEMENTATIONS)}."
-            )
-        timeout = self.timeout_seconds
-        if not math.isfinite(timeout) or timeout < 0:
-            raise UserError(
-                f"`strategy.multi_worker.timeout_seconds` ({timeout}) must be a finite number "
-                "of seconds >= 0; use 0 (no per-collective timeout, the default) or e.g. 600."
-            )
+# `strategy.multi_worker.implementation`, upper case, names one of its members.
+_IMPLEMENTATION = tf.distribute.experimental.CommunicationImplementation
 
 
 @register("multi_worker")
@@ -119,7 +88,7 @@ class MultiWorker(Strategy, options=MultiWorkerOptions):
         return tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=self.traits.transfer.bytes_per_pack,
             timeout_seconds=float(self.options.timeout_seconds) or None,  # 0: None, no timeout
-            implementation=IMPLEMENTATIONS[self.options.implementation],
+            implementation=_IMPLEMENTATION[self.options.implementation.upper()],
         )
 
     def scope(self) -> contextlib.AbstractContextManager:

@@ -1,20 +1,11 @@
 """`one_device`: every variable and op on one named device."""
 
-import dataclasses
-
 import tensorflow as tf
 
 from strategies import devices
 from strategies.base import Strategy
+from strategies.options import OneDeviceOptions
 from strategies.registry import register
-
-
-@dataclasses.dataclass(frozen=True)
-class OneDeviceOptions:
-    """`strategy.one_device`."""
-
-    device: str = ""  # e.g. "/gpu:0"; "" = the first GPU, else the CPU
-    gradient_dtype: str = "float32"  # one replica: nothing to all-reduce
 
 
 @register("one_device")

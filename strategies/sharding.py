@@ -37,10 +37,10 @@ from collections.abc import Iterator, Sequence
 import tensorflow as tf
 
 from strategies import tf_patches
+from strategies.options import DEFAULT_MIN_SHARD_BYTES
 from towerflow.errors import UserError
 
 PARTITIONERS = ("none", "fixed", "min_size", "max_size")
-DEFAULT_MIN_SHARD_BYTES = 256 << 10  # TF's MinSizePartitioner default
 # partitioner -> (the size option it needs, an example value)
 _SIZE_FIELDS = {
     "fixed": ("num_shards", 2),

@@ -58,7 +58,6 @@ DEFAULT_RPC_LAYER = "grpc"
 _EXAMPLE = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
 _EXAMPLE_TASK_KEY = '"task": {"type": "worker", "index": 0}'
 _MISSING = object()
-STARTUP_TIMEOUT_S = 120.0  # default wait for the other members of a cluster to come up
 PROBE_S = 3.0  # how long a live member's server may take to reply to a probe
 PROXY_VARIABLES = (
     "grpc_proxy",

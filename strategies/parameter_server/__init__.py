@@ -49,35 +49,11 @@ from strategies import sharding, tf_patches, tf_private
 from strategies.base import DatasetFn, StepFn, Strategy, TrainStepProtocol, Traits, _to_floats
 from strategies.cluster import membership, tf_start
 from strategies.cluster import tf_config as cluster_lib
+from strategies.options import ParameterServerOptions
 from strategies.parameter_server import staleness as ps_staleness
 from strategies.parameter_server import sync as ps_sync
 from strategies.registry import register
 from towerflow.errors import UserError
-
-
-@dataclasses.dataclass(frozen=True)
-class ParameterServerOptions:
-    """`strategy.parameter_server` (configs/default.py says more of each)."""
-
-    # How big variables of `trainer.layers` are split over the ps members:
-    # none (whole variables, round-robin) | fixed | min_size | max_size.
-    partitioner: str = "none"
-    num_shards: int = 2  # fixed: shards per big variable
-    min_shard_bytes: int = sharding.DEFAULT_MIN_SHARD_BYTES  # min_size: bytes
-    max_shard_bytes: int = 64 << 20  # max_size: largest shard in bytes
-    # Seconds every member waits for the others of `TF_CONFIG` to answer before it starts.
-    startup_timeout_seconds: float = cluster_lib.STARTUP_TIMEOUT_S
-    sync_replicas: int = 0  # spare replicas: the first k of n workers' gradients; 0 = async
-    staleness: str = "none"  # asynchronous: none | scale | drop_above=N
-    warmup_steps: int = 0  # asynchronous: first steps on one worker alone
-    gradient_dtype: str = "float32"  # workers push float32 gradients to the ps
-
-    def __post_init__(self):
-        if self.warmup_steps < 0:
-            raise UserError(
-                f"`strategy.parameter_server.warmup_steps` ({self.warmup_steps}) must be >= 0 "
-                "(0 = every worker from the first step)."
-            )
 
 
 @register("parameter_server")

@@ -35,7 +35,6 @@ stages run: `strategies.pipeline.stages`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 
 import keras
@@ -44,32 +43,11 @@ import tensorflow as tf
 
 from strategies import devices, tf_patches
 from strategies.base import DatasetFn, StepFn, Strategy, Traits, read_options
+from strategies.options import PipelineOptions
 from strategies.pipeline.cuts import balanced_cuts, layers_and_cuts, named_cuts, symbolic
 from strategies.pipeline.stages import Stage, move, run_by_stages
 from strategies.registry import register
 from towerflow.errors import UserError
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineOptions:
-    """`strategy.pipeline`."""
-
-    stages: int = 2  # stages, balanced by parameter count (one device each)
-    boundaries: str = ""  # or the layers that start stages 1, 2, ... by name
-    micro_batches: int = 4  # GPipe: parts of each train batch, so stages overlap
-    devices: str = ""  # one per stage; "" = the GPUs, else the logical CPUs
-
-    def __post_init__(self):
-        if int(self.micro_batches) < 1:
-            raise UserError(
-                f"`strategy.pipeline.micro_batches` ({self.micro_batches}) must be >= 1 "
-                "(1 = no micro-batches)."
-            )
-        if not _names(self.boundaries) and int(self.stages) < 1:
-            raise UserError(
-                f"`strategy.pipeline.stages` ({self.stages}) must be >= 1; e.g. "
-                "`--config.strategy.pipeline.stages=2`."
-            )
 
 
 @register("pipeline")
