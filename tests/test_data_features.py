@@ -14,7 +14,7 @@ import tensorflow as tf
 from configs import default
 from tests.helpers import one_line_error, tiny_config
 from trainer import data
-from trainer.data.features import Feature, parse_features
+from trainer.data.features import FeatureSpec, parse_features
 from trainer.loop import models, train
 
 COUNTRIES = ["fr", "de", "jp"]
@@ -48,10 +48,10 @@ def _eval_batches(dataset, batch: int = 4):
 
 def test_parse_features():
     assert parse_features("age:float32,country:string,ids:int64:var,img:float32:8x8x1") == [
-        Feature("age", tf.float32),
-        Feature("country", tf.string),
-        Feature("ids", tf.int64, (), variable=True),
-        Feature("img", tf.float32, (8, 8, 1)),
+        FeatureSpec("age", tf.float32),
+        FeatureSpec("country", tf.string),
+        FeatureSpec("ids", tf.int64, (), variable=True),
+        FeatureSpec("img", tf.float32, (8, 8, 1)),
     ]
 
 

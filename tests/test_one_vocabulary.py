@@ -180,7 +180,6 @@ PRODUCT = sorted(
 # Classes that still share a name with another, each in a module being restructured on its
 # own (trainer/loop/, trainer/data/); the rename each is to get, for when it lands.
 SHARED_PENDING = {
-    "Feature": {"trainer/data/features.py", "trainer/loop/component.py"},  # -> `FeatureSpec` (data)
     "InputWait": {"trainer/data/wait.py", "trainer/loop/features/input_wait.py"},
     "Profile": {"trainer/loop/actions.py", "trainer/loop/features/profile.py"},
 }

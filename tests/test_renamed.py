@@ -19,6 +19,7 @@ RENAMED = [
     ("trainer.sweep.plan", "Slot", "TrialSlot"),
     ("trainer.loop.job", "Job", "BuiltJob"),
     ("trainer.loop.train", "Job", "BuiltJob"),
+    ("trainer.data.features", "Feature", "FeatureSpec"),
 ]
 
 

@@ -32,7 +32,7 @@ from trainer.data.base import (
     listed,
     register,
 )
-from trainer.data.features import Feature, Missing, check_named, missing, parse_features
+from trainer.data.features import FeatureSpec, Missing, check_named, missing, parse_features
 
 _CSV_LINES_AT_ONCE = 1 << 16  # lines parsed in one op while checking a CSV file
 _LINES_FILTERED_AT_ONCE = 1024  # lines checked for missing values in one op (`incomplete=drop`)
@@ -119,7 +119,7 @@ def _features(
     if config.features:
         return _named_columns(config, columns, first), None
     shape = check_shape("data.input_shape", config.input_shape)
-    features = [Feature(c, tf.float32) for c in columns if c != config.label]
+    features = [FeatureSpec(c, tf.float32) for c in columns if c != config.label]
     if len(features) != math.prod(shape):
         raise UserError(
             f"'{first}' has {len(features)} feature columns besides `data.label` "
@@ -179,7 +179,7 @@ class _Rows:
     """
 
     columns: tuple[str, ...]
-    features: tuple[Feature, ...]
+    features: tuple[FeatureSpec, ...]
     label: str
     missing: Missing
     names: tuple[str, ...] | str | None

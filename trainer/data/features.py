@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
+from towerflow import renamed
 from towerflow.errors import UserError
 from trainer.data.base import listed
 
@@ -41,8 +42,8 @@ INCOMPLETE = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Feature:
-    """One feature of `data.features`.
+class FeatureSpec:
+    """What `data.features` says of one feature (the loop's `component.Feature` is another thing).
 
     Attributes:
       name: the TFRecord feature or CSV column.
@@ -101,7 +102,7 @@ def missing(config) -> Missing:
     return Missing(tuple(dict.fromkeys(na_values)), incomplete == "drop")
 
 
-def parse_features(text: str) -> list[Feature]:
+def parse_features(text: str) -> list[FeatureSpec]:
     """Parses `data.features`, "name:dtype[:shape|:var][=default][,...]".
 
     Raises:
@@ -124,12 +125,12 @@ def parse_features(text: str) -> list[Feature]:
         if name in {f.name for f in features}:
             raise UserError(f"`data.features` '{text}' names `{name}` twice; name it once.")
         default = default.strip() if equals else None
-        feature = Feature(name, DTYPES[dtype], shape, dims == VARIABLE, default)
+        feature = FeatureSpec(name, DTYPES[dtype], shape, dims == VARIABLE, default)
         features.append(_check_default(feature))
     return features
 
 
-def _check_default(feature: Feature) -> Feature:
+def _check_default(feature: FeatureSpec) -> FeatureSpec:
     """`feature`, if its default is a value of its dtype (and it is not a `var` feature)."""
     if feature.default is None:
         return feature
@@ -159,13 +160,13 @@ def _shape(dims: str) -> tuple[int, ...] | None:
     return shape if min(shape) >= 1 else None
 
 
-def one_tensor(features: list[Feature]) -> bool:
+def one_tensor(features: list[FeatureSpec]) -> bool:
     """Whether `features` reach the model as one float tensor (one float32 feature with a shape)."""
     return len(features) == 1 and features[0].dtype == tf.float32 and bool(features[0].shape)
 
 
 def check_named(
-    features: list[Feature], label: str, present: Iterable[str], where: str, kind: str
+    features: list[FeatureSpec], label: str, present: Iterable[str], where: str, kind: str
 ) -> None:
     """Every feature and the label are among the names `present` in the files.
 
@@ -196,3 +197,6 @@ def check_named(
             f"`data.label` '{label}' is not one of the {kind} of {where}: {listed(present)}; "
             "set `data.label` to the label's name."
         )
+
+
+__getattr__ = renamed.old_names(__name__, {"Feature": "FeatureSpec"}, globals())

@@ -37,7 +37,7 @@ from trainer.data.base import (
 )
 from trainer.data.features import (
     DTYPES,
-    Feature,
+    FeatureSpec,
     Missing,
     check_named,
     missing,
@@ -107,7 +107,7 @@ def _tfrecord(config: ml_collections.ConfigDict) -> Dataset:
     )
 
 
-def _features(config: ml_collections.ConfigDict) -> tuple[list[Feature], tuple | None]:
+def _features(config: ml_collections.ConfigDict) -> tuple[list[FeatureSpec], tuple | None]:
     """The features to read, and the shape of one tensor of them (None: a dict of features).
 
     Raises:
@@ -116,7 +116,7 @@ def _features(config: ml_collections.ConfigDict) -> tuple[list[Feature], tuple |
     """
     if not config.features:  # as before named features: one float feature `x`
         shape = check_shape("data.input_shape", config.input_shape)
-        return [Feature("x", tf.float32, (math.prod(shape),))], shape
+        return [FeatureSpec("x", tf.float32, (math.prod(shape),))], shape
     features = parse_features(config.features)
     if not one_tensor(features):
         return features, None
@@ -129,7 +129,7 @@ def _features(config: ml_collections.ConfigDict) -> tuple[list[Feature], tuple |
     return features, shape
 
 
-def _parsed_as(feature: Feature) -> tf.io.FixedLenFeature | tf.io.RaggedFeature:
+def _parsed_as(feature: FeatureSpec) -> tf.io.FixedLenFeature | tf.io.RaggedFeature:
     if feature.variable:
         return tf.io.RaggedFeature(feature.dtype, row_splits_dtype=tf.int64)
     if feature.default is None:
@@ -151,7 +151,7 @@ class _Records:
       names: the class names; `labels.AUTO` while start-up finds them; None or ().
     """
 
-    features: tuple[Feature, ...]
+    features: tuple[FeatureSpec, ...]
     label: str
     label_dtype: tf.DType
     missing: Missing
@@ -240,7 +240,9 @@ class _Records:
         )
 
 
-def _check_records(path: str, features: list[Feature], label: str, label_dtype: tf.DType) -> None:
+def _check_records(
+    path: str, features: list[FeatureSpec], label: str, label_dtype: tf.DType
+) -> None:
     """The first records of `path` have every feature and the label, of the dtypes named.
 
     Raises:
