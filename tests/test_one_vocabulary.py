@@ -179,10 +179,7 @@ PRODUCT = sorted(
 )
 # Classes that still share a name with another, each in a module being restructured on its
 # own (trainer/loop/, trainer/data/); the rename each is to get, for when it lands.
-SHARED_PENDING = {
-    "InputWait": {"trainer/data/wait.py", "trainer/loop/features/input_wait.py"},
-    "Profile": {"trainer/loop/actions.py", "trainer/loop/features/profile.py"},
-}
+SHARED_PENDING: dict[str, set[str]] = {}
 # Names that say too little to stand alone: a class is named for what it is of.
 UNQUALIFIED = {"Member": {"trainer/launch/plan.py"}, "Plan": set(), "Job": set()}
 UNQUALIFIED_PENDING: dict[str, set[str]] = {}

@@ -13,8 +13,8 @@ from trainer.loop.controller import Output
 
 
 @component.register("input_wait")
-class InputWait(component.Component):
-    """Each block's wait for input, in milliseconds per step."""
+class InputWaitComponent(component.Component):
+    """Each block's wait for input, in milliseconds per step; the clock is `wait.InputWait`."""
 
     fields = ("train.deterministic",)
 

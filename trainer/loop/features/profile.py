@@ -9,8 +9,11 @@ from trainer.loop import actions, component
 
 
 @component.register("profile")
-class Profile(component.Component):
-    """A TensorBoard profile of steps (start, stop) on the chief, into `model_dir/train`."""
+class ProfileComponent(component.Component):
+    """A TensorBoard profile of steps (start, stop) on the chief, into `model_dir/train`.
+
+    The profiler itself is `actions.Profile`; this component checks the field and adds it.
+    """
 
     fields = ("train.profile_steps",)
 
