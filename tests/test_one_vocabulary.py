@@ -53,6 +53,8 @@ ALLOWED = re.compile(
             r"task\s+index|task_index|task_id",  # TensorFlow's `ClusterResolver` names
             r"`task(\.\w+)?`|\"task\"|'task'|task_key|TASK_KEY",  # `TF_CONFIG`'s `task` key
             r"/task:",  # TensorFlow's device names: `/job:ps/task:0/device:CPU:0`
+            # The user's `trainer.Task`: a class of one, its config section's fields.
+            r"\w+Task\b|\"task\.\w+\"",
             r"Slurm\s+tasks?|SLURM_\w*TASKS\w*|tasks[_-]per[_-]node",  # Slurm's own tasks
             r"\"JOBSET_TASKS\"",  # the old name of `JOBSET_MEMBERS`, a string key
             r"\"ps_tasks\"",  # the old name of `cluster.ps_members`, a string key

@@ -259,9 +259,9 @@ def _serving(catalogue, width: int):
 
 def _cluster_step_ms(mine: RetrievalSizes, workdir: str, kind: str, reps: int) -> float:
     """ms per step of `kind` ("retrieval" or "pairs") on 2 workers and 2 ps (median of reps)."""
-    task = "RetrievalTask" if kind == "retrieval" else "PairsTask"
+    chosen = "RetrievalTask" if kind == "retrieval" else "PairsTask"
     overrides = {
-        "task.name": f"examples.retrieval:{task}",
+        "task.name": f"examples.retrieval:{chosen}",
         "task.interactions": mine.interactions,
         "task.zipf_a": ZIPF_A,
     }
