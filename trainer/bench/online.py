@@ -12,9 +12,10 @@ and its model (`configs/ctr.py`'s), written once into the case's directory:
   p95): the example's trainer (`mirrored`, an export every file) with
   `examples.online.landing_to_export` writing one file at a time;
 - records trained twice when a worker is lost: a following `parameter_server`
-  run whose worker 1 gets SIGKILL after the chief's first progress line (the
-  launcher restarts it); `results.json`'s `follow.records_repeated`, beside
-  the records of one unit (the target: at most one unit's).
+  run whose worker 1 gets SIGKILL half a block after the chief's second
+  progress line (the launcher restarts it); `results.json`'s
+  `follow.records_repeated`, beside the records of one unit (the target: at
+  most one unit's).
 """
 
 from __future__ import annotations
@@ -182,12 +183,20 @@ def _worker_lost(sizes: Sizes, workdir: str, files: str, batch: int) -> dict:
 
 
 def _kill_at(launcher, log: str, trigger: str, model_dir: str) -> None:
-    """Once `log` holds `trigger`, SIGKILLs worker 1 of the cluster of `model_dir`."""
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while trigger not in tail(log, 100_000):
+    """SIGKILLs worker 1 of the cluster of `model_dir` in the middle of its third block.
+
+    The first two lines of `log` holding `trigger` (the chief's progress
+    lines) time a block; the kill comes half a block after the second, while
+    the workers are inside their units rather than between blocks.
+    """
+    deadline, seen = time.monotonic() + RUN_TIMEOUT_S, []
+    while len(seen) < 2:
         if launcher.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"no {trigger!r} line before the run ended\n{tail(log)}")
-        time.sleep(0.05)
+            raise RuntimeError(f"no two {trigger!r} lines before the run ended\n{tail(log)}")
+        if tail(log, 100_000).count(trigger) > len(seen):
+            seen.append(time.monotonic())
+        time.sleep(0.02)
+    time.sleep((seen[1] - seen[0]) / 2)
     pid = member_pid("worker", 1, model_dir)
     if pid is None:
         raise RuntimeError(f"worker 1 of {model_dir} not found")
