@@ -309,7 +309,10 @@ def _objective(model: keras.Model, dataset: data.Dataset, config: ml_collections
             f"`task.name` '{task_name}' does not fit the data's `num_classes` ({classes}); "
             "use `task.name=auto`, or set the data's class count."
         )
-    return objectives.for_spec(classes, models.output_kind(model), dataset.spec.class_names)
+    objective = objectives.for_spec(classes, models.output_kind(model), dataset.spec.class_names)
+    _, labels, _ = steps.unpack(dataset.eval_fn(2)(_ONE_PIPELINE).element_spec)
+    objective.check_labels(labels)  # before anything is written
+    return objective
 
 
 __getattr__ = renamed.old_names(__name__, {"Job": "BuiltJob"}, globals())
