@@ -70,8 +70,11 @@ def test_a_worker_killed_mid_unit_repeats_at_most_its_unit_and_loses_no_record(t
     assert code == 0, output[-3000:]
     assert "worker:1 was killed by SIGKILL; restarting it" in output
     assert _done(tmp_path / "run") == ([f"f{order}.csv" for order in range(6)], {})
-    repeated = _results(tmp_path)["follow"]["records_repeated"]
+    results = _results(tmp_path)
+    repeated = results["follow"]["records_repeated"]
     assert 0 <= repeated <= 2 * 16, "at most one unit (a block of 4 steps over 2 workers)"
+    # The 60 steps of the six files, and each step applied twice on top: 16 records each.
+    assert repeated == 16 * (results["step"] - 60), output[-3000:]
 
 
 def test_follow_under_workers_that_neither_keep_order_nor_take_units_is_one_line(tmp_path):

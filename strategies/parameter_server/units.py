@@ -10,10 +10,13 @@ each step applying its own update as the asynchronous mode always does. The
 coordinator gives each closure to the next free worker, and runs a closure
 whose worker was lost before it returned again on another worker: its unit
 trains whole on that worker, so no record is lost. The steps the lost worker
-had applied train twice: a counter on a ps member adds the records of every
-step applied (`records_trained`), and the block's `records_repeated` is what
-it counted beyond the records of the units that finished (at most one unit
-per worker lost).
+had applied train twice. They are counted from two counters, as no update
+and counter move together: the optimizer's step counter (exact: each update
+counts itself) gives the steps applied beyond the units' own, and a counter
+on a ps member of the records each step started gives their records (a step
+the worker was lost in before it applied is started but not applied: the
+smaller of the two counts holds). The block's `records_repeated` is at most
+one unit per worker lost.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from strategies.units import REPEATED, Unit, UnitStream
+from strategies.units import REPEATED, Unit, UnitStream, steps_of
 
 
 class UnitRunner:
@@ -36,23 +39,24 @@ class UnitRunner:
 
     def __init__(self, strategy, coordinator, workers: int):
         self.strategy, self.coordinator, self.workers = strategy, coordinator, workers
-        self._trained = None  # records trained, repeats included: an int64 on a ps member
+        self._started = None  # records whose step started, repeats included: an int64 on a ps
         self._loops: dict = {}  # (step, stream) -> its traced unit loop
 
-    def run(self, one_step: Callable, key, stream: UnitStream, n: int) -> dict:
+    def run(self, one_step: Callable, step, stream: UnitStream, n: int) -> dict:
         """Trains `n` steps from `stream`'s next units; the sums, and `records_repeated`.
 
-        `one_step(batch)` is a step as the plugin's update mode runs it (it
-        returns the step's sums); `key` names it for the cache of traced loops.
+        `one_step(batch)` is a step as the plugin's update mode runs `step` (it
+        returns the step's sums, `stale_dropped` among them where updates may be
+        dropped); `step.iterations` counts the updates applied.
         """
-        if self._trained is None:
+        if self._started is None:
             with self.strategy.scope():
-                self._trained = tf.Variable(0, dtype=tf.int64, trainable=False, name="trained")
-        if (key, id(stream)) not in self._loops:
-            self._loops[key, id(stream)] = _unit_loop(one_step, stream, self._trained)
-        loop = self._loops[key, id(stream)]
+                self._started = tf.Variable(0, dtype=tf.int64, trainable=False, name="started")
+        if (step, id(stream)) not in self._loops:
+            self._loops[step, id(stream)] = _unit_loop(one_step, stream, self._started)
+        loop = self._loops[step, id(stream)]
         units = stream.take(n, self.workers)
-        before = int(self._trained.numpy())
+        records, steps = int(self._started.numpy()), int(step.iterations.numpy())
         try:
             results = [self.coordinator.schedule(loop, args=_arguments(unit)) for unit in units]
             self.coordinator.join()
@@ -61,7 +65,10 @@ class UnitRunner:
             raise
         stream.finished(units)
         sums = tf.nest.map_structure(lambda *parts: tf.add_n(parts), *[r.fetch() for r in results])
-        repeated = int(self._trained.numpy()) - before - sum(unit.records for unit in units)
+        applied = int(step.iterations.numpy()) - steps + float(sums.get("stale_dropped", 0.0))
+        extra_steps = applied - sum(steps_of(unit.records, stream.batch) for unit in units)
+        extra_records = int(self._started.numpy()) - records - sum(u.records for u in units)
+        repeated = max(0.0, min(extra_records, extra_steps * stream.batch))
         return {**sums, REPEATED: tf.constant(float(repeated))}
 
 
@@ -73,16 +80,13 @@ def _arguments(unit: Unit) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     )
 
 
-def _unit_loop(one_step: Callable, stream: UnitStream, trained: tf.Variable):
+def _unit_loop(one_step: Callable, stream: UnitStream, started: tf.Variable):
     """A closure's work: the batches of one unit, a step each; returns their sums."""
 
     def counted_step(batch) -> dict:
-        sums = one_step(batch)
         rows = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
-        with tf.control_dependencies(tf.nest.flatten(sums)):
-            counted = trained.assign_add(rows)
-        with tf.control_dependencies([counted]):
-            return tf.nest.map_structure(tf.identity, sums)
+        with tf.control_dependencies([started.assign_add(rows)]):  # before the step applies
+            return one_step(batch)
 
     @tf.function
     def loop(file, first, records):
