@@ -92,7 +92,9 @@ class FollowedUnits(UnitStream):
     def dataset(self, file: tf.Tensor, first: tf.Tensor, records: tf.Tensor) -> tf.data.Dataset:
         """The unit's records in global batches (the last maybe short), decoded."""
         batches = self.follower.read(file).skip(first).take(records).batch(self.batch)
-        return batches.map(self.decode)
+        # Decoded and read ahead while the worker steps, as a worker's own pipeline is.
+        batches = batches.map(self.decode, num_parallel_calls=tf.data.AUTOTUNE)
+        return batches.prefetch(tf.data.AUTOTUNE)
 
     def finished(self, units: list[Unit]) -> None:
         """Their records are done: the follower writes the position the checkpoint saves."""
