@@ -245,6 +245,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.every = 500  # steps between evaluations (and one at the end); 0 = end only
     c.eval.global_batch_size = 256  # examples per eval step over all replicas
     c.eval.sidecar_timeout = 600.0  # evaluator member: seconds to wait for a new checkpoint
+    # Score each batch of `data.follow` before it trains on it (test, then train): the
+    # `progressive_*` metrics of each block (docs/progressive.md).
+    c.eval.progressive = False
+    # eval.progressive: the examples its metrics cover, rounded up to whole global batches.
+    c.eval.window_examples = 100_000
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "adam"  # sgd | momentum | adam | adamw | adagrad | ftrl

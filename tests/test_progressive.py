@@ -25,12 +25,14 @@ from tests.helpers import (
     assert_exit,
     config_flags,
     one_line_error,
+    run_cli,
     run_command,
     spawn,
     tensorboard_scalars,
     tiny_config,
     train_on_cluster,
 )
+from towerflow.errors import USER_ERROR_EXIT_CODE
 from towerflow.processes import pick_ports
 from trainer.loop import objectives, progressive, steps, train
 
@@ -315,7 +317,7 @@ def _followed(tmp_path, **overrides) -> ml_collections.ConfigDict:
         ]
         (data_dir / "train").mkdir(parents=True, exist_ok=True)
         (data_dir / "train" / f"clicks-{i}.csv").write_text("\n".join(lines) + "\n")
-    config = tiny_config(
+    return tiny_config(
         **{
             "strategy.name": "one_device",
             "data.name": "csv",
@@ -334,13 +336,11 @@ def _followed(tmp_path, **overrides) -> ml_collections.ConfigDict:
             "optimizer.warmup_steps": 0,
             # The config refuses a rate of 0: one that moves no weight by 1e-7 in 8 steps.
             "optimizer.learning_rate": 1e-9,
+            "eval.progressive": True,
+            "eval.window_examples": 128,
+            **overrides,
         }
     )
-    with config.unlocked():
-        config.eval.progressive = True
-        config.eval.window_examples = 128
-        config.update_from_flattened_dict(overrides)
-    return config
 
 
 def test_a_followed_run_reports_its_window_in_the_progress_line_tensorboard_and_results(
@@ -375,18 +375,6 @@ def test_a_resumed_run_goes_on_with_its_window(tmp_path):
     assert resumed["progressive_examples"] == 128  # 4 batches from the first run, 4 after
 
 
-# A config file for the command: the default's, following the files of `_followed`, scored.
-_CONFIG_FILE = """
-from configs.default import get_config as default_config
-
-def get_config():
-    config = default_config()
-    config.eval.progressive = True
-    config.eval.window_examples = {window}
-    return config
-"""
-
-
 @pytest.mark.parametrize(
     ("strategy", "ps"),
     [pytest.param("multi_worker", 0, marks=pytest.mark.slow), ("parameter_server", 1)],
@@ -395,7 +383,6 @@ def test_a_cluster_reports_the_window_of_the_batches_it_trained(tmp_path, strate
     """Through the launcher; at a rate that moves nothing, the run's evaluation of the same
     records at its end is the window's figures."""
     config = _followed(tmp_path)
-    (tmp_path / "progressive_config.py").write_text(_CONFIG_FILE.format(window=128))
     fields = (
         "data.name",
         "data.train_files",
@@ -411,11 +398,12 @@ def test_a_cluster_reports_the_window_of_the_batches_it_trained(tmp_path, strate
         "optimizer.warmup_steps",
         "optimizer.learning_rate",
         "model.hidden_units",
+        "eval.progressive",
+        "eval.window_examples",
     )
     results = train_on_cluster(
         tmp_path,
         f"--strategy={strategy}",
-        f"--config={tmp_path / 'progressive_config.py'}",
         "--config.data.input_shape=(4,)",
         "--config.train.export=False",
         *config_flags(config, fields),
@@ -474,3 +462,24 @@ def test_a_run_resumed_with_progressive_validation_newly_on_starts_its_window_an
     assert "were written without `eval.progressive`: the window starts empty" in (
         capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--config.eval.progressive=true"], "`data.follow` is False"),
+        (
+            [
+                "--config.eval.progressive=true",
+                "--config.data.follow=true",
+                "--config.eval.window_examples=-1",
+            ],
+            "`eval.window_examples` (-1) must be at least 1",
+        ),
+    ],
+)
+def test_the_command_refuses_bad_progressive_input_in_one_line_with_exit_2(tmp_path, flags, field):
+    result = run_cli(f"--model_dir={tmp_path / 'run'}", *flags, cwd=str(tmp_path))
+    assert_exit(result, USER_ERROR_EXIT_CODE)
+    assert field in result.stderr
+    assert not (tmp_path / "run").exists()
