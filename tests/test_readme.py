@@ -46,6 +46,13 @@ RUN_PAGES = (
 # Commands of any page that another test runs as written (or, for a long one, at a
 # smaller size), by how the command starts: the test that does.
 ELSEWHERE = {
+    "python -m trainer --config=examples/retrieval.py": (
+        "tests/test_retrieval.py::test_each_documented_command_trains_evaluates_and_exports"
+    ),
+    "python -m trainer.launch --workers=2 --ps=2 -- --strategy=parameter_server "
+    "--config=examples/retrieval.py": (
+        "tests/test_retrieval.py::test_each_documented_command_trains_evaluates_and_exports"
+    ),
     "python -m examples.penguins data/": "tests/test_data_labels.py::"
     "test_the_readme_penguins_command_trains_to_090",
     "towerflow --config.data.name=csv --config.data.train_files=data/penguins-train.csv": (

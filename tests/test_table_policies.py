@@ -184,7 +184,7 @@ def test_a_resumed_or_warm_started_hashed_table_keeps_the_salt_of_its_hashing(tm
     assert "salt [3, 3] there and None here" in str(error.value)
     config.train.warm_start_include = "dense"  # the table starts fresh: its salt is free
     keras.backend.clear_session()
-    plan = train.build(config, str(tmp_path / "warm")).warm_start
+    plan = train.build(config, str(tmp_path / "warm")).feature("warm_start").plan
     assert plan.variables and plan.fresh == ["embedding/embeddings_0"], plan.line()
 
 
