@@ -41,11 +41,6 @@ class Unit:
     first: int
     records: int
 
-    @property
-    def key(self) -> str:
-        """The unit's name in a checkpoint and in messages: `path@first+records`."""
-        return f"{self.file}@{self.first}+{self.records}"
-
 
 def steps_of(records: int, batch: int) -> int:
     """Steps that train `records` records at `batch` a step (the last may be short)."""
