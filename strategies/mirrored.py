@@ -39,6 +39,7 @@ class Mirrored(Strategy, options=MirroredOptions):
         sent = transfer.from_options(self.options, "mirrored")
         self.traits = dataclasses.replace(self.traits, transfer=sent)
         self._reduction = self.options.cross_device_ops
+        tf_patches.own_collective_keys()
         return tf.distribute.MirroredStrategy(
             names, cross_device_ops=_cross_device_ops(self._reduction, names)
         )

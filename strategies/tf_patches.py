@@ -137,6 +137,13 @@ PATCHES = {
         ("2.20", "2.21"),
         "MirroredStrategy keeps the cross-device ops it picked in extended._cross_device_ops",
     ),
+    "own_collective_keys": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "every MirroredStrategy starts its collective group keys at 1 + the class's "
+        "_collective_key_base (0, never raised): a second one in a process meets the first's "
+        'cached collectives ("Collective instance 100 expected type 2 ...")',
+    ),
     "worker_count": Patch(
         "tensorflow",
         ("2.20", "2.21"),
@@ -289,6 +296,20 @@ def cross_device_ops_name(strategy: tf.distribute.MirroredStrategy) -> str:
     """The class name of the cross-device ops `strategy` uses (what TF picked for "auto")."""
     targeted("cross_device_ops_name")
     return type(strategy.extended._cross_device_ops).__name__
+
+
+def own_collective_keys() -> None:
+    """The next `tf.distribute.MirroredStrategy` made in this process gets group keys of its own.
+
+    Without it, two in one process (a notebook, runs in one interpreter, a test
+    session) share their group and instance keys, and a collective of the second
+    aborts on the first's of another type or dtype.
+    """
+    targeted("own_collective_keys")
+    tf.distribute.MirroredStrategy._collective_key_base += _COLLECTIVE_KEYS_PER_STRATEGY
+
+
+_COLLECTIVE_KEYS_PER_STRATEGY = 10_000  # group keys: one per device set a strategy reduces over
 
 
 def worker_count(strategy: tf.distribute.MultiWorkerMirroredStrategy) -> int:

@@ -50,6 +50,14 @@ def iterators_end_with_the_test():
 
 
 @pytest.fixture(autouse=True)
+def _own_collective_keys():
+    """A `MirroredStrategy` a test makes meets no collective of an earlier test's strategy."""
+    from strategies import tf_patches
+
+    tf_patches.own_collective_keys()
+
+
+@pytest.fixture(autouse=True)
 def _op_determinism_off_after_each_test():
     """A test that trained with `train.deterministic` leaves no refusals to the next one.
 

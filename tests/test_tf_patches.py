@@ -129,6 +129,21 @@ def test_the_layers_after_a_layer_are_read_from_keras_private_nodes():
     assert tf_patches.layers_after(table) == []  # the model's output: nothing after it
 
 
+def test_each_mirrored_strategy_gets_collective_keys_of_its_own():
+    assert isinstance(tf.distribute.MirroredStrategy._collective_key_base, int)  # upstream's
+    ctx = tf.distribute.get_replica_context
+    first = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    vectors, ids = first.run(
+        lambda: (ctx().all_gather(tf.ones([3, 4]), 0), ctx().all_gather(tf.constant([1, 2]), 0))
+    )
+    assert first.experimental_local_results(ids)[1].numpy().tolist() == [1, 2, 1, 2]
+
+    tf_patches.own_collective_keys()  # without it: "Collective instance 100 expected type 2"
+    second = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    summed = tf.function(lambda: second.run(lambda: ctx().all_reduce("sum", tf.ones([1]))))()
+    assert [t.numpy().tolist() for t in second.experimental_local_results(summed)] == [[2.0]] * 2
+
+
 def test_mirrored_keeps_its_cross_device_ops_in_a_private_field():
     from tensorflow.python.distribute import cross_device_ops  # noqa: PLC0415
 
