@@ -31,8 +31,6 @@ import tokenize
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Being rewritten on their own: each joins the scan as its rewrite lands.
-PENDING: set[str] = set()
 SCANNED = sorted(
     str(path.relative_to(ROOT))
     for path in [
@@ -41,7 +39,6 @@ SCANNED = sorted(
         ROOT / "trainer/elastic.py",
         *ROOT.glob("trainer/bench/*.py"),
     ]
-    if str(path.relative_to(ROOT)) not in PENDING
 )
 # Old names kept one release as plain aliases (`old = new  # renamed`) for callers elsewhere.
 ALIASES: set[str] = set()
@@ -179,12 +176,8 @@ PRODUCT = sorted(
     for folder in ("strategies", "trainer", "towerflow", "configs")
     for path in (ROOT / folder).rglob("*.py")
 )
-# Classes that still share a name with another, each in a module being restructured on its
-# own (trainer/loop/, trainer/data/); the rename each is to get, for when it lands.
-SHARED_PENDING: dict[str, set[str]] = {}
 # Names that say too little to stand alone: a class is named for what it is of.
 UNQUALIFIED = {"Member": {"trainer/launch/plan.py"}, "Plan": set(), "Job": set()}
-UNQUALIFIED_PENDING: dict[str, set[str]] = {}
 
 
 def classes(paths: list[str]) -> dict[str, set[str]]:
@@ -199,17 +192,13 @@ def classes(paths: list[str]) -> dict[str, set[str]]:
 
 
 def test_no_two_public_classes_share_a_name():
-    shared = {
-        name: sorted(paths)
-        for name, paths in classes(PRODUCT).items()
-        if len(paths) > 1 and paths != SHARED_PENDING.get(name)
-    }
+    shared = {name: sorted(paths) for name, paths in classes(PRODUCT).items() if len(paths) > 1}
     assert not shared, f"one class per name (name each for what it is): {shared}"
 
 
 @pytest.mark.parametrize("name", sorted(UNQUALIFIED))
 def test_a_bare_member_plan_or_job_class_is_only_the_settled_one(name):
-    allowed = UNQUALIFIED[name] | UNQUALIFIED_PENDING.get(name, set())
+    allowed = UNQUALIFIED[name]
     found = classes(PRODUCT).get(name, set())
     assert found <= allowed, (
         f"`class {name}` in {sorted(found - allowed)}: qualify it (`LaunchPlan`, `HostedMember`)"
