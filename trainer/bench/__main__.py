@@ -46,7 +46,8 @@ def main(argv: list[str]) -> None:
             f.write("\n")
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
+def parse_flags(argv: list[str]) -> list[str]:
+    """Parses `argv` into absl's flags; a mistake is one line and exit status 2."""
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
@@ -54,4 +55,4 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    app.run(main, argv=sys.argv, flags_parser=_parse_flags)
+    app.run(main, argv=sys.argv, flags_parser=parse_flags)
