@@ -14,12 +14,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from towerflow.processes import native_stderr_silenced  # noqa: E402
 
-LOGICAL_CPUS = 4
 with native_stderr_silenced():  # TensorFlow's start-up chatter, in each test worker
     from strategies import devices
     from tests import helpers
 
-    devices.configure(logical_cpus=LOGICAL_CPUS)
+    devices.configure(logical_cpus=helpers.LOGICAL_CPUS)
 
 
 @pytest.fixture(autouse=True, scope="module")

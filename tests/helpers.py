@@ -29,6 +29,8 @@ import configs.default
 from towerflow.processes import member_pid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The logical CPUs the test process splits its CPU into (tests/conftest.py).
+LOGICAL_CPUS = 4
 # Generous: a loaded machine is 2-3x slower, and a test's bound must not be what fails there.
 TIMEOUT_S = 600
 
@@ -179,7 +181,8 @@ def cli_in_process(*args: str, capsys) -> tuple[int, str, str]:
 
     from trainer import cli
 
-    cpus = [] if any("logical_cpus" in a for a in args) else ["--config.devices.logical_cpus=4"]
+    cpus = [f"--config.devices.logical_cpus={LOGICAL_CPUS}"]
+    cpus = [] if any("logical_cpus" in a for a in args) else cpus
     argv = ["towerflow", *args, *cpus]
     defined = cli.define_flags(flags.FlagValues(), argv)
     capsys.readouterr()

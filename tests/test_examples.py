@@ -1,9 +1,12 @@
 """The examples in `examples/`, each end to end through the command line, as the README runs them.
 
 Under `one_device` with the example's own settings (so what the README says
-it reaches is checked), under `mirrored` over 2 logical CPUs, and on a local
-parameter-server cluster (2 workers, 1 ps) with fewer steps (all but the
-image model, whose cluster path is the others').
+it reaches is checked), under `mirrored` over the test process's 4 logical
+CPUs, and on a local parameter-server cluster (2 workers, 1 ps) with fewer
+steps (all but the image model, whose cluster path is the others'). The
+single-process runs go through the command in this process
+(`helpers.cli_in_process`: its flags, main and exit); a process of their own
+would only import TensorFlow again.
 """
 
 import json
@@ -36,12 +39,18 @@ def _results(model_dir) -> dict:
     return json.loads((model_dir / "results.json").read_text())
 
 
-def _check(run, model_dir, example: str) -> dict:
-    helpers.assert_exit(run)
+def _run(*args: str, capsys, monkeypatch) -> None:
+    """`towerflow ARGS` from the repository's top directory (where `examples/` is), in-process."""
+    monkeypatch.chdir(helpers.REPO)
+    code, out, err = helpers.cli_in_process(*args, capsys=capsys)
+    assert code == 0, f"exit {code}:\n{out[-4000:]}{err[-3000:]}"
+
+
+def _check(args, model_dir, example: str) -> dict:
     results = _results(model_dir)
     reported, _ = EXAMPLES[example]
     assert set(reported) <= set(results["eval"]), results["eval"]
-    if "--config.train.export=False" not in run.args:
+    if "--config.train.export=False" not in args:
         assert (model_dir / "export" / "saved_model.pb").exists()
     return results
 
@@ -52,17 +61,17 @@ def _slow_images(example: str):
 
 
 @pytest.mark.parametrize("example", [_slow_images(e) for e in sorted(EXAMPLES)])
-def test_each_example_as_the_readme_runs_it(example, tmp_path):
+def test_each_example_as_the_readme_runs_it(example, tmp_path, capsys, monkeypatch):
     extra = TINY[:-1] if example == "images" else []  # the README's run exports
     model_dir = tmp_path / "run"
-    run = helpers.run_cli(
+    args = [
         f"--config=examples/{example}.py",
         "--strategy=one_device",
         f"--model_dir={model_dir}",
         *extra,
-        cwd=helpers.REPO,
-    )
-    results = _check(run, model_dir, example)
+    ]
+    _run(*args, capsys=capsys, monkeypatch=monkeypatch)
+    results = _check(args, model_dir, example)
     for metric, lowest in EXAMPLES[example][1].items():
         assert results["eval"][metric] >= lowest, results["eval"]
 
@@ -81,17 +90,20 @@ PLACES = [
 
 
 @pytest.mark.parametrize("example, where", PLACES)
-def test_each_example_under_mirrored_and_on_a_parameter_server_cluster(example, where, tmp_path):
+def test_each_example_under_mirrored_and_on_a_parameter_server_cluster(
+    example, where, tmp_path, capsys, monkeypatch
+):
     model_dir = tmp_path / "run"
     args = [f"--config=examples/{example}.py", f"--model_dir={model_dir}", *_short(example)]
-    if where == "mirrored":  # over the default 2 logical CPUs
-        run = helpers.run_cli("--strategy=mirrored", *args, cwd=helpers.REPO)
+    if where == "mirrored":  # over the test process's 4 logical CPUs
+        _run("--strategy=mirrored", *args, capsys=capsys, monkeypatch=monkeypatch)
     else:  # 2 workers and 1 ps, local processes
         launcher = ["--workers=2", "--ps=1", "--", "--strategy=parameter_server"]
-        run = helpers.launch(*launcher, *args, cwd=helpers.REPO)
-    results = _check(run, model_dir, example)
+        helpers.assert_exit(helpers.launch(*launcher, *args, cwd=helpers.REPO))
+    results = _check(args, model_dir, example)
     assert results["step"] >= 10
-    assert results["placement"]["replicas_in_sync"] == (2 if where == "mirrored" else 1)
+    replicas = helpers.LOGICAL_CPUS if where == "mirrored" else 1
+    assert results["placement"]["replicas_in_sync"] == replicas
     if example == "census" and where == "parameter_server":  # its StringLookup, served
         _serves_raw_rows(model_dir / "export")
 
@@ -120,14 +132,14 @@ def _serves_raw_rows(export_dir) -> None:
     assert line.endswith("[2]"), line  # every output: one row per row sent
 
 
-def test_the_compiled_model_example_needs_no_task_code(tmp_path):
+def test_the_compiled_model_example_needs_no_task_code(tmp_path, capsys, monkeypatch):
     model_dir = tmp_path / "run"
-    run = helpers.run_cli(
+    _run(
         "--config.model.name=examples.compiled_model:build",
         "--strategy=one_device",
         f"--model_dir={model_dir}",
-        cwd=helpers.REPO,
+        capsys=capsys,
+        monkeypatch=monkeypatch,
     )
-    helpers.assert_exit(run)
     results = _results(model_dir)
     assert results["eval"]["accuracy"] > 0.95 and results["eval"]["top3"] > 0.98

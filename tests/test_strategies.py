@@ -16,7 +16,7 @@ from strategies import registry, unrolled
 from strategies.base import variable_devices
 from strategies.cluster import tf_config as cluster
 from tests import cluster_contract, helpers
-from tests.conftest import LOGICAL_CPUS
+from tests.helpers import LOGICAL_CPUS
 
 GLOBAL_BATCH = 8
 # A third-party plugin, installed as another package would install it (an entry point).
