@@ -11,6 +11,12 @@ overridden, e.g. `--config.train.steps=3000`; a mistyped field is an error.
 import ml_collections
 
 import strategies.options as strategy_options
+import trainer.loop.options as loop_options
+
+
+def _declared(component: str) -> ml_collections.ConfigDict:
+    """The fields of a built-in component at their defaults, declared in trainer/loop/options.py."""
+    return loop_options.BUILTIN[component].defaults()
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -37,29 +43,10 @@ def get_config() -> ml_collections.ConfigDict:
     # An evaluator member runs beside training though `TF_CONFIG` does not list it (e.g. Vertex
     # AI): the chief then leaves evaluation to it. One listed in `cluster` needs no flag.
     c.cluster.sidecar_evaluator = False
-    # Elastic `multi_worker` (docs/elastic.md): a lost worker makes the others save the step
-    # they all completed and re-form without it; one that returns is admitted at a block
-    # boundary. `python -m trainer.launch --workers=MIN:MAX` sets min/max_workers.
-    c.cluster.elastic = ml_collections.ConfigDict()
-    c.cluster.elastic.min_workers = 1  # fewest workers the job trains with (>= 1)
-    c.cluster.elastic.max_workers = 0  # most workers admitted; 0 = not elastic
-    # Seconds the job waits, below `min_workers`, for members to come back; then it stops
-    # with one line naming the missing ones (the state saved).
-    c.cluster.elastic.rendezvous_timeout = 60.0
-    # Times a lost member is started again (after a cool-down that doubles with each
-    # failure, from `cooldown_s` seconds); then it stays out.
-    c.cluster.elastic.max_restarts = 3
-    c.cluster.elastic.cooldown_s = 5.0  # seconds out after a member's first failure
-    # What a group of another size keeps: "global" (the global batch: each replica's batch
-    # grows or shrinks, the same trajectory at every size) or "per_replica" (the per-replica
-    # batch of the full group, `train.global_batch_size` over `max_workers` members' replicas:
-    # the global batch is that times the replicas of the group, the learning rate scaled).
-    c.cluster.elastic.batch = "global"
-    # `batch=per_replica`: the learning rate of a group whose global batch differs from the full
-    # group's: "linear" (`optimizer.learning_rate` x global batch / the full group's), "none",
-    # or "module.path:function" of (reference_lr, reference_batch, global_batch) -> the rate.
-    c.cluster.elastic.lr_scaling = "linear"
+    # Elastic `multi_worker` (docs/elastic.md), declared in trainer/loop/options.py.
+    c.cluster.elastic = _declared("elastic")
 
+    # The devices this process trains on: logical CPUs, GPU memory, threads.
     c.devices = ml_collections.ConfigDict()
     c.devices.logical_cpus = 2  # split the host CPU into N logical devices (0 = leave as is)
     c.devices.gpu_memory_growth = True  # allocate GPU memory as needed, not all at start
@@ -70,12 +57,14 @@ def get_config() -> ml_collections.ConfigDict:
     # contending for every core (1.4x on small models here); else TensorFlow's default.
     c.devices.intra_op_threads = 0
 
+    # What is trained: the loss and metrics, or your own `trainer.Task`.
     c.task = ml_collections.ConfigDict()
     # What is trained: auto (classification or regression, from the data's `num_classes`),
     # classification, regression, or your own task as "module.path:TaskClass" (see
     # trainer/loop/tasks.py `Task`), whose options your config file adds under `task`.
     c.task.name = "auto"
 
+    # The model: a built-in builder and its sizes, or your own builder.
     c.model = ml_collections.ConfigDict()
     # A built-in builder (mlp | cnn | resnet) or your own as "module.path:function".
     c.model.name = "mlp"
@@ -85,6 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dropout = 0.1  # dropout rate before the output layer
     c.model.weight_decay = 0.0  # L2 penalty on kernels, added to the loss
 
+    # The input: a built-in source or your own pipeline, how workers split it, where it runs.
     c.data = ml_collections.ConfigDict()
     # A built-in source (digits | synthetic | ctr | tfrecord | csv), or your own input
     # pipeline as "module.path:function": fn(input_context, split, global_batch_size)
@@ -146,24 +136,8 @@ def get_config() -> ml_collections.ConfigDict:
     # tfrecord / csv: the user's files.
     c.data.train_files = ""  # glob of training files
     c.data.eval_files = ""  # glob of eval files
-    # tfrecord / csv: train on the files of `train_files` as they keep arriving (docs/online.md):
-    # each record once, files in arrival order (modification time, then name) whatever their
-    # names, unshuffled; which files are done is saved in every checkpoint. A file counts once
-    # its base name starts with neither "." nor "_" (write it so, then rename it into place).
-    # With `train.steps=0` training goes on until stopped (SIGTERM saves and exits). Under
-    # one_device, mirrored or multi_worker (every worker reads every file, keeps its share of
-    # each global batch); parameter_server is refused.
-    c.data.follow = False
-    c.data.follow_poll_secs = 1.0  # data.follow: seconds between looks for new files
-    # data.follow: seconds (>= 0) a remainder short of a global batch waits for more records
-    # before it trains as one step padded with records of weight 0 (0: at once)
-    c.data.follow_max_wait_secs = 60.0
-    # data.follow: files (> 0) the checkpoint names as trained beyond its watermark; a file that
-    # lands older (by modification time) than the last this many trained is refused in one line
-    c.data.follow_horizon_files = 10_000
-    # data.follow: a file that marks its directory complete, e.g. "_SUCCESS" as Spark and Hive
-    # write last: files count only once it lands ("" = no marker; needs a wildcard directory)
-    c.data.follow_marker = ""
+    # tfrecord / csv: train on the files of `train_files` as they keep arriving (`data.follow*`).
+    c.data.update(_declared("follow"))
     # tfrecord / csv: the features to read, "name:dtype[:shape|:var][=default],..." with dtype
     # float32 | int64 | string, a shape like 64 or 8x8x1 (none: one value), var: any length
     # (tfrecord, a ragged tensor), and the value a missing one takes (csv: one of `na_values`;
@@ -189,6 +163,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.num_classes = 10
     c.data.input_shape = (64,)  # tfrecord / csv: shape of one example, when one tensor
 
+    # Training: steps, batch, loops of steps, precision, checkpoints and recovery.
     c.train = ml_collections.ConfigDict()
     # total optimizer steps (a rerun continues to this); with `data.follow`, 0 = until stopped
     c.train.steps = 1000
@@ -216,41 +191,28 @@ def get_config() -> ml_collections.ConfigDict:
     # rows changed since it (and the rest whole); restoring one replays it over its full one.
     # Pays at short `checkpoint_every` (docs/recommendation.md). 0 = every one full.
     c.train.full_checkpoint_every = 0
-    # Start a new run from another run's variables (docs/online.md): its `model_dir` (newest
-    # checkpoint) or one checkpoint; only when this model_dir has no checkpoint (a resume wins).
-    c.train.warm_start = ""
-    # A regular expression of the variable names loaded (e.g. "embedding": the tables); "" = all.
-    c.train.warm_start_include = ""
+    # Start a new run from another run's variables (`train.warm_start*`).
+    c.train.update(_declared("warm_start"))
     c.train.export = True  # write a SavedModel to model_dir/export at the end
     c.train.loss_upper_bound = 0.0  # a loop loss above this counts as a blow-up (0 = none)
     c.train.max_recoveries = 3  # blow-ups recovered from the last good checkpoint, then stop
     c.train.deterministic = False  # deterministic ops: a restarted run ends bit-identical
-    # (start, stop): a TensorBoard profile of these steps on the chief, into model_dir/train
-    # (the Profile tab; `pip install "towerflow[profile]"`), e.g. (200, 205); () = none.
-    c.train.profile_steps = ()
+    c.train.update(_declared("profile"))  # a TensorBoard profile of chosen steps
     # Your own loop actions, "module.path:function" (comma-separated): each function takes
     # the config and returns a callable on each block's output (see trainer/loop/controller.py).
     c.train.actions = ""
 
-    # SavedModels written while training, for a server that follows the newest (docs/online.md):
-    # each goes to model_dir/export/<step>/ (TF Serving's layout), written under a hidden name
-    # and renamed into place when complete; the end-of-training export (`train.export`) is then
-    # a version too. Both 0: only that end-of-training export, at model_dir/export itself.
-    c.export = ml_collections.ConfigDict()
-    c.export.every_steps = 0  # steps between exports (0 = not by steps)
-    c.export.every_secs = 0.0  # seconds between exports, checked after each block (0 = not by time)
-    c.export.keep = 5  # newest versions kept in model_dir/export (0 = all)
+    # SavedModels written while training, for a server that follows the newest (docs/online.md).
+    c.export = _declared("exports")
 
+    # Evaluation: how often, its batch, an evaluator member's wait; progressive validation.
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 500  # steps between evaluations (and one at the end); 0 = end only
     c.eval.global_batch_size = 256  # examples per eval step over all replicas
     c.eval.sidecar_timeout = 600.0  # evaluator member: seconds to wait for a new checkpoint
-    # Score each batch of `data.follow` before it trains on it (test, then train): the
-    # `progressive_*` metrics of each block (docs/progressive.md).
-    c.eval.progressive = False
-    # eval.progressive: the examples its metrics cover, rounded up to whole global batches.
-    c.eval.window_examples = 100_000
+    c.eval.update(_declared("progressive"))  # progressive validation (docs/progressive.md)
 
+    # The optimizer, its learning-rate schedule and its gradients' clipping.
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "adam"  # sgd | momentum | adam | adamw | adagrad | ftrl
     c.optimizer.learning_rate = 1e-3  # peak learning rate

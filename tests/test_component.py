@@ -8,9 +8,10 @@ import ml_collections
 import pytest
 import tensorflow as tf
 
+import strategies
 from tests.helpers import one_line_error, tiny_config
 from towerflow.errors import UserError
-from trainer.loop import actions, component, train
+from trainer.loop import actions, component, options, train
 
 LOOP = pathlib.Path(__file__).resolve().parent.parent / "trainer" / "loop"
 
@@ -161,3 +162,43 @@ def test_the_docs_examples_check_refuses_a_value_that_is_not_a_bool(docs_example
     config.examples_seen = ml_collections.ConfigDict({"enabled": 3})
     message = r"`examples_seen.enabled` \(3\)"
     one_line_error(message, train.train_and_evaluate, config, str(tmp_path))
+
+
+def test_the_docs_examples_section_refuses_a_field_it_does_not_declare(docs_example, tmp_path):
+    config = tiny_config()
+    config.examples_seen = ml_collections.ConfigDict({"enabled": True, "enabeld": True})
+    message = r"`examples_seen.enabeld` is no field of `examples_seen`"
+    one_line_error(message, train.train_and_evaluate, config, str(tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_docs_examples_rule_names_the_field_and_the_fix(docs_example):
+    config = tiny_config()
+    config.examples_seen = docs_example.ExamplesSeen.section.defaults()
+    config.examples_seen.metric = "examples seen"
+    with pytest.raises(UserError, match=r"`examples_seen.metric` \('examples seen'\) must be"):
+        component.check(config, strategies.plugin("one_device").traits)
+
+
+def test_a_config_without_the_docs_examples_section_reads_its_defaults(docs_example):
+    options = docs_example.ExamplesSeen().read(tiny_config())
+    assert options == docs_example.ExamplesSeenOptions(enabled=False, metric="examples_seen")
+
+
+def test_a_component_declares_its_fields_through_its_section(docs_example):
+    assert docs_example.ExamplesSeen.fields == ("examples_seen.enabled", "examples_seen.metric")
+
+
+def test_a_section_that_is_no_section_is_refused():
+    class Loose(Blocks):
+        section = ("blocks", dict)
+
+    with pytest.raises(TypeError, match="must be a `component.Section`"):
+        component.register("test_loose")(Loose)
+
+
+def test_the_built_in_components_read_their_sections_from_the_declarations():
+    sections = {each.name: each.section for each in component.registered()}
+    assert sections["exports"] is options.BUILTIN["exports"]
+    assert sections["follow"] is options.BUILTIN["follow"]  # named by the declarations' table
+    assert {name for name, section in sections.items() if section} >= set(options.BUILTIN)

@@ -27,6 +27,8 @@ PAGES = sorted(DOCS.glob("*.md"))
 # the pages' placeholders (`--config.a.b=value`, a plugin's `strategy.my_strategy`).
 NOT_CONFIG = {"model.fit", "model.compile", "model.losses", "model.evaluate", "model.predict"}
 NOT_CONFIG |= {"strategy.run", "a.b", "x", "strategy.my_strategy"}
+# The section of docs/components.md's example component (a user's, in no config of configs/).
+NOT_CONFIG |= {"examples_seen.enabled", "examples_seen.metric", "examples_seen.enabeld"}
 # Exit statuses every command has without a constant: success, and a Python traceback.
 CONVENTIONAL_STATUSES = {0, 1}
 ABSL_FLAGS = {"help", "helpfull", "helpshort", "flagfile", "undefok", "verbosity", "v"}
@@ -348,7 +350,7 @@ class ToyOptions:
     configs_ = {"default.py": {"strategy": {"toy": {"toys": 3, "colour": "red"}}}}
     notes = {e.path: e for e in hook.dataclass_entries(source)}
     page = hook.reference(configs_, notes)
-    assert "| `toys` | `3` | How many toys each replica gets. |" in page
+    assert "| `toys` | `int` | `3` | How many toys each replica gets. |" in page
 
 
 def test_an_undocumented_config_field_fails_the_reference():

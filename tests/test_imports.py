@@ -117,9 +117,9 @@ def test_no_module_imports_itself_back():
 
 # Bottom to top; a module belongs to the layer of its longest prefix here.
 LAYERS = (
-    # the shared core (errors, Registry, files, processes); configs, and the plugins' options
-    # they are built from (TensorFlow-free, the one module of strategies/ configs may import)
-    ("towerflow", "configs", "strategies.options"),
+    # the shared core (errors, Registry, files, processes); configs, and the declarations
+    # they are built from (TensorFlow-free: the plugins' options, the loop's components')
+    ("towerflow", "configs", "strategies.options", "trainer.loop.options"),
     ("strategies",),  # distribution: the plugins, their interface, the cluster
     ("trainer.layers", "trainer.data"),  # the model's layers and the input
     ("trainer.loop",),  # the loop: the job, controller, actions, step, checkpoints
@@ -176,17 +176,19 @@ def test_the_layers_and_the_input_do_not_import_each_other():
     assert across == []
 
 
-def test_configs_import_of_towerflow_only_the_plugins_options():
-    # A config file loads before any TensorFlow; the options dataclasses are its one import.
+def test_configs_import_of_towerflow_only_the_declarations():
+    # A config file loads before any TensorFlow; the options dataclasses are its imports.
     imported = {name: t for name, t in _graph().items() if name.startswith("configs") and t}
-    assert {t for targets in imported.values() for t in targets} == {"strategies.options"}
+    found = {t for targets in imported.values() for t in targets}
+    assert found == {"strategies.options", "trainer.loop.options"}
 
 
-def test_the_plugins_options_load_without_tensorflow():
+def test_the_declarations_load_without_tensorflow():
     import subprocess
     import sys
 
-    loaded = "import sys, strategies.options; print({'tensorflow', 'keras'} & set(sys.modules))"
+    loaded = "import sys, strategies.options, trainer.loop.options, configs.default; "
+    loaded += "print({'tensorflow', 'keras'} & set(sys.modules))"
     found = subprocess.run([sys.executable, "-c", loaded], cwd=ROOT, capture_output=True, text=True)
     assert found.stdout.strip() == "set()", found.stderr
 

@@ -7,11 +7,17 @@ so it does not matter how a config file builds them); a field only some configs 
 which. Each field's meaning is its comment, found in either of two places:
 
 * beside or above its assignment in a config file (`c.train.steps = 1000  # ...`);
-* beside or above its field in an options dataclass whose docstring opens with the
-  section in backticks (`class MirroredOptions: \"\"\"`strategy.mirrored`.\"\"\"`).
+* beside or above its field in a declaration: a dataclass whose docstring opens with its
+  section in backticks (`class MirroredOptions: \"\"\"`strategy.mirrored`.\"\"\"`), as the
+  strategy plugins' options (strategies/options.py) and the loop's components' sections
+  (trainer/loop/options.py, `towerflow.sections`) are declared. "`export`." declares a
+  section of its own, and the rest of the docstring is the section's description;
+  "`train`: ..." declares some fields of a section. A declaration documents its fields
+  before a config file does, and gives their type.
 
-A field with no comment in either fails the build, naming it. After the sections, a table
-per config other than the default lists the defaults it changes.
+A field with no comment in either fails the build, naming it. Sections come in the order
+configs/default.py makes them, each under its parent. After the sections, a table per
+config other than the default lists the defaults it changes.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ CONFIGS = REPO / "configs"
 DEFAULT = CONFIGS / "default.py"
 # Where options dataclasses live (their docstring names the config section they hold).
 DATACLASS_ROOTS = ("strategies", "trainer", "towerflow")
-_SECTION_DOC = re.compile(r"\s*`([a-z_][\w.]*)`")
+# "`export`." (a section of its own) or "`train`: ..." (some fields of one).
+_SECTION_DOC = re.compile(r"\s*`([a-z_][\w.]*)`(\.?)")
 
 
 @dataclasses.dataclass
@@ -42,6 +49,7 @@ class Entry:
     path: str  # "strategy.mirrored.devices", without the leading `c.`
     is_section: bool
     meaning: str
+    kind: str = ""  # its declared type ("int", "tuple[int, ...]"); "" where none is declared
 
 
 def config_modules() -> list[pathlib.Path]:
@@ -136,7 +144,8 @@ def dataclass_entries(source: str) -> list[Entry]:
 
     `class MirroredOptions:` with the docstring "`strategy.mirrored`." gives the section
     `strategy.mirrored` (the rest of its docstring, if any, as its description) and one
-    entry per annotated field, with the comments beside and above it.
+    entry per annotated field, with the comments beside and above it and its type. A
+    docstring "`train`: ..." gives the fields only: the section is described elsewhere.
     """
     found_comments = source_comments.comments(source)
     found = []
@@ -147,11 +156,16 @@ def dataclass_entries(source: str) -> list[Entry]:
         if not match:
             continue
         section = match.group(1)
-        found.append(Entry(section, True, ""))
+        if match.group(2):  # a section of its own: the docstring's other lines describe it
+            intro = ast.get_docstring(node).partition("\n")[2]
+            found.append(Entry(section, True, " ".join(intro.split())))
         for field in node.body:
             if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name):
+                if "ClassVar" in ast.unparse(field.annotation):
+                    continue  # not a field
                 text = source_comments.meaning(found_comments, field.lineno, field.end_lineno)
-                found.append(Entry(f"{section}.{field.target.id}", False, text))
+                kind = ast.unparse(field.annotation)
+                found.append(Entry(f"{section}.{field.target.id}", False, text, kind))
     return found
 
 
@@ -164,21 +178,25 @@ def _is_dataclass(node: ast.ClassDef) -> bool:
 
 
 def documented() -> dict[str, Entry]:
-    """Path -> the entry that documents it: the default config's comment first, then an
-    options dataclass's, then another config's."""
+    """Path -> the entry that documents it: its declaration's (a dataclass's) first, then
+    the default config's comment, then another config's.
+
+    The order is the default config's (where it builds a declared section, the section
+    is there), then the declarations', then the other configs'.
+    """
     found: dict[str, Entry] = {}
 
-    def add(new: list[Entry]) -> None:
+    def add(new: list[Entry], wins: bool = False) -> None:
         for entry in new:
-            if entry.path not in found or not found[entry.path].meaning:
-                found[entry.path] = entry
+            if entry.path not in found or not found[entry.path].meaning or wins and entry.meaning:
+                found[entry.path] = entry  # a key replaced keeps its place
 
     add(entries(DEFAULT.read_text()))
     for root in DATACLASS_ROOTS:
         for path in sorted((REPO / root).rglob("*.py")):
             text = path.read_text()
             if "dataclass" in text:
-                add(dataclass_entries(text))
+                add(dataclass_entries(text), wins=True)
     for path in config_modules()[1:]:
         add(entries(path.read_text()))
     return found
@@ -208,36 +226,61 @@ def reference(configs: dict[str, dict], notes: dict[str, Entry]) -> str:
         )
     every_section = dict.fromkeys(s for tree in configs.values() for s in sections(tree))
     parts = []
-    order[""] = -1  # the top level first
-    for section in sorted(every_section, key=lambda s: (order.get(s, len(order)), s)):
-        fields = sorted(
-            (p for p in every_leaf if p.rpartition(".")[0] == section),
-            key=lambda p: (order.get(p, len(order)), p),
-        )
+
+    def place(path: str) -> tuple:
+        # Under its parent, among its siblings in the order they were documented.
+        names = path.split(".")
+        steps = (".".join(names[: n + 1]) for n in range(len(names)))
+        return tuple((order.get(step, len(order)), step) for step in steps)
+
+    for section in sorted(every_section, key=lambda s: place(s) if s else ()):
+        fields = sorted((p for p in every_leaf if p.rpartition(".")[0] == section), key=place)
         if not fields:
             continue
-        rows = [_row(path, notes[path].meaning, values, default_name) for path in fields]
+        rows = [_row(path, notes[path], values, default_name) for path in fields]
         title = f"`{section}`" if section else "Top level"
-        intro = notes[section].meaning if section in notes else "Fields at the top of the config."
         flag = f"`--config.{section}.FIELD=VALUE`" if section else "`--config.FIELD=VALUE`"
-        parts += [f"## {title}", "", intro, "", f"Set with {flag}.", ""]
-        parts += ["| field | default | meaning |", "| --- | --- | --- |", *rows, ""]
+        parts += [f"## {title}", "", _intro(section, notes), "", f"Set with {flag}.", ""]
+        parts += ["| field | type | default | meaning |", "| --- | --- | --- | --- |", *rows, ""]
     for name, _ in others:
         parts += _changes(name, values[default_name], values[name], notes)
     return "\n".join(parts)
 
 
-def _row(path: str, meaning: str, values: dict[str, dict], default_name: str) -> str:
+def _intro(section: str, notes: dict[str, Entry]) -> str:
+    """A section's description: its declaration's docstring or the comment above it."""
+    if not section:
+        return "Fields at the top of the config."
+    if section in notes and notes[section].meaning:
+        return notes[section].meaning
+    parent, _, name = section.rpartition(".")
+    if parent == "strategy":
+        return f"The options of the `{name}` strategy plugin, read under `--strategy={name}`."
+    return ""
+
+
+def _row(path: str, entry: Entry, values: dict[str, dict], default_name: str) -> str:
     name = path.rpartition(".")[2]
     if path in values[default_name]:
-        default = f"`{values[default_name][path]!r}`"
+        value = values[default_name][path]
+        default = f"`{value!r}`"
     else:
+        value = next(values[config][path] for config in values if path in values[config])
         default = "; ".join(
             f"`{values[config][path]!r}` (configs/{config} only)"
             for config in values
             if path in values[config]
         )
-    return f"| `{name}` | {default} | {_cell(meaning)} |"
+    kind = (entry.kind or _kind(value)).replace(" | ", " or ")
+    kind = f"`{kind}`" if kind else ""
+    return f"| `{name}` | {kind} | {default} | {_cell(entry.meaning)} |"
+
+
+def _kind(value: object) -> str:
+    """The type of an undeclared field, from its default ("" for a placeholder's None)."""
+    if isinstance(value, (tuple, list)):
+        return "tuple"
+    return "" if value is None else type(value).__name__
 
 
 def _changes(name: str, default: dict, config: dict, notes: dict[str, Entry]) -> list[str]:

@@ -6,8 +6,11 @@ the input wait, ...). The loop names none of them: it asks every registered
 component, in registration order, at four points of a run, and a feature
 never needs a line in a loop file.
 
-1. `Component.check(config, traits)`: the fields it reads, once at start-up,
-   before anything is built or written (`trainer.loop.checks.check_config`).
+1. Its config section (`Component.section`, a typed dataclass declared once:
+   `towerflow.sections.Section`) is read at start-up: each field's type and the
+   declaration's rules, before anything is built or written
+   (`trainer.loop.checks.check_config`); then `Component.check(config, traits)`,
+   for rules that need another section or the strategy plugin's `traits`.
 2. `Component.adapt(config, strategy, say)`: the config the run trains with,
    once the strategy is known (an elastic group trains its own batches).
 3. `Component.build(context)`: this run's `Feature`, or None where the config
@@ -19,9 +22,11 @@ never needs a line in a loop file.
 
 A component registers with `@component.register("name")` on its class; a
 name taken twice is an error. The built-in ones live in
-`trainer.loop.features`, which the registry imports when it is first read.
-A user's own registers the same way from any module imported before the run
-(docs/components.md).
+`trainer.loop.features`, which the registry imports when it is first read;
+their sections are declared in `trainer.loop.options` (TensorFlow-free, so
+`configs/default.py` builds their fields from them). A user's own registers
+the same way from any module imported before the run, with its section
+declared beside it (docs/components.md).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ import tensorflow as tf
 import strategies
 from strategies.units import UnitStream
 from towerflow.registry import Registry
+from towerflow.sections import Section
+from trainer.loop import options
 from trainer.loop.controller import Action
 
 BUILT_IN = "trainer.loop.features"  # the package whose modules register the built-in ones
@@ -199,20 +206,36 @@ class Component(abc.ABC):
 
     Attributes:
       name: the name it is registered under (set by `register`).
+      section: its config, declared once (`Section(path, OptionsDataclass)`): each
+        field's type, default and meaning, and the rules of the dataclass's
+        `__post_init__`. The config's fields come from it, and the start-up check
+        reads it (`read`). None: no section of its own.
       fields: the config fields it reads, dotted (e.g. "export.every_steps"): its
-        section. Their defaults are written once, in `configs/default.py`.
+        section's (set by `register`), or, without one, as the component lists them.
     """
 
     name: str = "?"
+    section: Section | None = None
     fields: tuple[str, ...] = ()
 
+    def read(self, config: ml_collections.ConfigDict) -> Any:
+        """Its section of `config` as the declared dataclass, types and rules checked.
+
+        Returns:
+          The options (fields a config lacks at their defaults), or None without a section.
+
+        Raises:
+          UserError: a value of another type or refused by the rules, naming the field.
+        """
+        return self.section.read(config) if self.section else None
+
     def check(self, config: ml_collections.ConfigDict, traits: strategies.Traits) -> None:
-        """Checks its fields, before anything is built; `traits`: the strategy plugin's.
+        """Rules across sections, once its own section is read; `traits`: the strategy plugin's.
 
         Raises:
           UserError: a bad value, naming the field, the value, the rule and the fix.
         """
-        return None  # a component without fields of its own checks nothing
+        return None  # the section's own types and rules are checked by its declaration
 
     def adapt(
         self,
@@ -239,7 +262,12 @@ def register(name: str) -> Callable[[type[Component]], type[Component]]:
     def decorator(cls: type[Component]) -> type[Component]:
         if not (isinstance(cls, type) and issubclass(cls, Component)):
             raise TypeError(f"component `{name}` must subclass `trainer.loop.component.Component`")
+        if cls.section is None:  # a built-in whose module does not name its section yet
+            cls.section = options.BUILTIN.get(name) if cls.__module__.startswith(BUILT_IN) else None
+        if cls.section is not None and not isinstance(cls.section, Section):
+            raise TypeError(f"component `{name}`: `section` must be a `component.Section`")
         cls.name = name
+        cls.fields = cls.section.fields if cls.section else tuple(cls.fields)
         return REGISTRY.register(name)(cls)
 
     return decorator
@@ -252,6 +280,11 @@ def registered() -> list[Component]:
 
 
 def check(config: ml_collections.ConfigDict, traits: strategies.Traits) -> None:
-    """Every component's check of `config` under a strategy of `traits`."""
+    """Every component's section (types and rules), then its `check`, under `traits`.
+
+    Raises:
+      UserError: the first bad value, in one line naming the field.
+    """
     for component in registered():
+        component.read(config)
         component.check(config, traits)

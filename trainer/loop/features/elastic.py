@@ -10,32 +10,32 @@ the newest checkpoint (a rerun of an elastic job's `model_dir`).
 from __future__ import annotations
 
 from towerflow.errors import UserError
-from trainer.loop import actions, component, elastic
+from trainer.loop import actions, component, elastic, options
 
 STRATEGIES = ("multi_worker",)  # whose group re-forms at another size
-BATCHES = ("global", "per_replica")  # `cluster.elastic.batch`: what a re-form keeps
-LR_SCALINGS = ("linear", "none")  # `cluster.elastic.lr_scaling`, or "module:function"
 
 
 @component.register("elastic")
 class Elastic(component.Component):
     """A lost worker is a membership change: the survivors save and the group re-forms."""
 
-    fields = (
-        "cluster.elastic.min_workers",
-        "cluster.elastic.max_workers",
-        "cluster.elastic.rendezvous_timeout",
-        "cluster.elastic.max_restarts",
-        "cluster.elastic.cooldown_s",
-        "cluster.elastic.batch",
-        "cluster.elastic.lr_scaling",
-    )
+    section = options.BUILTIN["elastic"]  # `cluster.elastic`, its counts and values checked
 
     def check(self, config, traits) -> None:
-        section = (config.get("cluster") or {}).get("elastic")
-        if section:
-            _check_workers(section, config.strategy.name)
-            _check_batches(section, config.train.epochs)
+        section = self.read(config)
+        if section.max_workers and config.strategy.name not in STRATEGIES:
+            raise UserError(
+                f"elastic training (`cluster.elastic.max_workers` {section.max_workers}) needs "
+                f"`--strategy=multi_worker`, and `{config.strategy.name}` cannot re-form its "
+                "group at another size (docs/elastic.md); use `multi_worker`, or set "
+                "`--config.cluster.elastic.max_workers=0`."
+            )
+        if section.max_workers and section.batch == "per_replica" and config.train.epochs:
+            raise UserError(
+                f"`train.epochs` ({config.train.epochs}) would give each group size of "
+                "`cluster.elastic.batch=per_replica` another number of steps (its global batch "
+                "follows the group); set `--config.train.steps` and `--config.train.epochs=0`."
+            )
 
     def adapt(self, config, strategy, say):
         if not elastic.enabled(config):
@@ -52,58 +52,6 @@ class Elastic(component.Component):
         if elastic.enabled(config):
             return _Group(context)
         return _Survivors(context)
-
-
-def _check_workers(section, strategy: str) -> None:
-    """1 <= min_workers <= max_workers, under a strategy that can re-form; counts >= 0."""
-    low, high = section.min_workers, section.max_workers
-    if low < 1:
-        raise UserError(
-            f"`cluster.elastic.min_workers` ({low}) must be at least 1 (the fewest workers "
-            "that train); set e.g. `--config.cluster.elastic.min_workers=2`."
-        )
-    if high and high < low:
-        raise UserError(
-            f"`cluster.elastic.max_workers` ({high}) must be 0 (not elastic) or at least "
-            f"`min_workers` ({low}); set e.g. `--config.cluster.elastic.max_workers={low}`."
-        )
-    if high and strategy not in STRATEGIES:
-        raise UserError(
-            f"elastic training (`cluster.elastic.max_workers` {high}) needs "
-            f"`--strategy=multi_worker`, and `{strategy}` cannot re-form its group at "
-            "another size (docs/elastic.md); use `multi_worker`, or set "
-            "`--config.cluster.elastic.max_workers=0`."
-        )
-    for field in ("rendezvous_timeout", "cooldown_s", "max_restarts"):
-        if section[field] < 0:
-            raise UserError(
-                f"`cluster.elastic.{field}` ({section[field]}) must be >= 0; use e.g. the "
-                "value in configs/default.py."
-            )
-
-
-def _check_batches(section, epochs: int) -> None:
-    """`batch` and `lr_scaling`: known values, and no epochs with a batch that follows the group."""
-    if section.get("batch", "global") not in BATCHES:
-        raise UserError(
-            f"`cluster.elastic.batch` '{section.batch}' must be one of "
-            f"{', '.join(BATCHES)} (what a group of another size keeps); set e.g. "
-            "`--config.cluster.elastic.batch=per_replica`."
-        )
-    if section.max_workers and section.get("batch") == "per_replica" and epochs:
-        raise UserError(
-            f"`train.epochs` ({epochs}) would give each group size of "
-            "`cluster.elastic.batch=per_replica` another number of steps (its global batch "
-            "follows the group); set `--config.train.steps` and `--config.train.epochs=0`."
-        )
-    scaling = section.get("lr_scaling", "linear")
-    if scaling not in LR_SCALINGS and ":" not in scaling:
-        raise UserError(
-            f"`cluster.elastic.lr_scaling` '{scaling}' must be one of "
-            f"{', '.join(LR_SCALINGS)} or 'module.path:function' (of reference_lr, "
-            "reference_batch, global_batch); set e.g. "
-            "`--config.cluster.elastic.lr_scaling=linear`."
-        )
 
 
 class _Survivors(component.Feature):

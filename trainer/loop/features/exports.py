@@ -10,42 +10,33 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from trainer.loop import actions, checks, component
+from trainer.loop import actions, component, options
 from trainer.loop.export import export_version
-
-_MINIMUMS = (
-    ("export.every_steps", 0, "steps between exports while training; 0 = not by steps"),
-    ("export.every_secs", 0, "seconds between exports while training; 0 = not by time"),
-    ("export.keep", 0, "export versions kept; 0 = all"),
-)
 
 
 @component.register("exports")
 class Exports(component.Component):
     """Exports while training, on every member (some strategies save collectively)."""
 
-    fields = ("export.every_steps", "export.every_secs", "export.keep")
-
-    def check(self, config, traits) -> None:
-        if config.get("export"):
-            checks.check_minimums(config, _MINIMUMS)
+    section = options.BUILTIN["exports"]  # `export.*`: every_steps, every_secs, keep
 
     def build(self, context: component.Context) -> component.Feature | None:
-        every = context.config.get("export")
-        if not (every and (every.every_steps or every.every_secs)):
+        every = self.read(context.config)
+        if not (every.every_steps or every.every_secs):
             return None
-        return _Versions(context)
+        return _Versions(context, every)
 
 
 class _Versions(component.Feature):
     # After the checkpoint: an export is the model of the checkpoint at its step.
     slot = component.Slot.SAVED
 
-    def __init__(self, context: component.Context):
+    def __init__(self, context: component.Context, every: options.ExportOptions):
         self._context = context
+        self._every = every
 
     def actions(self, run: component.Run) -> list[actions.Action]:
-        every = self._context.config.export
+        every = self._every
         agree = self._context.strategy.membership.agree  # the chief's clock decides for all
         return actions.exports(
             lambda step: run.export(), every.every_steps, every.every_secs, agree
@@ -54,7 +45,7 @@ class _Versions(component.Feature):
     def write_export(self, path: str, write: Callable[[str], None]) -> bool:
         """`model_dir/export` holds versions: this one is `export/<step>/`."""
         context = self._context
-        step, keep, tic = context.step(), context.config.export.keep, time.perf_counter()
+        step, keep, tic = context.step(), self._every.keep, time.perf_counter()
         if export_version(path, step, keep, write):
             seconds = time.perf_counter() - tic
             context.say(f"exported SavedModel version {step} to {path}/{step} in {seconds:.1f} s")

@@ -8,14 +8,14 @@ what the plan found, checked at build, before anything is written.
 
 from __future__ import annotations
 
-from trainer.loop import component, warm_start
+from trainer.loop import component, options, warm_start
 
 
 @component.register("warm_start")
 class WarmStart(component.Component):
     """Loads another run's variables into a fresh run; a resume wins."""
 
-    fields = ("train.warm_start", "train.warm_start_include")
+    section = options.BUILTIN["warm_start"]  # `train.warm_start`, `train.warm_start_include`
 
     def build(self, context: component.Context) -> component.Feature:
         warm_start.check_resumed(context.model, context.model_dir)  # both before any write
