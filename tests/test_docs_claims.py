@@ -401,3 +401,45 @@ def test_every_plugin_option_is_documented_in_its_options_dataclass():
     options.remove("strategy.name")
     assert options
     assert not [p for p in options if not declared.get(p)]
+
+
+@functools.cache
+def _reference_sections() -> list[tuple[str, str]]:
+    """(section, its description) of each section of the generated reference, in order."""
+    page = _hook("config_reference").generated().splitlines()
+    return [(line[3:].strip("`"), page[n + 2]) for n, line in enumerate(page) if line[:3] == "## "]
+
+
+def test_the_reference_orders_sections_as_the_default_config_makes_them():
+    names = [name for name, _ in _reference_sections()]
+    plugins = [name for name in names if name.startswith("strategy.")]
+    assert names.index("strategy") < names.index(plugins[0])
+    assert names.index(plugins[-1]) < names.index("cluster") < names.index("cluster.elastic")
+    assert names.index("train") < names.index("export") < names.index("eval")
+    assert names.index("optimizer") < names.index("configs/ctr.py")
+
+
+def test_the_reference_gives_a_declared_section_its_docstrings_description():
+    described = dict(_reference_sections())
+    assert described["strategy.pipeline"].startswith("Model parallelism")
+    assert described["export"].startswith("SavedModels written while training")
+    assert all(described[name] for name in described if name.startswith("strategy."))
+
+
+def test_a_declaration_of_some_fields_of_a_section_leaves_its_description_alone():
+    hook = _hook("config_reference")
+    source = '''
+@dataclasses.dataclass(frozen=True)
+class ToyOptions:
+    """`train`: toys while training."""
+
+    toys: tuple[int, ...] = ()  # toys per step
+'''
+    entries = {e.path: (e.meaning, e.kind) for e in hook.dataclass_entries(source)}
+    assert entries == {"train.toys": ("toys per step", "tuple[int, ...]")}
+
+
+def test_the_reference_gives_each_field_its_declared_type():
+    page = _hook("config_reference").generated()
+    assert "| `profile_steps` | `tuple[int, ...]` | `()` |" in page
+    assert "| `every_secs` | `float` | `0.0` |" in page
