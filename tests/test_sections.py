@@ -75,6 +75,14 @@ def test_a_section_of_its_own_refuses_a_field_it_does_not_declare():
     )
 
 
+def test_a_value_where_the_section_should_be_is_one_line():
+    one_line_error(
+        r"`toy` \(True\) must be a section of fields",
+        TOY.read,
+        ml_collections.ConfigDict({"toy": True}),
+    )
+
+
 def test_a_shared_section_reads_only_its_own_fields():
     shared = sections.Section("toy", Toy, shared=True)
     assert shared.read(_config(count=2, something_else="x")) == Toy(count=2)

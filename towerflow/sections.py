@@ -99,12 +99,23 @@ class Section:
 
 
 def _section_of(config: ml_collections.ConfigDict, path: str) -> dict:
-    """The section at dotted `path` as a dict of its fields ({} where a config has none)."""
-    section = config
+    """The section at dotted `path` as a dict of its fields ({} where a config has none).
+
+    Raises:
+      UserError: a value stands where the section (or one above it) should be.
+    """
+    section, walked = config, []
     for key in path.split("."):
-        section = section.get(key) if hasattr(section, "get") else None
+        walked.append(key)
+        section = section.get(key)
         if section is None:
             return {}
+        if not isinstance(section, (ml_collections.ConfigDict, dict)):
+            where = ".".join(walked)
+            raise UserError(
+                f"`{where}` ({section!r}) must be a section of fields, as in "
+                f"configs/default.py; set its fields, e.g. `--config.{path}.FIELD=VALUE`."
+            )
     return dict(section.items())
 
 
