@@ -22,6 +22,7 @@ import tensorflow as tf
 import strategies
 from towerflow import storage
 from towerflow.errors import UserError
+from towerflow.sections import at_least
 from trainer import data
 from trainer.data import service_client
 from trainer.loop import component, optim, precision
@@ -86,12 +87,7 @@ def check_minimums(config: ml_collections.ConfigDict, minimums: tuple) -> None:
       UserError: a field below its minimum, with the rule and an example.
     """
     for field, minimum, meaning in minimums:
-        value = _get(config, field)
-        if value < minimum:
-            raise UserError(
-                f"`{field}` ({value}) must be >= {minimum} ({meaning}); "
-                f"set e.g. `--config.{field}={max(minimum, 1)}`."
-            )
+        at_least(field, _get(config, field), minimum, meaning)
 
 
 def _check_scalars(config: ml_collections.ConfigDict) -> None:
