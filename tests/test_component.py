@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import sys
 import types
 
 import ml_collections
@@ -202,3 +203,20 @@ def test_the_built_in_components_read_their_sections_from_the_declarations():
     assert sections["exports"] is options.BUILTIN["exports"]
     assert sections["follow"] is options.BUILTIN["follow"]  # named by the declarations' table
     assert {name for name, section in sections.items() if section} >= set(options.BUILTIN)
+
+
+def test_the_docs_config_file_builds_the_examples_section_from_its_declaration(
+    docs_example, monkeypatch
+):
+    """docs/components.md's config file (its second Python block), with the example importable."""
+    package = types.ModuleType("my_package")
+    package.examples_seen = docs_example
+    monkeypatch.setitem(sys.modules, "my_package", package)
+    monkeypatch.setitem(sys.modules, "my_package.examples_seen", docs_example)
+    page = (LOOP.parent.parent / "docs" / "components.md").read_text()
+    code = page.split("```python\n")[2].split("```", 1)[0]
+    namespace = {}
+    exec(compile(code, "docs/components.md", "exec"), namespace)
+    config = namespace["get_config"]()
+    read = docs_example.ExamplesSeen().read(config)
+    assert read == docs_example.ExamplesSeenOptions(enabled=True)
