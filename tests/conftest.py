@@ -70,21 +70,22 @@ def _op_determinism_off_after_each_test():
 
 
 # The longest files of the default tier first (their total seconds on a quiet 2-core machine,
-# 2026-11-28): pytest-xdist's `--dist loadfile` hands files out in collection order, so a
-# long file collected last would run alone at the end while the other workers sit idle.
+# 2026-11-28; those marked * are CPU seconds alone, `-n 0`, 2026-12-07): pytest-xdist's
+# `--dist loadfile` hands files out in collection order, so a long file collected last would
+# run alone at the end while the other workers sit idle.
 LONG_FILES_FIRST = (
     "test_readme.py",  # 302 s
     "test_data_service.py",  # 248
     "test_dynamic_embedding.py",  # 185
     "test_elastic.py",  # 132
     "test_slurm.py",  # 117
-    "test_examples.py",  # 110
-    "test_data_labels.py",  # 104
-    "test_optim.py",  # 103
+    "test_examples.py",  # 95*
+    "test_data_labels.py",  # 73*
     "test_data_user.py",  # 93
-    "test_ragged.py",  # 85
     "test_cli.py",  # 80
-    "test_pipeline.py",  # 75
+    "test_ragged.py",  # 43*
+    "test_sweep.py",  # 41*: one 45-second fixture
+    "test_pipeline.py",  # 39*
 )
 
 
