@@ -13,13 +13,16 @@ each cluster command in a fresh one; a command written on several pages runs
 once. Left out: `pip install` (`.ci/run` installs the package), `python -m
 pytest tests` (this suite) and templates naming `my_pkg`, the docs' stand-in for
 the user's own package and files. The cluster commands run as written too: each
-takes well under a minute here.
+takes well under a minute here. Each command runs in a process of its own, but
+the listing and a run on the 4 logical CPUs this process has: those go through
+the command's flags, main and exit in this process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import re
 import shlex
@@ -30,7 +33,7 @@ import pytest
 
 import configs.default
 import strategies
-from tests.helpers import REPO, assert_exit, run_command
+from tests.helpers import LOGICAL_CPUS, REPO, assert_exit, cli_in_process, run_command
 
 # The pages whose commands this test runs, in order (README.md first).
 RUN_PAGES = (
@@ -262,26 +265,29 @@ class Runner:
         self._runs: dict[int, Run] = {}
         self._shared: pathlib.Path | None = None
 
-    def run(self, index: int) -> Run:
+    def run(self, index: int, capsys) -> Run:
         if index not in self._runs:
             argv = COMMANDS[index]
-            cwd = self._workdir(index)
-            result = run_command([_program(argv[0]), *argv[1:]], str(cwd))
+            cwd = self._workdir(index, capsys)
+            if _same_in_this_process(argv):
+                result = _in_this_process(argv, cwd, capsys)
+            else:
+                result = run_command([_program(argv[0]), *argv[1:]], str(cwd))
             self._runs[index] = Run(argv, result, cwd)
         return self._runs[index]
 
-    def writer(self, index: int, model_dir: str) -> Run:
+    def writer(self, index: int, model_dir: str, capsys) -> Run:
         """The earliest earlier command that wrote `model_dir` (run if it was not yet)."""
         for earlier in range(index):
-            run = self.run(earlier)
+            run = self.run(earlier, capsys)
             if (run.cwd / model_dir / "checkpoints").is_dir():
                 return run
         raise AssertionError(f"no command before {COMMANDS[index]} writes {model_dir}")
 
-    def _workdir(self, index: int) -> pathlib.Path:
+    def _workdir(self, index: int, capsys) -> pathlib.Path:
         model_dir = _flag(COMMANDS[index], "--model_dir")
         if model_dir is not None and _flag(COMMANDS[index], "--mode") == "eval":
-            return self.writer(index, model_dir).cwd
+            return self.writer(index, model_dir, capsys).cwd
         if "trainer.launch" in COMMANDS[index]:
             return _clone_top(self._tmp.mktemp("readme"))
         # The single-process commands run in one directory, in README order, as a user
@@ -289,6 +295,26 @@ class Runner:
         if self._shared is None:
             self._shared = _clone_top(self._tmp.mktemp("readme"))
         return self._shared
+
+
+def _same_in_this_process(argv: list[str]) -> bool:
+    """The trainer's listing, or a run on as many logical CPUs as this process splits its CPU
+    into (tests/conftest.py): a process of its own would only import TensorFlow again."""
+    if argv[:3] != ["python", "-m", "trainer"]:
+        return False
+    cpus = _flag(argv, "--config.devices.logical_cpus")
+    return "--list_strategies" in argv or cpus == str(LOGICAL_CPUS)
+
+
+def _in_this_process(argv: list[str], cwd: pathlib.Path, capsys) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` in `cwd`, through the command's flags, main and exit, here."""
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        code, out, err = cli_in_process(*argv[3:], capsys=capsys)
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def _clone_top(directory: pathlib.Path) -> pathlib.Path:
@@ -368,8 +394,8 @@ def _params():
 
 
 @pytest.mark.parametrize("index", list(_params()))
-def test_readme_command(index, runner):
-    run = runner.run(index)
+def test_readme_command(index, runner, capsys):
+    run = runner.run(index, capsys)
     argv, output = run.argv, run.output
     assert_exit(run.result, output=f"{' '.join(argv)}:\n{output[-3000:]}")
     if "trainer.sweep" in argv:
@@ -378,7 +404,7 @@ def test_readme_command(index, runner):
         listed = [line.split()[0] for line in run.result.stdout.splitlines() if line.strip()]
         assert sorted(listed) == sorted(strategies.available())
     elif _flag(argv, "--mode") == "eval":
-        _check_evaluation(runner, index, run)
+        _check_evaluation(runner, index, run, capsys)
     else:
         _check_training(run, CLAIMS[index])
 
@@ -424,10 +450,10 @@ def _check_sweep(run: Run) -> None:
     assert summary["best"] == summary["trials"][0]["trial"]
 
 
-def _check_evaluation(runner: Runner, index: int, run: Run) -> None:
+def _check_evaluation(runner: Runner, index: int, run: Run, capsys) -> None:
     """It evaluated the newest checkpoint of the earlier command, and trained nothing."""
     model_dir = _flag(run.argv, "--model_dir")
-    written = runner.writer(index, model_dir).results_json(model_dir)
+    written = runner.writer(index, model_dir, capsys).results_json(model_dir)
     evals = _evals(run.output)
     assert len(evals) == 1 and not re.search(r"^train +\|", run.output, re.MULTILINE)
     assert evals[0]["step"] == written["step"]
