@@ -166,13 +166,14 @@ def run_command(
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def cli_in_process(*args: str, capsys) -> tuple[int, str, str]:
+def cli_in_process(*args: str, capsys, cwd=None) -> tuple[int, str, str]:
     """Runs `towerflow ARGS` in this process: the command's flag parsing, main and error handling.
 
     For what a subprocess would add nothing to (a listing, a refusal, a rerun's
     lines); `run_cli` keeps a real process for the command's own exits. The test
     process has 4 logical CPUs (tests/conftest.py), so the config says so unless
-    `args` set `devices.logical_cpus`.
+    `args` set `devices.logical_cpus`. `cwd`: the directory it runs in (default:
+    this process's), as a user's shell would be in.
 
     Returns:
       The exit code (0 when main returned), stdout and stderr.
@@ -187,10 +188,14 @@ def cli_in_process(*args: str, capsys) -> tuple[int, str, str]:
     defined = cli.define_flags(flags.FlagValues(), argv)
     capsys.readouterr()
     code = 0
+    before = os.getcwd()
     try:
+        os.chdir(cwd or before)
         cli.guarded(functools.partial(cli.main, defined))(cli.parse_flags(defined, argv))
     except SystemExit as exit:
         code = 0 if exit.code is None else exit.code
+    finally:
+        os.chdir(before)
     if code:  # a failed run's frames, and its input iterators, end here, not in a later test
         gc.collect()  # (as conftest's `iterators_end_with_the_test`)
     out, err = capsys.readouterr()

@@ -39,10 +39,9 @@ def _results(model_dir) -> dict:
     return json.loads((model_dir / "results.json").read_text())
 
 
-def _run(*args: str, capsys, monkeypatch) -> None:
+def _run(*args: str, capsys) -> None:
     """`towerflow ARGS` from the repository's top directory (where `examples/` is), in-process."""
-    monkeypatch.chdir(helpers.REPO)
-    code, out, err = helpers.cli_in_process(*args, capsys=capsys)
+    code, out, err = helpers.cli_in_process(*args, capsys=capsys, cwd=helpers.REPO)
     assert code == 0, f"exit {code}:\n{out[-4000:]}{err[-3000:]}"
 
 
@@ -61,7 +60,7 @@ def _slow_images(example: str):
 
 
 @pytest.mark.parametrize("example", [_slow_images(e) for e in sorted(EXAMPLES)])
-def test_each_example_as_the_readme_runs_it(example, tmp_path, capsys, monkeypatch):
+def test_each_example_as_the_readme_runs_it(example, tmp_path, capsys):
     extra = TINY[:-1] if example == "images" else []  # the README's run exports
     model_dir = tmp_path / "run"
     args = [
@@ -70,7 +69,7 @@ def test_each_example_as_the_readme_runs_it(example, tmp_path, capsys, monkeypat
         f"--model_dir={model_dir}",
         *extra,
     ]
-    _run(*args, capsys=capsys, monkeypatch=monkeypatch)
+    _run(*args, capsys=capsys)
     results = _check(args, model_dir, example)
     for metric, lowest in EXAMPLES[example][1].items():
         assert results["eval"][metric] >= lowest, results["eval"]
@@ -91,12 +90,12 @@ PLACES = [
 
 @pytest.mark.parametrize("example, where", PLACES)
 def test_each_example_under_mirrored_and_on_a_parameter_server_cluster(
-    example, where, tmp_path, capsys, monkeypatch
+    example, where, tmp_path, capsys
 ):
     model_dir = tmp_path / "run"
     args = [f"--config=examples/{example}.py", f"--model_dir={model_dir}", *_short(example)]
     if where == "mirrored":  # over the test process's 4 logical CPUs
-        _run("--strategy=mirrored", *args, capsys=capsys, monkeypatch=monkeypatch)
+        _run("--strategy=mirrored", *args, capsys=capsys)
     else:  # 2 workers and 1 ps, local processes
         launcher = ["--workers=2", "--ps=1", "--", "--strategy=parameter_server"]
         helpers.assert_exit(helpers.launch(*launcher, *args, cwd=helpers.REPO))
@@ -132,14 +131,13 @@ def _serves_raw_rows(export_dir) -> None:
     assert line.endswith("[2]"), line  # every output: one row per row sent
 
 
-def test_the_compiled_model_example_needs_no_task_code(tmp_path, capsys, monkeypatch):
+def test_the_compiled_model_example_needs_no_task_code(tmp_path, capsys):
     model_dir = tmp_path / "run"
     _run(
         "--config.model.name=examples.compiled_model:build",
         "--strategy=one_device",
         f"--model_dir={model_dir}",
         capsys=capsys,
-        monkeypatch=monkeypatch,
     )
     results = _results(model_dir)
     assert results["eval"]["accuracy"] > 0.95 and results["eval"]["top3"] > 0.98

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import re
 import shlex
@@ -308,12 +307,7 @@ def _same_in_this_process(argv: list[str]) -> bool:
 
 def _in_this_process(argv: list[str], cwd: pathlib.Path, capsys) -> subprocess.CompletedProcess:
     """`python -m trainer ARGS` in `cwd`, through the command's flags, main and exit, here."""
-    before = os.getcwd()
-    os.chdir(cwd)
-    try:
-        code, out, err = cli_in_process(*argv[3:], capsys=capsys)
-    finally:
-        os.chdir(before)
+    code, out, err = cli_in_process(*argv[3:], capsys=capsys, cwd=cwd)
     return subprocess.CompletedProcess(argv, code, out, err)
 
 
