@@ -12,7 +12,8 @@ a unit whose worker was lost before it finished runs again on another worker.
 A plugin that takes a `UnitStream` in `run_steps(step_fn, stream, n)` trains
 exactly `n` steps from the units `stream.take(n, workers)` gives it: a unit of
 `r` records is `ceil(r / batch)` steps (the file's last batch may be short; its
-loss is still divided by the global batch, so it weighs what it holds).
+loss is still divided by the global batch, so it weighs what it holds), each
+step `stream.decode` of the next batch of `stream.dataset(...)`.
 """
 
 from __future__ import annotations
@@ -66,7 +67,17 @@ class UnitStream(abc.ABC):
 
     @abc.abstractmethod
     def dataset(self, file: tf.Tensor, first: tf.Tensor, records: tf.Tensor) -> tf.data.Dataset:
-        """The batches of one unit (traced once, run on a worker): decoded, `batch` a step."""
+        """The records of one unit, `batch` a step, not decoded (traced once, run on a worker).
+
+        A worker makes one such dataset a unit, so it should cost little to
+        start: each `Dataset.map` function and each tf.data optimization pass
+        is set up anew with it, so the decoding is left to `decode`, which runs
+        in the step's own function.
+        """
+
+    @abc.abstractmethod
+    def decode(self, records) -> tuple:
+        """A batch of `dataset`'s records -> `(features, labels[, weights])`, in the step."""
 
     @abc.abstractmethod
     def finished(self, units: list[Unit]) -> None:

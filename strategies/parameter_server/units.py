@@ -13,10 +13,13 @@ trains whole on that worker, so no record is lost. The steps the lost worker
 had applied train twice. They are counted from two counters, as no update
 and counter move together: the optimizer's step counter (exact: each update
 counts itself) gives the steps applied beyond the units' own, and a counter
-on a ps member of the records each step started gives their records (a step
-the worker was lost in before it applied is started but not applied: the
-smaller of the two counts holds). The block's `records_repeated` is at most
-one unit per worker lost.
+on a ps member of the records of each unit started, added before its first
+step, gives the records of the units that ran again. A unit's steps are
+whole batches but its last, so the steps a lost worker applied of its unit
+hold `steps x batch` of its records, or all of them where it applied the
+last (the smaller of the two counts holds). The block's `records_repeated` is
+at most one unit per worker lost. (One count a unit, not a step: a step's
+own round trip to the ps before it starts would cost every step.)
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class UnitRunner:
 
     def __init__(self, strategy, coordinator, workers: int):
         self.strategy, self.coordinator, self.workers = strategy, coordinator, workers
-        self._started = None  # records whose step started, repeats included: an int64 on a ps
+        self._started = None  # records of the units started, repeats included: an int64 on a ps
         self._loops: dict = {}  # (step, stream) -> its traced unit loop
 
     def run(self, one_step: Callable, step, stream: UnitStream, n: int) -> dict:
@@ -56,7 +59,7 @@ class UnitRunner:
             self._loops[step, id(stream)] = _unit_loop(one_step, stream, self._started)
         loop = self._loops[step, id(stream)]
         units = stream.take(n, self.workers)
-        records, steps = int(self._started.numpy()), int(step.iterations.numpy())
+        records, steps = self._counters(step)
         try:
             results = [self.coordinator.schedule(loop, args=_arguments(unit)) for unit in units]
             self.coordinator.join()
@@ -65,11 +68,16 @@ class UnitRunner:
             raise
         stream.finished(units)
         sums = tf.nest.map_structure(lambda *parts: tf.add_n(parts), *[r.fetch() for r in results])
-        applied = int(step.iterations.numpy()) - steps + float(sums.get("stale_dropped", 0.0))
+        records_now, steps_now = self._counters(step)
+        applied = steps_now - steps + float(sums.get("stale_dropped", 0.0))
         extra_steps = applied - sum(steps_of(unit.records, stream.batch) for unit in units)
-        extra_records = int(self._started.numpy()) - records - sum(u.records for u in units)
+        extra_records = records_now - records - sum(u.records for u in units)
         repeated = max(0.0, min(extra_records, extra_steps * stream.batch))
         return {**sums, REPEATED: tf.constant(float(repeated))}
+
+    def _counters(self, step) -> tuple[int, int]:
+        """Records of the units started, and steps applied: the two counters on the ps."""
+        return int(self._started.numpy()), int(step.iterations.numpy())
 
 
 def _arguments(unit: Unit) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -83,17 +91,14 @@ def _arguments(unit: Unit) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
 def _unit_loop(one_step: Callable, stream: UnitStream, started: tf.Variable):
     """A closure's work: the batches of one unit, a step each; returns their sums."""
 
-    def counted_step(batch) -> dict:
-        rows = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
-        with tf.control_dependencies([started.assign_add(rows)]):  # before the step applies
-            return one_step(batch)
-
     @tf.function
     def loop(file, first, records):
         batches = iter(stream.dataset(file, first, records))
-        totals = counted_step(next(batches))  # a unit holds one batch at least
+        batch = next(batches)  # a unit holds one batch at least
+        with tf.control_dependencies([started.assign_add(records)]):  # before a step applies
+            totals = one_step(stream.decode(batch))
         for batch in batches:
-            totals = tf.nest.map_structure(tf.add, totals, counted_step(batch))
+            totals = tf.nest.map_structure(tf.add, totals, one_step(stream.decode(batch)))
         return totals
 
     return loop

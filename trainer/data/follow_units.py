@@ -25,6 +25,12 @@ from strategies.units import Unit, UnitStream, steps_of
 from trainer.data.base import Decode
 from trainer.data.follow import Follower
 
+# A unit's dataset: nothing to rewrite or tune, so nothing to set up a unit (its few batches
+# are read as the steps ask for them).
+_STARTS_AT_ONCE = tf.data.Options()
+_STARTS_AT_ONCE.experimental_optimization.apply_default_optimizations = False
+_STARTS_AT_ONCE.autotune.enabled = False
+
 
 class FollowedUnits(UnitStream):
     """The follower's admitted files as units of whole global batches.
@@ -36,7 +42,7 @@ class FollowedUnits(UnitStream):
     """
 
     def __init__(self, follower: Follower, decode: Decode, batch: int):
-        self.follower, self.decode, self.batch = follower, decode, batch
+        self.follower, self._decode, self.batch = follower, decode, batch
         self._ids: dict[Unit, int] = {}  # a unit handed out -> the follower's id of it
 
     # What the follow actions ask of the input (`trainer.loop.actions.follow`), as the
@@ -90,11 +96,18 @@ class FollowedUnits(UnitStream):
         return units
 
     def dataset(self, file: tf.Tensor, first: tf.Tensor, records: tf.Tensor) -> tf.data.Dataset:
-        """The unit's records in global batches (the last maybe short), decoded."""
+        """The unit's records in global batches (the last maybe short), not decoded.
+
+        Made anew for every unit on its worker: no `map` function and no tf.data
+        optimization or autotuning to set up each time (`decode` decodes in the step).
+        """
         batches = self.follower.read(file).skip(first).take(records).batch(self.batch)
-        # Decoded and read ahead while the worker steps, as a worker's own pipeline is.
-        batches = batches.map(self.decode, num_parallel_calls=tf.data.AUTOTUNE)
-        return batches.prefetch(tf.data.AUTOTUNE)
+        return batches.with_options(_STARTS_AT_ONCE)
+
+    def decode(self, records) -> tuple:
+        """A batch of the unit's records decoded: `(features, labels[, weights])`."""
+        # A tuple's parts are the decoder's arguments, as `Dataset.map` would give them.
+        return self._decode(*records) if isinstance(records, tuple) else self._decode(records)
 
     def finished(self, units: list[Unit]) -> None:
         """Their records are done: the follower writes the position the checkpoint saves."""
