@@ -3,7 +3,8 @@
 Outside training a lookup changes nothing (no admission, no count, no lock)
 and takes no gradient, so it is a few ops a part, each over the whole batch:
 
-1. the ids' slots and stamps, from the index (`DynamicTable.find`);
+1. the ids' slots and stamps, one lookup in the index, which holds a held
+   id's stamp and so its slot (`DynamicTable.find`);
 2. their rows, gathered at once from the rows variable; a row not written
    since its id was admitted (its `row_stamps` entry differs from the
    index's stamp) reads the id's initial value, computed only when the batch
@@ -22,9 +23,8 @@ rows), except for ids the seen-filter has not seen, which read zeros
 An export reads a frozen index (`frozen`): for each part, a
 `tf.lookup.StaticHashTable` made when the export is written, from each id
 held to its slot, or to `-2 - slot` where the row is not written since the
-id's admission. Step 1 is then one lookup in a flat hash map, with no stamps
-to look up or gather: the export's lookups are about twice as fast as the
-live index's. The table is a stock TensorFlow op (`HashTableV2`), its
+id's admission. Step 1 is then one lookup in a flat hash map, with no row
+stamps to gather. The table is a stock TensorFlow op (`HashTableV2`), its
 content constants of the SavedModel's graph (16 bytes an id held), which TF
 Serving loads; the live index is saved beside it as before.
 

@@ -69,7 +69,7 @@ def _counts(part: TablePart, keys: tf.Tensor) -> tf.Tensor:
         now = table.now()
         value = tf.reshape(table.index.lookup(keys), [-1])
         held = value >= 0
-        info = tf.reshape(table.slot_info.lookup(tf.where(held, value, -1)), [-1, 3])
+        info = tf.reshape(table.slot_info.lookup(table.slots_of(value)), [-1, 3])
         age = tf.cast(now - last_seen(info), tf.float64)
         decay = tf.pow(tf.constant(2.0, tf.float64), -tf.maximum(age, 0.0) / table.half_life)
         held_count = tf.cast(count_of(info), tf.float64) / COUNT_ONE * decay

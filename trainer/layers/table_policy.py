@@ -128,7 +128,7 @@ class AdmissionPolicy:
         # What the step's lookups read: a row where the id holds one now, else the default.
         read_rows = tf.reduce_sum(tf.where(held | admitted, seen, 0))
         updates = [
-            self.index.insert(new_keys, new_slots),
+            self.index.insert(new_keys, self.held_code(new_stamps)),
             self._touch(
                 new_slots, new_stamps, new_keys, step, tf.gather(counts, granted) * COUNT_ONE
             ),
@@ -159,10 +159,10 @@ class AdmissionPolicy:
     ):
         """Marks the `held` ids of `unique` seen at `step`: their counts decayed, plus `seen`.
 
-        `value` is each id's in the index (its slot where held).
+        `value` is each id's in the index (`held_code` of its stamp where held).
         """
         at = tf.where(held)[:, 0]  # one mask for the three (a mask is four ops)
-        held_slots = tf.gather(value, at)
+        held_slots = self.slots_of(tf.gather(value, at))
         held_info = self._info(held_slots)
         return self._touch(
             held_slots,

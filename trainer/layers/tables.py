@@ -5,9 +5,12 @@ A table maps raw ids (int64 over the whole 64-bit range; strings by their
 two halves:
 
 * The *index*, on the host and shared by every replica of the process: hash
-  tables (`tf.lookup.experimental.MutableHashTable`) from id to row slot and
-  from slot to (stamp, last-seen step and count, id), a stack of freed slots
-  and a few counters. The counts of ids not admitted yet (`min_count` > 1)
+  tables (`tf.lookup.experimental.MutableHashTable`) from id to its stamp
+  (as `capacity + stamp`, `held_code`: the stamp says the slot, so a lookup
+  finds both at once) and from slot to (stamp, last-seen step and count, id),
+  a stack of freed slots and a few counters. (An id -> slot entry, as
+  checkpoints written before hold it, is still read: `find`.) The counts of
+  ids not admitted yet (`min_count` > 1)
   live in a count-min sketch of fixed size (`sketch_depth` rows of
   `sketch_width` int32 cells), so the tail that is never admitted costs no
   memory per id. (A value below 0 in the id -> slot table, the count of an id
@@ -358,7 +361,7 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
         """
         keys, values = (tensor.numpy() for tensor in self.index.export())
         held = values >= 0
-        slots = values[held]
+        slots = values[held] % self.capacity
         info = self._info(tf.constant(slots, tf.int64)).numpy()
         names, counts = (tensor.numpy() for tensor in self.counters.export())
         counters = np.zeros(len(COUNTERS), np.int64)
@@ -412,7 +415,7 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
             self._load_seen(seen)
         slots = np.arange(len(keys), dtype=np.int64)
         stamps = admitted * self.capacity + slots
-        self.index.insert(tf.constant(keys, tf.int64), slots)
+        self.index.insert(tf.constant(keys, tf.int64), self.held_code(stamps))
         self.index.insert(tf.constant(waiting, tf.int64), tf.constant(waiting_values, tf.int64))
         counts = np.zeros_like(keys) if counts is None else np.asarray(counts, np.int64)
         seen = np.asarray(last_seen, np.int64) | (counts << STEP_BITS)
@@ -440,10 +443,34 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
         return tf.sort(tf.concat([seen, free], 0))
 
     def find(self, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """Slots and stamps of int64 `keys` (1-D); changes nothing. The slot is -1 where none."""
-        slots = tf.reshape(self.index.lookup(keys), [-1])
-        slots = tf.where(slots >= 0, slots, -1)
-        return slots, self.stamps(slots)
+        """Slots and stamps of int64 `keys` (1-D); changes nothing. Both are -1 where none.
+
+        One lookup in the index, which holds a held id's stamp (`held_code`).
+        An entry written before it did (a checkpoint's: its slot alone, below the
+        capacity) has its stamp read from `slot_info`, only in a batch that holds one.
+        """
+        codes = tf.reshape(self.index.lookup(keys), [-1])
+        held = codes >= 0
+        slots = tf.where(held, codes % self.capacity, -1)
+        stamps = tf.where(held, codes - self.capacity, -1)
+        older = held & (codes < self.capacity)
+        return slots, tf.cond(
+            tf.reduce_any(older),
+            lambda: tf.where(older, self.stamps(tf.where(older, slots, -1)), stamps),
+            lambda: stamps,
+        )
+
+    def held_code(self, stamps: tf.Tensor) -> tf.Tensor:
+        """What the index holds for an id of stamp `stamps`: `capacity + stamp`.
+
+        At least the capacity, which tells it from a slot alone (as the index held
+        before) and from the count of an id not admitted yet (below 0).
+        """
+        return stamps + self.capacity
+
+    def slots_of(self, codes: tf.Tensor) -> tf.Tensor:
+        """The slot of each of the index's values `codes` (held or older), -1 where none."""
+        return tf.where(codes >= 0, codes % self.capacity, -1)
 
     def stamps(self, slots: tf.Tensor) -> tf.Tensor:
         """The stamp of each slot's current id: `capacity * admission step + slot` (-1: free)."""
