@@ -331,35 +331,20 @@ class DynamicEmbedding(Portable, keras.layers.Layer):
         Each id's count as the table keeps it for admission and eviction, decayed
         to now, over the decayed total (`trainer.layers.table_frequencies`).
         """
-        keys, _ = self._keys(ids)
+        keys, _ = dynamic_lookup.keys_of(ids, self.mask_id)
         return table_frequencies.frequencies(self.parts, keys)
 
-    # The lookup, in its steps (`dynamic_lookup`); `DynamicEmbeddings` calls them too.
+    # The lookup, in its steps (`dynamic_lookup`); `DynamicEmbeddings` takes them too.
 
     def call(self, inputs, training=False):
-        keys, valid = self._keys(inputs)
-        return self._shaped(inputs, self._vectors(keys, valid, training), valid, self.combiner)
+        keys, valid = dynamic_lookup.keys_of(inputs, self.mask_id)
+        vectors = dynamic_lookup.vectors_by_part(self.parts, keys, valid, training)
+        return dynamic_lookup.shaped(inputs, vectors, valid, self.combiner, self.output_dim)
 
     def __call__(self, inputs, *args, **kwargs):
         # Checked before Keras's `__call__`, which adds lines about the call to any error.
-        self._check_ids(inputs, f"`DynamicEmbedding` '{self.name}'")
+        dynamic_lookup.check_ids(inputs, self.key_dtype, f"`DynamicEmbedding` '{self.name}'")
         return super().__call__(inputs, *args, **kwargs)
-
-    def _check_ids(self, inputs, what: str) -> None:
-        """Raises `UserError` if `inputs` (fed to `what`) are not ids this table can take."""
-        dynamic_lookup.check_ids(inputs, self.key_dtype, what)
-
-    def _keys(self, inputs) -> tuple[tf.Tensor, tf.Tensor]:
-        """The ids of `inputs` as flat int64 keys (`tables.key64`), and which are not `mask_id`."""
-        return dynamic_lookup.keys_of(inputs, self.mask_id)
-
-    def _vectors(self, keys: tf.Tensor, valid: tf.Tensor, training) -> tf.Tensor:
-        """The vector of each of `keys` (1-D int64): its row, the default row, or 0 if not valid."""
-        return dynamic_lookup.vectors_by_part(self.parts, keys, valid, training)
-
-    def _shaped(self, inputs, vectors: tf.Tensor, valid: tf.Tensor, combiner: str | None):
-        """The flat `vectors` of the ids of `inputs` in their shape, or reduced by `combiner`."""
-        return dynamic_lookup.shaped(inputs, vectors, valid, combiner, self.output_dim)
 
     def compute_output_shape(self, input_shape):
         if self.combiner is None:

@@ -18,7 +18,7 @@
    list by the `combiner`.
 
 Plain functions of the layer's settings and parts: every variable and index
-they read is the layer's (`DynamicEmbeddings` calls them through the layer for
+they read is the layer's (`DynamicEmbeddings` calls them with its tables' parts for
 several features at once).
 """
 

@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from towerflow.errors import UserError
-from trainer.layers import tables
+from trainer.layers import dynamic_lookup, tables
 from trainer.layers.dynamic import COMBINERS, DynamicEmbedding, check_dynamic
 from trainer.layers.table_training import OPTIMIZER_NAMES, TableOptimizer
 
@@ -264,25 +264,33 @@ class DynamicEmbeddings(keras.layers.Layer):
             )
         for key, ids in inputs.items():
             table = self.tables[self.feature_configs[key].table.name]
-            table._check_ids(ids, f"`DynamicEmbeddings` feature '{key}' (table '{table.name}')")
+            what = f"`DynamicEmbeddings` feature '{key}' (table '{table.name}')"
+            dynamic_lookup.check_ids(ids, table.key_dtype, what)
         return super().__call__(inputs, *args, **kwargs)
 
     def call(self, inputs, training=False):
+        # A table's features are looked up together: `dynamic_lookup`'s steps over the table's
+        # public settings and parts, as `DynamicEmbedding.call` takes them for one feature.
         outputs = {}
         for name, table in self.tables.items():
             keys = [k for k, f in self.feature_configs.items() if f.table.name == name]
             lists = {key: _as_lists(inputs[key]) for key in keys}
-            looked_up = [table._keys(lists[key]) for key in keys]
+            looked_up = [dynamic_lookup.keys_of(lists[key], table.mask_id) for key in keys]
             sizes = [tf.size(ids) for ids, _ in looked_up]
             valid = [is_id for _, is_id in looked_up]
-            vectors = table._vectors(
-                tf.concat([ids for ids, _ in looked_up], 0), tf.concat(valid, 0), training
+            vectors = dynamic_lookup.vectors_by_part(
+                table.parts,
+                tf.concat([ids for ids, _ in looked_up], 0),
+                tf.concat(valid, 0),
+                training,
             )
             for key, feature_vectors, feature_valid in zip(
                 keys, tf.split(vectors, tf.stack(sizes), num=len(keys)), valid, strict=True
             ):
                 combiner = self.feature_configs[key].combiner or table.combiner
-                outputs[key] = table._shaped(lists[key], feature_vectors, feature_valid, combiner)
+                outputs[key] = dynamic_lookup.shaped(
+                    lists[key], feature_vectors, feature_valid, combiner, table.output_dim
+                )
         return {key: outputs[key] for key in self.feature_configs}
 
     def compute_output_shape(self, input_shape):
