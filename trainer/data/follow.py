@@ -385,6 +385,8 @@ class Follower:
         with self._lock:  # files partly trained first: a restart goes on where it stopped
             mine = sorted(self._candidates, key=lambda f: (f.name not in self._ranges, f.key))
         newest = agree(max((f.mtime_ns for f in mine), default=-1))
+        if newest < 0:  # nothing new on the chief, so on every worker alike: no more to ask
+            return
         joining = [f for f in mine if f.mtime_ns <= newest]
         fingerprint = _fingerprint(joining)
         if not everyone(agree(fingerprint) == fingerprint) or not joining:
@@ -458,6 +460,8 @@ class Follower:
         thread, so it may act on SIGTERM: raise to stop waiting); every worker
         makes the same collectives (`everyone`, `agree`) the same number of times.
         """
+        if self.waiting() >= records:  # the stream is one on every worker: all return here
+            return
         while True:
             self.steps_ready(0, global_batch, agree, everyone)
             if everyone(self.waiting() >= records):
