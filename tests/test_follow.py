@@ -24,7 +24,8 @@ from tests.helpers import (
 from towerflow.errors import PREEMPTED_EXIT_CODE
 from trainer import data
 from trainer.data import counting, follow
-from trainer.loop import train
+from trainer.loop import actions, train
+from trainer.loop.controller import Output
 
 ROWS = 64  # per file: one block of 4 steps of 16
 T0 = 1_796_000_000  # a modification time (s): the files' arrival order is set, not raced
@@ -553,3 +554,16 @@ def test_two_workers_train_each_record_once_over_files_landing_out_of_name_order
     assert weights
     for name in weights:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_examples_per_sec_counts_what_a_padded_step_holds_not_its_global_batch(tmp_path):
+    _write_tfrecord(tmp_path / "train" / "a", 24, 1.0, order=0)  # a step and a half
+    with _Stream(tmp_path, str(tmp_path / "train" / "*")) as stream:
+        follow_action, _ = actions.follow(stream.follower, 16, 4, lambda: None)
+        stream.follower.refresh()
+        steps = stream.follower.steps_ready(4, 16)  # the remainder padded: it waits 0 s
+        output = Output(step=steps, total_steps=100, steps=steps, seconds=2.0, metrics={})
+        follow_action.fn(output)
+        actions.rates(16, lambda: 0.1).fn(output)
+    assert steps == 2
+    assert output.metrics["examples_per_sec"] == 24 / 2.0  # not 2 x 16 / 2.0

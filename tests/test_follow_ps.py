@@ -8,6 +8,11 @@ import pytest
 import strategies
 from tests.helpers import config_flags, launch_and_signal, launched, one_line_error
 from tests.test_follow import _CLUSTER_FIELDS, _config, _done, _write_csv
+from trainer import data
+from trainer.data import follow
+from trainer.data.follow_units import FollowedUnits
+from trainer.loop import actions
+from trainer.loop.controller import Output
 from trainer.loop.features.follow import Follow
 
 CLUSTER_TIMEOUT_S = 300
@@ -85,3 +90,25 @@ def test_follow_under_workers_that_neither_keep_order_nor_take_units_is_one_line
     one_line_error("without taking input in units", Follow().check, config, unordered)
     takes_units = strategies.Traits(ordered_input=False, takes_units=True)
     Follow().check(config, takes_units)  # asynchronous parameter_server: accepted
+
+
+def test_examples_per_sec_under_units_counts_the_records_trained_a_short_step_what_it_holds(
+    tmp_path,
+):
+    _write_csv(tmp_path / "eval.csv", 99)
+    _write_csv(tmp_path / "train" / "a.csv", 1, ROWS)
+    dataset = data.get(_config(tmp_path, **{"strategy.name": "parameter_server"}).data)
+    follower = follow.follower_of(dataset)
+    follower.start()
+    units = FollowedUnits(follower, dataset.decode, 16)
+    follow_action, _ = actions.follow(units, 16, 4, lambda: None)
+    steps = units.steps_ready(4, 16)
+    units.finished(units.take(steps, 1))  # as the plugin says when the block's units trained
+    output = Output(step=steps, total_steps=100, steps=steps, seconds=2.0, metrics={})
+    follow_action.fn(output)
+    actions.rates(16, lambda: 0.1).fn(output)  # the loop's rates, after the follow action
+    follower.close()
+    # One file of 40 records: 3 steps of 16, the last a short one of 8 (not 3 x 16 = 48).
+    assert output.metrics["steps_per_sec"] == 1.5
+    assert output.metrics["examples_per_sec"] == ROWS / 2.0
+    assert "examples_trained" not in output.metrics  # the rate's input, not a metric

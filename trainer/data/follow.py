@@ -470,14 +470,19 @@ class Follower:
             time.sleep(self.poll_secs)
             self.refresh()
 
-    def advance(self, records: int) -> None:
-        """The next `records` of the stream are trained: marks them done; writes `position`."""
+    def advance(self, records: int) -> int:
+        """The next `records` of the stream are trained: marks them done; writes `position`.
+
+        Returns how many of them are the files' (not padding).
+        """
+        real = 0
         with self._lock:
             while records > 0 and self._stream:
                 head = self._stream[0]
                 n = min(records, head.records - self._head_trained)
                 if head.real:
                     self._mark_done(head.file, head.first + self._head_trained, n)
+                    real += n
                 records -= n
                 self._head_trained += n
                 if self._head_trained == head.records:
@@ -485,6 +490,7 @@ class Follower:
                     self._head_seq += 1
                     self._head_trained = 0
             self._write()
+        return real
 
     def segments(self) -> Iterator[tuple[str, int, int, bool]]:
         """The stream's segments from the position on: (file, first, records, real), waiting.

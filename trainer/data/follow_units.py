@@ -44,6 +44,7 @@ class FollowedUnits(UnitStream):
     def __init__(self, follower: Follower, decode: Decode, batch: int):
         self.follower, self._decode, self.batch = follower, decode, batch
         self._ids: dict[Unit, int] = {}  # a unit handed out -> the follower's id of it
+        self._trained = 0  # records of the units finished since `advance` last asked
 
     # What the follow actions ask of the input (`trainer.loop.actions.follow`), as the
     # follower's synchronous stream answers it. One process takes the units (the
@@ -61,8 +62,14 @@ class FollowedUnits(UnitStream):
             time.sleep(self.follower.poll_secs)
             self.follower.refresh()
 
-    def advance(self, records: int) -> None:
-        """Nothing: a unit's records are done when the plugin says it finished (`finished`)."""
+    def advance(self, records: int) -> int:
+        """The records of the units finished since the last call (`records`: the steps' batches).
+
+        A unit's records are done when the plugin says it finished (`finished`);
+        a file's short last step counts what it holds.
+        """
+        trained, self._trained = self._trained, 0
+        return trained
 
     def look_if_due(self) -> None:
         self.follower.look_if_due()
@@ -113,6 +120,7 @@ class FollowedUnits(UnitStream):
         """Their records are done: the follower writes the position the checkpoint saves."""
         for unit in units:
             self.follower.unit_done(self._ids.pop(unit))
+            self._trained += unit.records
 
     def returned(self, units: list[Unit]) -> None:
         """Not trained: the follower hands their records out again."""

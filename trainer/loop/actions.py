@@ -44,13 +44,19 @@ def recovery(blew_up: Callable[[float], bool], recover: Callable[[int, float], N
     return Action(act, name="recovery")
 
 
+# The examples a block trained, where an earlier action knows them to be fewer than its steps'
+# global batches (`follow`: a short or padded step); `rates` takes it out of the metrics.
+EXAMPLES_TRAINED = "examples_trained"
+
+
 def rates(examples_per_step: int, learning_rate: Callable[[], float]) -> Action:
     """Adds `learning_rate`, `steps_per_sec` and `examples_per_sec` to the block's metrics."""
 
     def act(output: Output) -> None:
         output.metrics["learning_rate"] = learning_rate()
         output.metrics["steps_per_sec"] = output.steps / output.seconds
-        output.metrics["examples_per_sec"] = output.steps * examples_per_step / output.seconds
+        examples = output.metrics.pop(EXAMPLES_TRAINED, output.steps * examples_per_step)
+        output.metrics["examples_per_sec"] = examples / output.seconds
 
     return Action(act, name="rates")
 
@@ -257,7 +263,8 @@ def follow(
     between looks: the preemption check). After every block the position moves
     on by the examples trained (written to the variables the checkpoint saves:
     so this action runs first, before a recovery rolls the step back and before
-    the checkpoint), and the backlog joins the metrics: `backlog_files`,
+    the checkpoint); the records it trained (padding and short steps count what
+    they hold) make `examples_per_sec`; and the backlog joins the metrics: `backlog_files`,
     `backlog_records` and `behind_s`. `say` gets the follower's lines (late,
     refused and removed files): the chief's progress.
     """
@@ -270,7 +277,7 @@ def follow(
         blocks.every, blocks.at_steps = block_steps, (step + max(1, ready),)
 
     def act(output: Output) -> None:
-        follower.advance(output.steps * examples_per_step)
+        output.metrics[EXAMPLES_TRAINED] = follower.advance(output.steps * examples_per_step)
         follower.look_if_due()
         figures = follower.figures()
         output.metrics["backlog_files"] = figures["files_waiting"]
