@@ -362,6 +362,7 @@ def test_a_followed_run_reports_its_window_in_the_progress_line_tensorboard_and_
     assert "progressive validation: each batch scored before it trains" in out
     last = next(line for line in out.splitlines() if line.startswith("train | step: 8/8"))
     assert f"progressive_auc: {windowed['auc']:.4f}" in last
+    assert "progressive_examples: 128" in last and "progressive_examples: 128." not in last
     scalars = tensorboard_scalars(tmp_path / "run", progressive.PREFIX)
     assert scalars["progressive_auc"][8] == pytest.approx(windowed["auc"])
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import strategies
 
+_COUNTS = ("examples", "members", "replicas", "per_replica_batch", "global_batch")
+
 
 def progress_line(split: str, step: int, metrics: dict, total: int | None = None) -> str:
     """One fixed-width line: `train | step: 1200/1500 | loss: 0.3100 | ...`."""
@@ -21,7 +23,7 @@ def progress_line(split: str, step: int, metrics: dict, total: int | None = None
             parts.append(f"lr: {value:.2e}")
         elif name.endswith("_per_sec"):
             parts.append(f"{name.removesuffix('_per_sec')}/s: {value:.1f}")
-        elif name in ("examples", "members", "replicas", "per_replica_batch", "global_batch"):
+        elif name in _COUNTS or name.endswith("_examples"):  # `progressive_examples` too
             parts.append(f"{name}: {int(value)}")
         elif name == "ids_held":  # in the dynamic tables
             parts.append(f"ids: {int(value)}")
