@@ -7,7 +7,7 @@ import pytest
 
 import strategies
 from tests.helpers import config_flags, launch_and_signal, launched, one_line_error
-from tests.test_follow import _CLUSTER_FIELDS, _config, _done, _write_csv
+from tests.test_follow import _CLUSTER_FIELDS, _config, _done, _state, _write_csv
 from trainer import data
 from trainer.data import follow
 from trainer.data.follow_units import FollowedUnits
@@ -19,8 +19,9 @@ CLUSTER_TIMEOUT_S = 300
 ROWS = 40  # per file: 3 steps of 16 (16, 16 and a short one of 8)
 
 
-def _flags(tmp_path, steps: int) -> list[str]:
-    config = _config(tmp_path / "data", **{"train.steps": steps, "train.checkpoint_every": 3})
+def _flags(tmp_path, steps: int, checkpoint_every: int = 3) -> list[str]:
+    fields = {"train.steps": steps, "train.checkpoint_every": checkpoint_every}
+    config = _config(tmp_path / "data", **fields)
     return [
         "--",
         "--strategy=parameter_server",
@@ -80,6 +81,44 @@ def test_a_worker_killed_mid_unit_repeats_at_most_its_unit_and_loses_no_record(t
     assert 0 <= repeated <= 2 * 16, "at most one unit (a block of 4 steps over 2 workers)"
     # The 60 steps of the six files, and each step applied twice on top: 16 records each.
     assert repeated == 16 * (results["step"] - 60), output[-3000:]
+
+
+@pytest.mark.slow  # a kill, then the cluster started again
+@pytest.mark.parametrize("member", [("chief", 0), ("ps", 0)])
+def test_a_chief_or_ps_lost_mid_stream_resumes_from_its_checkpoint_losing_no_record(
+    tmp_path, member
+):
+    data = tmp_path / "data"
+    _write_csv(data / "eval.csv", 99)
+    for order in range(6):
+        _write_csv(data / "train" / f"f{order}.csv", order, 160, order=order)  # 10 steps each
+    flags = _flags(tmp_path, 60, checkpoint_every=5)
+    # Step 12 ends a block (blocks of 4, checkpoints every 5): the checkpoint of step 10 is
+    # saved, and the kill lands in the units after it, which no checkpoint holds as done.
+    code, lines, _ = launch_and_signal(
+        "--workers=2",
+        "--ps=1",
+        *flags,
+        cwd=tmp_path,
+        trigger="[chief] train | step: 12/60",
+        member=member,
+        sig=signal.SIGKILL,
+        timeout=CLUSTER_TIMEOUT_S,
+    )
+    output = "\n".join(line for _, line in lines)
+    assert code != 0, output[-3000:]
+    stopped_at = _state(tmp_path / "run")
+    assert stopped_at["partial"] or len(stopped_at["done"]) < 6, "killed before the end"
+
+    again = launched("--workers=2", "--ps=1", *flags, cwd=str(tmp_path), timeout=CLUSTER_TIMEOUT_S)
+    assert "[chief] train | step: 60/60" in again.stdout, again.stdout[-3000:]
+    # Every record of every file trained: the six files done, none left in part.
+    assert _done(tmp_path / "run") == ([f"f{order}.csv" for order in range(6)], {})
+    results = _results(tmp_path)
+    # The restart rolled the variables back to the checkpoint: the steps the lost cluster
+    # trained after it are undone, so the 60 steps of the 960 records trained each once.
+    assert results["step"] == 60
+    assert results["follow"] == {"records_repeated": 0}
 
 
 def test_follow_under_workers_that_neither_keep_order_nor_take_units_is_one_line(tmp_path):
