@@ -130,7 +130,7 @@ def test_a_sketched_count_is_never_under_the_true_count():
     for _ in range(3):  # 128 cells a row for 40 ids: collisions, never undercounts
         _admit(table, draw.permutation(40).tolist())
     assert int(table.counter("admitted")) == 0
-    estimates = table._estimate(table._sketch_rows(), table._columns(tf.range(40, dtype=tf.int64)))
+    estimates = table.count_sketch.estimates(tf.range(40, dtype=tf.int64))
     assert (estimates.numpy() >= 3).all()
 
 

@@ -74,8 +74,8 @@ def _counts(part: TablePart, keys: tf.Tensor) -> tf.Tensor:
         decay = tf.pow(tf.constant(2.0, tf.float64), -tf.maximum(age, 0.0) / table.half_life)
         held_count = tf.cast(count_of(info), tf.float64) / COUNT_ONE * decay
         if table.sketch is not None:  # ids waiting for admission: the sketch's estimate
-            # The sketch's own reads (its mixin's), so the estimate is the one admission uses.
-            waiting = table._estimate(table._sketch_rows(), table._columns(keys))
+            # The sketch's own reads (its part's), so the estimate is the one admission uses.
+            waiting = table.count_sketch.estimates(keys)
         else:  # the index's count of an id waiting, `-1 - (count + step * COUNT_LIMIT)`
             waiting = tf.where(held, tf.zeros_like(value), (-value - 1) % COUNT_LIMIT)
         return tf.where(held, held_count, tf.cast(waiting, tf.float64))

@@ -1,24 +1,29 @@
 """A dynamic table's policies: which ids get a row, how waiting ids are counted, who leaves.
 
-Three mixins of `trainer.layers.tables.DynamicTable`, each one policy of
-its index (the module docstring of `tables` tells what they do together):
+Two mixins of `trainer.layers.tables.DynamicTable`, each one policy of its
+index (the module docstring of `tables` tells what they do together), and
+one part it holds:
 
 * `AdmissionPolicy`: `admit`, a step's ids counted and those seen
   `min_count` times given a slot, inside the table's lock.
-* `CountMinSketch`: the counts of the ids not admitted yet, in a sketch of
-  fixed size (with `min_count` > 1).
 * `EvictionPolicy`: where the newcomers' slots come from (freed, never used,
   or evicted by "lfu" or "lru"), and the TTL sweep.
+* `CountMinSketch`: the counts of the ids not admitted yet, in a sketch of
+  fixed size (with `min_count` > 1): a part the table holds (`count_sketch`),
+  with its own small interface (`rows`, `columns`, `estimate`, `counted`,
+  `load`, `bytes`), reading nothing of the table.
 
-They hold no state of their own: every lookup table, variable and counter
-is the `DynamicTable`'s (made in its `__init__`), so a checkpoint's keys are
-those of the table alone. They use its index (`index`, `slot_info`, `free`,
-`sketch`), its settings, its counters (`counter`, `_set`, `_add`) and its
-reads (`now`, `_info`, `keys_of`), and one another's steps.
+The mixins hold no state of their own: every lookup table, variable and
+counter is the `DynamicTable`'s (made in its `__init__`), so a checkpoint's
+keys are those of the table alone. They use its index (`index`,
+`slot_info`, `free`), its parts (`count_sketch`, `seen_filter`), its
+settings, its counters (`counter`, `_set`, `_add`) and its reads (`now`,
+`_info`, `keys_of`), and one another's steps.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from trainer.layers.table_encoding import (
@@ -141,7 +146,7 @@ class AdmissionPolicy:
             kept,
         ]
         if self.seen is not None:
-            updates.append(self._remember(unique))
+            updates.append(self.seen_filter.remember(unique))
         if self._clock is None:
             updates.append(self._set("calls", step + 1))
         with tf.control_dependencies(updates):
@@ -185,8 +190,9 @@ class AdmissionPolicy:
             counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
             sketched = None
         else:
-            cells, columns = self._sketch_rows(), self._columns(unique)
-            counts = tf.where(held, tf.zeros_like(value), self._estimate(cells, columns) + seen)
+            cells, columns = self.count_sketch.rows(), self.count_sketch.columns(unique)
+            estimated = self.count_sketch.estimate(cells, columns)
+            counts = tf.where(held, tf.zeros_like(value), estimated + seen)
             sketched = (cells, columns)
         return tf.minimum(counts, COUNT_LIMIT - 1), sketched
 
@@ -214,11 +220,14 @@ class AdmissionPolicy:
     ):
         """Keeps the `counts` of the `waiting` ids of `unique`, for their next lookups.
 
-        In the sketch (`_counted`, with the cells and columns `sketched`), or
-        else in the index: the count, and the step it was last seen at.
+        In the sketch (`CountMinSketch.counted`, with the cells and columns
+        `sketched`), or else in the index: the count, and the step it was last
+        seen at.
         """
         if sketched is not None:
-            return self._counted(*sketched, waiting, counts, seen)
+            taken = self.counter("sketched") + tf.reduce_sum(tf.boolean_mask(seen, waiting))
+            write, taken = self.count_sketch.counted(*sketched, waiting, counts, taken)
+            return tf.group(write, self._set("sketched", taken))
         return self.index.insert(
             tf.boolean_mask(unique, waiting),
             -1 - (tf.boolean_mask(counts, waiting) + step * COUNT_LIMIT),
@@ -239,47 +248,65 @@ class AdmissionPolicy:
 
 
 class CountMinSketch:
-    """The counts of the ids not admitted yet: `sketch_depth` rows of `sketch_width` cells.
+    """The counts of the ids not admitted yet: `depth` rows of `width` int32 cells.
 
-    The table's `sketch` (None with `min_count` 1) maps each row number to
-    its int32 cells. A key counts in one cell per row (`_columns`); its count
-    is its smallest cell (`_estimate`), an overestimate within the bound of
-    docs/tables.md, which halving every cell now and then keeps (`_counted`).
+    A part of `trainer.layers.tables.DynamicTable` (its `count_sketch`, with
+    `min_count` > 1), over the hash table of cells it is given (`cells_table`:
+    the table's own `sketch`, kept there so that checkpoints hold it under the
+    table's name), which maps each row number to its cells. A key counts in one
+    cell per row (`_columns`); its count is its smallest cell (`estimate`), an
+    overestimate within the bound of docs/tables.md, which halving every cell
+    now and then keeps (`counted`).
     """
 
-    def sketch_bytes(self) -> int:
-        """The bytes of the count-min sketch: its cells (0 without one)."""
-        return 0 if self.sketch is None else self.sketch_depth * self.sketch_width * 4
+    def __init__(self, cells: tf.lookup.experimental.MutableHashTable, width: int, depth: int):
+        self.cells, self.width, self.depth = cells, int(width), int(depth)
 
-    def _sketch_rows(self) -> tf.Tensor:
-        """The sketch's cells `[depth, width]` (int32; `[0, width]` without a sketch)."""
-        if self.sketch is None:
-            return tf.zeros([0, self.sketch_width], tf.int32)
-        rows = self.sketch.lookup(tf.range(self.sketch_depth, dtype=tf.int64))
-        return tf.reshape(rows, [self.sketch_depth, self.sketch_width])
+    @staticmethod
+    def cells_table(width: int) -> tf.lookup.experimental.MutableHashTable:
+        """An empty hash table of rows of `width` cells, for `CountMinSketch`'s `cells`."""
+        return tf.lookup.experimental.MutableHashTable(
+            tf.int64, tf.int32, tf.zeros([width], tf.int32)
+        )
 
-    def _columns(self, keys: tf.Tensor) -> tf.Tensor:
+    def bytes(self) -> int:
+        """The bytes of the sketch: its cells."""
+        return self.depth * self.width * 4
+
+    def rows(self) -> tf.Tensor:
+        """The sketch's cells `[depth, width]` (int32)."""
+        rows = self.cells.lookup(tf.range(self.depth, dtype=tf.int64))
+        return tf.reshape(rows, [self.depth, self.width])
+
+    def estimates(self, keys: tf.Tensor) -> tf.Tensor:
+        """The counts of int64 `keys` as admission reads them: `estimate` of the cells now."""
+        return self.estimate(self.rows(), self.columns(keys))
+
+    def columns(self, keys: tf.Tensor) -> tf.Tensor:
         """The cell of each of `keys` in each row of the sketch, `[depth, n]` (int64)."""
-        rows = tf.bitcast(tf.range(1, self.sketch_depth + 1, dtype=tf.int64), tf.uint64)
+        rows = tf.bitcast(tf.range(1, self.depth + 1, dtype=tf.int64), tf.uint64)
         salts = splitmix64(rows * u64(GOLDEN))
         mixed = splitmix64(tf.bitcast(keys, tf.uint64)[None, :] ^ salts[:, None])
-        return tf.cast(mixed % u64(self.sketch_width), tf.int64)
+        return tf.cast(mixed % u64(self.width), tf.int64)
 
-    def _estimate(self, cells: tf.Tensor, columns: tf.Tensor) -> tf.Tensor:
+    def estimate(self, cells: tf.Tensor, columns: tf.Tensor) -> tf.Tensor:
         """The counts of the keys of `columns`: their smallest cell (an overestimate), int64."""
-        rows = tf.range(self.sketch_depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
+        rows = tf.range(self.depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
         found = tf.gather_nd(cells, tf.stack([rows, columns], -1))
         return tf.cast(tf.reduce_min(found, 0), tf.int64)
 
-    def _counted(self, cells, columns, waiting, counts, seen) -> tf.Operation:
+    def counted(
+        self, cells, columns, waiting, counts, taken: tf.Tensor
+    ) -> tuple[tf.Operation, tf.Tensor]:
         """Raises the cells of the `waiting` keys to their `counts` (a conservative update).
 
-        Then, once the sketch has taken `sketch_width` lookups since it was last
-        halved, halves every cell, so that counts age and the overestimate stays
-        within the bound of docs/tables.md.
+        Then, once the sketch has taken `width` lookups since it was last halved
+        (`taken`, this step's included), halves every cell, so that counts age
+        and the overestimate stays within the bound of docs/tables.md. Returns
+        the write, and the lookups taken after it (0 where it halved).
         """
         columns = tf.boolean_mask(columns, waiting, axis=1)
-        rows = tf.range(self.sketch_depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
+        rows = tf.range(self.depth, dtype=tf.int64)[:, None] + tf.zeros_like(columns)
         cells = tf.tensor_scatter_nd_max(
             cells,
             tf.reshape(tf.stack([rows, columns], -1), [-1, 2]),
@@ -287,14 +314,17 @@ class CountMinSketch:
                 tf.cast(tf.boolean_mask(counts, waiting)[None, :] + rows * 0, tf.int32), [-1]
             ),
         )
-        taken = self.counter("sketched") + tf.reduce_sum(tf.boolean_mask(seen, waiting))
-        full = taken >= self.sketch_width
+        full = taken >= self.width
         cells = tf.where(full, tf.bitwise.right_shift(cells, 1), cells)
-        keys = tf.range(self.sketch_depth, dtype=tf.int64)
-        return tf.group(
-            self.sketch.insert(keys, cells),
-            self._set("sketched", tf.where(full, tf.zeros_like(taken), taken)),
-        )
+        write = self.cells.insert(tf.range(self.depth, dtype=tf.int64), cells)
+        return write, tf.where(full, tf.zeros_like(taken), taken)
+
+    def load(self, cells) -> None:
+        """Sets the cells (`rows()`' value; None or empty: zeros)."""
+        value = np.zeros([self.depth, self.width], np.int32)
+        if cells is not None and np.size(cells):
+            value = np.asarray(cells, np.int32)
+        self.cells.insert(np.arange(self.depth, dtype=np.int64), value)
 
 
 class EvictionPolicy:

@@ -1,13 +1,11 @@
 """Which ids a dynamic table saw in training lately: a Bloom filter of two generations.
 
-A mixin of `trainer.layers.tables.DynamicTable` (as the policies of
-`trainer.layers.table_policy` are), with no state of its own: the filter is
-the table's `seen` (None with `seen_bits` 0), a hash table from 0 (the
-current generation) and 1 (the one before) to `seen_bits` bits each, as
-int64 words.
+A part of `trainer.layers.tables.DynamicTable` (its `seen_filter`, None with
+`seen_bits` 0), over the table's `seen`: a hash table from 0 (the current
+generation) and 1 (the one before) to `seen_bits` bits each, as int64 words.
 
 Every training lookup sets its id's `SEEN_HASHES` bits in the current
-generation (`_remember`, inside the admission's lock). Once
+generation (`remember`, inside the admission's lock). Once
 `SEEN_FILL` of the current generation's bits are set, it becomes the one
 before and a new empty generation starts, so the filter forgets ids not seen
 for one to two generations and never fills up. An id is seen (`seen_ids`)
@@ -72,47 +70,62 @@ def _left_out(tables: list, path: str):
     finally:
         for table, seen in hidden:
             table.seen = seen
-            table._load_seen(None)
+            table.seen_filter.load(None)
 
 
 class SeenFilter:
-    """Which ids the table saw in training in its last one or two generations (`seen_ids`)."""
+    """Which ids a table saw in training in its last one or two generations (`seen_ids`).
 
-    def seen_bytes(self) -> int:
-        """The bytes of the seen-filter: two generations of `seen_bits` bits (0 without one)."""
-        return 0 if self.seen is None else 2 * self._seen_words() * 8
+    A part of `trainer.layers.tables.DynamicTable` (its `seen_filter`), over the
+    hash table of words it is given (`words_table`: the table's own `seen`, kept
+    there so that checkpoints hold it under the table's name).
+
+    Args:
+      words: the hash table from 0 (the current generation) and 1 (the one
+        before) to `bits` bits each, as int64 words (`words_table`).
+      bits: the bits of each generation.
+    """
+
+    def __init__(self, words: tf.lookup.experimental.MutableHashTable, bits: int):
+        self.words, self.bits = words, int(bits)
+
+    @staticmethod
+    def words_table(bits: int) -> tf.lookup.experimental.MutableHashTable:
+        """An empty hash table of two generations of `bits` bits, for `SeenFilter`'s `words`."""
+        return tf.lookup.experimental.MutableHashTable(
+            tf.int64, tf.int64, tf.zeros([_words_of(bits)], tf.int64)
+        )
+
+    def bytes(self) -> int:
+        """The bytes of the filter: two generations of `bits` bits."""
+        return 2 * _words_of(self.bits) * 8
 
     def seen_ids(self, keys: tf.Tensor) -> tf.Tensor:
-        """Whether each of int64 `keys` (1-D) was seen in training lately (all: no filter)."""
-        if self.seen is None:
-            return tf.ones_like(keys, tf.bool)
-        generations = self._generations()
+        """Whether each of int64 `keys` (1-D) was seen in training lately."""
+        generations = self.generations()
         positions = self._positions(keys)  # [n, hashes]
         words = tf.gather(generations, positions // 64, axis=1)  # [2, n, hashes]
         bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words, positions % 64), 1)
         return tf.reduce_any(tf.reduce_all(bits == 1, axis=-1), axis=0)
 
-    def _seen_words(self) -> int:
-        return -(-self.seen_bits // 64)
-
-    def _generations(self) -> tf.Tensor:
+    def generations(self) -> tf.Tensor:
         """The filter's words `[2, words]`: the current generation, then the one before."""
-        words = self.seen.lookup(tf.constant([0, 1], tf.int64))
-        return tf.reshape(words, [2, self._seen_words()])
+        words = self.words.lookup(tf.constant([0, 1], tf.int64))
+        return tf.reshape(words, [2, _words_of(self.bits)])
 
     def _positions(self, keys: tf.Tensor) -> tf.Tensor:
         """The filter's bits of each of `keys`, `[n, SEEN_HASHES]` int64."""
         salts = u64([(GOLDEN * (2 * h + 1) + _SALT) % 2**64 for h in range(SEEN_HASHES)])
         mixed = splitmix64(tf.bitcast(keys, tf.uint64)[:, None] ^ salts[None, :])
-        return tf.cast(mixed % u64(self.seen_bits), tf.int64)
+        return tf.cast(mixed % u64(self.bits), tf.int64)
 
-    def _remember(self, keys: tf.Tensor):
+    def remember(self, keys: tf.Tensor):
         """Sets the bits of `keys` in the current generation, and starts a new one when due.
 
         Writes the current generation alone, both when a new one starts.
         """
-        words = self._seen_words()
-        current = tf.reshape(self.seen.lookup(tf.constant([0], tf.int64)), [words])
+        words = _words_of(self.bits)
+        current = tf.reshape(self.words.lookup(tf.constant([0], tf.int64)), [words])
         positions, _ = tf.unique(tf.reshape(self._positions(keys), [-1]))
         one = tf.ones_like(positions)
         # A word's bits, each once: their sum is their union (no carries).
@@ -124,17 +137,22 @@ class SeenFilter:
 
         def rotate():
             rows = tf.stack([tf.zeros_like(current), current])
-            return self.seen.insert(tf.constant([0, 1], tf.int64), rows)
+            return self.words.insert(tf.constant([0, 1], tf.int64), rows)
 
         def keep():
-            return self.seen.insert(tf.constant([0], tf.int64), current[None])
+            return self.words.insert(tf.constant([0], tf.int64), current[None])
 
-        full = set_bits >= int(SEEN_FILL * self.seen_bits)
+        full = set_bits >= int(SEEN_FILL * self.bits)
         return tf.cond(full, rotate, keep)
 
-    def _load_seen(self, generations) -> None:
-        """Sets the filter's words (`contents()["seen"]`); of another size or none: empty."""
-        words = tf.zeros([2, self._seen_words()], tf.int64)
+    def load(self, generations) -> None:
+        """Sets the filter's words (`generations()`' value); of another size or none: empty."""
+        words = tf.zeros([2, _words_of(self.bits)], tf.int64)
         if generations is not None and tuple(generations.shape) == tuple(words.shape):
             words = tf.constant(generations, tf.int64)
-        self.seen.insert(tf.constant([0, 1], tf.int64), words)
+        self.words.insert(tf.constant([0, 1], tf.int64), words)
+
+
+def _words_of(bits: int) -> int:
+    """The int64 words that hold `bits` bits."""
+    return -(-bits // 64)

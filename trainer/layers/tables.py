@@ -87,10 +87,14 @@ The code, to read in steps: `DynamicTable` here owns the index (every hash
 table, the lock and the clock; checkpoints hold them under its attribute
 names) and reads it: counters, `figures()`, `contents()` and `load()`,
 `find()`. Its policies are mixins of `trainer.layers.table_policy`, with no
-state of their own: `AdmissionPolicy` (`admit`), `CountMinSketch` and
-`EvictionPolicy` (slots for newcomers, LFU and LRU, the TTL sweep), and
-`SeenFilter` of `trainer.layers.table_seen`. The hash and the packing of
-counts and steps they share are `trainer.layers.table_encoding`'s.
+state of their own: `AdmissionPolicy` (`admit`) and `EvictionPolicy` (slots
+for newcomers, LFU and LRU, the TTL sweep). Two parts it holds as members,
+each with a small interface of its own and reading nothing of the table:
+`count_sketch` (`CountMinSketch`, `trainer.layers.table_policy`) and
+`seen_filter` (`SeenFilter`, `trainer.layers.table_seen`), over hash tables
+that are the table's attributes (`sketch`, `seen`), as checkpoints hold
+them. The hash and the packing of counts and steps they share are
+`trainer.layers.table_encoding`'s.
 """
 
 from __future__ import annotations
@@ -204,7 +208,7 @@ def buckets_of(keys: tf.Tensor, buckets: int, hashes: int, seed: int = 0) -> tf.
     return tf.cast(mixed % u64(buckets), tf.int64)
 
 
-class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, tf.Module):
+class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
     """The index of one dynamic table: int64 ids -> row slots, admission and eviction.
 
     This class owns the index's state (made in `__init__`: the hash tables,
@@ -212,8 +216,10 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
     the counters and sizes (`figures`), the content whatever the slots
     (`contents`, `load`) and the lookups (`find`, `stamps`, `changed_slots`).
     How ids get a row and lose it comes from the mixins of
-    `trainer.layers.table_policy`: `AdmissionPolicy` (`admit`),
-    `CountMinSketch` (the counts of ids not admitted yet) and `EvictionPolicy`.
+    `trainer.layers.table_policy`: `AdmissionPolicy` (`admit`) and
+    `EvictionPolicy`; two parts are members: `count_sketch` (the counts of ids
+    not admitted yet, a `CountMinSketch`; None with `min_count` 1) and
+    `seen_filter` (a `SeenFilter`; None with `seen_bits` 0).
 
     Args:
       capacity: the most rows (slots) the table holds.
@@ -260,16 +266,17 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
             # matters within a step only, yet checkpoints hold it (`_batches/0`: the list is
             # tracked); kept so, for the checkpoints' keys.
             self._batches = [self._hash_table(-1)]
-            self.sketch = None
+            # The parts' hash tables are the table's attributes: checkpoints hold them so.
+            self.sketch = self.count_sketch = None
             if self.min_count > 1:  # a row of cells per key 0 .. depth - 1
-                self.sketch = tf.lookup.experimental.MutableHashTable(
-                    tf.int64, tf.int32, tf.zeros([self.sketch_width], tf.int32)
+                self.sketch = CountMinSketch.cells_table(self.sketch_width)
+                self.count_sketch = CountMinSketch(
+                    self.sketch, self.sketch_width, self.sketch_depth
                 )
-            self.seen = None
+            self.seen = self.seen_filter = None
             if self.seen_bits:  # a row of words per generation: 0 the current, 1 the one before
-                self.seen = tf.lookup.experimental.MutableHashTable(
-                    tf.int64, tf.int64, tf.zeros([self._seen_words()], tf.int64)
-                )
+                self.seen = SeenFilter.words_table(self.seen_bits)
+                self.seen_filter = SeenFilter(self.seen, self.seen_bits)
         # A shared name of its own: the CriticalSections a process creates eagerly
         # without one are all one mutex (TF 2.21), and two tables admitting in one
         # step then wait on each other forever.
@@ -343,8 +350,8 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
             "ids_held": held,
             "index_bytes": entries * ENTRY_BYTES
             + held * INFO_ENTRY_BYTES
-            + self.sketch_bytes()
-            + self.seen_bytes(),
+            + (self.count_sketch.bytes() if self.count_sketch else 0)
+            + (self.seen_filter.bytes() if self.seen_filter else 0),
         }
 
     # Contents, whatever the slots and capacity.
@@ -375,9 +382,15 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
             "counts": info[:, 1] >> STEP_BITS,
             "waiting": keys[~held],
             "waiting_values": values[~held],
-            "sketch": self._sketch_rows().numpy(),
+            "sketch": (
+                self.count_sketch.rows().numpy()
+                if self.count_sketch
+                else np.zeros([0, self.sketch_width], np.int32)
+            ),
             "seen": (
-                self._generations().numpy() if self.seen is not None else np.zeros([0, 0], np.int64)
+                self.seen_filter.generations().numpy()
+                if self.seen_filter
+                else np.zeros([0, 0], np.int64)
             ),
             "counters": counters,
         }
@@ -406,13 +419,10 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
         """
         for table in (self.index, self.slot_info, self.free, self.counters):
             table.remove(table.export()[0])
-        if self.sketch is not None:
-            cells = np.zeros([self.sketch_depth, self.sketch_width], np.int32)
-            if sketch is not None and np.size(sketch):
-                cells = np.asarray(sketch, np.int32)
-            self.sketch.insert(np.arange(self.sketch_depth, dtype=np.int64), cells)
-        if self.seen is not None:
-            self._load_seen(seen)
+        if self.count_sketch:
+            self.count_sketch.load(sketch)
+        if self.seen_filter:
+            self.seen_filter.load(seen)
         slots = np.arange(len(keys), dtype=np.int64)
         stamps = admitted * self.capacity + slots
         self.index.insert(tf.constant(keys, tf.int64), self.held_code(stamps))
@@ -479,6 +489,12 @@ class DynamicTable(AdmissionPolicy, CountMinSketch, EvictionPolicy, SeenFilter, 
     def keys_of(self, slots: tf.Tensor) -> tf.Tensor:
         """The id each slot holds."""
         return self._info(slots)[:, 2]
+
+    def seen_ids(self, keys: tf.Tensor) -> tf.Tensor:
+        """Whether training saw each of int64 `keys` (1-D) lately (`SeenFilter`; all without)."""
+        if self.seen_filter is None:
+            return tf.ones_like(keys, tf.bool)
+        return self.seen_filter.seen_ids(keys)
 
     def _info(self, slots: tf.Tensor) -> tf.Tensor:
         """The (stamp, last-seen step, id) of each of `slots`; `_NO_SLOT` where free."""
