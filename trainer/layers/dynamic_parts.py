@@ -90,6 +90,9 @@ class TablePart:
         self.placed_by = tf.distribute.get_strategy()  # the strategy whose scope placed it
         self.suffix = "" if index == 0 else f"_{index}"
         self.optimizer_slots = 0  # slot variables beside the rows (`trained_by`)
+        # The index as it was when an export's serving began to be traced
+        # (`dynamic_serving.frozen`), which its lookups read then; else None.
+        self.frozen: tf.lookup.StaticHashTable | None = None
         with self.on_device():
             self.table = tables.DynamicTable(
                 capacity,

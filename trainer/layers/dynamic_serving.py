@@ -48,9 +48,6 @@ if TYPE_CHECKING:
     from trainer.layers.dynamic import DynamicEmbedding
     from trainer.layers.dynamic_parts import TablePart
 
-# The frozen index of each part while an export is traced (`frozen`), by the part's id.
-_FROZEN: dict[int, tf.lookup.StaticHashTable] = {}
-
 
 @contextlib.contextmanager
 def frozen(layers: list[DynamicEmbedding]) -> Iterator[list[tf.lookup.StaticHashTable]]:
@@ -63,11 +60,11 @@ def frozen(layers: list[DynamicEmbedding]) -> Iterator[list[tf.lookup.StaticHash
     parts = [part for layer in layers for part in layer.parts]
     try:
         for part in parts:
-            _FROZEN[id(part)] = frozen_index(part)
-        yield [_FROZEN[id(part)] for part in parts]
+            part.frozen = frozen_index(part)
+        yield [part.frozen for part in parts]
     finally:
         for part in parts:
-            _FROZEN.pop(id(part), None)
+            part.frozen = None
 
 
 def frozen_index(part: TablePart) -> tf.lookup.StaticHashTable:
@@ -175,7 +172,7 @@ def _slots(part: TablePart, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 
     From the frozen index while an export is traced, else from the live one.
     """
-    index = _FROZEN.get(id(part))
+    index = part.frozen
     if index is not None:
         codes = index.lookup(keys)
         return tf.where(codes >= -1, codes, -2 - codes), codes < -1
