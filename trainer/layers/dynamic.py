@@ -14,6 +14,8 @@ own module, beside this one:
   admission of the global batch and new ids reading their initial rows.
 * `dynamic_content`: the logical content of a table (`export_logical`,
   `import_logical`), for a checkpoint written with another number of parts.
+* `dynamic_types`: what those modules see of the layer and of a part (the
+  protocols `TableLayer` and `Part`), so that none imports another for its types.
 """
 
 from __future__ import annotations

@@ -20,11 +20,10 @@ from trainer.layers import tables
 from trainer.layers.portable import Slots, with_slots
 
 if TYPE_CHECKING:
-    from trainer.layers.dynamic import DynamicEmbedding
-    from trainer.layers.dynamic_parts import TablePart
+    from trainer.layers.dynamic_types import Part, TableLayer
 
 
-def export_logical(layer: DynamicEmbedding, slots: Slots) -> dict[str, np.ndarray]:
+def export_logical(layer: TableLayer, slots: Slots) -> dict[str, np.ndarray]:
     """Every id's row, optimizer slots, admission and last-seen step, count; counters.
 
     `fresh` marks rows not written since their id was admitted (they read
@@ -52,9 +51,7 @@ def export_logical(layer: DynamicEmbedding, slots: Slots) -> dict[str, np.ndarra
     return {**merged, "counters": counters}
 
 
-def import_logical(
-    layer: DynamicEmbedding, content: dict[str, np.ndarray], slots: Slots
-) -> list[str]:
+def import_logical(layer: TableLayer, content: dict[str, np.ndarray], slots: Slots) -> list[str]:
     """Each id goes to its part (`tables.part_of`); a part over its capacity evicts LRU."""
     keys, last_seen = content["keys"], content["last_seen"]
     owners = tables.part_of(tf.constant(keys, tf.int64), len(layer.parts)).numpy()
@@ -78,7 +75,7 @@ def import_logical(
 
 
 def _ids_kept(
-    part: TablePart, mine: np.ndarray, keys: np.ndarray, last_seen: np.ndarray
+    part: Part, mine: np.ndarray, keys: np.ndarray, last_seen: np.ndarray
 ) -> tuple[np.ndarray, int]:
     """The positions of `mine` (`part`'s ids) it keeps, in the order of their ids; how many not.
 
@@ -92,7 +89,7 @@ def _ids_kept(
 
 
 def _load_part(
-    part: TablePart,
+    part: Part,
     content: dict[str, np.ndarray],
     mine: np.ndarray,
     waits: np.ndarray,
@@ -129,7 +126,7 @@ def _load_part(
         variable.assign(value)
 
 
-def shared_variables(layer: DynamicEmbedding, slots: Slots) -> list[tuple]:
+def shared_variables(layer: TableLayer, slots: Slots) -> list[tuple]:
     """`with_slots` of the variable every part shares: the fallback rows or the default row."""
     if layer.fallback is not None:
         return with_slots(layer.fallback, slots, "fallback")

@@ -34,7 +34,7 @@ from towerflow.errors import UserError
 from trainer.layers import dynamic_serving, tables
 
 if TYPE_CHECKING:
-    from trainer.layers.dynamic_parts import TablePart
+    from trainer.layers.dynamic_types import Part
 
 
 def check_ids(inputs, key_dtype: str, what: str) -> None:
@@ -78,9 +78,7 @@ def keys_of(inputs, mask_id) -> tuple[tf.Tensor, tf.Tensor]:
     return tables.key64(flat), valid
 
 
-def vectors_by_part(
-    parts: list[TablePart], keys: tf.Tensor, valid: tf.Tensor, training
-) -> tf.Tensor:
+def vectors_by_part(parts: list[Part], keys: tf.Tensor, valid: tf.Tensor, training) -> tf.Tensor:
     """The vector of each of `keys` (1-D int64): its row, the default row, or 0 if not `valid`.
 
     With several parts (`parameter_server`), each part looks up (and admits)
@@ -131,9 +129,7 @@ def _default_of(packed: tf.Tensor, default) -> tuple[tf.Tensor, tf.Tensor | None
     return rows, last[0, :-1]
 
 
-def part_packed(
-    part: TablePart, keys: tf.Tensor, valid: tf.Tensor | None, default=None
-) -> tf.Tensor:
+def part_packed(part: Part, keys: tf.Tensor, valid: tf.Tensor | None, default=None) -> tf.Tensor:
     """The row of each of `keys` (`part`'s ids) in training, and a last column: 1 where held.
 
     The ids are admitted first (`admit_global_batch`). Held: held and
@@ -156,7 +152,7 @@ def part_packed(
 
 
 def _packed_rows(
-    part: TablePart,
+    part: Part,
     keys: tf.Tensor,
     slots: tf.Tensor,
     stamps: tf.Tensor,

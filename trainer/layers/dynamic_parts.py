@@ -28,7 +28,7 @@ from trainer.layers import tables
 from trainer.layers.table_training import RowAwareOnly
 
 if TYPE_CHECKING:
-    from trainer.layers.dynamic import DynamicEmbedding
+    from trainer.layers.dynamic_types import TableLayer
 
 
 def part_devices() -> list[str | None]:
@@ -41,7 +41,7 @@ def part_devices() -> list[str | None]:
     return policy.part_devices() if policy else [None]
 
 
-def make_parts(layer: DynamicEmbedding) -> list[TablePart]:
+def make_parts(layer: TableLayer) -> list[TablePart]:
     """The parts of `layer`'s table, its `capacity` split evenly over them.
 
     One part per ps member under `parameter_server` (ids split by
@@ -85,7 +85,7 @@ class TablePart:
     `trainer.loop.optim` find a part from its rows (`tables.owner_of`).
     """
 
-    def __init__(self, layer: DynamicEmbedding, index: int, device: str | None, capacity: int):
+    def __init__(self, layer: TableLayer, index: int, device: str | None, capacity: int):
         self.layer, self.index, self.device, self.capacity = layer, index, device, capacity
         self.placed_by = tf.distribute.get_strategy()  # the strategy whose scope placed it
         self.suffix = "" if index == 0 else f"_{index}"
@@ -196,7 +196,7 @@ class TablePart:
         return tables.initial_rows(layer.seed, self.table.keys_of(slots), layer.output_dim)
 
 
-def describe(layer: DynamicEmbedding) -> dict:
+def describe(layer: TableLayer) -> dict:
     """`layer`'s policy, its parts (where each is, its bound, ids and bytes held), a line."""
     parts = [_part_summary(part) for part in layer.parts]
     policy = {

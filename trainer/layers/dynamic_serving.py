@@ -45,12 +45,11 @@ from strategies import tf_patches
 from trainer.layers import tables
 
 if TYPE_CHECKING:
-    from trainer.layers.dynamic import DynamicEmbedding
-    from trainer.layers.dynamic_parts import TablePart
+    from trainer.layers.dynamic_types import Part, TableLayer
 
 
 @contextlib.contextmanager
-def frozen(layers: list[DynamicEmbedding]) -> Iterator[list[tf.lookup.StaticHashTable]]:
+def frozen(layers: list[TableLayer]) -> Iterator[list[tf.lookup.StaticHashTable]]:
     """Inside, lookups outside training of `layers` read their index as it is now, frozen.
 
     Gives the frozen tables (`frozen_index`), which the exported module must
@@ -67,7 +66,7 @@ def frozen(layers: list[DynamicEmbedding]) -> Iterator[list[tf.lookup.StaticHash
             part.frozen = None
 
 
-def frozen_index(part: TablePart) -> tf.lookup.StaticHashTable:
+def frozen_index(part: Part) -> tf.lookup.StaticHashTable:
     """`part`'s ids held, each to its slot, or to `-2 - slot` where its row is not written.
 
     Other ids find -1. Read eagerly from the index (`slot_info`: each held
@@ -84,7 +83,7 @@ def frozen_index(part: TablePart) -> tf.lookup.StaticHashTable:
         )
 
 
-def served_vectors(parts: list[TablePart], keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+def served_vectors(parts: list[Part], keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
     """The vector of each of `keys` (1-D int64) outside training; zeros where not `valid`.
 
     Of the layer's compute dtype (the rows are float32 variables read as they are).
@@ -107,7 +106,7 @@ def served_vectors(parts: list[TablePart], keys: tf.Tensor, valid: tf.Tensor) ->
     return tf.cast(vectors, layer.compute_dtype)
 
 
-def _by_part(parts: list[TablePart], keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+def _by_part(parts: list[Part], keys: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
     """`served_vectors` of a table in parts: each part reads its own valid ids on its device."""
     layer, count = parts[0].layer, len(parts)
     owners = tf.where(valid, tables.part_of(keys, count), count)  # the last: not looked up
@@ -125,7 +124,7 @@ def _by_part(parts: list[TablePart], keys: tf.Tensor, valid: tf.Tensor) -> tf.Te
     )
 
 
-def _packed(part: TablePart, keys: tf.Tensor) -> tf.Tensor:
+def _packed(part: Part, keys: tf.Tensor) -> tf.Tensor:
     """`part`'s rows of `keys` and a column: 1 where held, -1 where unseen, else 0.
 
     Made on the part's device, the one tensor that crosses back.
@@ -143,9 +142,7 @@ def _packed(part: TablePart, keys: tf.Tensor) -> tf.Tensor:
         return tf.concat([rows, column[:, None]], 1)
 
 
-def _held_rows(
-    part: TablePart, keys: tf.Tensor, valid: tf.Tensor | None
-) -> tuple[tf.Tensor, tf.Tensor]:
+def _held_rows(part: Part, keys: tf.Tensor, valid: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
     """The row of each of `keys` in `part` (any row where none), and whether it holds one.
 
     A key without a row (or not `valid`; None: all are) reads the spare row
@@ -167,7 +164,7 @@ def _held_rows(
     return tf.cond(tf.reduce_any(stale), initial, lambda: rows), held
 
 
-def _slots(part: TablePart, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def _slots(part: Part, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """The slot of each of `keys` in `part` (-1: none), and whether its row is not written.
 
     From the frozen index while an export is traced, else from the live one.
