@@ -417,7 +417,12 @@ class Follower:
         """Admits what was found, pads a remainder that waited long enough; the whole batches.
 
         Returns how many global batches of `global_batch` records wait, at most `most`.
+        Where the stream already holds `most` (so on every worker: it is one), the files
+        found wait to join it until it runs short: they would join behind those records
+        anyway, and no worker need ask the others.
         """
+        if most and self.waiting() >= most * global_batch:
+            return most
         self.admit(agree, everyone)
         self._pad_if_due(global_batch, everyone)
         return min(most, self.waiting() // global_batch)
