@@ -14,7 +14,8 @@ The last `eval_fraction` of the stream is held out: eval ranks each of those
 interactions' item among every item the table holds (recall@10, @100, MRR).
 
 The model (`RetrievalTask`): a user tower (`DynamicEmbedding` of user ids,
-then a dense layer) and an item tower (`DynamicEmbedding` of item ids),
+then a dense layer) and an item tower (`DynamicEmbedding` of item ids; both
+ids strings with `task.string_ids`),
 trained with `trainer.retrieval.InBatchSoftmax` (log-Q from the item table's
 counts); the export answers the top `task.k` item ids for a user id.
 """
@@ -46,6 +47,7 @@ def get_config():
     c.task.partitions = 0  # an approximate index's k-means cells (0: brute force)
     c.task.probes = 1  # cells searched per query
     c.task.item_capacity = 4096  # rows of the item table
+    c.task.string_ids = False  # user and item ids as strings ("user-11", "item-1000003")
     c.task.num_users = 2000
     c.task.num_items = 1000
     c.task.categories = 20  # item clusters in latent space
@@ -101,6 +103,11 @@ def raw_item_ids(positions: np.ndarray) -> np.ndarray:
     return positions.astype(np.int64) * 104_729 + 1_000_003
 
 
+def as_strings(ids: np.ndarray, feature: str) -> np.ndarray:
+    """Raw int64 ids as the strings `task.string_ids` gives them ("user-11", "item-1000003")."""
+    return np.char.add(f"{feature.split('_')[0]}-", ids.astype(str)).astype(object)
+
+
 class RetrievalTask(Task):
     """A user tower and an item tower over dynamic tables, trained on `interactions`."""
 
@@ -116,11 +123,12 @@ class RetrievalTask(Task):
     def towers(self) -> tuple[keras.Model, keras.Model]:
         """The user tower (a dict of `user_id`) and the item tower (item ids)."""
         t = self.config.task
-        user_id = keras.Input((), dtype="int64", name="user_id")
-        users = DynamicEmbedding(t.width, capacity=4 * t.num_users, name="users")(user_id)
+        key = "string" if t.string_ids else "int64"
+        user_id = keras.Input((), dtype=key, name="user_id")
+        users = DynamicEmbedding(t.width, key, capacity=4 * t.num_users, name="users")(user_id)
         query = keras.Model({"user_id": user_id}, keras.layers.Dense(t.width)(users), name="user")
-        item_id = keras.Input((), dtype="int64", name="item_id")
-        items = DynamicEmbedding(t.width, capacity=t.item_capacity, name="items")(item_id)
+        item_id = keras.Input((), dtype=key, name="item_id")
+        items = DynamicEmbedding(t.width, key, capacity=t.item_capacity, name="items")(item_id)
         return query, keras.Model(item_id, items, name="item")
 
     def dataset_fn(self, input_context, split: str, global_batch_size: int) -> tf.data.Dataset:
@@ -141,6 +149,8 @@ class RetrievalTask(Task):
         cut = int(t.interactions * (1 - t.eval_fraction))
         part = slice(0, cut) if split == "train" else slice(cut, None)
         features = {name: values[part] for name, values in stream.items()}
+        if t.string_ids:
+            features = {name: as_strings(ids, name) for name, ids in features.items()}
         return features, np.ones(len(features["item_id"]), np.float32)
 
 
@@ -166,7 +176,10 @@ class PairsTask(RetrievalTask):
         features, _ = super().examples(split)
         rng = np.random.default_rng(self.config.seed)
         drawn = rng.integers(self.config.task.num_items, size=len(features["item_id"]))
-        negatives = {"user_id": features["user_id"], "item_id": raw_item_ids(drawn)}
+        drawn = raw_item_ids(drawn)
+        if self.config.task.string_ids:
+            drawn = as_strings(drawn, "item_id")
+        negatives = {"user_id": features["user_id"], "item_id": drawn}
         both = {k: np.stack([features[k], negatives[k]], 1).reshape(-1) for k in features}
         labels = np.tile(np.array([1.0, 0.0], np.float32), len(features["item_id"]))
         return both, labels

@@ -177,8 +177,11 @@ import sys, json
 import numpy as np
 import tensorflow as tf
 serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
-out = serve(user_id=tf.constant(json.loads(sys.argv[2]), tf.int64))
-print("SERVED", json.dumps({k: v.numpy().tolist() for k, v in out.items()}))
+users = json.loads(sys.argv[2])
+out = serve(user_id=tf.constant(users, tf.string if isinstance(users[0], str) else tf.int64))
+out = {k: v.numpy().tolist() for k, v in out.items()}
+out["item_ids"] = [[x.decode() if isinstance(x, bytes) else x for x in r] for r in out["item_ids"]]
+print("SERVED", json.dumps(out))
 """
 
 
@@ -403,3 +406,52 @@ def test_the_bench_case_reports_every_figure(tmp_path):
     assert case["figures"]["recall@100_log_q"] > 0 and case["figures"]["recall@100_no_log_q"] > 0
     assert all(value > 0 for value in case["ratios"].values()), case["ratios"]
     assert case["index"]["approximate_dot_products"] < case["index"]["exact_dot_products"]
+
+
+class CountedRows(keras.layers.Layer):
+    """Passes vectors through, counting the rows it was given (a plain TF variable)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def call(self, vectors):
+        self.rows.assign_add(tf.cast(tf.shape(vectors)[0], tf.int64))
+        return vectors
+
+
+def test_an_eval_pass_computes_the_held_items_vectors_once():
+    query, _ = _towers()
+    item_id = keras.Input((), dtype="int64", name="item_id")
+    counted = CountedRows()
+    item_tower = keras.Model(item_id, counted(DynamicEmbedding(4, name="items")(item_id)))
+    model = retrieval.Retrieval(query, item_tower, softmax=retrieval.InBatchSoftmax(), k=3)
+    clock = tf.Variable(0, dtype=tf.int64)  # the step, as the loop's optimizer clocks tables
+    model.item_table.table.use_clock(clock)
+    features = {
+        "user_id": tf.constant([1, 2, 3, 4, 5, 6], tf.int64),
+        "item_id": tf.constant([10, 11, 12, 10, 13, 14], tf.int64),
+    }
+
+    @tf.function
+    def step(training: bool):
+        if training:
+            clock.assign_add(1)
+        # The query tower: the model called outside a strategy would answer from a catalogue.
+        queries = model.query_tower({"user_id": features["user_id"]}, training=training)
+        model.compute_loss(features, None, queries, training=training)
+        if not training:
+            model.compute_metrics(features, None, queries)
+
+    def rows_of_an_eval_pass(batches: int = 3) -> int:
+        before = int(counted.rows.numpy())
+        for _ in range(batches):
+            step(False)
+        return int(counted.rows.numpy()) - before
+
+    step(True)
+    held = int(tf.size(model.catalogue_ids()))  # 5 items
+    assert rows_of_an_eval_pass() == 3 * 6 + held  # each batch's items, the held ones once
+    assert rows_of_an_eval_pass() == 3 * 6  # the same step: still kept
+    step(True)
+    assert rows_of_an_eval_pass() == 3 * 6 + held  # a step trained since: computed anew

@@ -47,10 +47,10 @@ class Partitioned:
 
 
 class Catalogue:
-    """Item `ids` (int64, `[n]`) and their `vectors` (`[n, d]`), searched by `top_k`.
+    """Item `ids` (`[n]`, int64 or strings) and their `vectors` (`[n, d]`), searched by `top_k`.
 
     Args:
-      ids, vectors: the items, as numpy arrays.
+      ids, vectors: the items, as numpy arrays (ids: integers, or bytes / str).
       index: None (brute force) or `Partitioned`.
 
     Raises:
@@ -58,7 +58,10 @@ class Catalogue:
     """
 
     def __init__(self, ids: np.ndarray, vectors: np.ndarray, index: Partitioned | None = None):
-        self.ids = np.asarray(ids, np.int64)
+        ids = np.asarray(ids)
+        strings = ids.dtype.kind in "SUO"
+        self.ids = ids.astype(object) if strings else ids.astype(np.int64)
+        self.none = b"" if strings else -1  # the id of a place no item fills
         self.vectors = np.asarray(vectors, np.float32)
         self.index = index
         self.cells = None  # partitioned: centroids `[p, d]`, members `[p, largest]` (n: none)
@@ -83,12 +86,13 @@ class Catalogue:
         return len(centroids) + self.index.probes * members.shape[1]
 
     def top_k(self, queries: tf.Tensor, k: int) -> tuple[tf.Tensor, tf.Tensor]:
-        """The `k` best item ids `[batch, k]` (int64) and their scores for `queries` `[batch, d]`.
+        """The `k` best item ids `[batch, k]` and their scores for `queries` `[batch, d]`.
 
-        Fewer than `k` items held: the missing places are id -1, score -inf.
+        Fewer than `k` items held: the missing places are id -1 (strings: ""),
+        score -inf.
         """
         queries = tf.cast(queries, tf.float32)
-        ids = tf.constant(np.append(self.ids, -1))  # the last: "no item"
+        ids = tf.constant(np.append(self.ids, self.none))  # the last: "no item"
         vectors = tf.constant(self.vectors)
         if self.cells is None:
             scores = tf.matmul(queries, vectors, transpose_b=True)

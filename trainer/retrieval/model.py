@@ -12,7 +12,8 @@ user compiled (`trainer.loop.compiled.CompiledObjective`): no step of its own.
   item among every item the item table holds, exactly: recall@k for each of
   `ks` and the mean reciprocal rank, kept as sums (hits, reciprocal ranks,
   weight) so replicas and partial batches add up. An item the table does not
-  hold counts as missed.
+  hold counts as missed. The held items' vectors are computed once per eval
+  pass (`HeldVectors`).
 * Serving: called outside any strategy's scope and replicas and not
   training (as an export traces it), the model answers `{"item_ids",
   "scores", "query_vectors"}`, the top `k` items for each query from a
@@ -33,8 +34,10 @@ import tensorflow as tf
 from strategies import tf_patches
 from towerflow.errors import UserError
 from trainer import layers
-from trainer.layers import DynamicEmbedding, ShardedEmbedding
+from trainer.layers import DynamicEmbedding, ShardedEmbedding, tables
+from trainer.retrieval.held import HeldVectors
 from trainer.retrieval.index import Catalogue, Partitioned
+from trainer.retrieval.names import ItemNames
 from trainer.retrieval.softmax import InBatchSoftmax, Negatives
 
 KS = (10, 100)  # recall@k reported in eval
@@ -71,15 +74,16 @@ class Retrieval(keras.Model):
     """Two towers trained with an in-batch softmax; serves the top `k` held items.
 
     A task returns it from `build_model()` (it comes compiled); its data yields
-    the query features and `item_feature` (int64 item ids, one per example),
-    and any label (not read). `examples/retrieval.py`'s `RetrievalTask` builds
-    one; see docs/retrieval.md.
+    the query features and `item_feature` (item ids, one per example: int64,
+    or strings over a table of `key_dtype="string"`), and any label (not read).
+    `examples/retrieval.py`'s `RetrievalTask` builds one; see docs/retrieval.md.
 
     Args:
       query_tower: a functional `keras.Model` of a dict of named query features.
-      item_tower: a layer or model of item ids (1-D int64) giving their vectors,
-        of one `DynamicEmbedding` (the catalogue is the ids it holds, log-Q reads
-        its counts) or one `ShardedEmbedding` (the catalogue is its row numbers).
+      item_tower: a layer or model of item ids (1-D, int64 or strings) giving their
+        vectors, of one `DynamicEmbedding` (the catalogue is the ids it holds,
+        log-Q reads its counts; string ids are served as the strings, `ItemNames`)
+        or one `ShardedEmbedding` (the catalogue is its row numbers).
       item_feature: the feature of the data holding each example's item id.
       softmax: the loss's options (`InBatchSoftmax`).
       k: the items the export returns per query.
@@ -87,9 +91,9 @@ class Retrieval(keras.Model):
       ks: the k's of recall@k in eval.
 
     Raises:
-      UserError: the item tower holds no dynamic or sharded table, its ids are
-        strings, `k` is more than the table can hold, or log-Q or uniform
-        negatives over a table that keeps no counts.
+      UserError: the item tower holds no dynamic or sharded table, `k` is more
+        than the table can hold, or log-Q or uniform negatives over a table
+        that keeps no counts.
     """
 
     def __init__(
@@ -114,6 +118,12 @@ class Retrieval(keras.Model):
         self.query_tower, self.item_tower, self.item_table = query_tower, item_tower, table
         self.item_feature, self.softmax, self.k, self.index = item_feature, softmax, k, index
         self.retrieval_metrics = RetrievalMetrics(ks)
+        strings = isinstance(table, DynamicEmbedding) and table.key_dtype == "string"
+        self.item_names = ItemNames(table) if strings else None
+        # Eval's held vectors, once per pass: a dynamic table's clock says when they change.
+        width = int(self.outputs[0].shape[-1])
+        dynamic = isinstance(table, DynamicEmbedding)
+        self._held = HeldVectors(table.capacity, width, self._held_now) if dynamic else None
         self._training = True  # what `compute_loss` was last traced for (`compute_metrics` reads)
         self.compile(loss=softmax)
 
@@ -127,8 +137,23 @@ class Retrieval(keras.Model):
         return {"item_ids": ids, "scores": scores, "query_vectors": queries}
 
     def catalogue(self) -> Catalogue:
-        """Every item the table holds and its vector now (eager), indexed by `index`."""
-        ids = self.catalogue_ids()
+        """Every item the table holds and its vector now (eager), indexed by `index`.
+
+        String ids whose string is not known (a checkpoint of names lost) are
+        left out, with one line saying how many.
+        """
+        keys = self.catalogue_ids()
+        ids = self.raw_ids(keys)
+        if self.item_names is not None:
+            self.item_names.prune(keys.numpy())
+            unnamed = int(tf.reduce_sum(tf.cast(tf.strings.length(ids) == 0, tf.int32)))
+            if unnamed:
+                print(
+                    f"retrieval: {unnamed} items the item table holds have no known raw string "
+                    "id (not trained since their names were lost): this catalogue leaves them out",
+                    flush=True,
+                )
+                ids = tf.boolean_mask(ids, tf.strings.length(ids) > 0)
         vectors = self.item_tower(ids, training=False)
         index, held = self.index, int(tf.size(ids))
         if index is not None and index.partitions > held:
@@ -141,10 +166,15 @@ class Retrieval(keras.Model):
         return Catalogue(ids.numpy(), np.asarray(vectors), index)
 
     def catalogue_ids(self) -> tf.Tensor:
-        """The item ids the table holds (int64): a dynamic table's, or a sharded one's rows."""
+        """The keys of the items the table holds (int64: a dynamic table's, or a sharded one's
+        rows; string ids' fingerprints, `tables.key64`)."""
         if isinstance(self.item_table, DynamicEmbedding):
             return self.item_table.held_ids()
         return tf.range(self.item_table.input_dim, dtype=tf.int64)
+
+    def raw_ids(self, keys: tf.Tensor) -> tf.Tensor:
+        """The raw item ids of int64 `keys`: themselves, or the strings of a string table."""
+        return keys if self.item_names is None else self.item_names.of(keys)
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         """This replica's share of the batch's in-batch softmax loss (Keras's `compute_loss`)."""
@@ -153,9 +183,12 @@ class Retrieval(keras.Model):
         ids = _item_ids(x, self.item_feature)
         with _variables_themselves():
             items = self.item_tower(ids, training=training)
-            with tf.control_dependencies([items]):  # the batch counted first (admission)
+            first = [items]  # the batch counted first (admission), and its names noted
+            if training and self.item_names is not None:
+                first.append(self.item_names.remember(ids))
+            with tf.control_dependencies(first):
                 extra = self._negatives(x, ids) if training else None
-        losses = self.softmax.per_example_loss(_queries(y_pred), items, ids, extra)
+        losses = self.softmax.per_example_loss(_queries(y_pred), items, tables.key64(ids), extra)
         weights = tf.ones_like(losses) if sample_weight is None else sample_weight
         penalty = tf.add_n([tf.cast(x, tf.float32) for x in self.losses] or [0.0])
         mean = tf.reduce_sum(tf.cast(weights, tf.float32) * losses) / tf.cast(
@@ -167,18 +200,25 @@ class Retrieval(keras.Model):
         """Eval only: each query's rank of its item among every item the table holds."""
         if self._training:
             return {}
-        ids = _item_ids(x, self.item_feature)
+        keys = tables.key64(_item_ids(x, self.item_feature))
         with _variables_themselves():
-            held_ids = self.catalogue_ids()
-            held_vectors = tf.cast(self.item_tower(held_ids, training=False), tf.float32)
+            if self._held is None:  # a sharded table: no clock, its vectors every batch
+                held_keys, held_vectors = self._held_now()
+            else:
+                held_keys, held_vectors = self._held.read(self.item_table.table.now())
         scores = tf.matmul(tf.cast(_queries(y_pred), tf.float32), held_vectors, transpose_b=True)
-        mine = tf.equal(ids[:, None], held_ids[None, :])
+        mine = tf.equal(keys[:, None], held_keys[None, :])
         held = tf.reduce_any(mine, 1)
         # The item's own score as the product gave it: a tie with itself never counts.
         positive = tf.reduce_max(tf.where(mine, scores, -np.inf), 1)
         ranks = tf.reduce_sum(tf.cast(scores > positive[:, None], tf.int32), 1)
         self.retrieval_metrics.update_state(ranks, held, sample_weight)
         return {}
+
+    def _held_now(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """The keys of the items the table holds, and their vectors now (float32)."""
+        keys = self.catalogue_ids()
+        return keys, tf.cast(self.item_tower(self.raw_ids(keys), training=False), tf.float32)
 
     def get_metrics_result(self) -> dict:
         """Keras's, without the retrieval metrics where no eval example was added (training)."""
@@ -195,7 +235,7 @@ class Retrieval(keras.Model):
         frequencies = table.frequencies(ids) if softmax.log_q else None
         more, held = [], None
         if softmax.uniform_negatives:
-            pool = self.catalogue_ids()
+            pool = self.raw_ids(self.catalogue_ids())
             held = tf.cast(tf.size(pool), tf.float32)
             pool = tf.concat([pool, ids[:1]], 0)  # an empty table draws the batch's first
             draws = tf.random.uniform(
@@ -203,7 +243,14 @@ class Retrieval(keras.Model):
             )
             more.append(tf.gather(pool, draws))
         if softmax.negatives_column:
-            more.append(tf.reshape(tf.cast(x[softmax.negatives_column], tf.int64), [-1]))
+            column = _flat_ids(x[softmax.negatives_column])
+            if column.dtype != ids.dtype:
+                raise UserError(
+                    f"`negatives_column` '{softmax.negatives_column}' holds {column.dtype.name} "
+                    f"ids and `item_feature` '{self.item_feature}' {ids.dtype.name} ids; give "
+                    "both the item ids' type."
+                )
+            more.append(column)
         if not more:
             return Negatives(frequencies)
         extra_ids = tf.concat(more, 0)
@@ -212,7 +259,7 @@ class Retrieval(keras.Model):
             extra_frequencies = table.frequencies(extra_ids)
         return Negatives(
             frequencies,
-            extra_ids,
+            tables.key64(extra_ids),
             self.item_tower(extra_ids, training=False),
             extra_frequencies,
             softmax.uniform_negatives,
@@ -248,12 +295,6 @@ def item_table(item_tower: keras.layers.Layer) -> DynamicEmbedding | ShardedEmbe
 def _check(table, softmax: InBatchSoftmax, k: int, index: Partitioned | None) -> None:
     """Raises `UserError` for a table, `k` or index retrieval cannot use."""
     if isinstance(table, DynamicEmbedding):
-        if table.key_dtype != "int64":
-            raise UserError(
-                f"The item table '{table.name}' has `key_dtype` {table.key_dtype}; retrieval "
-                "returns raw item ids, which a table keeps as int64 only: map the item ids to "
-                'int64 (e.g. `tf.strings.to_hash_bucket_fast`) and use key_dtype="int64".'
-            )
         size, what = table.capacity, "`capacity`"
     else:
         size, what = table.input_dim, "`input_dim`"
@@ -286,14 +327,20 @@ def _named_inputs(query_tower: keras.Model) -> dict:
 
 
 def _item_ids(features: dict, item_feature: str) -> tf.Tensor:
-    """The batch's item ids, 1-D int64."""
+    """The batch's item ids, 1-D: int64, or strings."""
     if item_feature not in features:
         names = ", ".join(f"`{name}`" for name in sorted(features))
         raise UserError(
             f"`item_feature` '{item_feature}' is not a feature of the data ({names}); name the "
             "feature that holds each example's item id."
         )
-    return tf.reshape(tf.cast(features[item_feature], tf.int64), [-1])
+    return _flat_ids(features[item_feature])
+
+
+def _flat_ids(ids) -> tf.Tensor:
+    """`ids` 1-D: strings as they are, integers as int64."""
+    ids = tf.reshape(tf.convert_to_tensor(ids), [-1])
+    return ids if ids.dtype == tf.string else tf.cast(ids, tf.int64)
 
 
 def _variables_themselves() -> keras.StatelessScope:
