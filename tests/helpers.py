@@ -6,6 +6,11 @@ inherit: a local cluster's members, which the launcher starts in sessions of
 their own and which outlive a killed launcher, are found by it too. `kill`
 ends a process with all its descendants; `killed_when_done` (an autouse
 fixture in `conftest.py`) ends whatever a test started, however it ended.
+
+`run_command` forks a `python -m MODULE` command from a server that imported
+TensorFlow once (`towerflow.forkserver`; about 4.5 s of CPU less a command), where
+the test's environment is the one the server started with; `TOWERFLOW_TEST_FORK=0`
+starts each as a process of its own, as does any failure to fork.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import functools
 import gc
 import itertools
 import json
+import locale
 import os
 import pathlib
 import signal
@@ -26,6 +32,7 @@ import time
 from collections.abc import Iterator
 
 import configs.default
+from towerflow import forkserver
 from towerflow.processes import member_pid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +46,10 @@ TIMEOUT_S = 600
 TAG_VARIABLE = "TOWERFLOW_TEST_TAGS"
 _started: list[tuple[str, subprocess.Popen]] = []  # (tag, process), in start order
 _serial = itertools.count()
+FORK_VARIABLE = "TOWERFLOW_TEST_FORK"  # "0": `run_command` forks nothing
+# What a forked command's environment may hold apart from the server's (read after start-up).
+_PER_COMMAND = {"TF_CONFIG", TAG_VARIABLE, "PYTEST_CURRENT_TEST", FORK_VARIABLE}
+_forks: forkserver.Client | None = None  # started at the first command it forks
 
 # The start of a script a test runs in a process of its own (`run_command`):
 # `bare_parameter_server()`, a bare `tf.distribute` ParameterServerStrategy over
@@ -143,8 +154,9 @@ def run_command(
       subprocess.TimeoutExpired: it ran over `timeout` seconds; its output so
         far is printed to stderr (pytest shows it with the failure).
     """
-    proc = spawn(
-        command, cwd=cwd, env=_env(keep_tf_config), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    env = _env(keep_tf_config)
+    proc = _forked(command, cwd, env) or spawn(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     # Once it ends, what it left behind goes too: such a process may hold its pipes
     # open, and `communicate` waits for the pipes to close.
@@ -164,6 +176,75 @@ def run_command(
     finally:
         kill(proc)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+class _ForkedCommand(forkserver.Forked):
+    """A command forked from the server, its stdout and stderr piped: `Popen.communicate` too."""
+
+    def __init__(self, proc: forkserver.Forked, stdout: int, stderr: int):
+        super().__init__(proc.pid, proc.args)
+        self.stdout, self.stderr = os.fdopen(stdout, "rb"), os.fdopen(stderr, "rb")
+        self._read = {self.stdout: b"", self.stderr: b""}
+        self._readers = [
+            threading.Thread(target=self._read_all, args=(stream,), daemon=True)
+            for stream in self._read
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read_all(self, stream) -> None:
+        self._read[stream] = stream.read()  # all of it, once every writer is gone
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Its stdout and stderr, as `Popen(text=True)` reads them, once both close and it ends."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0, deadline - time.monotonic()))
+        return _text(self._read[self.stdout]), _text(self._read[self.stderr])
+
+
+def _text(data: bytes) -> str:
+    """`data` decoded, its newlines translated, as `Popen(text=True)` gives it."""
+    text = data.decode(locale.getpreferredencoding(False), errors="replace")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _forked(command: list[str], cwd: str, env: dict[str, str]) -> _ForkedCommand | None:
+    """`command` forked from the server, tagged for `kill`; None where it cannot be."""
+    global _forks
+    if os.environ.get(FORK_VARIABLE, "1") == "0" or not os.path.isdir(cwd):
+        return None
+    if _comparable(env) != _comparable(_SERVER_ENV):  # the test changed what imports read
+        return None
+    if _forks is None:
+        _forks = forkserver.Client(server_env=_comparable(_SERVER_ENV))
+        _forks.enabled = True
+        atexit.register(_forks.close)
+    tag, env = _tagged(env)
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    try:
+        proc = _forks.fork(command, env, [out_write, err_write], cwd=str(cwd))
+    finally:
+        os.close(out_write)
+        os.close(err_write)
+    if proc is None:
+        os.close(out_read)
+        os.close(err_read)
+        return None
+    forked = _ForkedCommand(proc, out_read, err_read)
+    _started.append((tag, forked))
+    return forked
+
+
+def _comparable(env: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in env.items() if name not in _PER_COMMAND}
+
+
+_SERVER_ENV = _env()  # the forked commands' server's, less `_PER_COMMAND`
 
 
 def cli_in_process(*args: str, capsys, cwd=None) -> tuple[int, str, str]:
@@ -278,11 +359,16 @@ def train_on_cluster(
 
 def spawn(command: list[str], *, env: dict[str, str], **popen_args) -> subprocess.Popen:
     """`subprocess.Popen(command)` (text mode) in a session of its own, tagged for `kill`."""
-    tag = f"{os.getpid()}.{next(_serial)}"
-    env = {**env, TAG_VARIABLE: " ".join(filter(None, [env.get(TAG_VARIABLE), tag]))}
+    tag, env = _tagged(env)
     proc = subprocess.Popen(command, env=env, text=True, start_new_session=True, **popen_args)
     _started.append((tag, proc))
     return proc
+
+
+def _tagged(env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """A new tag, and `env` with it added."""
+    tag = f"{os.getpid()}.{next(_serial)}"
+    return tag, {**env, TAG_VARIABLE: " ".join(filter(None, [env.get(TAG_VARIABLE), tag]))}
 
 
 def kill(*procs: subprocess.Popen) -> None:
@@ -291,6 +377,10 @@ def kill(*procs: subprocess.Popen) -> None:
     for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
             os.killpg(proc.pid, signal.SIGKILL)
+        if isinstance(proc, forkserver.Forked) and proc.returncode is None:
+            # A forked command (not reaped, so the pid is its own) before its `setsid`.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, signal.SIGKILL)
     # Descendants in sessions of their own (a launcher's members) are found by their tag;
     # again until none is left, as one may have started another meanwhile (bounded: a
     # process stuck in the kernel dies only when its I/O ends).
@@ -306,6 +396,11 @@ def kill(*procs: subprocess.Popen) -> None:
     # (or a zombie), so that a caller never sees it still running.
     while [pid for pid in signalled if running(pid)] and time.monotonic() < deadline:
         time.sleep(0.01)
+    # A forked command makes this process a child subreaper: the orphans it adopted, reaped.
+    ours = {proc.pid for _, proc in _started} | {proc.pid for proc in procs}
+    for pid in signalled - ours:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
     for proc in procs:
         proc.wait()
 

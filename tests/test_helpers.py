@@ -1,5 +1,6 @@
 """The test helpers leave no process behind: a child's children die with it, however it ends."""
 
+import functools
 import json
 import pathlib
 import subprocess
@@ -98,3 +99,34 @@ def test_assert_exit_shows_the_tail_of_the_output_when_the_code_differs():
     message = str(caught.value)
     assert "exit 3, expected 0" in message and "LAST OUT" in message and "ERR TAIL" in message
     assert "early" not in message, "only the tail"
+
+
+def _probe_line(output: str, key: str) -> str:
+    return next(line.split(" ", 1)[1] for line in output.splitlines() if line.startswith(key + " "))
+
+
+def test_run_cli_forks_a_module_from_the_server_with_its_own_exit_and_streams(
+    one_member, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(helpers.FORK_VARIABLE, "1")
+    probe = functools.partial(
+        helpers.run_cli, module="tests.fork_probe", cwd=str(tmp_path), keep_tf_config=True
+    )
+    done = probe("--exit=3")
+    assert done.returncode == 3
+    assert _probe_line(done.stdout, "name") == "worker:0", "forked: named after its task"
+    assert _probe_line(done.stdout, "cwd") == str(tmp_path) and done.stderr == ""
+    failed = probe("--raise")
+    assert failed.returncode == 1
+    assert "RuntimeError: the member's own error" in failed.stderr
+    assert "forkserver.py" not in failed.stderr and "RuntimeError" not in failed.stdout
+    assert _probe_line(failed.stdout, "argv") == '["--raise"]'
+
+
+def test_run_cli_starts_a_process_of_its_own_with_forking_off(one_member, tmp_path, monkeypatch):
+    monkeypatch.setenv(helpers.FORK_VARIABLE, "0")
+    done = helpers.run_cli(
+        "--exit=3", module="tests.fork_probe", cwd=str(tmp_path), keep_tf_config=True
+    )
+    assert done.returncode == 3
+    assert _probe_line(done.stdout, "name") != "worker:0", "an interpreter's own name"

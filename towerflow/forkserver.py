@@ -12,6 +12,9 @@ session, in the launcher's working directory, with its own environment,
 arguments and output pipe, a fresh random state, exiting with its own status
 (a traceback of its own code, as the interpreter would print it).
 
+The tests' one-shot commands (`tests/helpers.py`'s `run_command`) are forked
+the same way, by `Client.fork`, with stdout and stderr on pipes of their own.
+
 Only a command of the form `[sys.executable, "-m", MODULE, ...]` is forked;
 where the kernel has no child subreapers (not Linux) or the server cannot
 start, and under `python -m trainer.launch --nofork_members`, members are
@@ -21,6 +24,7 @@ started as processes of their own (`start_process`).
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import random
@@ -49,12 +53,14 @@ class Forked:
         self.pid = pid
         self.args = list(args)
         self.returncode: int | None = None
+        self._reaping = threading.Lock()  # one thread reaps it; another sees its code
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid == self.pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+        with self._reaping:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid == self.pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -74,8 +80,14 @@ class Client:
         turns it on; the server makes this process a child subreaper.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, server_env: dict[str, str] | None = None) -> None:
+        """Starts nothing yet: the server starts with the first command forked.
+
+        Args:
+          server_env: the server's environment; None: the first command's, less TF_CONFIG.
+        """
         self.enabled = False
+        self._server_env = server_env
         self._socket: socket.socket | None = None
         self._server: subprocess.Popen | None = None
         self._failed = False
@@ -85,26 +97,43 @@ class Client:
         self, command: Sequence[str], env: dict[str, str], on_line: Callable[[str], None]
     ) -> tuple[subprocess.Popen | Forked, threading.Thread]:
         """Starts `command` as `start_process` would, forked from the server where it can."""
+        read, write = os.pipe()
+        proc = self.fork(command, {**env, "PYTHONUNBUFFERED": "1"}, [write])
+        os.close(write)
+        if proc is None:
+            os.close(read)
+            return start_process(command, env, on_line)
+        return proc, pump_lines(os.fdopen(read, "rb"), on_line)
+
+    def fork(
+        self,
+        command: Sequence[str],
+        env: dict[str, str],
+        fds: Sequence[int],
+        cwd: str | None = None,
+    ) -> Forked | None:
+        """Forks `command` from the server, its stdout on `fds[0]` and stderr on `fds[-1]`.
+
+        It runs in `cwd` (default this process's). The caller keeps (and closes)
+        `fds`. Returns None where it cannot fork (not `python -m MODULE`, not
+        enabled, no server): start it another way.
+        """
         module = _module(command)
         if module is None or not self.enabled or not self._started(command, env):
-            return start_process(command, env, on_line)
-        read, write = os.pipe()
-        request = {"module": module, "argv": list(command[3:]), "cwd": os.getcwd()}
-        request["env"] = {**env, "PYTHONUNBUFFERED": "1"}
+            return None
+        request = {"module": module, "argv": list(command[3:]), "cwd": cwd or os.getcwd()}
+        request["env"] = env
         try:
             with self._lock:
-                socket.send_fds(self._socket, [json.dumps(request).encode()], [write])
+                socket.send_fds(self._socket, [json.dumps(request).encode()], list(fds))
                 reply = json.loads(self._socket.recv(_MESSAGE_BYTES) or b"{}")
         except OSError:
             reply = {}
-        os.close(write)
         if "pid" not in reply:  # the server is gone: from now on, processes of their own
-            os.close(read)
             self.close()
             self._failed = True
-            return start_process(command, env, on_line)
-        proc = Forked(reply["pid"], command)
-        return proc, pump_lines(os.fdopen(read, "rb"), on_line)
+            return None
+        return Forked(reply["pid"], command)
 
     def close(self) -> None:
         """Ends the server (members it started run on)."""
@@ -120,10 +149,13 @@ class Client:
         if self._failed or not _become_subreaper():
             return False  # failed before, or members could not be this process's children
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server_env = self._server_env
+        if server_env is None:
+            server_env = {k: v for k, v in env.items() if k != "TF_CONFIG"}
         self._server = subprocess.Popen(  # its command line shows whose members it starts
             [sys.executable, "-m", "towerflow.forkserver", str(theirs.fileno()), "--", *command],
             # Unbuffered output from the start: the members inherit its streams' buffering.
-            env={**{k: v for k, v in env.items() if k != "TF_CONFIG"}, "PYTHONUNBUFFERED": "1"},
+            env={**server_env, "PYTHONUNBUFFERED": "1"},
             stdin=subprocess.DEVNULL,
             pass_fds=[theirs.fileno()],
         )
@@ -164,10 +196,13 @@ def serve(channel: socket.socket) -> dict | None:
     """The server's loop: forks a member per request; returns the request in the member."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher stops it by closing the socket
         signal.signal(sig, signal.SIG_IGN)
+    # What the imports made, out of the collector's sight: a member's collections do not
+    # walk (and so copy, page by page) the server's objects.
+    gc.freeze()
     channel.sendall(b"ready")
     while True:
         try:
-            message, fds, _, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 1)
+            message, fds, _, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 2)
         except OSError:
             return None
         if not message:
@@ -181,7 +216,7 @@ def serve(channel: socket.socket) -> dict | None:
             if member == 0:
                 os.close(pids_write)
                 channel.close()
-                request["output"] = fds[0]
+                request["fds"] = fds  # stdout, and stderr where it is another
                 return request
             os.write(pids_write, str(member).encode())
             os._exit(0)
@@ -208,14 +243,18 @@ def run_member(request: dict) -> None:
         _set_name(name)
         # `absl.app.run` names the process after its script first: named again after that.
         sys.modules["absl.app"].call_after_init(lambda: _set_name(name))
-    for stream in (1, 2):
-        os.dup2(request["output"], stream)
-    os.close(request["output"])
+    fds = request["fds"]
+    os.dup2(fds[0], 1)
+    os.dup2(fds[-1], 2)
+    for fd in set(fds):
+        os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.path and sys.path[0] == os.getcwd():  # as `python -m` puts its working directory first
+        sys.path[0] = request["cwd"]
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
