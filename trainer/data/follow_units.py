@@ -25,11 +25,11 @@ from strategies.units import Unit, UnitStream, steps_of
 from trainer.data.base import Decode
 from trainer.data.follow import Follower
 
-# A unit's dataset: nothing to rewrite or tune, so nothing to set up a unit (its few batches
-# are read as the steps ask for them).
+# A unit's dataset: nothing to rewrite or tune, so nothing to set up a unit.
 _STARTS_AT_ONCE = tf.data.Options()
 _STARTS_AT_ONCE.experimental_optimization.apply_default_optimizations = False
 _STARTS_AT_ONCE.autotune.enabled = False
+_READ_AHEAD = 2  # batches of a unit read ahead of its steps
 
 
 class FollowedUnits(UnitStream):
@@ -107,9 +107,10 @@ class FollowedUnits(UnitStream):
 
         Made anew for every unit on its worker: no `map` function and no tf.data
         optimization or autotuning to set up each time (`decode` decodes in the step).
+        The next batches are read while the worker steps (a thread, no tuning).
         """
         batches = self.follower.read(file).skip(first).take(records).batch(self.batch)
-        return batches.with_options(_STARTS_AT_ONCE)
+        return batches.prefetch(_READ_AHEAD).with_options(_STARTS_AT_ONCE)
 
     def decode(self, records) -> tuple:
         """A batch of the unit's records decoded: `(features, labels[, weights])`."""
