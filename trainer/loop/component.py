@@ -46,7 +46,6 @@ import strategies
 from strategies.units import UnitStream
 from towerflow.registry import Registry
 from towerflow.sections import Section
-from trainer.loop import options
 from trainer.loop.controller import Action
 
 BUILT_IN = "trainer.loop.features"  # the package whose modules register the built-in ones
@@ -262,8 +261,6 @@ def register(name: str) -> Callable[[type[Component]], type[Component]]:
     def decorator(cls: type[Component]) -> type[Component]:
         if not (isinstance(cls, type) and issubclass(cls, Component)):
             raise TypeError(f"component `{name}` must subclass `trainer.loop.component.Component`")
-        if cls.section is None:  # a built-in whose module does not name its section yet
-            cls.section = options.BUILTIN.get(name) if cls.__module__.startswith(BUILT_IN) else None
         if cls.section is not None and not isinstance(cls.section, Section):
             raise TypeError(f"component `{name}`: `section` must be a `component.Section`")
         cls.name = name

@@ -16,7 +16,7 @@ from strategies.units import REPEATED
 from towerflow.errors import UserError
 from trainer.data import follow
 from trainer.data.follow_units import FollowedUnits
-from trainer.loop import actions, component, progress
+from trainer.loop import actions, component, options, progress
 
 BLOCK_STEPS = 100  # `data.follow` with `train.steps_per_loop=0`: steps of a block
 
@@ -25,13 +25,7 @@ BLOCK_STEPS = 100  # `data.follow` with `train.steps_per_loop=0`: steps of a blo
 class Follow(component.Component):
     """Files of `data.train_files` trained on as they arrive, each once, in order."""
 
-    fields = (
-        "data.follow",
-        "data.follow_poll_secs",
-        "data.follow_max_wait_secs",
-        "data.follow_horizon_files",
-        "data.follow_marker",
-    )
+    section = options.BUILTIN["follow"]  # `data.follow*`
 
     def check(self, config, traits) -> None:
         if not config.data.get("follow", False):

@@ -15,7 +15,7 @@ import os
 import tensorflow as tf
 
 from towerflow.errors import UserError
-from trainer.loop import actions, component, progressive, steps
+from trainer.loop import actions, component, options, progressive, steps
 from trainer.loop.controller import Output
 
 CHECKPOINT_KEY = "progressive"  # the window's name in every checkpoint
@@ -25,7 +25,7 @@ CHECKPOINT_KEY = "progressive"  # the window's name in every checkpoint
 class Progressive(component.Component):
     """Test-then-train over the stream of `data.follow`, windowed by `eval.window_examples`."""
 
-    fields = ("eval.progressive", "eval.window_examples")
+    section = options.BUILTIN["progressive"]  # `eval.progressive`, `eval.window_examples`
 
     def check(self, config, traits) -> None:
         progressive.check(config)
