@@ -9,8 +9,9 @@ fixture in `conftest.py`) ends whatever a test started, however it ended.
 
 `run_command` forks a `python -m MODULE` command from a server that imported
 TensorFlow once (`towerflow.forkserver`; about 4.5 s of CPU less a command), where
-the test's environment is the one the server started with; `TOWERFLOW_TEST_FORK=0`
-starts each as a process of its own, as does any failure to fork.
+the test's environment is the one the server started with; a launcher
+(`trainer.launch`, `trainer.elastic`: it forks its members from a server of its
+own), `TOWERFLOW_TEST_FORK=0` and any failure to fork start a process of its own.
 """
 
 from __future__ import annotations
@@ -216,6 +217,9 @@ def _forked(command: list[str], cwd: str, env: dict[str, str]) -> _ForkedCommand
     """`command` forked from the server, tagged for `kill`; None where it cannot be."""
     global _forks
     if os.environ.get(FORK_VARIABLE, "1") == "0" or not os.path.isdir(cwd):
+        return None
+    if command[2:3] in (["trainer.launch"], ["trainer.elastic"]):
+        # A launcher starts a fork server of its own, which (forked from ours) could outlive it.
         return None
     if _comparable(env) != _comparable(_SERVER_ENV):  # the test changed what imports read
         return None
