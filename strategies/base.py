@@ -93,6 +93,7 @@ from strategies import deprecated, transfer, unrolled
 from strategies.cluster import membership
 from strategies.packed_sums import BufferedSums, PackedSums, Unbuffered
 from towerflow.errors import UserError
+from towerflow.sections import Section
 
 StepFn = Callable[[Any], dict]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
@@ -202,25 +203,27 @@ def read_options(plugin: type[Strategy], section) -> ml_collections.ConfigDict:
     """`section` (`config.strategy.<name>`) over the defaults of the plugin's options.
 
     The plugin's options dataclass (`class P(Strategy, options=POptions)`) is
-    where its option defaults live, once; `configs/default.py`'s
-    `strategy.<name>` section holds the same (a test keeps them equal), so
-    `--config.strategy.<name>.<option>` works. The dataclass checks its values
-    where a check needs nothing but them (its `__post_init__` raising
-    `UserError`), so a bad one stops before anything is built.
+    where its option defaults live, once; `configs/default.py` builds its
+    `strategy.<name>` sections from the built-in ones, so
+    `--config.strategy.<name>.<option>` works. It is read as any declared config
+    section is (`towerflow.sections.Section.parse`): each value's type, then the
+    dataclass's own rules (its `__post_init__` raising `UserError`), so a bad one
+    stops before anything is built.
 
     Raises:
-      UserError: `section` holds a field the plugin does not declare, or a value
-        its options dataclass refuses.
+      UserError: `section` holds a field the plugin does not declare, a value of
+        another type than declared, or a value its options dataclass refuses.
     """
-    declared = [field.name for field in dataclasses.fields(plugin._options_type)]
+    declared = Section(f"strategy.{plugin.name}", plugin._options_type)
     given = dict(section.items()) if section is not None else {}
-    unknown = sorted(set(given) - set(declared))
-    if unknown:
+    unknown = declared.undeclared(given)
+    if unknown:  # named as an option of the plugin, which declares it
+        names = [field.name for field in dataclasses.fields(plugin._options_type)]
         raise UserError(
             f"`strategy.{plugin.name}.{unknown[0]}` is no option of `{plugin.name}`; its "
-            f"options: {', '.join(declared) or 'none'} (as the plugin declares them)."
+            f"options: {', '.join(names) or 'none'} (as the plugin declares them)."
         )
-    return ml_collections.ConfigDict(dataclasses.asdict(plugin._options_type(**given)))
+    return ml_collections.ConfigDict(dataclasses.asdict(declared.parse(given)))
 
 
 # tf.data warns about reading dataset options while a distributed loop is traced; harmless.

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
@@ -78,16 +79,25 @@ class Section:
           UserError: a value of another type, a value its rules refuse, or (a section of
             its own) a field it does not declare; naming the field, the value and the fix.
         """
-        given = _section_of(config, self.path)
+        return self.parse(_section_of(config, self.path))
+
+    def parse(self, given: Mapping[str, Any]) -> Any:
+        """The options of the section's fields in hand (`given`), as `read` reads them.
+
+        For a caller that holds the section itself rather than the whole config
+        (a plugin's `config.strategy.<name>`, a model builder's `config.model`).
+
+        Raises:
+          UserError: as `read`.
+        """
         hints = typing.get_type_hints(self.options)
         declared = {field.name: field for field in dataclasses.fields(self.options)}
-        if not self.shared:
-            unknown = sorted(set(given) - set(declared))
-            if unknown:
-                raise UserError(
-                    f"`{self.path}.{unknown[0]}` is no field of `{self.path}`; its fields: "
-                    f"{', '.join(declared)} (check the spelling)."
-                )
+        unknown = [] if self.shared else self.undeclared(given)
+        if unknown:
+            raise UserError(
+                f"`{self.path}.{unknown[0]}` is no field of `{self.path}`; its fields: "
+                f"{', '.join(declared)} (check the spelling)."
+            )
         values = {}
         for name, field in declared.items():
             default = field.default
@@ -96,6 +106,11 @@ class Section:
             value = given.get(name, default)
             values[name] = _typed(f"{self.path}.{name}", value, hints[name], default)
         return self.options(**values)
+
+    def undeclared(self, given: Mapping[str, Any]) -> list[str]:
+        """The names in `given` that the declaration has no field for, sorted."""
+        declared = {field.name for field in dataclasses.fields(self.options)}
+        return sorted(set(given) - declared)
 
 
 def _section_of(config: ml_collections.ConfigDict, path: str) -> dict:
@@ -152,6 +167,10 @@ def _fits(value: Any, kind: Any) -> tuple[bool, Any]:
         return True, float(value)
     if kind in (int, float) and isinstance(value, bool):
         return False, value
+    if isinstance(origin, type):  # list[str], dict[str, int]: the container's type only
+        return isinstance(value, origin), value
+    if not isinstance(kind, type):  # Any, Literal[...]: a plugin's own types, left to its rules
+        return True, value
     return isinstance(value, kind), value
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import configs.default
 from strategies.cluster import tf_config as cluster
 from towerflow import renamed
 from towerflow.errors import UserError
 from towerflow.processes import LOOPBACK, pick_ports
+from trainer.loop import options as loop_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,25 +131,34 @@ def elastic_command(command: Sequence[str], low: int, high: int) -> list[str]:
     ]
 
 
+# `cluster.elastic`'s fields the launcher itself reads (the others are the trainers').
+LAUNCHER_FIELDS = ("max_restarts", "cooldown_s", "rendezvous_timeout")
+_ELASTIC_FLAG = "--config.cluster.elastic."
+
+
 def elastic_settings(command: Sequence[str]) -> dict:
-    """`cluster.elastic`'s launcher settings: from `--config.cluster.elastic.X=V`, else defaults."""
-    defaults = configs.default.get_config().cluster.elastic
-    settings = {
-        "max_restarts": defaults.max_restarts,
-        "cooldown_s": defaults.cooldown_s,
-        "rendezvous_timeout": defaults.rendezvous_timeout,
-    }
+    """`cluster.elastic`'s launcher settings: from `--config.cluster.elastic.X=V`, else defaults.
+
+    The defaults and rules are `trainer.loop.options.ElasticOptions`' own.
+
+    Raises:
+      UserError: a value that is not a number, or one the section's rules refuse.
+    """
+    defaults = loop_options.ElasticOptions()
+    given = {}
     for arg in command:
-        name, _, value = arg.removeprefix("--config.cluster.elastic.").partition("=")
-        if arg.startswith("--config.cluster.elastic.") and name in settings:
+        name, _, value = arg.removeprefix(_ELASTIC_FLAG).partition("=")
+        if arg.startswith(_ELASTIC_FLAG) and name in LAUNCHER_FIELDS:
+            default = getattr(defaults, name)
             try:
-                settings[name] = type(settings[name])(value)
+                given[name] = type(default)(value)
             except ValueError:
                 raise UserError(
                     f"`cluster.elastic.{name}` ({value!r}) must be a number; e.g. "
-                    f"`--config.cluster.elastic.{name}={settings[name]}`."
+                    f"`{_ELASTIC_FLAG}{name}={default}`."
                 ) from None
-    return settings
+    settings = dataclasses.replace(defaults, **given)  # the section's rules checked
+    return {name: getattr(settings, name) for name in LAUNCHER_FIELDS}
 
 
 def parse_workers(text: str) -> tuple[int, int, bool]:
