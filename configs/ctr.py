@@ -39,6 +39,8 @@ import pathlib
 
 import ml_collections
 
+import trainer.loop.options as loop_options
+
 # The default loaded from the file beside this one, not by `import configs`: a user's
 # own `configs` package may come first on `sys.path`.
 _spec = importlib.util.spec_from_file_location(
@@ -64,37 +66,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.embedding_dim = 32  # width of each id's embedding
     # The last columns that are one list of ids (raw ids): follows `data.ctr.multi_valued`.
     c.model.multi_valued = c.data.ctr.get_ref("multi_valued")
-    # hashed: a `ShardedEmbedding` of `vocab_size` rows; dynamic: a `DynamicEmbedding` (a row
-    # per admitted raw id, `trainer.layers.tables`) with the options below.
-    c.model.embedding = "hashed"
-    c.model.capacity = 0  # dynamic: most rows held (0: `vocab_size`); evicts when full
-    c.model.min_count = 1  # dynamic: lookups an id needs before it gets its own row
-    c.model.ttl_steps = 0  # dynamic: free rows (and forget counts) of ids unseen this long; 0: keep
-    # Keys which raw ids share a row (hashed: Keras's `Hashing` salted by it, 0: unsalted;
-    # dynamic: its fallback rows) and each id's initial row (dynamic); a resume keeps it.
-    c.model.table_seed = 0
-    # dynamic: the table's own optimizer, e.g. "adagrad" or "ftrl" (`optimizer.name`'s names;
-    # "": the model's `optimizer.name`), and its peak learning rate on the model's schedule
-    # (0: `optimizer.learning_rate`); the dense layers keep `optimizer`.
-    c.model.table_optimizer = ""
-    c.model.table_learning_rate = 0.0
-    # dynamic: which id a full table evicts: lfu (lowest count, halved every 500 steps unseen),
-    # lru (least recently seen), or "" (none: a full table refuses new ids).
-    c.model.eviction = "lfu"
-    # dynamic: rows of a trained hashed fallback table that ids without a row read (the
-    # fallback_combiner, mean or sum, of rows hash_k(id) % fallback_rows, k < fallback_hashes;
-    # counted in the table's bytes); 0: one shared default row.
-    c.model.fallback_rows = 0
-    c.model.fallback_hashes = 2
-    c.model.fallback_combiner = "mean"
-    # dynamic, min_count > 1: the counts of ids not admitted yet live in a count-min sketch of
-    # sketch_depth rows of sketch_width int32 cells (no memory per id; docs/tables.md: its bound).
-    c.model.sketch_width = 8192
-    c.model.sketch_depth = 2
-    # dynamic, fallback_rows > 0: outside training, ids without a row that the table has not
-    # seen in training lately read zeros (not fallback rows other ids trained); which ids it saw
-    # is a Bloom filter of two generations of seen_bits bits (in the table's bytes); 0: none.
-    c.model.seen_bits = 2**18
+    # The table: hashed or dynamic, and the dynamic table's options (`model.embedding`,
+    # `model.capacity`, ...), declared in trainer/loop/options.py (`TableOptions`).
+    c.model.update(loop_options.TABLES.defaults())
     c.model.hidden_units = (64, 32)
     c.model.dropout = 0.0
 

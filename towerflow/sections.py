@@ -186,14 +186,24 @@ def _name(kind: Any) -> str:
     return _NAMES.get(kind, getattr(kind, "__name__", str(kind)))
 
 
-def at_least(field: str, value: float, minimum: float, meaning: str) -> None:
+def at_least(
+    field: str, value: float, minimum: float, meaning: str, example: float | None = None
+) -> None:
     """A declaration's rule: `value` of `field` is `minimum` or more.
+
+    Args:
+      field: its dotted path, e.g. "export.keep".
+      value: the value given.
+      minimum: the least value allowed.
+      meaning: what the field means, said in the error.
+      example: a value to suggest; by default the larger of `minimum` and 1.
 
     Raises:
       UserError: it is less, with the rule, what the field means and an example.
     """
     if value < minimum:
+        example = max(minimum, 1) if example is None else example
         raise UserError(
             f"`{field}` ({value}) must be >= {minimum} ({meaning}); "
-            f"set e.g. `--config.{field}={max(minimum, 1)}`."
+            f"set e.g. `--config.{field}={example}`."
         )

@@ -22,9 +22,10 @@ from towerflow import calls
 from towerflow.errors import UserError
 from towerflow.registry import Registry
 from trainer.data import DataSpec
-from trainer.layers import Dropout, DynamicEmbedding, ShardedEmbedding, tables
+from trainer.layers import Dropout, DynamicEmbedding, ShardedEmbedding
 from trainer.layers.table_training import TableOptimizer
 from trainer.loop import compiled
+from trainer.loop import options as loop_options
 
 Builder = Callable[[DataSpec, ml_collections.ConfigDict], keras.Model]
 BUILDER = calls.Signature("build", ("spec", "config"), "keras.Model")
@@ -218,9 +219,6 @@ def resnet(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     return keras.Model(inputs, _head(x, spec, config), name="resnet")
 
 
-EMBEDDINGS = ("hashed", "dynamic")
-
-
 @builder("ctr")
 def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     """Click-through model: ids -> one embedding table -> `hidden_units` ReLU -> logits.
@@ -235,25 +233,23 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     go into the hashed table through `keras.layers.Hashing` into `vocab_size`
     rows (distinct ids collide), into the dynamic one as they are; the last
     `model.multi_valued` columns are one list, padded with 0 (or ""), whose
-    vectors are summed over sqrt(its length).
+    vectors are summed over sqrt(its length). The table's options, their defaults and
+    rules are declared in `trainer.loop.options.TableOptions`.
     """
     vocab, width = config.get("vocab_size"), config.get("embedding_dim")
     if not vocab or not width:
         raise ValueError(
             "it needs `model.vocab_size` and `model.embedding_dim`; use `--config=configs/ctr.py`"
         )
-    kind = config.get("embedding", "hashed")
-    if kind not in EMBEDDINGS:
-        raise UserError(
-            f"`model.embedding` '{kind}' is not a table kind; use one of {', '.join(EMBEDDINGS)}."
-        )
+    options = loop_options.TABLES.parse(config)
+    kind = options.embedding
     listed = config.get("multi_valued", 0)
     if not 0 <= listed < spec.input_shape[-1]:
         raise UserError(
             f"`model.multi_valued` ({listed}) must be below the {spec.input_shape[-1]} columns "
             "of the data; leave it following `data.ctr.multi_valued` (configs/ctr.py)."
         )
-    own = _table_optimizer(config, kind)
+    own = _table_optimizer(options)
     raw = spec.dtype != "float32"  # int64 or string ids over the whole id space
     padding = ("" if spec.dtype == "string" else 0) if raw else None
     inputs = keras.Input(spec.input_shape, dtype=spec.dtype)
@@ -261,25 +257,25 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
         table = DynamicEmbedding(
             width,
             key_dtype="string" if spec.dtype == "string" else "int64",
-            capacity=config.capacity or vocab,
-            min_count=config.min_count,
-            ttl_steps=config.ttl_steps,
-            eviction=config.get("eviction", "lfu") or None,
-            fallback_rows=config.get("fallback_rows", 0),
-            fallback_hashes=config.get("fallback_hashes", 2),
-            fallback_combiner=config.get("fallback_combiner", tables.FALLBACK_COMBINER),
-            sketch_width=config.get("sketch_width", 8192),
-            sketch_depth=config.get("sketch_depth", 2),
-            seen_bits=config.get("seen_bits", tables.SEEN_BITS),
+            capacity=options.capacity or vocab,
+            min_count=options.min_count,
+            ttl_steps=options.ttl_steps,
+            eviction=options.eviction or None,
+            fallback_rows=options.fallback_rows,
+            fallback_hashes=options.fallback_hashes,
+            fallback_combiner=options.fallback_combiner,
+            sketch_width=options.sketch_width,
+            sketch_depth=options.sketch_depth,
+            seen_bits=options.seen_bits,
             mask_id=padding,
-            seed=config.table_seed,
+            seed=options.table_seed,
             name="embedding",
         )
         table.table_optimizer = own
         x = table(inputs if raw else keras.ops.cast(inputs, "int64"))
     else:
         # `model.table_seed` keys which ids share a row (0: Keras's unsalted hash, as before).
-        salt = config.get("table_seed", 0) or None
+        salt = options.table_seed or None
         ids = keras.layers.Hashing(vocab, salt=salt, name="hashing")(inputs) if raw else inputs
         x = ShardedEmbedding(vocab, width, name="embedding")(ids)
     if listed:
@@ -290,12 +286,12 @@ def ctr(spec: DataSpec, config: ml_collections.ConfigDict) -> keras.Model:
     return keras.Model(inputs, _head(x, spec, config), name="ctr")
 
 
-def _table_optimizer(config: ml_collections.ConfigDict, kind: str) -> TableOptimizer:
+def _table_optimizer(options: loop_options.TableOptions) -> TableOptimizer:
     """The dynamic table's own optimizer (`model.table_optimizer`, `model.table_learning_rate`)."""
-    name, rate = config.get("table_optimizer", ""), config.get("table_learning_rate", 0.0)
+    name, rate = options.table_optimizer, options.table_learning_rate
     own = TableOptimizer(name or None, rate or None)
     own.check("", ("model.table_optimizer", "model.table_learning_rate"))
-    if own.is_own and kind != "dynamic":
+    if own.is_own and options.embedding != "dynamic":
         raise UserError(
             f"`model.table_optimizer` ('{name}') and `model.table_learning_rate` ({rate}) train "
             "a dynamic table; set `--config.model.embedding=dynamic`, or leave them unset."

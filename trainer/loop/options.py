@@ -173,6 +173,89 @@ class ProgressiveOptions:
     window_examples: int = 100_000
 
 
+EMBEDDINGS = ("hashed", "dynamic")  # `model.embedding`: the ctr model's table kinds
+EVICTIONS = ("lfu", "lru", "")  # `model.eviction`; "" = none: a full table refuses new ids
+FALLBACK_COMBINERS = ("mean", "sum")  # `model.fallback_combiner`
+
+
+@dataclasses.dataclass(frozen=True)
+class TableOptions:
+    """`model`: the embedding table of the built-in `ctr` model (configs/ctr.py).
+
+    hashed: a `ShardedEmbedding` of `model.vocab_size` rows; dynamic: a `DynamicEmbedding`
+    (`trainer.layers`), a row per admitted raw id (docs/recommendation.md). The dynamic
+    table's defaults are `DynamicEmbedding`'s own, but `capacity` (0: `model.vocab_size`).
+    """
+
+    # hashed: a `ShardedEmbedding` of `vocab_size` rows; dynamic: a `DynamicEmbedding` (a row
+    # per admitted raw id, `trainer.layers.tables`) with the options below.
+    embedding: str = "hashed"
+    capacity: int = 0  # dynamic: most rows held (0: `vocab_size`); evicts when full
+    min_count: int = 1  # dynamic: lookups an id needs before it gets its own row
+    ttl_steps: int = 0  # dynamic: free rows (and forget counts) of ids unseen this long; 0: keep
+    # Keys which raw ids share a row (hashed: Keras's `Hashing` salted by it, 0: unsalted;
+    # dynamic: its fallback rows) and each id's initial row (dynamic); a resume keeps it.
+    table_seed: int = 0
+    # dynamic: the table's own optimizer, e.g. "adagrad" or "ftrl" (`optimizer.name`'s names;
+    # "": the model's `optimizer.name`), and its peak learning rate on the model's schedule
+    # (0: `optimizer.learning_rate`); the dense layers keep `optimizer`.
+    table_optimizer: str = ""
+    table_learning_rate: float = 0.0  # dynamic: the table's own peak learning rate (see above)
+    # dynamic: which id a full table evicts: lfu (lowest count, halved every 500 steps unseen),
+    # lru (least recently seen), or "" (none: a full table refuses new ids).
+    eviction: str = "lfu"
+    # dynamic: rows of a trained hashed fallback table that ids without a row read (the
+    # fallback_combiner, mean or sum, of rows hash_k(id) % fallback_rows, k < fallback_hashes;
+    # counted in the table's bytes); 0: one shared default row.
+    fallback_rows: int = 0
+    fallback_hashes: int = 2  # dynamic: the fallback rows (hashes) an id without a row reads
+    fallback_combiner: str = "mean"  # dynamic: how an id's fallback rows combine: mean | sum
+    # dynamic, min_count > 1: the counts of ids not admitted yet live in a count-min sketch of
+    # sketch_depth rows of sketch_width int32 cells (no memory per id; docs/tables.md: its bound).
+    sketch_width: int = 8192
+    sketch_depth: int = 2  # dynamic, min_count > 1: rows of the count-min sketch (see above)
+    # dynamic, fallback_rows > 0: outside training, ids without a row that the table has not
+    # seen in training lately read zeros (not fallback rows other ids trained); which ids it saw
+    # is a Bloom filter of two generations of seen_bits bits (in the table's bytes); 0: none.
+    seen_bits: int = 2**18
+
+    def __post_init__(self):
+        _one_of("model.embedding", self.embedding, EMBEDDINGS, "a table kind", "dynamic")
+        _one_of("model.eviction", self.eviction, EVICTIONS, "an eviction policy", "lfu")
+        _one_of(
+            "model.fallback_combiner",
+            self.fallback_combiner,
+            FALLBACK_COMBINERS,
+            "a way to combine fallback rows",
+            "mean",
+        )
+        for field, minimum, example, meaning in _TABLE_COUNTS:
+            at_least(f"model.{field}", getattr(self, field), minimum, meaning, example)
+
+
+# `TableOptions`' counts: (field, minimum, an example, what it means).
+_TABLE_COUNTS = (
+    ("capacity", 0, 100_000, "the most rows a dynamic table holds; 0: `model.vocab_size`"),
+    ("min_count", 1, 2, "the lookups an id needs before it gets its own row"),
+    ("ttl_steps", 0, 10_000, "steps unseen before an id's row is freed; 0: kept"),
+    ("fallback_rows", 0, 1000, "hashed rows for ids without a row; 0: one shared default row"),
+    ("fallback_hashes", 1, 2, "the fallback rows an id without a row reads"),
+    ("sketch_width", 1, 8192, "the count-min sketch of ids not admitted yet"),
+    ("sketch_depth", 1, 2, "the count-min sketch of ids not admitted yet"),
+    ("seen_bits", 0, 2**18, "the bits of each generation of the table's seen-filter; 0: none"),
+)
+
+
+def _one_of(field: str, value: str, known: tuple[str, ...], what: str, example: str) -> None:
+    """A declaration's rule: `value` of `field` is one of `known`."""
+    if value not in known:
+        listed = ", ".join(repr(k) if not k else k for k in known)
+        raise UserError(
+            f"`{field}` '{value}' is not {what}; use one of {listed}, e.g. "
+            f"`--config.{field}={example}`."
+        )
+
+
 # The built-in components' names (`trainer.loop.features`) -> where their fields sit.
 BUILTIN = {
     "follow": Section("data", FollowOptions, shared=True),
@@ -182,3 +265,6 @@ BUILTIN = {
     "warm_start": Section("train", WarmStartOptions, shared=True),
     "progressive": Section("eval", ProgressiveOptions, shared=True),
 }
+# The `tables` component's: fields of the built-in ctr model, which configs/ctr.py adds
+# (the default config, of an MLP, has none; a config without them reads their defaults).
+TABLES = Section("model", TableOptions, shared=True)
