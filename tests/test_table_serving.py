@@ -108,6 +108,73 @@ def test_a_lookup_outside_training_changes_nothing_in_the_table():
         np.testing.assert_array_equal(after[name], value, err_msg=name)
 
 
+def _written(layer: DynamicEmbedding, key_dtype: str, numbers: list[int]) -> list[bool]:
+    """Whether the index marks the row of each of `numbers`' ids written (`WRITTEN`)."""
+    table = layer.table
+    return table.written(table.codes(tables.key64(_ids(key_dtype, numbers)))).numpy().tolist()
+
+
+def test_the_optimizer_marks_written_the_rows_it_reset_and_no_others():
+    layer = _trained_layer("int64")
+    held = _held(layer, "int64", [1, 2, 3, 4, 5, 6])
+    # 5 and 6 were admitted by lookups that no update followed; 7, 8 and 99 hold no row.
+    assert _written(layer, "int64", [*held, 7, 8, 99]) == [True, True, False, False] + [False] * 3
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_a_batch_of_written_ids_reads_their_rows_as_they_are(key_dtype):
+    layer = _trained_layer(key_dtype)
+    trained = _held(layer, key_dtype, [1, 2, 3, 4])
+    ids = _ids(key_dtype, trained * 2)
+    slots, _ = layer.table.find(tables.key64(ids))
+    served = layer(ids, training=False).numpy()
+    np.testing.assert_array_equal(served, tf.gather(layer.rows, slots).numpy())
+    np.testing.assert_array_equal(served, layer(ids, training=True).numpy())
+
+
+def test_a_row_reset_for_an_id_that_has_left_its_slot_leaves_the_new_id_unmarked():
+    """An asynchronous worker's reset, for the slot's id before: its row stamp is not the slot's."""
+    layer = _trained_layer("int64")
+    trained = _held(layer, "int64", [1, 2, 3, 4])[0]
+    keys = tables.key64(_ids("int64", [trained]))
+    slots, stamps = layer.table.find(keys)
+    written = layer(keys, training=False).numpy()
+    row_stamps = layer.row_stamps.numpy()
+    row_stamps[slots.numpy()] = stamps.numpy() - 1  # another stamp: the slot's id before
+    layer.row_stamps.assign(row_stamps)
+    layer.table.mark_written(slots, lambda at: tf.gather(layer.row_stamps, at))
+    assert _written(layer, "int64", [trained]) == [False]
+    served = layer(keys, training=False).numpy()
+    np.testing.assert_array_equal(served, layer(keys, training=True).numpy())
+    np.testing.assert_allclose(served, tables.initial_rows(7, keys, WIDTH).numpy(), atol=1e-7)
+    assert np.abs(served - written).max() > 0, "no longer the row as written"
+
+
+def test_an_index_without_marks_reads_what_the_index_with_them_reads():
+    """As checkpoints written before the index marked written rows hold it."""
+    layer = _trained_layer("int64")
+    ids = _ids("int64", [1, 2, 3, 4, 5, 6, 7, 8, 0, 99])
+    served = layer(ids, training=False).numpy()
+    keys, codes = (t.numpy() for t in layer.table.index.export())
+    assert (codes >= tables.WRITTEN).sum() == 2, "3 and 4 marked"
+    layer.table.index.insert(keys, np.where(codes >= 0, codes & (tables.WRITTEN - 1), codes))
+    assert not any(_written(layer, "int64", [1, 2, 3, 4, 5, 6]))
+    np.testing.assert_array_equal(layer(ids, training=False).numpy(), served)
+
+
+def test_a_table_loaded_from_its_content_marks_the_rows_written_as_they_were():
+    layer = _trained_layer("int64")
+    content = layer.export_logical(lambda variable: [])  # plain SGD: no optimizer slots
+    numbers = [1, 2, 3, 4, 5, 6, 7, 8, 0, 99]
+    ids, marks = _ids("int64", numbers), _written(layer, "int64", numbers)
+    served = layer(ids, training=False).numpy()
+    loaded = DynamicEmbedding.from_config(layer.get_config())
+    loaded.build()
+    loaded.import_logical(content, lambda variable: [])
+    assert _written(loaded, "int64", numbers) == marks
+    np.testing.assert_array_equal(loaded(ids, training=False).numpy(), served)
+
+
 def test_an_index_written_before_it_held_stamps_restores_and_reads_the_same(tmp_path):
     """A checkpoint whose index holds each id's slot alone (as written before) reads as ever."""
     layer = _trained_layer("int64")
@@ -118,7 +185,8 @@ def test_an_index_written_before_it_held_stamps_restores_and_reads_the_same(tmp_
     held_keys, codes = (t.numpy() for t in index.export())
     held = codes >= 0
     assert (codes[held] >= layer.capacity).all(), "the index holds stamps now"
-    index.insert(held_keys[held], codes[held] % layer.capacity)  # the slots, as before
+    slots_alone = (codes[held] & (tables.WRITTEN - 1)) % layer.capacity
+    index.insert(held_keys[held], slots_alone)  # the slots, as before
     tf.train.Checkpoint(layer=layer).write(str(tmp_path / "ckpt"))
     restored = DynamicEmbedding.from_config(layer.get_config())
     restored.build()

@@ -1,7 +1,8 @@
 """The `table_lookups` case: a dynamic table's lookups outside training, and its training step.
 
 A `DynamicEmbedding` of width `WIDTH` holding `Sizes.lookup_ids` ids, every
-row written (as after training: each row's stamp is its id's), looked up in
+row written (as after training: each row's stamp is its id's, and the index
+marks it written, `DynamicTable.mark_written`), looked up in
 batches of `Sizes.lookup_batch` ids drawn uniformly from those held, one
 call per batch:
 
@@ -106,8 +107,9 @@ def held_table(kind: str, ids: int, batch: int):
         layer.table.admit(tf.constant(key64[start : start + (1 << 17)]))
     slots, stamps = (t.numpy() for t in layer.table.find(tf.constant(key64)))
     row_stamps = layer.row_stamps.numpy()
-    row_stamps[slots] = stamps  # every row written, as the optimizer leaves them
+    row_stamps[slots] = stamps  # every row written, as the optimizer leaves them: marked too
     layer.row_stamps.assign(row_stamps)
+    layer.table.mark_written(tf.constant(slots), lambda at: tf.gather(layer.row_stamps, at))
     rng = np.random.default_rng(0)
     layer.rows.assign(rng.uniform(-0.05, 0.05, layer.rows.shape).astype(np.float32))
     batches = [tf.constant(keys[rng.integers(0, ids, batch)]) for _ in range(PASSES)]

@@ -99,7 +99,8 @@ def _load_part(
 ) -> None:
     """Loads `part`'s ids (positions `mine` of `content`) and waiting ids (`waits`) into it.
 
-    Its index takes the ids, their counts and the `counters`; its row stamps
+    Its index takes the ids, their counts and the `counters` (the ids whose
+    rows are written marked so, `DynamicTable.mark_written`); its row stamps
     and rows (and their optimizer `slots`) the ids' rows, in the slots the
     index gave them; the other rows start as a new variable would.
     """
@@ -120,6 +121,7 @@ def _load_part(
     row_stamps = np.full(part.row_stamps.shape, -1, np.int64)
     row_stamps[: len(mine)] = np.where(content["fresh"][mine], -1, stamps)
     part.row_stamps.assign(row_stamps)
+    part.table.mark_written(np.arange(len(mine)), lambda at: tf.gather(row_stamps, at))
     for name, variable, initial in with_slots(part.rows, slots, "rows"):
         value = np.full(variable.shape, initial, variable.dtype)
         value[: len(mine)], value[-1] = content[name][mine], content[f"spare/{name}"][0]

@@ -3,14 +3,18 @@
 Outside training a lookup changes nothing (no admission, no count, no lock)
 and takes no gradient, so it is a few ops a part, each over the whole batch:
 
-1. the ids' slots and stamps, one lookup in the index, which holds a held
-   id's stamp and so its slot (`DynamicTable.find`);
-2. their rows, gathered at once from the rows variable; a row not written
-   since its id was admitted (its `row_stamps` entry differs from the
-   index's stamp) reads the id's initial value, computed only when the batch
-   holds such a row (`tf.cond`);
-3. ids without a row read the default or fallback rows
-   (`DynamicEmbedding.defaults`), and, with a seen-filter
+1. the ids' codes, one lookup in the index (`DynamicTable.codes`), which
+   holds a held id's stamp and so its slot, and marks it `WRITTEN` once the
+   optimizer wrote its row (`DynamicTable.mark_written`);
+2. where every id of the batch is marked (after training, the usual batch),
+   their rows, gathered at once from the rows variable, as they are: nothing
+   else (`_if_all_written`);
+3. otherwise, each id's row; a row not written since its id was admitted
+   (its `row_stamps` entry differs from the index's stamp) reads the id's
+   initial value: the row stamps are read only when the batch holds an id
+   not marked (`tf.cond`), an index written before it marked rows (a
+   checkpoint's) reading as ever; ids without a row read the default or
+   fallback rows (`DynamicEmbedding.defaults`), and, with a seen-filter
    (`trainer.layers.table_seen`), zeros where the table has not seen them in
    training lately: computed only when the batch holds such an id.
 
@@ -22,9 +26,8 @@ rows), except for ids the seen-filter has not seen, which read zeros
 
 An export reads a frozen index (`frozen`): for each part, a
 `tf.lookup.StaticHashTable` made when the export is written, from each id
-held to its slot, or to `-2 - slot` where the row is not written since the
-id's admission. Step 1 is then one lookup in a flat hash map, with no row
-stamps to gather. The table is a stock TensorFlow op (`HashTableV2`), its
+held to its code, marked written exactly (from the row stamps then). Step 1
+is then one lookup in a flat hash map. The table is a stock TensorFlow op (`HashTableV2`), its
 content constants of the SavedModel's graph (16 bytes an id held), which TF
 Serving loads; the live index is saved beside it as before.
 
@@ -36,7 +39,7 @@ which the seen-filter has not seen (-1).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import tensorflow as tf
@@ -67,16 +70,17 @@ def frozen(layers: list[TableLayer]) -> Iterator[list[tf.lookup.StaticHashTable]
 
 
 def frozen_index(part: Part) -> tf.lookup.StaticHashTable:
-    """`part`'s ids held, each to its slot, or to `-2 - slot` where its row is not written.
+    """`part`'s ids held, each to its code in the index, marked `WRITTEN` exactly.
 
     Other ids find -1. Read eagerly from the index (`slot_info`: each held
-    slot's stamp and id) and the row stamps, on the part's device.
+    slot's stamp and id) and the row stamps, on the part's device: an id
+    unmarked here is one whose row is not written since its admission.
     """
     slots, info = part.table.slot_info.export()
     slots, info = tf.reshape(slots, [-1]), tf.reshape(info, [-1, 3])
     row_stamps = tf_patches.replica_copy(part.row_stamps.value)
     written = tf.equal(tf.gather(row_stamps, slots), info[:, 0])
-    codes = tf.where(written, slots, -2 - slots)
+    codes = part.table.held_code(info[:, 0], written)
     with tf.init_scope():  # its content built once, here; its initializer saved with it
         return tf.lookup.StaticHashTable(
             tf.lookup.KeyValueTensorInitializer(info[:, 2], codes), default_value=-1
@@ -89,20 +93,25 @@ def served_vectors(parts: list[Part], keys: tf.Tensor, valid: tf.Tensor) -> tf.T
     Of the layer's compute dtype (the rows are float32 variables read as they are).
     """
     layer = parts[0].layer
+    if len(parts) > 1:
+        return tf.cast(_by_part(parts, keys, valid), layer.compute_dtype)
+    part = parts[0]
     every = None if layer.mask_id is None else valid  # None: every key is valid
-    if len(parts) == 1:
-        part = parts[0]
+    with part.on_device():
+        codes = _codes(part, keys)
+
+    def held_or_defaults() -> tf.Tensor:
         with part.on_device():
-            rows, held = _held_rows(part, keys, every)
+            rows, held = _held_rows(part, keys, codes, every)
 
         def or_defaults() -> tf.Tensor:
             with part.on_device():
                 seen = _seen(part.table, keys, held)
             return _or_defaults(layer, keys, valid, rows, held, seen)
 
-        vectors = tf.cond(tf.reduce_all(held), lambda: rows, or_defaults)
-    else:
-        vectors = _by_part(parts, keys, valid)
+        return tf.cond(tf.reduce_all(held), lambda: rows, or_defaults)
+
+    vectors = _if_all_written(part, codes, every, lambda rows: rows, held_or_defaults)
     return tf.cast(vectors, layer.compute_dtype)
 
 
@@ -129,53 +138,84 @@ def _packed(part: Part, keys: tf.Tensor) -> tf.Tensor:
 
     Made on the part's device, the one tensor that crosses back.
     """
-    with part.on_device():
-        rows, held = _held_rows(part, keys, None)
-        column = tf.cast(held, rows.dtype)
-        if part.table.seen is not None:
-            unseen = tf.cond(
-                tf.reduce_all(held),
-                lambda: tf.zeros_like(held),
-                lambda: ~_seen(part.table, keys, held),
-            )
-            column -= tf.cast(unseen, rows.dtype)
+
+    def with_column(rows: tf.Tensor, column: tf.Tensor) -> tf.Tensor:
         return tf.concat([rows, column[:, None]], 1)
 
+    def held_or_not() -> tf.Tensor:
+        with part.on_device():
+            rows, held = _held_rows(part, keys, codes, None)
+            column = tf.cast(held, rows.dtype)
+            if part.table.seen is not None:
+                unseen = tf.cond(
+                    tf.reduce_all(held),
+                    lambda: tf.zeros_like(held),
+                    lambda: ~_seen(part.table, keys, held),
+                )
+                column -= tf.cast(unseen, rows.dtype)
+            return with_column(rows, column)
 
-def _held_rows(part: Part, keys: tf.Tensor, valid: tf.Tensor | None) -> tuple[tf.Tensor, tf.Tensor]:
-    """The row of each of `keys` in `part` (any row where none), and whether it holds one.
-
-    A key without a row (or not `valid`; None: all are) reads the spare row
-    past the capacity, which the caller replaces. A row not written since its
-    id was admitted reads the id's initial value, as `dynamic_lookup`'s
-    training lookup gives it: the row plus (initial - row).
-    """
-    slots, stale = _slots(part, keys)
-    held = slots >= 0 if valid is None else (slots >= 0) & valid
-    slots = tf.where(held, slots, part.capacity)
-    rows = tf.gather(tf_patches.replica_copy(part.rows.value), slots)
-    stale &= held
-
-    def initial() -> tf.Tensor:
-        at = tf.where(stale)
-        fresh = tables.initial_rows(part.layer.seed, tf.gather_nd(keys, at), part.layer.output_dim)
-        return tf.tensor_scatter_nd_add(rows, at, fresh - tf.gather_nd(rows, at))
-
-    return tf.cond(tf.reduce_any(stale), initial, lambda: rows), held
+    with part.on_device():
+        codes = _codes(part, keys)
+        return _if_all_written(
+            part, codes, None, lambda rows: with_column(rows, tf.ones_like(rows[:, 0])), held_or_not
+        )
 
 
-def _slots(part: Part, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """The slot of each of `keys` in `part` (-1: none), and whether its row is not written.
+def _codes(part: Part, keys: tf.Tensor) -> tf.Tensor:
+    """What `part`'s index holds for each of `keys` (`DynamicTable.codes`).
 
     From the frozen index while an export is traced, else from the live one.
     """
-    index = part.frozen
-    if index is not None:
-        codes = index.lookup(keys)
-        return tf.where(codes >= -1, codes, -2 - codes), codes < -1
-    slots, stamps = part.table.find(keys)
-    row_stamps = tf_patches.replica_copy(part.row_stamps.value)
-    return slots, tf.not_equal(tf.gather(row_stamps, tf.maximum(slots, 0)), stamps)
+    if part.frozen is not None:
+        return part.frozen.lookup(keys)
+    return part.table.codes(keys)
+
+
+def _if_all_written(part: Part, codes, valid, then: Callable, otherwise: Callable) -> tf.Tensor:
+    """`then(rows)` if every one of `codes` (where `valid`; None: all) is a `written` id's, else
+    `otherwise()`.
+
+    The rows of written ids are read as they are: the index says their slots,
+    and that no initial value, default or fallback row stands in for one.
+    """
+    written = part.table.written(codes)
+    if valid is not None:
+        written &= valid
+
+    def rows() -> tf.Tensor:
+        with part.on_device():
+            slots = part.table.written_slots(codes)
+            return then(tf.gather(tf_patches.replica_copy(part.rows.value), slots))
+
+    return tf.cond(tf.reduce_all(written), rows, otherwise)
+
+
+def _held_rows(
+    part: Part, keys: tf.Tensor, codes: tf.Tensor, valid: tf.Tensor | None
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """The row of each of `keys` in `part` (any row where none), and whether it holds one.
+
+    `codes`: the index's (`_codes`). A key without a row (or not `valid`;
+    None: all are) reads the spare row past the capacity, which the caller
+    replaces. A row not written since its id was admitted reads the id's
+    initial value, as `dynamic_lookup`'s training lookup gives it: the row
+    plus (initial - row). The index marks rows written (`WRITTEN`); only a
+    batch that holds an id not marked compares row stamps.
+    """
+    slots, stamps = part.table.decoded(codes)
+    held = slots >= 0 if valid is None else (slots >= 0) & valid
+    slots = tf.where(held, slots, part.capacity)
+    rows = tf.gather(tf_patches.replica_copy(part.rows.value), slots)
+    unsure = held & ~part.table.written(codes)
+
+    def initial() -> tf.Tensor:
+        row_stamps = tf_patches.replica_copy(part.row_stamps.value)
+        at = tf.where(unsure & tf.not_equal(tf.gather(row_stamps, slots), stamps))
+        fresh = tables.initial_rows(part.layer.seed, tf.gather_nd(keys, at), part.layer.output_dim)
+        return tf.tensor_scatter_nd_add(rows, at, fresh - tf.gather_nd(rows, at))
+
+    return tf.cond(tf.reduce_any(unsure), initial, lambda: rows), held
 
 
 def _seen(table: tables.DynamicTable, keys: tf.Tensor, held: tf.Tensor) -> tf.Tensor:

@@ -7,7 +7,8 @@ two halves:
 * The *index*, on the host and shared by every replica of the process: hash
   tables (`tf.lookup.experimental.MutableHashTable`) from id to its stamp
   (as `capacity + stamp`, `held_code`: the stamp says the slot, so a lookup
-  finds both at once) and from slot to (stamp, last-seen step and count, id),
+  finds both at once; plus `WRITTEN` once the optimizer wrote the id's row,
+  `mark_written`) and from slot to (stamp, last-seen step and count, id),
   a stack of freed slots and a few counters. (An id -> slot entry, as
   checkpoints written before hold it, is still read: `find`.) The counts of
   ids not admitted yet (`min_count` > 1)
@@ -36,7 +37,9 @@ written when an id is admitted (a replica cannot write a mirrored variable
 alone); a lookup reads the initial value wherever the slot's stamp in the
 index differs from the row's stamp (a new id, or a reused slot), and the
 optimizer's update first resets such rows (and their optimizer slots) to the
-initial value, then applies the gradient.
+initial value, then applies the gradient, and marks the ids of the rows it
+reset written in the index (`mark_written`, under the lock): a lookup outside
+training reads a marked id's row as it is, with no row stamp to compare.
 
 Admission is decided once a step on the ids of the whole global batch (the
 layer gathers them from every replica), before the step's lookups: an id
@@ -102,6 +105,7 @@ from __future__ import annotations
 import math
 import uuid
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -161,6 +165,9 @@ _TOTALS = ("admitted", "evicted", "refused", "lookups", "defaults")  # add up ov
 ENTRY_BYTES = 42  # int64 -> int64
 INFO_ENTRY_BYTES = 78  # int64 -> three int64 (a slot's stamp, last-seen step and id)
 _NO_SLOT = (-1, -1, 0)  # what `slot_info` gives for a free slot
+# Added to a held id's code in the index once its row is written for it (`mark_written`): bit
+# 62, above every stamp (`capacity * (step + 1) < 2**62`), below the sign of ids waiting.
+WRITTEN = 2**62
 
 
 def key64(keys: tf.Tensor) -> tf.Tensor:
@@ -214,7 +221,8 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
     This class owns the index's state (made in `__init__`: the hash tables,
     the sketch, the counters, the lock, the clock) and its reads: the step,
     the counters and sizes (`figures`), the content whatever the slots
-    (`contents`, `load`) and the lookups (`find`, `stamps`, `changed_slots`).
+    (`contents`, `load`) and the lookups (`find`, `codes`, `stamps`,
+    `changed_slots`), and the marks of written rows (`mark_written`).
     How ids get a row and lose it comes from the mixins of
     `trainer.layers.table_policy`: `AdmissionPolicy` (`admit`) and
     `EvictionPolicy`; two parts are members: `count_sketch` (the counts of ids
@@ -368,7 +376,7 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
         """
         keys, values = (tensor.numpy() for tensor in self.index.export())
         held = values >= 0
-        slots = values[held] % self.capacity
+        slots = (values[held] & (WRITTEN - 1)) % self.capacity
         info = self._info(tf.constant(slots, tf.int64)).numpy()
         names, counts = (tensor.numpy() for tensor in self.counters.export())
         counters = np.zeros(len(COUNTERS), np.int64)
@@ -455,32 +463,90 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
     def find(self, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """Slots and stamps of int64 `keys` (1-D); changes nothing. Both are -1 where none.
 
-        One lookup in the index, which holds a held id's stamp (`held_code`).
-        An entry written before it did (a checkpoint's: its slot alone, below the
-        capacity) has its stamp read from `slot_info`, only in a batch that holds one.
+        One lookup in the index (`codes`), which holds a held id's stamp (`decoded`).
         """
-        codes = tf.reshape(self.index.lookup(keys), [-1])
+        return self.decoded(self.codes(keys))
+
+    def codes(self, keys: tf.Tensor) -> tf.Tensor:
+        """What the index holds for each of int64 `keys` (1-D): `held_code` where held, else < 0."""
+        return tf.reshape(self.index.lookup(keys), [-1])
+
+    def decoded(self, codes: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """The slots and stamps the index's `codes` say (`held_code`'s); both -1 where none.
+
+        An entry written before the index held stamps (a checkpoint's: its slot
+        alone, below the capacity) has its stamp read from `slot_info`, only in
+        a batch that holds one.
+        """
         held = codes >= 0
-        slots = tf.where(held, codes % self.capacity, -1)
-        stamps = tf.where(held, codes - self.capacity, -1)
-        older = held & (codes < self.capacity)
+        plain = tf.bitwise.bitwise_and(codes, WRITTEN - 1)  # without the mark
+        slots = tf.where(held, plain % self.capacity, -1)
+        stamps = tf.where(held, plain - self.capacity, -1)
+        older = held & (plain < self.capacity)
         return slots, tf.cond(
             tf.reduce_any(older),
             lambda: tf.where(older, self.stamps(tf.where(older, slots, -1)), stamps),
             lambda: stamps,
         )
 
-    def held_code(self, stamps: tf.Tensor) -> tf.Tensor:
-        """What the index holds for an id of stamp `stamps`: `capacity + stamp`.
+    def held_code(self, stamps: tf.Tensor, written: tf.Tensor | None = None) -> tf.Tensor:
+        """What the index holds for an id of stamp `stamps`: `capacity + stamp` (+ `WRITTEN`).
 
         At least the capacity, which tells it from a slot alone (as the index held
-        before) and from the count of an id not admitted yet (below 0).
+        before) and from the count of an id not admitted yet (below 0); plus
+        `WRITTEN` where `written` (None: nowhere), its row written for it.
         """
-        return stamps + self.capacity
+        codes = stamps + self.capacity
+        if written is None:
+            return codes
+        return codes + tf.where(written, tf.constant(WRITTEN, tf.int64), 0)
+
+    @staticmethod
+    def written(codes: tf.Tensor) -> tf.Tensor:
+        """Whether each of the index's `codes` says a held id whose row is written for it.
+
+        False says nothing: a row written before the index marked rows (a
+        checkpoint's), or not written.
+        """
+        return codes >= WRITTEN
+
+    def written_slots(self, codes: tf.Tensor) -> tf.Tensor:
+        """The slots of `codes` that are `written` (any value elsewhere)."""
+        return (codes - WRITTEN) % self.capacity
+
+    def mark_written(
+        self, slots: tf.Tensor, row_stamps: Callable[[tf.Tensor], tf.Tensor]
+    ) -> tf.Tensor:
+        """Marks in the index whether the rows of `slots` are written for the ids holding them.
+
+        Inside the lock: where the row's stamp (`row_stamps(slots)`, read there)
+        is its slot's, the id's code gains `WRITTEN`; where it is not, loses it
+        (an asynchronous worker's reset of a row for an id that has left the
+        slot since); a free slot is left alone. The optimizer's reset of new
+        rows calls it after writing them (`trainer.loop.optim`), so a marked
+        id's row stamp needs no reading outside training. Nothing is done for
+        no slots. Returns how many ids it marked or unmarked.
+        """
+
+        def work(slots: tf.Tensor) -> tf.Tensor:
+            info = self._info(slots)
+            held = info[:, 0] >= 0
+            stamps, keys = tf.boolean_mask(info[:, 0], held), tf.boolean_mask(info[:, 2], held)
+            written = tf.equal(row_stamps(tf.boolean_mask(slots, held)), stamps)
+            with tf.control_dependencies(
+                [self.index.insert(keys, self.held_code(stamps, written))]
+            ):
+                return tf.size(keys)
+
+        if tf.executing_eagerly():
+            return self._lock.execute(lambda: work(slots))
+        # A function of its own, its slots copied here first, as `admit`'s (which says why).
+        locked = tf.function(lambda s: self._lock.execute(lambda: work(s)), autograph=False)
+        return tf.cond(tf.size(slots) > 0, lambda: locked(tf.identity(slots)), lambda: 0)
 
     def slots_of(self, codes: tf.Tensor) -> tf.Tensor:
         """The slot of each of the index's values `codes` (held or older), -1 where none."""
-        return tf.where(codes >= 0, codes % self.capacity, -1)
+        return tf.where(codes >= 0, tf.bitwise.bitwise_and(codes, WRITTEN - 1) % self.capacity, -1)
 
     def stamps(self, slots: tf.Tensor) -> tf.Tensor:
         """The stamp of each slot's current id: `capacity * admission step + slot` (-1: free)."""

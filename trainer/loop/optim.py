@@ -61,7 +61,7 @@ def _gather(variable, indices: tf.Tensor) -> tf.Tensor:
     )
 
 
-def _put(variable, indices: tf.Tensor, rows: tf.Tensor) -> None:
+def _put(variable, indices: tf.Tensor, rows: tf.Tensor) -> tf.Operation:
     """Writes `rows` into rows `indices` of `variable` (this device's copy, in an update).
 
     Through the copy's handle, as the fused updates write: a distributed
@@ -70,9 +70,12 @@ def _put(variable, indices: tf.Tensor, rows: tf.Tensor) -> None:
     `strategies.mirrored.replica_state_averaged`).
     """
     rows = tf.cast(rows, variable.dtype)
-    tf.raw_ops.ResourceScatterUpdate(resource=_handle(variable), indices=indices, updates=rows)
+    write = tf.raw_ops.ResourceScatterUpdate(
+        resource=_handle(variable), indices=indices, updates=rows
+    )
     if _WRITES:
         _WRITES[-1].append((variable, indices, rows))
+    return write
 
 
 # The writes of the update being traced (`_put`), for `_SparseRows._update_copies`; one
@@ -251,15 +254,25 @@ class _SparseRows:
         self._update_rows(values, indices, variable, index, tf.cast(learning_rate, variable.dtype))
 
     def _reset_new_rows(self, owner, variable, index: int, indices: tf.Tensor) -> None:
-        """Rows (and slots) of `indices` that the table gave to new ids start afresh."""
+        """Rows (and slots) of `indices` that the table gave to new ids start afresh.
+
+        Then, after those writes, the table marks them written (`DynamicTable.mark_written`,
+        which reads this copy's row stamps inside its lock).
+        """
         stamps = owner.table.stamps(indices)
         stale = tf.not_equal(stamps, _gather(owner.row_stamps, indices))
         slots = tf.boolean_mask(indices, stale)
-        _put(variable, slots, owner.initial_rows(slots))
+        writes = [_put(variable, slots, owner.initial_rows(slots))]
         for slot, initial in self._slots_of(index):
             shape = tf.concat([tf.shape(slots), slot.shape[1:]], 0)  # not reading `slot`
-            _put(slot, slots, tf.fill(shape, tf.cast(initial, slot.dtype)))
-        _put(owner.row_stamps, slots, tf.boolean_mask(stamps, stale))
+            writes.append(_put(slot, slots, tf.fill(shape, tf.cast(initial, slot.dtype))))
+        writes.append(_put(owner.row_stamps, slots, tf.boolean_mask(stamps, stale)))
+        copy = _handle(owner.row_stamps)  # read here: the marking is traced apart
+        with tf.control_dependencies(writes):
+            owner.table.mark_written(
+                slots,
+                lambda at: tf.raw_ops.ResourceGather(resource=copy, indices=at, dtype=tf.int64),
+            )
 
     def _slots_of(self, index: int) -> list[tuple]:
         """`(slot variable, initial value)` of each slot of the variable at `index`."""
