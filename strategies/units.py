@@ -13,7 +13,7 @@ A plugin that takes a `UnitStream` in `run_steps(step_fn, stream, n)` trains
 exactly `n` steps from the units `stream.take(n, workers)` gives it: a unit of
 `r` records is `ceil(r / batch)` steps (the file's last batch may be short; its
 loss is still divided by the global batch, so it weighs what it holds), each
-step `stream.decode` of the next batch of `stream.dataset(...)`.
+step `stream.decode` of the next batch of the unit's records (`stream.dataset(...)`).
 """
 
 from __future__ import annotations
@@ -67,12 +67,12 @@ class UnitStream(abc.ABC):
 
     @abc.abstractmethod
     def dataset(self, file: tf.Tensor, first: tf.Tensor, records: tf.Tensor) -> tf.data.Dataset:
-        """The records of one unit, `batch` a step, not decoded (traced once, run on a worker).
+        """The records of one unit, not decoded (traced once, run on a worker).
 
-        A worker makes one such dataset a unit, so it should cost little to
-        start: each `Dataset.map` function and each tf.data optimization pass
-        is set up anew with it, so the decoding is left to `decode`, which runs
-        in the step's own function.
+        A worker makes one such dataset a unit, and reads it whole at once, so
+        it should cost little to start: each `Dataset.map` function and each
+        tf.data optimization pass is set up anew with it, so the decoding is
+        left to `decode`, which runs in the step's own function.
         """
 
     @abc.abstractmethod

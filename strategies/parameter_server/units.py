@@ -4,8 +4,9 @@
         --config.data.follow=true --config.data.train_files='clicks/*.tfrecord'
 
 A block of `n` steps is the units `stream.take(n, workers)` hands out; each
-is scheduled as one closure that reads its records on the worker that runs it
-(`stream.dataset`, traced once on the chief) and trains them step by step,
+is scheduled as one closure that reads its records on the worker that runs it,
+all at once (`stream.dataset`, traced once on the chief; no iterator or read-ahead
+thread to start a unit), and trains them a batch a step,
 each step applying its own update as the asynchronous mode always does. The
 coordinator gives each closure to the next free worker, and runs a closure
 whose worker was lost before it returned again on another worker: its unit
@@ -19,7 +20,8 @@ whole batches but its last, so the steps a lost worker applied of its unit
 hold `steps x batch` of its records, or all of them where it applied the
 last (the smaller of the two counts holds). The block's `records_repeated` is
 at most one unit per worker lost. (One count a unit, not a step: a step's
-own round trip to the ps before it starts would cost every step.)
+own round trip to the ps before it starts would cost every step. The chief
+reads both counters in one round trip before a block and one after.)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class UnitRunner:
         self.strategy, self.coordinator, self.workers = strategy, coordinator, workers
         self._started = None  # records of the units started, repeats included: an int64 on a ps
         self._loops: dict = {}  # (step, stream) -> its traced unit loop
+        self._reads: dict = {}  # step -> its traced read of the two counters
 
     def run(self, one_step: Callable, step, stream: UnitStream, n: int) -> dict:
         """Trains `n` steps from `stream`'s next units; the sums, and `records_repeated`.
@@ -76,8 +79,15 @@ class UnitRunner:
         return {**sums, REPEATED: tf.constant(float(repeated))}
 
     def _counters(self, step) -> tuple[int, int]:
-        """Records of the units started, and steps applied: the two counters on the ps."""
-        return int(self._started.numpy()), int(step.iterations.numpy())
+        """Records of the units started, and steps applied: the two counters on the ps.
+
+        Both in one function, so one round trip to the ps (each `.numpy()` is one).
+        """
+        if step not in self._reads:
+            counters = (self._started, step.iterations)
+            self._reads[step] = tf.function(lambda: [tf.convert_to_tensor(c) for c in counters])
+        records, steps = self._reads[step]()
+        return int(records), int(steps)
 
 
 def _arguments(unit: Unit) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -89,16 +99,33 @@ def _arguments(unit: Unit) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
 
 
 def _unit_loop(one_step: Callable, stream: UnitStream, started: tf.Variable):
-    """A closure's work: the batches of one unit, a step each; returns their sums."""
+    """A closure's work: the records of one unit, read at once, a batch a step; their sums."""
 
     @tf.function
     def loop(file, first, records):
-        batches = iter(stream.dataset(file, first, records))
-        batch = next(batches)  # a unit holds one batch at least
+        # One read a unit, no iterator: nothing to start (thread, buffer) on the worker
+        # each unit, and no round trip to the reader each step.
+        unit = stream.dataset(file, first, records).batch(records).get_single_element()
+        batch = tf.constant(stream.batch, tf.int64)
         with tf.control_dependencies([started.assign_add(records)]):  # before a step applies
-            totals = one_step(stream.decode(batch))
-        for batch in batches:
-            totals = tf.nest.map_structure(tf.add, totals, one_step(stream.decode(batch)))
+            totals = one_step(stream.decode(_rows(unit, 0, batch)))
+        for at in tf.range(batch, records, batch):
+            totals = tf.nest.map_structure(
+                tf.add, totals, one_step(stream.decode(_rows(unit, at, batch)))
+            )
         return totals
 
     return loop
+
+
+def _rows(records, first: tf.Tensor, n: tf.Tensor):
+    """Records `first, ..., first + n - 1` of a unit's (fewer at its end): one step's batch."""
+
+    def rows(tensor):
+        if isinstance(tensor, tf.SparseTensor):
+            rest = tensor.dense_shape[1:]
+            start, size = tf.concat([[first], rest * 0], 0), tf.concat([[n], rest], 0)
+            return tf.sparse.slice(tensor, start, size)
+        return tensor[first : first + n]
+
+    return tf.nest.map_structure(rows, records)

@@ -29,7 +29,6 @@ from trainer.data.follow import Follower
 _STARTS_AT_ONCE = tf.data.Options()
 _STARTS_AT_ONCE.experimental_optimization.apply_default_optimizations = False
 _STARTS_AT_ONCE.autotune.enabled = False
-_READ_AHEAD = 2  # batches of a unit read ahead of its steps
 
 
 class FollowedUnits(UnitStream):
@@ -103,14 +102,12 @@ class FollowedUnits(UnitStream):
         return units
 
     def dataset(self, file: tf.Tensor, first: tf.Tensor, records: tf.Tensor) -> tf.data.Dataset:
-        """The unit's records in global batches (the last maybe short), not decoded.
+        """The unit's records, not decoded (`decode` decodes a step's batch in the step).
 
         Made anew for every unit on its worker: no `map` function and no tf.data
-        optimization or autotuning to set up each time (`decode` decodes in the step).
-        The next batches are read while the worker steps (a thread, no tuning).
+        optimization or autotuning to set up each time.
         """
-        batches = self.follower.read(file).skip(first).take(records).batch(self.batch)
-        return batches.prefetch(_READ_AHEAD).with_options(_STARTS_AT_ONCE)
+        return self.follower.read(file).skip(first).take(records).with_options(_STARTS_AT_ONCE)
 
     def decode(self, records) -> tuple:
         """A batch of the unit's records decoded: `(features, labels[, weights])`."""
