@@ -4,8 +4,10 @@ import json
 import signal
 
 import pytest
+import tensorflow as tf
 
 import strategies
+from strategies.parameter_server import units as ps_units
 from tests.helpers import config_flags, launch_and_signal, launched, one_line_error
 from tests.test_follow import _CLUSTER_FIELDS, _config, _done, _state, _write_csv
 from trainer import data
@@ -151,3 +153,16 @@ def test_examples_per_sec_under_units_counts_the_records_trained_a_short_step_wh
     assert output.metrics["steps_per_sec"] == 1.5
     assert output.metrics["examples_per_sec"] == ROWS / 2.0
     assert "examples_trained" not in output.metrics  # the rate's input, not a metric
+
+
+def test_a_units_step_takes_its_rows_of_each_feature_dense_ragged_or_sparse():
+    records = {
+        "dense": tf.reshape(tf.range(20), [10, 2]),
+        "ragged": tf.ragged.range(tf.range(10)),
+        "sparse": tf.sparse.from_dense(tf.reshape(tf.range(20), [10, 2])),
+    }
+    # Rows 8 and 9 of 10: the unit's short last step of a batch of 4.
+    rows = ps_units._rows(records, tf.constant(8, tf.int64), tf.constant(4, tf.int64))
+    assert rows["dense"].numpy().tolist() == [[16, 17], [18, 19]]
+    assert rows["ragged"].to_list() == [list(range(8)), list(range(9))]
+    assert tf.sparse.to_dense(rows["sparse"]).numpy().tolist() == [[16, 17], [18, 19]]
