@@ -315,3 +315,44 @@ def test_hashes_of_ids_are_the_same_eagerly_and_in_a_traced_function():
     eager = table.seen_ids(keys).numpy()
     assert eager[:3].all()
     np.testing.assert_array_equal(tf.function(lambda: table.seen_ids(keys))().numpy(), eager)
+
+
+def _row_stamps(table: tables.DynamicTable, ids: list, written: list[bool]):
+    """Row stamps (a callable of slots, as `mark_written` takes) written where `written`."""
+    slots, stamps = (t.numpy() for t in table.find(tf.constant(ids, tf.int64)))
+    row_stamps = np.full(table.capacity + 1, -1, np.int64)
+    row_stamps[slots] = np.where(written, stamps, stamps - 1)
+    return slots, lambda at: tf.gather(row_stamps, at)
+
+
+def test_marking_rows_written_marks_those_of_their_ids_stamp_and_changes_no_slot_or_stamp():
+    table = _table()
+    _admit(table, [1, 2, 3])
+    found = [t.numpy() for t in table.find(tf.constant([1, 2, 3], tf.int64))]
+    slots, row_stamps = _row_stamps(table, [1, 2, 3], [True, False, True])
+    assert int(table.mark_written(slots, row_stamps)) == 3
+    codes = table.codes(tf.constant([1, 2, 3, 4], tf.int64))
+    assert table.written(codes).numpy().tolist() == [True, False, True, False]
+    for before, now in zip(found, table.find(tf.constant([1, 2, 3], tf.int64)), strict=True):
+        np.testing.assert_array_equal(now.numpy(), before)
+    np.testing.assert_array_equal(np.sort(table.contents()["slots"]), np.sort(found[0]))
+    # A row stamp that is no longer its slot's (a row reset for the id before) unmarks.
+    slots, row_stamps = _row_stamps(table, [1], [False])
+    table.mark_written(slots, row_stamps)
+    codes = table.codes(tf.constant([1, 3], tf.int64))
+    assert table.written(codes).numpy().tolist() == [False, True]
+    np.testing.assert_array_equal(table.slots_of(codes).numpy(), found[0][[0, 2]])
+
+
+def test_marking_the_slots_of_evicted_ids_or_free_slots_adds_no_id_to_the_index():
+    table = _table(capacity=3)
+    _admit(table, [1, 2])  # slots 0 and 1; slot 2 free
+    slots, row_stamps = _row_stamps(table, [1, 2], [True, True])
+    table.mark_written(tf.constant([2], tf.int64), row_stamps)  # free: no id holds it
+    assert int(table.index.size()) == 2 and _held(table, [0]) == [False]
+    _admit(table, [3, 4])  # 3 takes the free slot; LRU: 4 takes the slot of 1
+    table.mark_written(tf.concat([slots, [2]], 0), row_stamps)
+    assert _held(table, [1, 2, 3, 4]) == [False, True, True, True]
+    assert int(table.index.size()) == 3
+    codes = table.codes(tf.constant([2, 3, 4], tf.int64))
+    assert table.written(codes).numpy().tolist() == [True, False, False]

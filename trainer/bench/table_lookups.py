@@ -13,7 +13,8 @@ call per batch:
   its `serving_default` signature called;
 - `train_step_ms`: one training step of the int64 table alone (the lookup
   with admission, the gradient, `trainer.loop.optim`'s Adam update of the
-  rows looked up), on ids it holds.
+  rows looked up), on ids it holds, the median of the wall clock; beside it
+  `train_step_cpu_ms`, the mean CPU time of this process a step.
 
 Lookups in ids/s of the wall clock, and beside each its ids per CPU second
 of this process (`..._ids_per_cpu_s`: on a machine shared with other work,
@@ -55,7 +56,9 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
             contenders[f"{name}_ids_s"] = _timed(call, batches, per_cpu_s)
         if kind == "int64":
             step = train_step(layer)
-            contenders["train_step_ms"] = _step_ms(step, batches)
+            contenders["train_step_ms"] = _step_ms(
+                step, batches, cpu.setdefault("train_step_cpu_ms", [])
+            )
         note(f"  {kind}: table of {int(layer.table.size())} ids, {len(batches)} batches")
     samples = alternate(contenders, reps)
     samples.update({name: values[-reps:] for name, values in cpu.items()})  # not the warm-ups
@@ -69,6 +72,8 @@ def run(sizes: Sizes, reps: int, workdir: str) -> dict:
     for name, values in samples.items():
         if name.endswith(("_ids_s", "_ids_per_cpu_s")):
             note(f"  {name}: " + ", ".join(f"{v / 1e6:.2f}M" for v in values))
+        elif name.endswith("_ms"):
+            note(f"  {name}: " + ", ".join(f"{v:.2f}" for v in values))
     return result(
         "ids/s, ms",
         figures,
@@ -178,16 +183,20 @@ def _timed(call, batches: list, per_cpu_s: list[float]) -> callable:
     return once
 
 
-def _step_ms(step, batches: list) -> callable:
-    """A contender of `alternate`: the median ms of `step` over the batches."""
+def _step_ms(step, batches: list, cpu_ms: list[float]) -> callable:
+    """A contender of `alternate`: the median ms of `step` over the batches.
+
+    Also appends the mean CPU ms a step of this process to `cpu_ms`.
+    """
     step(batches[0])
 
     def once() -> float:
-        times = []
+        times, cpu_tic = [], time.process_time()
         for ids_batch in batches:
             tic = time.perf_counter()
             step(ids_batch).numpy()
             times.append(time.perf_counter() - tic)
+        cpu_ms.append((time.process_time() - cpu_tic) / len(batches) * 1e3)
         return float(np.median(times)) * 1e3
 
     return once
