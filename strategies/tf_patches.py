@@ -68,6 +68,10 @@ it).
   converts is removed once loaded, its source kept for tracebacks (process-wide;
   upstream removes them only at a normal exit, so every member that ends
   through `os._exit`, lost or forked, left them in the temp directory).
+- `own_code_unconverted`: AutoGraph leaves towerflow's own functions as they
+  are, but for the modules whose loops run over tensors (process-wide; they
+  are written in TensorFlow ops, and converting them again in every process
+  cost about 3 s of a run's start-up).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 """
@@ -230,6 +234,12 @@ PATCHES = {
         "tensorflow",
         ("2.20", "2.21"),
         "AutoGraph rewraps an error raised in converted code unless it has `ag_pass_through`",
+    ),
+    "own_code_unconverted": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "AutoGraph converts every function a converted one calls, unless its module matches "
+        "a rule of its private config.CONVERSION_RULES (first match wins)",
     ),
 }
 _VERSIONS = {"tensorflow": tf.__version__, "keras": keras.__version__}
@@ -584,6 +594,40 @@ def autograph_leaves_no_files() -> None:
     load_source._towerflow_no_files = True
     load_source.__wrapped__ = upstream
     loader.load_source = load_source
+
+
+# towerflow's own packages, whose functions AutoGraph leaves as they are (`own_code_unconverted`),
+# and, within them, the modules it still converts: their loops run over tensors.
+OWN_PACKAGES = ("trainer", "strategies", "towerflow")
+CONVERTED_MODULES = ("strategies.base", "strategies.parameter_server")
+
+
+def own_code_unconverted() -> None:
+    """AutoGraph leaves towerflow's own functions unconverted, but for `CONVERTED_MODULES`.
+
+    AutoGraph converts each function that a converted one calls, again in
+    every process (about 150 of towerflow's functions in a run's first steps,
+    3 s of CPU, a third of a small run's start-up). towerflow's functions are
+    written in TensorFlow's ops, Python's `if` and `for` only over what is
+    known while tracing; only the loops of `CONVERTED_MODULES` iterate over
+    tensors. A user's function stays converted as before: the model's and the
+    task's code is called by Keras (which AutoGraph leaves alone, as it did),
+    or converted where towerflow calls it (`trainer.loop.steps`' task step).
+    Process-wide and never undone; a rule already there is not added again.
+    """
+    from tensorflow.python.autograph.core import config, config_lib  # noqa: PLC0415
+
+    rules = getattr(config, "CONVERSION_RULES", None)
+    if not isinstance(rules, tuple) or any(
+        isinstance(rule, config_lib.DoNotConvert) and rule.matches(OWN_PACKAGES[0])
+        for rule in rules
+    ):
+        return  # upstream decides another way now, or it is patched already
+    targeted("own_code_unconverted")
+    own = tuple(config_lib.Convert(name) for name in CONVERTED_MODULES) + tuple(
+        config_lib.DoNotConvert(name) for name in OWN_PACKAGES
+    )
+    config.CONVERSION_RULES = own + rules
 
 
 _UPSTREAM_DEVICE_DATASET = getattr(multi_device_iterator_ops, "_create_device_dataset", None)

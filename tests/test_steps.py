@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from strategies.base import SplitTrainStep, TrainStepProtocol
 from tests.helpers import tiny_config
@@ -78,3 +79,22 @@ def test_a_tasks_own_train_step_is_a_step_without_halves(tmp_path):
     assert isinstance(step, TrainStepProtocol) and not isinstance(step, SplitTrainStep)
     assert step.iterations is job.optimizer.iterations
     assert not hasattr(step, "gradients") and not hasattr(step, "apply")
+
+
+def test_a_tasks_own_train_step_is_converted_by_autograph(tmp_path):
+    config = tiny_config()
+    job = train.build(config, str(tmp_path / "own"))  # the build leaves towerflow's code as it is
+    gb = config.train.global_batch_size
+
+    def own(model, optimizer, x, y, weights, replica_loss):
+        loss, sums = replica_loss(model(x, training=True))
+        if loss > 0:  # on a tensor: AutoGraph makes it a `tf.cond`
+            sums["positive"] = tf.ones([])
+        else:
+            sums["positive"] = tf.zeros([])
+        return sums
+
+    step = steps.CustomTrainStep(own, job.model, job.optimizer, job.objective, gb)
+    iterator = iter(job.strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, 0)))
+    sums = job.strategy.run_steps(step, iterator, 2)
+    assert sums["positive"] == 2 * job.strategy.num_replicas_in_sync  # 1 a step on each replica

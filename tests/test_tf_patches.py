@@ -7,9 +7,11 @@ what it says.
 
 import ctypes
 import gc
+import importlib.util
 import inspect
 import logging
 import os
+import sys
 import tempfile
 import threading
 import weakref
@@ -459,3 +461,50 @@ def test_autograph_leaves_its_generated_modules_in_the_temp_directory_unless_pat
     assert not os.path.exists(gone) and module.f(1) == 2
     assert inspect.getsource(module.f) == source  # from linecache, the file gone
     assert list(tmp_path.iterdir()) == []
+
+
+def _module_with_a_tensor_if(name: str, folder):
+    """A module `name`, from a file (AutoGraph reads the source), whose `sign` needs AutoGraph."""
+    path = folder / f"{name.replace('.', '_')}.py"
+    path.write_text("def sign(x):\n    if x > 0:\n        return x\n    return -x\n")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_autograph_converts_a_called_function_unless_a_rule_names_its_module(tmp_path):
+    from tensorflow.python.autograph.core import config, config_lib
+
+    module = _module_with_a_tensor_if("towerflow_canary.signs", tmp_path)
+    traced = tf.function(lambda x: module.sign(x))
+    with mock.patch.dict(sys.modules, {module.__name__: module}):
+        assert float(traced(tf.constant(-2.0))) == 2.0  # converted: the `if` became a cond
+        rules = (config_lib.DoNotConvert("towerflow_canary"), *config.CONVERSION_RULES)
+        with mock.patch.object(config, "CONVERSION_RULES", rules):
+            with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
+                tf.function(lambda x: module.sign(x))(tf.constant(-2.0))  # left as it is
+
+
+def test_own_code_is_left_unconverted_but_for_the_modules_looping_over_tensors(tmp_path):
+    from tensorflow.python.autograph.core import config
+
+    ours = (*tf_patches.OWN_PACKAGES, *tf_patches.CONVERTED_MODULES)
+    upstream = tuple(r for r in config.CONVERSION_RULES if not any(r.matches(n) for n in ours))
+    with mock.patch.object(config, "CONVERSION_RULES", upstream):  # as if a run had not patched it
+        tf_patches.own_code_unconverted()
+        tf_patches.own_code_unconverted()  # once only
+        rules = config.CONVERSION_RULES
+        own = _module_with_a_tensor_if("trainer.loop.canary", tmp_path)
+        looping = _module_with_a_tensor_if("strategies.base_canary", tmp_path)
+        looping_too = _module_with_a_tensor_if("strategies.base.canary", tmp_path)
+        user = _module_with_a_tensor_if("my_pkg.tasks", tmp_path)
+        modules = {m.__name__: m for m in (own, looping, looping_too, user)}
+        with mock.patch.dict(sys.modules, modules):
+            with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
+                tf.function(lambda x: own.sign(x))(tf.constant(-2.0))
+            with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
+                tf.function(lambda x: looping.sign(x))(tf.constant(-2.0))  # a name's prefix
+            assert float(tf.function(lambda x: looping_too.sign(x))(tf.constant(-2.0))) == 2.0
+            assert float(tf.function(lambda x: user.sign(x))(tf.constant(-2.0))) == 2.0
+    assert len(rules) == len(upstream) + 5

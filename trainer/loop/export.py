@@ -63,7 +63,8 @@ def export(
     module.model = model
     kind = models.output_kind(model) if num_classes > 0 else "values"
 
-    @tf.function
+    # TF ops, and Python's `if` on what is known while tracing: nothing for AutoGraph.
+    @tf.function(autograph=False)
     def serve(**features):
         if compiled.takes_named_inputs(model):
             inputs = features
@@ -78,7 +79,7 @@ def export(
 
     specs = _input_specs(model, input_shape)
 
-    @tf.function
+    @tf.function(autograph=False)
     def serve_flat(**flat):  # a signature takes tensors: ragged and sparse in parts
         return serve(**_joined(specs, flat))
 

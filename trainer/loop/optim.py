@@ -627,7 +627,7 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.boundaries = tuple(boundaries)
         self.decay_rate = decay_rate
         # One function call, not a dozen eager ops, when the loop reads the rate each loop.
-        self._rate = tf.function(self._rate_at)
+        self._rate = tf.function(self._rate_at, autograph=False)  # its `if`s are Python's
 
     def __call__(self, step):
         return self._rate(tf.convert_to_tensor(step))

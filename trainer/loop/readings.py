@@ -40,7 +40,7 @@ class Readings:
             values = [optimizer.iterations, optimizer.learning_rate, *extra]
             return tf.stack([tf.cast(v, tf.float64) for v in values])
 
-        self._read = tf.function(read)
+        self._read = tf.function(read, autograph=False)  # TF ops only: nothing to convert
         self.learning_rate = float("nan")  # until the first read
         self._values = dict.fromkeys(self._names, 0.0)
 

@@ -145,7 +145,9 @@ class CustomTrainStep:
         batch: int,
         unroll: Unroll | None = None,
     ):
-        self.custom_step, self.global_batch_size = custom_step, batch
+        # The task's own code, converted by AutoGraph as a `tf.function`'s would be
+        # (towerflow's own functions are not: `strategies.tf_patches.own_code_unconverted`).
+        self.custom_step, self.global_batch_size = tf.autograph.to_graph(custom_step), batch
         self.unroll = unroll  # as `TrainStep`'s
         self.model, self.optimizer, self.objective = model, optimizer, objective
         self.variables, self.iterations = model.trainable_variables, optimizer.iterations
