@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from trainer.layers import table_seen, tables
+from trainer.layers import table_policy, table_seen, table_store, tables
 
 EXTREMES = [0, 1, -1, 2**63 - 1, -(2**63), 123456789012345]
 
@@ -356,3 +356,18 @@ def test_marking_the_slots_of_evicted_ids_or_free_slots_adds_no_id_to_the_index(
     assert int(table.index.size()) == 3
     codes = table.codes(tf.constant([2, 3, 4], tf.int64))
     assert table.written(codes).numpy().tolist() == [True, False, False]
+
+
+def test_the_eviction_policy_works_over_an_index_store_alone():
+    """A part of the table with its own small interface: the store, and its settings."""
+    store = table_store.IndexStore(capacity=2)
+    evictions = table_policy.EvictionPolicy(store, "lru", half_life=500, ttl_steps=0)
+    step, keys = tf.constant(0, tf.int64), tf.constant([10, 11], tf.int64)
+    slots = evictions.allocate(tf.constant([1, 1], tf.int64), step)
+    assert slots.numpy().tolist() == [0, 1], "never used slots first"
+    store.touch(slots, slots, keys, step, tf.constant([16, 16], tf.int64))
+    store.index.insert(keys, store.held_code(slots))
+    # Full: the id seen longest ago gives its slot (a tie: the smaller id), and is forgotten.
+    assert evictions.allocate(tf.constant([1], tf.int64), step + 1).numpy().tolist() == [0]
+    assert store.index.lookup(keys).numpy().tolist() == [-1, store.capacity + 1]
+    assert int(store.counter("evicted")) == 1

@@ -1,118 +1,92 @@
 """A dynamic table's policies: which ids get a row, how waiting ids are counted, who leaves.
 
-Two mixins of `trainer.layers.tables.DynamicTable`, each one policy of its
-index (the module docstring of `tables` tells what they do together), and
-one part it holds:
+Three parts that `trainer.layers.tables.DynamicTable` holds as members, each
+with a small interface of its own (the module docstring of `tables` tells
+what they do together):
 
-* `AdmissionPolicy`: `admit`, a step's ids counted and those seen
-  `min_count` times given a slot, inside the table's lock.
-* `EvictionPolicy`: where the newcomers' slots come from (freed, never used,
-  or evicted by "lfu" or "lru"), and the TTL sweep.
-* `CountMinSketch`: the counts of the ids not admitted yet, in a sketch of
-  fixed size (with `min_count` > 1): a part the table holds (`count_sketch`),
-  with its own small interface (`rows`, `columns`, `estimate`, `counted`,
-  `load`, `bytes`), reading nothing of the table.
+* `AdmissionPolicy` (the table's `admission`): `admit`, a step's ids counted
+  and those seen `min_count` times given a slot; the table calls it inside
+  its lock.
+* `EvictionPolicy` (`evictions`): where the newcomers' slots come from
+  (`allocate`: freed, never used, or evicted by "lfu" or "lru"), the counts
+  decayed by age (`decayed`), and the TTL sweep (`maybe_sweep`).
+* `CountMinSketch` (`count_sketch`): the counts of the ids not admitted yet,
+  in a sketch of fixed size (with `min_count` > 1), with its own small
+  interface (`rows`, `columns`, `estimate`, `counted`, `load`, `bytes`).
 
-The mixins hold no state of their own: every lookup table, variable and
-counter is the `DynamicTable`'s (made in its `__init__`), so a checkpoint's
-keys are those of the table alone. They use its index (`index`,
-`slot_info`, `free`), its parts (`count_sketch`, `seen_filter`), its
-settings, its counters (`counter`, `_set`, `_add`) and its reads (`now`,
-`_info`, `keys_of`), and one another's steps.
+None holds state of its own: every hash table is the index's
+(`trainer.layers.table_store.IndexStore`, whose tables are the table's
+attributes, so a checkpoint's keys are those of the table alone). The
+policies read and write it through the store's operations (counters, slot
+info, codes, `touch`, `release`); admission takes the eviction policy, the
+sketch and the seen-filter it is given.
 """
 
 from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
 
 from trainer.layers.table_encoding import (
     COUNT_LIMIT,
-    COUNT_MAX,
     COUNT_ONE,
     GOLDEN,
-    STEP_BITS,
     count_of,
     last_seen,
     splitmix64,
     u64,
 )
 
+if TYPE_CHECKING:
+    from trainer.layers.table_seen import SeenFilter
+    from trainer.layers.table_store import IndexStore
+
 
 class AdmissionPolicy:
     """Which of a step's ids get a row: those counted `min_count` times, most counted first.
 
-    `admit` takes the table's lock (once per gathered batch with `once`);
-    `_admit` then marks the held ids seen, counts the others (in the index
-    or the `CountMinSketch`), gives slots to those due one (`_allocate` of
-    the `EvictionPolicy`), keeps the counts of those left waiting, notes
-    every id in the seen-filter (`trainer.layers.table_seen`), and adds to
-    the counters. Then the TTL sweep, if due.
+    `admit` (inside the table's lock) marks the held ids seen, counts the
+    others (in the index or the `CountMinSketch`), gives slots to those due
+    one (`EvictionPolicy.allocate`), keeps the counts of those left waiting,
+    notes every id in the seen-filter (`trainer.layers.table_seen`), and adds
+    to the counters.
+
+    Args:
+      store: the table's index (`IndexStore`).
+      evictions: the table's `EvictionPolicy`.
+      min_count: lookups an id needs before it gets a row.
+      count_sketch: the counts of ids not admitted yet (`CountMinSketch`); None
+        with `min_count` 1: counts in the index.
+      seen_filter: the table's `SeenFilter`, or None.
     """
 
-    def admit(
-        self, keys: tf.Tensor, step: tf.Tensor | None = None, once: bool = False
-    ) -> tf.Tensor:
-        """Counts int64 `keys` (1-D, a step's), admits those seen `min_count` times.
+    def __init__(
+        self,
+        store: IndexStore,
+        evictions: EvictionPolicy,
+        min_count: int,
+        count_sketch: CountMinSketch | None,
+        seen_filter: SeenFilter | None,
+    ):
+        self.store, self.evictions = store, evictions
+        self.min_count = int(min_count)
+        self.count_sketch, self.seen_filter = count_sketch, seen_filter
 
-        Every key's last-seen step becomes the current step: `step`, as `now()`
-        gave it (read here if None), or without a clock the count of calls,
-        read inside the lock. Ids admitted now are found at once (`find` after
-        this). Then, if due, the TTL sweep. With `once` (the replicas of a
-        step, each admitting the same gathered batch), a batch already admitted
-        at this step changes nothing: whichever replica comes first admits it,
-        and every replica's `find` that follows its own call sees the admission.
+    def admit(self, keys: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Counts int64 `keys` (1-D, a step's) at `step`, admits those seen `min_count` times.
+
+        Every key's last-seen step becomes `step`. Returns True once every
+        change is made. Inside the table's lock (`DynamicTable.admit`).
         """
-        # The clock is read outside the lock: the parts of a split table share it,
-        # and a lock claims every resource read inside it for itself alone.
-        if self._clock is None:
-            step = None
-        elif step is None:
-            step = self.now()
-        if tf.executing_eagerly():
-            return self._locked_admit(keys, step, once)
-        # Traced as a function of its own, whose keys are copied here first. TF's automatic
-        # control dependencies chain, in program order, every stateful op that takes no
-        # resource, and the lock's release is one: the admissions of a table's parts (each
-        # on its ps member) would each wait for the one before. And the lock waits for
-        # every op whose output its work reads: for the op that made `keys`, on a worker,
-        # unless they are copied on this device. Each is a message every step.
-        admit = tf.function(self._locked_admit, autograph=False)
-        return admit(tf.identity(keys), step, once)
-
-    def _locked_admit(self, keys: tf.Tensor, step: tf.Tensor | None, once: bool) -> tf.Tensor:
-        """`admit`'s work inside the table's lock."""
-        if not once or step is None:
-            return self._lock.execute(lambda: self._admit(keys, step))
-        mark = tf.bitcast(tf.fingerprint(keys[None, :]), tf.int64)[0]
-        return self._lock.execute(lambda: self._admit_once(keys, step, mark))
-
-    def _admit_once(self, keys: tf.Tensor, step: tf.Tensor, mark: tf.Tensor) -> tf.Tensor:
-        """`_admit` unless the batch of fingerprint `mark` was admitted at `step`."""
-        batches = self._batches[0]
-        done = tf.equal(tf.reshape(batches.lookup(mark[None]), []), step)
-
-        def admit():
-            marked, steps = batches.export()
-            old = tf.boolean_mask(marked, tf.reshape(steps, [-1]) < step)
-            with tf.control_dependencies([batches.remove(old)]):
-                noted = batches.insert(mark[None], step[None])
-            with tf.control_dependencies([noted]):
-                return self._admit(keys, step)
-
-        return tf.cond(done, lambda: tf.constant(False), admit)
-
-    def _admit(self, keys: tf.Tensor, clock: tf.Tensor | None) -> tf.Tensor:
-        """`admit`'s work, inside the lock, at step `clock` (None: the count of calls).
-
-        Returns whether the TTL sweep ran (True without a TTL).
-        """
-        step = self.now() if clock is None else clock
+        store = self.store
         unique, position = tf.unique(keys)
         seen = tf.math.unsorted_segment_sum(
             tf.ones_like(position, tf.int64), position, tf.size(unique)
         )
-        value = tf.reshape(self.index.lookup(unique), [-1])
+        value = tf.reshape(store.index.lookup(unique), [-1])
         held = value >= 0
         touched = self._touch_held(unique, value, held, seen, step)
         counts, sketched = self._waiting_counts(unique, value, held, seen)
@@ -120,7 +94,7 @@ class AdmissionPolicy:
             wanted, new_slots = self._grant(counts, held, step)
         granted = wanted[: tf.size(new_slots)]
         new_keys = tf.gather(unique, granted)
-        new_stamps = step * self.capacity + new_slots
+        new_stamps = step * store.capacity + new_slots
         admitted = tf.scatter_nd(
             granted[:, None], tf.ones_like(granted, tf.bool), tf.shape(held, out_type=tf.int64)
         )
@@ -133,11 +107,11 @@ class AdmissionPolicy:
         # What the step's lookups read: a row where the id holds one now, else the default.
         read_rows = tf.reduce_sum(tf.where(held | admitted, seen, 0))
         updates = [
-            self.index.insert(new_keys, self.held_code(new_stamps)),
-            self._touch(
+            store.index.insert(new_keys, store.held_code(new_stamps)),
+            store.touch(
                 new_slots, new_stamps, new_keys, step, tf.gather(counts, granted) * COUNT_ONE
             ),
-            self._add(
+            store.add(
                 admitted=tf.size(new_slots),
                 refused=tf.size(wanted) - tf.size(new_slots),
                 lookups=tf.size(keys),
@@ -145,13 +119,9 @@ class AdmissionPolicy:
             ),
             kept,
         ]
-        if self.seen is not None:
+        if self.seen_filter is not None:
             updates.append(self.seen_filter.remember(unique))
-        if self._clock is None:
-            updates.append(self._set("calls", step + 1))
         with tf.control_dependencies(updates):
-            if self.ttl_steps:  # after the touch: an id seen now is never swept now
-                return self._maybe_sweep(step)
             return tf.constant(True)
 
     def _touch_held(
@@ -167,14 +137,14 @@ class AdmissionPolicy:
         `value` is each id's in the index (`held_code` of its stamp where held).
         """
         at = tf.where(held)[:, 0]  # one mask for the three (a mask is four ops)
-        held_slots = self.slots_of(tf.gather(value, at))
-        held_info = self._info(held_slots)
-        return self._touch(
+        held_slots = self.store.slots_of(tf.gather(value, at))
+        held_info = self.store.info(held_slots)
+        return self.store.touch(
             held_slots,
             held_info[:, 0],
             tf.gather(unique, at),
             step,
-            self._decayed(held_info, step) + tf.gather(seen, at) * COUNT_ONE,
+            self.evictions.decayed(held_info, step) + tf.gather(seen, at) * COUNT_ONE,
         )
 
     def _waiting_counts(
@@ -186,7 +156,7 @@ class AdmissionPolicy:
         0 for held ids; at most `COUNT_LIMIT - 1`. And the sketch's cells and
         the ids' columns, read for `_keep_counts` (None without a sketch).
         """
-        if self.sketch is None:
+        if self.count_sketch is None:
             counts = tf.where(held, tf.zeros_like(value), -value - 1) % COUNT_LIMIT + seen
             sketched = None
         else:
@@ -201,13 +171,13 @@ class AdmissionPolicy:
     ) -> tuple[tf.Tensor, tf.Tensor]:
         """The ids due a slot (positions, the most counted first) and the slots they get.
 
-        Ids not `held` and counted `min_count` times want a slot; `_allocate`
+        Ids not `held` and counted `min_count` times want a slot; `EvictionPolicy.allocate`
         gives as many as it can, to the first of them: the others are refused.
         """
         wanted = tf.where(~held & (counts >= self.min_count))[:, 0]
         # The most counted first (stable: then in the order of the batch).
         wanted = tf.gather(wanted, tf.argsort(-tf.gather(counts, wanted), stable=True))
-        return wanted, self._allocate(tf.gather(counts, wanted), step)
+        return wanted, self.evictions.allocate(tf.gather(counts, wanted), step)
 
     def _keep_counts(
         self,
@@ -225,26 +195,13 @@ class AdmissionPolicy:
         seen at.
         """
         if sketched is not None:
-            taken = self.counter("sketched") + tf.reduce_sum(tf.boolean_mask(seen, waiting))
+            taken = self.store.counter("sketched") + tf.reduce_sum(tf.boolean_mask(seen, waiting))
             write, taken = self.count_sketch.counted(*sketched, waiting, counts, taken)
-            return tf.group(write, self._set("sketched", taken))
-        return self.index.insert(
+            return tf.group(write, self.store.set("sketched", taken))
+        return self.store.index.insert(
             tf.boolean_mask(unique, waiting),
             -1 - (tf.boolean_mask(counts, waiting) + step * COUNT_LIMIT),
         )
-
-    def _touch(
-        self,
-        slots: tf.Tensor,
-        stamps: tf.Tensor,
-        keys: tf.Tensor,
-        step: tf.Tensor,
-        counts: tf.Tensor,
-    ):
-        """Marks `slots` (holding `stamps` of `keys`) seen at `step`, with `counts` then."""
-        packed = step + tf.bitwise.left_shift(tf.minimum(counts, COUNT_MAX), STEP_BITS)
-        seen = tf.stack([stamps, packed, keys], 1)
-        return self.slot_info.insert(slots, seen)
 
 
 class CountMinSketch:
@@ -330,13 +287,25 @@ class CountMinSketch:
 class EvictionPolicy:
     """Where newcomers' slots come from, and which held ids lose theirs.
 
-    `_allocate` gives freed slots, then never used ones, then (with
-    `eviction` "lfu" or "lru") evicted ones (`_evict`); `_maybe_sweep` frees
-    the ids not seen for `ttl_steps`. An evicted or swept id is forgotten
-    (`_release`): it is counted from zero if it comes back.
+    `allocate` gives freed slots, then never used ones, then (with
+    `eviction` "lfu" or "lru") evicted ones (`_evict`); `maybe_sweep` frees
+    the ids not seen for `ttl_steps`; `decayed` gives held ids' counts at a
+    step. An evicted or swept id is forgotten (`IndexStore.release`): it is
+    counted from zero if it comes back.
+
+    Args:
+      store: the table's index (`IndexStore`).
+      eviction: "lfu", "lru" or None (a full table refuses new ids).
+      half_life: steps over which an unseen id's count halves.
+      ttl_steps: free the rows of ids not seen for this many steps (0: never).
     """
 
-    def _decayed(self, info: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+    def __init__(self, store: IndexStore, eviction: str | None, half_life: int, ttl_steps: int):
+        self.store, self.eviction = store, eviction
+        self.half_life, self.ttl_steps = int(half_life), int(ttl_steps)
+        self.sweep_every = max(1, math.ceil(self.ttl_steps / 8))
+
+    def decayed(self, info: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
         """The counts of slots of `info` decayed from their last-seen step to `step` (int64).
 
         Halved every `half_life` steps unseen (exactly: by 2**(-age / half_life),
@@ -347,7 +316,7 @@ class EvictionPolicy:
         decay = tf.pow(tf.constant(2.0, tf.float64), -age / self.half_life)
         return tf.cast(tf.floor(counts * decay), tf.int64)
 
-    def _allocate(self, wanted: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+    def allocate(self, wanted: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
         """Free slots for the newcomers of counts `wanted` (most counted first, in lookups).
 
         Freed slots, then never used ones, then evicted ones: under "lru" the
@@ -355,13 +324,13 @@ class EvictionPolicy:
         the newcomer's, for as many newcomers as beat one (`_evict`). As many
         slots as newcomers get one, given in the order of `wanted`.
         """
-        number = tf.size(wanted, out_type=tf.int64)
-        free = self.counter("free")
+        store, number = self.store, tf.size(wanted, out_type=tf.int64)
+        free = store.counter("free")
         reused = tf.minimum(number, free)
-        popped = tf.reshape(self.free.lookup(tf.range(free - reused, free)), [-1])
-        fresh = self.counter("fresh")
-        more = tf.minimum(number - reused, self.capacity - fresh)
-        updates = [self._set("free", free - reused), self._set("fresh", fresh + more)]
+        popped = tf.reshape(store.free.lookup(tf.range(free - reused, free)), [-1])
+        fresh = store.counter("fresh")
+        more = tf.minimum(number - reused, store.capacity - fresh)
+        updates = [store.set("free", free - reused), store.set("fresh", fresh + more)]
         with tf.control_dependencies(updates):
             slots = [popped, tf.range(fresh, fresh + more)]
             if self.eviction is not None:
@@ -382,56 +351,44 @@ class EvictionPolicy:
         count = tf.size(newcomers, out_type=tf.int64)
 
         def evict():
-            slots, info = self._export()
+            slots, info = self.store.held()
             older = last_seen(info) < step
             slots, info = tf.boolean_mask(slots, older), tf.boolean_mask(info, older)
             order = tf.argsort(info[:, 2], stable=True)
             order = tf.gather(order, tf.argsort(tf.gather(last_seen(info), order), stable=True))
             if self.eviction == "lfu":
-                counts = tf.gather(self._decayed(info, step), order)
+                counts = tf.gather(self.decayed(info, step), order)
                 lowest = tf.argsort(counts, stable=True)[:count]
                 order = tf.gather(order, lowest)
                 # Newcomers highest first against victims lowest first: those that win are a prefix.
                 beaten = newcomers[: tf.size(order)] * COUNT_ONE > tf.gather(counts, lowest)
                 order = order[: tf.reduce_sum(tf.math.cumprod(tf.cast(beaten, tf.int64)))]
             chosen = tf.gather(slots, order[:count])
-            with tf.control_dependencies([self._release(chosen, "evicted")]):
+            with tf.control_dependencies([self.store.release(chosen, "evicted")]):
                 return tf.identity(chosen)
 
         return tf.cond(count > 0, evict, lambda: tf.zeros([0], tf.int64))
 
-    def _export(self) -> tuple[tf.Tensor, tf.Tensor]:
-        """Every held slot and its (stamp, last-seen step)."""
-        slots, info = self.slot_info.export()
-        return tf.reshape(slots, [-1]), tf.reshape(info, [-1, 3])
-
-    def _release(self, slots: tf.Tensor, counter: str):
-        """Forgets the ids of `slots` (they are counted from zero if they come back)."""
-        return tf.group(
-            self.index.remove(self.keys_of(slots)),
-            self.slot_info.remove(slots),
-            self._add(**{counter: tf.size(slots)}),
-        )
-
-    def _maybe_sweep(self, step: tf.Tensor) -> tf.Tensor:
+    def maybe_sweep(self, step: tf.Tensor) -> tf.Tensor:
         """Every `sweep_every` steps (once a step), frees the rows of ids older than the TTL."""
-        due = tf.equal(step % self.sweep_every, 0) & tf.not_equal(self.counter("swept"), step + 1)
+        store = self.store
+        due = tf.equal(step % self.sweep_every, 0) & tf.not_equal(store.counter("swept"), step + 1)
 
         def sweep():
-            keys, values = self.index.export()
+            keys, values = store.index.export()
             keys, values = tf.reshape(keys, [-1]), tf.reshape(values, [-1])
             counted_until = (-values - 1) // COUNT_LIMIT
             forgotten = (values < 0) & (counted_until <= step - self.ttl_steps)
-            slots, info = self._export()
+            slots, info = store.held()
             expired = tf.boolean_mask(slots, last_seen(info) <= step - self.ttl_steps)
-            free = self.counter("free")
+            free = store.counter("free")
             count = tf.size(expired, out_type=tf.int64)
-            with tf.control_dependencies([self._release(expired, "evicted")]):
+            with tf.control_dependencies([store.release(expired, "evicted")]):
                 done = tf.group(
-                    self.index.remove(tf.boolean_mask(keys, forgotten)),
-                    self.free.insert(tf.range(free, free + count), expired),
-                    self._set("free", free + count),
-                    self._set("swept", step + 1),
+                    store.index.remove(tf.boolean_mask(keys, forgotten)),
+                    store.free.insert(tf.range(free, free + count), expired),
+                    store.set("free", free + count),
+                    store.set("swept", step + 1),
                 )
             with tf.control_dependencies([done]):
                 return tf.constant(True)

@@ -88,21 +88,22 @@ steps, counts, the sketch), so a split table restores into another split
 
 The code, to read in steps: `DynamicTable` here owns the index (every hash
 table, the lock and the clock; checkpoints hold them under its attribute
-names) and reads it: counters, `figures()`, `contents()` and `load()`,
-`find()`. Its policies are mixins of `trainer.layers.table_policy`, with no
-state of their own: `AdmissionPolicy` (`admit`) and `EvictionPolicy` (slots
-for newcomers, LFU and LRU, the TTL sweep). Two parts it holds as members,
-each with a small interface of its own and reading nothing of the table:
-`count_sketch` (`CountMinSketch`, `trainer.layers.table_policy`) and
-`seen_filter` (`SeenFilter`, `trainer.layers.table_seen`), over hash tables
-that are the table's attributes (`sketch`, `seen`), as checkpoints hold
-them. The hash and the packing of counts and steps they share are
+names), takes the lock for every change (`admit`) and reads it: counters,
+`figures()`, `contents()` and `load()`, `find()`. It is composed of parts
+held as members, each with a small interface of its own and reading nothing
+of the table: `store` (`IndexStore`, `trainer.layers.table_store`: the
+index's hash tables and the operations its parts share), `admission`
+(`AdmissionPolicy`, `trainer.layers.table_policy`: `admit`), `evictions`
+(`EvictionPolicy`: slots for newcomers, LFU and LRU, the TTL sweep),
+`count_sketch` (`CountMinSketch`) and `seen_filter` (`SeenFilter`,
+`trainer.layers.table_seen`), the last two over hash tables that are the
+table's attributes (`sketch`, `seen`), as checkpoints hold them. The hash
+and the packing of counts and steps they share are
 `trainer.layers.table_encoding`'s.
 """
 
 from __future__ import annotations
 
-import math
 import uuid
 import weakref
 from collections.abc import Callable
@@ -127,6 +128,10 @@ from trainer.layers.table_encoding import (  # noqa: F401
 from trainer.layers.table_policy import AdmissionPolicy, CountMinSketch, EvictionPolicy
 from trainer.layers.table_seen import SEEN_BITS, SeenFilter  # noqa: F401 (SEEN_BITS)
 
+# COUNTERS and WRITTEN are re-exported (callers read `tables.COUNTERS`, `tables.WRITTEN`).
+from trainer.layers.table_store import COUNTERS, WRITTEN, IndexStore, hash_table
+from trainer.layers.table_store import POSITION as _C
+
 DEFAULT_CAPACITY = 2**18  # rows per table: 32 MB of float32 rows at width 32
 ROW_SCALE = 0.05  # initial rows are uniform in [-ROW_SCALE, ROW_SCALE), as Keras's "uniform"
 EVICTIONS = ("lfu", "lru", None)
@@ -144,19 +149,6 @@ FALLBACK_HASHES = 2
 FALLBACK_COMBINERS = ("mean", "sum")
 FALLBACK_COMBINER = "mean"
 SEED_SALT = 0xD1B54A32D192ED03  # odd: a table's seed moves its fallback rows' salts (`buckets_of`)
-COUNTERS = (
-    "fresh",
-    "free",
-    "calls",
-    "swept",
-    "admitted",
-    "evicted",
-    "refused",
-    "lookups",
-    "defaults",
-    "sketched",
-)
-_C = {name: index for index, name in enumerate(COUNTERS)}
 _TOTALS = ("admitted", "evicted", "refused", "lookups", "defaults")  # add up over a table's parts
 
 # Memory of one entry of the index's hash tables (TF's `MutableHashTable` is a
@@ -164,10 +156,6 @@ _TOTALS = ("admitted", "evicted", "refused", "lookups", "defaults")  # add up ov
 # Linux x86-64, as the growth of the resident memory over a million inserts.
 ENTRY_BYTES = 42  # int64 -> int64
 INFO_ENTRY_BYTES = 78  # int64 -> three int64 (a slot's stamp, last-seen step and id)
-_NO_SLOT = (-1, -1, 0)  # what `slot_info` gives for a free slot
-# Added to a held id's code in the index once its row is written for it (`mark_written`): bit
-# 62, above every stamp (`capacity * (step + 1) < 2**62`), below the sign of ids waiting.
-WRITTEN = 2**62
 
 
 def key64(keys: tf.Tensor) -> tf.Tensor:
@@ -215,17 +203,19 @@ def buckets_of(keys: tf.Tensor, buckets: int, hashes: int, seed: int = 0) -> tf.
     return tf.cast(mixed % u64(buckets), tf.int64)
 
 
-class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
+class DynamicTable(tf.Module):
     """The index of one dynamic table: int64 ids -> row slots, admission and eviction.
 
     This class owns the index's state (made in `__init__`: the hash tables,
-    the sketch, the counters, the lock, the clock) and its reads: the step,
-    the counters and sizes (`figures`), the content whatever the slots
-    (`contents`, `load`) and the lookups (`find`, `codes`, `stamps`,
-    `changed_slots`), and the marks of written rows (`mark_written`).
-    How ids get a row and lose it comes from the mixins of
-    `trainer.layers.table_policy`: `AdmissionPolicy` (`admit`) and
-    `EvictionPolicy`; two parts are members: `count_sketch` (the counts of ids
+    the sketch, the counters, the lock, the clock), its one way in for
+    changes (`admit`, inside the lock) and its reads: the step, the counters
+    and sizes (`figures`), the content whatever the slots (`contents`,
+    `load`) and the lookups (`find`, `codes`, `stamps`, `changed_slots`),
+    and the marks of written rows (`mark_written`). It is made of parts,
+    members each with a small interface: `store` (the index's hash tables
+    and their shared operations, an `IndexStore`), `admission` (an
+    `AdmissionPolicy`: how ids get a row), `evictions` (an
+    `EvictionPolicy`: how they lose it), `count_sketch` (the counts of ids
     not admitted yet, a `CountMinSketch`; None with `min_count` 1) and
     `seen_filter` (a `SeenFilter`; None with `seen_bits` 0).
 
@@ -263,17 +253,17 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
         self.half_life = int(half_life)
         self.sketch_width, self.sketch_depth = int(sketch_width), int(sketch_depth)
         self.seen_bits = int(seen_bits)
-        self.sweep_every = max(1, math.ceil(self.ttl_steps / 8))
         with tf.device("/cpu:0"):
-            self.index = self._hash_table(-1)
-            self.slot_info = self._hash_table(tf.constant(_NO_SLOT, tf.int64))
-            self.free = self._hash_table(-1)
-            self.counters = self._hash_table(0)
+            self.store = IndexStore(self.capacity)
+            # The store's hash tables are the table's attributes: checkpoints hold them so.
+            store = self.store
+            self.index, self.slot_info, self.free = store.index, store.slot_info, store.free
+            self.counters = store.counters
             # The global batches admitted at each step (fingerprint -> step), so that every
             # replica may admit a step's batch and only the first changes the index. It
             # matters within a step only, yet checkpoints hold it (`_batches/0`: the list is
             # tracked); kept so, for the checkpoints' keys.
-            self._batches = [self._hash_table(-1)]
+            self._batches = [hash_table(-1)]
             # The parts' hash tables are the table's attributes: checkpoints hold them so.
             self.sketch = self.count_sketch = None
             if self.min_count > 1:  # a row of cells per key 0 .. depth - 1
@@ -285,6 +275,10 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
             if self.seen_bits:  # a row of words per generation: 0 the current, 1 the one before
                 self.seen = SeenFilter.words_table(self.seen_bits)
                 self.seen_filter = SeenFilter(self.seen, self.seen_bits)
+        self.evictions = EvictionPolicy(self.store, eviction, self.half_life, self.ttl_steps)
+        self.admission = AdmissionPolicy(
+            self.store, self.evictions, self.min_count, self.count_sketch, self.seen_filter
+        )
         # A shared name of its own: the CriticalSections a process creates eagerly
         # without one are all one mutex (TF 2.21), and two tables admitting in one
         # step then wait on each other forever.
@@ -292,10 +286,6 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
             name=f"{name}_lock", shared_name=f"{name}_lock_{uuid.uuid4().hex}"
         )
         self._clock = None
-
-    @staticmethod
-    def _hash_table(default) -> tf.lookup.experimental.MutableHashTable:
-        return tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, default)
 
     def lock_device(self) -> str:
         """The device of the lock that every change to the index takes."""
@@ -322,21 +312,80 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
                 return tf.identity(tf.cast(tf.convert_to_tensor(self._clock), tf.int64))
         return self.counter("calls")
 
+    # Changes: admission, under the lock.
+
+    def admit(
+        self, keys: tf.Tensor, step: tf.Tensor | None = None, once: bool = False
+    ) -> tf.Tensor:
+        """Counts int64 `keys` (1-D, a step's), admits those seen `min_count` times.
+
+        Every key's last-seen step becomes the current step: `step`, as `now()`
+        gave it (read here if None), or without a clock the count of calls,
+        read inside the lock. Ids admitted now are found at once (`find` after
+        this). Then, if due, the TTL sweep. With `once` (the replicas of a
+        step, each admitting the same gathered batch), a batch already admitted
+        at this step changes nothing: whichever replica comes first admits it,
+        and every replica's `find` that follows its own call sees the admission.
+        The work is `admission`'s (`AdmissionPolicy.admit`) and `evictions`'s.
+        """
+        # The clock is read outside the lock: the parts of a split table share it,
+        # and a lock claims every resource read inside it for itself alone.
+        if self._clock is None:
+            step = None
+        elif step is None:
+            step = self.now()
+        if tf.executing_eagerly():
+            return self._locked_admit(keys, step, once)
+        # Traced as a function of its own, whose keys are copied here first. TF's automatic
+        # control dependencies chain, in program order, every stateful op that takes no
+        # resource, and the lock's release is one: the admissions of a table's parts (each
+        # on its ps member) would each wait for the one before. And the lock waits for
+        # every op whose output its work reads: for the op that made `keys`, on a worker,
+        # unless they are copied on this device. Each is a message every step.
+        admit = tf.function(self._locked_admit, autograph=False)
+        return admit(tf.identity(keys), step, once)
+
+    def _locked_admit(self, keys: tf.Tensor, step: tf.Tensor | None, once: bool) -> tf.Tensor:
+        """`admit`'s work inside the table's lock."""
+        if not once or step is None:
+            return self._lock.execute(lambda: self._admit(keys, step))
+        mark = tf.bitcast(tf.fingerprint(keys[None, :]), tf.int64)[0]
+        return self._lock.execute(lambda: self._admit_once(keys, step, mark))
+
+    def _admit_once(self, keys: tf.Tensor, step: tf.Tensor, mark: tf.Tensor) -> tf.Tensor:
+        """`_admit` unless the batch of fingerprint `mark` was admitted at `step`."""
+        batches = self._batches[0]
+        done = tf.equal(tf.reshape(batches.lookup(mark[None]), []), step)
+
+        def admit():
+            marked, steps = batches.export()
+            old = tf.boolean_mask(marked, tf.reshape(steps, [-1]) < step)
+            with tf.control_dependencies([batches.remove(old)]):
+                noted = batches.insert(mark[None], step[None])
+            with tf.control_dependencies([noted]):
+                return self._admit(keys, step)
+
+        return tf.cond(done, lambda: tf.constant(False), admit)
+
+    def _admit(self, keys: tf.Tensor, clock: tf.Tensor | None) -> tf.Tensor:
+        """`admit`'s work, inside the lock, at step `clock` (None: the count of calls).
+
+        Returns whether the TTL sweep ran (True without a TTL).
+        """
+        step = self.now() if clock is None else clock
+        updates = [self.admission.admit(keys, step)]
+        if self._clock is None:
+            updates.append(self.store.set("calls", step + 1))
+        with tf.control_dependencies(updates):
+            if self.ttl_steps:  # after the touch: an id seen now is never swept now
+                return self.evictions.maybe_sweep(step)
+            return tf.constant(True)
+
     # Counters.
 
     def counter(self, name: str) -> tf.Tensor:
         """The counter `name` (one of `COUNTERS`)."""
-        return tf.reshape(self.counters.lookup(tf.constant([_C[name]], tf.int64)), [])
-
-    def _set(self, name: str, value: tf.Tensor):
-        return self.counters.insert(tf.constant([_C[name]], tf.int64), tf.reshape(value, [1]))
-
-    def _add(self, **amounts: tf.Tensor):
-        """Adds each of `amounts` to its counter, in one lookup and one insert."""
-        keys = tf.constant([_C[name] for name in amounts], tf.int64)
-        totals = tf.reshape(self.counters.lookup(keys), [-1])
-        added = tf.stack([tf.cast(amount, tf.int64) for amount in amounts.values()])
-        return self.counters.insert(keys, totals + added)
+        return self.store.counter(name)
 
     def size(self) -> tf.Tensor:
         """Ids holding a row."""
@@ -377,7 +426,7 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
         keys, values = (tensor.numpy() for tensor in self.index.export())
         held = values >= 0
         slots = (values[held] & (WRITTEN - 1)) % self.capacity
-        info = self._info(tf.constant(slots, tf.int64)).numpy()
+        info = self.store.info(tf.constant(slots, tf.int64)).numpy()
         names, counts = (tensor.numpy() for tensor in self.counters.export())
         counters = np.zeros(len(COUNTERS), np.int64)
         counters[names] = counts
@@ -455,7 +504,7 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
         slots held and last seen at `since` or later. And the free slots (freed
         by the TTL sweep, perhaps written before): a release leaves no step.
         """
-        slots, info = self._export()
+        slots, info = self.store.held()
         seen = tf.boolean_mask(slots, last_seen(info) >= since)
         free = tf.reshape(self.free.lookup(tf.range(self.counter("free"))), [-1])
         return tf.sort(tf.concat([seen, free], 0))
@@ -490,16 +539,8 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
         )
 
     def held_code(self, stamps: tf.Tensor, written: tf.Tensor | None = None) -> tf.Tensor:
-        """What the index holds for an id of stamp `stamps`: `capacity + stamp` (+ `WRITTEN`).
-
-        At least the capacity, which tells it from a slot alone (as the index held
-        before) and from the count of an id not admitted yet (below 0); plus
-        `WRITTEN` where `written` (None: nowhere), its row written for it.
-        """
-        codes = stamps + self.capacity
-        if written is None:
-            return codes
-        return codes + tf.where(written, tf.constant(WRITTEN, tf.int64), 0)
+        """What the index holds for an id of stamp `stamps` (`IndexStore.held_code`)."""
+        return self.store.held_code(stamps, written)
 
     @staticmethod
     def written(codes: tf.Tensor) -> tf.Tensor:
@@ -529,7 +570,7 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
         """
 
         def work(slots: tf.Tensor) -> tf.Tensor:
-            info = self._info(slots)
+            info = self.store.info(slots)
             held = info[:, 0] >= 0
             stamps, keys = tf.boolean_mask(info[:, 0], held), tf.boolean_mask(info[:, 2], held)
             written = tf.equal(row_stamps(tf.boolean_mask(slots, held)), stamps)
@@ -546,25 +587,21 @@ class DynamicTable(AdmissionPolicy, EvictionPolicy, tf.Module):
 
     def slots_of(self, codes: tf.Tensor) -> tf.Tensor:
         """The slot of each of the index's values `codes` (held or older), -1 where none."""
-        return tf.where(codes >= 0, tf.bitwise.bitwise_and(codes, WRITTEN - 1) % self.capacity, -1)
+        return self.store.slots_of(codes)
 
     def stamps(self, slots: tf.Tensor) -> tf.Tensor:
         """The stamp of each slot's current id: `capacity * admission step + slot` (-1: free)."""
-        return self._info(slots)[:, 0]
+        return self.store.info(slots)[:, 0]
 
     def keys_of(self, slots: tf.Tensor) -> tf.Tensor:
         """The id each slot holds."""
-        return self._info(slots)[:, 2]
+        return self.store.keys_of(slots)
 
     def seen_ids(self, keys: tf.Tensor) -> tf.Tensor:
         """Whether training saw each of int64 `keys` (1-D) lately (`SeenFilter`; all without)."""
         if self.seen_filter is None:
             return tf.ones_like(keys, tf.bool)
         return self.seen_filter.seen_ids(keys)
-
-    def _info(self, slots: tf.Tensor) -> tf.Tensor:
-        """The (stamp, last-seen step, id) of each of `slots`; `_NO_SLOT` where free."""
-        return tf.reshape(self.slot_info.lookup(slots), [-1, 3])
 
 
 def merged_counters(counters: list[np.ndarray]) -> np.ndarray:
