@@ -107,12 +107,14 @@ def _unit_loop(one_step: Callable, stream: UnitStream, started: tf.Variable):
         # each unit, and no round trip to the reader each step.
         unit = stream.dataset(file, first, records).batch(records).get_single_element()
         batch = tf.constant(stream.batch, tf.int64)
+        # Each step's next batch is decoded beside it (nothing between them), while the
+        # step waits on the ps: the decoding is off the step's path, as a pipeline's is.
+        ahead = stream.decode(_rows(unit, batch, batch))  # empty past the unit's end
         with tf.control_dependencies([started.assign_add(records)]):  # before a step applies
             totals = one_step(stream.decode(_rows(unit, 0, batch)))
-        for at in tf.range(batch, records, batch):
-            totals = tf.nest.map_structure(
-                tf.add, totals, one_step(stream.decode(_rows(unit, at, batch)))
-            )
+        for at in tf.range(2 * batch, records + batch, batch):
+            now, ahead = ahead, stream.decode(_rows(unit, at, batch))
+            totals = tf.nest.map_structure(tf.add, totals, one_step(now))
         return totals
 
     return loop
