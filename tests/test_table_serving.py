@@ -260,3 +260,61 @@ def test_the_export_of_a_table_on_ps_members_serves_in_a_fresh_process_what_eval
     got = np.array(json.loads(served.stdout.strip().splitlines()[-1]), np.float32)
     np.testing.assert_array_equal(got, expected)
     assert np.abs(expected[:6]).sum() > 0 and (expected[6] == 0).all(), "7: never seen"
+
+
+# A table split over 2 in-process ps members, trained by a worker through the coordinator (the
+# asynchronous path), 30 steps of ids that overflow it; then its marks and both reads.
+_TRAINED_ON_PS = (
+    IN_PROCESS_CLUSTER
+    + """
+import json
+import numpy as np
+import configs.default
+from trainer.layers import DynamicEmbedding, tables
+from trainer.loop import optim
+
+strategy = bare_parameter_server()
+with strategy.scope():
+    layer = DynamicEmbedding(4, capacity=40, fallback_rows=8, seed=3, eviction="lru")
+    layer.build()
+    optimizer = optim.build(configs.default.get_config().optimizer, 1)
+    optimizer.build(layer.trainable_variables)
+coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+
+@tf.function
+def step(ids):
+    def replica(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids, training=True) ** 2)
+        grads = tape.gradient(loss, layer.trainable_variables)
+        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+        return loss
+
+    return strategy.run(replica, args=(ids,))
+
+
+draw = np.random.default_rng(0)
+for _ in range(30):
+    coordinator.schedule(step, args=(tf.constant(draw.integers(1, 60, 16), tf.int64),))
+coordinator.join()
+keys = tf.constant(np.arange(1, 60), tf.int64)
+held = [int(tf.reduce_sum(tf.cast(p.table.find(keys)[0] >= 0, tf.int32))) for p in layer.parts]
+marked = [int(tf.reduce_sum(tf.cast(p.table.written(p.table.codes(keys)), tf.int32)))
+          for p in layer.parts]
+served = layer(keys, training=False).numpy()
+print(json.dumps([held, marked, float(np.abs(served - layer(keys, training=True).numpy()).max())]))
+"""
+)
+
+
+@pytest.mark.slow  # an in-process cluster: about a minute here
+def test_under_parameter_server_every_row_trained_is_marked_and_eval_reads_what_training_reads(
+    tmp_path,
+):
+    trained = run_command([sys.executable, "-c", _TRAINED_ON_PS], str(tmp_path))
+    assert_exit(trained)
+    held, marked, difference = json.loads(trained.stdout.strip().splitlines()[-1])
+    assert min(held) > 0 and sum(held) > 20, "ids on both parts, evicting"
+    assert marked == held, "each update wrote the rows its step admitted"
+    assert difference == 0
