@@ -610,9 +610,9 @@ def own_code_unconverted() -> None:
     3 s of CPU, a third of a small run's start-up). towerflow's functions are
     written in TensorFlow's ops, Python's `if` and `for` only over what is
     known while tracing; only the loops of `CONVERTED_MODULES` iterate over
-    tensors. A user's function stays converted as before: the model's and the
-    task's code is called by Keras (which AutoGraph leaves alone, as it did),
-    or converted where towerflow calls it (`trainer.loop.steps`' task step).
+    tensors. A user's function stays converted as before: a model's code is
+    called by Keras (which AutoGraph leaves alone, as it did), and a user's own
+    `train_step` is converted where towerflow calls it (`trainer.loop.steps`).
     Process-wide and never undone; a rule already there is not added again.
     """
     from tensorflow.python.autograph.core import config, config_lib  # noqa: PLC0415
