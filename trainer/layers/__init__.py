@@ -33,8 +33,9 @@ Each layer family has its module (`sharded`, `dropout`, `dynamic`,
 `feature_configs`; `portable` the protocol; beside `dynamic`, `dynamic_parts`
 its table's parts, where each goes and what it reports, `dynamic_lookup` a
 call's steps from ids to vectors, `dynamic_content` its logical content for
-another split; `tables` the dynamic tables' index,
-with `table_policy` its admission, count sketch and eviction and `table_encoding`
+another split; `tables` the dynamic tables' index, its hash tables in
+`table_store`, with `table_policy` its admission, count sketch and eviction,
+`table_seen` its seen-filter and `table_encoding`
 the hashes and packed counts they share, `table_training` who may train a
 table's rows: `TableOptimizer`), re-exported here.
 """
