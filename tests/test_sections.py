@@ -8,6 +8,7 @@ import dataclasses
 import doctest
 import re
 import textwrap
+import typing
 
 import ml_collections
 import pytest
@@ -182,3 +183,27 @@ def test_a_rule_of_a_declaration_refuses_a_config_before_the_build():
     config.export.keep = -1
     with pytest.raises(UserError, match=r"`export.keep` \(-1\)"):
         checks.check_config(config)
+
+
+def test_a_declaration_whose_annotations_cannot_be_resolved_is_read_by_its_rules_alone():
+    @dataclasses.dataclass(frozen=True)
+    class Plugins:
+        """A plugin's options, typed with a name imported only to type-check."""
+
+        hosts: "HostList" = ()  # noqa: F821
+        count: "int" = 1
+
+    read = sections.Section("strategy.mine", Plugins).parse({"hosts": ("a", "b"), "count": 2})
+    assert read == Plugins(hosts=("a", "b"), count=2)
+
+
+def test_a_field_declared_any_takes_any_value():
+    @dataclasses.dataclass(frozen=True)
+    class Loose:
+        """A plugin's options, one of any type."""
+
+        anything: typing.Any = None
+
+    assert sections.Section("strategy.loose", Loose).parse({"anything": {"a": 1}}).anything == {
+        "a": 1
+    }

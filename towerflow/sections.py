@@ -90,7 +90,7 @@ class Section:
         Raises:
           UserError: as `read`.
         """
-        hints = typing.get_type_hints(self.options)
+        hints = _hints(self.options)
         declared = {field.name: field for field in dataclasses.fields(self.options)}
         unknown = [] if self.shared else self.undeclared(given)
         if unknown:
@@ -111,6 +111,15 @@ class Section:
         """The names in `given` that the declaration has no field for, sorted."""
         declared = {field.name for field in dataclasses.fields(self.options)}
         return sorted(set(given) - declared)
+
+
+def _hints(options: type) -> dict[str, Any]:
+    """Each field's declared type; `Any` (left to the dataclass's rules) for all where the
+    annotations name what cannot be resolved here (a plugin's, imported only to type-check)."""
+    try:
+        return typing.get_type_hints(options)
+    except (NameError, TypeError, AttributeError):
+        return {field.name: Any for field in dataclasses.fields(options)}
 
 
 def _section_of(config: ml_collections.ConfigDict, path: str) -> dict:
@@ -169,7 +178,7 @@ def _fits(value: Any, kind: Any) -> tuple[bool, Any]:
         return False, value
     if isinstance(origin, type):  # list[str], dict[str, int]: the container's type only
         return isinstance(value, origin), value
-    if not isinstance(kind, type):  # Any, Literal[...]: a plugin's own types, left to its rules
+    if kind is Any or not isinstance(kind, type):  # Any, Literal[...]: left to its rules
         return True, value
     return isinstance(value, kind), value
 
