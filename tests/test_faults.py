@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import cli_in_process, start_cli, tiny_config
+from tests.helpers import assert_exit, cli_in_process, run_cli, tiny_config
 from towerflow import errors
 from trainer.loop import faults, lock, train
 
@@ -84,6 +84,16 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
     assert job.step() == 20
 
 
+def sigterm_at_step_40(config):
+    """A loop action that sends its own process SIGTERM at step 40, as a scheduler would."""
+
+    def action(output):
+        if output.step == 40:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return action
+
+
 def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path, capsys):
     args = [
         "--strategy=one_device",
@@ -92,17 +102,11 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path, capsys):
         "--config.train.steps_per_loop=20",
         "--config.eval.every=0",
     ]
-    proc = start_cli(*args, cwd=tmp_path)
-    try:
-        for line in proc.stdout:
-            if line.startswith("train | step: 40/"):
-                proc.send_signal(signal.SIGTERM)
-                break
-        out = proc.stdout.read()
-        assert proc.wait(timeout=120) == errors.PREEMPTED_EXIT_CODE
-    finally:
-        proc.kill()
-        proc.wait()
+    # A process of its own (forked: TensorFlow imported once), the signal a real one.
+    sigterm = "--config.train.actions=tests.test_faults:sigterm_at_step_40"
+    result = run_cli(*args, sigterm, cwd=str(tmp_path))
+    assert_exit(result, errors.PREEMPTED_EXIT_CODE)
+    out = result.stdout
     step = int(re.search(r"preempted \(SIGTERM\) at step (\d+)", out).group(1))
     assert step >= 40
     latest = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
