@@ -1,20 +1,22 @@
 """Every start-up of a cluster member ends: a host that cannot work, TensorFlow's join, SIGTERM.
 
 Bad input of the cluster kind, run as a user runs it (a member of its own with
-its `TF_CONFIG`): an own host that does not resolve is one line and exit 2
-before TensorFlow starts; TensorFlow's own join of the cluster (here: this
-member's address is another machine's, so it waits for itself there) ends at
-the start-up bound with one line and exit 144, and SIGTERM during it exits 143
-at once.
+its `TF_CONFIG`, forked from the tests' server as `run_cli` runs commands; the
+SIGTERM case started anew, its output read as it comes): an own host that does
+not resolve is one line and exit 2 before TensorFlow starts; TensorFlow's own
+join of the cluster (here: this member's address is another machine's, so it
+waits for itself there) ends at the start-up bound with one line and exit 144,
+and SIGTERM during it exits 143 at once.
 """
 
 import signal
 import time
+from subprocess import CompletedProcess
 
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import assert_exit, kill, start_member
+from tests.helpers import assert_exit, kill, run_cli, start_member
 from towerflow.errors import UserError
 from trainer.launch import pick_ports
 
@@ -35,13 +37,14 @@ def _tf_config(host: str, strategy: str) -> str:
     return cluster.make_tf_config({"worker": [f"{host}:{ports[0]}"]}, "worker", 0)
 
 
-def _finish(proc) -> tuple[str, str, float]:
+def _member(monkeypatch, tmp_path, tf_config: str, *args: str) -> tuple[CompletedProcess, float]:
+    """Runs a member with `tf_config` to its end (forked, as `run_cli` runs a command); its time."""
+    monkeypatch.setenv("TF_CONFIG", tf_config)
     start = time.monotonic()
-    try:
-        out, err = proc.communicate(timeout=BOUND_S)
-    finally:
-        kill(proc)
-    return out, err, time.monotonic() - start
+    result = run_cli(
+        *args, "--model_dir=run", cwd=str(tmp_path), timeout=BOUND_S, keep_tf_config=True
+    )
+    return result, time.monotonic() - start
 
 
 def _one_line(err: str) -> str:
@@ -60,13 +63,14 @@ def _one_line(err: str) -> str:
     ],
     ids=["unknown-host", "long-garbage-host", "unknown-chief-host-ps"],
 )
-def test_an_own_host_that_does_not_resolve_is_one_line_and_exit_2(tmp_path, host, strategy):
-    proc = start_member(
-        _tf_config(host, strategy), f"--strategy={strategy}", "--model_dir=run", cwd=tmp_path
+def test_an_own_host_that_does_not_resolve_is_one_line_and_exit_2(
+    monkeypatch, tmp_path, host, strategy
+):
+    result, took = _member(
+        monkeypatch, tmp_path, _tf_config(host, strategy), f"--strategy={strategy}"
     )
-    _, err, took = _finish(proc)
-    assert_exit(proc, 2, output=err)
-    line = _one_line(err)
+    assert_exit(result, 2)
+    line = _one_line(result.stderr)
     assert line.startswith("error: `TF_CONFIG` gives this member"), line
     assert "its host does not resolve here" in line and "its own machine" in line, line
     assert len(line) < 400, "a long host is shortened"
@@ -74,17 +78,17 @@ def test_an_own_host_that_does_not_resolve_is_one_line_and_exit_2(tmp_path, host
     assert took < BOUND_S
 
 
-def test_tensorflows_own_join_of_the_cluster_ends_at_the_bound_with_exit_144(tmp_path):
-    proc = start_member(
+def test_tensorflows_own_join_of_the_cluster_ends_at_the_bound_with_exit_144(monkeypatch, tmp_path):
+    result, took = _member(
+        monkeypatch,
+        tmp_path,
         _tf_config(UNROUTED, "multi_worker"),
         "--strategy=multi_worker",
-        "--model_dir=run",
         "--config.strategy.multi_worker.startup_timeout_seconds=3",
-        cwd=tmp_path,
     )
-    out, err, took = _finish(proc)
-    assert_exit(proc, 144, output=out + err)
-    line = _one_line(err)
+    assert_exit(result, 144)
+    out = result.stdout
+    line = _one_line(result.stderr)
     assert line.startswith("error: TensorFlow did not join the cluster within 3 s as worker:0"), (
         line
     )
