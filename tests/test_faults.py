@@ -84,14 +84,24 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
     assert job.step() == 20
 
 
-def sigterm_at_step_40(config):
-    """A loop action that sends its own process SIGTERM at step 40, as a scheduler would."""
+def sigterm_at(step: int):
+    """For `train.actions`: an action that sends its own process SIGTERM at `step`.
 
-    def action(output):
-        if output.step == 40:
-            os.kill(os.getpid(), signal.SIGTERM)
+    As a scheduler would, from outside the loop's own stop paths; the action runs
+    last after a block, so the loop sees the signal after the block's other actions.
+    """
 
-    return action
+    def make_action(config):
+        def action(output):
+            if output.step == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        return action
+
+    return make_action
+
+
+sigterm_at_step_40 = sigterm_at(40)
 
 
 def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path, capsys):

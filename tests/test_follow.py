@@ -18,9 +18,11 @@ from tests.helpers import (
     kill,
     one_line_error,
     pid_of,
+    run_cli,
     start_cli,
     tiny_config,
 )
+from tests.test_faults import sigterm_at
 from towerflow.errors import PREEMPTED_EXIT_CODE
 from trainer import data
 from trainer.data import counting, follow
@@ -171,6 +173,9 @@ def test_a_trickle_short_of_a_block_trains_within_the_max_wait(tmp_path, strateg
     assert _done(run) == (["clicks-1.csv"], {})
 
 
+sigterm_at_step_4 = sigterm_at(4)
+
+
 def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_path):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -183,15 +188,13 @@ def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_p
         "train.global_batch_size", "train.steps_per_loop", "train.checkpoint_every",
     ]  # fmt: skip
     model_dir = tmp_path / "run"
-    proc = start_cli(f"--model_dir={model_dir}", *config_flags(config, tuple(fields)), cwd=REPO)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("train | step: 4 "):  # the one file trained on: it waits now
-            break
-    proc.send_signal(signal.SIGTERM)
-    out = "".join(lines) + proc.stdout.read()
-    assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE, out[-2000:]
+    # The one file trained on at step 4, the signal comes: the loop sees it waiting for the
+    # next file (a real SIGTERM to a process of its own, forked from the tests' server).
+    sigterm = "--config.train.actions=tests.test_follow:sigterm_at_step_4"
+    flags = config_flags(config, tuple(fields))
+    result = run_cli(f"--model_dir={model_dir}", *flags, sigterm, cwd=REPO)
+    assert_exit(result, PREEMPTED_EXIT_CODE)
+    out = result.stdout
     assert "steps: until stopped" in out
     assert "backlog_files: 0 | backlog_records: 0" in out
     assert "preempted (SIGTERM) at step 4" in out
