@@ -13,7 +13,7 @@ import time
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import TIMEOUT_S, assert_exit, kill, start_member, tiny_config
+from tests.helpers import TIMEOUT_S, assert_exit, kill, run_cli, start_member, tiny_config
 from towerflow.errors import MemberLost, UserError
 from trainer.launch import pick_ports
 from trainer.loop import train
@@ -135,7 +135,7 @@ def _start_worker_0(tmp_path, missing_port: int, *flags: str) -> subprocess.Pope
 
 
 @pytest.mark.parametrize("strategy", ["multi_worker", "parameter_server"])
-def test_the_cli_gives_up_on_missing_members_with_one_line(tmp_path, strategy):
+def test_the_cli_gives_up_on_missing_members_with_one_line(monkeypatch, tmp_path, strategy):
     chief, worker, ps = pick_ports(3)
     jobs = {"worker": [f"127.0.0.1:{chief}", f"127.0.0.1:{worker}"]}
     missing = [f"worker:1 at 127.0.0.1:{worker}"]
@@ -143,22 +143,21 @@ def test_the_cli_gives_up_on_missing_members_with_one_line(tmp_path, strategy):
         jobs = {"chief": [f"127.0.0.1:{chief}"], "worker": [f"127.0.0.1:{worker}"]}
         jobs["ps"] = [f"127.0.0.1:{ps}"]
         missing = [f"worker:0 at 127.0.0.1:{worker}", f"ps:0 at 127.0.0.1:{ps}"]
-    proc = start_member(
-        cluster.make_tf_config(jobs, "chief" if "chief" in jobs else "worker", 0),
+    # Forked from the tests' server (`run_cli`): a member of its own, as a user runs it.
+    tf_config = cluster.make_tf_config(jobs, "chief" if "chief" in jobs else "worker", 0)
+    monkeypatch.setenv("TF_CONFIG", tf_config)
+    result = run_cli(
         f"--strategy={strategy}",
         "--model_dir=run",
         f"--config.strategy.{strategy}.startup_timeout_seconds=3",
-        cwd=tmp_path,
+        cwd=str(tmp_path),
+        keep_tf_config=True,
     )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        kill(proc)
-    assert_exit(proc, 144, output=out + err)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
+    assert_exit(result, 144)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"error: {missing[0]} did not answer within 3 s"), lines[0]
-    assert all(f"waiting for {member}" in out for member in missing), out
+    assert all(f"waiting for {member}" in result.stdout for member in missing), result.stdout
     assert not (tmp_path / "run").exists()
 
 
