@@ -1,5 +1,10 @@
-"""`data.follow` under asynchronous `parameter_server`: followed files handed out in units."""
+"""`data.follow` under asynchronous `parameter_server`: followed files handed out in units.
 
+Two runs of one cluster (2 workers + 1 ps), a module fixture, are read by the
+tests of what they trained; they score progressive validation's window too.
+"""
+
+import dataclasses
 import json
 import signal
 
@@ -10,10 +15,11 @@ import strategies
 from strategies.parameter_server import units as ps_units
 from tests.helpers import config_flags, launch_and_signal, launched, one_line_error
 from tests.test_follow import _CLUSTER_FIELDS, _config, _done, _state, _write_csv
+from tests.test_progressive import _assert_same
 from trainer import data
 from trainer.data import follow
 from trainer.data.follow_units import FollowedUnits
-from trainer.loop import actions
+from trainer.loop import actions, progressive
 from trainer.loop.controller import Output
 from trainer.loop.features.follow import Follow
 
@@ -21,14 +27,14 @@ CLUSTER_TIMEOUT_S = 300
 ROWS = 40  # per file: 3 steps of 16 (16, 16 and a short one of 8)
 
 
-def _flags(tmp_path, steps: int, checkpoint_every: int = 3) -> list[str]:
-    fields = {"train.steps": steps, "train.checkpoint_every": checkpoint_every}
+def _flags(tmp_path, steps: int, checkpoint_every: int = 3, **fields) -> list[str]:
+    fields = {"train.steps": steps, "train.checkpoint_every": checkpoint_every, **fields}
     config = _config(tmp_path / "data", **fields)
     return [
         "--",
         "--strategy=parameter_server",
         f"--model_dir={tmp_path / 'run'}",
-        *config_flags(config, (*_CLUSTER_FIELDS, "train.steps")),
+        *config_flags(config, tuple(dict.fromkeys((*_CLUSTER_FIELDS, *fields)))),
     ]
 
 
@@ -36,26 +42,76 @@ def _results(tmp_path) -> dict:
     return json.loads((tmp_path / "run" / "results.json").read_text())
 
 
-def test_two_workers_and_a_ps_train_each_file_once_whatever_order_they_land_in(tmp_path):
+# Progressive validation (docs/progressive.md) rides along in the runs below: every batch
+# scored before it trains, into a window of 9 global batches (all of the first run's 9
+# steps), at a rate that moves no weight, and the runs evaluate the very files they train
+# on at their end: so the first run's window is its end's evaluation.
+PROGRESSIVE = {
+    "eval.progressive": True,
+    "eval.window_examples": 9 * 16,
+    "optimizer.name": "sgd",
+    "optimizer.schedule": "constant",
+    "optimizer.warmup_steps": 0,
+    "optimizer.learning_rate": 1e-9,  # the config refuses 0
+}
+
+
+@dataclasses.dataclass
+class Run:
+    """A run of the cluster: what it printed, the files done at its end, its results.json."""
+
+    stdout: str
+    done: tuple[list[str], dict]
+    results: dict
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory) -> tuple[Run, Run]:
+    """2 workers + 1 ps over files landing as c, a, b; then 0.csv lands behind b, and again."""
+    tmp_path = tmp_path_factory.mktemp("follow_ps")
     data = tmp_path / "data"
     _write_csv(data / "eval.csv", 99)
     for order, name in enumerate(["c", "a", "b"]):  # landing in no name order
         _write_csv(data / "train" / f"{name}.csv", order, ROWS, order=order)
+    fields = {**PROGRESSIVE, "data.eval_files": str(data / "train" / "*")}
 
-    first = launched("--workers=2", "--ps=1", *_flags(tmp_path, 9), cwd=str(tmp_path))
+    def run(steps: int) -> Run:
+        flags = _flags(tmp_path, steps, **fields)
+        result = launched("--workers=2", "--ps=1", *flags, cwd=str(tmp_path))
+        return Run(result.stdout, _done(tmp_path / "run"), _results(tmp_path))
+
+    first = run(9)
+    _write_csv(data / "train" / "0.csv", 7, ROWS, order=1)  # landing behind b.csv
+    return first, run(12)
+
+
+def test_two_workers_and_a_ps_train_each_file_once_whatever_order_they_land_in(two_runs):
+    first, _ = two_runs
     assert "[chief] train | step: 9/9" in first.stdout, first.stdout[-3000:]
-    assert _done(tmp_path / "run") == (["a.csv", "b.csv", "c.csv"], {})
-    assert _results(tmp_path)["follow"] == {"records_repeated": 0}
+    assert first.done == (["a.csv", "b.csv", "c.csv"], {})
+    assert first.results["follow"] == {"records_repeated": 0}
     assert "records_repeated: 0" in first.stdout
 
-    # A file that lands behind the newest (written before b.csv) is said late and trained
-    # once by the next run, which resumes from the checkpoint without training a file again.
-    _write_csv(data / "train" / "0.csv", 7, ROWS, order=1)
-    again = launched("--workers=2", "--ps=1", *_flags(tmp_path, 12), cwd=str(tmp_path))
+
+def test_a_file_landing_behind_the_newest_is_said_late_and_trained_once_by_the_next_run(two_runs):
+    _, again = two_runs  # it resumes from the checkpoint without training a file again
     assert "late file" in again.stdout and "0.csv" in again.stdout, again.stdout[-3000:]
     assert "[chief] train | step: 12/12" in again.stdout
-    assert _done(tmp_path / "run") == (["0.csv", "a.csv", "b.csv", "c.csv"], {})
-    assert _results(tmp_path)["follow"] == {"records_repeated": 0}
+    assert again.done == (["0.csv", "a.csv", "b.csv", "c.csv"], {})
+    assert again.results["follow"] == {"records_repeated": 0}
+
+
+def test_the_cluster_reports_the_window_of_the_batches_it_trained(two_runs):
+    """Asynchronous workers score into one window on the ps: its figures are the run's
+    evaluation of the same records at its end (a unit's short steps count what they hold)."""
+    first, _ = two_runs
+    windowed = {
+        name.removeprefix(progressive.PREFIX): value
+        for name, value in first.results["train"].items()
+        if name.startswith(progressive.PREFIX)
+    }
+    assert windowed["examples"] == first.results["eval"]["examples"] == 3 * ROWS
+    _assert_same(windowed, first.results["eval"])
 
 
 @pytest.mark.slow  # a kill and a restart

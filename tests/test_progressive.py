@@ -4,6 +4,8 @@ The steps run through each strategy plugin's `run_steps`: in this process
 (`one_device`, `mirrored` and `central_storage` on logical CPUs), and in
 processes of their own for `multi_worker` (2 workers) and `parameter_server`
 (2 workers + 1 ps, asynchronous, with the step whole and with its halves apart).
+The whole loop's window on a `parameter_server` cluster is asserted with the
+followed runs of tests/test_follow_ps.py.
 """
 
 import json
@@ -376,10 +378,12 @@ def test_a_resumed_run_goes_on_with_its_window(tmp_path):
     assert resumed["progressive_examples"] == 128  # 4 batches from the first run, 4 after
 
 
+# 2 workers, synchronous (mirrored replicas run the same all-reduce here). Under
+# `parameter_server` (2 workers + 1 ps) the followed runs of tests/test_follow_ps.py carry a
+# window and assert it: `test_the_cluster_reports_the_window_of_the_batches_it_trained`.
 @pytest.mark.parametrize(
-    ("strategy", "ps"),
-    [pytest.param("multi_worker", 0, marks=pytest.mark.slow), ("parameter_server", 1)],
-)  # 2 workers, synchronous (mirrored replicas run the same all-reduce here); 2 workers + 1 ps
+    ("strategy", "ps"), [pytest.param("multi_worker", 0, marks=pytest.mark.slow)]
+)
 def test_a_cluster_reports_the_window_of_the_batches_it_trained(tmp_path, strategy, ps):
     """Through the launcher; at a rate that moves nothing, the run's evaluation of the same
     records at its end is the window's figures."""
