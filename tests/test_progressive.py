@@ -10,6 +10,8 @@ followed runs of tests/test_follow_ps.py.
 
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -369,10 +371,25 @@ def test_a_followed_run_reports_its_window_in_the_progress_line_tensorboard_and_
     assert scalars["progressive_auc"][8] == pytest.approx(windowed["auc"])
 
 
-def test_a_resumed_run_goes_on_with_its_window(tmp_path):
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory) -> tuple[pathlib.Path, ml_collections.ConfigDict]:
+    """A followed run's first 4 steps: its `model_dir`, to copy and resume, and its config."""
+    tmp_path = tmp_path_factory.mktemp("four_steps")
     config = _followed(tmp_path)
     config.train.steps = 4
     train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")
+    return tmp_path / "run", config
+
+
+def _resumable(four_steps: tuple, tmp_path: pathlib.Path) -> ml_collections.ConfigDict:
+    """A copy of the `four_steps` run in `tmp_path / "run"`; its config, to resume it."""
+    model_dir, config = four_steps
+    shutil.copytree(model_dir, tmp_path / "run")
+    return config.copy_and_resolve_references()
+
+
+def test_a_resumed_run_goes_on_with_its_window(four_steps, tmp_path):
+    config = _resumable(four_steps, tmp_path)
     config.train.steps = 8
     resumed = train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")["train"]
     assert resumed["progressive_examples"] == 128  # 4 batches from the first run, 4 after
@@ -439,10 +456,8 @@ def test_bad_progressive_input_stops_the_run_before_model_dir_is_written(
     assert not (tmp_path / "run").exists()
 
 
-def test_a_run_resumed_with_another_window_is_refused_before_it_writes(tmp_path):
-    config = _followed(tmp_path)
-    config.train.steps = 4
-    train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")
+def test_a_run_resumed_with_another_window_is_refused_before_it_writes(four_steps, tmp_path):
+    config = _resumable(four_steps, tmp_path)
     before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     config.train.steps, config.eval.window_examples = 8, 64
     message = one_line_error(
