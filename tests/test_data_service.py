@@ -11,8 +11,10 @@ addresses and counts are one line, bounded, with `model_dir` untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pathlib
 import re
 import signal
 import socket
@@ -175,13 +177,30 @@ def _long_run(tmp_path, *flags: str) -> list[str]:
     ]
 
 
-def _run_and_kill(tmp_path, server: str, *flags: str) -> tuple[int, str, float]:
-    """Starts a long `local:` run, kills `server` once it trains; its code, output, and time.
+@dataclasses.dataclass
+class Killed:
+    """A run whose server was killed: how it ended, and where its processes ran meanwhile."""
+
+    code: int
+    output: str
+    seconds: float  # from the kill to the trainer's end
+    # The trainer's and each server's pid: its network namespace and interfaces, while it trained.
+    networks: dict[int, tuple[str, list[str]]]
+
+
+def _network(pid: int) -> tuple[str, list[str]]:
+    """The network namespace of `pid`, and the interfaces it sees."""
+    devices = pathlib.Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
+    return os.readlink(f"/proc/{pid}/ns/net"), [d.split(":")[0].strip() for d in devices]
+
+
+def _run_and_kill(tmp_path, server: str, *flags: str) -> Killed:
+    """Starts a long `local:` run, kills `server` once it trains.
 
     Every server it started is gone once it has exited.
     """
     proc = start_cli(*_long_run(tmp_path, *flags), cwd=tmp_path)
-    lines, pids, killed_at = [], {}, None
+    lines, pids, killed_at, networks = [], {}, None, {}
     timer = threading.Timer(TIMEOUT_S, kill, args=(proc,))
     timer.start()
     try:
@@ -190,6 +209,7 @@ def _run_and_kill(tmp_path, server: str, *flags: str) -> tuple[int, str, float]:
             if found := re.match(r"\[(data:\S+)\] .* serving at .*\(pid (\d+)\)", line):
                 pids[found.group(1)] = int(found.group(2))
             if killed_at is None and line.startswith("train | step: 100/"):
+                networks = {pid: _network(pid) for pid in (proc.pid, *pids.values())}
                 os.kill(pids[server], signal.SIGKILL)
                 killed_at = time.monotonic()
         code = proc.wait()
@@ -197,31 +217,57 @@ def _run_and_kill(tmp_path, server: str, *flags: str) -> tuple[int, str, float]:
         timer.cancel()
     assert killed_at is not None, "\n".join(lines[-30:])
     assert not [pid for pid in pids.values() if os.path.exists(f"/proc/{pid}")]
-    return code, "\n".join(lines), time.monotonic() - killed_at
+    return Killed(code, "\n".join(lines), time.monotonic() - killed_at, networks)
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """`killed_run(server)`: a `local:1` run, `server` killed once it trains; one run a server."""
+    runs: dict[str, Killed] = {}
+
+    def run(server: str) -> Killed:
+        if server not in runs:
+            tmp_path = tmp_path_factory.mktemp("killed")
+            runs[server] = _run_and_kill(tmp_path, server, "--config.data.service=local:1")
+        return runs[server]
+
+    return run
 
 
 @pytest.mark.parametrize("server", ["data:worker:0", "data:dispatcher"])
-def test_a_killed_server_ends_the_run_with_one_line_and_exit_144(tmp_path, server):
+def test_a_killed_server_ends_the_run_with_one_line_and_exit_144(killed_run, server):
     # The README's command: `python -m trainer --strategy=one_device --config.data.service=local:1`
-    code, output, seconds = _run_and_kill(tmp_path, server, "--config.data.service=local:1")
+    run = killed_run(server)
     assert re.search(
         r"^input: tf\.data service at grpc://127\.0\.0\.1:\d+, 1 worker beside the trainer, "
         r"sharding off \(parallel_epochs\); eval in the trainer$",
-        output,
+        run.output,
         re.M,
     )
-    errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert code == 144, output[-3000:]
-    assert len(errors) == 1 and f"{server} (127.0.0.1:" in errors[0], output[-3000:]
+    errors = [line for line in run.output.splitlines() if line.startswith("error:")]
+    assert run.code == 144, run.output[-3000:]
+    assert len(errors) == 1 and f"{server} (127.0.0.1:" in errors[0], run.output[-3000:]
     assert "resumes from its newest checkpoint" in errors[0]
-    assert seconds < 30  # noticed in about a second; never a hang
+    assert run.seconds < 30  # noticed in about a second; never a hang
+
+
+def test_a_trainers_local_data_service_listens_in_a_loopback_only_namespace(killed_run):
+    # `towerflow.netns`; tests/test_local_network.py tries such a namespace from another host.
+    if os.geteuid() != 0:  # under `.ci/run` (root) it must run
+        (pytest.fail if os.environ.get("TOWERFLOW_CI") else pytest.skip)("needs root")
+    networks = killed_run("data:worker:0").networks
+    assert len(networks) == 3  # the trainer, its dispatcher and its data worker
+    for namespace, devices in networks.values():
+        assert namespace != _network(os.getpid())[0]
+        assert devices == ["lo"]
 
 
 @pytest.mark.slow  # a kill mid-run
 def test_under_dynamic_sharding_the_other_worker_takes_over(tmp_path):
     flags = ("--config.data.service=local:2", "--config.data.service_sharding=dynamic")
-    code, output, _ = _run_and_kill(tmp_path, "data:worker:1", *flags, "--config.train.steps=400")
-    assert code == 0, output[-3000:]
+    run = _run_and_kill(tmp_path, "data:worker:1", *flags, "--config.train.steps=400")
+    output = run.output
+    assert run.code == 0, output[-3000:]
     assert "data:worker:1 (127.0.0.1:" in output and "take over its work" in output
     assert "train | step: 400/400" in output
     assert "input: tf.data service at grpc://127.0.0.1:" in output

@@ -6,7 +6,9 @@ of its own holding only `lo`. These tests stand for another host with a second
 network namespace, joined to this one by a veth pair (as root, with iproute2):
 from there the cluster's ports must not answer, while from inside the
 cluster's namespace 127.0.0.1 does; `--allow_network` is the control, where
-the other host does reach them.
+the other host does reach them. That a trainer's `local:N` servers and the
+trainer itself run in such a namespace is seen on the run whose server
+tests/test_data_service.py kills (one run for both).
 """
 
 from __future__ import annotations
@@ -121,27 +123,6 @@ def test_a_local_cluster_that_needs_the_network_is_refused_in_one_line(tmp_path)
         result.stderr,
     ), result.stderr
     assert not (tmp_path / "runs").exists()
-
-
-def test_a_trainers_local_data_service_listens_in_a_loopback_only_namespace(tmp_path):
-    _needs_root_and_ip()
-    with helpers.killed_when_done():
-        proc = helpers.start_cli(
-            "--strategy=one_device", "--config.data.service=local:1",
-            "--config.train.steps=100000", f"--model_dir={tmp_path / 'run'}",
-            cwd=tmp_path,
-        )  # fmt: skip
-        servers = []
-        for line in proc.stdout:
-            if found := re.match(r"\[data:\S+\] .* serving at .*\(pid (\d+)\)", line):
-                servers.append(int(found.group(1)))
-            if len(servers) == 2 or line.startswith("error:"):
-                break
-        assert len(servers) == 2, line
-        for pid in (proc.pid, *servers):
-            assert _namespace(pid) != _namespace("self")
-            devices = pathlib.Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
-            assert [d.split(":")[0].strip() for d in devices] == ["lo"]
 
 
 def test_a_local_data_service_that_needs_the_network_is_refused_in_one_line(tmp_path):
