@@ -3,8 +3,8 @@
     python -m tests.fork_probe [--exit=CODE] [--raise]
 
 Under `absl.app.run`, as the trainer: prints its arguments, working directory,
-`TF_CONFIG`'s task, session leader, name (`/proc/self/comm`) and a random
-number, then exits with CODE, or raises from a function of its own.
+`TF_CONFIG`'s task, session leader, name (`/proc/self/comm`), a random
+number and command line, then exits with CODE, or raises from a function of its own.
 """
 
 import json
@@ -27,6 +27,8 @@ def main(argv: list[str]) -> None:
     with open("/proc/self/comm") as comm:
         print("name", comm.read().strip())
     print("random", np.random.rand())
+    with open("/proc/self/cmdline", "rb") as cmdline:  # a forked member's is its server's
+        print("cmdline", json.dumps(cmdline.read().decode().rstrip("\0").split("\0")))
     if "--raise" in argv:
         _fail()
     codes = [int(a.removeprefix("--exit=")) for a in argv if a.startswith("--exit=")]

@@ -9,9 +9,10 @@ fixture in `conftest.py`) ends whatever a test started, however it ended.
 
 `run_command` forks a `python -m MODULE` command from a server that imported
 TensorFlow once (`towerflow.forkserver`; about 4.5 s of CPU less a command), where
-the test's environment is the one the server started with; a launcher
-(`trainer.launch`, `trainer.elastic`: it forks its members from a server of its
-own), `TOWERFLOW_TEST_FORK=0` and any failure to fork start a process of its own.
+the test's environment is the one the server started with (a launcher,
+`trainer.launch` or `trainer.elastic`, gets its own server forked with it, so
+its members import nothing again either); `TOWERFLOW_TEST_FORK=0` and any
+failure to fork start a process of its own.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ FORK_VARIABLE = "TOWERFLOW_TEST_FORK"  # "0": `run_command` forks nothing
 # What a forked command's environment may hold apart from the server's (read after start-up).
 _PER_COMMAND = {"TF_CONFIG", TAG_VARIABLE, "PYTEST_CURRENT_TEST", FORK_VARIABLE}
 _forks: forkserver.Client | None = None  # started at the first command it forks
+# The commands that start members of their own: forked with a server for them (`Client.fork`).
+LAUNCHERS = ("trainer.launch", "trainer.elastic")
 
 # The start of a script a test runs in a process of its own (`run_command`):
 # `bare_parameter_server()`, a bare `tf.distribute` ParameterServerStrategy over
@@ -218,20 +221,21 @@ def _forked(command: list[str], cwd: str, env: dict[str, str]) -> _ForkedCommand
     global _forks
     if os.environ.get(FORK_VARIABLE, "1") == "0" or not os.path.isdir(cwd):
         return None
-    if command[2:3] in (["trainer.launch"], ["trainer.elastic"]):
-        # A launcher starts a fork server of its own, which (forked from ours) could outlive it.
-        return None
     if _comparable(env) != _comparable(_SERVER_ENV):  # the test changed what imports read
         return None
     if _forks is None:
-        _forks = forkserver.Client(server_env=_comparable(_SERVER_ENV))
+        # Labelled: a forked command's command line is the server's, and would otherwise
+        # show the first command it forked (another test's directory, in a search for its own).
+        _forks = forkserver.Client(server_env=_comparable(_SERVER_ENV), label=["tests.helpers"])
         _forks.enabled = True
         atexit.register(_forks.close)
     tag, env = _tagged(env)
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     try:
-        proc = _forks.fork(command, env, [out_write, err_write], cwd=str(cwd))
+        proc = _forks.fork(
+            command, env, [out_write, err_write], cwd=str(cwd), server=command[2] in LAUNCHERS
+        )
     finally:
         os.close(out_write)
         os.close(err_write)

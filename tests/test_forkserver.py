@@ -5,6 +5,8 @@ A driver process (the launcher's role) starts three members of
 environment, working directory and session, has its own name and random state,
 and exits with its own status; an error of its own shows its own traceback.
 A fourth, with forking off (`--nofork_members`), is a process of its own.
+A launcher forked with a server for it (`server=True`, as the tests fork
+`trainer.launch`) forks its members from that server, which imported nothing again.
 """
 
 import json
@@ -56,3 +58,33 @@ def test_forked_members_run_as_processes_of_their_own(tmp_path):
     assert "RuntimeError: the member's own error" in traceback
     assert "fork_probe.py" in traceback and "in _fail" in traceback
     assert "forkserver.py" not in traceback
+
+
+LAUNCHER_DRIVER = """
+import os, sys
+from towerflow import forkserver
+
+client = forkserver.Client(label=["the driver's server"])
+client.enabled = True
+read, write = os.pipe()
+launcher = [sys.executable, "-m", "tests.fork_launcher"]
+proc = client.fork(launcher, dict(os.environ), [write], server=True)
+os.close(write)
+with os.fdopen(read) as output:
+    print(output.read().splitlines()[-1])
+print(proc.wait(timeout=120))
+client.close()
+"""
+
+
+def test_a_launchers_members_fork_from_a_server_forked_with_it(tmp_path):
+    result = helpers.run_command([sys.executable, "-c", LAUNCHER_DRIVER], str(tmp_path))
+    helpers.assert_exit(result)
+    report, code = result.stdout.splitlines()[-2:]
+    launcher = json.loads(report)
+    assert code == "0" and launcher["forked"] and launcher["code"] == 4, result.stdout
+    # Forked from the driver's server, the launcher shows its command line, and so does
+    # the member: its server was forked from the launcher, not started (and imported) anew.
+    assert launcher["cmdline"][-1] == "the driver's server"
+    assert json.loads(_value(launcher["lines"], "cmdline")) == launcher["cmdline"]
+    assert _value(launcher["lines"], "name") == "worker:0"

@@ -14,6 +14,10 @@ arguments and output pipe, a fresh random state, exiting with its own status
 
 The tests' one-shot commands (`tests/helpers.py`'s `run_command`) are forked
 the same way, by `Client.fork`, with stdout and stderr on pipes of their own.
+A forked command that starts members of its own (a launcher, `server=True`)
+gets its server forked from the member's process before its module runs, as
+the server left it: its `Client` adopts that one instead of starting a server
+that imports TensorFlow again.
 
 Only a command of the form `[sys.executable, "-m", MODULE, ...]` is forked;
 where the kernel has no child subreapers (not Linux) or the server cannot
@@ -44,6 +48,9 @@ PRELOADED = ("tensorflow", "keras", "absl.app")  # what every member imports fir
 _PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 _MESSAGE_BYTES = 1 << 20  # a request: the member's argv and environment, as JSON
 _POLL_S = 0.02
+# A server forked for this process before its module ran (`server=True`), and the socket
+# to it; the first `Client` to start one adopts it.
+PREFORKED: tuple[Forked, socket.socket] | None = None
 
 
 class Forked:
@@ -80,14 +87,19 @@ class Client:
         turns it on; the server makes this process a child subreaper.
     """
 
-    def __init__(self, server_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, server_env: dict[str, str] | None = None, label: Sequence[str] | None = None
+    ) -> None:
         """Starts nothing yet: the server starts with the first command forked.
 
         Args:
           server_env: the server's environment; None: the first command's, less TF_CONFIG.
+          label: what the server's command line (and so every member's) shows after
+            `--`; None: the first command forked, whose members it starts.
         """
         self.enabled = False
         self._server_env = server_env
+        self._label = label
         self._socket: socket.socket | None = None
         self._server: subprocess.Popen | None = None
         self._failed = False
@@ -111,18 +123,21 @@ class Client:
         env: dict[str, str],
         fds: Sequence[int],
         cwd: str | None = None,
+        server: bool = False,
     ) -> Forked | None:
         """Forks `command` from the server, its stdout on `fds[0]` and stderr on `fds[-1]`.
 
         It runs in `cwd` (default this process's). The caller keeps (and closes)
-        `fds`. Returns None where it cannot fork (not `python -m MODULE`, not
-        enabled, no server): start it another way.
+        `fds`. `server`: the command starts members of its own (a launcher):
+        a server is forked for it too, which its own `Client` adopts. Returns
+        None where it cannot fork (not `python -m MODULE`, not enabled, no
+        server): start it another way.
         """
         module = _module(command)
         if module is None or not self.enabled or not self._started(command, env):
             return None
         request = {"module": module, "argv": list(command[3:]), "cwd": cwd or os.getcwd()}
-        request["env"] = env
+        request.update(env=env, server=server)
         try:
             with self._lock:
                 socket.send_fds(self._socket, [json.dumps(request).encode()], list(fds))
@@ -148,18 +163,11 @@ class Client:
             return True
         if self._failed or not _become_subreaper():
             return False  # failed before, or members could not be this process's children
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        server_env = self._server_env
-        if server_env is None:
-            server_env = {k: v for k, v in env.items() if k != "TF_CONFIG"}
-        self._server = subprocess.Popen(  # its command line shows whose members it starts
-            [sys.executable, "-m", "towerflow.forkserver", str(theirs.fileno()), "--", *command],
-            # Unbuffered output from the start: the members inherit its streams' buffering.
-            env={**server_env, "PYTHONUNBUFFERED": "1"},
-            stdin=subprocess.DEVNULL,
-            pass_fds=[theirs.fileno()],
-        )
-        theirs.close()
+        global PREFORKED
+        if PREFORKED is not None:  # forked for this process already: no import again
+            (self._server, ours), PREFORKED = PREFORKED, None
+        else:
+            self._server, ours = self._start_server(command, env)
         ready = ours.recv(_MESSAGE_BYTES)
         if ready != b"ready":  # the import failed: its error is on stderr
             ours.close()
@@ -168,6 +176,25 @@ class Client:
             return False
         self._socket = ours
         return True
+
+    def _start_server(
+        self, command: Sequence[str], env: dict[str, str]
+    ) -> tuple[subprocess.Popen, socket.socket]:
+        """A new server process (it imports `PRELOADED`), and the socket to it."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server_env = self._server_env
+        if server_env is None:
+            server_env = {k: v for k, v in env.items() if k != "TF_CONFIG"}
+        label = command if self._label is None else self._label
+        server = subprocess.Popen(  # its command line shows whose members it starts
+            [sys.executable, "-m", "towerflow.forkserver", str(theirs.fileno()), "--", *label],
+            # Unbuffered output from the start: the members inherit its streams' buffering.
+            env={**server_env, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        return server, ours
 
 
 def _module(command: Sequence[str]) -> str | None:
@@ -253,6 +280,8 @@ def run_member(request: dict) -> None:
     os.close(null)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if request.get("server"):  # before this member changes anything a server's fork keeps
+        _prefork_server()
     if sys.path and sys.path[0] == os.getcwd():  # as `python -m` puts its working directory first
         sys.path[0] = request["cwd"]
     os.chdir(request["cwd"])
@@ -276,6 +305,31 @@ def run_member(request: dict) -> None:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
+
+
+def _prefork_server() -> None:
+    """Forks a server from this member before its module runs; its `Client` adopts it.
+
+    The member is still as the server left it (`PRELOADED` imported, no
+    thread, its streams and session already the member's), so the fork serves
+    as a server started anew would, without importing TensorFlow again. It is
+    this member's child, as a started one would be; it ends when the socket
+    closes (this member is gone). A member it forks runs to its own exit.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        request = serve(theirs)
+        if request is None:
+            os._exit(0)  # the socket closed: nothing of the member's own to run here
+        run_member(request)
+        raise SystemExit(0)  # its module returned: it ends as `main` would
+    theirs.close()
+    # This file runs as `__main__`; the member's modules import it by name: the state goes there.
+    from towerflow import forkserver  # noqa: PLC0415
+
+    forkserver.PREFORKED = (Forked(pid, [sys.executable, "-m", "towerflow.forkserver"]), ours)
 
 
 def main() -> None:
