@@ -1,9 +1,9 @@
-"""Spare replicas and staleness under `parameter_server`: 3 workers + 1 ps on 127.0.0.1.
+"""Spare replicas and staleness under `parameter_server`: workers + 1 ps on 127.0.0.1.
 
-Two cluster runs, each shared by the tests that read it (module fixtures):
-one synchronous step with k = n = 3 on known per-worker batches, and a
-k = 2 run with a straggling worker that is killed mid-run. The option
-checks run in this process.
+Cluster runs, each shared by the tests that read it (module fixtures): one
+synchronous step with k = n = 2 (2 workers) on known per-worker batches; in the
+slow tier, on 3 workers, a k = 2 run with a straggling worker that is killed
+mid-run and an asynchronous one. The option checks run in this process.
 """
 
 import contextlib
@@ -28,6 +28,7 @@ from trainer.loop import train
 CLUSTER_TIMEOUT_S = 300
 BATCH = 16  # examples per worker and step
 WORKERS = 3
+EVERY = 2  # the workers of the k = n step
 TINY = [  # the tiny model of `tiny_config`, trained by plain SGD at a constant rate
     "--config.model.hidden_units=(32,)",
     "--config.model.dropout=0.0",
@@ -53,13 +54,13 @@ def straggler(spec: str):
 
 
 def worker_batches(input_context, split, global_batch_size):
-    """Worker i sees one fixed batch of its own, again and again; one pipeline sees all three.
+    """Worker i sees one fixed batch of its own, again and again; one pipeline sees them all.
 
-    So k = n = 3 workers' averaged gradient is the gradient of the three batches together.
+    So k = n workers' averaged gradient is the gradient of their batches together.
     """
     del split
     parts = []
-    for worker in range(WORKERS):
+    for worker in range(EVERY):
         rng = np.random.default_rng(worker)
         x = rng.normal(size=(BATCH, 64)).astype(np.float32)
         parts.append((x, rng.integers(0, 10, size=BATCH)))
@@ -70,12 +71,12 @@ def worker_batches(input_context, split, global_batch_size):
     return tf.data.Dataset.from_tensors((x, y))
 
 
-def _launch(tmp_path_factory, name: str, *flags: str) -> tuple:
-    """Trains on 3 workers + 1 ps in a fresh directory; returns model_dir and results.json."""
+def _launch(tmp_path_factory, name: str, *flags: str, workers: int = WORKERS) -> tuple:
+    """Trains on `workers` + 1 ps in a fresh directory; returns model_dir and results.json."""
     tmp_path = tmp_path_factory.mktemp(name)
     model_dir = tmp_path / "run"
     launched(
-        f"--workers={WORKERS}",
+        f"--workers={workers}",
         "--ps=1",
         "--",
         "--strategy=parameter_server",
@@ -113,23 +114,24 @@ DATA = [
 
 
 @pytest.fixture(scope="module")
-def all_three(tmp_path_factory):
+def every_worker(tmp_path_factory):
     return _launch(
         tmp_path_factory,
-        "sync3",
+        "sync",
         *DATA,
-        "--config.strategy.parameter_server.sync_replicas=3",
+        f"--config.strategy.parameter_server.sync_replicas={EVERY}",
         "--config.train.steps=1",
         f"--config.train.global_batch_size={BATCH}",
+        workers=EVERY,
     )
 
 
-def test_k_equal_n_applies_the_average_of_every_workers_gradient(all_three, tmp_path):
-    model_dir, results = all_three
-    assert results["placement"]["sync_replicas"] == 3
-    assert results["train"]["replicas_averaged"] == 3
+def test_k_equal_n_applies_the_average_of_every_workers_gradient(every_worker, tmp_path):
+    model_dir, results = every_worker
+    assert results["placement"]["sync_replicas"] == EVERY
+    assert results["train"]["replicas_averaged"] == EVERY
     assert results["train"]["most_pushes_by_one_worker"] == 1  # so each worker once
-    # The same step on one device, on the three workers' batches together.
+    # The same step on one device, on the workers' batches together.
     config = tiny_config(
         **{
             "strategy.name": "one_device",
@@ -140,7 +142,7 @@ def test_k_equal_n_applies_the_average_of_every_workers_gradient(all_three, tmp_
             "optimizer.warmup_steps": 0,
             "optimizer.learning_rate": 0.1,
             "train.steps": 1,
-            "train.global_batch_size": WORKERS * BATCH,
+            "train.global_batch_size": EVERY * BATCH,
         }
     )
     train.train_and_evaluate(config, str(tmp_path / "one"), mode="train")
