@@ -1,7 +1,8 @@
 """docs/tables.md: its shell commands run as written.
 
 The training command goes through the command's flags, main and exit in this process
-(`tests.helpers.cli_in_process`): a process of its own would only import TensorFlow again.
+(`tests.helpers.cli_in_process`): a process of its own adds nothing asserted here, and
+would convert and trace again what this process has already.
 """
 
 import json
