@@ -382,6 +382,10 @@ def _tagged(env: dict[str, str]) -> tuple[str, dict[str, str]]:
 def kill(*procs: subprocess.Popen) -> None:
     """SIGKILLs each process of `procs` with its group and every process it started; reaps them."""
     tags = {tag for tag, proc in _started if proc in procs}
+    # A forked launcher's members (forked in turn, from the server forked with it) show the
+    # tests' server's environment, not their tag: they are found as its descendants, before
+    # it dies and they go to this process.
+    below = descendants({proc.pid for proc in procs if isinstance(proc, forkserver.Forked)})
     for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
             os.killpg(proc.pid, signal.SIGKILL)
@@ -394,7 +398,9 @@ def kill(*procs: subprocess.Popen) -> None:
     # process stuck in the kernel dies only when its I/O ends).
     deadline = time.monotonic() + 60
     signalled: set[int] = set()
-    while (pids := tagged(tags)) and time.monotonic() < deadline:
+    while (pids := tagged(tags) + [pid for pid in below if running(pid)]) and (
+        time.monotonic() < deadline
+    ):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -425,6 +431,23 @@ def running(pid: int) -> bool:
 def _kill_when_it_ends(proc: subprocess.Popen) -> None:
     proc.wait()
     kill(proc)
+
+
+def descendants(pids: set[int]) -> set[int]:
+    """The live processes started by `pids`, their children's, and so on (by parent id)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                parent = pathlib.Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1]
+                children.setdefault(int(parent), []).append(int(entry.name))
+    found, todo = set(), list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def tagged(tags: set[str]) -> list[int]:

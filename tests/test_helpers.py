@@ -1,9 +1,12 @@
 """The test helpers leave no process behind: a child's children die with it, however it ends."""
 
+import contextlib
 import functools
 import json
+import os
 import pathlib
 import subprocess
+import threading
 import time
 
 import pytest
@@ -130,3 +133,53 @@ def test_run_cli_starts_a_process_of_its_own_with_forking_off(one_member, tmp_pa
     )
     assert done.returncode == 3
     assert _probe_line(done.stdout, "name") != "worker:0", "an interpreter's own name"
+
+
+def test_a_timed_out_forked_launcher_leaves_no_member(tmp_path):
+    """A launcher forked from the tests' server, with members forked from a server of its own.
+
+    Those members show the tests' server's environment, not the test's tag: they
+    are found as the launcher's descendants. Here they wait for a second file, which never lands.
+    """
+    rows = "a,b,c,d,label\n" + "0.5,0.5,0.5,0.5,1\n" * 8
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "first.csv").write_text(rows)  # what start-up reads its inputs from
+    (tmp_path / "eval.csv").write_text(rows)
+    members: set[int] = set()
+    watching = threading.Event()
+
+    def watch() -> None:  # the members, seen while they run
+        while not watching.is_set():
+            for pid in helpers.descendants({os.getpid()}):
+                with contextlib.suppress(OSError):
+                    if pathlib.Path(f"/proc/{pid}/comm").read_text().startswith("worker:"):
+                        members.add(pid)
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            helpers.run_cli(
+                "--workers=2",
+                "--",
+                "--strategy=multi_worker",
+                f"--model_dir={tmp_path / 'run'}",
+                "--config.data.name=csv",
+                f"--config.data.train_files={tmp_path / 'train' / '*'}",
+                f"--config.data.eval_files={tmp_path / 'eval.csv'}",
+                "--config.data.input_shape=(4,)",
+                "--config.data.num_classes=2",
+                "--config.data.follow=True",
+                "--config.data.follow_poll_secs=1",
+                "--config.train.global_batch_size=4",
+                "--config.train.steps=0",  # until stopped
+                cwd=str(tmp_path),
+                module="trainer.launch",
+                timeout=45,  # the members are up and waiting well before, even under load
+            )
+    finally:
+        watching.set()
+        watcher.join()
+    assert len(members) == 2, members
+    assert not [pid for pid in members if helpers.running(pid)], "members left behind"
