@@ -384,8 +384,9 @@ def kill(*procs: subprocess.Popen) -> None:
     tags = {tag for tag, proc in _started if proc in procs}
     # A forked launcher's members (forked in turn, from the server forked with it) show the
     # tests' server's environment, not their tag: they are found as its descendants, before
-    # it dies and they go to this process.
-    below = descendants({proc.pid for proc in procs if isinstance(proc, forkserver.Forked)})
+    # it dies and they go to this process. (Not reaped yet: its pid is no other process's.)
+    forked = {p.pid for p in procs if isinstance(p, forkserver.Forked) and p.returncode is None}
+    below = descendants(forked)
     for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
             os.killpg(proc.pid, signal.SIGKILL)
