@@ -94,7 +94,7 @@ def _trained(tmp_path, hosts, layout: dict, steps: int, *args: str, by_name=Fals
     return results
 
 
-@pytest.mark.slow  # namespaces; parameter_server on four hosts runs in the default tier
+@pytest.mark.slow  # namespaces; parameter_server on three hosts runs in the default tier
 def test_multi_worker_on_two_hosts_by_name(make_hosts, tmp_path):
     hosts = make_hosts(2, names=["trainer-a", "trainer-b"])
     run = f"--model_dir={tmp_path / 'run'}"
@@ -105,11 +105,11 @@ def test_multi_worker_on_two_hosts_by_name(make_hosts, tmp_path):
     assert "2 worker process(es)" in results["placement"]["communication"]
 
 
-def test_parameter_server_on_four_hosts(make_hosts, tmp_path):
-    hosts = make_hosts(4)
-    layout = {"chief": [0], "worker": [1, 2], "ps": [3]}
+def test_parameter_server_on_three_hosts(make_hosts, tmp_path):
+    hosts = make_hosts(3)  # the coordinator, a worker and the ps each on a host of its own
+    layout = {"chief": [0], "worker": [1], "ps": [2]}
     run = f"--model_dir={tmp_path / 'run'}"
-    # The workers and the ps serve until the chief is gone, then exit 0 too.
+    # The worker and the ps serve until the chief is gone, then exit 0 too.
     results = _trained(tmp_path, hosts, layout, 40, "--strategy=parameter_server", run)
     assert "variables on 1 ps member(s)" in results["placement"]["communication"]
     ps = "/job:ps/replica:0/task:0/device:CPU:0"
