@@ -18,9 +18,11 @@ from tests.helpers import (
     cli_in_process,
     launch,
     launch_and_signal,
+    launched,
     tensorboard_scalars,
     tiny_config,
 )
+from tests.test_faults import signal_at
 from towerflow.errors import UserError
 from trainer import data
 from trainer.launch import parse_workers
@@ -69,10 +71,24 @@ def _killed_at_60(tmp_path, worker: int, sig: int = signal.SIGKILL) -> str:
     return output
 
 
+# Loop actions (`train.actions`) of the members: worker:2 of the group SIGKILLs itself once
+# step 60 (40) is trained. A real kill, at a block's end; the launcher forked from the tests'
+# server (TensorFlow imported once for all its members) as `launched` runs it.
+worker_2_killed_at_60 = signal_at(60, signal.SIGKILL, worker=2)
+worker_2_killed_at_40 = signal_at(40, signal.SIGKILL, worker=2)
+
+
+def _launched_killing(*args: str, action: str, cwd) -> str:
+    """`launched(ARGS)` with the loop action `action` of this module; what it printed."""
+    result = launched(*args, f"--config.train.actions=tests.test_elastic:{action}", cwd=cwd)
+    return result.stdout + result.stderr
+
+
 def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted_run_does(
     tmp_path, capsys
 ):
-    output = _killed_at_60(tmp_path, worker=2)
+    documented = _documented(tmp_path / "elastic")
+    output = _launched_killing(*documented, *FAST, action="worker_2_killed_at_60", cwd=tmp_path)
     # The survivors saved the step they completed; the group of 2 restored exactly it.
     saved = {int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output)}
     # Survivors save the last step they completed; one may have completed one more than
@@ -363,18 +379,10 @@ def test_a_per_replica_group_that_shrinks_keeps_each_replicas_batch_and_scales_t
     """The docs' `per_replica` command: 3 members (16 a replica, 48 a step) lose one for good."""
     out = "--config.cluster.elastic.max_restarts=0"  # the lost member stays out
     short = ["--config.train.steps=100", "--config.optimizer.learning_rate=0.003"]
-    code, lines, _ = launch_and_signal(
-        *_documented(tmp_path / "elastic", "runs/per_replica"),
-        *FAST,
-        out,
-        *short,
-        cwd=tmp_path,
-        trigger="[member:0] train | step: 40/",
-        member=("worker", 2),
-        sig=signal.SIGKILL,
+    documented = _documented(tmp_path / "elastic", "runs/per_replica")
+    output = _launched_killing(
+        *documented, *FAST, out, *short, action="worker_2_killed_at_40", cwd=tmp_path
     )
-    output = "\n".join(line for _, line in lines)
-    assert code == 0, output[-3000:]
     step = max(int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output))  # newest
     assert f"[member:0] restored {tmp_path / 'elastic'}/elastic/ckpt-{step}-" in output  # 0 lost
     assert "members: 3 | replicas: 3 | per_replica_batch: 16 | global_batch: 48" in output

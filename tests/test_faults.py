@@ -1,5 +1,6 @@
 """Preemption, loss blow-ups and corrupt checkpoints: no work or data lost."""
 
+import json
 import os
 import re
 import signal
@@ -84,24 +85,28 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
     assert job.step() == 20
 
 
-def sigterm_at(step: int):
-    """For `train.actions`: an action that sends its own process SIGTERM at `step`.
+def signal_at(step: int, sig: int = signal.SIGTERM, worker: int | None = None):
+    """For `train.actions`: an action that sends its own process `sig` once `step` is trained.
 
-    As a scheduler would, from outside the loop's own stop paths; the action runs
-    last after a block, so the loop sees the signal after the block's other actions.
+    As a scheduler (SIGTERM) or a crash (SIGKILL) would, from outside the loop's own
+    stop paths; the action runs last after a block, so the loop sees the signal after
+    the block's other actions. `worker`: only the member that is that worker of its
+    cluster (`TF_CONFIG`'s task index) sends it.
     """
 
     def make_action(config):
+        task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+
         def action(output):
-            if output.step == step:
-                os.kill(os.getpid(), signal.SIGTERM)
+            if output.step == step and worker in (None, task.get("index")):
+                os.kill(os.getpid(), sig)
 
         return action
 
     return make_action
 
 
-sigterm_at_step_40 = sigterm_at(40)
+sigterm_at_step_40 = signal_at(40)
 
 
 def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path, capsys):

@@ -22,7 +22,7 @@ from tests.helpers import (
     start_cli,
     tiny_config,
 )
-from tests.test_faults import sigterm_at
+from tests.test_faults import signal_at
 from towerflow.errors import PREEMPTED_EXIT_CODE
 from trainer import data
 from trainer.data import counting, follow
@@ -173,7 +173,7 @@ def test_a_trickle_short_of_a_block_trains_within_the_max_wait(tmp_path, strateg
     assert _done(run) == (["clicks-1.csv"], {})
 
 
-sigterm_at_step_4 = sigterm_at(4)
+sigterm_at_step_4 = signal_at(4)
 
 
 def test_sigterm_while_waiting_for_a_file_saves_the_position_and_exits_143(tmp_path):
