@@ -2,8 +2,7 @@
 
 import json
 import os
-import signal
-import threading
+import pathlib
 
 import numpy as np
 import pytest
@@ -11,15 +10,12 @@ import tensorflow as tf
 
 from tests.helpers import (
     REPO,
-    TIMEOUT_S,
     assert_exit,
     checkpoint_values,
     config_flags,
-    kill,
+    launched,
     one_line_error,
-    pid_of,
     run_cli,
-    start_cli,
     tiny_config,
 )
 from tests.test_faults import signal_at
@@ -485,64 +481,60 @@ _CLUSTER_FIELDS = (
 )  # fmt: skip
 
 
-def _until_stopped_on_two_workers(cwd, flags, react) -> str:
-    """Two `multi_worker` workers training until stopped; `react(line)` for each line printed.
+def _until_stopped_on_two_workers(cwd, flags, *actions: str) -> str:
+    """Two `multi_worker` workers training until stopped, with loop `actions` of this module.
 
     Returns what they printed; they must end preempted (exit 143) within `TIMEOUT_S`.
     """
+    names = ",".join(f"tests.test_follow:{action}" for action in actions)
     args = ("--workers=2", "--", "--strategy=multi_worker", *flags, "--config.train.steps=0")
-    proc = start_cli(*args, cwd=cwd, module="trainer.launch")
-    timer = threading.Timer(TIMEOUT_S, kill, (proc,))
-    timer.start()
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            react(line)
-        proc.wait()
-    finally:
-        timer.cancel()
-    output = "".join(lines)
-    assert_exit(proc, PREEMPTED_EXIT_CODE, output)
-    return output
+    result = launched(*args, f"--config.train.actions={names}", cwd=cwd, code=PREEMPTED_EXIT_CODE)
+    return result.stdout + result.stderr
+
+
+def _land_kth(data_dir, k: int) -> None:
+    """The k-th file to land, of `MW_ROWS` records, named clicks-{6 - k}: no name order."""
+    _write_csv(data_dir / "train" / f"clicks-{6 - k}.csv", k, MW_ROWS, order=k)
+
+
+# Loop actions of the workers (`train.actions`): a real SIGTERM that worker:1 sends itself
+# once step 5 (12) is trained, and the fifth file, landed by the chief once step 8 is.
+worker_1_sigterm_at_5 = signal_at(5, worker=1)
+worker_1_sigterm_at_12 = signal_at(12, worker=1)
+
+
+def file_5_lands_at_step_8(config):
+    """For `train.actions`: the chief lands the fifth file once step 8 is trained."""
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    data_dir = pathlib.Path(config.data.train_files).parent.parent
+
+    def action(output):
+        if output.step == 8 and task["index"] == 0:
+            _land_kth(data_dir, 5)
+
+    return action
 
 
 def test_two_workers_train_each_record_once_over_files_landing_out_of_name_order(tmp_path):
     data_dir, run = tmp_path / "data", tmp_path / "run"
     _write_csv(data_dir / "eval.csv", 99)
-
-    def land(k: int) -> None:  # the k-th file to land is named clicks-{6 - k}: no name order
-        _write_csv(data_dir / "train" / f"clicks-{6 - k}.csv", k, MW_ROWS, order=k)
-
     for k in (1, 2):
-        land(k)
+        _land_kth(data_dir, k)
     flags = [f"--model_dir={run}", *config_flags(_config(data_dir), _CLUSTER_FIELDS)]
-
-    def stop_at(step: int):  # SIGTERM to worker:1 once the chief reports `step`
-        def react(line: str) -> None:
-            if line.startswith(f"[worker:0] train | step: {step} "):
-                os.kill(pid_of("worker", 1, str(tmp_path)), signal.SIGTERM)
-
-        return react
 
     # 80 records: 5 steps, then both wait for a third file; a SIGTERM to worker:1 while
     # they wait: both save the position at one step and exit 143.
-    output = _until_stopped_on_two_workers(tmp_path, flags, stop_at(5))
+    output = _until_stopped_on_two_workers(tmp_path, flags, "worker_1_sigterm_at_5")
     for worker in ("worker:0", "worker:1"):
         assert f"[{worker}] preempted (SIGTERM to a worker of the cluster) at step 5" in output
     assert _done(run) == (["clicks-4.csv", "clicks-5.csv"], {})
 
-    # The restart resumes there, with files 3 and 4 written as it starts and file 5 once
+    # The restart resumes there, with files 3 and 4 landed as it starts and file 5 once
     # step 8 is done: 12 steps hold 192 of the 200 records; the last 8 wait for more.
-    def write_and_stop(line: str) -> None:
-        if "[launch]" in line and not (data_dir / "train" / "clicks-3.csv").exists():
-            for k in (3, 4):
-                land(k)
-        if line.startswith("[worker:0] train | step: 8 "):
-            land(5)
-        stop_at(12)(line)
-
-    output = _until_stopped_on_two_workers(tmp_path, flags, write_and_stop)
+    for k in (3, 4):
+        _land_kth(data_dir, k)
+    actions = ("file_5_lands_at_step_8", "worker_1_sigterm_at_12")
+    output = _until_stopped_on_two_workers(tmp_path, flags, *actions)
     for worker in ("worker:0", "worker:1"):  # the chief's checkpoint, the position in it
         assert f"[{worker}] restored {run / 'checkpoints' / 'ckpt-5'} at step 5" in output
     assert "[worker:0] preempted (SIGTERM to a worker of the cluster) at step 12" in output
