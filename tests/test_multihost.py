@@ -3,10 +3,13 @@
 Each member runs the README's per-host command (`TF_CONFIG=... python -m
 trainer ...`) in its own namespace (`trainer.bench.hosts`), so members talk over
 10.77.0.x addresses through a bridge, as separate machines would, and a link
-can be shaped or cut. The model_dir is a directory every host sees (the
-namespaces share the file system). Needs root and iproute2, and netem or
-iptables for loss; skipped with the reason otherwise, except under `.ci/run`
-(`TOWERFLOW_CI`, as root), where they must run.
+can be shaped or cut. The default tier's cluster forks that command from the
+tests' server into each host (`tests.in_namespace`: TensorFlow imported once,
+hosts reached by address); the others start it with `ip netns exec`. The
+model_dir is a directory every host sees (the namespaces share the file
+system). Needs root and iproute2, and netem or iptables for loss; skipped with
+the reason otherwise, except under `.ci/run` (`TOWERFLOW_CI`, as root), where
+they must run.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import TIMEOUT_S, running
+from tests.helpers import TIMEOUT_S, run_cli, running
 from trainer.bench import hosts as hosts_lib
 from trainer.loop import faults
 
@@ -71,6 +75,39 @@ def _start(hosts, members, tmp_path, *args: str) -> dict[str, subprocess.Popen]:
     }
 
 
+def _forked(hosts, members, tmp_path, *args: str) -> dict[str, int | None]:
+    """Each member's per-host command forked into its host (`tests.in_namespace`); exit codes.
+
+    Forked from the tests' server as `run_cli` runs commands, TensorFlow imported once;
+    each member's output goes to `tmp_path/<member>.log`. None: it ran over `TIMEOUT_S`.
+    """
+    codes: dict[str, int | None] = {}
+
+    def run(member) -> None:
+        codes[member.name], output = None, ""
+        try:
+            result = run_cli(
+                hosts.namespaces[member.host], f"TF_CONFIG={member.tf_config}", "trainer", *args,
+                cwd=str(tmp_path), module="tests.in_namespace",
+            )  # fmt: skip
+            codes[member.name], output = result.returncode, result.stdout + result.stderr
+        finally:
+            (tmp_path / f"{member.name}.log").write_text(output)
+
+    threads = []
+    for member in members:
+        threads.append(threading.Thread(target=run, args=(member,), daemon=True))
+        threads[-1].start()
+        # The first fork starts the tests' server: the next forks once this one is on its host.
+        deadline = time.monotonic() + TIMEOUT_S
+        while not _namespace_pids(hosts.namespaces[member.host]) and threads[-1].is_alive():
+            assert time.monotonic() < deadline, f"{member.name} never started"
+            time.sleep(0.05)
+    for thread in threads:
+        thread.join()
+    return codes
+
+
 def _wait(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
     """Each member's exit code, all within `TIMEOUT_S` (generous: a loaded machine)."""
     deadline = time.monotonic() + TIMEOUT_S
@@ -84,11 +121,21 @@ def _logs(tmp_path) -> str:
     )
 
 
-def _trained(tmp_path, hosts, layout: dict, steps: int, *args: str, by_name=False) -> dict:
-    """Trains a tiny job on `hosts` as `layout` says; every member exits 0. Its results.json."""
+def _trained(
+    tmp_path, hosts, layout: dict, steps: int, *args: str, by_name=False, forked=False
+) -> dict:
+    """Trains a tiny job on `hosts` as `layout` says; every member exits 0. Its results.json.
+
+    `forked`: the members forked from the tests' server (`_forked`), each reaching the
+    others by address; else each a process of its own (`ip netns exec`), names resolving.
+    """
     members = hosts.cluster(layout, by_name=by_name)
-    procs = _start(hosts, members, tmp_path, *args, f"--config.train.steps={steps}", *TINY)
-    assert set(_wait(procs).values()) == {0}, _logs(tmp_path)
+    args = (*args, f"--config.train.steps={steps}", *TINY)
+    if forked:
+        codes = _forked(hosts, members, tmp_path, *args)
+    else:
+        codes = _wait(_start(hosts, members, tmp_path, *args))
+    assert set(codes.values()) == {0}, _logs(tmp_path)
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["step"] == steps
     return results
@@ -110,7 +157,7 @@ def test_parameter_server_on_three_hosts(make_hosts, tmp_path):
     layout = {"chief": [0], "worker": [1], "ps": [2]}
     run = f"--model_dir={tmp_path / 'run'}"
     # The worker and the ps serve until the chief is gone, then exit 0 too.
-    results = _trained(tmp_path, hosts, layout, 40, "--strategy=parameter_server", run)
+    results = _trained(tmp_path, hosts, layout, 40, "--strategy=parameter_server", run, forked=True)
     assert "variables on 1 ps member(s)" in results["placement"]["communication"]
     ps = "/job:ps/replica:0/task:0/device:CPU:0"
     assert results["placement"]["variables"]["dense/kernel"] == [ps]
