@@ -12,13 +12,15 @@ import tensorflow as tf
 
 from strategies.parameter_server import AtomicBatchNormalization
 from tests.helpers import checkpoint_values, tiny_config, train_on_cluster
-from trainer.loop import train
+from trainer import data
 
-# Both near their plateau (about 0.97). The rate decays to zero, as in most real runs: under a
+# Near its plateau (about 0.97). The rate decays to zero, as in most real runs: under a
 # constant rate the moving statistics lag the still-moving weights, and asynchronous training
 # left eval anywhere in 0.82-0.97 from run to run (the weights themselves scored 0.98 with
-# statistics recomputed); with the decay five runs scored 0.964-0.975 against 0.972.
+# statistics recomputed); with the decay five runs scored 0.964-0.975 against one device's
+# 0.972 (`JOB` under `one_device` in the tests' process: 0.9722 again on 2026-12-07).
 STEPS = 160
+ONE_DEVICE_ACCURACY = 0.972
 JOB = {
     "model.name": "tests.check_models:bn_dropout",
     "train.steps": STEPS,
@@ -49,9 +51,6 @@ def test_atomic_batchnorm_computes_what_keras_does():
 
 
 def test_no_update_is_lost_under_parameter_servers(tmp_path):
-    one = train.train_and_evaluate(
-        tiny_config(**JOB, **{"strategy.name": "one_device"}), str(tmp_path / "one")
-    )
     ps = train_on_cluster(
         tmp_path,
         "--strategy=parameter_server",
@@ -67,12 +66,23 @@ def test_no_update_is_lost_under_parameter_servers(tmp_path):
     assert int(counter) == STEPS
     # The counting BatchNorm's moving mean goes from 0 towards the data's mean by 1% of the
     # gap a step, whatever the weights, so it says how many updates counted (with updates
-    # lost it ended 12-17% low).
-    counted = _counting_mean(values)
-    np.testing.assert_allclose(
-        counted, _counting_mean(checkpoint_values(tmp_path / "one")), rtol=0.02
-    )
-    assert abs(ps["eval"]["accuracy"] - one["eval"]["accuracy"]) <= 0.05, (ps, one["eval"])
+    # lost it ended 12-17% low): against the mean it reaches over one device's 160 batches.
+    np.testing.assert_allclose(_counting_mean(values), _one_device_counting_mean(), rtol=0.02)
+    assert ps["eval"]["accuracy"] >= ONE_DEVICE_ACCURACY - 0.05, ps["eval"]
+
+
+def _one_device_counting_mean() -> float:
+    """The counting BatchNorm's moving mean after one device's `STEPS` batches of `JOB`.
+
+    It moves by the data alone (momentum 0.99, one channel): the batches' means, averaged
+    as Keras's BatchNormalization averages them (a one-device run ends at the same value).
+    """
+    config = tiny_config(**JOB, **{"strategy.name": "one_device"})
+    batches = data.get(config.data).train_fn(config.train.global_batch_size, config.seed, 0)
+    mean = 0.0
+    for x, *_ in batches(tf.distribute.InputContext()).take(STEPS):
+        mean = 0.99 * mean + 0.01 * float(np.mean(x.numpy()))
+    return mean
 
 
 def _counting_mean(values: dict) -> np.ndarray:
