@@ -4,7 +4,6 @@ import ast
 import contextlib
 import io
 import json
-import sys
 
 import keras
 import numpy as np
@@ -12,12 +11,12 @@ import pytest
 import tensorflow as tf
 
 import configs.ctr
+from tests.fresh_process import run_script
 from tests.helpers import (
     IN_PROCESS_CLUSTER,
     assert_exit,
     config_flags,
     launched,
-    run_command,
     tensorboard_scalars,
 )
 from tests.test_models import tiny_ctr_config
@@ -437,11 +436,13 @@ def _rows_by_id(model: keras.Model) -> dict[int, np.ndarray]:
 def one_device_and_mirrored(tmp_path_factory) -> dict:
     """The ctr model with a dynamic table, 20 steps in blocks of 5 under each strategy.
 
-    By strategy: its config, model_dir, results and printed lines.
+    `mirrored` on 2 replicas: each admits the ids of the whole global batch with 2
+    as with 4. By strategy: its config, model_dir, results and printed lines.
     """
     runs = {}
     for strategy in ("one_device", "mirrored"):
         config, model_dir = _ctr_config(strategy, 20), tmp_path_factory.mktemp(strategy)
+        config.strategy.mirrored.devices = "/cpu:0,/cpu:1"
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             results = train.train_and_evaluate(config, str(model_dir))
         runs[strategy] = config, model_dir, results, printed.getvalue()
@@ -488,14 +489,24 @@ def test_tensorboard_shows_each_blocks_ids_admissions_default_row_share_and_byte
     assert figures["mirrored"] == figures["one_device"]
 
 
-def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_path):
+EVICTING = {"capacity": 300, "ttl_steps": 8, "fallback_rows": 50}  # evictions and sweeps
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory) -> tuple:
+    """20 steps of a table that evicts, full checkpoints every 5, exported: (config, model_dir)."""
+    config = _ctr_config("one_device", 20, **EVICTING)
+    config.train.update({"checkpoint_every": 5, "export": True})
+    model_dir = tmp_path_factory.mktemp("straight")
+    train.train_and_evaluate(config, str(model_dir))
+    return config, model_dir
+
+
+def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_path, straight_run):
     """Also resumed from incremental checkpoints: they restore the straight run's state."""
-    options = {"capacity": 300, "ttl_steps": 8}  # evictions and sweeps on the way
-    straight = _ctr_config("one_device", 20, **options)
-    straight.train.checkpoint_every = 5
-    train.train_and_evaluate(straight, str(tmp_path / "straight"))  # full checkpoints
+    straight, straight_dir = straight_run
     # Full at step 0, then deltas of it: the second run restores the one of step 10.
-    resumed = _ctr_config("one_device", 10, **options)
+    resumed = _ctr_config("one_device", 10, **EVICTING)
     resumed.train.update({"checkpoint_every": 5, "full_checkpoint_every": 100})
     train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
     resumed.train.steps = 20
@@ -504,13 +515,13 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_pat
     newest = tf.train.load_checkpoint(str(tmp_path / "resumed" / "checkpoints"))
     assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0, "a delta of step 0's"
     states = []
-    for config, run in ((straight, "straight"), (resumed, "resumed")):
-        job = _restored_job(config, tmp_path / run)
+    for config, run in ((straight, straight_dir), (resumed, tmp_path / "resumed")):
+        job = _restored_job(config, run)
         states.append(state_of(job.model, job.optimizer))
     assert sorted(states[0]) == sorted(states[1])
     for name, value in states[0].items():
         np.testing.assert_array_equal(states[1][name], value, err_msg=name)
-    reader = tf.train.load_checkpoint(str(tmp_path / "straight" / "checkpoints"))
+    reader = tf.train.load_checkpoint(str(straight_dir / "checkpoints"))
     (keys,) = [
         n for n in reader.get_variable_to_shape_map() if "counters/.ATTRIBUTES/table-keys" in n
     ]
@@ -536,7 +547,7 @@ def test_under_parameter_server_the_table_is_split_over_the_ps_members_and_learn
     # The export (tables from both ps members) serves raw ids in a fresh process with no ps.
     ids = [[1, 2, 3, 4, 5, 6, 7, 8], [2**40, 2**41, 3, 4, 5, 6, 7, 9]]
     export = str(tmp_path / "run" / "export")
-    served = run_command([sys.executable, "-c", _SERVE, export, json.dumps(ids)], cwd=tmp_path)
+    served = run_script(_SERVE, export, json.dumps(ids), cwd=tmp_path)
     assert_exit(served)
     logits = np.array(json.loads(served.stdout.splitlines()[-1]))
     assert logits.shape == (2, 2) and np.isfinite(logits).all()
@@ -650,7 +661,7 @@ def test_under_tensorflows_own_parameter_server_strategy_a_table_has_a_part_on_e
     default row lives with the first part, whose lookups carry it: its value
     and its gradient (made there too) cross with the part's.
     """
-    result = run_command([sys.executable, "-c", _BARE_PARAMETER_SERVER], cwd=str(tmp_path))
+    result = run_script(_BARE_PARAMETER_SERVER, cwd=tmp_path)
     assert_exit(result, 0)
     devices, shape, gradients = result.stdout.strip().splitlines()[-3:]
     member = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in (0, 1)]
@@ -662,23 +673,18 @@ def test_under_tensorflows_own_parameter_server_strategy_a_table_has_a_part_on_e
     assert default == "/job:ps/task:0/device:CPU:0", gradients
 
 
-def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path):
-    config = _ctr_config("one_device", 10, fallback_rows=50)
-    config.train.export = True
-    train.train_and_evaluate(config, str(tmp_path / "run"))
-    model = _restored(config, tmp_path / "run")
+def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path, straight_run):
+    config, model_dir = straight_run
+    model = _restored(config, model_dir)
     held = sorted(_rows_by_id(model))
     layer = model.get_layer("embedding")
     candidates = np.arange(config.data.ctr.vocab_size)
     seen = layer.table.seen_ids(tf.constant(candidates, tf.int64)).numpy()
-    waiting = sorted(set(candidates[seen].tolist()) - set(held))  # their fallback rows
+    waiting = sorted(set(candidates[seen].tolist()) - set(held))  # refused or evicted: fallback
     assert waiting and np.abs(layer.fallback.numpy()).sum() > 0
     ids = np.array([held[:8], held[8:14] + waiting[:1] + [2**23]], np.float32)  # 2**23: unseen
     expected = model(ids, training=False).numpy()
-    served = run_command(
-        [sys.executable, "-c", _SERVE, str(tmp_path / "run" / "export"), json.dumps(ids.tolist())],
-        str(tmp_path),
-    )
+    served = run_script(_SERVE, str(model_dir / "export"), json.dumps(ids.tolist()), cwd=tmp_path)
     assert_exit(served)
     logits = np.array(json.loads(served.stdout.strip().splitlines()[-1]))
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
@@ -697,25 +703,30 @@ SMALL_CTR = {  # configs/ctr.py made small, as flags and as overrides
     "train.deterministic": True,
     "eval.every": 0,
 }
+# Where `tiny_ctr_config` (the runs in this process) differs from configs/ctr.py for `multi_worker`.
+TINY_CTR = (
+    "model.hidden_units",
+    "train.global_batch_size",
+    "eval.global_batch_size",
+    "optimizer.learning_rate",
+)
 
 
-def test_multi_worker_workers_end_with_the_rows_of_one_device(tmp_path):
-    config = configs.ctr.get_config()
-    config.update_from_flattened_dict({**SMALL_CTR, "strategy.name": "one_device"})
-    train.train_and_evaluate(config, str(tmp_path / "one"))
+def test_multi_worker_workers_end_with_the_rows_of_one_device(tmp_path, one_device_and_mirrored):
+    config, one_dir, _, _ = one_device_and_mirrored["one_device"]
     launched(
         "--workers=2",
         "--",
         "--strategy=multi_worker",
         "--config=configs/ctr.py",
-        *config_flags(config, tuple(SMALL_CTR)),
+        *config_flags(config, (*SMALL_CTR, *TINY_CTR)),  # the one_device run's config
         "--config.train.full_checkpoint_every=100",  # each worker writes deltas of step 0's
         f"--model_dir={tmp_path / 'workers'}",
         cwd=str(tmp_path),
     )
     newest = tf.train.load_checkpoint(str(tmp_path / "workers" / "checkpoints"))
     assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0
-    one = _rows_by_id(_restored(config, tmp_path / "one"))
+    one = _rows_by_id(_restored(config, one_dir))
     workers = _rows_by_id(_restored(config, tmp_path / "workers"))  # restored on one device
     assert len(one) > 100 and sorted(one) == sorted(workers)
     for key, row in one.items():

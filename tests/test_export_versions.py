@@ -2,17 +2,16 @@
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.fresh_process import run_script
 from tests.helpers import (
     IN_PROCESS_CLUSTER,
     assert_exit,
     one_line_error,
-    run_command,
     tiny_config,
 )
 from trainer.loop import export as export_lib
@@ -116,8 +115,7 @@ print(rss_mb() - before)
 def _exported(tmp_path, where: str, exports: int) -> float:
     """The memory `exports` versions added after the first quarter; the newest two serve."""
     base = tmp_path / "export"
-    argv = [sys.executable, "-c", _EXPORTS, str(base), where, str(exports)]
-    result = run_command(argv, str(tmp_path))
+    result = run_script(_EXPORTS, str(base), where, str(exports), cwd=tmp_path)
     assert_exit(result)
     predictions, growth = result.stdout.strip().splitlines()[-2:]
     assert export_lib.versions(str(base)) == [exports - 1, exports]

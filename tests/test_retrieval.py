@@ -8,7 +8,6 @@ parameter-server cluster of 2 workers and 2 ps).
 import json
 import pathlib
 import shlex
-import sys
 
 import keras
 import numpy as np
@@ -17,6 +16,7 @@ import tensorflow as tf
 
 from examples import retrieval as example
 from tests import helpers
+from tests.fresh_process import run_script
 from trainer import retrieval
 from trainer.layers import DynamicEmbedding, ShardedEmbedding
 from trainer.loop import train
@@ -186,9 +186,7 @@ print("SERVED", json.dumps(out))
 
 
 def _served(path, users) -> dict:
-    served = helpers.run_command(
-        [sys.executable, "-c", SERVE, str(path), json.dumps(users)], cwd=str(path)
-    )
+    served = run_script(SERVE, str(path), json.dumps(users), cwd=path)
     helpers.assert_exit(served)
     line = next(x for x in served.stdout.splitlines() if x.startswith("SERVED"))
     return json.loads(line[len("SERVED ") :])

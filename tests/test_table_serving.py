@@ -1,7 +1,6 @@
 """A dynamic table outside training (eval, the export): exactly what training reads, read-only."""
 
 import json
-import sys
 
 import keras
 import numpy as np
@@ -9,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 from strategies import sharding
-from tests.helpers import IN_PROCESS_CLUSTER, assert_exit, run_command
+from tests.fresh_process import run_script
+from tests.helpers import IN_PROCESS_CLUSTER, assert_exit
 from trainer.layers import DynamicEmbedding, tables
 from trainer.loop import export, optim
 
@@ -219,7 +219,7 @@ def test_the_export_serves_in_a_fresh_process_exactly_what_training_reads(tmp_pa
     path = export.export(model, str(tmp_path / "export"), None, 0, raw_outputs=True)
     ids = _ids(key_dtype, [*_held(layer, key_dtype, [1, 2, 3, 4, 5, 6]), 7, 8, 0, 99])
     as_json = [i.decode() if isinstance(i, bytes) else int(i) for i in ids.numpy().tolist()]
-    served = run_command([sys.executable, "-c", _SERVE, path, json.dumps(as_json)], str(tmp_path))
+    served = run_script(_SERVE, path, json.dumps(as_json), cwd=tmp_path)
     assert_exit(served)
     got = np.array(json.loads(served.stdout.strip().splitlines()[-1]), np.float32)
     np.testing.assert_array_equal(got, layer(ids, training=False).numpy())
@@ -252,10 +252,10 @@ print(json.dumps(layer(ids, training=False).numpy().tolist()))
 @pytest.mark.slow  # an in-process cluster, then a fresh process: over a minute here
 def test_the_export_of_a_table_on_ps_members_serves_in_a_fresh_process_what_eval_reads(tmp_path):
     path, ids = str(tmp_path / "export"), json.dumps([1, 2, 3, 4, 5, 6, 7, 0])
-    exported = run_command([sys.executable, "-c", _EXPORT_FROM_PS, path, ids], str(tmp_path))
+    exported = run_script(_EXPORT_FROM_PS, path, ids, cwd=tmp_path)
     assert_exit(exported)
     expected = np.array(json.loads(exported.stdout.strip().splitlines()[-1]), np.float32)
-    served = run_command([sys.executable, "-c", _SERVE, path, ids], str(tmp_path))
+    served = run_script(_SERVE, path, ids, cwd=tmp_path)
     assert_exit(served)
     got = np.array(json.loads(served.stdout.strip().splitlines()[-1]), np.float32)
     np.testing.assert_array_equal(got, expected)
@@ -312,7 +312,7 @@ print(json.dumps([held, marked, float(np.abs(served - layer(keys, training=True)
 def test_under_parameter_server_every_row_trained_is_marked_and_eval_reads_what_training_reads(
     tmp_path,
 ):
-    trained = run_command([sys.executable, "-c", _TRAINED_ON_PS], str(tmp_path))
+    trained = run_script(_TRAINED_ON_PS, cwd=tmp_path)
     assert_exit(trained)
     held, marked, difference = json.loads(trained.stdout.strip().splitlines()[-1])
     assert min(held) > 0 and sum(held) > 20, "ids on both parts, evicting"
