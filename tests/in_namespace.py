@@ -15,10 +15,55 @@ from __future__ import annotations
 import ctypes
 import os
 import runpy
+import subprocess
 import sys
+import threading
+import time
 
 _CLONE_NEWNET = 0x40000000  # setns(2)
 NETNS_RUN = "/run/netns"  # where `ip netns add` keeps a namespace
+
+
+class OnHost(threading.Thread):
+    """`python -m MODULE ARGS` run on a host to its end, in a thread: the test's side.
+
+    `start()` returns once the process is in the namespace, so that the first
+    fork (which starts the tests' server) is done before another begins. Once
+    the thread ends, `result` holds the command's `CompletedProcess` (None:
+    it ran over `tests.helpers.TIMEOUT_S`).
+    """
+
+    def __init__(
+        self, namespace: str, module: str, *args: str, cwd: str, env: dict[str, str] | None = None
+    ):
+        super().__init__(daemon=True)
+        variables = [f"{name}={value}" for name, value in (env or {}).items()]
+        self.command = [namespace, *variables, module, *args]
+        self.namespace, self.cwd = namespace, cwd
+        self.result: subprocess.CompletedProcess | None = None
+
+    def run(self) -> None:
+        from tests import helpers
+
+        self.result = helpers.run_cli(*self.command, cwd=self.cwd, module=__name__)
+
+    def start(self) -> None:
+        from tests import helpers
+
+        super().start()
+        deadline = time.monotonic() + helpers.TIMEOUT_S
+        while self.is_alive() and not _pids(self.namespace):
+            assert time.monotonic() < deadline, f"{self.command} never reached its host"
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        """What it printed (stdout, then stderr), once ended; "" before."""
+        return self.result.stdout + self.result.stderr if self.result else ""
+
+
+def _pids(namespace: str) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    return listed.stdout.split()
 
 
 def join(namespace: str) -> None:

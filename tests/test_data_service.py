@@ -18,7 +18,6 @@ import pathlib
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from tests.helpers import (
     start_cli,
     tiny_config,
 )
+from tests.in_namespace import OnHost
 from trainer import data_service as command
 from trainer.data import service_client
 from trainer.launch import pick_ports
@@ -586,34 +586,34 @@ def test_a_trainer_reads_from_a_data_worker_on_another_host(tmp_path):
         (pytest.fail if os.environ.get("TOWERFLOW_CI") else pytest.skip)(
             f"simulated hosts cannot be made here: {reason}"
         )
-    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
-    module = [sys.executable, "-m", "trainer.data_service"]
+    # Each command forked from the tests' server into its host (`tests.in_namespace`).
     with hosts_lib.Hosts(2) as hosts:
         data_host = hosts.address(1)
-        with open(tmp_path / "data.log", "w") as log:
-            for role in ("--role=dispatcher", "--role=worker"):
-                port = 5050 if role == "--role=dispatcher" else 5051
-                hosts.start(
-                    1,
-                    [*module, role, f"--port={port}", f"--dispatcher={data_host}:5050",
-                     f"--host={data_host}"],
-                    env=env, stdout=log, stderr=subprocess.STDOUT,
-                )  # fmt: skip
-        trainer = hosts.start_trainer(
-            0,
-            [
-                "--strategy=one_device",
-                f"--model_dir={tmp_path / 'run'}",
-                f"--config.data.service=grpc://{data_host}:5050",
-                "--config.train.steps=200",
-                "--config.train.export=False",
-            ],
-            log=str(tmp_path / "trainer.log"),
+        servers = [
+            OnHost(
+                hosts.namespaces[1], "trainer.data_service", role, f"--port={port}",
+                f"--dispatcher={data_host}:5050", f"--host={data_host}", cwd=REPO,
+            )
+            for role, port in (("--role=dispatcher", 5050), ("--role=worker", 5051))
+        ]  # fmt: skip
+        for server in servers:
+            server.start()
+        trainer = OnHost(
+            hosts.namespaces[0],
+            "trainer",
+            "--strategy=one_device",
+            f"--model_dir={tmp_path / 'run'}",
+            f"--config.data.service=grpc://{data_host}:5050",
+            "--config.train.steps=200",
+            "--config.train.export=False",
             cwd=str(tmp_path),
         )
-        code = trainer.wait(timeout=TIMEOUT_S)
-    logs = (tmp_path / "trainer.log").read_text()[-3000:] + (tmp_path / "data.log").read_text()
-    assert code == 0, logs
+        trainer.start()
+        trainer.join()
+    for server in servers:  # ended with their host
+        server.join()
+    logs = trainer.output()[-3000:] + "".join(server.output() for server in servers)
+    assert trainer.result and trainer.result.returncode == 0, logs
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["input"]["address"] == f"grpc://{data_host}:5050"
     assert results["eval"]["accuracy"] > 0.95, logs

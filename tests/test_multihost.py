@@ -20,13 +20,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import TIMEOUT_S, run_cli, running
+from tests.helpers import TIMEOUT_S, running
+from tests.in_namespace import OnHost
 from trainer.bench import hosts as hosts_lib
 from trainer.loop import faults
 
@@ -81,31 +81,17 @@ def _forked(hosts, members, tmp_path, *args: str) -> dict[str, int | None]:
     Forked from the tests' server as `run_cli` runs commands, TensorFlow imported once;
     each member's output goes to `tmp_path/<member>.log`. None: it ran over `TIMEOUT_S`.
     """
-    codes: dict[str, int | None] = {}
-
-    def run(member) -> None:
-        codes[member.name], output = None, ""
-        try:
-            result = run_cli(
-                hosts.namespaces[member.host], f"TF_CONFIG={member.tf_config}", "trainer", *args,
-                cwd=str(tmp_path), module="tests.in_namespace",
-            )  # fmt: skip
-            codes[member.name], output = result.returncode, result.stdout + result.stderr
-        finally:
-            (tmp_path / f"{member.name}.log").write_text(output)
-
-    threads = []
+    runs = {}
     for member in members:
-        threads.append(threading.Thread(target=run, args=(member,), daemon=True))
-        threads[-1].start()
-        # The first fork starts the tests' server: the next forks once this one is on its host.
-        deadline = time.monotonic() + TIMEOUT_S
-        while not _namespace_pids(hosts.namespaces[member.host]) and threads[-1].is_alive():
-            assert time.monotonic() < deadline, f"{member.name} never started"
-            time.sleep(0.05)
-    for thread in threads:
-        thread.join()
-    return codes
+        runs[member.name] = OnHost(
+            hosts.namespaces[member.host], "trainer", *args,
+            cwd=str(tmp_path), env={"TF_CONFIG": member.tf_config},
+        )  # fmt: skip
+        runs[member.name].start()
+    for name, run in runs.items():
+        run.join()
+        (tmp_path / f"{name}.log").write_text(run.output())
+    return {name: run.result.returncode if run.result else None for name, run in runs.items()}
 
 
 def _wait(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
