@@ -10,8 +10,8 @@ fixture in `conftest.py`) ends whatever a test started, however it ended.
 `run_command` forks a `python -m MODULE` command from a server that imported
 TensorFlow once (`towerflow.forkserver`; about 4.5 s of CPU less a command), where
 the test's environment is the one the server started with (a launcher,
-`trainer.launch` or `trainer.elastic`, gets its own server forked with it, so
-its members import nothing again either); `TOWERFLOW_TEST_FORK=0` and any
+`trainer.launch`, gets its own server forked with it, so its members import
+nothing again either); `TOWERFLOW_TEST_FORK=0` and any
 failure to fork start a process of its own.
 """
 
@@ -52,8 +52,8 @@ FORK_VARIABLE = "TOWERFLOW_TEST_FORK"  # "0": `run_command` forks nothing
 # What a forked command's environment may hold apart from the server's (read after start-up).
 _PER_COMMAND = {"TF_CONFIG", TAG_VARIABLE, "PYTEST_CURRENT_TEST", FORK_VARIABLE}
 _forks: forkserver.Client | None = None  # started at the first command it forks
-# The commands that start members of their own: forked with a server for them (`Client.fork`).
-LAUNCHERS = ("trainer.launch", "trainer.elastic")
+# The command that forks members of its own: forked with a server for them (`Client.fork`).
+LAUNCHERS = ("trainer.launch",)
 
 # The start of a script a test runs in a process of its own (`run_command`):
 # `bare_parameter_server()`, a bare `tf.distribute` ParameterServerStrategy over
