@@ -381,6 +381,8 @@ def _tagged(env: dict[str, str]) -> tuple[str, dict[str, str]]:
 
 def kill(*procs: subprocess.Popen) -> None:
     """SIGKILLs each process of `procs` with its group and every process it started; reaps them."""
+    if not procs:  # nothing to look for (each test's cleanup calls it: /proc is not read)
+        return
     tags = {tag for tag, proc in _started if proc in procs}
     # A forked launcher's members (forked in turn, from the server forked with it) show the
     # tests' server's environment, not their tag: they are found as its descendants, before
