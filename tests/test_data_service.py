@@ -96,17 +96,34 @@ SOURCES = {
 def dispatcher():
     """A dispatcher and one data worker, as a user runs them: `python -m trainer.data_service`."""
     ports = pick_ports(2)
-    module = [sys.executable, "-m", "trainer.data_service"]
-    env = {**os.environ, "PYTHONPATH": REPO}
-    spawn([*module, "--role=dispatcher", f"--port={ports[0]}"], env=env, cwd=REPO)
-    spawn(
-        [*module, "--role=worker", f"--port={ports[1]}", f"--dispatcher=127.0.0.1:{ports[0]}"],
-        env=env,
-        cwd=REPO,
-    )
+    _serve(ports[0], "--role=dispatcher")
+    _serve(ports[1], "--role=worker", f"--dispatcher=127.0.0.1:{ports[0]}")
     address = f"grpc://127.0.0.1:{ports[0]}"
     assert service_client.wait_until_served(address, None, timeout_s=120) == 1
     return address
+
+
+def _serve(port: int, *args: str) -> None:
+    """`python -m trainer.data_service --port=PORT ARGS`, serving until the module ends.
+
+    Forked from the tests' server (`run_cli`, in a thread of its own: it runs until
+    killed); returns once it listens, so that the first fork is done before the next.
+    """
+    command = (f"--port={port}", *args)
+    threading.Thread(
+        target=run_cli,
+        args=command,
+        kwargs={"cwd": REPO, "module": "trainer.data_service", "timeout": None},
+        daemon=True,
+    ).start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"{command} never listened"
+            time.sleep(0.05)
 
 
 def _run(model_dir, fields: dict, steps: int = STEPS) -> dict:
