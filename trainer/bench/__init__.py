@@ -27,11 +27,12 @@ of the case runs with that setup (`harness.py`).
 
 Every contender warms up once (tracing, pipeline start; towerflow, Keras
 and the bare loop instead leave their first loop out of every timing), then
-all run in turn `--reps` times, each round starting one later (A B C,
-B C A, C A B, ...), so load from other processes hits them alike and none
-always runs after the same other one. Figures are medians; ratios are medians of the
-ratios within each round (paired), which load that comes and goes disturbs
-less. Cases, one module each, named after the case:
+all run in turn `--reps` times, each round starting one later and every
+other one backwards (A B C, A C B, C A B, ...), so load from other processes
+hits them alike and none always runs after the same other one; what one left
+for the collector is collected before the next starts. Figures are medians;
+ratios are medians of the ratios within each round (paired), which load that
+comes and goes disturbs less. Cases, one module each, named after the case:
 
 1. `small_mlp`: an overhead-bound MLP (~300k parameters), examples/s.
 2. `dense_large`: a compute-bound MLP (~15M parameters, batch 512) under

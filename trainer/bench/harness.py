@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib
 import itertools
 import json
@@ -38,14 +39,16 @@ TimedRun = Callable[[], float]  # one timed repetition -> a rate (examples/s, or
 def alternate(
     contenders: dict[str, TimedRun], reps: int, failed: dict[str, str] | None = None
 ) -> dict[str, list[float]]:
-    """Runs the contenders in turn `reps` times, each round starting one later (A B C, B C A, ...).
+    """Runs the contenders in turn `reps` times, in another order each round (A B C, A C B, C A B).
 
-    Each first warms up once, unless it is `self_warming` (it leaves its own
-    first loop out of every timing). The rotation gives every contender every
-    place in a round in turn, so none always runs after the same other one
-    (and what that one leaves behind: threads, memory, caches). A contender
-    that fails is left out, with the reason in `failed` (Keras `fit` cannot
-    run some configurations at all).
+    Each round starts one later, every other one backwards. Each contender
+    first warms up once, unless it is `self_warming` (it leaves its own first
+    loop out of every timing). The rounds give every contender another place,
+    and another one before it: a rotation alone keeps each after the same one
+    (and what that one leaves behind: threads, memory, caches). What a
+    contender left for the collector is collected before the next starts. A
+    contender that fails is left out, with the reason in `failed` (Keras `fit`
+    cannot run some configurations at all).
     """
     contenders = dict(contenders)
     samples: dict[str, list[float]] = {name: [] for name in contenders}
@@ -68,7 +71,9 @@ def alternate(
     for rep in range(reps):
         names = list(contenders)
         shift = rep % max(1, len(names))
-        for name in names[shift:] + names[:shift]:
+        order = names[shift:] + names[:shift]
+        for name in order[::-1] if rep % 2 else order:
+            gc.collect()  # the one before's garbage (iterators, traces) is not this one's time
             rate = attempt(name)
             if rate is not None:
                 samples[name].append(rate)
