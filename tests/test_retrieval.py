@@ -38,6 +38,10 @@ TINY = {
 }
 
 
+# `mirrored` on 2 of the 4 logical CPUs: each replica's items meet the other's as with 4.
+MIRRORED = {"strategy.name": "mirrored", "strategy.mirrored.devices": "/cpu:0,/cpu:1"}
+
+
 def _config(**overrides):
     config = example.get_config()
     config.devices.logical_cpus = 4
@@ -339,7 +343,7 @@ def _served_items(export_dir) -> set[int]:
 
 def test_under_mirrored_each_versions_index_holds_the_items_trained_by_its_step(tmp_path):
     overrides = {
-        "strategy.name": "mirrored",
+        **MIRRORED,
         "task.k": 256,  # above the items held: each answer lists them all
         "task.shuffle_buffer": 0,  # in stream order: new items arrive in later steps
         "export.every_steps": 10,

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from examples import retrieval as example
-from tests.test_retrieval import _config, _reference_loss, _served
+from tests.test_retrieval import MIRRORED, _config, _reference_loss, _served
 from trainer import retrieval
 from trainer.layers import DynamicEmbedding
 from trainer.loop import train
@@ -105,7 +105,7 @@ def test_replicas_gather_each_others_strings_in_replica_order():
 
 
 def test_under_mirrored_string_ids_train_evaluate_and_export_the_raw_strings(tmp_path):
-    config = _config(**{"strategy.name": "mirrored", "task.string_ids": True})
+    config = _config(**MIRRORED, **{"task.string_ids": True})
     config.train.export = True
     results = train.train_and_evaluate(config, str(tmp_path))
     assert {"recall_at_10", "recall_at_100", "mrr"} <= set(results["eval"])
