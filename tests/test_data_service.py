@@ -16,17 +16,20 @@ import json
 import os
 import pathlib
 import re
+import select
 import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tests import helpers
+from tests.forked import Forked
 from tests.helpers import (
     REPO,
     TIMEOUT_S,
@@ -40,7 +43,6 @@ from tests.helpers import (
     start_cli,
     tiny_config,
 )
-from tests.in_namespace import OnHost
 from trainer import data_service as command
 from trainer.data import service_client
 from trainer.launch import pick_ports
@@ -106,16 +108,11 @@ def dispatcher():
 def _serve(port: int, *args: str) -> None:
     """`python -m trainer.data_service --port=PORT ARGS`, serving until the module ends.
 
-    Forked from the tests' server (`run_cli`, in a thread of its own: it runs until
-    killed); returns once it listens, so that the first fork is done before the next.
+    Forked from the tests' server (`tests.forked`); returns once it listens, so that the
+    first fork, which starts the server, is done before the next.
     """
     command = (f"--port={port}", *args)
-    threading.Thread(
-        target=run_cli,
-        args=command,
-        kwargs={"cwd": REPO, "module": "trainer.data_service", "timeout": None},
-        daemon=True,
-    ).start()
+    Forked("trainer.data_service", *command, cwd=REPO, timeout=None).start()
     deadline = time.monotonic() + TIMEOUT_S
     while True:
         try:
@@ -212,29 +209,54 @@ def _network(pid: int) -> tuple[str, list[str]]:
 
 
 def _run_and_kill(tmp_path, server: str, *flags: str) -> Killed:
-    """Starts a long `local:` run, kills `server` once it trains.
+    """Runs a long `local:` run, kills `server` once it trains.
 
-    Every server it started is gone once it has exited.
+    The trainer is forked from the tests' server (`tests.forked`), its output read as
+    it comes. Every server it started is gone once it has exited.
     """
-    proc = start_cli(*_long_run(tmp_path, *flags), cwd=tmp_path)
-    lines, pids, killed_at, networks = [], {}, None, {}
-    timer = threading.Timer(TIMEOUT_S, kill, args=(proc,))
-    timer.start()
-    try:
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if found := re.match(r"\[(data:\S+)\] .* serving at .*\(pid (\d+)\)", line):
-                pids[found.group(1)] = int(found.group(2))
-            if killed_at is None and line.startswith("train | step: 100/"):
-                networks = {pid: _network(pid) for pid in (proc.pid, *pids.values())}
-                os.kill(pids[server], signal.SIGKILL)
-                killed_at = time.monotonic()
-        code = proc.wait()
-    finally:
-        timer.cancel()
+    flags = _long_run(tmp_path, *flags)
+    trainer = Forked("trainer", *flags, cwd=str(tmp_path), output=tmp_path / "output")
+    trainer.start()
+    lines, pids, killed_at, networks, left = [], {}, None, {}, None
+    for line in trainer.lines():
+        lines.append(line)
+        if found := re.match(r"\[(data:\S+)\] .* serving at .*\(pid (\d+)\)", line):
+            pids[found.group(1)] = int(found.group(2))
+        if killed_at is None and line.startswith("train | step: 100/"):
+            networks = {pid: _network(pid) for pid in (trainer.pid, *pids.values())}
+            os.kill(pids[server], signal.SIGKILL)
+            killed_at = time.monotonic()
+            left = _running_when_it_ends(trainer.pid, [p for s, p in pids.items() if s != server])
     assert killed_at is not None, "\n".join(lines[-30:])
-    assert not [pid for pid in pids.values() if os.path.exists(f"/proc/{pid}")]
+    assert not left(), "servers the trainer left running"
+    code = trainer.result.returncode
     return Killed(code, "\n".join(lines), time.monotonic() - killed_at, networks)
+
+
+def _running_when_it_ends(pid: int, others: list[int]) -> Callable[[], list[int]]:
+    """Of `others`, those still running the moment `pid` ends (called once it has ended).
+
+    Watched in a thread (pidfds): once a forked command ended, the tests' helpers kill
+    what it left running, which would be gone by the time the test looks.
+    """
+    own, theirs = os.pidfd_open(pid), {os.pidfd_open(other): other for other in others}
+    running: list[int] = []
+
+    def watch() -> None:
+        select.select([own], [], [])
+        ended, _, _ = select.select(list(theirs), [], [], 0)
+        running.extend(other for fd, other in theirs.items() if fd not in ended)
+        for fd in (own, *theirs):
+            os.close(fd)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+
+    def result() -> list[int]:
+        watcher.join()
+        return running
+
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -603,20 +625,19 @@ def test_a_trainer_reads_from_a_data_worker_on_another_host(tmp_path):
         (pytest.fail if os.environ.get("TOWERFLOW_CI") else pytest.skip)(
             f"simulated hosts cannot be made here: {reason}"
         )
-    # Each command forked from the tests' server into its host (`tests.in_namespace`).
+    # Each command forked from the tests' server into its host (`tests.forked`).
     with hosts_lib.Hosts(2) as hosts:
         data_host = hosts.address(1)
         servers = [
-            OnHost(
-                hosts.namespaces[1], "trainer.data_service", role, f"--port={port}",
-                f"--dispatcher={data_host}:5050", f"--host={data_host}", cwd=REPO,
+            Forked(
+                "trainer.data_service", role, f"--port={port}", f"--dispatcher={data_host}:5050",
+                f"--host={data_host}", cwd=REPO, namespace=hosts.namespaces[1],
             )
             for role, port in (("--role=dispatcher", 5050), ("--role=worker", 5051))
         ]  # fmt: skip
         for server in servers:
             server.start()
-        trainer = OnHost(
-            hosts.namespaces[0],
+        trainer = Forked(
             "trainer",
             "--strategy=one_device",
             f"--model_dir={tmp_path / 'run'}",
@@ -624,6 +645,7 @@ def test_a_trainer_reads_from_a_data_worker_on_another_host(tmp_path):
             "--config.train.steps=200",
             "--config.train.export=False",
             cwd=str(tmp_path),
+            namespace=hosts.namespaces[0],
         )
         trainer.start()
         trainer.join()

@@ -4,7 +4,7 @@ Each member runs the README's per-host command (`TF_CONFIG=... python -m
 trainer ...`) in its own namespace (`trainer.bench.hosts`), so members talk over
 10.77.0.x addresses through a bridge, as separate machines would, and a link
 can be shaped or cut. The default tier's cluster forks that command from the
-tests' server into each host (`tests.in_namespace`: TensorFlow imported once,
+tests' server into each host (`tests.forked`: TensorFlow imported once,
 hosts reached by address); the others start it with `ip netns exec`. The
 model_dir is a directory every host sees (the namespaces share the file
 system). Needs root and iproute2, and netem or iptables for loss; skipped with
@@ -25,8 +25,8 @@ import time
 import pytest
 
 from strategies.cluster import tf_config as cluster
+from tests.forked import Forked
 from tests.helpers import TIMEOUT_S, running
-from tests.in_namespace import OnHost
 from trainer.bench import hosts as hosts_lib
 from trainer.loop import faults
 
@@ -76,16 +76,16 @@ def _start(hosts, members, tmp_path, *args: str) -> dict[str, subprocess.Popen]:
 
 
 def _forked(hosts, members, tmp_path, *args: str) -> dict[str, int | None]:
-    """Each member's per-host command forked into its host (`tests.in_namespace`); exit codes.
+    """Each member's per-host command forked into its host (`tests.forked`); exit codes.
 
     Forked from the tests' server as `run_cli` runs commands, TensorFlow imported once;
     each member's output goes to `tmp_path/<member>.log`. None: it ran over `TIMEOUT_S`.
     """
     runs = {}
     for member in members:
-        runs[member.name] = OnHost(
-            hosts.namespaces[member.host], "trainer", *args,
-            cwd=str(tmp_path), env={"TF_CONFIG": member.tf_config},
+        runs[member.name] = Forked(
+            "trainer", *args, cwd=str(tmp_path), namespace=hosts.namespaces[member.host],
+            env={"TF_CONFIG": member.tf_config},
         )  # fmt: skip
         runs[member.name].start()
     for name, run in runs.items():
