@@ -4,16 +4,17 @@ A cluster that trains with proxy variables set: tests/test_multi_worker.py (`pro
 """
 
 import math
+import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import TIMEOUT_S, assert_exit, kill, run_cli, start_member, tiny_config
+from tests.forked import Forked
+from tests.helpers import TIMEOUT_S, assert_exit, run_cli, tiny_config
 from towerflow.errors import MemberLost, UserError
 from trainer.launch import pick_ports
 from trainer.loop import train
@@ -123,15 +124,21 @@ def test_an_empty_tf_config_means_one_process(tmp_path, monkeypatch):
     assert "1 worker process(es)" in results["placement"]["communication"]
 
 
-def _start_worker_0(tmp_path, missing_port: int, *flags: str) -> subprocess.Popen:
-    """Worker 0 of a two-worker `TF_CONFIG` whose worker 1 never starts."""
+def _start_worker_0(tmp_path, missing_port: int, *flags: str) -> Forked:
+    """Worker 0 of a two-worker `TF_CONFIG` whose worker 1 never starts, its output followed.
+
+    Forked from the tests' server (`tests.forked`): a member of its own, as a user runs it.
+    """
     (mine,) = pick_ports(1)
     tf_config = cluster.make_tf_config(
         {"worker": [f"127.0.0.1:{mine}", f"127.0.0.1:{missing_port}"]}, "worker", 0
     )
-    return start_member(
-        tf_config, "--strategy=multi_worker", "--model_dir=run", *flags, cwd=tmp_path
-    )
+    member = Forked(
+        "trainer", "--strategy=multi_worker", "--model_dir=run", *flags,
+        cwd=str(tmp_path), env={"TF_CONFIG": tf_config}, output=tmp_path / "output",
+    )  # fmt: skip
+    member.start()
+    return member
 
 
 @pytest.mark.parametrize("strategy", ["multi_worker", "parameter_server"])
@@ -163,16 +170,14 @@ def test_the_cli_gives_up_on_missing_members_with_one_line(monkeypatch, tmp_path
 
 def test_sigterm_while_waiting_for_the_cluster_exits_143_at_once(tmp_path):
     (missing,) = pick_ports(1)
-    proc = _start_worker_0(tmp_path, missing)  # the default wait: 120 s
-    try:
-        for line in proc.stdout:
-            if line.startswith("waiting for worker:1"):
-                break
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=TIMEOUT_S)
-        took = time.monotonic() - sent
-    finally:
-        kill(proc)
-    assert_exit(proc, 143, output="")
+    member = _start_worker_0(tmp_path, missing)  # the default wait: 120 s
+    for line in member.lines():
+        if line.startswith("waiting for worker:1"):
+            break
+    sent = time.monotonic()
+    os.kill(member.pid, signal.SIGTERM)
+    member.join(timeout=TIMEOUT_S)
+    took = time.monotonic() - sent
+    assert member.result, member.output()
+    assert_exit(member.result, 143, output=member.output())
     assert took < 30, "stops at the signal, not at the end of the wait"

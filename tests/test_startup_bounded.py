@@ -1,14 +1,15 @@
 """Every start-up of a cluster member ends: a host that cannot work, TensorFlow's join, SIGTERM.
 
 Bad input of the cluster kind, run as a user runs it (a member of its own with
-its `TF_CONFIG`, forked from the tests' server as `run_cli` runs commands; the
-SIGTERM case started anew, its output read as it comes): an own host that does
-not resolve is one line and exit 2 before TensorFlow starts; TensorFlow's own
-join of the cluster (here: this member's address is another machine's, so it
-waits for itself there) ends at the start-up bound with one line and exit 144,
-and SIGTERM during it exits 143 at once.
+its `TF_CONFIG`, forked from the tests' server: `run_cli`, and `tests.forked`
+where the test reads its output as it comes to signal it): an own host that
+does not resolve is one line and exit 2 before TensorFlow starts; TensorFlow's
+own join of the cluster (here: this member's address is another machine's, so
+it waits for itself there) ends at the start-up bound with one line and exit
+144, and SIGTERM during it exits 143 at once.
 """
 
+import os
 import signal
 import time
 from subprocess import CompletedProcess
@@ -16,7 +17,8 @@ from subprocess import CompletedProcess
 import pytest
 
 from strategies.cluster import tf_config as cluster
-from tests.helpers import assert_exit, kill, run_cli, start_member
+from tests.forked import Forked
+from tests.helpers import assert_exit, run_cli
 from towerflow.errors import UserError
 from trainer.launch import pick_ports
 
@@ -100,25 +102,23 @@ def test_tensorflows_own_join_of_the_cluster_ends_at_the_bound_with_exit_144(mon
 
 
 def test_sigterm_while_tensorflow_joins_the_cluster_exits_143_at_once(tmp_path):
-    proc = start_member(
-        _tf_config(UNROUTED, "multi_worker"),  # the default bound: 120 s
-        "--strategy=multi_worker",
-        "--model_dir=run",
-        cwd=tmp_path,
-    )
-    try:
-        for line in proc.stdout:
-            if line.startswith("waiting for TensorFlow to join the cluster"):
-                break
-        time.sleep(1)  # well inside TensorFlow's call, its own SIGTERM handler installed
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=BOUND_S)
-        took = time.monotonic() - sent
-        out = proc.stdout.read()
-    finally:
-        kill(proc)
-    assert_exit(proc, 143, output=out)
+    member = Forked(
+        "trainer", "--strategy=multi_worker", "--model_dir=run",  # the default bound: 120 s
+        cwd=str(tmp_path), env={"TF_CONFIG": _tf_config(UNROUTED, "multi_worker")},
+        output=tmp_path / "output",
+    )  # fmt: skip
+    member.start()
+    for line in member.lines():
+        if line.startswith("waiting for TensorFlow to join the cluster"):
+            break
+    time.sleep(1)  # well inside TensorFlow's call, its own SIGTERM handler installed
+    sent = time.monotonic()
+    os.kill(member.pid, signal.SIGTERM)
+    member.join(timeout=BOUND_S)
+    took = time.monotonic() - sent
+    out = member.output()
+    assert member.result, out
+    assert_exit(member.result, 143, output=out)
     assert "SIGTERM while TensorFlow joined the cluster: stopping" in out
     assert took < 10, "stops at the signal, not at the end of the bound"
     assert not (tmp_path / "run").exists()
