@@ -99,7 +99,7 @@ class Forked(threading.Thread):
                     time.sleep(0.02)
 
     def output(self) -> str:
-        """What it printed (its stdout, then stderr; `output`'s file), once ended; "" before."""
+        """What it printed once ended (with `output`, the file as it stands); "" before."""
         if self.output_file:
             return self.output_file.read_text().partition("\n")[2]
         return self.result.stdout + self.result.stderr if self.result else ""
