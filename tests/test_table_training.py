@@ -17,7 +17,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import REPO, assert_exit, launched, run_command, tensorboard_scalars
+from tests.fresh_process import run_script
+from tests.helpers import (
+    REPO,
+    assert_exit,
+    cli_in_process,
+    launched,
+    run_command,
+    tensorboard_scalars,
+)
 from tests.test_dynamic_embedding import SMALL_CTR, _restored_job, _rows_by_id, state_of
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
@@ -175,10 +183,7 @@ def test_a_ctr_table_with_its_own_adagrad_trains_keeps_adagrads_slots_and_resume
     train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
     resumed.train.steps = 20
     train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
-    states = [
-        _state(_restored_job(c, tmp_path / r))
-        for c, r in ((straight, "straight"), (resumed, "resumed"))
-    ]
+    states = [_state(job), _state(_restored_job(resumed, tmp_path / "resumed"))]
     assert sorted(states[0]) == sorted(states[1])
     for name, value in states[0].items():
         np.testing.assert_array_equal(states[1][name], value, err_msg=name)
@@ -223,8 +228,7 @@ def _blocks(kind: str) -> list[str]:
 
 def test_the_pages_plain_keras_example_runs_as_written_and_learns(tmp_path):
     (example,) = _blocks("python")
-    (tmp_path / "example.py").write_text(example)
-    result = run_command([sys.executable, "example.py"], cwd=str(tmp_path))
+    result = run_script(example, cwd=tmp_path)  # as `python example.py`, in a process of its own
     assert_exit(result)
     printed = re.search(r"held-out AUC (0\.\d+), ids held (\d+)", result.stdout)
     assert printed and float(printed[1]) > 0.8 and printed[2] == "2000", result.stdout
@@ -234,11 +238,13 @@ def _commands() -> list[list[str]]:
     return [shlex.split(block.replace("\\\n", " ")) for block in _blocks("sh")]
 
 
-def test_the_pages_per_table_optimizer_command_runs_as_written(tmp_path):
+def test_the_pages_per_table_optimizer_command_runs_as_written(tmp_path, capsys):
     (command,) = [c for c in _commands() if "--config=configs/ctr.py" in c]
+    assert command[:3] == ["python", "-m", "trainer"]
     (tmp_path / "configs").symlink_to(pathlib.Path(REPO) / "configs")  # as from a clone
-    result = run_command([sys.executable, *command[1:]], cwd=str(tmp_path))
-    assert_exit(result)
+    # In this process (the command's parsing and main): its exits are tests/test_cli.py's.
+    code, _, err = cli_in_process(*command[3:], capsys=capsys, cwd=tmp_path)
+    assert code == 0, err[-3000:]
     results = json.loads((tmp_path / "runs" / "ctr_adagrad" / "results.json").read_text())
     assert results["step"] == 200 and results["eval"]["auc"] > 0.7, results["eval"]
 
