@@ -126,9 +126,11 @@ def _exported(tmp_path, where: str, exports: int) -> float:
     return float(growth)
 
 
-@pytest.mark.parametrize("where", ["local", "ps"])
-def test_a_dynamic_table_exported_again_and_again_serves_the_model(tmp_path, where):
-    _exported(tmp_path, where, exports=3)
+# Local: the third export drops the first (keep 2). On ps members (about 3 CPU-s an export
+# here), the second writes the variables through the same traced write again.
+@pytest.mark.parametrize(("where", "exports"), [("local", 3), ("ps", 2)])
+def test_a_dynamic_table_exported_again_and_again_serves_the_model(tmp_path, where, exports):
+    _exported(tmp_path, where, exports)
 
 
 @pytest.mark.slow  # 40 exports: 30-90 s
