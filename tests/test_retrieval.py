@@ -317,17 +317,19 @@ def test_bad_retrieval_options_stop_the_run_before_model_dir(overrides, words, t
     assert not model_dir.exists()
 
 
-def test_a_bad_retrieval_option_exits_2_from_the_command_line(tmp_path):
+def test_a_bad_retrieval_option_exits_2_from_the_command_line(tmp_path, capsys):
     model_dir = tmp_path / "run"
-    run = helpers.run_cli(
+    # In-process: tests/test_cli.py runs the command's one-line exits in a process.
+    code, _, err = helpers.cli_in_process(
         "--config=examples/retrieval.py",
         "--strategy=one_device",
         f"--model_dir={model_dir}",
         "--config.task.negatives_column=shown",
+        capsys=capsys,
         cwd=helpers.REPO,
     )
-    helpers.assert_exit(run, 2)
-    assert "`negatives_column` 'shown'" in run.stderr and "Traceback" not in run.stderr
+    assert code == 2, err[-3000:]
+    assert "`negatives_column` 'shown'" in err and "Traceback" not in err
     assert not model_dir.exists()
 
 
