@@ -5,8 +5,11 @@ One dispatcher and one data worker, started once for this module with
 to the weights of in-process input for every kind of source under `one_device`
 and `mirrored`, and resume exactly. `local:N` (servers started by the trainer)
 runs through the command line; so do the failures: a killed data worker or
-dispatcher ends the run with one line and exit 144, never a hang; bad
-addresses and counts are one line, bounded, with `model_dir` untouched.
+dispatcher ends the run with one line and exit 144, never a hang (and, as
+root, that run shows the trainer and its servers in a loopback-only network
+namespace); bad addresses and counts are one line, bounded, with `model_dir`
+untouched. Commands run forked from the tests' server (`run_cli`,
+`tests.forked`), TensorFlow imported once; launchers start their own servers.
 """
 
 from __future__ import annotations
