@@ -9,7 +9,8 @@ dispatcher ends the run with one line and exit 144, never a hang (and, as
 root, that run shows the trainer and its servers in a loopback-only network
 namespace); bad addresses and counts are one line, bounded, with `model_dir`
 untouched. Commands run forked from the tests' server (`run_cli`,
-`tests.forked`), TensorFlow imported once; launchers start their own servers.
+`tests.forked`), TensorFlow imported once; the data servers a trainer or a
+launcher starts (`local:N`, `--data_workers`) are processes of their own.
 """
 
 from __future__ import annotations
