@@ -1,6 +1,5 @@
 """The command end to end: a real run in a subprocess, as a user runs it; the rest in-process."""
 
-import gc
 import hashlib
 import json
 import os
@@ -19,18 +18,6 @@ FAST = [
     "--config.eval.every=150",
     "--config.train.checkpoint_every=150",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _collections_walk_only_what_the_module_made():
-    """What the process held before (TensorFlow's modules first) is frozen meanwhile.
-
-    `cli_in_process` collects the garbage after each failed run; with the whole heap
-    walked, that collection was nine tenths of a refusal's CPU (0.16 s of 0.17).
-    """
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def _snapshot(path) -> dict[str, str]:
