@@ -163,11 +163,7 @@ class Client:
             return True
         if self._failed or not _become_subreaper():
             return False  # failed before, or members could not be this process's children
-        global PREFORKED
-        if PREFORKED is not None:  # forked for this process already: no import again
-            (self._server, ours), PREFORKED = PREFORKED, None
-        else:
-            self._server, ours = self._start_server(command, env)
+        self._server, ours = _take_preforked() or self._start_server(command, env)
         ready = ours.recv(_MESSAGE_BYTES)
         if ready != b"ready":  # the import failed: its error is on stderr
             ours.close()
@@ -195,6 +191,31 @@ class Client:
         )
         theirs.close()
         return server, ours
+
+
+def _take_preforked() -> tuple[Forked, socket.socket] | None:
+    """The server forked for this process (`PREFORKED`), once, where it still serves it.
+
+    Not where this process has moved since into namespaces of its own (a launcher
+    that runs its cluster on a loopback-only network, `towerflow.netns`): members
+    forked there would be on the host's network. That server ends (its socket
+    closes) and None says to start another.
+    """
+    global PREFORKED
+    if PREFORKED is None:
+        return None
+    (server, ours), PREFORKED = PREFORKED, None
+    if _namespaces(server.pid) == _namespaces(os.getpid()):
+        return server, ours
+    ours.close()
+    server.wait()
+    return None
+
+
+def _namespaces(pid: int) -> dict[str, str]:
+    """The namespaces of process `pid` (`/proc/PID/ns`), by kind."""
+    kinds = ("net", "user", "mnt", "uts", "ipc")
+    return {kind: os.readlink(f"/proc/{pid}/ns/{kind}") for kind in kinds}
 
 
 def _module(command: Sequence[str]) -> str | None:
