@@ -13,6 +13,13 @@ from absl import logging
 
 from towerflow.errors import UserError
 
+# TensorFlow's own pool for CPU tensors (its BFC allocator) where the environment does not
+# choose: a process that builds a `from_generator` dataset (every source of `trainer.data`)
+# otherwise gets each buffer of 128 KB or more from the kernel anew (TensorFlow's
+# `ApplyPython311MemoryPatch` sets glibc's mmap threshold there), and faults its pages in at
+# every step: the census example spent as much CPU in the kernel as in its own work.
+CPU_POOL_VARIABLE = "TF_CPU_ALLOCATOR_USE_BFC"
+
 
 def configure(
     logical_cpus: int = 0,
@@ -23,6 +30,9 @@ def configure(
     replicas: int = 1,
 ) -> None:
     """Sets up devices; call before any TensorFlow op runs.
+
+    CPU tensors come from TensorFlow's pool (`CPU_POOL_VARIABLE`) unless the
+    environment sets it (`TF_CPU_ALLOCATOR_USE_BFC=false`: from glibc's malloc).
 
     Args:
       logical_cpus: split the first CPU into this many logical devices (0 = leave as is).
@@ -45,6 +55,7 @@ def configure(
         raise UserError(
             f"`devices.gpu_memory_limit_mb` ({gpu_memory_limit_mb}) must be >= 0 (0 = no cap)."
         )
+    os.environ.setdefault(CPU_POOL_VARIABLE, "true")  # read once the runtime starts
     tf.debugging.set_log_device_placement(log_placement)
     try:
         _split_cpu(logical_cpus)

@@ -1,4 +1,6 @@
-"""Device setup: how many threads each op gets."""
+"""Device setup: how many threads each op gets, and where CPU tensors come from."""
+
+import os
 
 import pytest
 
@@ -29,3 +31,18 @@ def test_plugins_count_their_replicas_before_tensorflow_starts():
 def test_negative_thread_count_is_a_user_error():
     with pytest.raises(UserError, match=r"`devices.intra_op_threads` \(-1\) must be >= 0"):
         devices.configure(intra_op_threads=-1)
+
+
+def test_cpu_tensors_come_from_tensorflows_pool():
+    # This process's devices were set up by `devices.configure` (tests/conftest.py): only
+    # TensorFlow's pool keeps the statistics that `get_memory_info` reads.
+    import tensorflow as tf
+
+    tf.reduce_sum(tf.ones((512, 512)))  # at least one tensor of the pool's
+    assert tf.config.experimental.get_memory_info("CPU:0")["peak"] >= 512 * 512 * 4
+
+
+def test_an_allocator_the_environment_chose_is_kept(monkeypatch):
+    monkeypatch.setenv(devices.CPU_POOL_VARIABLE, "false")
+    devices.configure()  # the runtime runs already: only what it would set is checked
+    assert os.environ[devices.CPU_POOL_VARIABLE] == "false"
