@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 
 import configs.default
+from strategies.devices import CPU_POOL_VARIABLE
 from towerflow import forkserver
 from towerflow.processes import member_pid
 
@@ -50,10 +51,11 @@ _started: list[tuple[str, subprocess.Popen]] = []  # (tag, process), in start or
 _serial = itertools.count()
 FORK_VARIABLE = "TOWERFLOW_TEST_FORK"  # "0": `run_command` forks nothing
 # What a forked command's environment may hold apart from the server's (read after start-up).
-_PER_COMMAND = {"TF_CONFIG", TAG_VARIABLE, "PYTEST_CURRENT_TEST", FORK_VARIABLE}
+# (`devices.CPU_POOL_VARIABLE`: a forked command's runtime reads it when it starts.)
+_PER_COMMAND = {"TF_CONFIG", TAG_VARIABLE, "PYTEST_CURRENT_TEST", FORK_VARIABLE, CPU_POOL_VARIABLE}
 _forks: forkserver.Client | None = None  # started at the first command it forks
 # The command that forks members of its own: forked with a server for them (`Client.fork`).
-LAUNCHERS = ("trainer.launch",)
+LAUNCHERS = (["trainer.launch"],)  # as `command[2:3]`: a command may have fewer words
 
 # The start of a script a test runs in a process of its own (`run_command`):
 # `bare_parameter_server()`, a bare `tf.distribute` ParameterServerStrategy over
@@ -234,7 +236,7 @@ def _forked(command: list[str], cwd: str, env: dict[str, str]) -> _ForkedCommand
     err_read, err_write = os.pipe()
     try:
         proc = _forks.fork(
-            command, env, [out_write, err_write], cwd=str(cwd), server=command[2] in LAUNCHERS
+            command, env, [out_write, err_write], cwd=str(cwd), server=command[2:3] in LAUNCHERS
         )
     finally:
         os.close(out_write)
