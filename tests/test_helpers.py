@@ -176,7 +176,7 @@ def test_a_timed_out_forked_launcher_leaves_no_member(tmp_path):
                 "--config.train.steps=0",  # until stopped
                 cwd=str(tmp_path),
                 module="trainer.launch",
-                timeout=45,  # the members are up and waiting well before, even under load
+                timeout=30,  # the members are up and waiting well before, even under load
             )
     finally:
         watching.set()
