@@ -11,8 +11,8 @@ fixture in `conftest.py`) ends whatever a test started, however it ended.
 TensorFlow once (`towerflow.forkserver`; about 4.5 s of CPU less a command), where
 the test's environment is the one the server started with (a launcher,
 `trainer.launch`, gets its own server forked with it, so its members import
-nothing again either); `TOWERFLOW_TEST_FORK=0` and any
-failure to fork start a process of its own.
+nothing again either); `TOWERFLOW_TEST_FORK=0` and any failure to fork start
+a process of its own.
 """
 
 from __future__ import annotations

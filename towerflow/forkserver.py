@@ -101,7 +101,7 @@ class Client:
         self._server_env = server_env
         self._label = label
         self._socket: socket.socket | None = None
-        self._server: subprocess.Popen | None = None
+        self._server: subprocess.Popen | Forked | None = None  # started, or forked for us
         self._failed = False
         self._lock = threading.Lock()  # one request at a time on the socket
 
