@@ -28,7 +28,7 @@ import strategies.options as strategy_options
 import trainer
 from strategies import registry
 from strategies.base import NoOptions, read_options
-from tests.helpers import REPO, assert_exit, run_cli, tiny_config
+from tests.helpers import REPO, cli_in_process, tiny_config
 
 
 def _install(site: pathlib.Path, package: str, entry_points: dict[str, str], module: str = ""):
@@ -146,40 +146,44 @@ def test_a_broken_plugin_breaks_only_its_own_commands(site):
     assert "\n" not in message
 
 
-def test_a_broken_plugin_on_the_command_line(site, tmp_path, monkeypatch):
+def test_a_broken_plugin_on_the_command_line(site, tmp_path, capsys):
     _install(site, "broken-plugin", {"broken": "broken_plugin:Plugin"}, BROKEN)
-    monkeypatch.setenv("PYTHONPATH", str(site))
-    listed = run_cli("--list_strategies", cwd=str(tmp_path))
-    assert_exit(listed)
-    assert "broken           (broken: ModuleNotFoundError" in listed.stdout
-    assert "one_device" in listed.stdout
-    used = run_cli("--strategy=broken", f"--model_dir={tmp_path / 'run'}", cwd=str(tmp_path))
-    assert_exit(used, 2)
-    lines = [line for line in used.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "package `broken-plugin`" in lines[0], used.stderr
+    registry.rescan()
+    code, out, err = cli_in_process("--list_strategies", capsys=capsys, cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    assert "broken           (broken: ModuleNotFoundError" in out
+    assert "one_device" in out
+    code, _, err = cli_in_process(
+        "--strategy=broken", f"--model_dir={tmp_path / 'run'}", capsys=capsys, cwd=tmp_path
+    )
+    assert code == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "package `broken-plugin`" in lines[0], err
     assert not (tmp_path / "run").exists()
 
 
 # --- the plugin contract, kept across releases -----------------------------------------------
 
 
-def _train(site, tmp_path, monkeypatch, name: str):
-    """`python -m trainer --strategy=NAME` for 4 steps, with the packages in `site` installed."""
-    monkeypatch.setenv("PYTHONPATH", str(site))
+def _train(tmp_path, capsys, name: str) -> tuple[int, str, str]:
+    """`towerflow --strategy=NAME` for 4 steps in this process, the packages in `site` installed."""
+    registry.rescan()
     flags = ["--config.train.steps=4", "--config.train.steps_per_loop=2", "--mode=train"]
-    return run_cli(f"--strategy={name}", "--model_dir=run", *flags, cwd=str(tmp_path))
+    return cli_in_process(
+        f"--strategy={name}", "--model_dir=run", *flags, capsys=capsys, cwd=tmp_path
+    )
 
 
 def test_an_installed_plugin_of_the_previous_interface_trains_with_one_deprecation_line(
-    site, tmp_path, monkeypatch
+    site, tmp_path, capsys
 ):
     entry = {"reduce_to_one": "old_plugin:MirroredReduceToOne"}
     _install(site, "old-plugin", entry, PREVIOUS_INTERFACE)
-    trained = _train(site, tmp_path, monkeypatch, "reduce_to_one")
-    assert_exit(trained)
-    assert "strategy: reduce_to_one | replicas: 2" in trained.stdout
-    assert "step: 4/4" in trained.stdout
-    (line,) = [line for line in trained.stderr.splitlines() if DEPRECATED in line]
+    code, out, err = _train(tmp_path, capsys, "reduce_to_one")
+    assert code == 0, err[-3000:]
+    assert "strategy: reduce_to_one | replicas: 2" in out
+    assert "step: 4/4" in out
+    (line,) = [line for line in err.splitlines() if DEPRECATED in line]
     assert line == (
         "warning: strategy plugin `old_plugin.MirroredReduceToOne` uses the plugin interface "
         "of towerflow 0.1, which works until towerflow 0.3: rename `_build` to "
@@ -441,12 +445,10 @@ def test_the_strategy_interface_is_the_sixteen_members_its_docstring_lists_and_t
     assert public == interface | hooks, sorted(public ^ (interface | hooks))
 
 
-def test_an_installed_plugins_options_take_overrides_from_a_users_config(
-    site, tmp_path, monkeypatch
-):
+def test_an_installed_plugins_options_take_overrides_from_a_users_config(site, tmp_path, capsys):
     """docs/plugins.md's config: the plugin's section from its declared defaults, then flags."""
     _install(site, "toy-plugin", {"toy": "toy_plugin:Plugin"}, WORKING)
-    monkeypatch.setenv("PYTHONPATH", str(site))
+    registry.rescan()
     (tmp_path / "my_config.py").write_text(
         "import dataclasses\n\nimport ml_collections\nfrom configs import default\n"
         "from tests.toy_plugin import ToyOptions\n\n\ndef get_config():\n"
@@ -455,10 +457,11 @@ def test_an_installed_plugins_options_take_overrides_from_a_users_config(
         "    c.train.steps = 20\n    c.eval.steps = 2\n    return c\n"
     )
     flags = ["--config=my_config.py", "--model_dir=run", "--mode=train"]
-    trained = run_cli(*flags, "--config.strategy.toy.device=/cpu:1", cwd=str(tmp_path))
-    assert_exit(trained)
-    assert (
-        "strategy: toy | replicas: 1 | devices: /job:localhost/replica:0/task:0/device:CPU:1"
-        in (trained.stdout)
+    code, out, err = cli_in_process(
+        *flags, "--config.strategy.toy.device=/cpu:1", capsys=capsys, cwd=tmp_path
     )
-    assert "step: 20/20" in trained.stdout
+    assert code == 0, err[-3000:]
+    assert (
+        "strategy: toy | replicas: 1 | devices: /job:localhost/replica:0/task:0/device:CPU:1" in out
+    )
+    assert "step: 20/20" in out
