@@ -12,29 +12,10 @@ import uuid
 import pytest
 import tensorflow as tf
 
-from tests.helpers import REPO, tiny_config
+from tests.helpers import tiny_config
 from towerflow import storage
 from towerflow.errors import UserError
 from trainer.loop import lock, train
-
-HOLD = (
-    "import sys; from trainer.loop import lock; lock.take(sys.argv[1]); print('held', flush=True); "
-)
-
-
-def _holder(model_dir, then: str = "sys.stdin.read()") -> subprocess.Popen:
-    """Another process that takes the lock of `model_dir` and holds it until its stdin closes."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD + then, str(model_dir)],
-        cwd=REPO,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    if proc.stdout.readline() != "held\n":
-        proc.kill()
-        raise AssertionError(f"the lock of {model_dir} was not taken")
-    return proc  # it ends when its stdin closes, with this process at the latest
 
 
 def _snapshot(directory: pathlib.Path) -> dict:
@@ -46,30 +27,38 @@ def _snapshot(directory: pathlib.Path) -> dict:
     }
 
 
+def _config(**overrides):
+    """A tiny run under `one_device`: the lock is taken and released the same under every plugin."""
+    return tiny_config(**{"strategy.name": "one_device", **overrides})
+
+
 def test_a_second_trainer_on_a_model_dir_in_use_is_refused_and_changes_nothing(tmp_path):
-    config = tiny_config(**{"train.steps": 10})
+    config = _config(**{"train.steps": 10})
     train.train_and_evaluate(config, str(tmp_path))  # a checkpoint to evaluate later
     config.train.steps = 20
-    proc = _holder(tmp_path)
+    # The first trainer's lock, held here: a `flock` belongs to the open file it was taken
+    # through, so the trainer's own `take` below is refused as another process's would be.
+    held = lock.take(str(tmp_path))
     try:
+        holder = [socket.gethostname(), str(os.getpid())]
+        assert (tmp_path / lock.LOCK_FILE).read_text().split() == holder
         before = _snapshot(tmp_path)
         with pytest.raises(UserError) as refused:
             train.train_and_evaluate(config, str(tmp_path))
         assert _snapshot(tmp_path) == before
         message = str(refused.value)
-        assert f"is in use by pid {proc.pid} on host {socket.gethostname()}" in message
+        assert f"is in use by pid {os.getpid()} on host {socket.gethostname()}" in message
         assert "\n" not in message and "`--model_dir`" in message
         # Evaluating only reads model_dir: it needs no lock.
         assert train.train_and_evaluate(config, str(tmp_path), mode="eval")["step"] == 10
     finally:
-        proc.kill()
-        proc.wait()
+        held.release()
 
 
 def test_the_lock_is_released_when_the_run_ends_or_fails(tmp_path):
-    train.train_and_evaluate(tiny_config(), str(tmp_path / "ends"))
+    train.train_and_evaluate(_config(), str(tmp_path / "ends"))
     assert not (tmp_path / "ends" / lock.LOCK_FILE).exists()
-    diverges = tiny_config(
+    diverges = _config(
         **{
             "optimizer.name": "sgd",
             "optimizer.learning_rate": 1e9,
@@ -84,14 +73,16 @@ def test_the_lock_is_released_when_the_run_ends_or_fails(tmp_path):
 
 
 def test_the_lock_of_a_killed_trainer_is_taken_over_with_a_warning(tmp_path, capsys):
-    proc = _holder(tmp_path)
-    proc.send_signal(signal.SIGKILL)  # no chance to release it
-    proc.wait()
-    assert (tmp_path / lock.LOCK_FILE).read_text().split() == [socket.gethostname(), str(proc.pid)]
-    train.train_and_evaluate(tiny_config(), str(tmp_path))
+    # What a trainer killed with SIGKILL leaves: its lock file naming it, and no `flock`
+    # (the kernel drops it with the process).
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    (tmp_path / lock.LOCK_FILE).write_text(f"{socket.gethostname()} {killed.pid}\n")
+    train.train_and_evaluate(_config(), str(tmp_path))
     err = capsys.readouterr().err
     assert f"taking over the lock of `model_dir` {tmp_path}" in err
-    assert f"{socket.gethostname()} {proc.pid}" in err
+    assert f"{socket.gethostname()} {killed.pid}" in err
     assert not (tmp_path / lock.LOCK_FILE).exists()
 
 
