@@ -26,30 +26,37 @@ from tests.helpers import (
 )
 from trainer.launch import pick_ports
 
-EQUIVALENCE = [
-    "--config.train.steps=20",
-    "--config.train.steps_per_loop=5",
-    "--config.train.checkpoint_every=10",
-    "--config.train.global_batch_size=32",
+# Port 9 of the loopback address (discard) is closed: traffic sent through this "proxy"
+# would fail, so a cluster that trains with it set proves its traffic goes direct.
+PROXY = {"http_proxy": "http://127.0.0.1:9", "grpc_proxy": "http://127.0.0.1:9"}
+# The default job, made deterministic (no dropout) and with 3 steps to each iteration of a
+# loop (each step's all-reduce in the same iteration): the same model as one step an iteration.
+DETERMINISTIC = [
+    "--config.train.steps=300",
+    "--config.train.steps_per_loop=0",  # auto: measured per worker, then agreed on
     "--config.eval.every=0",
     "--config.model.dropout=0",
-    "--config.train.export=False",
+    "--config.train.steps_per_iteration=3",
 ]
 
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
+    """Two workers train the default job (`DETERMINISTIC`), proxy variables set: one cluster."""
     cwd = tmp_path_factory.mktemp("mw")
-    result = launched(
-        "--workers=2",
-        "--",
-        "--strategy=multi_worker",
-        "--model_dir=run",
-        "--config.train.steps=300",
-        "--config.train.steps_per_loop=0",  # auto: measured per worker, then agreed on
-        "--config.eval.every=0",
-        cwd=str(cwd),
-    )
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in PROXY.items():
+            env.setenv(name, value)
+        env.delenv("no_proxy", raising=False)
+        env.delenv("no_grpc_proxy", raising=False)
+        result = launched(
+            "--workers=2",
+            "--",
+            "--strategy=multi_worker",
+            "--model_dir=run",
+            *DETERMINISTIC,
+            cwd=str(cwd),
+        )
     return cwd, result
 
 
@@ -80,52 +87,25 @@ def test_two_workers_train_the_default_job(two_workers):
     assert sorted(os.listdir(cwd)) == ["run"]
 
 
-# Port 9 of the loopback address (discard) is closed: traffic sent through this "proxy"
-# would fail, so a cluster that trains with it set proves its traffic goes direct.
-PROXY = {"http_proxy": "http://127.0.0.1:9", "grpc_proxy": "http://127.0.0.1:9"}
-
-
-@pytest.fixture(scope="module")
-def proxied_pair(tmp_path_factory):
-    """Two workers, 20 deterministic steps, with proxy variables set: one cluster, two checks."""
-    cwd = tmp_path_factory.mktemp("pair")
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in PROXY.items():
-            env.setenv(name, value)
-        env.delenv("no_proxy", raising=False)
-        env.delenv("no_grpc_proxy", raising=False)
-        result = launched(
-            "--workers=2",
-            "--",
-            "--strategy=multi_worker",
-            "--model_dir=mw",
-            *EQUIVALENCE,
-            # 3 steps to each iteration of a loop (each step's all-reduce in the same
-            # iteration): the same model as one step an iteration
-            "--config.train.steps_per_iteration=3",
-            cwd=str(cwd),
-        )
-    return cwd, result
-
-
-def test_a_cluster_trains_with_proxy_variables_set(proxied_pair):
-    cwd, result = proxied_pair
+def test_a_cluster_trains_with_proxy_variables_set(two_workers):
+    cwd, result = two_workers
     assert "[worker:0] warning: `grpc_proxy`, `http_proxy` set;" in result.stdout
-    assert json.loads((cwd / "mw" / "results.json").read_text())["step"] == 20
+    assert json.loads((cwd / "run" / "results.json").read_text())["step"] == 300
 
 
-def test_two_workers_match_mirrored_over_two_cpus(proxied_pair, tmp_path, capsys):
-    cluster_dir, _ = proxied_pair
+def test_two_workers_match_mirrored_over_two_cpus(two_workers, tmp_path, capsys):
+    cluster_dir, _ = two_workers
     # In this process, over 2 of its 4 logical CPUs: the same 2 replicas, the same model.
     code, _, err = cli_in_process(
         "--strategy=mirrored",
         "--config.strategy.mirrored.devices=/device:CPU:0,/device:CPU:1",
         f"--model_dir={tmp_path / 'mirrored'}",
-        *EQUIVALENCE,
+        *DETERMINISTIC,
+        "--config.train.export=False",  # the weights are compared: no export needed
         capsys=capsys,
     )
     assert code == 0, err[-3000:]
-    a, b = checkpoint_values(cluster_dir / "mw"), checkpoint_values(tmp_path / "mirrored")
+    a, b = checkpoint_values(cluster_dir / "run"), checkpoint_values(tmp_path / "mirrored")
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
@@ -297,6 +277,7 @@ def test_workers_that_restored_different_steps_stop_with_one_line(two_workers, t
             f"--model_dir={model_dir}",
             "--config.train.steps=400",
             "--config.eval.every=0",
+            "--config.model.dropout=0",  # the model of the checkpoints
             cwd=tmp_path,
         )
         for index, model_dir in enumerate(["run", "elsewhere"])
