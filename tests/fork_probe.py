@@ -4,7 +4,8 @@
 
 Under `absl.app.run`, as the trainer: prints its arguments, working directory,
 `TF_CONFIG`'s task, session leader, name (`/proc/self/comm`), a random
-number and command line, then exits with CODE, or raises from a function of its own.
+number, command line and network namespace, then exits with CODE, or raises
+from a function of its own.
 """
 
 import json
@@ -29,6 +30,7 @@ def main(argv: list[str]) -> None:
     print("random", np.random.rand())
     with open("/proc/self/cmdline", "rb") as cmdline:  # a forked member's is its server's
         print("cmdline", json.dumps(cmdline.read().decode().rstrip("\0").split("\0")))
+    print("net", os.readlink("/proc/self/ns/net"))
     if "--raise" in argv:
         _fail()
     codes = [int(a.removeprefix("--exit=")) for a in argv if a.startswith("--exit=")]

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import configs.default
 from strategies.devices import CPU_POOL_VARIABLE
 from towerflow import forkserver
-from towerflow.processes import member_pid
+from towerflow.processes import member_identity
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The logical CPUs the test process splits its CPU into (tests/conftest.py).
@@ -184,7 +184,21 @@ def run_command(
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-class _ForkedCommand(forkserver.Forked):
+class _Signalled(forkserver.Forked):
+    """A command forked from the server, signalled as a `Popen` is (until it is reaped)."""
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not reaped: the pid is still its own
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _ForkedCommand(_Signalled):
     """A command forked from the server, its stdout and stderr piped: `Popen.communicate` too."""
 
     def __init__(self, proc: forkserver.Forked, stdout: int, stderr: int):
@@ -212,14 +226,43 @@ class _ForkedCommand(forkserver.Forked):
         return _text(self._read[self.stdout]), _text(self._read[self.stderr])
 
 
+class _ForkedLive(_Signalled):
+    """A command forked from the server, stdout and stderr on one pipe read as it runs.
+
+    As `Popen(stdout=PIPE, stderr=STDOUT, text=True)`: `stdout` yields its lines
+    as they come; `communicate` returns the rest of them (and None).
+    """
+
+    def __init__(self, proc: forkserver.Forked, output: int):
+        super().__init__(proc.pid, proc.args)
+        self.stdout = open(output, encoding=locale.getpreferredencoding(False), errors="replace")
+        self.stderr = None
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        rest: list[str] = []
+        reader = threading.Thread(target=lambda: rest.append(self.stdout.read()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if reader.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait()
+        return rest[0], None
+
+
 def _text(data: bytes) -> str:
     """`data` decoded, its newlines translated, as `Popen(text=True)` gives it."""
     text = data.decode(locale.getpreferredencoding(False), errors="replace")
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def _forked(command: list[str], cwd: str, env: dict[str, str]) -> _ForkedCommand | None:
-    """`command` forked from the server, tagged for `kill`; None where it cannot be."""
+def _forked(
+    command: list[str], cwd: str, env: dict[str, str], live: bool = False
+) -> _ForkedCommand | _ForkedLive | None:
+    """`command` forked from the server, tagged for `kill`; None where it cannot be.
+
+    Its stdout and stderr are captured apart (`_ForkedCommand`), or with `live`
+    read together as it runs (`_ForkedLive`).
+    """
     global _forks
     if os.environ.get(FORK_VARIABLE, "1") == "0" or not os.path.isdir(cwd):
         return None
@@ -232,20 +275,24 @@ def _forked(command: list[str], cwd: str, env: dict[str, str]) -> _ForkedCommand
         _forks.enabled = True
         atexit.register(_forks.close)
     tag, env = _tagged(env)
-    out_read, out_write = os.pipe()
-    err_read, err_write = os.pipe()
+    pipes = [os.pipe() for _ in range(1 if live else 2)]
     try:
         proc = _forks.fork(
-            command, env, [out_write, err_write], cwd=str(cwd), server=command[2:3] in LAUNCHERS
+            command,
+            env,
+            [write for _, write in pipes],
+            cwd=str(cwd),
+            server=command[2:3] in LAUNCHERS,
         )
     finally:
-        os.close(out_write)
-        os.close(err_write)
+        for _, write in pipes:
+            os.close(write)
     if proc is None:
-        os.close(out_read)
-        os.close(err_read)
+        for read, _ in pipes:
+            os.close(read)
         return None
-    forked = _ForkedCommand(proc, out_read, err_read)
+    reads = [read for read, _ in pipes]
+    forked = _ForkedLive(proc, *reads) if live else _ForkedCommand(proc, *reads)
     _started.append((tag, forked))
     return forked
 
@@ -293,31 +340,27 @@ def cli_in_process(*args: str, capsys, cwd=None) -> tuple[int, str, str]:
     return code, out, err
 
 
-def start_cli(*args: str, cwd, module: str = "trainer") -> subprocess.Popen:
+def start_cli(*args: str, cwd, module: str = "trainer") -> subprocess.Popen | _ForkedLive:
     """Starts `python -m MODULE ARGS` and returns it running; stdout (and stderr) piped.
 
-    The test's end kills it (and what it started) if it still runs.
+    Forked where `run_command` would fork it (a launcher's members are then
+    found by `pid_of`, not by their command line). The test's end kills it (and
+    what it started) if it still runs.
     """
-    return spawn(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    command, env = [sys.executable, "-m", module, *args], _env()
+    return _forked(command, str(cwd), env, live=True) or spawn(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
 
 
-def start_member(tf_config: str, *args: str, cwd) -> subprocess.Popen:
+def start_member(tf_config: str, *args: str, cwd) -> subprocess.Popen | _ForkedCommand:
     """Starts `python -m trainer ARGS` as one member of a cluster; stdout and stderr piped apart.
 
     The test's end kills it (and what it started) if it still runs.
     """
-    return spawn(
-        [sys.executable, "-m", "trainer", *args],
-        cwd=cwd,
-        env={**_env(), "TF_CONFIG": tf_config},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    command, env = [sys.executable, "-m", "trainer", *args], {**_env(), "TF_CONFIG": tf_config}
+    return _forked(command, str(cwd), env) or spawn(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
 
 
@@ -438,14 +481,14 @@ def _kill_when_it_ends(proc: subprocess.Popen) -> None:
     kill(proc)
 
 
-def descendants(pids: set[int]) -> set[int]:
-    """The live processes started by `pids`, their children's, and so on (by parent id)."""
+def descendants(pids: set[int], parents: dict[int, int] | None = None) -> set[int]:
+    """The live processes started by `pids`, their children's, and so on (by parent id).
+
+    `parents`: each live process's parent (`parent_ids`), where the caller read them already.
+    """
     children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                parent = pathlib.Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1]
-                children.setdefault(int(parent), []).append(int(entry.name))
+    for pid, parent in (parent_ids() if parents is None else parents).items():
+        children.setdefault(parent, []).append(pid)
     found, todo = set(), list(pids)
     while todo:
         for child in children.get(todo.pop(), []):
@@ -453,6 +496,17 @@ def descendants(pids: set[int]) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
+
+
+def parent_ids() -> dict[int, int]:
+    """Each live process's parent's id, by process id (from /proc)."""
+    parents = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                stat = pathlib.Path(entry.path, "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
 
 
 def tagged(tags: set[str]) -> list[int]:
@@ -502,9 +556,19 @@ def checkpoint_values(model_dir) -> dict:
     return {n: reader.get_tensor(n) for n in names}
 
 
-def pid_of(task_type: str, index: int, marker: str) -> int | None:
-    """The live trainer process whose `TF_CONFIG` names this member, in the test's cluster."""
-    return member_pid(task_type, index, marker)
+def pid_of(task_type: str, index: int, launcher: subprocess.Popen | _Signalled) -> int | None:
+    """The live member `TYPE:INDEX` of the cluster `launcher` started, or None.
+
+    Found among the launcher's descendants by its `TF_CONFIG`, or, forked, by its
+    name (`towerflow.processes.member_identity`): the nearest to the launcher
+    where a member's own children carry its name too.
+    """
+    parents, found = parent_ids(), set()
+    for pid in descendants({launcher.pid}, parents):
+        with contextlib.suppress(OSError):
+            if member_identity(pid) == {"type": task_type, "index": index}:
+                found.add(pid)
+    return next((pid for pid in found if parents.get(pid) not in found), None)
 
 
 def launch_and_signal(
@@ -512,8 +576,7 @@ def launch_and_signal(
 ) -> tuple[int, list[tuple[float, str]], float]:
     """Runs `python -m trainer.launch ARGS`; at the first line holding `trigger`, signals `member`.
 
-    The member is found by its `TF_CONFIG` among processes whose command line
-    holds `cwd`, so pass `--model_dir` under `cwd`.
+    The member is found among the launcher's descendants (`pid_of`).
 
     Returns:
       The launcher's exit code, its output as (seconds since start, line), and
@@ -533,7 +596,7 @@ def launch_and_signal(
         for line in proc.stdout:
             lines.append((time.monotonic() - start, line.rstrip("\n")))
             if sent is None and trigger in line:
-                pid = pid_of(*member, str(cwd))
+                pid = pid_of(*member, proc)
                 assert pid, f"{member} not found"
                 os.kill(pid, sig)
                 sent = time.monotonic() - start

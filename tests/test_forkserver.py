@@ -10,7 +10,10 @@ A launcher forked with a server for it (`server=True`, as the tests fork
 """
 
 import json
+import os
 import sys
+
+import pytest
 
 from tests import helpers
 
@@ -67,7 +70,7 @@ from towerflow import forkserver
 client = forkserver.Client(label=["the driver's server"])
 client.enabled = True
 read, write = os.pipe()
-launcher = [sys.executable, "-m", "tests.fork_launcher"]
+launcher = [sys.executable, "-m", "tests.fork_launcher", *sys.argv[1:]]
 proc = client.fork(launcher, dict(os.environ), [write], server=True)
 os.close(write)
 with os.fdopen(read) as output:
@@ -77,14 +80,20 @@ client.close()
 """
 
 
-def test_a_launchers_members_fork_from_a_server_forked_with_it(tmp_path):
-    result = helpers.run_command([sys.executable, "-c", LAUNCHER_DRIVER], str(tmp_path))
+@pytest.mark.parametrize("network", ["host", "loopback"])
+def test_a_launchers_members_fork_from_a_server_forked_with_it(tmp_path, network):
+    flags = ["--loopback"] if network == "loopback" else []
+    command = [sys.executable, "-c", LAUNCHER_DRIVER, *flags]
+    result = helpers.run_command(command, str(tmp_path))
     helpers.assert_exit(result)
     report, code = result.stdout.splitlines()[-2:]
     launcher = json.loads(report)
     assert code == "0" and launcher["forked"] and launcher["code"] == 4, result.stdout
     # Forked from the driver's server, the launcher shows its command line, and so does
-    # the member: its server was forked from the launcher, not started (and imported) anew.
+    # the member: its server was forked from the launcher, not started (and imported) anew;
+    # where the launcher moved to a loopback-only network, its server followed it there.
     assert launcher["cmdline"][-1] == "the driver's server"
     assert json.loads(_value(launcher["lines"], "cmdline")) == launcher["cmdline"]
+    assert _value(launcher["lines"], "net") == launcher["net"]
+    assert (launcher["net"] == os.readlink("/proc/self/ns/net")) == (network == "host")
     assert _value(launcher["lines"], "name") == "worker:0"

@@ -17,7 +17,8 @@ the same way, by `Client.fork`, with stdout and stderr on pipes of their own.
 A forked command that starts members of its own (a launcher, `server=True`)
 gets its server forked from the member's process before its module runs, as
 the server left it: its `Client` adopts that one instead of starting a server
-that imports TensorFlow again.
+that imports TensorFlow again (where the launcher moved into namespaces of its
+own meanwhile, a loopback-only network, the server follows it there first).
 
 Only a command of the form `[sys.executable, "-m", MODULE, ...]` is forked;
 where the kernel has no child subreapers (not Linux) or the server cannot
@@ -48,6 +49,14 @@ PRELOADED = ("tensorflow", "keras", "absl.app")  # what every member imports fir
 _PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 _MESSAGE_BYTES = 1 << 20  # a request: the member's argv and environment, as JSON
 _POLL_S = 0.02
+# The namespaces a server follows its launcher into (`_join`), user first, by `setns` flag.
+_NAMESPACES = {
+    "user": 0x10000000,
+    "net": 0x40000000,
+    "mnt": 0x00020000,
+    "uts": 0x04000000,
+    "ipc": 0x08000000,
+}
 # A server forked for this process before its module ran (`server=True`), and the socket
 # to it; the first `Client` to start one adopts it.
 PREFORKED: tuple[Forked, socket.socket] | None = None
@@ -163,9 +172,9 @@ class Client:
             return True
         if self._failed or not _become_subreaper():
             return False  # failed before, or members could not be this process's children
-        self._server, ours = _take_preforked() or self._start_server(command, env)
-        ready = ours.recv(_MESSAGE_BYTES)
-        if ready != b"ready":  # the import failed: its error is on stderr
+        preforked = _take_preforked()  # ready, in this process's namespaces
+        self._server, ours = preforked or self._start_server(command, env)
+        if not preforked and ours.recv(_MESSAGE_BYTES) != b"ready":  # its error is on stderr
             ours.close()
             self._server.wait()
             self._server, self._failed = None, True
@@ -194,18 +203,22 @@ class Client:
 
 
 def _take_preforked() -> tuple[Forked, socket.socket] | None:
-    """The server forked for this process (`PREFORKED`), once, where it still serves it.
+    """The server forked for this process (`PREFORKED`), once, ready, in this process's namespaces.
 
-    Not where this process has moved since into namespaces of its own (a launcher
-    that runs its cluster on a loopback-only network, `towerflow.netns`): members
-    forked there would be on the host's network. That server ends (its socket
-    closes) and None says to start another.
+    Where this process has moved since into namespaces of its own (a launcher
+    that runs its cluster on a loopback-only network, `towerflow.netns`), the
+    server joins them first, so that its members run there too. Where it cannot,
+    that server ends (its socket closes) and None says to start another.
     """
     global PREFORKED
     if PREFORKED is None:
         return None
     (server, ours), PREFORKED = PREFORKED, None
-    if _namespaces(server.pid) == _namespaces(os.getpid()):
+    ready = ours.recv(_MESSAGE_BYTES) == b"ready"
+    if ready and _namespaces(server.pid) != _namespaces(os.getpid()):
+        ours.sendall(json.dumps({"join": os.getpid()}).encode())
+        ready = ours.recv(_MESSAGE_BYTES) == b"ready"  # once it tried
+    if ready and _namespaces(server.pid) == _namespaces(os.getpid()):
         return server, ours
     ours.close()
     server.wait()
@@ -214,8 +227,26 @@ def _take_preforked() -> tuple[Forked, socket.socket] | None:
 
 def _namespaces(pid: int) -> dict[str, str]:
     """The namespaces of process `pid` (`/proc/PID/ns`), by kind."""
-    kinds = ("net", "user", "mnt", "uts", "ipc")
-    return {kind: os.readlink(f"/proc/{pid}/ns/{kind}") for kind in kinds}
+    return {kind: os.readlink(f"/proc/{pid}/ns/{kind}") for kind in _NAMESPACES}
+
+
+def _join(pid: int) -> None:
+    """Moves this (single-threaded) process into each namespace of `pid` it is not in.
+
+    The user namespace first (a process's user owns the ones it made): it gives
+    the rights to join the others. A namespace it may not join stays as it was.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    ours = _namespaces(os.getpid())
+    for kind, flag in _NAMESPACES.items():
+        path = f"/proc/{pid}/ns/{kind}"
+        if os.readlink(path) == ours[kind]:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            libc.setns(fd, flag)
+        finally:
+            os.close(fd)
 
 
 def _module(command: Sequence[str]) -> str | None:
@@ -256,6 +287,10 @@ def serve(channel: socket.socket) -> dict | None:
         if not message:
             return None
         request = json.loads(message)
+        if "join" in request:  # its launcher moved into namespaces of its own
+            _join(request["join"])
+            channel.sendall(b"ready")
+            continue
         pids_read, pids_write = os.pipe()
         middle = os.fork()
         if middle == 0:  # the member's parent for a moment: it exits, the launcher adopts
