@@ -149,8 +149,11 @@ def _check_figures(results, case: str) -> None:
 
 
 def test_the_quick_one_process_case_reports_its_figures(tmp_path):
-    """The default tier's smoke run: one case; every case runs in the slow tier."""
-    results = _bench(tmp_path / "bench.json", "--cases=small_mlp")
+    """The default tier's smoke run: one case, in the command's process (`--in_process`).
+
+    Every case runs in the slow tier, each group of cases in a process of its own.
+    """
+    results = _bench(tmp_path / "bench.json", "--cases=small_mlp", "--in_process")
     assert list(results["cases"]) == ["small_mlp"]
     _check_figures(results, "small_mlp")
 
