@@ -223,7 +223,7 @@ def test_each_workers_thread_count_stays_flat_over_many_steps(tmp_path):
             steps = [int(m) for m in re.findall(r"step: (\d+)/600", "".join(lines[-5:]))]
             if steps and steps[-1] >= 100:
                 for worker in (0, 1):
-                    pids[worker] = pids.get(worker) or pid_of("worker", worker, str(tmp_path))
+                    pids[worker] = pids.get(worker) or pid_of("worker", worker, proc)
                     count = pids[worker] and _threads(pids[worker])
                     if count:
                         samples[worker].append((steps[-1], count))
