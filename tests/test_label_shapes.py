@@ -3,9 +3,11 @@
 A user's pipeline yields labels as Keras tutorials write them: class ids
 `(batch,)` or `(batch, 1)`, one-hot rows `(batch, num_classes)`, values
 `(batch,)` or `(batch, 1)`. Each trains and evaluates under the default
-strategy and under `mirrored` over the test's logical CPUs, with the same
-results as the flat shape; any other shape is one line at start-up, nothing
-written (and where a step is traced, for a task that calls the objective itself).
+strategy and under `mirrored` over two of the test's logical CPUs (two
+replicas split each batch and add up their metrics as four would, at half
+the tracing), with the same results as the flat shape; any other shape is
+one line at start-up, nothing written (and where a step is traced, for a
+task that calls the objective itself).
 """
 
 import keras
@@ -67,16 +69,18 @@ def model(spec, config):
 
 
 def _train(name: str, strategy: str, model_dir, num_classes: int | None = None) -> dict:
+    """Two blocks of 2 steps (the metrics of a block, then the next one's), then eval."""
     config = tiny_config(
         **{
             "strategy.name": strategy,
+            "strategy.mirrored.devices": "CPU:0,CPU:1",
             "data.name": f"tests.test_label_shapes:{name}",
             "data.num_classes": LABELS[name][1] if num_classes is None else num_classes,
             "model.name": "tests.test_label_shapes:model",
             "train.global_batch_size": 16,
             "eval.global_batch_size": 16,
-            "train.steps": 8,
-            "train.steps_per_loop": 4,
+            "train.steps": 4,
+            "train.steps_per_loop": 2,
             "train.checkpoint_every": 0,
         }
     )
@@ -95,7 +99,8 @@ def test_a_label_shape_keras_takes_trains_and_evaluates_as_the_flat_one(
     name, strategy, flat_results, tmp_path
 ):
     results = _train(name, strategy, tmp_path / "run")
-    assert results["step"] == 8 and results["eval"]["examples"] == 64
+    assert results["step"] == 4 and results["eval"]["examples"] == 64
+    assert results["placement"]["replicas_in_sync"] == (2 if strategy == "mirrored" else 1)
     flat = _SAME_AS.get(name)
     if flat is None:
         flat_results[name, strategy] = results["eval"]
