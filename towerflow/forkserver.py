@@ -320,7 +320,7 @@ def run_member(request: dict) -> None:
     `worker:1` (`towerflow.processes.member_pid` reads either).
     """
     os.setsid()  # a process group of its own, as `start_process` gives
-    task = json.loads(request["env"].get("TF_CONFIG", "{}")).get("task")
+    task = json.loads(request["env"].get("TF_CONFIG") or "{}").get("task")  # "" for none
     if task:
         name = f"{task['type']}:{task['index']}"
         _set_name(name)

@@ -141,18 +141,31 @@ def reap(procs: Sequence[subprocess.Popen], pumps: Sequence[threading.Thread] = 
         pump.join(timeout=1.0)  # its pipe closed with the last process of the group
 
 
+# Starts a command with an environment, each output line to a callback: the process
+# (or what stands for one, with `pid`, `poll` and `wait`) and the thread reading its output.
+Starter = Callable[
+    [Sequence[str], dict[str, str], Callable[[str], None]],
+    tuple[subprocess.Popen, threading.Thread],
+]
+
+
 class Group:
     """Named child processes started together, their output on one console, stopped together."""
 
-    def __init__(self, console: Console | None = None):
-        """Args: console: where their output lines go, each prefixed with its name."""
+    def __init__(self, console: Console | None = None, starter: Starter | None = None):
+        """Args:
+        console: where their output lines go, each prefixed with its name.
+        starter: what starts each (`start_process`'s arguments and result; default
+          `start_process`), e.g. a `towerflow.forkserver.Client`'s `start`.
+        """
         self.console = console or Console()
         self.procs: dict[str, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
+        self._start = starter or start_process
 
     def start(self, name: str, command: Sequence[str], env: dict[str, str]) -> None:
-        """Starts `command` as `name` (`start_process`)."""
-        proc, pump = start_process(command, env, lambda line: self.console.write(name, line))
+        """Starts `command` as `name`."""
+        proc, pump = self._start(command, env, lambda line: self.console.write(name, line))
         self.procs[name] = proc
         self._pumps.append(pump)
 

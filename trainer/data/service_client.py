@@ -282,10 +282,15 @@ def _check_count(text: str, workers: int, mode: str) -> None:
 class LocalService:
     """A dispatcher and N data workers as child processes on 127.0.0.1 (`local:N`)."""
 
-    def __init__(self, ports: list[int], console: processes.Console | None = None):
+    def __init__(
+        self,
+        ports: list[int],
+        console: processes.Console | None = None,
+        starter: processes.Starter | None = None,
+    ):
         """Plans the dispatcher on `ports[0]` and a worker on each other port of 127.0.0.1.
 
-        `console` gets their output, prefixed.
+        `console` gets their output, prefixed; `starter` starts each (`processes.Group`).
         """
         self.address = f"grpc://{_LOOPBACK}:{ports[0]}"
         dispatcher = f"{_LOOPBACK}:{ports[0]}"
@@ -304,7 +309,7 @@ class LocalService:
             },
         }
         self.ports = dict(zip(self.commands, ports, strict=True))
-        self._group = processes.Group(console)
+        self._group = processes.Group(console, starter)
         self.procs = self._group.procs  # name -> process, once started
 
     def __enter__(self) -> LocalService:
@@ -331,17 +336,21 @@ class LocalService:
 
 @contextlib.contextmanager
 def serving_locally(
-    workers: int, console: processes.Console | None = None
+    workers: int,
+    console: processes.Console | None = None,
+    starter: processes.Starter | None = None,
 ) -> Iterator[LocalService]:
     """A dispatcher and `workers` data workers on free ports of 127.0.0.1, answering.
 
     For the commands that start a service for their trainers (`trainer.launch
     --data_workers`, `trainer.sweep --share_input`); stopped on the way out.
+    `starter` starts each server (`processes.Group`; the launcher forks them
+    as it forks its members).
 
     Raises:
       UserError: a server exited, or none answered within `TIMEOUT_S`.
     """
-    with LocalService(processes.pick_ports(workers + 1), console) as servers:
+    with LocalService(processes.pick_ports(workers + 1), console, starter) as servers:
         wait_until_served(servers.address, servers, TIMEOUT_S)
         yield servers
 

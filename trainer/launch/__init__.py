@@ -208,7 +208,10 @@ def _start_data_service(workers: int, console: Console, stack: contextlib.ExitSt
     with processes.native_stderr_silenced():  # it imports TensorFlow: only when asked for
         from trainer.data import service_client
 
-    servers = stack.enter_context(service_client.serving_locally(workers, console))
+    # Forked as the members are: the servers import TensorFlow no second time either.
+    servers = stack.enter_context(
+        service_client.serving_locally(workers, console, running.MEMBERS.start)
+    )
     console.log(f"tf.data service at {servers.address}, data workers: {workers}")
     return servers.address
 
