@@ -42,11 +42,11 @@ def test_every_builtin_model_trains_and_evaluates(name, tmp_path):
         config = tiny_ctr_config(**overrides, **{"model.dropout": 0.1})
     else:
         config = _image_config(**overrides)
-    results = train.train_and_evaluate(config, str(tmp_path))
+    job = train.build(config, str(tmp_path))
+    results = train.run(job, "train_and_eval")
     assert results["step"] == 10
     assert np.isfinite(results["train"]["loss"]) and np.isfinite(results["eval"]["loss"])
-    eval_size = train.build(config, str(tmp_path / "again")).dataset.spec.eval_size
-    assert results["eval"]["examples"] == eval_size
+    assert results["eval"]["examples"] == job.dataset.spec.eval_size
 
 
 def _eval(job) -> dict:
@@ -59,8 +59,10 @@ def _eval(job) -> dict:
 
 @pytest.fixture(scope="module", params=["cnn", "resnet"])
 def trained(request, tmp_path_factory):
-    """A model trained a few steps under one_device, and its eval there."""
-    config = _image_config(**{"strategy.name": "one_device", "model.name": request.param})
+    """A model trained one block of 5 steps under one_device, and its eval there."""
+    config = _image_config(
+        **{"strategy.name": "one_device", "model.name": request.param, "train.steps": 5}
+    )
     job = train.build(config, str(tmp_path_factory.mktemp(request.param)))
     train.run(job, "train")
     return request.param, [w.numpy() for w in job.model.weights], _eval(job)
@@ -110,6 +112,7 @@ def test_a_model_that_outputs_probabilities_learns_and_exports_them(tmp_path):
     config = tiny_config(
         **{
             "strategy.name": "mirrored",
+            "strategy.mirrored.devices": "CPU:0,CPU:1",  # replicas, at half the tracing of 4
             "model.name": "tests.test_models:softmax_mlp",
             "train.steps": 200,
             "train.steps_per_loop": 100,
