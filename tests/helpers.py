@@ -51,10 +51,20 @@ _started: list[tuple[str, subprocess.Popen]] = []  # (tag, process), in start or
 _serial = itertools.count()
 FORK_VARIABLE = "TOWERFLOW_TEST_FORK"  # "0": `run_command` forks nothing
 # What a forked command's environment may hold apart from the server's (read after start-up).
-# (`devices.CPU_POOL_VARIABLE`: a forked command's runtime reads it when it starts.)
-_PER_COMMAND = {"TF_CONFIG", TAG_VARIABLE, "PYTEST_CURRENT_TEST", FORK_VARIABLE, CPU_POOL_VARIABLE}
+# (`devices.CPU_POOL_VARIABLE`: a forked command's runtime reads it when it starts; gRPC
+# reads the proxy variables when it opens a channel.)
+_PROXIES = {"http_proxy", "https_proxy", "grpc_proxy", "no_proxy", "no_grpc_proxy"}
+_PER_COMMAND = {
+    "TF_CONFIG",
+    TAG_VARIABLE,
+    "PYTEST_CURRENT_TEST",
+    FORK_VARIABLE,
+    CPU_POOL_VARIABLE,
+    *_PROXIES,
+    *(name.upper() for name in _PROXIES),
+}
 _forks: forkserver.Client | None = None  # started at the first command it forks
-# The command that forks members of its own: forked with a server for them (`Client.fork`).
+# The commands that fork members of their own: forked with a server for them (`Client.fork`).
 LAUNCHERS = (["trainer.launch"],)  # as `command[2:3]`: a command may have fewer words
 
 # The start of a script a test runs in a process of its own (`run_command`):
@@ -282,7 +292,7 @@ def _forked(
             env,
             [write for _, write in pipes],
             cwd=str(cwd),
-            server=command[2:3] in LAUNCHERS,
+            server=_starts_processes(command),
         )
     finally:
         for _, write in pipes:
@@ -295,6 +305,15 @@ def _forked(
     forked = _ForkedLive(proc, *reads) if live else _ForkedCommand(proc, *reads)
     _started.append((tag, forked))
     return forked
+
+
+def _starts_processes(command: list[str]) -> bool:
+    """Whether `command` starts processes of its own (a launcher, a trainer's `local:N` servers).
+
+    Those are forked with a server of their own (`forkserver.Client.fork`).
+    """
+    local_service = any(word.startswith("--config.data.service=local:") for word in command)
+    return command[2:3] in LAUNCHERS or local_service
 
 
 def _comparable(env: dict[str, str]) -> dict[str, str]:

@@ -6,7 +6,8 @@ it runs:
 - `""`: in the trainer's own process (the default);
 - `"local:N"`: on a dispatcher and N data workers that the trainer starts as
   child processes beside it (the servers' command, `python -m
-  trainer.data_service`; `LocalService`), and stops with
+  trainer.data_service`; `LocalService`), forked from one process that imported
+  TensorFlow once (`towerflow.forkserver`), and stops with
   it; their output is prefixed `[data:dispatcher]`, `[data:worker:0]`, ...;
 - `"grpc://host:port"`: on a dispatcher (and its workers) that runs elsewhere.
 
@@ -66,7 +67,7 @@ from collections.abc import Callable, Iterator
 import ml_collections
 import tensorflow as tf
 
-from towerflow import errors, processes
+from towerflow import errors, forkserver, processes
 from towerflow.errors import UserError
 from trainer.data.base import Dataset, DatasetFn, TrainStreamWrapper
 
@@ -257,7 +258,11 @@ def started(
     with contextlib.ExitStack() as stack:
         local = None
         if workers is not None:
-            local = stack.enter_context(LocalService(processes.pick_ports(workers + 1)))
+            # One import of TensorFlow for all N + 1 servers; the server ends after them.
+            forks = stack.enter_context(contextlib.closing(forkserver.Client()))
+            forks.enabled = True
+            ports = processes.pick_ports(workers + 1)
+            local = stack.enter_context(LocalService(ports, starter=forks.start))
             address = local.address
         counted = wait_until_served(address, local, timeout_s)
         answering = workers if local is not None else counted  # local ones may still register
