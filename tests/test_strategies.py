@@ -4,6 +4,7 @@ import contextlib
 import importlib.metadata
 import os
 import re
+import sys
 from collections.abc import Iterator
 from unittest import mock
 
@@ -294,12 +295,14 @@ def test_entry_point_plugins_are_discovered(monkeypatch):
     assert (plugin.membership.role, plugin.membership.is_chief) == ("train", False)
 
 
-def test_parameter_server_meets_the_contract_on_a_local_cluster(tmp_path):
-    result = helpers.launched(
-        "--workers=1", "--ps=1", "--module=tests.cluster_contract", "--",
-        "--strategy=parameter_server", f"--model_dir={tmp_path / 'run'}",
+def test_parameter_server_meets_the_contract_on_a_local_cluster():
+    # One process, the chief, with its worker and ps served in it over gRPC on 127.0.0.1
+    # (`tests.cluster_contract`); launched clusters of served members: test_parameter_server.
+    result = helpers.run_command(
+        [sys.executable, "-m", "tests.cluster_contract", "--strategy=parameter_server"],
         cwd=helpers.REPO,
-    )  # fmt: skip
-    # The chief ran this module's contract tests for parameter_server (`tests.cluster_contract`).
-    summary = re.search(r"\[chief\] (\d+) passed, 1 skipped, \d+ deselected", result.stdout)
+    )
+    helpers.assert_exit(result)
+    # The chief ran this module's contract tests for parameter_server.
+    summary = re.search(r"(\d+) passed, 1 skipped, \d+ deselected", result.stdout)
     assert summary and int(summary.group(1)) == 10, result.stdout[-3000:]
