@@ -1,7 +1,8 @@
 """The `pipeline` plugin: stages on logical CPUs train exactly as one device does.
 
-Every run here is a real 20-step training job in this process, on the 4
-logical CPUs of `tests/conftest.py`.
+Every run here is a real training job in this process, on the 4 logical
+CPUs of `tests/conftest.py`: 20 steps, or one where a test asserts only
+where the layers and their state went.
 """
 
 import os
@@ -20,13 +21,13 @@ from trainer.loop import train
 DEEP = (32, 32, 32)  # flatten + 4 dense layers: room for 4 stages
 
 
-def _train(model_dir, strategy: str, **overrides) -> train.BuiltJob:
-    """A 20-step job under `strategy`, trained in `model_dir`; returns the job."""
+def _train(model_dir, strategy: str, mode: str = "train_and_eval", **overrides) -> train.BuiltJob:
+    """A 20-step job under `strategy`, run in `model_dir` (`mode` "train": no eval); the job."""
     config = helpers.tiny_config(
         **{"strategy.name": strategy, "model.hidden_units": DEEP, **overrides}
     )
     job = train.build(config, str(model_dir))
-    job.results = train.run(job, "train_and_eval")
+    job.results = train.run(job, mode)
     return job
 
 
@@ -73,7 +74,7 @@ def test_same_weights_as_one_device(one_device, tmp_path, stages, micro_batches)
 
 
 def test_stage_i_variables_and_their_optimizer_slots_live_on_device_i(tmp_path):
-    job = _train(tmp_path, "pipeline", **{"strategy.pipeline.stages": 4})
+    job = _train(tmp_path, "pipeline", "train", **{"strategy.pipeline.stages": 4, "train.steps": 1})
     described = job.strategy.describe(job.model.variables)
     stages = described["stages"]
     assert [s["device"] for s in stages] == [f"/device:CPU:{i}" for i in range(4)]
@@ -99,6 +100,7 @@ def test_boundaries_name_the_layers_that_start_stages(tmp_path):
     job = _train(
         tmp_path,
         "pipeline",
+        "train",
         **{
             "model.name": "tests.test_pipeline:sequential",
             "strategy.pipeline.boundaries": "hidden_1, logits",
@@ -111,7 +113,7 @@ def test_boundaries_name_the_layers_that_start_stages(tmp_path):
 
 def test_resumes_from_its_checkpoint_and_exports_a_one_device_model(one_device, tmp_path):
     pipeline = {"strategy.pipeline.stages": 2, "strategy.pipeline.micro_batches": 4}
-    _train(tmp_path, "pipeline", **pipeline, **{"train.steps": 10})
+    _train(tmp_path, "pipeline", "train", **pipeline, **{"train.steps": 10})
     job = _train(tmp_path, "pipeline", **pipeline, **{"train.export": True})
     assert job.results["step"] == 20
     _assert_same_checkpoints(one_device.model_dir, tmp_path)  # the resumed run ends alike
@@ -143,10 +145,11 @@ def sequential(spec, config) -> keras.Model:
 
 def test_a_sequential_model_trains_as_on_one_device(tmp_path):
     user_model = {"model.name": "tests.test_pipeline:sequential"}
-    _train(tmp_path / "one", "one_device", **user_model)
+    _train(tmp_path / "one", "one_device", "train", **user_model)
     job = _train(
         tmp_path / "pipe",
         "pipeline",
+        "train",
         **user_model,
         **{"strategy.pipeline.stages": 3, "strategy.pipeline.micro_batches": 2},
     )
@@ -225,7 +228,9 @@ def test_the_branchy_model_splits_where_one_tensor_crosses(tmp_path):
     job = _train(
         tmp_path,
         "pipeline",
+        "train",
         **{"model.name": "tests.test_pipeline:branchy", "strategy.pipeline.stages": 3},
+        **{"train.steps": 1},  # trained: the split model runs
     )
     layout = [s["layers"] for s in job.results["placement"]["stages"]]
     assert layout == [["flat"], ["a", "b", "c", "add"], ["logits"]]
