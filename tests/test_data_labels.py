@@ -272,14 +272,24 @@ def _penguins_commands() -> list[list[str]]:
     return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line]
 
 
-def _penguins_data(tmp_path) -> list[str]:
-    """Writes the data as the README's first command does; returns the trainer's flags."""
+@pytest.fixture(scope="module")
+def penguins_written(tmp_path_factory) -> tuple[pathlib.Path, list[str]]:
+    """The data, written once as the README's first command does; the trainer's flags."""
     write, train = _penguins_commands()
     assert write[:3] == ["python", "-m", "examples.penguins"]
-    result = run_command([sys.executable, *write[1:]], cwd=str(tmp_path))
+    directory = tmp_path_factory.mktemp("penguins")
+    result = run_command([sys.executable, *write[1:]], cwd=str(directory))
     assert_exit(result)
     assert train[0] == "towerflow"
-    return [flag for flag in train[1:] if not flag.startswith("--model_dir")]
+    return directory / write[3], [flag for flag in train[1:] if not flag.startswith("--model_dir")]
+
+
+@pytest.fixture
+def penguins(penguins_written, tmp_path) -> list[str]:
+    """The README's trainer flags, run from `tmp_path`: its data directory is the one written."""
+    written, flags = penguins_written
+    (tmp_path / written.name).symlink_to(written)
+    return flags
 
 
 def _check_penguins(model_dir: pathlib.Path, results: dict) -> None:
@@ -314,19 +324,20 @@ def _tensorboard_tags(logdir: pathlib.Path) -> set[str]:
     }
 
 
-def test_the_readme_penguins_command_trains_to_090(tmp_path):
+def test_the_readme_penguins_command_trains_to_090(penguins, tmp_path):
     """As written: under the default strategy (mirrored), every replica given a share."""
-    flags = _penguins_data(tmp_path)
     model_dir = tmp_path / "model"
-    result = run_cli(*flags, f"--model_dir={model_dir}", cwd=str(tmp_path))
+    result = run_cli(*penguins, f"--model_dir={model_dir}", cwd=str(tmp_path))
     assert_exit(result)
     assert "data: dropped 3 of 280 rows of `data.train_files`" in result.stdout
     _check_penguins(model_dir, json.loads((model_dir / "results.json").read_text()))
 
 
-def test_the_readme_penguins_command_trains_to_090_on_a_parameter_server_cluster(tmp_path):
-    flags = _penguins_data(tmp_path)
-    results = train_on_cluster(tmp_path, *flags, "--strategy=parameter_server")
+def test_the_readme_penguins_command_trains_to_090_on_a_parameter_server_cluster(
+    penguins, tmp_path
+):
+    """One worker: the cluster's own path (variables on the ps, steps the chief schedules)."""
+    results = train_on_cluster(tmp_path, *penguins, "--strategy=parameter_server", workers=1)
     _check_penguins(tmp_path / "model", results)
 
 
@@ -341,6 +352,7 @@ def test_a_vocabulary_for_a_numeric_tfrecord_label_is_one_line(tmp_path):
 def test_resuming_with_other_class_names_is_one_line(tmp_path):
     config = tiny_config(
         **{
+            "strategy.name": "one_device",  # a refusal at start-up, under any strategy
             "model.name": "tests.test_data_labels:size_model",
             "train.global_batch_size": 4,
             "eval.global_batch_size": 4,
