@@ -1,5 +1,6 @@
 """A long run's small step runs several steps to each iteration of its loop's `while`."""
 
+import ml_collections
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -10,6 +11,12 @@ from tests.helpers import tiny_config
 from trainer.loop import checks, train
 
 BATCH = 8
+# `mirrored` over two of the logical CPUs: each replica traces its steps as one of four does.
+TWO_CPUS = "CPU:0,CPU:1"
+
+
+def _mirrored() -> strategies.Strategy:
+    return strategies.get("mirrored", ml_collections.ConfigDict({"devices": TWO_CPUS}))
 
 
 class _Step:
@@ -43,7 +50,7 @@ def _dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
 )
 def test_a_step_is_unrolled_as_it_asks(monkeypatch, unroll, max_ops, steps_traced):
     monkeypatch.setattr(unrolled, "MAX_OPS", max_ops)
-    strategy = strategies.get("mirrored")
+    strategy = _mirrored()
     step = _Step(unroll)
     out = strategy.run_steps(step, iter(strategy.distribute_dataset(_dataset_fn)), 7)
     assert out == {"examples": 7 * BATCH, "steps": 7 * strategy.num_replicas_in_sync}
@@ -53,7 +60,7 @@ def test_a_step_is_unrolled_as_it_asks(monkeypatch, unroll, max_ops, steps_trace
 @pytest.mark.parametrize("dtype", [tf.int64, tf.float64])
 def test_sums_that_are_not_float32_are_carried_as_they_are(dtype):
     """The loop's one vector of float32 sums (`BufferedSums`) gives way, traced once more."""
-    strategy = strategies.get("mirrored")
+    strategy = _mirrored()
     step = _Step(None, dtype)
     dataset = strategy.distribute_dataset(_dataset_fn)
     out = strategy.run_steps(step, iter(dataset), 7)
@@ -83,7 +90,11 @@ def test_a_run_of_long_run_steps_or_more_asks_for_more_steps_an_iteration(tmp_pa
 
 
 def _trained(strategy_name: str, steps: int, n: int, tmp_path) -> tuple:
-    fields = {"strategy.name": strategy_name, "train.steps_per_iteration": steps}
+    fields = {
+        "strategy.name": strategy_name,
+        "strategy.mirrored.devices": TWO_CPUS,
+        "train.steps_per_iteration": steps,
+    }
     job = train.build(tiny_config(**fields), str(tmp_path / f"{strategy_name}-{steps}-{n}"))
     step = train._train_step(job)
     iterator = iter(job.strategy.distribute_dataset(train._train_stream(job, 0)))
