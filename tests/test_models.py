@@ -136,7 +136,7 @@ def test_keras_dropout_in_a_users_model_trains_under_central_storage(tmp_path):
     config = tiny_config(
         **{"strategy.name": "central_storage", "model.name": "tests.test_models:keras_dropout"}
     )
-    results = train.train_and_evaluate(config, str(tmp_path))
+    results = train.train_and_evaluate(config, str(tmp_path), "train")  # what trains
     assert results["step"] == config.train.steps and np.isfinite(results["train"]["loss"])
 
 
