@@ -59,6 +59,7 @@ def test_builtin_resnet_under_two_workers_matches_one_device(one_device, tmp_pat
         "--workers=2",
         "--",
         "--strategy=multi_worker",
+        "--mode=train",  # the weights are compared, not an eval
         "--model_dir=run",
         "--config.model.name=resnet",
         "--config.eval.every=0",
