@@ -65,7 +65,8 @@ _PER_COMMAND = {
 }
 _forks: forkserver.Client | None = None  # started at the first command it forks
 # The commands that fork members of their own: forked with a server for them (`Client.fork`).
-LAUNCHERS = (["trainer.launch"],)  # as `command[2:3]`: a command may have fewer words
+# (As `command[2:3]`: a command may have fewer words.)
+LAUNCHERS = (["trainer.launch"], ["trainer.sweep"])
 
 # The start of a script a test runs in a process of its own (`run_command`):
 # `bare_parameter_server()`, a bare `tf.distribute` ParameterServerStrategy over

@@ -6,6 +6,7 @@ command runs real trials (tiny: 20 steps) as a user would, in a subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -16,7 +17,16 @@ import time
 import pytest
 import tensorflow as tf
 
-from tests.helpers import REPO, TIMEOUT_S, assert_exit, one_line_error, run_cli, start_cli
+from tests.helpers import (
+    REPO,
+    TIMEOUT_S,
+    assert_exit,
+    descendants,
+    one_line_error,
+    run_cli,
+    running,
+    start_cli,
+)
 from tests.test_hparams import dashboard
 from towerflow.errors import UserError
 from trainer.sweep import plan as sweep_plan
@@ -223,17 +233,24 @@ def test_a_bad_sweep_flag_is_one_line_exit_2_and_writes_nothing(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def _trial_processes(sweep_dir: pathlib.Path) -> list[int]:
-    """Live processes whose command line names a `model_dir` under `sweep_dir`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        try:
-            cmdline = pathlib.Path(entry.path, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if entry.name.isdigit() and f"--model_dir={sweep_dir}".encode() in cmdline:
-            pids.append(int(entry.name))
-    return pids
+@pytest.mark.slow  # a second sweep: the default tier's forks its trials
+def test_with_nofork_trials_each_trial_is_an_interpreter_of_its_own(tmp_path):
+    sweep_dir = tmp_path / "sw"
+    args = [f"--config={CONFIG}", "--sweep.optimizer.learning_rate=1e-3,3e-3"]
+    args += ["--nofork_trials", f"--sweep_dir={sweep_dir}", "--", *TINY]
+    proc = start_cli(*args, cwd=str(tmp_path), module="trainer.sweep")
+    commands = []
+    for line in proc.stdout:
+        if "] train |" in line and not commands:  # a trial runs: its command line, seen
+            for pid in descendants({proc.pid}):
+                with contextlib.suppress(OSError):
+                    commands.append(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes())
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    assert_exit(proc, output=out[-3000:])
+    # Its own command line: a forked trial's would be its server's.
+    assert any(f"--model_dir={sweep_dir}".encode() in c for c in commands), commands
+    summary = json.loads((sweep_dir / "sweep.json").read_text())
+    assert [r["status"] for r in summary["trials"]] == ["finished", "finished"]
 
 
 @pytest.mark.slow  # a sweep interrupted, then rerun
@@ -257,13 +274,14 @@ def test_ctrl_c_saves_every_trial_and_a_rerun_resumes_them(tmp_path):
             training.add(line[:4])
         if len(training) == 2:
             break
+    trials = descendants({proc.pid})  # (forked, they show the server's command line)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=TIMEOUT_S)
     assert_exit(proc, 128 + signal.SIGINT, output=out[-3000:])
     deadline = time.monotonic() + 60  # the sweep reaped them: nothing should be left at all
-    while _trial_processes(sweep_dir) and time.monotonic() < deadline:
+    while [pid for pid in trials if running(pid)] and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _trial_processes(sweep_dir)
+    assert trials and not [pid for pid in trials if running(pid)]
     summary = json.loads((sweep_dir / "sweep.json").read_text())
     assert [r["status"] for r in summary["trials"]] == ["interrupted", "interrupted"]
     steps = {}

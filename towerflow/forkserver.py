@@ -115,11 +115,19 @@ class Client:
         self._lock = threading.Lock()  # one request at a time on the socket
 
     def start(
-        self, command: Sequence[str], env: dict[str, str], on_line: Callable[[str], None]
+        self,
+        command: Sequence[str],
+        env: dict[str, str],
+        on_line: Callable[[str], None],
+        cores: Sequence[int] = (),
     ) -> tuple[subprocess.Popen | Forked, threading.Thread]:
-        """Starts `command` as `start_process` would, forked from the server where it can."""
+        """Starts `command` as `start_process` would, forked from the server where it can.
+
+        `cores`: the CPU cores a forked command runs on (default the server's); a
+        command started anew inherits the caller's.
+        """
         read, write = os.pipe()
-        proc = self.fork(command, {**env, "PYTHONUNBUFFERED": "1"}, [write])
+        proc = self.fork(command, {**env, "PYTHONUNBUFFERED": "1"}, [write], cores=cores)
         os.close(write)
         if proc is None:
             os.close(read)
@@ -133,12 +141,14 @@ class Client:
         fds: Sequence[int],
         cwd: str | None = None,
         server: bool = False,
+        cores: Sequence[int] = (),
     ) -> Forked | None:
         """Forks `command` from the server, its stdout on `fds[0]` and stderr on `fds[-1]`.
 
         It runs in `cwd` (default this process's). The caller keeps (and closes)
         `fds`. `server`: the command starts members of its own (a launcher):
-        a server is forked for it too, which its own `Client` adopts. Returns
+        a server is forked for it too, which its own `Client` adopts. `cores`:
+        the CPU cores it runs on (default the server's). Returns
         None where it cannot fork (not `python -m MODULE`, not enabled, no
         server): start it another way.
         """
@@ -146,7 +156,7 @@ class Client:
         if module is None or not self.enabled or not self._started(command, env):
             return None
         request = {"module": module, "argv": list(command[3:]), "cwd": cwd or os.getcwd()}
-        request.update(env=env, server=server)
+        request.update(env=env, server=server, cores=list(cores))
         try:
             with self._lock:
                 socket.send_fds(self._socket, [json.dumps(request).encode()], list(fds))
@@ -336,6 +346,8 @@ def run_member(request: dict) -> None:
     os.close(null)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if request.get("cores"):  # where a process started anew would inherit its caller's
+        os.sched_setaffinity(0, request["cores"])
     if request.get("server"):  # before this member changes anything a server's fork keeps
         _prefork_server()
     if sys.path and sys.path[0] == os.getcwd():  # as `python -m` puts its working directory first
