@@ -133,52 +133,72 @@ def test_a_full_disk_under_the_command_line_is_one_line_and_exit_4(small_disk):
 
 
 # Saves under a bare `tf.distribute` ParameterServerStrategy over in-process servers on
-# 127.0.0.1, 120 of them; the memory they added after the 20th. "full": 40 variables on 2
-# ps members and one more made after the first save; "deltas": a dynamic table of 2 parts,
-# full at the first save and deltas of it after.
+# 127.0.0.1, 120 of each kind into `model_dir/<kind>`; the memory they added after the 20th,
+# a line "<kind> <MB>" each. "full": 40 variables on 2 ps members and one more made after the
+# first save; "deltas": a dynamic table of 2 parts, full at the first save and deltas of it
+# after. One process for both (it starts the cluster once): what the first kind made stays
+# held, so the second's growth is its own.
 _SAVES_ON_PS_MEMBERS = (
     IN_PROCESS_CLUSTER
     + """
-import sys, types
+import os, sys, types
 import keras
 from trainer.layers import DynamicEmbedding
 from trainer.loop import optim, train
 from trainer.loop.checkpoints import Checkpointer
 
 strategy = bare_parameter_server()
-model_dir, kind = sys.argv[1:]
-if kind == "full":
-    with strategy.scope():
-        variables = [tf.Variable(tf.fill([3], float(i))) for i in range(40)]
-    later = tf.Module()
-    later.made = []
-    checkpointer = Checkpointer(model_dir, True, 2, variables, later=later)
-else:
-    with strategy.scope():
-        inputs = keras.Input((3,), dtype="int64")
-        model = keras.Model(inputs, DynamicEmbedding(4, combiner="sum", capacity=20)(inputs))
-        optimizer = optim.OPTIMIZERS["adam"](0.05, None)
-        optimizer.build(model.trainable_variables)
-    job = types.SimpleNamespace(model=model, optimizer=optimizer)
-    checkpointer = Checkpointer(model_dir, True, 2, full_every=1000, **train.checkpointed(job))
-    assert checkpointer.incremental
-checkpointer.save(1)
-if kind == "full":
-    with strategy.scope():
-        later.made.append(tf.Variable(7.0))  # after the first save, as an optimizer's slots
-for step in range(2, 121):
+held = []  # each kind's objects, kept to the end: nothing of the first is freed for the second
+
+def saves(kind, model_dir):
     if kind == "full":
-        variables[0].assign_add(tf.ones([3]))
-    checkpointer.save(step)
-    if step == 20:
-        before = rss_mb()
-print(rss_mb() - before)
+        with strategy.scope():
+            variables = [tf.Variable(tf.fill([3], float(i))) for i in range(40)]
+        later = tf.Module()
+        later.made = []
+        checkpointer = Checkpointer(model_dir, True, 2, variables, later=later)
+    else:
+        with strategy.scope():
+            inputs = keras.Input((3,), dtype="int64")
+            model = keras.Model(inputs, DynamicEmbedding(4, combiner="sum", capacity=20)(inputs))
+            optimizer = optim.OPTIMIZERS["adam"](0.05, None)
+            optimizer.build(model.trainable_variables)
+        job = types.SimpleNamespace(model=model, optimizer=optimizer)
+        checkpointer = Checkpointer(model_dir, True, 2, full_every=1000, **train.checkpointed(job))
+        assert checkpointer.incremental
+    held.append(checkpointer)
+    checkpointer.save(1)
+    if kind == "full":
+        with strategy.scope():
+            later.made.append(tf.Variable(7.0))  # after the first save, as an optimizer's slots
+    for step in range(2, 121):
+        if kind == "full":
+            variables[0].assign_add(tf.ones([3]))
+        checkpointer.save(step)
+        if step == 20:
+            before = rss_mb()
+    print(kind, rss_mb() - before)
+
+for kind in ("full", "deltas"):
+    saves(kind, os.path.join(sys.argv[1], kind))
 """
 )
 
 
+@pytest.fixture(scope="module")
+def saved_on_ps_members(tmp_path_factory) -> tuple[pathlib.Path, dict[str, float]]:
+    """The directory of both kinds' saves, and the MB each kind's last 100 saves added."""
+    directory = tmp_path_factory.mktemp("ps_saves")
+    result = run_command(
+        [sys.executable, "-c", _SAVES_ON_PS_MEMBERS, str(directory)], str(directory)
+    )
+    assert_exit(result)
+    lines = [line.split() for line in result.stdout.strip().splitlines()[-2:]]
+    return directory, {kind: float(mb) for kind, mb in lines}
+
+
 @pytest.mark.parametrize("kind", ["full", "deltas"])
-def test_saves_with_variables_on_other_members_do_not_grow_their_memory(tmp_path, kind):
+def test_saves_with_variables_on_other_members_do_not_grow_their_memory(saved_on_ps_members, kind):
     """Each save under `parameter_server` reuses one traced write (`trainer.loop.writes`).
 
     TensorFlow's own eager write traces a new function at every save where
@@ -186,18 +206,16 @@ def test_saves_with_variables_on_other_members_do_not_grow_their_memory(tmp_path
     here 100 full saves of 40 variables grew the process by about 100 MB,
     100 deltas of a table by 45-65 MB, against 10 MB or less traced once.
     """
-    command = [sys.executable, "-c", _SAVES_ON_PS_MEMBERS, str(tmp_path), kind]
-    result = run_command(command, str(tmp_path))
-    assert_exit(result)
-    growth_mb = float(result.stdout.strip().splitlines()[-1])
-    assert growth_mb < 30, f"100 saves grew memory by {growth_mb:.0f} MB"
-    reader = tf.train.load_checkpoint(str(tmp_path / "checkpoints" / "ckpt-120"))
+    directory, growth = saved_on_ps_members
+    model_dir = directory / kind
+    assert growth[kind] < 30, f"100 saves grew memory by {growth[kind]:.0f} MB"
+    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / "ckpt-120"))
     if kind == "full":
         np.testing.assert_array_equal(
             reader.get_tensor("variables/0/.ATTRIBUTES/VARIABLE_VALUE"), [119] * 3
         )
         assert reader.get_tensor("later/made/0/.ATTRIBUTES/VARIABLE_VALUE") == 7.0
     else:
-        assert deltas.base_step(str(tmp_path / "checkpoints" / "ckpt-120")) == 1
+        assert deltas.base_step(str(model_dir / "checkpoints" / "ckpt-120")) == 1
     # A shard for each member, as an eager write makes them.
-    assert len(list(tmp_path.glob("checkpoints/ckpt-120.data-*"))) == 3
+    assert len(list(model_dir.glob("checkpoints/ckpt-120.data-*"))) == 3
