@@ -33,6 +33,11 @@ SMALL = {
     "model.embedding": "dynamic",
     "model.vocab_size": 4000,
     "model.embedding_dim": 8,
+    # A table that fills up, an id without a row reading 1 fallback row: the source of the
+    # fallback rows' test too, so that the module trains one source.
+    "model.capacity": 50,
+    "model.fallback_rows": 16,
+    "model.fallback_hashes": 1,
     "model.hidden_units": (16,),
     "train.steps": 10,
     "train.steps_per_loop": 5,
@@ -60,7 +65,7 @@ def _config(**overrides):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A run of the click model with a dynamic table of raw int64 ids: its model_dir."""
+    """A run of the click model with a full dynamic table of raw int64 ids: its model_dir."""
     model_dir = tmp_path_factory.mktemp("warm") / "first"
     keras.backend.clear_session()  # its layers named as in a new process, whatever ran before
     train.train_and_evaluate(_config(), str(model_dir), mode="train")
@@ -127,14 +132,8 @@ def test_a_warm_start_that_cannot_load_is_one_line_and_leaves_model_dir_alone(
     assert not model_dir.exists()
 
 
-def test_fallback_rows_warm_start_only_read_as_many_at_a_time_as_they_trained(tmp_path):
-    fallback = {"model.fallback_rows": 16, "model.capacity": 50}
-    first = tmp_path / "first"
-    keras.backend.clear_session()
-    train.train_and_evaluate(
-        _config(**fallback, **{"model.fallback_hashes": 1}), str(first), mode="train"
-    )
-    config = _config(**fallback, **{"train.warm_start": str(first)})
+def test_fallback_rows_warm_start_only_read_as_many_at_a_time_as_they_trained(trained, tmp_path):
+    config = _config(**{"model.fallback_hashes": 2, "train.warm_start": str(trained)})
     keras.backend.clear_session()
     match = "read its fallback rows 1 per id there and 2 here"
     one_line_error(match, train.train_and_evaluate, config, str(tmp_path / "second"))
