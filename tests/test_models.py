@@ -35,15 +35,33 @@ def tiny_ctr_config(**overrides):
     return config
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`trained(name)`: the built-in model `name` after 10 steps and an eval under `default`.
+
+    Trained once for the module: the job, its results, and its eval at a global
+    batch of 256 (`_eval`), the reference of the multi-replica evals below.
+    """
+    runs = {}
+
+    def trained(name: str) -> tuple[train.BuiltJob, dict, dict]:
+        if name not in runs:
+            overrides = {"strategy.name": "default", "train.steps": 10, "model.name": name}
+            if name == "ctr":
+                config = tiny_ctr_config(**overrides, **{"model.dropout": 0.1})
+            else:
+                config = _image_config(**overrides)
+            job = train.build(config, str(tmp_path_factory.mktemp(name)))
+            results = train.run(job, "train_and_eval")
+            runs[name] = job, results, _eval(job)
+        return runs[name]
+
+    return trained
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn", "resnet", "ctr"])
-def test_every_builtin_model_trains_and_evaluates(name, tmp_path):
-    overrides = {"strategy.name": "default", "train.steps": 10, "model.name": name}
-    if name == "ctr":
-        config = tiny_ctr_config(**overrides, **{"model.dropout": 0.1})
-    else:
-        config = _image_config(**overrides)
-    job = train.build(config, str(tmp_path))
-    results = train.run(job, "train_and_eval")
+def test_every_builtin_model_trains_and_evaluates(name, trained):
+    job, results, _ = trained(name)
     assert results["step"] == 10
     assert np.isfinite(results["train"]["loss"]) and np.isfinite(results["eval"]["loss"])
     assert results["eval"]["examples"] == job.dataset.spec.eval_size
@@ -57,25 +75,15 @@ def _eval(job) -> dict:
     return {**job.objective.metrics(sums), "examples": sums["examples"]}
 
 
-@pytest.fixture(scope="module", params=["cnn", "resnet"])
-def trained(request, tmp_path_factory):
-    """A model trained one block of 5 steps under one_device, and its eval there."""
-    config = _image_config(
-        **{"strategy.name": "one_device", "model.name": request.param, "train.steps": 5}
-    )
-    job = train.build(config, str(tmp_path_factory.mktemp(request.param)))
-    train.run(job, "train")
-    return request.param, [w.numpy() for w in job.model.weights], _eval(job)
-
-
 @pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
-def test_partial_last_eval_batch_counts_exactly(trained, strategy, tmp_path):
+@pytest.mark.parametrize("name", ["cnn", "resnet"])
+def test_partial_last_eval_batch_counts_exactly(name, strategy, trained, tmp_path):
     """360 examples at 256 over 4 replicas: the last step gives two replicas nothing."""
-    name, weights, reference = trained
+    reference_job, _, reference = trained(name)
     config = _image_config(**{"strategy.name": strategy, "model.name": name})
     job = train.build(config, str(tmp_path))
     assert job.strategy.num_replicas_in_sync == 4
-    job.model.set_weights(weights)
+    job.model.set_weights([w.numpy() for w in reference_job.model.weights])
     got = _eval(job)
     assert got["examples"] == job.dataset.spec.eval_size == 360
     assert got == pytest.approx(reference, rel=1e-5, abs=1e-6)
