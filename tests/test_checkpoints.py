@@ -3,13 +3,13 @@
 import pathlib
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.helpers import IN_PROCESS_CLUSTER, assert_exit, run_cli, run_command, tiny_config
+from tests.fresh_process import run_script
+from tests.helpers import IN_PROCESS_CLUSTER, assert_exit, run_cli, tiny_config
 from towerflow.errors import NO_SPACE_EXIT_CODE
 from trainer.loop import deltas, train
 from trainer.loop.checkpoints import Checkpointer, NoSpace
@@ -189,9 +189,7 @@ for kind in ("full", "deltas"):
 def saved_on_ps_members(tmp_path_factory) -> tuple[pathlib.Path, dict[str, float]]:
     """The directory of both kinds' saves, and the MB each kind's last 100 saves added."""
     directory = tmp_path_factory.mktemp("ps_saves")
-    result = run_command(
-        [sys.executable, "-c", _SAVES_ON_PS_MEMBERS, str(directory)], str(directory)
-    )
+    result = run_script(_SAVES_ON_PS_MEMBERS, str(directory), cwd=directory)
     assert_exit(result)
     lines = [line.split() for line in result.stdout.strip().splitlines()[-2:]]
     return directory, {kind: float(mb) for kind, mb in lines}
