@@ -10,11 +10,11 @@ would only import TensorFlow again.
 """
 
 import json
-import sys
 
 import pytest
 
 from tests import helpers
+from tests.fresh_process import run_script
 
 # example: (metrics the run must report, {metric: lowest value} after the full run)
 EXAMPLES = {
@@ -123,9 +123,7 @@ print("SERVED", sorted(out), sorted({int(value.shape[0]) for value in out.values
 
 def _serves_raw_rows(export_dir) -> None:
     """The export, loaded in a fresh process, takes raw strings (an unknown region too)."""
-    served = helpers.run_command(
-        [sys.executable, "-c", SERVE_CENSUS, str(export_dir)], cwd=str(export_dir)
-    )
+    served = run_script(SERVE_CENSUS, str(export_dir), cwd=export_dir)
     helpers.assert_exit(served)
     line = next(x for x in served.stdout.splitlines() if x.startswith("SERVED"))
     assert line.endswith("[2]"), line  # every output: one row per row sent
