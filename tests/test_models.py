@@ -122,10 +122,10 @@ def test_a_model_that_outputs_probabilities_learns_and_exports_them(tmp_path):
             "strategy.name": "mirrored",
             "strategy.mirrored.devices": "CPU:0,CPU:1",  # replicas, at half the tracing of 4
             "model.name": "tests.test_models:softmax_mlp",
-            "train.steps": 200,
+            "train.steps": 100,
             "train.steps_per_loop": 100,
             "train.export": True,
-            "optimizer.learning_rate": 3e-3,
+            "optimizer.learning_rate": 1e-2,
         }
     )
     job = train.build(config, str(tmp_path))
