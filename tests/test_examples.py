@@ -1,12 +1,12 @@
 """The examples in `examples/`, each end to end through the command line, as the README runs them.
 
 Under `one_device` with the example's own settings (so what the README says
-it reaches is checked), under `mirrored` over the test process's 4 logical
-CPUs, and on a local parameter-server cluster (2 workers, 1 ps) with fewer
-steps (all but the image model, whose cluster path is the others'). The
-single-process runs go through the command in this process
-(`helpers.cli_in_process`: its flags, main and exit); a process of their own
-would only import TensorFlow again.
+it reaches is checked), under `mirrored` over 2 of the test process's
+logical CPUs (replicas at half the tracing of 4), and on a local
+parameter-server cluster (2 workers, 1 ps) with fewer steps (all but the
+image model, whose cluster path is the others'). The single-process runs go
+through the command in this process (`helpers.cli_in_process`: its flags,
+main and exit); a process of their own would only import TensorFlow again.
 """
 
 import json
@@ -27,6 +27,7 @@ EXAMPLES = {
     "custom_step": (("accuracy",), {"accuracy": 0.95}),
 }
 SHORT = ["--config.train.steps=40", "--config.eval.every=0", "--config.train.checkpoint_every=20"]
+TWO_CPUS = "CPU:0,CPU:1"  # `mirrored`'s replicas
 # The image model is slow to trace on a CPU: a few steps, and its export is checked once.
 TINY = ["--config.train.steps=10", "--config.eval.every=0", "--config.train.export=False"]
 
@@ -94,14 +95,15 @@ def test_each_example_under_mirrored_and_on_a_parameter_server_cluster(
 ):
     model_dir = tmp_path / "run"
     args = [f"--config=examples/{example}.py", f"--model_dir={model_dir}", *_short(example)]
-    if where == "mirrored":  # over the test process's 4 logical CPUs
-        _run("--strategy=mirrored", *args, capsys=capsys)
+    if where == "mirrored":  # over 2 of the test process's logical CPUs
+        devices = f"--config.strategy.mirrored.devices={TWO_CPUS}"  # after `--config`
+        _run("--strategy=mirrored", *args, devices, capsys=capsys)
     else:  # 2 workers and 1 ps, local processes
         launcher = ["--workers=2", "--ps=1", "--", "--strategy=parameter_server"]
         helpers.assert_exit(helpers.launch(*launcher, *args, cwd=helpers.REPO))
     results = _check(args, model_dir, example)
     assert results["step"] >= 10
-    replicas = helpers.LOGICAL_CPUS if where == "mirrored" else 1
+    replicas = 2 if where == "mirrored" else 1
     assert results["placement"]["replicas_in_sync"] == replicas
     if example == "census" and where == "parameter_server":  # its StringLookup, served
         _serves_raw_rows(model_dir / "export")
