@@ -14,6 +14,10 @@ from towerflow.errors import NO_SPACE_EXIT_CODE
 from trainer.loop import deltas, train
 from trainer.loop.checkpoints import Checkpointer, NoSpace
 
+# The default strategy (`mirrored`) over 2 logical CPUs: its variables mirrored, at half the
+# tracing of 4 replicas.
+TWO_REPLICAS = {"strategy.mirrored.devices": "CPU:0,CPU:1"}
+
 
 def _values(job) -> list[np.ndarray]:
     return [v.numpy() for v in job.model.variables + job.optimizer.variables]
@@ -21,7 +25,9 @@ def _values(job) -> list[np.ndarray]:
 
 def test_async_training_checkpoint_restores_the_same_values(tmp_path, capsys):
     # Incremental checkpoints asked for, but no dynamic table: every one full, and a note.
-    config = tiny_config(**{"train.async_checkpoint": True, "train.full_checkpoint_every": 100})
+    config = tiny_config(
+        **TWO_REPLICAS, **{"train.async_checkpoint": True, "train.full_checkpoint_every": 100}
+    )
     job = train.build(config, str(tmp_path))
     train.run(job, "train")  # saves at steps 0, 10 and 20 in the background
     assert "note: `train.full_checkpoint_every` has no dynamic table" in capsys.readouterr().out
@@ -35,7 +41,7 @@ def test_async_training_checkpoint_restores_the_same_values(tmp_path, capsys):
 
 
 def test_repeated_async_saves_each_hold_their_values(tmp_path):
-    job = train.build(tiny_config(), str(tmp_path))
+    job = train.build(tiny_config(**TWO_REPLICAS), str(tmp_path))
     checkpointer = Checkpointer(str(tmp_path), True, 5, async_save=True, **train.checkpointed(job))
     assert checkpointer.asynchronous, "this process holds every variable"
     kernel = job.model.trainable_variables[0]
@@ -91,7 +97,7 @@ def _committed_checkpoints_are_whole(directory: pathlib.Path) -> str:
 @pytest.mark.usefixtures("iterators_end_with_the_test")
 def test_a_full_disk_stops_with_one_line_and_keeps_the_last_good_checkpoint(small_disk, async_save):
     model_dir = small_disk / "run"
-    config = tiny_config(**FILLS_UP, **{"train.async_checkpoint": async_save})
+    config = tiny_config(**FILLS_UP, **TWO_REPLICAS, **{"train.async_checkpoint": async_save})
     with pytest.raises(NoSpace) as full:
         train.train_and_evaluate(config, str(model_dir))
     message = str(full.value)
