@@ -326,14 +326,17 @@ def test_the_data_workers_cpu_time_is_read_from_proc():
     )
     worker = [sys.executable, "-c", spin, "trainer.data_service", "--role=worker"]
     other = [sys.executable, "-c", spin, "trainer.data_service", "--role=dispatcher"]
-    procs = [subprocess.Popen(worker), subprocess.Popen(other)]
+    # Forked from a server, a data worker shows the server's command line and its own name.
+    named = [sys.executable, "-c", "open('/proc/self/comm', 'w').write('data:worker:1')\n" + spin]
+    procs = [subprocess.Popen(worker), subprocess.Popen(other), subprocess.Popen(named)]
     try:
         deadline = time.monotonic() + 30
         seconds = {}
         while procs[0].poll() is None and time.monotonic() < deadline:
             seconds.update(data_service.data_workers_cpu_s(os.getpid()))
             time.sleep(0.05)
-        assert list(seconds) == [procs[0].pid], "the worker: not the dispatcher, nor its child"
+        workers = {procs[0].pid, procs[2].pid}
+        assert set(seconds) == workers, "the workers: not the dispatcher, nor a worker's child"
         tick = 1 / os.sysconf("SC_CLK_TCK")  # /proc counts user and system time in whole ticks
         assert 0.3 - 2 * tick <= seconds[procs[0].pid] < 5
         assert data_service.data_workers_cpu_s(procs[1].pid) == {}, "not its descendant"

@@ -587,6 +587,8 @@ def test_a_remote_dispatcher_may_restart_within_the_timeout_else_exit_144(tmp_pa
         env=env,
         cwd=REPO,
     )
+    # Both serve before the trainer starts: it may start within the 5 s it waits for them.
+    service_client.wait_until_served(f"grpc://127.0.0.1:{ports[0]}", None, TIMEOUT_S)
     flags = _long_run(
         tmp_path,
         f"--config.data.service=grpc://127.0.0.1:{ports[0]}",

@@ -120,14 +120,17 @@ class Client:
         env: dict[str, str],
         on_line: Callable[[str], None],
         cores: Sequence[int] = (),
+        name: str = "",
     ) -> tuple[subprocess.Popen | Forked, threading.Thread]:
         """Starts `command` as `start_process` would, forked from the server where it can.
 
         `cores`: the CPU cores a forked command runs on (default the server's); a
-        command started anew inherits the caller's.
+        command started anew inherits the caller's. `name`: a forked command's
+        (`/proc/PID/comm`), where its `TF_CONFIG` names no task.
         """
         read, write = os.pipe()
-        proc = self.fork(command, {**env, "PYTHONUNBUFFERED": "1"}, [write], cores=cores)
+        env = {**env, "PYTHONUNBUFFERED": "1"}
+        proc = self.fork(command, env, [write], cores=cores, name=name)
         os.close(write)
         if proc is None:
             os.close(read)
@@ -142,13 +145,15 @@ class Client:
         cwd: str | None = None,
         server: bool = False,
         cores: Sequence[int] = (),
+        name: str = "",
     ) -> Forked | None:
         """Forks `command` from the server, its stdout on `fds[0]` and stderr on `fds[-1]`.
 
         It runs in `cwd` (default this process's). The caller keeps (and closes)
         `fds`. `server`: the command starts members of its own (a launcher):
         a server is forked for it too, which its own `Client` adopts. `cores`:
-        the CPU cores it runs on (default the server's). Returns
+        the CPU cores it runs on (default the server's); `name`: its name where
+        its `TF_CONFIG` names no task (`run_member`). Returns
         None where it cannot fork (not `python -m MODULE`, not enabled, no
         server): start it another way.
         """
@@ -156,7 +161,7 @@ class Client:
         if module is None or not self.enabled or not self._started(command, env):
             return None
         request = {"module": module, "argv": list(command[3:]), "cwd": cwd or os.getcwd()}
-        request.update(env=env, server=server, cores=list(cores))
+        request.update(env=env, server=server, cores=list(cores), name=name)
         try:
             with self._lock:
                 socket.send_fds(self._socket, [json.dumps(request).encode()], list(fds))
@@ -327,12 +332,13 @@ def run_member(request: dict) -> None:
 
     Its command line and `/proc/PID/environ` are the server's; its name
     (`/proc/PID/comm`, what `ps -o comm` shows) says which member it is, e.g.
-    `worker:1` (`towerflow.processes.member_pid` reads either).
+    `worker:1` (`towerflow.processes.member_pid` reads either), or is the name it
+    was started with (`data:worker:0`).
     """
     os.setsid()  # a process group of its own, as `start_process` gives
     task = json.loads(request["env"].get("TF_CONFIG") or "{}").get("task")  # "" for none
-    if task:
-        name = f"{task['type']}:{task['index']}"
+    name = f"{task['type']}:{task['index']}" if task else request.get("name")
+    if name:
         _set_name(name)
         # `absl.app.run` names the process after its script first: named again after that.
         sys.modules["absl.app"].call_after_init(lambda: _set_name(name))

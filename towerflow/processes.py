@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import pathlib
@@ -23,9 +24,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from towerflow.errors import UserError
+
+if TYPE_CHECKING:  # it imports this module
+    from towerflow import forkserver
 
 POLL_S = 0.1
 LOOPBACK = "127.0.0.1"  # local clusters and servers listen here only
@@ -141,31 +145,27 @@ def reap(procs: Sequence[subprocess.Popen], pumps: Sequence[threading.Thread] = 
         pump.join(timeout=1.0)  # its pipe closed with the last process of the group
 
 
-# Starts a command with an environment, each output line to a callback: the process
-# (or what stands for one, with `pid`, `poll` and `wait`) and the thread reading its output.
-Starter = Callable[
-    [Sequence[str], dict[str, str], Callable[[str], None]],
-    tuple[subprocess.Popen, threading.Thread],
-]
-
-
 class Group:
     """Named child processes started together, their output on one console, stopped together."""
 
-    def __init__(self, console: Console | None = None, starter: Starter | None = None):
+    def __init__(self, console: Console | None = None, forks: forkserver.Client | None = None):
         """Args:
         console: where their output lines go, each prefixed with its name.
-        starter: what starts each (`start_process`'s arguments and result; default
-          `start_process`), e.g. a `towerflow.forkserver.Client`'s `start`.
+        forks: forks each from its server, named (`/proc/PID/comm`) by its name;
+          None: each a process of its own (`start_process`).
         """
         self.console = console or Console()
         self.procs: dict[str, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
-        self._start = starter or start_process
+        self._forks = forks
 
     def start(self, name: str, command: Sequence[str], env: dict[str, str]) -> None:
         """Starts `command` as `name`."""
-        proc, pump = self._start(command, env, lambda line: self.console.write(name, line))
+        on_line = functools.partial(self.console.write, name)
+        if self._forks is None:
+            proc, pump = start_process(command, env, on_line)
+        else:
+            proc, pump = self._forks.start(command, env, on_line, name=name)
         self.procs[name] = proc
         self._pumps.append(pump)
 

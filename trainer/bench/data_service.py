@@ -295,15 +295,24 @@ def _sweep_input_cpu_s(sizes: Sizes, shared: bool, stem: str) -> float:
 def data_workers_cpu_s(root: int) -> dict[int, float]:
     """The CPU seconds (user + system) of each data worker descended from process `root`.
 
-    A data worker's own child is not another: forked and not yet exec'd (a
-    subprocess it runs) it carries the worker's argv for a moment.
+    A data worker is known by its command line, or, forked from a server
+    (`towerflow.forkserver`, whose command line it shows), by its name
+    (`data:worker:N`). Its own child is not another: forked and not yet exec'd
+    (a subprocess it runs) it carries the worker's argv and name for a moment.
     """
     workers = {
         pid: (seconds, parent)
         for pid, (argv, seconds, parent) in descendants_cpu_s(root).items()
-        if b"trainer.data_service" in argv and b"--role=worker" in argv
+        if (b"trainer.data_service" in argv and b"--role=worker" in argv) or _named_worker(pid)
     }
     return {pid: seconds for pid, (seconds, parent) in workers.items() if parent not in workers}
+
+
+def _named_worker(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().startswith("data:worker:")
+    return False
 
 
 def _across_hosts(sizes: Sizes, where: str, stem: str) -> float:

@@ -262,7 +262,7 @@ def started(
             forks = stack.enter_context(contextlib.closing(forkserver.Client()))
             forks.enabled = True
             ports = processes.pick_ports(workers + 1)
-            local = stack.enter_context(LocalService(ports, starter=forks.start))
+            local = stack.enter_context(LocalService(ports, forks=forks))
             address = local.address
         counted = wait_until_served(address, local, timeout_s)
         answering = workers if local is not None else counted  # local ones may still register
@@ -291,11 +291,11 @@ class LocalService:
         self,
         ports: list[int],
         console: processes.Console | None = None,
-        starter: processes.Starter | None = None,
+        forks: forkserver.Client | None = None,
     ):
         """Plans the dispatcher on `ports[0]` and a worker on each other port of 127.0.0.1.
 
-        `console` gets their output, prefixed; `starter` starts each (`processes.Group`).
+        `console` gets their output, prefixed; `forks` forks each (`processes.Group`).
         """
         self.address = f"grpc://{_LOOPBACK}:{ports[0]}"
         dispatcher = f"{_LOOPBACK}:{ports[0]}"
@@ -314,7 +314,7 @@ class LocalService:
             },
         }
         self.ports = dict(zip(self.commands, ports, strict=True))
-        self._group = processes.Group(console, starter)
+        self._group = processes.Group(console, forks)
         self.procs = self._group.procs  # name -> process, once started
 
     def __enter__(self) -> LocalService:
@@ -343,19 +343,19 @@ class LocalService:
 def serving_locally(
     workers: int,
     console: processes.Console | None = None,
-    starter: processes.Starter | None = None,
+    forks: forkserver.Client | None = None,
 ) -> Iterator[LocalService]:
     """A dispatcher and `workers` data workers on free ports of 127.0.0.1, answering.
 
     For the commands that start a service for their trainers (`trainer.launch
     --data_workers`, `trainer.sweep --share_input`); stopped on the way out.
-    `starter` starts each server (`processes.Group`; the launcher forks them
-    as it forks its members).
+    `forks` forks each server (`processes.Group`; the launcher forks them as it
+    forks its members).
 
     Raises:
       UserError: a server exited, or none answered within `TIMEOUT_S`.
     """
-    with LocalService(processes.pick_ports(workers + 1), console, starter) as servers:
+    with LocalService(processes.pick_ports(workers + 1), console, forks) as servers:
         wait_until_served(servers.address, servers, TIMEOUT_S)
         yield servers
 

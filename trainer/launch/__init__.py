@@ -209,9 +209,7 @@ def _start_data_service(workers: int, console: Console, stack: contextlib.ExitSt
         from trainer.data import service_client
 
     # Forked as the members are: the servers import TensorFlow no second time either.
-    servers = stack.enter_context(
-        service_client.serving_locally(workers, console, running.MEMBERS.start)
-    )
+    servers = stack.enter_context(service_client.serving_locally(workers, console, running.MEMBERS))
     console.log(f"tf.data service at {servers.address}, data workers: {workers}")
     return servers.address
 

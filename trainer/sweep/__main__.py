@@ -396,7 +396,7 @@ def _sharing_input(
     """
     from trainer.data import service_client  # TensorFlow, only when asked for
 
-    servers = stack.enter_context(service_client.serving_locally(1, console, TRIALS.start))
+    servers = stack.enter_context(service_client.serving_locally(1, console, TRIALS))
     groups: dict[str, list[Trial]] = {}
     for trial in trials:
         groups.setdefault(_pipeline_key(trial.config), []).append(trial)
