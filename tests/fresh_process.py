@@ -2,9 +2,9 @@
 
 `tests.helpers.run_command` forks only `python -m MODULE` commands, from a
 server that imported TensorFlow and Keras once (`towerflow.forkserver`); a
-script run as `python -c SCRIPT` starts an interpreter that imports
-TensorFlow again, about 4.5 s of CPU. `run_script` runs it as
-`python -m tests.fresh_process SCRIPT ARGS...` instead: the script runs as
+script run as `python -c SCRIPT` would start an interpreter that imports
+TensorFlow again, about 4.5 s of CPU. `run_command` (and `run_script`) runs it
+as `python -m tests.fresh_process SCRIPT ARGS...` instead: the script runs as
 `__main__` with `sys.argv[1:] == ARGS`, in a process that holds nothing of
 the test's (no model, no variable; of towerflow only the server's own
 `towerflow.processes`), so what it loads or builds (an export, an in-process

@@ -7,7 +7,8 @@ their own and which outlive a killed launcher, are found by it too. `kill`
 ends a process with all its descendants; `killed_when_done` (an autouse
 fixture in `conftest.py`) ends whatever a test started, however it ended.
 
-`run_command` forks a `python -m MODULE` command from a server that imported
+`run_command` forks a `python -m MODULE` command (and a `python -c SCRIPT` one,
+through `tests.fresh_process`) from a server that imported
 TensorFlow once (`towerflow.forkserver`; about 4.5 s of CPU less a command), where
 the test's environment is the one the server started with (a launcher,
 `trainer.launch`, gets its own server forked with it, so its members import
@@ -285,6 +286,8 @@ def _forked(
         _forks = forkserver.Client(server_env=_comparable(_SERVER_ENV), label=["tests.helpers"])
         _forks.enabled = True
         atexit.register(_forks.close)
+    if command[:2] == [sys.executable, "-c"]:  # a script: run as `python -c` would run it
+        command = [sys.executable, "-m", "tests.fresh_process", *command[2:]]
     tag, env = _tagged(env)
     pipes = [os.pipe() for _ in range(1 if live else 2)]
     try:
