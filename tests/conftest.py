@@ -72,23 +72,25 @@ def _op_determinism_off_after_each_test():
     tf_patches.op_determinism(False)
 
 
-# The longest files of the default tier first (their total seconds on a quiet 2-core machine,
-# 2026-11-28; those marked * are CPU seconds alone, `-n 0`, 2026-12-07): pytest-xdist's
-# `--dist loadfile` hands files out in collection order, so a long file collected last would
-# run alone at the end while the other workers sit idle.
+# The longest files of the default tier first (the seconds their tests took in all, a run of
+# the whole tier on the 2-core machine, 2026-12-07 18:15 UTC): pytest-xdist's `--dist loadfile`
+# hands files out in collection order, so a long file collected last would run alone at the
+# end while the other workers sit idle.
 LONG_FILES_FIRST = (
-    "test_readme.py",  # 302 s
-    "test_data_service.py",  # 248
-    "test_dynamic_embedding.py",  # 185
-    "test_elastic.py",  # 132
-    "test_slurm.py",  # 117
-    "test_examples.py",  # 95*
-    "test_data_labels.py",  # 73*
-    "test_data_user.py",  # 93
-    "test_cli.py",  # 80
-    "test_ragged.py",  # 43*
-    "test_sweep.py",  # 41*: one 45-second fixture
-    "test_pipeline.py",  # 39*
+    "test_readme.py",  # 121 s
+    "test_data_service.py",  # 106
+    "test_dynamic_embedding.py",  # 70
+    "test_table_training.py",  # 64
+    "test_follow.py",  # 61
+    "test_examples.py",  # 60
+    "test_slurm.py",  # 54 (waiting, mostly)
+    "test_elastic.py",  # 47
+    "test_progressive.py",  # 44
+    "test_retrieval.py",  # 43
+    "test_launch.py",  # 41
+    "test_data_labels.py",  # 40
+    "test_helpers.py",  # 38
+    "test_pipeline.py",  # 38
 )
 
 
