@@ -4,8 +4,11 @@ import ast
 import contextlib
 import io
 import json
+import pathlib
+from typing import NamedTuple
 
 import keras
+import ml_collections
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -432,29 +435,38 @@ def _rows_by_id(model: keras.Model) -> dict[int, np.ndarray]:
     return dict(zip(ids.numpy().tolist(), layer(ids).numpy(), strict=True))
 
 
+class Trained(NamedTuple):
+    """A run of the ctr model under one strategy."""
+
+    config: ml_collections.ConfigDict
+    model_dir: pathlib.Path
+    results: dict
+    printed: str
+    rows: dict[int, np.ndarray]  # every held id's row, restored from its newest checkpoint
+
+
 @pytest.fixture(scope="module")
-def one_device_and_mirrored(tmp_path_factory) -> dict:
+def one_device_and_mirrored(tmp_path_factory) -> dict[str, Trained]:
     """The ctr model with a dynamic table, 20 steps in blocks of 5 under each strategy.
 
     `mirrored` on 2 replicas: each admits the ids of the whole global batch with 2
-    as with 4. By strategy: its config, model_dir, results and printed lines.
+    as with 4. Trained only (no eval: nothing here reads it), by strategy.
     """
     runs = {}
     for strategy in ("one_device", "mirrored"):
         config, model_dir = _ctr_config(strategy, 20), tmp_path_factory.mktemp(strategy)
         config.strategy.mirrored.devices = "/cpu:0,/cpu:1"
         with contextlib.redirect_stdout(io.StringIO()) as printed:
-            results = train.train_and_evaluate(config, str(model_dir))
-        runs[strategy] = config, model_dir, results, printed.getvalue()
+            results = train.train_and_evaluate(config, str(model_dir), mode="train")
+        rows = _rows_by_id(_restored(config, model_dir))
+        runs[strategy] = Trained(config, model_dir, results, printed.getvalue(), rows)
     return runs
 
 
 def test_one_device_and_mirrored_admit_the_same_ids_with_the_same_rows(one_device_and_mirrored):
-    tables_by_strategy = []
-    for config, model_dir, results, _ in one_device_and_mirrored.values():
-        assert results["step"] == 20
-        tables_by_strategy.append(_rows_by_id(_restored(config, model_dir)))
-    one, mirrored = tables_by_strategy
+    for run in one_device_and_mirrored.values():
+        assert run.results["step"] == 20
+    one, mirrored = (run.rows for run in one_device_and_mirrored.values())
     assert len(one) > 100 and sorted(one) == sorted(mirrored)
     for key, row in one.items():
         np.testing.assert_allclose(mirrored[key], row, rtol=1e-5, atol=1e-6)
@@ -464,7 +476,7 @@ def test_tensorboard_shows_each_blocks_ids_admissions_default_row_share_and_byte
     one_device_and_mirrored,
 ):
     figures = {}
-    for strategy, (config, model_dir, results, printed) in one_device_and_mirrored.items():
+    for strategy, (config, model_dir, results, printed, _) in one_device_and_mirrored.items():
         scalars = tensorboard_scalars(model_dir, "tables/embedding/")
         figures[strategy] = {tag.rsplit("/", 1)[1]: values for tag, values in scalars.items()}
         table = results["tables"]["embedding"]
@@ -498,7 +510,7 @@ def straight_run(tmp_path_factory) -> tuple:
     config = _ctr_config("one_device", 20, **EVICTING)
     config.train.update({"checkpoint_every": 5, "export": True})
     model_dir = tmp_path_factory.mktemp("straight")
-    train.train_and_evaluate(config, str(model_dir))
+    train.train_and_evaluate(config, str(model_dir), mode="train")
     return config, model_dir
 
 
@@ -508,9 +520,9 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_pat
     # Full at step 0, then deltas of it: the second run restores the one of step 10.
     resumed = _ctr_config("one_device", 10, **EVICTING)
     resumed.train.update({"checkpoint_every": 5, "full_checkpoint_every": 100})
-    train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
+    train.train_and_evaluate(resumed, str(tmp_path / "resumed"), mode="train")
     resumed.train.steps = 20
-    results = train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
+    results = train.train_and_evaluate(resumed, str(tmp_path / "resumed"), mode="train")
     assert results["step"] == 20
     newest = tf.train.load_checkpoint(str(tmp_path / "resumed" / "checkpoints"))
     assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0, "a delta of step 0's"
@@ -713,11 +725,13 @@ TINY_CTR = (
 
 
 def test_multi_worker_workers_end_with_the_rows_of_one_device(tmp_path, one_device_and_mirrored):
-    config, one_dir, _, _ = one_device_and_mirrored["one_device"]
+    one = one_device_and_mirrored["one_device"]
+    config = one.config
     launched(
         "--workers=2",
         "--",
         "--strategy=multi_worker",
+        "--mode=train",  # as the one_device run: no eval
         "--config=configs/ctr.py",
         *config_flags(config, (*SMALL_CTR, *TINY_CTR)),  # the one_device run's config
         "--config.train.full_checkpoint_every=100",  # each worker writes deltas of step 0's
@@ -726,8 +740,7 @@ def test_multi_worker_workers_end_with_the_rows_of_one_device(tmp_path, one_devi
     )
     newest = tf.train.load_checkpoint(str(tmp_path / "workers" / "checkpoints"))
     assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0
-    one = _rows_by_id(_restored(config, one_dir))
     workers = _rows_by_id(_restored(config, tmp_path / "workers"))  # restored on one device
-    assert len(one) > 100 and sorted(one) == sorted(workers)
-    for key, row in one.items():
+    assert len(one.rows) > 100 and sorted(one.rows) == sorted(workers)
+    for key, row in one.rows.items():
         np.testing.assert_allclose(workers[key], row, rtol=1e-5, atol=1e-6)
