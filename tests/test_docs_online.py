@@ -1,12 +1,14 @@
 """docs/online.md's commands run as written: the server follows the exports as training runs.
 
 The ```sh block of the page runs in a scratch directory made to look like a
-clone's top directory (`examples/` there, this repository importable), as a
-user types it (the writer and the server in the background,
-the trainer in front). While it runs, and until the server has the newest
-export, the test asks the server for the probabilities of a few clicks: the
-versions never go back and reach the newest, and each version it was
-answered by must give what the checkpoint of that step gives.
+clone's top directory (`examples/` there, this repository importable), line
+by line as a user types it (the writer and the server in the background, the
+trainer in front): each line's `python -m MODULE ARGS` forked from the tests'
+server (`tests.forked`: TensorFlow imported once), its output to a file. While
+the trainer runs, and until the server has the newest export, the test asks
+the server for the probabilities of a few clicks: the versions never go back
+and reach the newest, and each version it was answered by must give what the
+checkpoint of that step gives.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import os
 import pathlib
 import re
-import subprocess
+import shlex
 import time
 import urllib.request
 
@@ -23,7 +25,8 @@ import numpy as np
 import tensorflow as tf
 
 from examples import online
-from tests.helpers import REPO, TIMEOUT_S, kill, spawn
+from tests.forked import Forked
+from tests.helpers import REPO, TIMEOUT_S
 from trainer.loop import models, objectives, train
 from trainer.loop.checkpoints import Checkpointer
 
@@ -36,6 +39,17 @@ def page_block() -> str:
     return block.replace("\\\n", " ")
 
 
+def page_commands() -> list[tuple[list[str], bool]]:
+    """Each line of the block: its `python -m` command's words, and whether it ends in `&`."""
+    commands = []
+    for line in page_block().splitlines():
+        words = shlex.split(line)
+        background = words[-1:] == ["&"]
+        assert words[:2] == ["python", "-m"] and "&" not in words[:-1], line
+        commands.append((words[2 : len(words) - background], background))
+    return commands
+
+
 def _ask(port: int, inputs: list) -> dict:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/predict", data=json.dumps({"inputs": inputs}).encode()
@@ -46,28 +60,35 @@ def _ask(port: int, inputs: list) -> dict:
 
 def test_the_served_version_advances_while_training_and_matches_its_checkpoint(tmp_path):
     (tmp_path / "examples").symlink_to(pathlib.Path(REPO, "examples"))  # as in a clone's top
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-    log = tmp_path / "output.txt"
-    with open(log, "w") as out:  # a file, not a pipe: nothing blocks on a full pipe
-        shell = spawn(["bash", "-e", "-c", page_block()], cwd=tmp_path, env=env, stdout=out,
-                      stderr=subprocess.STDOUT)  # fmt: skip
+    commands, runs = page_commands(), []
+    for i, (command, background) in enumerate(commands):
+        run = Forked(
+            *command,
+            cwd=str(tmp_path),
+            output=tmp_path / f"command-{i}.txt",
+            timeout=None if background else TIMEOUT_S,  # the test's end stops the background
+        )
+        run.start()
+        runs.append(run)
+        if not background and i < len(commands) - 1:  # the next line runs once it has ended
+            run.join()
+            assert run.result and run.result.returncode == 0, run.output()[-3000:]
+    trainer = runs[-1]
     probe = online.clicks(online.EVAL_FIRST, 8)[0].tolist()
     answers = []
-    try:
-        port_file, deadline = tmp_path / "online" / "port", time.monotonic() + TIMEOUT_S
-        while shell.poll() is None and time.monotonic() < deadline:
-            if port_file.exists():
-                answer = _ask(int(port_file.read_text()), probe)
-                if answer["version"] is not None:
-                    answers.append(answer)
-            time.sleep(0.3)
-        assert shell.wait(timeout=60) == 0, log.read_text()[-3000:]
-        newest = max(int(name) for name in os.listdir(tmp_path / "online" / "run" / "export"))
-        while answers[-1]["version"] != newest and time.monotonic() < deadline:
-            time.sleep(0.3)  # the server moves on to the trainer's last export
-            answers.append(_ask(int(port_file.read_text()), probe))
-    finally:
-        kill(shell)  # the background writer and server too
+    port_file, deadline = tmp_path / "online" / "port", time.monotonic() + TIMEOUT_S
+    while trainer.is_alive() and time.monotonic() < deadline:
+        if port_file.exists():
+            answer = _ask(int(port_file.read_text()), probe)
+            if answer["version"] is not None:
+                answers.append(answer)
+        time.sleep(0.3)
+    trainer.join()
+    assert trainer.result and trainer.result.returncode == 0, trainer.output()[-3000:]
+    newest = max(int(name) for name in os.listdir(tmp_path / "online" / "run" / "export"))
+    while answers[-1]["version"] != newest and time.monotonic() < deadline:
+        time.sleep(0.3)  # the server moves on to the trainer's last export
+        answers.append(_ask(int(port_file.read_text()), probe))
     served = {a["version"]: a["probabilities"] for a in answers}
     order = [a["version"] for a in answers]
     assert order == sorted(order), "a server following the newest never goes back"
