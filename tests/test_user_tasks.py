@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests import helpers
+from tests.steps_two_replicas import on_two_cpus
 from towerflow.errors import UserError
 from trainer.loop import train
 
@@ -15,7 +16,7 @@ def _config(task: str, strategy: str = "one_device", **overrides):
     return helpers.tiny_config(
         **{
             "task.name": f"tests.user_tasks:{task}",
-            "strategy.name": strategy,
+            **on_two_cpus(strategy),  # 2 replicas split the batch and meet as 4 would
             "train.global_batch_size": 32,
             "eval.global_batch_size": 32,
             **overrides,
