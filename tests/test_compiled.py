@@ -3,12 +3,14 @@
 import json
 
 import keras
+import ml_collections
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import strategies
 from tests import helpers
+from tests.steps_two_replicas import TWO_CPUS, on_two_cpus
 from trainer import data
 from trainer.loop import actions, compiled, train
 
@@ -30,7 +32,7 @@ def compiled_mlp(spec, config) -> keras.Model:
 def _config(strategy: str, **overrides):
     return helpers.tiny_config(
         **{
-            "strategy.name": strategy,
+            **on_two_cpus(strategy),  # 2 replicas: a split batch, reduced as 4 would be
             "model.name": "tests.test_compiled:compiled_mlp",
             "optimizer.schedule": "constant",
             "optimizer.warmup_steps": 0,
@@ -40,12 +42,27 @@ def _config(strategy: str, **overrides):
     )
 
 
-def test_same_loss_trajectory_as_model_fit(tmp_path):
-    steps = 12
-    config = _config("one_device", **{"train.steps": steps, "train.steps_per_loop": 1})
-    losses = []
-    record = actions.Action(lambda output: losses.append(output.metrics["loss"]))
-    train.train_and_evaluate(config, str(tmp_path), "train", extra_actions=[record])
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, tuple[dict, dict, list[float]]]:
+    """20 steps of the compiled model under each single-process strategy, one step a block.
+
+    By strategy: the checkpoint's values, the results and each step's loss (as
+    `model.fit` logs it).
+    """
+    runs = {}
+    for name in ("one_device", "mirrored", "central_storage"):
+        model_dir, losses = tmp_path_factory.mktemp(name), []
+        record = actions.Action(lambda output, losses=losses: losses.append(output.metrics["loss"]))
+        config = _config(name, **{"train.steps_per_loop": 1})
+        results = train.train_and_evaluate(config, str(model_dir), extra_actions=[record])
+        runs[name] = (helpers.checkpoint_values(model_dir), results, losses)
+    return runs
+
+
+def test_same_loss_trajectory_as_model_fit(trained):
+    losses = trained["one_device"][2]
+    steps = len(losses)
+    config = _config("one_device")
 
     # The same model, data order and optimizer through Keras's own loop.
     dataset = data.get(config.data)
@@ -59,25 +76,15 @@ def test_same_loss_trajectory_as_model_fit(tmp_path):
         metrics=["accuracy"],
     )
     fit_losses = [float(model.train_on_batch(x, y, return_dict=True)["loss"]) for x, y in batches]
+    assert steps == config.train.steps
     np.testing.assert_allclose(losses, fit_losses, rtol=2e-4)
     assert fit_losses[-1] < 0.7 * fit_losses[0]  # it learns: a trajectory worth comparing
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """20 steps of the compiled model under each single-process strategy."""
-    weights = {}
-    for name in ("one_device", "mirrored", "central_storage"):
-        model_dir = tmp_path_factory.mktemp(name)
-        results = train.train_and_evaluate(_config(name), str(model_dir))
-        weights[name] = (helpers.checkpoint_values(model_dir), results)
-    return weights
-
-
 @pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
 def test_same_weights_and_metrics_under_every_strategy(trained, strategy):
-    reference, reference_results = trained["one_device"]
-    values, results = trained[strategy]
+    reference, reference_results, _ = trained["one_device"]
+    values, results, _ = trained[strategy]
     assert reference.keys() == values.keys()
     for key in reference:
         np.testing.assert_allclose(values[key], reference[key], rtol=1e-5, atol=1e-6)
@@ -117,7 +124,7 @@ def test_multi_output_sums_over_replicas_equal_keras_evaluate():
     rng = np.random.RandomState(0)
     x = {"a": rng.rand(21, 4).astype("float32"), "b": rng.rand(21, 3).astype("float32")}
     y = {"cls": (x["a"].sum(1) > 2).astype("int32"), "reg": x["b"].sum(1).astype("float32")}
-    strategy = strategies.get("mirrored")
+    strategy = strategies.get("mirrored", ml_collections.ConfigDict({"devices": TWO_CPUS}))
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = multi_output()
@@ -131,8 +138,9 @@ def test_multi_output_sums_over_replicas_equal_keras_evaluate():
         outputs = model(features, training=False)
         return task.eval_sums(features, labels, outputs, weights, tf.size(weights))
 
-    def dataset_fn(context):  # 21 examples in batches of 8 per replica: the last ones short
-        batch = context.get_per_replica_batch_size(32)
+    # 21 examples in batches of 8 per replica: the last step's one short, the other empty.
+    def dataset_fn(context):
+        batch = context.get_per_replica_batch_size(16)
         return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
 
     ours = task.metrics(strategy.evaluate(eval_step, dataset_fn))
