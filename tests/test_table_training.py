@@ -165,7 +165,7 @@ def test_a_ctr_table_with_its_own_adagrad_trains_keeps_adagrads_slots_and_resume
 ):
     straight = _ctr_config("one_device", 20, capacity=300, ttl_steps=8)
     straight.train.checkpoint_every = 5
-    results = train.train_and_evaluate(straight, str(tmp_path / "straight"))
+    results = train.train_and_evaluate(straight, str(tmp_path / "straight"), mode="train")
     loss = tensorboard_scalars(tmp_path / "straight", "loss")["loss"]
     assert loss[20] < loss[5]
     job = _restored_job(straight, tmp_path / "straight")
@@ -180,9 +180,9 @@ def test_a_ctr_table_with_its_own_adagrad_trains_keeps_adagrads_slots_and_resume
     # Resumed from incremental checkpoints (the table's Adagrad slots among them).
     resumed = _ctr_config("one_device", 10, capacity=300, ttl_steps=8)
     resumed.train.update({"checkpoint_every": 5, "full_checkpoint_every": 100})
-    train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
+    train.train_and_evaluate(resumed, str(tmp_path / "resumed"), mode="train")
     resumed.train.steps = 20
-    train.train_and_evaluate(resumed, str(tmp_path / "resumed"))
+    train.train_and_evaluate(resumed, str(tmp_path / "resumed"), mode="train")
     states = [_state(job), _state(_restored_job(resumed, tmp_path / "resumed"))]
     assert sorted(states[0]) == sorted(states[1])
     for name, value in states[0].items():
