@@ -4,8 +4,9 @@
 
 Under `absl.app.run`, as the trainer: prints its arguments, working directory,
 `TF_CONFIG`'s task, session leader, name (`/proc/self/comm`), a random
-number, command line and network namespace, then exits with CODE, or raises
-from a function of its own.
+number, command line, network namespace and where its `strategies` package
+came from (None: not imported; the probe does not import it), then exits with
+CODE, or raises from a function of its own.
 """
 
 import json
@@ -31,6 +32,7 @@ def main(argv: list[str]) -> None:
     with open("/proc/self/cmdline", "rb") as cmdline:  # a forked member's is its server's
         print("cmdline", json.dumps(cmdline.read().decode().rstrip("\0").split("\0")))
     print("net", os.readlink("/proc/self/ns/net"))
+    print("strategies", getattr(sys.modules.get("strategies"), "__file__", None))
     if "--raise" in argv:
         _fail()
     codes = [int(a.removeprefix("--exit=")) for a in argv if a.startswith("--exit=")]

@@ -38,6 +38,7 @@ import configs.default
 from strategies.devices import CPU_POOL_VARIABLE
 from towerflow import forkserver
 from towerflow.processes import member_identity
+from trainer.cli import MEMBER_MODULES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The logical CPUs the test process splits its CPU into (tests/conftest.py).
@@ -283,7 +284,9 @@ def _forked(
     if _forks is None:
         # Labelled: a forked command's command line is the server's, and would otherwise
         # show the first command it forked (another test's directory, in a search for its own).
-        _forks = forkserver.Client(server_env=_comparable(_SERVER_ENV), label=["tests.helpers"])
+        _forks = forkserver.Client(
+            server_env=_comparable(_SERVER_ENV), label=["tests.helpers"], preload=MEMBER_MODULES
+        )
         _forks.enabled = True
         atexit.register(_forks.close)
     if command[:2] == [sys.executable, "-c"]:  # a script: run as `python -c` would run it

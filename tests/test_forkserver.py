@@ -7,6 +7,8 @@ and exits with its own status; an error of its own shows its own traceback.
 A fourth, with forking off (`--nofork_members`), is a process of its own.
 A launcher forked with a server for it (`server=True`, as the tests fork
 `trainer.launch`) forks its members from that server, which imported nothing again.
+A server that preloads towerflow's modules gives its members towerflow's own,
+not a package of the same name in their working directory.
 """
 
 import json
@@ -61,6 +63,36 @@ def test_forked_members_run_as_processes_of_their_own(tmp_path):
     assert "RuntimeError: the member's own error" in traceback
     assert "fork_probe.py" in traceback and "in _fail" in traceback
     assert "forkserver.py" not in traceback
+
+
+PRELOAD_DRIVER = """
+import json, os, sys
+from towerflow import forkserver
+
+client = forkserver.Client(preload=["strategies", "no_such_module"])
+client.enabled = True
+lines = []
+env = {**os.environ, "TF_CONFIG": json.dumps({"task": {"type": "worker", "index": 0}})}
+proc, pump = client.start([sys.executable, "-m", "tests.fork_probe"], env, lines.append)
+print(json.dumps({"forked": isinstance(proc, forkserver.Forked), "code": proc.wait(timeout=120)}))
+pump.join(5)
+print("\\n".join(lines))
+client.close()
+"""
+
+
+def test_a_preloaded_module_is_towerflows_own_not_the_working_directorys(tmp_path):
+    # A user's project with a package named like one of ours, where the members run.
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "strategies" / "__init__.py").write_text("raise ImportError('the user\'s')\n")
+    result = helpers.run_command([sys.executable, "-c", PRELOAD_DRIVER], str(tmp_path))
+    helpers.assert_exit(result)
+    report, *lines = result.stdout.splitlines()
+    # A module that does not import (`no_such_module`) is left to the members.
+    assert json.loads(report) == {"forked": True, "code": 0}, result.stdout
+    origin = _value(lines, "strategies")
+    assert origin.endswith(os.path.join("strategies", "__init__.py"))
+    assert not origin.startswith(str(tmp_path))
 
 
 LAUNCHER_DRIVER = """

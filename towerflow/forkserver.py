@@ -97,7 +97,10 @@ class Client:
     """
 
     def __init__(
-        self, server_env: dict[str, str] | None = None, label: Sequence[str] | None = None
+        self,
+        server_env: dict[str, str] | None = None,
+        label: Sequence[str] | None = None,
+        preload: Sequence[str] = (),
     ) -> None:
         """Starts nothing yet: the server starts with the first command forked.
 
@@ -105,10 +108,13 @@ class Client:
           server_env: the server's environment; None: the first command's, less TF_CONFIG.
           label: what the server's command line (and so every member's) shows after
             `--`; None: the first command forked, whose members it starts.
+          preload: towerflow's own modules the server imports after `PRELOADED`, so
+            that no member imports them again (see `_preload`).
         """
         self.enabled = False
         self._server_env = server_env
         self._label = label
+        self._preload = tuple(preload)
         self._socket: socket.socket | None = None
         self._server: subprocess.Popen | Forked | None = None  # started, or forked for us
         self._failed = False
@@ -207,7 +213,8 @@ class Client:
             server_env = {k: v for k, v in env.items() if k != "TF_CONFIG"}
         label = command if self._label is None else self._label
         server = subprocess.Popen(  # its command line shows whose members it starts
-            [sys.executable, "-m", "towerflow.forkserver", str(theirs.fileno()), "--", *label],
+            [sys.executable, "-m", "towerflow.forkserver", str(theirs.fileno()), *self._preload]
+            + ["--", *label],
             # Unbuffered output from the start: the members inherit its streams' buffering.
             env={**server_env, "PYTHONUNBUFFERED": "1"},
             stdin=subprocess.DEVNULL,
@@ -406,12 +413,36 @@ def _prefork_server() -> None:
     forkserver.PREFORKED = (Forked(pid, [sys.executable, "-m", "towerflow.forkserver"]), ours)
 
 
+def _preload(modules: Sequence[str]) -> None:
+    """Imports towerflow's own `modules`, where a member would find them.
+
+    A member imports them from towerflow's installation, never from a package
+    of the same name in its working directory (`trainer.cli.own_packages_first`):
+    they are imported here with the working directory out of `sys.path`, unless
+    it is towerflow's own checkout. One that fails to import is left to the
+    members, which fail on it as they would have.
+    """
+    cwd = os.path.realpath(os.getcwd())
+    path = list(sys.path)
+    if os.path.realpath(os.path.dirname(os.path.dirname(__file__))) != cwd:
+        sys.path[:] = [p for p in path if os.path.realpath(p or ".") != cwd]
+    try:
+        for name in modules:
+            try:
+                __import__(name)
+            except Exception:  # noqa: BLE001 (a member that needs it fails on its own, as it would)
+                continue
+    finally:
+        sys.path[:] = path
+
+
 def main() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as `python -m trainer` sets it
     channel = socket.socket(fileno=int(sys.argv[1]))
     with native_stderr_silenced():  # TensorFlow's C++ start-up chatter, as members hide it
         for name in PRELOADED:
             __import__(name)
+        _preload(sys.argv[2 : sys.argv.index("--")])
     request = serve(channel)
     if request is not None:
         run_member(request)

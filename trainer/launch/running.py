@@ -30,6 +30,7 @@ from towerflow.processes import (
     signal_group,
     terminate,
 )
+from trainer.cli import MEMBER_MODULES
 from trainer.launch.plan import LaunchPlan, Member
 
 GRACE_S = 15.0  # how long the other members may run on after the chief is done
@@ -40,9 +41,10 @@ MAX_MEMBER_RESTARTS = 3  # a parameter-server worker that fails is started again
 REFORM_WAIT_S = 60.0  # how long an elastic group's survivors may take to save and exit
 SETTLE_S = 15.0  # still running this long after a survivor saved: hung (> watchdog probes)
 _PROGRESS = "train | step: "  # the chief's progress line: the group trains
-# How members start: forked from one process that imported TensorFlow, when the launcher
-# turns it on (`towerflow.forkserver`); else each as a process of its own.
-MEMBERS = forkserver.Client()
+# How members start: forked from one process that imported TensorFlow and what a trainer
+# imports, when the launcher turns it on (`towerflow.forkserver`); else each as a process
+# of its own.
+MEMBERS = forkserver.Client(preload=MEMBER_MODULES)
 
 
 class Cluster:

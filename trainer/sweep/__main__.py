@@ -105,7 +105,7 @@ _FORK_TRIALS = flags.DEFINE_bool(
     "cores; --nofork_trials starts each with an interpreter of its own.",
 )
 # The trials' server: started with the first trial, ended with the sweep.
-TRIALS = forkserver.Client()
+TRIALS = forkserver.Client(preload=cli.MEMBER_MODULES)
 _SWEEP_VALUES: dict[str, str] = {}  # `--sweep.<field>=<values>`, taken out before absl parses
 
 
