@@ -84,7 +84,9 @@ client.close()
 def test_a_preloaded_module_is_towerflows_own_not_the_working_directorys(tmp_path):
     # A user's project with a package named like one of ours, where the members run.
     (tmp_path / "strategies").mkdir()
-    (tmp_path / "strategies" / "__init__.py").write_text("raise ImportError('the user\'s')\n")
+    (tmp_path / "strategies" / "__init__.py").write_text(
+        "raise ImportError('a package of the user')\n"
+    )
     result = helpers.run_command([sys.executable, "-c", PRELOAD_DRIVER], str(tmp_path))
     helpers.assert_exit(result)
     report, *lines = result.stdout.splitlines()
