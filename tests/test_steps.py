@@ -6,24 +6,32 @@ import tensorflow as tf
 
 from strategies.base import SplitTrainStep, TrainStepProtocol
 from tests.helpers import tiny_config
+from tests.steps_two_replicas import on_two_cpus
 from trainer.loop import steps, train
 
 
-def _weights(tmp_path, strategy: str, jit_compile: bool, dropout: float = 0.0) -> list[np.ndarray]:
-    config = tiny_config(
-        **{"strategy.name": strategy, "train.jit_compile": jit_compile, "model.dropout": dropout}
-    )
+def _weights(
+    tmp_path, strategy: str, jit_compile: bool, dropout: float = 0.0, replicas: int = 4
+) -> list[np.ndarray]:
+    """The weights after `tiny_config`'s 20 steps; `replicas`: 2 or 4, where it has several."""
+    on = on_two_cpus(strategy) if replicas == 2 else {"strategy.name": strategy}
+    config = tiny_config(**on, **{"train.jit_compile": jit_compile, "model.dropout": dropout})
     job = train.build(config, str(tmp_path / f"{strategy}-{jit_compile}-{dropout}"))
     train.run(job, "train")
     return [w.numpy() for w in job.model.weights]
 
 
+@pytest.fixture(scope="module")
+def without_xla(tmp_path_factory) -> list[np.ndarray]:
+    """The weights trained without XLA under `one_device` (the same under `mirrored`)."""
+    return _weights(tmp_path_factory.mktemp("plain"), "one_device", jit_compile=False)
+
+
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
-def test_jit_compile_gives_the_same_weights(strategy, tmp_path):
-    plain = _weights(tmp_path, strategy, jit_compile=False)
-    compiled = _weights(tmp_path, strategy, jit_compile=True)
-    assert len(plain) == len(compiled)
-    for a, b in zip(plain, compiled):
+def test_jit_compile_gives_the_same_weights(strategy, without_xla, tmp_path):
+    compiled = _weights(tmp_path, strategy, jit_compile=True, replicas=2)
+    assert len(without_xla) == len(compiled)
+    for a, b in zip(without_xla, compiled):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -41,7 +49,7 @@ def test_jit_compile_with_dropout_is_the_same_under_any_split(tmp_path):
 
 
 def _train_step(tmp_path, name: str):
-    config = tiny_config(**{"strategy.name": "mirrored", "optimizer.clip_global_norm": 1.0})
+    config = tiny_config(**on_two_cpus("mirrored"), **{"optimizer.clip_global_norm": 1.0})
     job = train.build(config, str(tmp_path / name))
     gb = config.train.global_batch_size
     step = steps.TrainStep(job.model, job.optimizer, job.objective, gb, clip_global_norm=1.0)
@@ -69,9 +77,13 @@ def test_the_train_steps_halves_make_the_whole_step(tmp_path):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
 
 
-def test_a_tasks_own_train_step_is_a_step_without_halves(tmp_path):
-    job = train.build(tiny_config(), str(tmp_path / "own"))
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> train.BuiltJob:
+    """A job of 2 replicas, built once for the tests of a task's own train step."""
+    return train.build(tiny_config(**on_two_cpus("mirrored")), str(tmp_path_factory.mktemp("own")))
 
+
+def test_a_tasks_own_train_step_is_a_step_without_halves(job):
     def own(model, optimizer, x, y, weights, replica_loss):
         raise AssertionError("not run")
 
@@ -81,9 +93,8 @@ def test_a_tasks_own_train_step_is_a_step_without_halves(tmp_path):
     assert not hasattr(step, "gradients") and not hasattr(step, "apply")
 
 
-def test_a_tasks_own_train_step_is_converted_by_autograph(tmp_path):
-    config = tiny_config()
-    job = train.build(config, str(tmp_path / "own"))  # the build leaves towerflow's code as it is
+def test_a_tasks_own_train_step_is_converted_by_autograph(job):
+    config = job.config  # built by towerflow, which leaves towerflow's own code as it is
     gb = config.train.global_batch_size
 
     def own(model, optimizer, x, y, weights, replica_loss):
