@@ -6,6 +6,7 @@ import keras
 import pytest
 
 from tests.helpers import tiny_config
+from tests.steps_two_replicas import on_two_cpus
 from towerflow.errors import UserError
 from trainer.loop import train
 
@@ -18,7 +19,7 @@ def _dense_layers(model: keras.Model) -> list:
 
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 def test_mixed_bfloat16_trains_with_float32_variables(strategy, tmp_path):
-    config = tiny_config(**FAST, **{"strategy.name": strategy, "train.precision": "mixed_bfloat16"})
+    config = tiny_config(**FAST, **on_two_cpus(strategy), **{"train.precision": "mixed_bfloat16"})
     job = train.build(config, str(tmp_path))
     assert [layer.compute_dtype for layer in _dense_layers(job.model)] == ["bfloat16"] * 2
     assert {v.dtype for v in job.model.trainable_variables} == {"float32"}
@@ -29,9 +30,7 @@ def test_mixed_bfloat16_trains_with_float32_variables(strategy, tmp_path):
 
 
 def test_mixed_float16_scales_the_loss(tmp_path):
-    config = tiny_config(
-        **FAST, **{"strategy.name": "mirrored", "train.precision": "mixed_float16"}
-    )
+    config = tiny_config(**FAST, **on_two_cpus("mirrored"), **{"train.precision": "mixed_float16"})
     job = train.build(config, str(tmp_path))
     assert isinstance(job.optimizer, keras.optimizers.LossScaleOptimizer)
     assert _dense_layers(job.model)[0].compute_dtype == "float16"
