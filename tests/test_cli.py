@@ -92,14 +92,13 @@ def test_export_serves_predictions(mirrored_run):
 
 def test_rerun_with_more_steps_resumes(mirrored_run, capsys):
     # In-process: the run above is the command's own process, from a foreign directory.
-    # The 2 replicas of the run above (the default's 2 logical CPUs); training only, no
-    # export: the resume is what is asserted (the run above evaluates and exports).
+    # Training only, no export: the resume is what is asserted (the run above evaluates
+    # and exports).
     model_dir, _ = mirrored_run
     code, out, err = cli_in_process(
         "--strategy=mirrored",
         f"--model_dir={model_dir}",
         "--mode=train",
-        "--config.devices.logical_cpus=2",
         *FAST[1:],
         "--config.train.steps=350",
         "--config.train.export=False",
