@@ -86,7 +86,9 @@ def test_the_hidden_clicks_are_the_examples_labels_and_their_probabilities():
     config.eval_fraction = 0.5
     config.ctr.update({"num_examples": 4000, **RAW, "multi_valued": 3, "drift_every": 50})
     _, y = _eval_examples(num_examples=4000, multi_valued=3, drift_every=50)
-    probabilities, labels = ctr.hidden_clicks(config.ctr, tf.range(2000, 4000))
+    # In a graph, as the input pipeline draws them (eagerly, one `map_fn` call an example).
+    clicks = tf.function(lambda indices: ctr.hidden_clicks(config.ctr, indices))
+    probabilities, labels = clicks(tf.range(2000, 4000))
     np.testing.assert_array_equal(labels.numpy(), y)
     assert abs(probabilities.numpy().mean() - y.mean()) < 0.03, "the labels are draws of them"
 
