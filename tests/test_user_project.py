@@ -19,7 +19,8 @@ import pytest
 from tests.helpers import assert_exit, run_cli
 from trainer import cli
 
-FAST = [
+FAST = [  # training only: the user's model is what is asserted, in results.json
+    "--mode=train",
     "--strategy=one_device",
     "--config.train.steps=10",
     "--config.train.steps_per_loop=5",
