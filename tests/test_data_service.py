@@ -139,25 +139,44 @@ def _assert_same_weights(a, b) -> None:
         np.testing.assert_allclose(second[name], first[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, dispatcher) -> Callable[[str, str], tuple[pathlib.Path, dict]]:
+    """`served(source, strategy)`: a run of `STEPS` on the module's service, once a module.
+
+    Returns its `model_dir` (beside it, in `in_process`, the same run's input in the
+    trainer) and its results.
+    """
+    runs: dict[tuple[str, str], tuple[pathlib.Path, dict]] = {}
+
+    def run(source: str, strategy: str) -> tuple[pathlib.Path, dict]:
+        if (source, strategy) not in runs:
+            tmp_path = tmp_path_factory.mktemp(f"{source}_{strategy}")
+            fields = {"strategy.name": strategy, **SOURCES[source](tmp_path)}
+            _run(tmp_path / "in_process", fields)
+            results = _run(tmp_path / "service", {**fields, "data.service": dispatcher})
+            runs[source, strategy] = tmp_path / "service", results
+        return runs[source, strategy]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "source, strategy",
     [(s, "one_device") for s in SOURCES] + [("user", "mirrored")],
 )
-def test_each_source_trains_as_in_process_input(tmp_path, dispatcher, source, strategy):
-    fields = {"strategy.name": strategy, **SOURCES[source](tmp_path)}
-    _run(tmp_path / "in_process", fields)
-    results = _run(tmp_path / "service", {**fields, "data.service": dispatcher})
-    _assert_same_weights(tmp_path / "in_process", tmp_path / "service")
+def test_each_source_trains_as_in_process_input(served, dispatcher, source, strategy):
+    model_dir, results = served(source, strategy)
+    _assert_same_weights(model_dir.parent / "in_process", model_dir)
     assert results["input"]["address"] == dispatcher
     assert results["input"]["processing_mode"] == "parallel_epochs"
 
 
-def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, dispatcher):
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, dispatcher, served):
+    straight, _ = served("digits", "one_device")
     fields = {"strategy.name": "one_device", "data.service": dispatcher}
-    _run(tmp_path / "straight", fields, steps=2 * STEPS)
+    _run(tmp_path / "resumed", fields, steps=STEPS // 2)
     _run(tmp_path / "resumed", fields, steps=STEPS)
-    _run(tmp_path / "resumed", fields, steps=2 * STEPS)
-    _assert_same_weights(tmp_path / "straight", tmp_path / "resumed")
+    _assert_same_weights(straight, tmp_path / "resumed")
 
 
 def test_dynamic_sharding_sends_every_batch_once(dispatcher):
@@ -226,7 +245,7 @@ def _run_and_kill(tmp_path, server: str, *flags: str) -> Killed:
         lines.append(line)
         if found := re.match(r"\[(data:\S+)\] .* serving at .*\(pid (\d+)\)", line):
             pids[found.group(1)] = int(found.group(2))
-        if killed_at is None and line.startswith("train | step: 100/"):
+        if killed_at is None and line.startswith("train | step: 20/"):  # the first block
             networks = {pid: _network(pid) for pid in (trainer.pid, *pids.values())}
             os.kill(pids[server], signal.SIGKILL)
             killed_at = time.monotonic()
@@ -473,6 +492,10 @@ def test_a_server_without_role_port_or_dispatcher_is_one_line(args, match):
 
 # --- local clusters: python -m trainer.launch --data_workers=N ----------------------------
 
+# Digits trained to an accuracy in 100 steps: at 3 times the default rate, in-process input
+# reaches 0.98 there (at the default rate, 0.95 in 100 steps and 0.975 in 200).
+SHORT_TRAINING = ("--config.train.steps=100", "--config.optimizer.learning_rate=3e-3")
+
 
 @pytest.mark.parametrize(
     "topology, strategy, mode",
@@ -487,7 +510,7 @@ def test_a_local_cluster_trains_on_the_launchers_data_workers(tmp_path, topology
         "--",
         f"--strategy={strategy}",
         f"--model_dir={tmp_path / 'run'}",
-        "--config.train.steps=300",
+        *SHORT_TRAINING,
         "--config.eval.every=0",
         "--config.train.export=False",
         cwd=tmp_path,
@@ -495,14 +518,14 @@ def test_a_local_cluster_trains_on_the_launchers_data_workers(tmp_path, topology
     assert "[data:dispatcher] dispatcher serving at" in result.stdout
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["input"]["processing_mode"] == mode
-    assert results["eval"]["accuracy"] > 0.95  # as in-process input reaches (0.98)
+    assert results["eval"]["accuracy"] > 0.93  # asynchronous workers: 0.958-0.98 here
 
 
 # --- how long steps wait for input ---------------------------------------------------------
 
 
 def slow_pipeline(input_context, split, global_batch_size):
-    """`pipeline`, each batch after 10 GFLOP of busy work (about 0.1 s): input-bound training.
+    """`pipeline`, each batch after 2 GFLOP of busy work (about 30 ms): input-bound training.
 
     A data worker reads ahead: the work must outlast the step by far, even on a loaded
     machine, for the steps to wait on it.
@@ -510,7 +533,7 @@ def slow_pipeline(input_context, split, global_batch_size):
 
     def slowly(x, y):
         m = tf.random.stateless_normal([256, 256], seed=[0, 0])
-        m = tf.foldl(lambda a, _: tf.linalg.normalize(a @ m)[0], tf.range(300), initializer=m)
+        m = tf.foldl(lambda a, _: tf.linalg.normalize(a @ m)[0], tf.range(60), initializer=m)
         return x + 0 * tf.reduce_sum(m), y  # made to depend on the busy work
 
     return pipeline(input_context, split, global_batch_size).map(slowly)
@@ -520,11 +543,12 @@ def test_the_time_steps_wait_for_input_is_reported(tmp_path, dispatcher):
     # The loop times its reads alike wherever the input runs: tests/test_input_wait.py
     # shows a slow pipeline in the trainer's own process.
     fields = {"strategy.name": "one_device", "data.num_classes": 2, "data.service": dispatcher}
+    fields["train.steps_per_loop"] = 3  # 5 blocks: the median outlasts 2 odd ones
     waits = {}
-    for name in ("pipeline", "slow_pipeline"):  # 5 blocks: the median outlasts 2 odd ones
-        _run(tmp_path / name, {**fields, "data.name": f"{__name__}:{name}"}, steps=25)
+    for name in ("pipeline", "slow_pipeline"):
+        _run(tmp_path / name, {**fields, "data.name": f"{__name__}:{name}"}, steps=15)
         waits[name] = np.median(_tensorboard(tmp_path / name, "input_wait_ms"))
-    assert waits["slow_pipeline"] > 1  # most of each step (2.4-20 ms here: a worker reads ahead)
+    assert waits["slow_pipeline"] > 1  # most of each step (32-38 ms here, a ready one 0.6-1.7)
     assert waits["pipeline"] < waits["slow_pipeline"] / 2
 
 
@@ -648,7 +672,7 @@ def test_a_trainer_reads_from_a_data_worker_on_another_host(tmp_path):
             "--strategy=one_device",
             f"--model_dir={tmp_path / 'run'}",
             f"--config.data.service=grpc://{data_host}:5050",
-            "--config.train.steps=200",
+            *SHORT_TRAINING,
             "--config.train.export=False",
             cwd=str(tmp_path),
             namespace=hosts.namespaces[0],
