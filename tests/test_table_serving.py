@@ -59,6 +59,16 @@ def _trained_layer(key_dtype: str, parts: int = 1) -> DynamicEmbedding:
     return layer
 
 
+@pytest.fixture(scope="module")
+def read_only_layer() -> DynamicEmbedding:
+    """`_trained_layer("int64")`, built once for the tests that only read it.
+
+    Read-only: lookups outside training, the index's marks, its content. A test
+    that looks up in training or writes the table builds its own.
+    """
+    return _trained_layer("int64")
+
+
 def _held(layer: DynamicEmbedding, key_dtype: str, numbers: list[int]) -> list[int]:
     """Those of `numbers` whose ids hold a row now."""
     slots, _ = layer.table.find(tables.key64(_ids(key_dtype, numbers)))
@@ -92,10 +102,9 @@ def test_a_table_in_parts_reads_outside_training_what_training_reads():
     np.testing.assert_array_equal(served, layer(ids, training=True).numpy())
 
 
-def test_an_id_training_never_saw_reads_zeros_outside_training():
-    layer = _trained_layer("int64")
+def test_an_id_training_never_saw_reads_zeros_outside_training(read_only_layer):
     np.testing.assert_array_equal(
-        layer(_ids("int64", [99, 3]), training=False).numpy()[0], np.zeros(WIDTH)
+        read_only_layer(_ids("int64", [99, 3]), training=False).numpy()[0], np.zeros(WIDTH)
     )
 
 
@@ -114,8 +123,8 @@ def _written(layer: DynamicEmbedding, key_dtype: str, numbers: list[int]) -> lis
     return table.written(table.codes(tables.key64(_ids(key_dtype, numbers)))).numpy().tolist()
 
 
-def test_the_optimizer_marks_written_the_rows_it_reset_and_no_others():
-    layer = _trained_layer("int64")
+def test_the_optimizer_marks_written_the_rows_it_reset_and_no_others(read_only_layer):
+    layer = read_only_layer
     held = _held(layer, "int64", [1, 2, 3, 4, 5, 6])
     # 5 and 6 were admitted by lookups that no update followed; 7, 8 and 99 hold no row.
     assert _written(layer, "int64", [*held, 7, 8, 99]) == [True, True, False, False] + [False] * 3
@@ -162,8 +171,8 @@ def test_an_index_without_marks_reads_what_the_index_with_them_reads():
     np.testing.assert_array_equal(layer(ids, training=False).numpy(), served)
 
 
-def test_a_table_loaded_from_its_content_marks_the_rows_written_as_they_were():
-    layer = _trained_layer("int64")
+def test_a_table_loaded_from_its_content_marks_the_rows_written_as_they_were(read_only_layer):
+    layer = read_only_layer
     content = layer.export_logical(lambda variable: [])  # plain SGD: no optimizer slots
     numbers = [1, 2, 3, 4, 5, 6, 7, 8, 0, 99]
     ids, marks = _ids("int64", numbers), _written(layer, "int64", numbers)
