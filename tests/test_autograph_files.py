@@ -2,12 +2,23 @@
 
 AutoGraph removes its files only at a normal exit; a member that ends through
 `os._exit` (lost, forked, the watchdog) left them behind. Here the run ends
-through `os._exit` after its first block, from an action of its own.
+through `os._exit` after its first block, from an action of its own, in a
+process of its own (forked from the tests' server: TensorFlow imported once).
 """
 
 import os
 
-from tests.helpers import REPO, run_cli
+from tests.fresh_process import run_script
+from tests.helpers import REPO
+
+# `python -m trainer ARGS` with the temp directory `DIR` (`tempfile.tempdir`, where Python
+# keeps what `TMPDIR` says at start-up: a forked process has its server's already).
+TRAINER_IN = """
+import runpy, sys, tempfile
+tempfile.tempdir = sys.argv[1]
+sys.argv = ["trainer", *sys.argv[2:]]
+runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+"""
 
 
 def exit_after_the_first_block(config):
@@ -19,11 +30,12 @@ def exit_after_the_first_block(config):
     return action
 
 
-def test_a_run_ended_through_os_exit_leaves_no_autograph_files(tmp_path, monkeypatch):
+def test_a_run_ended_through_os_exit_leaves_no_autograph_files(tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(temp))
-    result = run_cli(
+    result = run_script(
+        TRAINER_IN,
+        str(temp),
         "--strategy=one_device",
         f"--model_dir={tmp_path / 'run'}",
         "--config.devices.logical_cpus=1",
