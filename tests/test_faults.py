@@ -127,8 +127,9 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path, capsys):
     latest = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
     assert latest.endswith(f"ckpt-{step}")
     assert not (tmp_path / "run" / lock.LOCK_FILE).exists(), "the lock goes with exit 143"
-    code, resumed, err = cli_in_process(  # the rerun: in-process
+    code, resumed, err = cli_in_process(  # the rerun: in-process, training only
         args[0],
+        "--mode=train",
         f"--model_dir={tmp_path / 'run'}",
         f"--config.train.steps={step + 20}",
         "--config.train.steps_per_loop=20",
