@@ -70,15 +70,6 @@ def test_eval_ranks_string_items_among_every_item_held():
     assert results["mrr"] == pytest.approx(np.sum(1 / (np.array(ranks[:5]) + 1)) / 6, rel=1e-5)
 
 
-def test_the_export_answers_the_raw_string_item_ids_in_a_fresh_process(tmp_path):
-    model = _trained()
-    path = retrieval.export(model, str(tmp_path / "export"))
-    queries = model.query_tower({"user_id": tf.constant(USERS[:3])}).numpy()
-    held = np.array(["shoe", "hat", "sock", "coat"])
-    scores = queries @ model.item_tower(tf.constant(held)).numpy().T
-    assert _served(path, USERS[:3])["item_ids"] == held[np.argsort(-scores, axis=1)[:, :3]].tolist()
-
-
 def test_the_names_of_items_no_longer_held_are_forgotten_at_the_next_catalogue():
     model = _trained()
     held = model.catalogue_ids().numpy()
@@ -104,13 +95,36 @@ def test_replicas_gather_each_others_strings_in_replica_order():
         assert [x.decode() for x in each.numpy()] == expected
 
 
-def test_under_mirrored_string_ids_train_evaluate_and_export_the_raw_strings(tmp_path):
+@pytest.fixture(scope="module")
+def mirrored(tmp_path_factory) -> dict:
+    """examples/retrieval.py with string ids under `mirrored`: trained, evaluated, exported.
+
+    The export answers its first 3 users in a fresh process. Returns the config,
+    the trained model, the results, the stream, the users and what was served.
+    """
+    model_dir = tmp_path_factory.mktemp("mirrored")
     config = _config(**MIRRORED, **{"task.string_ids": True})
     config.train.export = True
-    results = train.train_and_evaluate(config, str(tmp_path))
-    assert {"recall_at_10", "recall_at_100", "mrr"} <= set(results["eval"])
+    job = train.build(config, str(model_dir))
+    results = train.run(job, "train_and_eval")
     stream = example.interactions(config.task, config.seed)
-    trained = set(example.as_strings(stream["item_id"], "item_id").tolist())
-    users = example.as_strings(stream["user_id"][:2], "user_id").tolist()
-    served = _served(tmp_path / "export", users)["item_ids"]
+    users = example.as_strings(stream["user_id"][:3], "user_id").tolist()
+    served = _served(model_dir / "export", users)["item_ids"]
+    return dict(config=config, model=job.model, results=results, stream=stream, served=served)
+
+
+def test_under_mirrored_string_ids_train_evaluate_and_export_the_raw_strings(mirrored):
+    config, served = mirrored["config"], mirrored["served"]
+    assert {"recall_at_10", "recall_at_100", "mrr"} <= set(mirrored["results"]["eval"])
+    trained = set(example.as_strings(mirrored["stream"]["item_id"], "item_id").tolist())
     assert len(served[0]) == config.task.k and set(served[0]) <= trained, served[0][:5]
+
+
+def test_the_export_answers_the_raw_string_item_ids_in_a_fresh_process(mirrored):
+    model, stream = mirrored["model"], mirrored["stream"]
+    users = example.as_strings(stream["user_id"][:3], "user_id")
+    queries = model.query_tower({"user_id": tf.constant(users)}).numpy()
+    held = np.array([name.decode() for name in model.catalogue().ids])
+    scores = queries @ model.item_tower(tf.constant(held)).numpy().T
+    expected = held[np.argsort(-scores, axis=1)[:, :3]].tolist()
+    assert [answer[:3] for answer in mirrored["served"]] == expected
