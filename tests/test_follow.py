@@ -1,5 +1,6 @@
 """`data.follow`: files that keep arriving train once each, in arrival order, across restarts."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -97,9 +98,33 @@ def _done(model_dir) -> tuple[list[str], dict[str, list]]:
     return sorted(os.path.basename(name) for name in state["done"]), partial
 
 
-def test_files_that_arrive_out_of_name_order_between_runs_train_once_each(tmp_path):
+def _assert_same_weights(expected: dict, got: dict, rtol: float = 0.0, atol: float = 0.0):
+    """The model's variables in two checkpoints' values (`checkpoint_values`) are equal."""
+    weights = [name for name in expected if name.startswith("variables/")]
+    assert weights
+    for name in weights:
+        np.testing.assert_allclose(got[name], expected[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+@dataclasses.dataclass
+class Restarts:
+    """One run over four files, and one over the same files stopped and restarted."""
+
+    data_dir: pathlib.Path  # the four files, landed as clicks-3, 1, 2, then 4
+    straight: dict  # the one run's checkpoint values, at step 16 (the four files)
+    done: dict[int, tuple]  # the restarted run's files done (`_done`) by the step it stopped at
+    restarted: dict  # the restarted run's checkpoint values at step 16
+
+
+@pytest.fixture(scope="module")
+def restarts(tmp_path_factory) -> Restarts:
+    """Files arriving out of their names' order (3, 1, 2, then 4: their modification times).
+
+    The restarted run stops in the middle of a file (step 6), at a file's end (8),
+    after file 4 and a late file 0 land (16), and once more (20).
+    """
+    tmp_path = tmp_path_factory.mktemp("restarts")
     once, twice = tmp_path / "once", tmp_path / "twice"
-    # Arrival order 3, 1, 2 (their modification times), then 4: not their names' order.
     for data_dir in (once, twice):
         data_dir.mkdir()
         _write_csv(data_dir / "eval.csv", 99)
@@ -108,46 +133,42 @@ def test_files_that_arrive_out_of_name_order_between_runs_train_once_each(tmp_pa
     _write_csv(once / "train" / "clicks-4.csv", 4, order=3)
     train.train_and_evaluate(_config(once, **{"train.steps": 16}), str(tmp_path / "a"), "train")
 
-    restarted = tmp_path / "b"
-    train.train_and_evaluate(_config(twice, **{"train.steps": 8}), str(restarted), "train")
-    assert _done(restarted) == (["clicks-1.csv", "clicks-3.csv"], {})
+    run, done = tmp_path / "b", {}
+
+    def until(steps: int) -> None:
+        train.train_and_evaluate(_config(twice, **{"train.steps": steps}), str(run), "train")
+        done[steps] = _done(run)
+
+    until(6)
+    until(8)
     # Then file 4 lands; file 0 lands after it (a name sorting first), one is still being
     # written (a hidden name), one is a marker: 2 then 4 train, and 0 waits for the next run.
     _write_csv(twice / "train" / "clicks-4.csv", 4, order=3)
     _write_csv(twice / "train" / "clicks-0.csv", 10, order=4)
     _write_csv(twice / "train" / "_clicks-5.csv", 11, order=5)
     (twice / "train" / ".clicks-6.csv").write_text("a,b,c,d,label\n1,2,")
-    train.train_and_evaluate(_config(twice, **{"train.steps": 16}), str(restarted), "train")
-    assert _done(restarted) == (
+    until(16)
+    restarted = checkpoint_values(run)
+    until(20)
+    return Restarts(once, checkpoint_values(tmp_path / "a"), done, restarted)
+
+
+def test_files_that_arrive_out_of_name_order_between_runs_train_once_each(restarts):
+    assert restarts.done[8] == (["clicks-1.csv", "clicks-3.csv"], {})
+    assert restarts.done[16] == (
         ["clicks-1.csv", "clicks-2.csv", "clicks-3.csv", "clicks-4.csv"],
         {},
     )
-
     # The same batches in the same order: the same weights as one run over the four files.
-    expected, got = checkpoint_values(tmp_path / "a"), checkpoint_values(restarted)
-    weights = [name for name in expected if name.startswith("variables/")]
-    assert weights
-    for name in weights:
-        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
-    train.train_and_evaluate(_config(twice, **{"train.steps": 20}), str(restarted), "train")
-    assert "clicks-0.csv" in _done(restarted)[0], "the late file trains in the next run"
+    _assert_same_weights(restarts.straight, restarts.restarted)
+    assert "clicks-0.csv" in restarts.done[20][0], "the late file trains in the next run"
 
 
-def test_a_restart_in_the_middle_of_a_file_goes_on_with_its_next_record(tmp_path):
-    _write_csv(tmp_path / "eval.csv", 99)
-    for order, i in enumerate((2, 1)):
-        _write_csv(tmp_path / "train" / f"clicks-{i}.csv", i, order=order)
-    run = tmp_path / "run"
-    train.train_and_evaluate(_config(tmp_path, **{"train.steps": 6}), str(run), "train")
-    # 6 x 16 records: file 2 whole, 32 of file 1; the checkpoint holds both facts.
-    assert _done(run) == (["clicks-2.csv"], {"clicks-1.csv": [[0, 32]]})
-    train.train_and_evaluate(_config(tmp_path, **{"train.steps": 8}), str(run), "train")
-    assert _done(run) == (["clicks-1.csv", "clicks-2.csv"], {})
-    straight = tmp_path / "straight"
-    train.train_and_evaluate(_config(tmp_path, **{"train.steps": 8}), str(straight), "train")
-    expected, got = checkpoint_values(straight), checkpoint_values(run)
-    for name in [n for n in expected if n.startswith("variables/")]:
-        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+def test_a_restart_in_the_middle_of_a_file_goes_on_with_its_next_record(restarts):
+    # 6 x 16 records: file 3 whole, 32 of file 1; the checkpoint holds both facts.
+    assert restarts.done[6] == (["clicks-3.csv"], {"clicks-1.csv": [[0, 32]]})
+    assert restarts.done[8] == (["clicks-1.csv", "clicks-3.csv"], {})
+    _assert_same_weights(restarts.straight, restarts.restarted)  # no record lost or repeated
 
 
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
@@ -242,27 +263,20 @@ def no_files(split, global_batch_size):
     )
 
 
-def test_a_dataset_fn_given_files_follows_them_once_each_across_restarts(tmp_path):
-    data_dir = tmp_path / "data"
-    _write_csv(data_dir / "eval.csv", 99)
-    for i in (1, 2, 3):
-        _write_csv(data_dir / "train" / f"clicks-{i}.csv", i)
+def test_a_dataset_fn_given_files_follows_them_once_each_across_restarts(restarts, tmp_path):
     user = {"data.name": "tests.test_follow:csv_files"}
-    config = _config(data_dir, **user, **{"train.steps": 12})
-    train.train_and_evaluate(config, str(tmp_path / "a"), "train")
-    assert _done(tmp_path / "a") == (["clicks-1.csv", "clicks-2.csv", "clicks-3.csv"], {})
-
-    restarted = tmp_path / "b"
-    train.train_and_evaluate(
-        _config(data_dir, **user, **{"train.steps": 8}), str(restarted), "train"
-    )
-    assert _done(restarted) == (["clicks-1.csv", "clicks-2.csv"], {})
+    restarted = tmp_path / "run"
+    config = _config(restarts.data_dir, **user, **{"train.steps": 8})
     train.train_and_evaluate(config, str(restarted), "train")
-    expected, got = checkpoint_values(tmp_path / "a"), checkpoint_values(restarted)
-    weights = [name for name in expected if name.startswith("variables/")]
-    assert weights
-    for name in weights:
-        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    assert _done(restarted) == (["clicks-1.csv", "clicks-3.csv"], {})
+    config.train.steps = 16
+    train.train_and_evaluate(config, str(restarted), "train")
+    assert _done(restarted) == (
+        ["clicks-1.csv", "clicks-2.csv", "clicks-3.csv", "clicks-4.csv"],
+        {},
+    )
+    # It reads the records as the built-in reader does: the batches of the straight run.
+    _assert_same_weights(restarts.straight, checkpoint_values(restarted))
 
 
 def test_a_worker_whose_files_are_there_waits_with_its_peers_looking_as_often(tmp_path):
@@ -544,11 +558,7 @@ def test_two_workers_train_each_record_once_over_files_landing_out_of_name_order
     # One process over the same five files, the same global batches: the same weights.
     alone = tmp_path / "alone"
     train.train_and_evaluate(_config(data_dir, **{"train.steps": 12}), str(alone), "train")
-    expected, got = checkpoint_values(alone), checkpoint_values(run)
-    weights = [name for name in expected if name.startswith("variables/")]
-    assert weights
-    for name in weights:
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    _assert_same_weights(checkpoint_values(alone), checkpoint_values(run), rtol=1e-5, atol=1e-6)
 
 
 def test_examples_per_sec_counts_what_a_padded_step_holds_not_its_global_batch(tmp_path):
