@@ -325,6 +325,7 @@ def test_a_bad_retrieval_option_exits_2_from_the_command_line(tmp_path, capsys):
         "--strategy=one_device",
         f"--model_dir={model_dir}",
         "--config.task.negatives_column=shown",
+        *helpers.config_flags(_config(), tuple(TINY)),  # its data made small, as above
         capsys=capsys,
         cwd=helpers.REPO,
     )
