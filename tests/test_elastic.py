@@ -76,12 +76,13 @@ def _killed_at_60(tmp_path, worker: int, sig: int = signal.SIGKILL) -> str:
 # server (TensorFlow imported once for all its members) as `launched` runs it.
 worker_2_killed_at_30 = signal_at(30, signal.SIGKILL, worker=2)
 worker_2_killed_at_20 = signal_at(20, signal.SIGKILL, worker=2)
-# The default tier's runs, shorter than the docs' 200 steps, training only (what they assert
-# is in the checkpoints, results.json and the train events): the group of 3 trains 3 blocks
-# before the loss; the group of 2 trains a block or more before the member returns (at a
-# block boundary, about step 60), and the group of 3 again trains the rest.
-REJOIN_STEPS = 100
-SHORT = [f"--config.train.steps={REJOIN_STEPS}", "--mode=train"]
+# The default tier's runs, shorter than the docs' 200 steps of a smaller model (a step's
+# all-reduce is most of its cost), training only (what they assert is in the checkpoints,
+# results.json and the train events): the group of 3 trains 3 blocks before the loss; the
+# group of 2 trains a block or more before the member returns (at a block boundary, about
+# step 60: 6 blocks before the end), and the group of 3 trains the rest.
+REJOIN_STEPS = 120
+SMALL = ["--mode=train", "--config.model.hidden_units=(32,)"]
 SHRINK_STEPS = 50  # the per-replica run: 2 blocks of 3 members, then 3 of 2
 
 
@@ -95,8 +96,9 @@ def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted
     tmp_path, capsys
 ):
     documented = _documented(tmp_path / "elastic")
+    short = f"--config.train.steps={REJOIN_STEPS}"
     output = _launched_killing(
-        *documented, *FAST, *SHORT, action="worker_2_killed_at_30", cwd=tmp_path
+        *documented, *FAST, *SMALL, short, action="worker_2_killed_at_30", cwd=tmp_path
     )
     # The survivors saved the step they completed; the group of 2 restored exactly it.
     saved = {int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output)}
@@ -126,7 +128,7 @@ def test_a_lost_member_is_saved_around_and_rejoins_ending_where_an_uninterrupted
     trainer_flags = _documented(tmp_path / "fixed")
     trainer_flags = trainer_flags[trainer_flags.index("--") + 1 :]
     one_device = [w.replace("=multi_worker", "=one_device") for w in trainer_flags]
-    code, _, err = cli_in_process(*one_device, *FAST, *SHORT, capsys=capsys)
+    code, _, err = cli_in_process(*one_device, *FAST, *SMALL, short, capsys=capsys)
     assert code == 0, err[-3000:]
     got, want = checkpoint_values(tmp_path / "elastic"), checkpoint_values(tmp_path / "fixed")
     assert got.keys() == want.keys()
@@ -387,11 +389,10 @@ def test_a_per_replica_group_that_shrinks_keeps_each_replicas_batch_and_scales_t
 ):
     """The docs' `per_replica` command: 3 members (16 a replica, 48 a step) lose one for good."""
     out = "--config.cluster.elastic.max_restarts=0"  # the lost member stays out
-    short = [f"--config.train.steps={SHRINK_STEPS}", "--mode=train"]
-    short.append("--config.optimizer.learning_rate=0.003")
+    short = [f"--config.train.steps={SHRINK_STEPS}", "--config.optimizer.learning_rate=0.003"]
     documented = _documented(tmp_path / "elastic", "runs/per_replica")
     output = _launched_killing(
-        *documented, *FAST, out, *short, action="worker_2_killed_at_20", cwd=tmp_path
+        *documented, *FAST, *SMALL, out, *short, action="worker_2_killed_at_20", cwd=tmp_path
     )
     step = max(int(s) for s in re.findall(r"elastic: .* saved step (\d+) to", output))  # newest
     assert f"[member:0] restored {tmp_path / 'elastic'}/elastic/ckpt-{step}-" in output  # 0 lost
