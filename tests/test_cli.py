@@ -14,9 +14,9 @@ from tests.helpers import assert_exit, cli_in_process, run_cli, tiny_config
 from trainer import cli, data
 
 FAST = [
-    "--config.train.steps=300",
-    "--config.eval.every=150",
-    "--config.train.checkpoint_every=150",
+    "--config.train.steps=150",
+    "--config.eval.every=75",
+    "--config.train.checkpoint_every=75",
 ]
 
 
@@ -45,9 +45,9 @@ def test_default_job_writes_everything(mirrored_run):
     assert "model_dir: run" in result.stdout
     cores = devices.host_cores()
     assert f"threads per op: {max(1, cores // 2)}" in result.stdout  # the cores shared by 2 towers
-    assert "train | step: 300/300" in result.stdout
+    assert "train | step: 150/150" in result.stdout
     results = json.loads((model_dir / "results.json").read_text())
-    assert results["step"] == 300
+    assert results["step"] == 150
     assert results["eval"]["accuracy"] >= 0.9
     assert results["eval"]["examples"] == 360
     assert results["placement"]["strategy"] == "mirrored"
@@ -55,7 +55,7 @@ def test_default_job_writes_everything(mirrored_run):
     kernel = next(v for k, v in results["placement"]["variables"].items() if "kernel" in k)
     assert len(kernel) == 2  # a mirrored copy on each of the 2 logical CPUs
     assert json.loads((model_dir / "config.json").read_text())["strategy"]["name"] == "mirrored"
-    assert tf.train.latest_checkpoint(str(model_dir / "checkpoints")).endswith("ckpt-300")
+    assert tf.train.latest_checkpoint(str(model_dir / "checkpoints")).endswith("ckpt-150")
 
 
 def test_tensorboard_events_hold_the_metrics(mirrored_run):
@@ -100,13 +100,13 @@ def test_rerun_with_more_steps_resumes(mirrored_run, capsys):
         f"--model_dir={model_dir}",
         "--mode=train",
         *FAST[1:],
-        "--config.train.steps=350",
+        "--config.train.steps=200",
         "--config.train.export=False",
         capsys=capsys,
     )
     assert code == 0, err[-3000:]
-    assert "restored" in out and "at step 300" in out
-    assert "train | step: 350/350" in out
+    assert "restored" in out and "at step 150" in out
+    assert "train | step: 200/200" in out
     assert "step: 100/" not in out
 
 
