@@ -8,6 +8,9 @@ The whole loop's window on a `parameter_server` cluster is asserted with the
 followed runs of tests/test_follow_ps.py.
 """
 
+import contextlib
+import dataclasses
+import io
 import json
 import os
 import pathlib
@@ -27,9 +30,9 @@ from strategies.base import SplitTrainStep
 from tests.helpers import (
     REPO,
     assert_exit,
+    cli_in_process,
     config_flags,
     one_line_error,
-    run_cli,
     run_command,
     spawn,
     tensorboard_scalars,
@@ -347,30 +350,6 @@ def _followed(tmp_path, **overrides) -> ml_collections.ConfigDict:
     )
 
 
-def test_a_followed_run_reports_its_window_in_the_progress_line_tensorboard_and_results(
-    tmp_path, capsys
-):
-    config = _followed(tmp_path)
-    results = train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")
-    on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
-    out = capsys.readouterr().out
-    evaluated = train.train_and_evaluate(config, str(tmp_path / "run"), mode="eval")["eval"]
-    windowed = {
-        name.removeprefix(progressive.PREFIX): value
-        for name, value in results["train"].items()
-        if name.startswith(progressive.PREFIX)
-    }
-    assert windowed["examples"] == evaluated["examples"] == 128
-    _assert_same(windowed, evaluated)
-    assert on_disk["train"]["progressive_auc"] == pytest.approx(windowed["auc"])
-    assert "progressive validation: each batch scored before it trains" in out
-    last = next(line for line in out.splitlines() if line.startswith("train | step: 8/8"))
-    assert f"progressive_auc: {windowed['auc']:.4f}" in last
-    assert "progressive_examples: 128" in last and "progressive_examples: 128." not in last
-    scalars = tensorboard_scalars(tmp_path / "run", progressive.PREFIX)
-    assert scalars["progressive_auc"][8] == pytest.approx(windowed["auc"])
-
-
 @pytest.fixture(scope="module")
 def four_steps(tmp_path_factory) -> tuple[pathlib.Path, ml_collections.ConfigDict]:
     """A followed run's first 4 steps: its `model_dir`, to copy and resume, and its config."""
@@ -388,11 +367,50 @@ def _resumable(four_steps: tuple, tmp_path: pathlib.Path) -> ml_collections.Conf
     return config.copy_and_resolve_references()
 
 
-def test_a_resumed_run_goes_on_with_its_window(four_steps, tmp_path):
+@dataclasses.dataclass
+class Resumed:
+    """The `four_steps` run resumed to its end (step 8), then evaluated on the records trained."""
+
+    model_dir: pathlib.Path
+    results: dict  # as returned
+    on_disk: dict  # results.json
+    out: str  # what it printed
+
+
+@pytest.fixture(scope="module")
+def resumed(four_steps, tmp_path_factory) -> Resumed:
+    tmp_path = tmp_path_factory.mktemp("resumed")
     config = _resumable(four_steps, tmp_path)
     config.train.steps = 8
-    resumed = train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")["train"]
-    assert resumed["progressive_examples"] == 128  # 4 batches from the first run, 4 after
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        results = train.train_and_evaluate(config, str(tmp_path / "run"))
+    on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
+    return Resumed(tmp_path / "run", results, on_disk, out.getvalue())
+
+
+def test_a_followed_run_reports_its_window_in_the_progress_line_tensorboard_and_results(resumed):
+    evaluated = resumed.results["eval"]  # the very records, evaluated at the end
+    windowed = {
+        name.removeprefix(progressive.PREFIX): value
+        for name, value in resumed.results["train"].items()
+        if name.startswith(progressive.PREFIX)
+    }
+    assert windowed["examples"] == evaluated["examples"] == 128
+    _assert_same(windowed, evaluated)
+    assert resumed.on_disk["train"]["progressive_auc"] == pytest.approx(windowed["auc"])
+    out = resumed.out
+    assert "progressive validation: each batch scored before it trains" in out
+    last = next(line for line in out.splitlines() if line.startswith("train | step: 8/8"))
+    assert f"progressive_auc: {windowed['auc']:.4f}" in last
+    assert "progressive_examples: 128" in last and "progressive_examples: 128." not in last
+    scalars = tensorboard_scalars(resumed.model_dir, progressive.PREFIX)
+    assert scalars["progressive_auc"][8] == pytest.approx(windowed["auc"])
+
+
+def test_a_resumed_run_goes_on_with_its_window(resumed):
+    # 4 batches from the first run, 4 after: a window of 128 examples (the figures of all
+    # 8 batches are the evaluation's, above).
+    assert resumed.results["train"]["progressive_examples"] == 128
 
 
 # 2 workers, synchronous (mirrored replicas run the same all-reduce here). Under
@@ -498,8 +516,11 @@ def test_a_run_resumed_with_progressive_validation_newly_on_starts_its_window_an
         ),
     ],
 )
-def test_the_command_refuses_bad_progressive_input_in_one_line_with_exit_2(tmp_path, flags, field):
-    result = run_cli(f"--model_dir={tmp_path / 'run'}", *flags, cwd=str(tmp_path))
-    assert_exit(result, USER_ERROR_EXIT_CODE)
-    assert field in result.stderr
+def test_the_command_refuses_bad_progressive_input_in_one_line_with_exit_2(
+    tmp_path, capsys, flags, field
+):
+    # In-process: tests/test_cli.py runs the command's one-line exits in a process.
+    code, _, err = cli_in_process(f"--model_dir={tmp_path / 'run'}", *flags, capsys=capsys)
+    assert code == USER_ERROR_EXIT_CODE, err
+    assert field in err
     assert not (tmp_path / "run").exists()
