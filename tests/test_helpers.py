@@ -148,8 +148,8 @@ def test_a_timed_out_forked_launcher_leaves_no_member(tmp_path):
     members: set[int] = set()
     watching = threading.Event()
 
-    def watch() -> None:  # the members, seen while they run
-        while not watching.is_set():
+    def watch() -> None:  # the members, seen while they run (both seen: no more to find)
+        while not watching.is_set() and len(members) < 2:
             for pid in helpers.descendants({os.getpid()}):
                 with contextlib.suppress(OSError):
                     if pathlib.Path(f"/proc/{pid}/comm").read_text().startswith("worker:"):
