@@ -118,6 +118,7 @@ def every_worker(tmp_path_factory):
     return _launch(
         tmp_path_factory,
         "sync",
+        "--mode=train",  # the step's update is what is asserted
         *DATA,
         f"--config.strategy.parameter_server.sync_replicas={EVERY}",
         "--config.train.steps=1",
