@@ -402,6 +402,16 @@ def _restored(config, model_dir) -> keras.Model:
     return _restored_job(config, model_dir).model
 
 
+def trained_job(config, model_dir) -> tuple[train.BuiltJob, dict]:
+    """The job of `config` trained (no eval) into `model_dir`, and its results.
+
+    Its state after the last step, in this process: the reference a restored or
+    resumed run is compared with.
+    """
+    job = train.build(config, str(model_dir))
+    return job, train.run(job, "train")
+
+
 def test_a_checkpoint_of_the_earlier_index_format_is_one_line_and_left_alone(tmp_path):
     config = _ctr_config("one_device", 2)
     job = train.build(config, str(tmp_path))
@@ -442,7 +452,7 @@ class Trained(NamedTuple):
     model_dir: pathlib.Path
     results: dict
     printed: str
-    rows: dict[int, np.ndarray]  # every held id's row, restored from its newest checkpoint
+    rows: dict[int, np.ndarray]  # every held id's row at the end
 
 
 @pytest.fixture(scope="module")
@@ -450,16 +460,17 @@ def one_device_and_mirrored(tmp_path_factory) -> dict[str, Trained]:
     """The ctr model with a dynamic table, 20 steps in blocks of 5 under each strategy.
 
     `mirrored` on 2 replicas: each admits the ids of the whole global batch with 2
-    as with 4. Trained only (no eval: nothing here reads it), by strategy.
+    as with 4. Trained only (no eval: nothing here reads it), by strategy; the rows
+    of `mirrored` restored from its checkpoint, those of `one_device` as trained.
     """
     runs = {}
     for strategy in ("one_device", "mirrored"):
         config, model_dir = _ctr_config(strategy, 20), tmp_path_factory.mktemp(strategy)
         config.strategy.mirrored.devices = "/cpu:0,/cpu:1"
         with contextlib.redirect_stdout(io.StringIO()) as printed:
-            results = train.train_and_evaluate(config, str(model_dir), mode="train")
-        rows = _rows_by_id(_restored(config, model_dir))
-        runs[strategy] = Trained(config, model_dir, results, printed.getvalue(), rows)
+            job, results = trained_job(config, model_dir)
+        model = job.model if strategy == "one_device" else _restored(config, model_dir)
+        runs[strategy] = Trained(config, model_dir, results, printed.getvalue(), _rows_by_id(model))
     return runs
 
 
@@ -506,17 +517,21 @@ EVICTING = {"capacity": 300, "ttl_steps": 8, "fallback_rows": 50}  # evictions a
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory) -> tuple:
-    """20 steps of a table that evicts, full checkpoints every 5, exported: (config, model_dir)."""
+    """20 steps of a table that evicts, full checkpoints every 5, exported.
+
+    Returns:
+      Its config, model_dir and trained job.
+    """
     config = _ctr_config("one_device", 20, **EVICTING)
     config.train.update({"checkpoint_every": 5, "export": True})
     model_dir = tmp_path_factory.mktemp("straight")
-    train.train_and_evaluate(config, str(model_dir), mode="train")
-    return config, model_dir
+    job, _ = trained_job(config, model_dir)
+    return config, model_dir, job
 
 
 def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_path, straight_run):
     """Also resumed from incremental checkpoints: they restore the straight run's state."""
-    straight, straight_dir = straight_run
+    _, straight_dir, straight = straight_run
     # Full at step 0, then deltas of it: the second run restores the one of step 10.
     resumed = _ctr_config("one_device", 10, **EVICTING)
     resumed.train.update({"checkpoint_every": 5, "full_checkpoint_every": 100})
@@ -526,10 +541,8 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(tmp_pat
     assert results["step"] == 20
     newest = tf.train.load_checkpoint(str(tmp_path / "resumed" / "checkpoints"))
     assert newest.get_tensor("delta/.ATTRIBUTES/base_step") == 0, "a delta of step 0's"
-    states = []
-    for config, run in ((straight, straight_dir), (resumed, tmp_path / "resumed")):
-        job = _restored_job(config, run)
-        states.append(state_of(job.model, job.optimizer))
+    job = _restored_job(resumed, tmp_path / "resumed")
+    states = [state_of(straight.model, straight.optimizer), state_of(job.model, job.optimizer)]
     assert sorted(states[0]) == sorted(states[1])
     for name, value in states[0].items():
         np.testing.assert_array_equal(states[1][name], value, err_msg=name)
@@ -686,8 +699,8 @@ def test_under_tensorflows_own_parameter_server_strategy_a_table_has_a_part_on_e
 
 
 def test_the_export_serves_raw_ids_in_a_fresh_process_as_eval_does(tmp_path, straight_run):
-    config, model_dir = straight_run
-    model = _restored(config, model_dir)
+    config, model_dir, job = straight_run
+    model = job.model
     held = sorted(_rows_by_id(model))
     layer = model.get_layer("embedding")
     candidates = np.arange(config.data.ctr.vocab_size)
