@@ -135,18 +135,33 @@ def _assert_same(a, b) -> None:
 # --- training -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
-def test_a_user_pipeline_of_named_features_and_weights_trains(tmp_path, strategy):
+def _trained(model_dir, strategy: str = "one_device", steps: int = 20, mode="train_and_eval"):
+    """`steps` steps of the user's pipeline and model under `strategy`; the run's results."""
     config = _config(
         **{
             "strategy.name": strategy,
             "train.global_batch_size": 8,  # mirrored: 4 replicas of 2
             "eval.global_batch_size": 8,
-            "train.steps": 10,
+            "train.steps": steps,
         }
     )
-    results = train.train_and_evaluate(config, str(tmp_path))
-    assert results["step"] == 10
+    return train.train_and_evaluate(config, str(model_dir), mode=mode)
+
+
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory):
+    """20 steps under one_device, evaluated: a trained run, and the one a resumed run ends as."""
+    model_dir = tmp_path_factory.mktemp("straight")
+    return model_dir, _trained(model_dir)
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+def test_a_user_pipeline_of_named_features_and_weights_trains(tmp_path, strategy, request):
+    if strategy == "one_device":  # the run the resume test compares with
+        _, results = request.getfixturevalue("one_device_run")
+    else:
+        results = _trained(tmp_path, strategy)
+    assert results["step"] == 20
     assert results["eval"]["examples"] == 64  # one pass, every example once
     assert np.isfinite(results["eval"]["loss"])
     assert 0.0 <= results["eval"]["accuracy"] <= 1.0
@@ -194,19 +209,11 @@ def test_resume_skips_to_the_batches_of_an_uninterrupted_stream(pipelines, repli
         assert not np.array_equal(*first)  # it did skip: examples differ (unique numbers)
 
 
-def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
-    def run(model_dir, steps: int) -> None:
-        config = _config(**{"strategy.name": "one_device", "train.global_batch_size": 8})
-        config.train.steps = steps
-        train.train_and_evaluate(config, str(tmp_path / model_dir), mode="train")
-
-    run("straight", 20)
-    run("resumed", 10)
-    run("resumed", 20)  # restores step 10 and skips the 10 batches it took
-    straight, resumed = (
-        checkpoint_values(tmp_path / "straight"),
-        checkpoint_values(tmp_path / "resumed"),
-    )
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(one_device_run, tmp_path):
+    straight_dir, _ = one_device_run
+    _trained(tmp_path, steps=10, mode="train")
+    _trained(tmp_path, mode="train")  # restores step 10 and skips the 10 batches it took
+    straight, resumed = checkpoint_values(straight_dir), checkpoint_values(tmp_path)
     assert straight.keys() == resumed.keys()
     for name in straight:
         np.testing.assert_allclose(
