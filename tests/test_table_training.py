@@ -26,7 +26,13 @@ from tests.helpers import (
     run_command,
     tensorboard_scalars,
 )
-from tests.test_dynamic_embedding import SMALL_CTR, _restored_job, _rows_by_id, state_of
+from tests.test_dynamic_embedding import (
+    SMALL_CTR,
+    _restored_job,
+    _rows_by_id,
+    state_of,
+    trained_job,
+)
 from tests.test_models import tiny_ctr_config
 from towerflow.errors import UserError
 from trainer.layers import DynamicEmbedding
@@ -165,10 +171,9 @@ def test_a_ctr_table_with_its_own_adagrad_trains_keeps_adagrads_slots_and_resume
 ):
     straight = _ctr_config("one_device", 20, capacity=300, ttl_steps=8)
     straight.train.checkpoint_every = 5
-    results = train.train_and_evaluate(straight, str(tmp_path / "straight"), mode="train")
+    job, results = trained_job(straight, tmp_path / "straight")
     loss = tensorboard_scalars(tmp_path / "straight", "loss")["loss"]
     assert loss[20] < loss[5]
-    job = _restored_job(straight, tmp_path / "straight")
     rows = job.model.get_layer("embedding").rows
     table_optimizer = job.optimizer.trainer_of(rows)
     assert type(job.optimizer) is optim.Adam and type(table_optimizer) is optim.Adagrad
