@@ -75,14 +75,14 @@ def two_runs(tmp_path_factory) -> tuple[Run, Run]:
         _write_csv(data / "train" / f"{name}.csv", order, ROWS, order=order)
     fields = {**PROGRESSIVE, "data.eval_files": str(data / "train" / "*")}
 
-    def run(steps: int) -> Run:
-        flags = _flags(tmp_path, steps, **fields)
+    def run(steps: int, mode: str) -> Run:
+        flags = [*_flags(tmp_path, steps, **fields), f"--mode={mode}"]
         result = launched("--workers=2", "--ps=1", *flags, cwd=str(tmp_path))
         return Run(result.stdout, _done(tmp_path / "run"), _results(tmp_path))
 
-    first = run(9)
+    first = run(9, "train_and_eval")  # its evaluation: the window's figures
     _write_csv(data / "train" / "0.csv", 7, ROWS, order=1)  # landing behind b.csv
-    return first, run(12)
+    return first, run(12, "train")
 
 
 def test_two_workers_and_a_ps_train_each_file_once_whatever_order_they_land_in(two_runs):
