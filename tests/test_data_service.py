@@ -52,7 +52,7 @@ from trainer.data import service_client
 from trainer.launch import pick_ports
 from trainer.loop import train
 
-STEPS = 10
+STEPS, BLOCK = 15, 3  # 5 blocks: 5 readings of the time steps wait for input
 USER_EXAMPLES = 96
 
 
@@ -128,7 +128,8 @@ def _serve(port: int, *args: str) -> None:
 
 
 def _run(model_dir, fields: dict, steps: int = STEPS) -> dict:
-    config = tiny_config(**{"train.steps": steps, "train.global_batch_size": 16, **fields})
+    fields = {"train.steps": steps, "train.steps_per_loop": BLOCK, **fields}
+    config = tiny_config(**{"train.global_batch_size": 16, **fields})
     return train.train_and_evaluate(config, str(model_dir), mode="train")
 
 
@@ -174,7 +175,7 @@ def test_each_source_trains_as_in_process_input(served, dispatcher, source, stra
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, dispatcher, served):
     straight, _ = served("digits", "one_device")
     fields = {"strategy.name": "one_device", "data.service": dispatcher}
-    _run(tmp_path / "resumed", fields, steps=STEPS // 2)
+    _run(tmp_path / "resumed", fields, steps=2 * BLOCK)
     _run(tmp_path / "resumed", fields, steps=STEPS)
     _assert_same_weights(straight, tmp_path / "resumed")
 
@@ -539,16 +540,17 @@ def slow_pipeline(input_context, split, global_batch_size):
     return pipeline(input_context, split, global_batch_size).map(slowly)
 
 
-def test_the_time_steps_wait_for_input_is_reported(tmp_path, dispatcher):
+def test_the_time_steps_wait_for_input_is_reported(tmp_path, dispatcher, served):
     # The loop times its reads alike wherever the input runs: tests/test_input_wait.py
     # shows a slow pipeline in the trainer's own process.
-    fields = {"strategy.name": "one_device", "data.num_classes": 2, "data.service": dispatcher}
-    fields["train.steps_per_loop"] = 3  # 5 blocks: the median outlasts 2 odd ones
-    waits = {}
-    for name in ("pipeline", "slow_pipeline"):
-        _run(tmp_path / name, {**fields, "data.name": f"{__name__}:{name}"}, steps=15)
-        waits[name] = np.median(_tensorboard(tmp_path / name, "input_wait_ms"))
-    assert waits["slow_pipeline"] > 1  # most of each step (32-38 ms here, a ready one 0.6-1.7)
+    ready, _ = served("user", "one_device")  # `pipeline`, on the service
+    slow = {"data.name": f"{__name__}:slow_pipeline", "data.num_classes": 2}
+    _run(tmp_path / "slow", {"strategy.name": "one_device", "data.service": dispatcher, **slow})
+    waits = {  # 5 blocks each: the median outlasts 2 odd ones
+        name: np.median(_tensorboard(model_dir, "input_wait_ms"))
+        for name, model_dir in (("pipeline", ready), ("slow_pipeline", tmp_path / "slow"))
+    }
+    assert waits["slow_pipeline"] > 1  # most of each step (27-52 ms here, a ready one 0.3-1.7)
     assert waits["pipeline"] < waits["slow_pipeline"] / 2
 
 
