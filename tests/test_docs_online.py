@@ -77,24 +77,29 @@ def test_the_served_version_advances_while_training_and_matches_its_checkpoint(t
     probe = online.clicks(online.EVAL_FIRST, 8)[0].tolist()
     answers = []
     port_file, deadline = tmp_path / "online" / "port", time.monotonic() + TIMEOUT_S
-    while trainer.is_alive() and time.monotonic() < deadline:
+
+    def ask() -> None:  # the server's answer, once it serves a version
         if port_file.exists():
             answer = _ask(int(port_file.read_text()), probe)
             if answer["version"] is not None:
                 answers.append(answer)
         time.sleep(0.3)
+
+    while trainer.is_alive() and time.monotonic() < deadline:
+        ask()
     trainer.join()
     assert trainer.result and trainer.result.returncode == 0, trainer.output()[-3000:]
     newest = max(int(name) for name in os.listdir(tmp_path / "online" / "run" / "export"))
-    while answers[-1]["version"] != newest and time.monotonic() < deadline:
-        time.sleep(0.3)  # the server moves on to the trainer's last export
-        answers.append(_ask(int(port_file.read_text()), probe))
+    # The server moves on to the trainer's last export (under load it may serve none yet).
+    while (not answers or answers[-1]["version"] != newest) and time.monotonic() < deadline:
+        ask()
     served = {a["version"]: a["probabilities"] for a in answers}
     order = [a["version"] for a in answers]
     assert order == sorted(order), "a server following the newest never goes back"
     # One serving an earlier version moves on to the newest (quietly it serves 2-3 versions
     # while training; under heavy load it may load its first only once training has ended).
-    assert order[-1] == newest, f"the server never served the newest export, {newest}: {order}"
+    never = f"the server never served the newest export, {newest}: {order}"
+    assert order and order[-1] == newest, never
 
     config = online.get_config()
     for field in ("train_files", "eval_files"):  # the page's relative paths, from the scratch dir
