@@ -18,6 +18,7 @@ from tests.helpers import (
     one_line_error,
     tiny_config,
 )
+from tests.steps_two_replicas import on_two_cpus
 from trainer.loop import train
 
 ONE_SGD_STEP = {
@@ -31,7 +32,8 @@ ONE_SGD_STEP = {
 
 
 def _config(strategy: str, dtype: str = "float32", **overrides):
-    config = tiny_config(**{"strategy.name": strategy, "train.global_batch_size": 32, **overrides})
+    """`strategy` (on 2 replicas where it runs several) with `dtype` gradients, a 32 batch."""
+    config = tiny_config(**on_two_cpus(strategy), **{"train.global_batch_size": 32, **overrides})
     config.strategy[strategy].gradient_dtype = dtype
     return config
 
@@ -60,7 +62,7 @@ def one_device_step(tmp_path_factory) -> np.ndarray:
 
 @pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
 def test_the_sum_runs_in_bfloat16_and_float32_is_unchanged(strategy, one_device_step, tmp_path):
-    """4 replicas of 8 examples; SGD's update is the learning rate times the summed gradient."""
+    """2 replicas of 16 examples; SGD's update is the learning rate times the summed gradient."""
     float32, results = _update(_config(strategy, **ONE_SGD_STEP), tmp_path / "f32")
     assert _relative(float32, one_device_step) < 1e-5
     assert results["placement"]["gradient_transfer"] == {"dtype": "float32", "bytes_per_pack": 0}
