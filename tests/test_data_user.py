@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 from tests.helpers import checkpoint_values, one_line_error, tiny_config
+from tests.steps_two_replicas import on_two_cpus
 from trainer import data
 from trainer.loop import train
 
@@ -138,12 +139,12 @@ def _assert_same(a, b) -> None:
 def _trained(model_dir, strategy: str = "one_device", steps: int = 20, mode="train_and_eval"):
     """`steps` steps of the user's pipeline and model under `strategy`; the run's results."""
     config = _config(
+        **on_two_cpus(strategy),
         **{
-            "strategy.name": strategy,
-            "train.global_batch_size": 8,  # mirrored: 4 replicas of 2
+            "train.global_batch_size": 8,  # mirrored: 2 replicas of 4
             "eval.global_batch_size": 8,
             "train.steps": steps,
-        }
+        },
     )
     return train.train_and_evaluate(config, str(model_dir), mode=mode)
 
