@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO, assert_exit, run_cli, run_command
+from tests.steps_two_replicas import TWO_CPUS
 from towerflow.errors import UserError
 from trainer import check
 
@@ -27,7 +28,11 @@ def _row(out: str, strategy: str) -> str:
 
 def test_keras_dropout_differs_and_is_named_as_the_cause(tmp_path, capsys):
     code, out = _check(
-        "tests.check_models:keras_dropout", ["one_device", "mirrored"], tmp_path, capsys
+        "tests.check_models:keras_dropout",
+        ["one_device", "mirrored"],
+        tmp_path,
+        capsys,
+        f"--config.strategy.mirrored.devices={TWO_CPUS}",  # 2 replicas: Keras's draws differ
     )
     assert code == 1, out
     assert _row(out, "mirrored").endswith("DIFFERS")
