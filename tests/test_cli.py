@@ -11,6 +11,7 @@ from absl import flags
 
 from strategies import devices
 from tests.helpers import assert_exit, cli_in_process, run_cli, tiny_config
+from tests.steps_two_replicas import TWO_CPUS
 from trainer import cli, data
 
 FAST = [
@@ -92,13 +93,14 @@ def test_export_serves_predictions(mirrored_run):
 
 def test_rerun_with_more_steps_resumes(mirrored_run, capsys):
     # In-process: the run above is the command's own process, from a foreign directory.
-    # Training only, no export: the resume is what is asserted (the run above evaluates
-    # and exports).
+    # On the run's 2 replicas (2 of this process's 4 logical CPUs); training only, no
+    # export: the resume is what is asserted (the run above evaluates and exports).
     model_dir, _ = mirrored_run
     code, out, err = cli_in_process(
         "--strategy=mirrored",
         f"--model_dir={model_dir}",
         "--mode=train",
+        f"--config.strategy.mirrored.devices={TWO_CPUS}",
         *FAST[1:],
         "--config.train.steps=200",
         "--config.train.export=False",
