@@ -22,6 +22,7 @@ from tests.helpers import (
     tensorboard_scalars,
     tiny_config,
 )
+from tests.steps_two_replicas import on_two_cpus
 from tests.test_faults import signal_at
 from towerflow.errors import UserError
 from trainer import data
@@ -278,14 +279,14 @@ def test_a_global_batch_that_does_not_split_becomes_the_nearest_that_does(batch,
 
 
 def test_the_counted_step_counts_each_step_once_over_the_replicas_of_a_process(tmp_path):
-    config = tiny_config(**{"strategy.name": "mirrored"})  # 4 logical CPUs: 4 replicas here
+    config = tiny_config(**on_two_cpus("mirrored"))  # 2 replicas in this process
     job = train.build(config, str(tmp_path / "run"))
     gb = config.train.global_batch_size
     step = steps.TrainStep(job.model, job.optimizer, job.objective, gb)
     counted = elastic.CountedStep(step, 7, len(job.strategy.tf_strategy.extended.worker_devices))
     iterator = iter(job.strategy.distribute_dataset(job.dataset.train_fn(gb, config.seed, 0)))
     job.strategy.run_steps(counted, iterator, 3)
-    assert job.strategy.num_replicas_in_sync == 4
+    assert job.strategy.num_replicas_in_sync == 2
     assert counted.completed == 7 + 3 == 7 + int(counted.iterations.numpy())
 
 
