@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from strategies.cluster import tf_config as cluster
 from tests.helpers import assert_exit, cli_in_process, run_cli, tiny_config
+from tests.steps_two_replicas import TWO_CPUS
 from towerflow import errors
 from trainer.loop import faults, lock, train
 
@@ -56,6 +57,7 @@ def test_divergence_is_one_line_and_exit_code_3(tmp_path, capsys):
     # In-process, through the command's error handling (`cli.guarded`); tests/test_cli.py
     # runs its exits in a process.
     code, _, err = cli_in_process(
+        f"--config.strategy.mirrored.devices={TWO_CPUS}",  # the default's, on 2 replicas
         "--config.optimizer.learning_rate=1e9",
         "--config.train.loss_upper_bound=1000",
         "--config.optimizer.name=sgd",
