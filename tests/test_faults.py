@@ -119,9 +119,10 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path, capsys):
         "--config.train.steps_per_loop=20",
         "--config.eval.every=0",
     ]
+    small = "--config.model.hidden_units=(32,)"  # a small model: the signal is what is tested
     # A process of its own (forked: TensorFlow imported once), the signal a real one.
     sigterm = "--config.train.actions=tests.test_faults:sigterm_at_step_40"
-    result = run_cli(*args, sigterm, cwd=str(tmp_path))
+    result = run_cli(*args, small, sigterm, cwd=str(tmp_path))
     assert_exit(result, errors.PREEMPTED_EXIT_CODE)
     out = result.stdout
     step = int(re.search(r"preempted \(SIGTERM\) at step (\d+)", out).group(1))
@@ -136,6 +137,7 @@ def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path, capsys):
         f"--config.train.steps={step + 20}",
         "--config.train.steps_per_loop=20",
         "--config.eval.every=0",
+        small,
         capsys=capsys,
     )
     assert code == 0, err[-3000:]
