@@ -72,10 +72,6 @@ it).
   are, but for the modules whose loops run over tensors (process-wide; they
   are written in TensorFlow ops, and converting them again in every process
   cost about 3 s of a run's start-up).
-- `converted_ahead`: AutoGraph converts every function of the modules whose
-  loops run over tensors at once, so that a process forked afterwards finds
-  them converted (the tests' fork server; each forked trainer otherwise
-  converted them again in its first steps, about 0.6 s of CPU).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 """
@@ -85,13 +81,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import importlib
 import linecache
 import logging
 import os
 import sys
-import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import keras
 import tensorflow as tf
@@ -246,12 +240,6 @@ PATCHES = {
         ("2.20", "2.21"),
         "AutoGraph converts every function a converted one calls, unless its module matches "
         "a rule of its private config.CONVERSION_RULES (first match wins)",
-    ),
-    "converted_ahead": Patch(
-        "tensorflow",
-        ("2.20", "2.21"),
-        "AutoGraph keeps what it converted in its private api._TRANSPILER, by code object and "
-        "conversion options; a traced function's calls convert with its call_options()",
     ),
 }
 _VERSIONS = {"tensorflow": tf.__version__, "keras": keras.__version__}
@@ -640,65 +628,6 @@ def own_code_unconverted() -> None:
         config_lib.DoNotConvert(name) for name in OWN_PACKAGES
     )
     config.CONVERSION_RULES = own + rules
-
-
-def converted_ahead(modules: Sequence[str] = CONVERTED_MODULES) -> int:
-    """AutoGraph converts every function of `modules` now, as a traced function's call would.
-
-    A traced function converts each function of `CONVERTED_MODULES` it calls
-    the first time, in every process: about 0.6 s of CPU in a run's first
-    steps. AutoGraph keeps a conversion by code object, so a process forked
-    after this one converted them all (about 4 s, once) converts none of them
-    again: worth it in a server that forks many trainers (the tests' own,
-    `tests.converted_ahead`). Nested functions are converted from their code,
-    as the closures a run makes of them would be. A function AutoGraph cannot
-    convert is left to its first call, as without this. Process-wide.
-
-    Returns:
-      How many functions it converted.
-    """
-    from tensorflow.python.autograph.core import converter  # noqa: PLC0415
-    from tensorflow.python.autograph.impl import api  # noqa: PLC0415
-
-    transform = getattr(getattr(api, "_TRANSPILER", None), "transform", None)
-    if transform is None:
-        return 0  # upstream keeps its conversions another way now
-    targeted("converted_ahead")
-    autograph_leaves_no_files()
-    # What a converted function passes to the functions it calls (`call_options`) under a
-    # `tf.function`, whose own options name no optional feature.
-    options = converter.ConversionOptions(recursive=True, optional_features=None).call_options()
-    converted = 0
-    for name in modules:
-        for function in _own_functions(importlib.import_module(name)):
-            try:
-                transform(function, converter.ProgramContext(options=options))
-            except Exception:  # noqa: BLE001 (left to its first call, which says why)
-                continue
-            converted += 1
-    return converted
-
-
-def _own_functions(module) -> Iterator[types.FunctionType]:
-    """Each function `module` defines: its functions, its classes' methods, and theirs nested."""
-    defined = []
-    for value in vars(module).values():
-        if isinstance(value, type) and value.__module__ == module.__name__:
-            for member in vars(value).values():
-                member = getattr(member, "__func__", getattr(member, "fget", member))
-                defined.append(member)
-        elif getattr(value, "__module__", None) == module.__name__:
-            defined.append(value)
-    seen = set()
-    codes = [f.__code__ for f in defined if isinstance(f, types.FunctionType)]
-    while codes:
-        code = codes.pop()
-        if code in seen:
-            continue
-        seen.add(code)
-        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-        cells = tuple(types.CellType() for _ in code.co_freevars)  # a closure's, not yet set
-        yield types.FunctionType(code, vars(module), code.co_name, None, cells or None)
 
 
 _UPSTREAM_DEVICE_DATASET = getattr(multi_device_iterator_ops, "_create_device_dataset", None)

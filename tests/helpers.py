@@ -285,9 +285,7 @@ def _forked(
         # Labelled: a forked command's command line is the server's, and would otherwise
         # show the first command it forked (another test's directory, in a search for its own).
         _forks = forkserver.Client(
-            server_env=_comparable(_SERVER_ENV),
-            label=["tests.helpers"],
-            preload=(*MEMBER_MODULES, "tests.converted_ahead"),  # once: many trainers fork
+            server_env=_comparable(_SERVER_ENV), label=["tests.helpers"], preload=MEMBER_MODULES
         )
         _forks.enabled = True
         atexit.register(_forks.close)

@@ -486,38 +486,6 @@ def test_autograph_converts_a_called_function_unless_a_rule_names_its_module(tmp
                 tf.function(lambda x: module.sign(x))(tf.constant(-2.0))  # left as it is
 
 
-def test_a_function_converted_ahead_is_not_converted_again_where_a_traced_function_calls_it(
-    tmp_path,
-):
-    from tensorflow.python.autograph.pyct import loader  # noqa: PLC0415
-
-    path = tmp_path / "towerflow_canary_ahead.py"
-    path.write_text(
-        "def scaled(k):\n"
-        "    def sign(x):\n"
-        "        if x > 0:\n"
-        "            return x * k\n"
-        "        return -x * k\n"
-        "    return sign\n"
-    )
-    spec = importlib.util.spec_from_file_location("towerflow_canary_ahead", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    loads = []
-    load_source = loader.load_source
-
-    def counted(source, delete_on_exit):
-        loads.append(source)
-        return load_source(source, delete_on_exit)
-
-    with mock.patch.dict(sys.modules, {module.__name__: module}):
-        assert tf_patches.converted_ahead([module.__name__]) == 2  # `scaled`, and `sign` in it
-        with mock.patch.object(loader, "load_source", counted):
-            traced = tf.function(lambda x: module.scaled(3.0)(x))
-            assert float(traced(tf.constant(-2.0))) == 6.0  # the `if` became a cond, `k` is 3
-    assert len(loads) == 1, loads  # the lambda's only: `scaled` (`sign` in it) was converted
-
-
 def test_own_code_is_left_unconverted_but_for_the_modules_looping_over_tensors(tmp_path):
     from tensorflow.python.autograph.core import config
 
