@@ -43,6 +43,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
+from towerflow import registry
 from towerflow.processes import native_stderr_silenced, pump_lines, start_process
 
 PRELOADED = ("tensorflow", "keras", "absl.app")  # what every member imports first
@@ -109,7 +110,8 @@ class Client:
           label: what the server's command line (and so every member's) shows after
             `--`; None: the first command forked, whose members it starts.
           preload: towerflow's own modules the server imports after `PRELOADED`, so
-            that no member imports them again (see `_preload`).
+            that no member imports them again (`towerflow.registry.own_imported`; one
+            that fails to import is left to the members, which fail on it as they would).
         """
         self.enabled = False
         self._server_env = server_env
@@ -413,36 +415,14 @@ def _prefork_server() -> None:
     forkserver.PREFORKED = (Forked(pid, [sys.executable, "-m", "towerflow.forkserver"]), ours)
 
 
-def _preload(modules: Sequence[str]) -> None:
-    """Imports towerflow's own `modules`, where a member would find them.
-
-    A member imports them from towerflow's installation, never from a package
-    of the same name in its working directory (`trainer.cli.own_packages_first`):
-    they are imported here with the working directory out of `sys.path`, unless
-    it is towerflow's own checkout. One that fails to import is left to the
-    members, which fail on it as they would have.
-    """
-    cwd = os.path.realpath(os.getcwd())
-    path = list(sys.path)
-    if os.path.realpath(os.path.dirname(os.path.dirname(__file__))) != cwd:
-        sys.path[:] = [p for p in path if os.path.realpath(p or ".") != cwd]
-    try:
-        for name in modules:
-            try:
-                __import__(name)
-            except Exception:  # noqa: BLE001 (a member that needs it fails on its own, as it would)
-                continue
-    finally:
-        sys.path[:] = path
-
-
 def main() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as `python -m trainer` sets it
     channel = socket.socket(fileno=int(sys.argv[1]))
     with native_stderr_silenced():  # TensorFlow's C++ start-up chatter, as members hide it
         for name in PRELOADED:
             __import__(name)
-        _preload(sys.argv[2 : sys.argv.index("--")])
+        # A member would find them so: towerflow's own, never the working directory's.
+        registry.own_imported(sys.argv[2 : sys.argv.index("--")], failing_ok=True)
     request = serve(channel)
     if request is not None:
         run_member(request)

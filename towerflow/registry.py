@@ -3,13 +3,16 @@
 A `Registry` refuses a duplicate name, lists the known names, and resolves
 the user's own "module.path:name" references (`resolve`), so a model, a
 dataset or a strategy given by the user is found, and fails, the same way.
-`strategies.registry` holds the strategy plugins in one.
+`strategies.registry` holds the strategy plugins in one. `own_imported`
+imports towerflow's own modules by name, never a user's of the same name.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from towerflow.errors import UserError
@@ -116,3 +119,41 @@ def resolve(field: str, reference: str, expect: str) -> Callable:
             f"`{field}` '{reference}': module '{module_name}' has no '{attr}'; give {expect}."
         )
     return fn
+
+
+# The directory that holds towerflow's packages (`towerflow`, `strategies`, `trainer`,
+# `configs`): a checkout's top directory, or the site-packages it is installed in.
+_OWN_ROOT = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def own_imported(names: Sequence[str], failing_ok: bool = False) -> str | None:
+    """Imports towerflow's own modules `names`, never a package of the same name the user has.
+
+    `python -m` puts the working directory first on `sys.path`, and a user's
+    project may hold packages named like ours (`strategies`, `configs`). The
+    modules are imported with the working directory out of `sys.path`, unless it
+    is towerflow's own checkout; `sys.path` is then as it was.
+
+    Args:
+      names: the modules, e.g. `("strategies",)`.
+      failing_ok: a module that fails to import is left to whoever imports it
+        next (which fails on it as it would have); else the error is raised.
+
+    Returns:
+      The working directory that was left out, or None where it was kept.
+    """
+    cwd = os.path.realpath(os.getcwd())
+    left_out = None if cwd == _OWN_ROOT else cwd
+    path = list(sys.path)
+    if left_out:
+        sys.path[:] = [p for p in path if os.path.realpath(p or ".") != left_out]
+    try:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                if not failing_ok:
+                    raise
+    finally:
+        sys.path[:] = path
+    return left_out

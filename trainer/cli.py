@@ -19,6 +19,7 @@ import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
+from towerflow import registry
 from towerflow.processes import native_stderr_silenced
 
 # towerflow's own configs, found from this file, never by `import configs`: a user's
@@ -41,13 +42,10 @@ def own_packages_first() -> None:
     `python -m` has it, also for the `towerflow` command: the user's modules
     (`my_pkg.models:build`, their own `configs`) import from there.
     """
-    cwd = os.path.realpath(os.getcwd())
-    if cwd == os.path.realpath(CONFIG_DIR.parent):
-        return  # towerflow's own checkout: its packages are the working directory's
-    sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != cwd]
-    import strategies  # noqa: F401 (cached in `sys.modules`: later imports get it)
-
-    sys.path.insert(0, cwd)
+    # `strategies` stays in `sys.modules`: every later import gets ours.
+    cwd = registry.own_imported(["strategies"])
+    if cwd is not None:  # not towerflow's own checkout, whose packages are the directory's
+        sys.path[:] = [cwd, *(p for p in sys.path if os.path.realpath(p or ".") != cwd)]
 
 
 @dataclasses.dataclass(frozen=True)
