@@ -201,14 +201,14 @@ def test_each_data_service_pod_derives_its_role_port_and_dispatcher():
     pods = _pods(jobset)
     servers = [_server(pod) for pod in pods]
     assert [pod.replicated_job for pod in pods] == ["dispatcher", "data-worker", "data-worker"]
-    (dispatcher,) = [s for s in servers if s.role == "dispatcher"]
+    (dispatcher,) = [s for s in servers if s.kind == "dispatcher"]
     dispatcher_pod = pods[servers.index(dispatcher)]
     address = f"{dispatcher_pod.hostname}.{name}:{dispatcher.port}"
     assert address == f"{name}-dispatcher-0-0.{name}:5050"
     for pod, server in zip(pods, servers):
         container = pod.spec["template"]["spec"]["containers"][0]
         assert server.port == container["ports"][0]["containerPort"]
-        if server.role == "worker":
+        if server.kind == "worker":
             assert server.host == f"{pod.hostname}.{name}", "trainers reach it by its DNS name"
             assert server.dispatcher == address
     # The address trainers are told to use (manifest, deploy/README.md, docs/data-service.md).
