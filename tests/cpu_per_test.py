@@ -4,8 +4,10 @@
 
 For each test, the CPU time (user and system) of the pytest process and of every
 process below it, read from `/proc` before and after the test (children it
-reaped included), and its wall time: `{"id": ..., "cpu": seconds, "wall": seconds}`,
-appended to the file `CPU_PER_TEST` names. On a machine the suite keeps busy,
+reaped included), its wall time, when it ended (seconds since the epoch) and the
+xdist worker that ran it: `{"id": ..., "cpu": seconds, "wall": seconds, "end": seconds,
+"worker": "gw0"}`, appended to the file `CPU_PER_TEST` names (the last two show a worker
+left idle at the end of the run). On a machine the suite keeps busy,
 wall time follows CPU time: the costliest tests are the lines with the most CPU.
 Linux only.
 """
@@ -54,5 +56,7 @@ def pytest_runtest_protocol(item, nextitem):
     after, wall = _tree_ticks(), time.monotonic() - started
     cpu = sum(t - before.get(pid, 0) for pid, t in after.items()) / _TICKS
     with open(_FILE, "a") as out:
-        out.write(json.dumps({"id": item.nodeid, "cpu": round(cpu, 2), "wall": round(wall, 2)}))
+        line = {"id": item.nodeid, "cpu": round(cpu, 2), "wall": round(wall, 2)}
+        line.update(end=round(time.time(), 2), worker=os.environ.get("PYTEST_XDIST_WORKER", ""))
+        out.write(json.dumps(line))
         out.write("\n")
