@@ -74,6 +74,9 @@ it).
   cost about 3 s of a run's start-up).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
+- `grpc_reconnects_quickly`: gRPC tries a cluster peer that refused a connection
+  again after 50 ms, not a second (process-wide, through TensorFlow's
+  `TF_GRPC_DEFAULT_OPTIONS`; `strategies.cluster.tf_start`, and a serving member).
 """
 
 from __future__ import annotations
@@ -234,6 +237,13 @@ PATCHES = {
         "tensorflow",
         ("2.20", "2.21"),
         "AutoGraph rewraps an error raised in converted code unless it has `ag_pass_through`",
+    ),
+    "grpc_reconnects_quickly": Patch(
+        "tensorflow",
+        ("2.20", "2.21"),
+        "TensorFlow's gRPC channels take their arguments from the TF_GRPC_DEFAULT_OPTIONS "
+        "variable and set only the longest reconnect backoff (1 s), so a peer not yet "
+        "listening is tried again after gRPC's initial backoff, 1 s",
     ),
     "own_code_unconverted": Patch(
         "tensorflow",
@@ -693,6 +703,26 @@ def take_async_checkpoint_error(checkpoint: tf.train.Checkpoint) -> Exception | 
         targeted("take_async_checkpoint_error")
         helper._async_error = None
     return error
+
+
+GRPC_OPTIONS = "TF_GRPC_DEFAULT_OPTIONS"  # TensorFlow's: "name=value,..." gRPC channel arguments
+GRPC_FIRST_RETRY = "grpc.initial_reconnect_backoff_ms=50"
+
+
+def grpc_reconnects_quickly() -> None:
+    """A refused connection to a cluster peer is tried again after 50 ms (process-wide).
+
+    The members of a cluster start their TensorFlow servers moments apart, so a
+    member's first connection to a peer often comes before the peer listens; gRPC
+    then waited its initial reconnect backoff, a second, in every cluster's start.
+    Call before TensorFlow connects to the cluster: it reads the variable once, at
+    its first channel. A user's own setting of the backoff in the variable stays.
+    """
+    targeted("grpc_reconnects_quickly")
+    options = os.environ.get(GRPC_OPTIONS, "")
+    name = GRPC_FIRST_RETRY.split("=")[0]
+    if name not in options:
+        os.environ[GRPC_OPTIONS] = ",".join(filter(None, [options, GRPC_FIRST_RETRY]))
 
 
 def disarm_preemption_handler(handler) -> None:

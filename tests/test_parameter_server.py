@@ -199,6 +199,49 @@ def test_wait_until_gone_sees_a_member_come_and_go():
     assert not cluster.wait_until_gone(address, startup_s=0.3, interval_s=0.1), "never came up"
 
 
+def _replying_listener(port: int) -> socket.socket:
+    """A listener on `port` that answers each connection as a gRPC server does (an HTTP/2
+    SETTINGS frame) until it is closed."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+
+    def reply():
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:  # closed
+                return
+            with connection:
+                connection.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+
+    threading.Thread(target=reply, daemon=True).start()
+    return listener
+
+
+def test_a_chief_whose_server_replied_is_seen_gone_at_once_and_its_start_up_gap_is_not_an_end():
+    held = socket.socket()  # the chief's port, held open while its cluster starts
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    ended = []
+
+    def chief():
+        time.sleep(0.8)
+        held.close()
+        time.sleep(0.7)  # free a moment, then TensorFlow's server takes it over
+        server = _replying_listener(port)
+        time.sleep(2.5)
+        ended.append(time.monotonic())
+        server.close()
+
+    threading.Thread(target=chief, daemon=True).start()
+    assert cluster.wait_until_gone(f"127.0.0.1:{port}", startup_s=5)
+    assert ended, "the refusals while the port was free were taken for the chief's end"
+    assert time.monotonic() - ended[0] < 0.9, "a refusal after its server replied is its end"
+
+
 def test_ctr_data_is_deterministic_learnable_and_in_range():
     config = configs.ctr.get_config().data
     dataset = data.get(config)

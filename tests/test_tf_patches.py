@@ -247,6 +247,28 @@ def test_tf_start_bindings_are_c_functions_and_the_patch_puts_them_back():
     assert {name: getattr(pywrap_tfe, name) for name in tf_patches.BLOCKING} == originals
 
 
+def test_tensorflow_reads_grpc_options_from_its_variable_and_the_patch_keeps_a_users_own(
+    monkeypatch,
+):
+    import mmap  # noqa: PLC0415
+
+    path = tf_patches._library("libtensorflow_cc.so.2")._name
+    with open(path, "rb") as library, mmap.mmap(library.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        for name in (tf_patches.GRPC_OPTIONS, tf_patches.GRPC_FIRST_RETRY.split("=")[0]):
+            assert m.find(name.encode() + b"\0") >= 0, f"{name} is gone from {path}"
+    monkeypatch.delenv(tf_patches.GRPC_OPTIONS, raising=False)
+    tf_patches.grpc_reconnects_quickly()
+    assert os.environ[tf_patches.GRPC_OPTIONS] == tf_patches.GRPC_FIRST_RETRY
+    monkeypatch.setenv(tf_patches.GRPC_OPTIONS, "grpc.keepalive_time_ms=9000")
+    tf_patches.grpc_reconnects_quickly()
+    expected = f"grpc.keepalive_time_ms=9000,{tf_patches.GRPC_FIRST_RETRY}"
+    assert os.environ[tf_patches.GRPC_OPTIONS] == expected
+    mine = "grpc.initial_reconnect_backoff_ms=700"
+    monkeypatch.setenv(tf_patches.GRPC_OPTIONS, mine)
+    tf_patches.grpc_reconnects_quickly()
+    assert os.environ[tf_patches.GRPC_OPTIONS] == mine
+
+
 def test_a_preemption_handler_joins_its_threads_on_del_until_disarmed():
     from tensorflow.python.distribute.failure_handling import failure_handling  # noqa: PLC0415
 

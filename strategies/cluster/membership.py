@@ -116,6 +116,9 @@ class Membership:
             raise NotImplementedError(f"a {self.role!r} member has no server to run.")
         import tensorflow as tf
 
+        from strategies import tf_patches
+
+        tf_patches.grpc_reconnects_quickly()
         config = tf.compat.v1.ConfigProto(
             # Fewer inter-op threads than workers + 1 deadlock a worker or ps under load.
             inter_op_parallelism_threads=max(4, self.cluster.num_workers + 2)

@@ -59,6 +59,8 @@ _EXAMPLE = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker
 _EXAMPLE_TASK_KEY = '"task": {"type": "worker", "index": 0}'
 _MISSING = object()
 PROBE_S = 3.0  # how long a live member's server may take to reply to a probe
+FIRST_PAUSE_S = 0.05  # the first pause between tries to reach a member; later ones grow
+GONE_POLL_S = 0.25  # between tries to reach a chief whose server runs (`wait_until_gone`)
 PROXY_VARIABLES = (
     "grpc_proxy",
     "https_proxy",
@@ -232,23 +234,46 @@ def wait_until_gone(
 ) -> bool:
     """Blocks while the member at `address` ("host:port") runs; how a server learns the job ended.
 
-    Tries a TCP connection every `interval_s` seconds: first until the member
-    answers (for at most `startup_s`), then until `misses` tries in a row fail.
+    Tries a TCP connection, first until the member answers (for at most
+    `startup_s`; the pauses between tries grow from `FIRST_PAUSE_S` to
+    `interval_s`), then until it is gone: `misses` tries in a row without an
+    answer, `interval_s` apart, or, once its gRPC server has replied, two refused
+    connections in a row, `GONE_POLL_S` apart. A server lasts as long as its
+    process, so a refusal then means the process ended; before, the port may be
+    held by `start_up` and free for a moment while TensorFlow takes it over.
 
     Returns:
       True when the member came up and is gone; False when it never came up.
     """
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + startup_s
-    while not _answers(host, int(port), interval_s):
+    pauses = _growing_pauses(interval_s)
+    while _reach(host, int(port), interval_s) != "answers":
         if time.monotonic() >= deadline:
             return False
-        time.sleep(interval_s)
-    failed = 0
-    while failed < misses:
-        time.sleep(interval_s)
-        failed = 0 if _answers(host, int(port), interval_s) else failed + 1
+        time.sleep(next(pauses))
+    served, refused, failed = False, 0, 0
+    while failed < misses and not (served and refused >= 2):
+        time.sleep(GONE_POLL_S if served else interval_s)
+        if not served and _serves(address, interval_s):
+            served, failed = True, 0
+            continue
+        reach = _reach(host, int(port), interval_s)
+        failed = 0 if reach == "answers" else failed + 1
+        refused = refused + 1 if reach == "refused" else 0
     return True
+
+
+def _growing_pauses(longest_s: float) -> Iterator[float]:
+    """Pauses between tries: `FIRST_PAUSE_S`, doubling up to `longest_s`.
+
+    A member a moment late is seen a moment later, and one that takes minutes
+    (a scheduler placing it) is not asked more than once every `longest_s`.
+    """
+    pause = min(FIRST_PAUSE_S, longest_s)
+    while True:
+        yield pause
+        pause = min(2 * pause, longest_s)
 
 
 def _no_answer(name: str, address: str, timeout_s: float, setting: str) -> MemberLost:
@@ -285,7 +310,7 @@ def start_up(
       timeout_s: how long to wait for the others, in seconds (> 0).
       setting: the config field that sets `timeout_s`, named in the error.
       report: prints one line for the user.
-      interval_s: seconds between tries.
+      interval_s: the longest pause between tries (they grow to it from `FIRST_PAUSE_S`).
 
     Raises:
       UserError: `timeout_s` is not a positive number, this member's own host does
@@ -302,6 +327,7 @@ def start_up(
         if warning:
             report(warning)
     deadline = time.monotonic() + timeout_s
+    pauses = _growing_pauses(interval_s)
     with _own_port_held(spec), _sigterm_stops_start_up(report):
         missing = dict(spec.peers())
         said: set[str] = set()
@@ -317,7 +343,7 @@ def start_up(
                 return
             if time.monotonic() >= deadline:
                 raise _no_answer(*next(iter(missing.items())), timeout_s, setting)
-            time.sleep(interval_s)
+            time.sleep(next(pauses))
 
 
 def check_own_host(spec: ClusterSpec) -> None:
@@ -446,7 +472,7 @@ def _connect_problem(address: str, timeout_s: float) -> str | None:
     if _resolve_problem(host, int(port)):
         shown = host if len(host) <= 60 else host[:57] + "..."
         return f" (`{shown}` does not resolve here: check its name and DNS)"
-    return None if _answers(host, int(port), timeout_s) else ""
+    return None if _reach(host, int(port), timeout_s) == "answers" else ""
 
 
 def _resolve_problem(host: str, port: int) -> str | None:
@@ -477,12 +503,20 @@ def _serves(address: str, timeout_s: float) -> bool:
         return False
 
 
-def _answers(host: str, port: int, timeout_s: float) -> bool:
+def _reach(host: str, port: int, timeout_s: float) -> str:
+    """Whether a TCP connection to `host:port` opens within `timeout_s`.
+
+    "answers": it opens (a server, a port held open, or a stopped process's
+    kernel); "refused": nothing listens there; "silent": no answer in time (a
+    lost host, a network that drops the traffic) or another error.
+    """
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
-            return True
+            return "answers"
+    except ConnectionRefusedError:
+        return "refused"
     except OSError:
-        return False
+        return "silent"
 
 
 def _load(text: str) -> dict[str, Any]:

@@ -63,6 +63,7 @@ def bounded(
       MemberLost: TensorFlow had not joined the cluster within `timeout_s`.
       Preempted: SIGTERM arrived meanwhile.
     """
+    tf_patches.grpc_reconnects_quickly()
     if threading.current_thread() is not threading.main_thread():
         yield  # signals reach the main thread only; the bound stays TensorFlow's
         return
