@@ -75,8 +75,9 @@ it).
 - `disarm_preemption_handler`: a live `PreemptionCheckpointHandler`'s watcher
   threads forgotten, so its `__del__` waits on nothing (`strategies.cluster.preemption`).
 - `grpc_reconnects_quickly`: gRPC tries a cluster peer that refused a connection
-  again after 50 ms, not a second (process-wide, through TensorFlow's
-  `TF_GRPC_DEFAULT_OPTIONS`; `strategies.cluster.tf_start`, and a serving member).
+  again after 50 ms, not a second (TensorFlow's `TF_GRPC_DEFAULT_OPTIONS`, set
+  while a member joins its cluster, which TensorFlow reads once per process;
+  `strategies.cluster.tf_start`, and a serving member).
 """
 
 from __future__ import annotations
@@ -709,20 +710,31 @@ GRPC_OPTIONS = "TF_GRPC_DEFAULT_OPTIONS"  # TensorFlow's: "name=value,..." gRPC 
 GRPC_FIRST_RETRY = "grpc.initial_reconnect_backoff_ms=50"
 
 
-def grpc_reconnects_quickly() -> None:
-    """A refused connection to a cluster peer is tried again after 50 ms (process-wide).
+@contextlib.contextmanager
+def grpc_reconnects_quickly() -> Iterator[None]:
+    """Inside the block, a refused connection to a cluster peer is tried again after 50 ms.
 
     The members of a cluster start their TensorFlow servers moments apart, so a
     member's first connection to a peer often comes before the peer listens; gRPC
     then waited its initial reconnect backoff, a second, in every cluster's start.
-    Call before TensorFlow connects to the cluster: it reads the variable once, at
-    its first channel. A user's own setting of the backoff in the variable stays.
+    TensorFlow reads the variable once, at its first gRPC channel: join the
+    cluster inside the block (the variable is as it was after it). A user's own
+    setting of the backoff in the variable stays.
     """
     targeted("grpc_reconnects_quickly")
-    options = os.environ.get(GRPC_OPTIONS, "")
+    options = os.environ.get(GRPC_OPTIONS)
     name = GRPC_FIRST_RETRY.split("=")[0]
-    if name not in options:
-        os.environ[GRPC_OPTIONS] = ",".join(filter(None, [options, GRPC_FIRST_RETRY]))
+    if options and name in options:
+        yield
+        return
+    os.environ[GRPC_OPTIONS] = ",".join(filter(None, [options, GRPC_FIRST_RETRY]))
+    try:
+        yield
+    finally:
+        if options is None:
+            os.environ.pop(GRPC_OPTIONS, None)
+        else:
+            os.environ[GRPC_OPTIONS] = options
 
 
 def disarm_preemption_handler(handler) -> None:

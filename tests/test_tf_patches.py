@@ -257,16 +257,18 @@ def test_tensorflow_reads_grpc_options_from_its_variable_and_the_patch_keeps_a_u
         for name in (tf_patches.GRPC_OPTIONS, tf_patches.GRPC_FIRST_RETRY.split("=")[0]):
             assert m.find(name.encode() + b"\0") >= 0, f"{name} is gone from {path}"
     monkeypatch.delenv(tf_patches.GRPC_OPTIONS, raising=False)
-    tf_patches.grpc_reconnects_quickly()
-    assert os.environ[tf_patches.GRPC_OPTIONS] == tf_patches.GRPC_FIRST_RETRY
+    with tf_patches.grpc_reconnects_quickly():
+        assert os.environ[tf_patches.GRPC_OPTIONS] == tf_patches.GRPC_FIRST_RETRY
+    assert tf_patches.GRPC_OPTIONS not in os.environ, "as it was after the block"
     monkeypatch.setenv(tf_patches.GRPC_OPTIONS, "grpc.keepalive_time_ms=9000")
-    tf_patches.grpc_reconnects_quickly()
-    expected = f"grpc.keepalive_time_ms=9000,{tf_patches.GRPC_FIRST_RETRY}"
-    assert os.environ[tf_patches.GRPC_OPTIONS] == expected
+    with tf_patches.grpc_reconnects_quickly():
+        expected = f"grpc.keepalive_time_ms=9000,{tf_patches.GRPC_FIRST_RETRY}"
+        assert os.environ[tf_patches.GRPC_OPTIONS] == expected
+    assert os.environ[tf_patches.GRPC_OPTIONS] == "grpc.keepalive_time_ms=9000"
     mine = "grpc.initial_reconnect_backoff_ms=700"
     monkeypatch.setenv(tf_patches.GRPC_OPTIONS, mine)
-    tf_patches.grpc_reconnects_quickly()
-    assert os.environ[tf_patches.GRPC_OPTIONS] == mine
+    with tf_patches.grpc_reconnects_quickly():
+        assert os.environ[tf_patches.GRPC_OPTIONS] == mine
 
 
 def test_a_preemption_handler_joins_its_threads_on_del_until_disarmed():

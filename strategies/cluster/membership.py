@@ -118,25 +118,25 @@ class Membership:
 
         from strategies import tf_patches
 
-        tf_patches.grpc_reconnects_quickly()
         config = tf.compat.v1.ConfigProto(
             # Fewer inter-op threads than workers + 1 deadlock a worker or ps under load.
             inter_op_parallelism_threads=max(4, self.cluster.num_workers + 2)
         )
-        server = tf.distribute.Server(
-            tf.train.ClusterSpec(self.cluster.as_dict()),
-            job_name=self.cluster.task_type,
-            task_index=self.cluster.task_index,
-            protocol=self.cluster.rpc_layer,
-            config=config,
-            start=True,
-        )
-        chief = self.cluster.addresses["chief"][0]
-        if not cluster_lib.wait_until_gone(chief, startup_s=SERVER_STARTUP_S):
-            raise MemberLost(
-                f"the chief at {chief} did not come up within {SERVER_STARTUP_S:g} s; start it "
-                "with the same `TF_CONFIG` cluster."
+        with tf_patches.grpc_reconnects_quickly():  # its channels to the others come later
+            server = tf.distribute.Server(
+                tf.train.ClusterSpec(self.cluster.as_dict()),
+                job_name=self.cluster.task_type,
+                task_index=self.cluster.task_index,
+                protocol=self.cluster.rpc_layer,
+                config=config,
+                start=True,
             )
+            chief = self.cluster.addresses["chief"][0]
+            if not cluster_lib.wait_until_gone(chief, startup_s=SERVER_STARTUP_S):
+                raise MemberLost(
+                    f"the chief at {chief} did not come up within {SERVER_STARTUP_S:g} s; "
+                    "start it with the same `TF_CONFIG` cluster."
+                )
         del server  # the process ends, and the server with it
 
     def lost_members(self) -> list[str]:

@@ -63,7 +63,14 @@ def bounded(
       MemberLost: TensorFlow had not joined the cluster within `timeout_s`.
       Preempted: SIGTERM arrived meanwhile.
     """
-    tf_patches.grpc_reconnects_quickly()
+    with tf_patches.grpc_reconnects_quickly(), _bounded(timeout_s, setting, what, report):
+        yield
+
+
+@contextlib.contextmanager
+def _bounded(
+    timeout_s: float, setting: str, what: str, report: Callable[[str], None]
+) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signals reach the main thread only; the bound stays TensorFlow's
         return
