@@ -81,6 +81,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -480,8 +481,10 @@ def _buffered_if_it_fits(loop: Callable, buffered: bool = True) -> Callable:
     (`Unbuffered`, raised while it traces, before anything ran), the loop is
     traced again with the sums carried as they are, and that one is kept.
     """
-    buffered_loop = tf.function(lambda *args: loop(*args, sums=BufferedSums(LOOP_SUMS)))
-    packed_loop = tf.function(lambda *args: loop(*args, sums=PackedSums()))
+    # Partials, not lambdas: TensorFlow counts the traces of a function by its code, and
+    # warns of "retracing" when each run of a process makes and traces its own loops.
+    buffered_loop = tf.function(functools.partial(_with_sums, loop, _buffered_sums))
+    packed_loop = tf.function(functools.partial(_with_sums, loop, PackedSums))
 
     def run(*args):
         nonlocal buffered
@@ -493,6 +496,15 @@ def _buffered_if_it_fits(loop: Callable, buffered: bool = True) -> Callable:
         return packed_loop(*args)
 
     return run
+
+
+def _with_sums(loop: Callable, make_sums: Callable, *args):
+    """`loop(*args)` with new sums (a trace's own: `BufferedSums` learns the step's layout)."""
+    return loop(*args, sums=make_sums())
+
+
+def _buffered_sums() -> BufferedSums:
+    return BufferedSums(LOOP_SUMS)
 
 
 def _reduce_op(op: str | tf.distribute.ReduceOp) -> tf.distribute.ReduceOp:

@@ -49,3 +49,18 @@ def test_sums_that_do_not_fit_are_refused(sums):
     buffered = BufferedSums(16)
     with pytest.raises(Unbuffered):
         buffered.add(buffered.zeros(), sums)
+
+
+def test_runs_that_each_make_and_trace_their_own_loops_are_not_warned_of_retracing(caplog):
+    """Each run in a process (`trainer.train_and_evaluate` called again) makes its own loops;
+    TensorFlow's "triggered tf.function retracing" warning would blame the user for it."""
+    import strategies  # noqa: PLC0415
+
+    strategy = strategies.get("one_device")
+    dataset = tf.data.Dataset.range(64).map(lambda x: tf.cast(x, tf.float32)).batch(4)
+    iterator = iter(strategy.distribute_dataset(lambda ctx: dataset))
+    with caplog.at_level("WARNING"):
+        for _ in range(7):  # a new step each time, as each run's
+            sums = strategy.run_steps(lambda batch: {"total": tf.reduce_sum(batch)}, iterator, 1)
+    assert sums["total"] == sum(range(24, 28))
+    assert not [r.getMessage() for r in caplog.records if "retracing" in r.getMessage()]
