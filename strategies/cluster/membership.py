@@ -122,7 +122,8 @@ class Membership:
             # Fewer inter-op threads than workers + 1 deadlock a worker or ps under load.
             inter_op_parallelism_threads=max(4, self.cluster.num_workers + 2)
         )
-        with tf_patches.grpc_reconnects_quickly():  # its channels to the others come later
+        # For as long as it serves: it opens its channels to the other members while it does.
+        with tf_patches.grpc_reconnects_quickly():
             server = tf.distribute.Server(
                 tf.train.ClusterSpec(self.cluster.as_dict()),
                 job_name=self.cluster.task_type,

@@ -256,7 +256,7 @@ def wait_until_gone(
     while failed < misses and not (served and refused >= 2):
         time.sleep(GONE_POLL_S if served else interval_s)
         if not served and _serves(address, interval_s):
-            served, failed = True, 0
+            served, failed, refused = True, 0, 0
             continue
         reach = _reach(host, int(port), interval_s)
         failed = 0 if reach == "answers" else failed + 1
