@@ -239,7 +239,8 @@ def test_a_chief_whose_server_replied_is_seen_gone_at_once_and_its_start_up_gap_
     threading.Thread(target=chief, daemon=True).start()
     assert cluster.wait_until_gone(f"127.0.0.1:{port}", startup_s=5)
     assert ended, "the refusals while the port was free were taken for the chief's end"
-    assert time.monotonic() - ended[0] < 0.9, "a refusal after its server replied is its end"
+    # A try a second, and one more 0.25 s after a refusal (three failed tries: over 2 s).
+    assert time.monotonic() - ended[0] < 1.6, "a refusal after its server replied is its end"
 
 
 def test_ctr_data_is_deterministic_learnable_and_in_range():

@@ -60,7 +60,7 @@ _EXAMPLE_TASK_KEY = '"task": {"type": "worker", "index": 0}'
 _MISSING = object()
 PROBE_S = 3.0  # how long a live member's server may take to reply to a probe
 FIRST_PAUSE_S = 0.05  # the first pause between tries to reach a member; later ones grow
-GONE_POLL_S = 0.25  # between tries to reach a chief whose server runs (`wait_until_gone`)
+GONE_POLL_S = 0.25  # after a refusal, the next try to reach a chief whose server ran
 PROXY_VARIABLES = (
     "grpc_proxy",
     "https_proxy",
@@ -236,11 +236,13 @@ def wait_until_gone(
 
     Tries a TCP connection, first until the member answers (for at most
     `startup_s`; the pauses between tries grow from `FIRST_PAUSE_S` to
-    `interval_s`), then until it is gone: `misses` tries in a row without an
-    answer, `interval_s` apart, or, once its gRPC server has replied, two refused
-    connections in a row, `GONE_POLL_S` apart. A server lasts as long as its
-    process, so a refusal then means the process ended; before, the port may be
-    held by `start_up` and free for a moment while TensorFlow takes it over.
+    `interval_s`), then, a try every `interval_s`, until it is gone: `misses`
+    tries in a row without an answer, or, once its gRPC server has replied, two
+    refused connections in a row, the second `GONE_POLL_S` after the first. A
+    server lasts as long as its process, so a refusal then means the process
+    ended; before, the port may be held by `start_up` and free for a moment
+    while TensorFlow takes it over. Each member tries once a second: a chief
+    with many members is not asked more often than that by each.
 
     Returns:
       True when the member came up and is gone; False when it never came up.
@@ -254,7 +256,7 @@ def wait_until_gone(
         time.sleep(next(pauses))
     served, refused, failed = False, 0, 0
     while failed < misses and not (served and refused >= 2):
-        time.sleep(GONE_POLL_S if served else interval_s)
+        time.sleep(GONE_POLL_S if served and refused else interval_s)
         if not served and _serves(address, interval_s):
             served, failed, refused = True, 0, 0
             continue
